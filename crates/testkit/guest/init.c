@@ -1,0 +1,108 @@
+/*
+ * The test guest's /init: a static, libc-free program that prints a
+ * marker on the console, counts the processors in /proc/cpuinfo, prints
+ * that count and powers the VM off. Built by crates/testkit with
+ * `cc -static -nostdlib -ffreestanding -O2`.
+ *
+ * Console lines (the tests match them):
+ *   TINE-INIT-MARKER ready
+ *   TINE-INIT-CPUINFO processors=<n> bytes=<m>
+ *   TINE-INIT-ERROR <step> <errno>      (then it spins; the test fails)
+ */
+#define SYS_read 0
+#define SYS_write 1
+#define SYS_open 2
+#define SYS_close 3
+#define SYS_mount 165
+#define SYS_reboot 169
+
+#define LINUX_REBOOT_MAGIC1 0xfee1dead
+#define LINUX_REBOOT_MAGIC2 672274793
+#define LINUX_REBOOT_CMD_POWER_OFF 0x4321fedc
+
+static long syscall5(long n, long a, long b, long c, long d, long e)
+{
+	long ret;
+	register long r10 __asm__("r10") = d;
+	register long r8 __asm__("r8") = e;
+	__asm__ volatile("syscall"
+			 : "=a"(ret)
+			 : "a"(n), "D"(a), "S"(b), "d"(c), "r"(r10), "r"(r8)
+			 : "rcx", "r11", "memory");
+	return ret;
+}
+
+static long len(const char *s)
+{
+	long n = 0;
+	while (s[n])
+		n++;
+	return n;
+}
+
+static void put(const char *s)
+{
+	syscall5(SYS_write, 1, (long)s, len(s), 0, 0);
+}
+
+static void put_num(unsigned long v)
+{
+	char buf[24];
+	int i = sizeof(buf) - 1;
+	buf[i] = 0;
+	do {
+		buf[--i] = '0' + v % 10;
+		v /= 10;
+	} while (v && i > 0);
+	put(&buf[i]);
+}
+
+static void fail(const char *step, long err)
+{
+	put("TINE-INIT-ERROR ");
+	put(step);
+	put(" ");
+	put_num(-err);
+	put("\n");
+	for (;;)
+		;
+}
+
+static char buf[65536];
+
+__attribute__((force_align_arg_pointer)) void _start(void)
+{
+	long r, fd, total = 0, processors = 0;
+
+	put("TINE-INIT-MARKER ready\n");
+	r = syscall5(SYS_mount, (long)"proc", (long)"/proc", (long)"proc", 0, 0);
+	if (r < 0)
+		fail("mount", r);
+	fd = syscall5(SYS_open, (long)"/proc/cpuinfo", 0, 0, 0, 0);
+	if (fd < 0)
+		fail("open", fd);
+	for (;;) {
+		r = syscall5(SYS_read, fd, (long)buf, sizeof(buf), 0, 0);
+		if (r < 0)
+			fail("read", r);
+		if (r == 0)
+			break;
+		/* Count lines that start with "processor". */
+		for (long i = 0; i < r; i++) {
+			if ((total + i == 0 || (i > 0 && buf[i - 1] == '\n')) &&
+			    i + 9 <= r && buf[i] == 'p' && buf[i + 1] == 'r' &&
+			    buf[i + 2] == 'o' && buf[i + 3] == 'c' && buf[i + 8] == 'r')
+				processors++;
+		}
+		total += r;
+	}
+	syscall5(SYS_close, fd, 0, 0, 0, 0);
+	put("TINE-INIT-CPUINFO processors=");
+	put_num(processors);
+	put(" bytes=");
+	put_num(total);
+	put("\n");
+	r = syscall5(SYS_reboot, LINUX_REBOOT_MAGIC1, LINUX_REBOOT_MAGIC2,
+		     LINUX_REBOOT_CMD_POWER_OFF, 0, 0);
+	fail("reboot", r);
+}

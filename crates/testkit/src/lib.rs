@@ -1,0 +1,112 @@
+//! Test and benchmark support for Tine: finds (or builds) the guest
+//! kernel, builds the test initramfs from `guest/init.c`, and makes tiny
+//! ELF images of raw code for guests that misbehave on purpose.
+
+pub mod cpio;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// The workspace root.
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").canonicalize().expect("workspace root")
+}
+
+/// Whether `/dev/kvm` can be opened. When it cannot, prints a loud SKIPPED
+/// line naming `test` so that a skipped KVM test is never mistaken for a
+/// pass; CI machines have KVM, so there the tests run.
+pub fn kvm_available(test: &str) -> bool {
+    match std::fs::OpenOptions::new().read(true).write(true).open("/dev/kvm") {
+        Ok(_) => true,
+        Err(e) => {
+            eprintln!("\n!!!!!!!! SKIPPED {test}: /dev/kvm is not usable here ({e}); this test needs KVM !!!!!!!!\n");
+            false
+        }
+    }
+}
+
+/// The guest kernel: `$TINE_KERNEL` if set, else the one
+/// `kernel-config/build-kernel.sh` builds for this host (cached; a build
+/// takes minutes the first time).
+pub fn kernel() -> PathBuf {
+    if let Some(k) = std::env::var_os("TINE_KERNEL") {
+        return PathBuf::from(k);
+    }
+    let script = workspace_root().join("kernel-config/build-kernel.sh");
+    let out = Command::new("bash").arg(&script).output().expect("run build-kernel.sh");
+    assert!(
+        out.status.success(),
+        "build-kernel.sh failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    PathBuf::from(stdout.lines().last().expect("build-kernel.sh printed a path").trim())
+}
+
+/// Console line the test init prints first.
+pub const INIT_MARKER: &str = "TINE-INIT-MARKER ready";
+/// Prefix of the test init's /proc/cpuinfo summary line.
+pub const INIT_CPUINFO: &str = "TINE-INIT-CPUINFO processors=";
+
+/// Compiles `guest/init.c` into a static, libc-free executable at `out`.
+pub fn build_test_init(out: &Path) {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("guest/init.c");
+    let status = Command::new("cc")
+        .args(["-static", "-nostdlib", "-ffreestanding", "-fno-stack-protector", "-fno-builtin", "-O2", "-o"])
+        .arg(out)
+        .arg(&src)
+        .status()
+        .expect("run cc");
+    assert!(status.success(), "cc failed to build {}", src.display());
+}
+
+/// Builds the test initramfs in `dir`: `/init` (the test init), `/proc`,
+/// `/dev` and `/dev/console`. Returns the archive's path.
+pub fn build_test_initramfs(dir: &Path) -> PathBuf {
+    let init = dir.join("init.bin");
+    build_test_init(&init);
+    let mut w = cpio::Writer::new();
+    w.dir("dev", 0o755);
+    w.dir("proc", 0o755);
+    w.char_device("dev/console", 0o600, 5, 1);
+    w.file("init", 0o755, &std::fs::read(&init).expect("read init"));
+    let path = dir.join("initramfs.cpio");
+    std::fs::write(&path, w.finish()).expect("write initramfs");
+    path
+}
+
+/// An ELF64 executable with one loadable segment holding `code` at
+/// physical and virtual address `addr`, entered at `addr`: a "kernel" that
+/// runs exactly these bytes.
+pub fn raw_code_elf(code: &[u8], addr: u64) -> Vec<u8> {
+    const EHDR: u64 = 64;
+    const PHDR: u64 = 56;
+    let mut e = Vec::new();
+    e.extend_from_slice(b"\x7fELF");
+    e.extend_from_slice(&[2, 1, 1, 0]); // 64-bit, little endian, version 1, SysV
+    e.extend_from_slice(&[0; 8]);
+    e.extend_from_slice(&2u16.to_le_bytes()); // ET_EXEC
+    e.extend_from_slice(&0x3eu16.to_le_bytes()); // x86-64
+    e.extend_from_slice(&1u32.to_le_bytes());
+    e.extend_from_slice(&addr.to_le_bytes()); // e_entry
+    e.extend_from_slice(&EHDR.to_le_bytes()); // e_phoff
+    e.extend_from_slice(&0u64.to_le_bytes()); // e_shoff
+    e.extend_from_slice(&0u32.to_le_bytes()); // e_flags
+    e.extend_from_slice(&(EHDR as u16).to_le_bytes());
+    e.extend_from_slice(&(PHDR as u16).to_le_bytes());
+    e.extend_from_slice(&1u16.to_le_bytes()); // e_phnum
+    e.extend_from_slice(&64u16.to_le_bytes()); // e_shentsize
+    e.extend_from_slice(&0u16.to_le_bytes()); // e_shnum
+    e.extend_from_slice(&0u16.to_le_bytes()); // e_shstrndx
+    let offset = EHDR + PHDR;
+    e.extend_from_slice(&1u32.to_le_bytes()); // PT_LOAD
+    e.extend_from_slice(&5u32.to_le_bytes()); // R+X
+    e.extend_from_slice(&offset.to_le_bytes());
+    e.extend_from_slice(&addr.to_le_bytes()); // p_vaddr
+    e.extend_from_slice(&addr.to_le_bytes()); // p_paddr
+    e.extend_from_slice(&(code.len() as u64).to_le_bytes());
+    e.extend_from_slice(&(code.len() as u64).to_le_bytes());
+    e.extend_from_slice(&0x1000u64.to_le_bytes());
+    e.extend_from_slice(code);
+    e
+}

@@ -1,0 +1,106 @@
+//! The `tine` command line.
+//!
+//! `tine vm run`: boot one microVM with a given kernel and stream its
+//! serial console to stdout (a developer command; the sandbox server comes
+//! later).
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+use vmm::{HostProfile, Vm, VmConfig, VmExit};
+
+#[derive(Parser)]
+#[command(name = "tine", version, about = "KVM microVM sandboxes for AI agents")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Work with single VMs directly.
+    #[command(subcommand)]
+    Vm(VmCommand),
+}
+
+#[derive(Subcommand)]
+enum VmCommand {
+    /// Boot a VM and stream its serial console until the guest powers off.
+    Run(RunArgs),
+}
+
+#[derive(Args)]
+struct RunArgs {
+    /// Guest kernel: an uncompressed ELF vmlinux or a bzImage.
+    #[arg(long)]
+    kernel: PathBuf,
+    /// Initramfs (uncompressed newc cpio).
+    #[arg(long)]
+    initrd: Option<PathBuf>,
+    /// Extra kernel command line, appended to Tine's own parameters.
+    #[arg(long, default_value = "")]
+    cmdline: String,
+    /// Guest memory in MiB.
+    #[arg(long, default_value_t = 256)]
+    mem_mib: u64,
+    /// Number of vCPUs.
+    #[arg(long, default_value_t = 1)]
+    vcpus: u8,
+    /// Also append the console to this file.
+    #[arg(long)]
+    console_log: Option<PathBuf>,
+    /// Host profile: baremetal or pvm (default: detected).
+    #[arg(long)]
+    profile: Option<HostProfile>,
+    /// Stop the VM after this many seconds (0: no limit).
+    #[arg(long, default_value_t = 0)]
+    timeout_secs: u64,
+}
+
+fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
+    let mut config = VmConfig::new("cli", args.kernel);
+    config.initrd = args.initrd;
+    config.cmdline = args.cmdline;
+    config.mem_mib = args.mem_mib;
+    config.vcpus = args.vcpus;
+    config.console_log = args.console_log;
+    config.console_stdout = true;
+    if let Some(p) = args.profile {
+        config.profile = p;
+    }
+    tracing::info!("host profile {}, command line: {}", config.profile, config.full_cmdline());
+    let vm = Vm::start(&config)?;
+    let started = vm.started();
+    let exit = if args.timeout_secs > 0 {
+        vm.wait_timeout(Duration::from_secs(args.timeout_secs))?
+    } else {
+        vm.wait()?
+    };
+    eprintln!("tine: VM ended ({exit:?}) after {:.1} s", started.elapsed().as_secs_f64());
+    Ok(match exit {
+        VmExit::PowerOff | VmExit::Reset => ExitCode::SUCCESS,
+        VmExit::Stopped => ExitCode::from(124),
+    })
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Vm(VmCommand::Run(args)) => run(args),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("tine: error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

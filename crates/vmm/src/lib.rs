@@ -1,0 +1,19 @@
+//! Tine's virtual machine monitor: x86_64 KVM microVMs built on the
+//! rust-vmm crates.
+//!
+//! A VM is guest memory in one memfd ([`memory`]), vCPUs set up for the
+//! Linux 64-bit boot protocol ([`x86_64`]), each on its own thread
+//! ([`vcpu`]), and legacy port I/O devices ([`devices`]). [`vm::Vm::start`]
+//! boots one; [`host::HostProfile`] adapts the guest to the host's KVM.
+
+#![deny(missing_docs)]
+
+pub mod devices;
+pub mod host;
+pub mod memory;
+pub mod vcpu;
+pub mod vm;
+pub mod x86_64;
+
+pub use host::HostProfile;
+pub use vm::{RunningVm, Vm, VmConfig, VmError, VmExit};

@@ -1,0 +1,303 @@
+//! vCPU threads: each runs `KVM_RUN` in a loop, dispatches port I/O to the
+//! legacy devices and turns every exit that ends the VM into a
+//! [`GuestStop`].
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, Once};
+
+use kvm_bindings::{
+    KVM_SYSTEM_EVENT_CRASH, KVM_SYSTEM_EVENT_RESET, KVM_SYSTEM_EVENT_SHUTDOWN,
+};
+use kvm_ioctls::{VcpuExit, VcpuFd};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+
+use crate::devices::{LegacyDevices, PioEvent};
+use crate::x86_64::paging::{translate, PagingState};
+
+/// The signal that kicks a vCPU thread out of `KVM_RUN`.
+pub fn kick_signal() -> i32 {
+    vmm_sys_util::signal::SIGRTMIN()
+}
+
+extern "C" fn noop_signal_handler(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {}
+
+/// Installs the (empty) handler for [`kick_signal`] once per process, so the
+/// signal interrupts `KVM_RUN` with `EINTR` instead of killing the process.
+pub fn install_kick_handler() -> Result<(), vmm_sys_util::errno::Error> {
+    static ONCE: Once = Once::new();
+    let mut result = Ok(());
+    ONCE.call_once(|| {
+        result = vmm_sys_util::signal::register_signal_handler(kick_signal(), noop_signal_handler);
+    });
+    result
+}
+
+/// Registers and instruction bytes at the point a guest failed.
+#[derive(Clone, Debug, Default)]
+pub struct FaultContext {
+    /// The vCPU that failed.
+    pub vcpu: u8,
+    /// RIP (guest linear address, with CS base 0 in long mode).
+    pub rip: u64,
+    /// Up to 15 bytes read at RIP (fewer if RIP is not mapped).
+    pub insn: Vec<u8>,
+    /// Why the bytes could not be read, if they could not.
+    pub insn_error: Option<String>,
+    /// CR0, CR3, CR4 and EFER.
+    pub paging: PagingState,
+    /// RSP.
+    pub rsp: u64,
+}
+
+impl std::fmt::Display for FaultContext {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "vCPU {} RIP {:#x} RSP {:#x} instruction bytes [", self.vcpu, self.rip, self.rsp)?;
+        for (i, b) in self.insn.iter().enumerate() {
+            if i > 0 {
+                f.write_str(" ")?;
+            }
+            write!(f, "{b:02x}")?;
+        }
+        f.write_str("]")?;
+        if let Some(e) = &self.insn_error {
+            write!(f, " ({e})")?;
+        }
+        write!(
+            f,
+            " CR0 {:#x} CR3 {:#x} CR4 {:#x} EFER {:#x}",
+            self.paging.cr0, self.paging.cr3, self.paging.cr4, self.paging.efer
+        )
+    }
+}
+
+/// Why a vCPU stopped the VM.
+#[derive(Debug)]
+pub enum GuestStop {
+    /// The guest powered off (power-off port or KVM system event).
+    PowerOff,
+    /// The guest reset itself (i8042 reset or KVM system event).
+    Reset,
+    /// The VMM asked the vCPUs to stop.
+    Requested,
+    /// The guest failed; see [`GuestFault`].
+    Fault(GuestFault),
+}
+
+/// A guest failure that ends the VM.
+#[derive(Debug, thiserror::Error)]
+pub enum GuestFault {
+    /// `KVM_EXIT_SHUTDOWN`: the vCPU triple-faulted.
+    #[error("guest triple fault (KVM_EXIT_SHUTDOWN): {0}")]
+    TripleFault(FaultContext),
+    /// `KVM_EXIT_INTERNAL_ERROR`.
+    #[error("KVM internal error, suberror {suberror} ({}): {ctx}", internal_error_name(*.suberror))]
+    Internal {
+        /// `kvm_run.internal.suberror`.
+        suberror: u32,
+        /// `kvm_run.internal.data[..ndata]`.
+        data: Vec<u64>,
+        /// Where.
+        ctx: FaultContext,
+    },
+    /// `KVM_EXIT_FAIL_ENTRY`.
+    #[error("KVM entry failed, hardware reason {reason:#x}: {ctx}")]
+    FailEntry {
+        /// `hardware_entry_failure_reason`.
+        reason: u64,
+        /// Where.
+        ctx: FaultContext,
+    },
+    /// `KVM_SYSTEM_EVENT_CRASH`.
+    #[error("guest reported a crash (KVM_SYSTEM_EVENT_CRASH): {0}")]
+    Crash(FaultContext),
+    /// An exit this VMM does not handle.
+    #[error("unhandled KVM exit {exit}: {ctx}")]
+    UnhandledExit {
+        /// The exit, as kvm-ioctls names it.
+        exit: String,
+        /// Where.
+        ctx: FaultContext,
+    },
+    /// `KVM_RUN` itself failed.
+    #[error("KVM_RUN failed on vCPU {vcpu}: {source}")]
+    Run {
+        /// The vCPU.
+        vcpu: u8,
+        /// The KVM error.
+        source: kvm_ioctls::Error,
+    },
+}
+
+/// The name of a `KVM_INTERNAL_ERROR_*` suberror.
+pub fn internal_error_name(suberror: u32) -> &'static str {
+    match suberror {
+        kvm_bindings::KVM_INTERNAL_ERROR_EMULATION => "emulation failure",
+        kvm_bindings::KVM_INTERNAL_ERROR_SIMUL_EX => "exception while delivering an exception",
+        kvm_bindings::KVM_INTERNAL_ERROR_DELIVERY_EV => "event delivery failed",
+        kvm_bindings::KVM_INTERNAL_ERROR_UNEXPECTED_EXIT_REASON => "unexpected exit reason",
+        _ => "unknown",
+    }
+}
+
+/// State shared by the vCPUs of one VM.
+pub struct VcpuShared {
+    /// Set when the VM must stop; vCPUs check it after every exit.
+    pub stop: AtomicBool,
+    /// The first reason any vCPU stopped for.
+    pub outcome: Mutex<Option<GuestStop>>,
+    /// The port I/O devices.
+    pub devices: Mutex<LegacyDevices>,
+    /// Guest memory, for reading instruction bytes.
+    pub memory: GuestMemoryMmap,
+}
+
+impl VcpuShared {
+    /// Records `why` unless a reason was recorded already, and asks every
+    /// vCPU to stop.
+    pub fn finish(&self, why: GuestStop) {
+        let mut o = self.outcome.lock().unwrap_or_else(|e| e.into_inner());
+        if o.is_none() {
+            *o = Some(why);
+        }
+        self.stop.store(true, Ordering::SeqCst);
+    }
+}
+
+enum Next {
+    Continue,
+    Stop(GuestStop),
+    Fault(fn(FaultContext) -> GuestFault),
+    Internal,
+    FailEntry(u64),
+    Unhandled(String),
+}
+
+/// One vCPU and its run loop.
+pub struct Vcpu {
+    /// The KVM vCPU.
+    pub fd: VcpuFd,
+    /// Its index (and APIC ID).
+    pub index: u8,
+    /// What it shares with the other vCPUs.
+    pub shared: Arc<VcpuShared>,
+}
+
+impl Vcpu {
+    fn fault_context(&self) -> FaultContext {
+        let mut ctx = FaultContext { vcpu: self.index, ..Default::default() };
+        match (self.fd.get_regs(), self.fd.get_sregs()) {
+            (Ok(regs), Ok(sregs)) => {
+                ctx.rip = regs.rip;
+                ctx.rsp = regs.rsp;
+                ctx.paging = PagingState { cr0: sregs.cr0, cr3: sregs.cr3, cr4: sregs.cr4, efer: sregs.efer };
+                let linear = sregs.cs.base.wrapping_add(regs.rip);
+                let mem = &self.shared.memory;
+                let mut read = 0;
+                while read < 15 {
+                    let gpa = match translate(mem, &ctx.paging, linear + read as u64) {
+                        Ok(g) => g,
+                        Err(e) => {
+                            ctx.insn_error = Some(e.to_string());
+                            break;
+                        }
+                    };
+                    match mem.read_obj::<u8>(GuestAddress(gpa)) {
+                        Ok(b) => ctx.insn.push(b),
+                        Err(e) => {
+                            ctx.insn_error = Some(format!("GPA {gpa:#x}: {e}"));
+                            break;
+                        }
+                    }
+                    read += 1;
+                }
+            }
+            (Err(e), _) | (_, Err(e)) => ctx.insn_error = Some(format!("cannot read registers: {e}")),
+        }
+        ctx
+    }
+
+    /// Runs the vCPU until the VM stops. Never panics on guest behaviour:
+    /// every exit either continues or records a [`GuestStop`].
+    pub fn run(mut self) {
+        while !self.shared.stop.load(Ordering::SeqCst) {
+            let next = match self.fd.run() {
+                Ok(VcpuExit::IoIn(port, data)) => {
+                    self.shared.devices.lock().unwrap_or_else(|e| e.into_inner()).pio_read(port, data);
+                    Next::Continue
+                }
+                Ok(VcpuExit::IoOut(port, data)) => {
+                    let ev = self.shared.devices.lock().unwrap_or_else(|e| e.into_inner()).pio_write(port, data);
+                    match ev {
+                        Some(PioEvent::PowerOff) => Next::Stop(GuestStop::PowerOff),
+                        Some(PioEvent::Reset) => Next::Stop(GuestStop::Reset),
+                        None => Next::Continue,
+                    }
+                }
+                Ok(VcpuExit::MmioRead(addr, data)) => {
+                    tracing::debug!(vcpu = self.index, "MMIO read of {} bytes at unmapped GPA {addr:#x}", data.len());
+                    data.fill(0xff);
+                    Next::Continue
+                }
+                Ok(VcpuExit::MmioWrite(addr, data)) => {
+                    tracing::debug!(vcpu = self.index, "MMIO write of {} bytes to unmapped GPA {addr:#x}", data.len());
+                    Next::Continue
+                }
+                Ok(VcpuExit::Shutdown) => Next::Fault(GuestFault::TripleFault),
+                Ok(VcpuExit::InternalError) => Next::Internal,
+                Ok(VcpuExit::FailEntry(reason, _cpu)) => Next::FailEntry(reason),
+                Ok(VcpuExit::SystemEvent(kind, _)) => match kind {
+                    KVM_SYSTEM_EVENT_SHUTDOWN => Next::Stop(GuestStop::PowerOff),
+                    KVM_SYSTEM_EVENT_RESET => Next::Stop(GuestStop::Reset),
+                    KVM_SYSTEM_EVENT_CRASH => Next::Fault(GuestFault::Crash),
+                    other => Next::Unhandled(format!("SystemEvent({other})")),
+                },
+                // A halted vCPU with an in-kernel LAPIC never exits here;
+                // without one, `hlt` with nothing to wake it is a stop.
+                Ok(VcpuExit::Hlt) => Next::Stop(GuestStop::PowerOff),
+                Ok(VcpuExit::Intr) => Next::Continue,
+                Ok(other) => Next::Unhandled(format!("{other:?}")),
+                Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => Next::Continue,
+                Err(source) => Next::Stop(GuestStop::Fault(GuestFault::Run { vcpu: self.index, source })),
+            };
+            match next {
+                Next::Continue => {}
+                Next::Stop(why) => self.shared.finish(why),
+                Next::Fault(make) => {
+                    let ctx = self.fault_context();
+                    self.shared.finish(GuestStop::Fault(make(ctx)));
+                }
+                Next::Internal => {
+                    // SAFETY: the exit reason is KVM_EXIT_INTERNAL_ERROR, so
+                    // `internal` is the union member KVM filled in.
+                    let internal = unsafe { self.fd.get_kvm_run().__bindgen_anon_1.internal };
+                    let n = (internal.ndata as usize).min(internal.data.len());
+                    let data = internal.data[..n].to_vec();
+                    let ctx = self.fault_context();
+                    self.shared.finish(GuestStop::Fault(GuestFault::Internal { suberror: internal.suberror, data, ctx }));
+                }
+                Next::FailEntry(reason) => {
+                    let ctx = self.fault_context();
+                    self.shared.finish(GuestStop::Fault(GuestFault::FailEntry { reason, ctx }));
+                }
+                Next::Unhandled(exit) => {
+                    let ctx = self.fault_context();
+                    self.shared.finish(GuestStop::Fault(GuestFault::UnhandledExit { exit, ctx }));
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fault_context_renders_bytes() {
+        let ctx = FaultContext { vcpu: 1, rip: 0x1000, insn: vec![0x0f, 0x0b], ..Default::default() };
+        let s = ctx.to_string();
+        assert!(s.contains("vCPU 1 RIP 0x1000"), "{s}");
+        assert!(s.contains("[0f 0b]"), "{s}");
+        assert_eq!(internal_error_name(1), "emulation failure");
+    }
+}

@@ -1,0 +1,350 @@
+//! A microVM: KVM VM and vCPUs, guest memory, kernel, legacy devices;
+//! started with [`Vm::start`], ended by the guest or by [`RunningVm::stop`].
+
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use kvm_bindings::{kvm_pit_config, KVM_MAX_CPUID_ENTRIES, KVM_PIT_SPEAKER_DUMMY};
+use kvm_ioctls::{Kvm, VmFd};
+use vmm_sys_util::eventfd::EventFd;
+use vmm_sys_util::signal::Killable;
+
+use crate::devices::{self, Console, ConsoleTail, LegacyDevices};
+use crate::host::HostProfile;
+use crate::memory::{GuestRam, MemoryError};
+use crate::vcpu::{install_kick_handler, kick_signal, GuestFault, GuestStop, Vcpu, VcpuShared};
+use crate::x86_64::boot::{load_kernel, BootError};
+use crate::x86_64::cpuid::{filter_cpuid, VcpuTopology};
+use crate::x86_64::mptable::{self, MptableError, MAX_VCPUS};
+use crate::x86_64::regs::{self, RegsError};
+use crate::x86_64::{KVM_IDENTITY_MAP_ADDRESS, KVM_TSS_ADDRESS};
+
+/// The command line every guest gets before the profile's and the user's:
+/// serial console, reset through the i8042 (`reboot=k`), reboot at once on
+/// panic (the VMM sees the reset and reports the panic from the console),
+/// and the power-off port.
+pub fn base_cmdline() -> String {
+    format!("console=ttyS0 reboot=k panic=-1 tine_poweroff={:#x}", devices::POWER_OFF_PORT)
+}
+
+/// What a VM is made of.
+#[derive(Clone, Debug)]
+pub struct VmConfig {
+    /// A name for logs and the memfd.
+    pub name: String,
+    /// The kernel: ELF vmlinux or bzImage.
+    pub kernel: PathBuf,
+    /// An optional initramfs (uncompressed cpio).
+    pub initrd: Option<PathBuf>,
+    /// Extra kernel command line, after [`base_cmdline`] and the host
+    /// profile's parameters.
+    pub cmdline: String,
+    /// Guest RAM in MiB.
+    pub mem_mib: u64,
+    /// vCPUs, 1..=[`MAX_VCPUS`].
+    pub vcpus: u8,
+    /// Where the serial console is logged.
+    pub console_log: Option<PathBuf>,
+    /// Also copy the console to this process's stdout.
+    pub console_stdout: bool,
+    /// The host profile (see [`HostProfile::detect`]).
+    pub profile: HostProfile,
+}
+
+impl VmConfig {
+    /// A configuration with 1 vCPU, 256 MiB, no initramfs, no log, and the
+    /// detected host profile.
+    pub fn new(name: impl Into<String>, kernel: impl Into<PathBuf>) -> Self {
+        VmConfig {
+            name: name.into(),
+            kernel: kernel.into(),
+            initrd: None,
+            cmdline: String::new(),
+            mem_mib: 256,
+            vcpus: 1,
+            console_log: None,
+            console_stdout: false,
+            profile: HostProfile::detect(),
+        }
+    }
+
+    /// The full guest command line.
+    pub fn full_cmdline(&self) -> String {
+        [base_cmdline().as_str(), self.profile.guest_cmdline(), self.cmdline.as_str()]
+            .iter()
+            .filter(|s| !s.is_empty())
+            .copied()
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+}
+
+/// Errors of VM set-up and of a guest's end.
+#[derive(Debug, thiserror::Error)]
+pub enum VmError {
+    /// The configuration is invalid.
+    #[error("invalid VM configuration: {0}")]
+    Config(String),
+    /// /dev/kvm cannot be opened.
+    #[error("cannot open /dev/kvm ({0}); is KVM available and are you in the kvm group (or root)?")]
+    Kvm(#[source] kvm_ioctls::Error),
+    /// A KVM set-up ioctl failed.
+    #[error("{what} failed: {source}")]
+    KvmSetup {
+        /// The ioctl.
+        what: &'static str,
+        /// The KVM error.
+        source: kvm_ioctls::Error,
+    },
+    /// Guest memory set-up failed.
+    #[error(transparent)]
+    Memory(#[from] MemoryError),
+    /// Kernel loading failed.
+    #[error(transparent)]
+    Boot(#[from] BootError),
+    /// The MP table cannot be written.
+    #[error(transparent)]
+    Mptable(#[from] MptableError),
+    /// vCPU register set-up failed.
+    #[error("vCPU {vcpu}: {source}")]
+    Regs {
+        /// The vCPU.
+        vcpu: u8,
+        /// What failed.
+        source: RegsError,
+    },
+    /// A device could not be created.
+    #[error(transparent)]
+    Device(#[from] devices::DeviceError),
+    /// A vCPU thread could not be started.
+    #[error("cannot start a vCPU thread: {0}")]
+    Thread(#[source] std::io::Error),
+    /// The guest failed; the console tail is attached.
+    #[error("{fault}\nlast console lines:\n{console}")]
+    Guest {
+        /// What KVM reported.
+        fault: GuestFault,
+        /// The last console lines.
+        console: String,
+    },
+    /// The guest kernel panicked (seen on the console before its reset).
+    #[error("guest kernel panic: {line}\nlast console lines:\n{console}")]
+    GuestPanic {
+        /// The panic line.
+        line: String,
+        /// The last console lines.
+        console: String,
+    },
+}
+
+fn setup(what: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> VmError {
+    move |source| VmError::KvmSetup { what, source }
+}
+
+/// How a VM ended without error.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum VmExit {
+    /// The guest powered off.
+    PowerOff,
+    /// The guest reset itself (a microVM does not reboot; the VM ends).
+    Reset,
+    /// [`RunningVm::stop`] ended it.
+    Stopped,
+}
+
+/// Lines of console kept in error reports.
+const CONSOLE_LINES_IN_ERRORS: usize = 30;
+
+/// A microVM being built.
+pub struct Vm;
+
+impl Vm {
+    /// Creates the VM, loads the kernel and starts every vCPU thread.
+    ///
+    /// Errors: any [`VmError`] set-up variant; nothing is left running on error.
+    pub fn start(config: &VmConfig) -> Result<RunningVm, VmError> {
+        if config.vcpus == 0 || config.vcpus > MAX_VCPUS {
+            return Err(VmError::Config(format!("vcpus must be 1..={MAX_VCPUS}, got {}", config.vcpus)));
+        }
+        let started = Instant::now();
+        let kvm = Kvm::new().map_err(VmError::Kvm)?;
+        let vm = kvm.create_vm().map_err(setup("KVM_CREATE_VM"))?;
+        vm.set_tss_address(KVM_TSS_ADDRESS as usize).map_err(setup("KVM_SET_TSS_ADDR"))?;
+        vm.set_identity_map_address(KVM_IDENTITY_MAP_ADDRESS).map_err(setup("KVM_SET_IDENTITY_MAP_ADDR"))?;
+        vm.create_irq_chip().map_err(setup("KVM_CREATE_IRQCHIP"))?;
+        vm.create_pit2(kvm_pit_config { flags: KVM_PIT_SPEAKER_DUMMY, ..Default::default() })
+            .map_err(setup("KVM_CREATE_PIT2"))?;
+
+        let mem_bytes = config.mem_mib.checked_mul(1 << 20).ok_or_else(|| VmError::Config("mem_mib overflows".into()))?;
+        let ram = GuestRam::new(&config.name, mem_bytes)?;
+        ram.register(&vm)?;
+
+        let cmdline = config.full_cmdline();
+        let kernel = load_kernel(&ram.memory, ram.size, &config.kernel, config.initrd.as_deref(), &cmdline)?;
+        mptable::write(&ram.memory, config.vcpus)?;
+
+        let serial_irq = EventFd::new(libc::EFD_NONBLOCK).map_err(|e| VmError::Device(devices::DeviceError::EventFd(e)))?;
+        vm.register_irqfd(&serial_irq, devices::COM1_IRQ).map_err(setup("KVM_IRQFD"))?;
+        let console = Console::new(config.console_log.as_deref(), config.console_stdout)?;
+        let devices = LegacyDevices::new(serial_irq, console);
+        let console_tail = devices.console_tail();
+
+        let shared = Arc::new(VcpuShared {
+            stop: Default::default(),
+            outcome: Mutex::new(None),
+            devices: Mutex::new(devices),
+            memory: ram.memory.clone(),
+        });
+
+        let supported = kvm.get_supported_cpuid(KVM_MAX_CPUID_ENTRIES).map_err(setup("KVM_GET_SUPPORTED_CPUID"))?;
+        let mut vcpus = Vec::with_capacity(config.vcpus as usize);
+        for index in 0..config.vcpus {
+            let fd = vm.create_vcpu(u64::from(index)).map_err(setup("KVM_CREATE_VCPU"))?;
+            let mut cpuid = supported.clone();
+            filter_cpuid(cpuid.as_mut_slice(), VcpuTopology { index, count: config.vcpus }, config.profile);
+            fd.set_cpuid2(&cpuid).map_err(setup("KVM_SET_CPUID2"))?;
+            let regs_err = |source| VmError::Regs { vcpu: index, source };
+            regs::setup_msrs(&fd).map_err(regs_err)?;
+            regs::setup_fpu(&fd).map_err(regs_err)?;
+            regs::setup_lapic(&fd).map_err(regs_err)?;
+            if index == 0 {
+                fd.set_regs(&regs::boot_regs(kernel.entry)).map_err(setup("KVM_SET_REGS"))?;
+                regs::setup_sregs(&ram.memory, &fd).map_err(regs_err)?;
+            }
+            vcpus.push(Vcpu { fd, index, shared: shared.clone() });
+        }
+
+        install_kick_handler().map_err(|e| VmError::Thread(std::io::Error::from_raw_os_error(e.errno())))?;
+        let mut threads = Vec::with_capacity(vcpus.len());
+        for vcpu in vcpus {
+            let name = format!("vcpu{}-{}", vcpu.index, config.name);
+            match std::thread::Builder::new().name(name).spawn(move || vcpu.run()) {
+                Ok(t) => threads.push(t),
+                Err(e) => {
+                    let running = RunningVm { vm, _ram: ram, shared, threads, console_tail, started };
+                    let _ = running.stop();
+                    return Err(VmError::Thread(e));
+                }
+            }
+        }
+        tracing::info!(name = %config.name, vcpus = config.vcpus, mem_mib = config.mem_mib, profile = %config.profile,
+            "VM started in {:?}", started.elapsed());
+        Ok(RunningVm { vm, _ram: ram, shared, threads, console_tail, started })
+    }
+}
+
+/// A started VM. Dropping it stops it.
+pub struct RunningVm {
+    #[allow(dead_code)]
+    vm: VmFd,
+    _ram: GuestRam,
+    shared: Arc<VcpuShared>,
+    threads: Vec<JoinHandle<()>>,
+    console_tail: ConsoleTail,
+    started: Instant,
+}
+
+impl RunningVm {
+    /// The console's last bytes (shared; grows as the guest writes).
+    pub fn console(&self) -> &ConsoleTail {
+        &self.console_tail
+    }
+
+    /// When [`Vm::start`] began.
+    pub fn started(&self) -> Instant {
+        self.started
+    }
+
+    /// Whether the VM has stopped (a vCPU recorded an outcome).
+    pub fn is_stopped(&self) -> bool {
+        self.shared.stop.load(Ordering::SeqCst)
+    }
+
+    fn kick_and_join(&mut self) {
+        // A kick can land just before a vCPU enters KVM_RUN and be lost, so
+        // keep kicking until every thread has seen the stop flag.
+        while self.threads.iter().any(|t| !t.is_finished()) {
+            for t in self.threads.iter().filter(|t| !t.is_finished()) {
+                let _ = t.kill(kick_signal());
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+
+    fn outcome(&mut self) -> Result<VmExit, VmError> {
+        self.kick_and_join();
+        let why = self.shared.outcome.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let console = || self.console_tail.last_lines(CONSOLE_LINES_IN_ERRORS);
+        match why {
+            Some(GuestStop::PowerOff) => Ok(VmExit::PowerOff),
+            Some(GuestStop::Reset) => {
+                let text = self.console_tail.text();
+                match text.lines().rev().find(|l| l.contains("Kernel panic - not syncing")) {
+                    Some(line) => Err(VmError::GuestPanic { line: line.trim().to_string(), console: console() }),
+                    None => Ok(VmExit::Reset),
+                }
+            }
+            Some(GuestStop::Requested) | None => Ok(VmExit::Stopped),
+            Some(GuestStop::Fault(fault)) => Err(VmError::Guest { fault, console: console() }),
+        }
+    }
+
+    /// Waits until the guest ends the VM.
+    pub fn wait(mut self) -> Result<VmExit, VmError> {
+        while !self.is_stopped() {
+            // vCPU threads set the flag; poll it cheaply.
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        self.outcome()
+    }
+
+    /// Waits up to `timeout` for the guest to end the VM; on timeout the
+    /// VM is stopped and `Ok(VmExit::Stopped)` returned.
+    pub fn wait_timeout(mut self, timeout: Duration) -> Result<VmExit, VmError> {
+        let deadline = Instant::now() + timeout;
+        while !self.is_stopped() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        self.shared.finish(GuestStop::Requested);
+        self.outcome()
+    }
+
+    /// Stops the VM now and waits for its vCPU threads.
+    pub fn stop(mut self) -> Result<VmExit, VmError> {
+        self.shared.finish(GuestStop::Requested);
+        self.outcome()
+    }
+}
+
+impl Drop for RunningVm {
+    fn drop(&mut self) {
+        if !self.threads.is_empty() {
+            self.shared.finish(GuestStop::Requested);
+            self.kick_and_join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn command_line_order() {
+        let mut c = VmConfig::new("t", "/nonexistent");
+        c.profile = HostProfile::Pvm;
+        c.cmdline = "quiet".into();
+        let full = c.full_cmdline();
+        assert!(full.starts_with("console=ttyS0 reboot=k panic=-1 tine_poweroff=0xf4 tine_pvm "), "{full}");
+        assert!(full.ends_with(" quiet"));
+        c.profile = HostProfile::BareMetal;
+        c.cmdline.clear();
+        assert_eq!(c.full_cmdline(), base_cmdline());
+    }
+}
