@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Everything a fresh Debian bookworm machine needs for Tine: build packages,
+# the guest kernel (cached under ~/.cache/tine) and the release binary.
+# Idempotent; fast when nothing changed.
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+
+packages=(linux-source-6.1 build-essential bc flex bison libelf-dev libssl-dev cpio xz-utils patch)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing ${missing[*]}" >&2
+  sudo_cmd=""; [ "$(id -u)" = 0 ] || sudo_cmd=sudo
+  $sudo_cmd apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+command -v cargo >/dev/null || { echo "setup: cargo is missing; install Rust (rustup) first" >&2; exit 1; }
+
+kernel=$("$root/kernel-config/build-kernel.sh" | tail -n 1)
+(cd "$root" && cargo build --release -q -p tine)
+echo "setup: kernel $kernel" >&2
+echo "setup: binary $root/target/release/tine" >&2
+echo "$kernel"
