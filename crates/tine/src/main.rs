@@ -71,7 +71,7 @@ fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         config.profile = p;
     }
     tracing::info!("host profile {}, command line: {}", config.profile, config.full_cmdline());
-    let vm = Vm::start(&config)?;
+    let mut vm = Vm::start(&config)?;
     let started = vm.started();
     let exit = if args.timeout_secs > 0 {
         vm.wait_timeout(Duration::from_secs(args.timeout_secs))?
@@ -79,6 +79,14 @@ fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         vm.wait()?
     };
     eprintln!("tine: VM ended ({exit:?}) after {:.1} s", started.elapsed().as_secs_f64());
+    if exit == VmExit::Stopped {
+        for (i, rip) in vm.final_rips().iter().enumerate() {
+            match rip {
+                Some(rip) => eprintln!("tine: vCPU {i} was at RIP {rip:#x}"),
+                None => eprintln!("tine: vCPU {i}: registers unavailable"),
+            }
+        }
+    }
     Ok(match exit {
         VmExit::PowerOff | VmExit::Reset => ExitCode::SUCCESS,
         VmExit::Stopped => ExitCode::from(124),

@@ -149,6 +149,8 @@ pub struct VcpuShared {
     pub devices: Mutex<LegacyDevices>,
     /// Guest memory, for reading instruction bytes.
     pub memory: GuestMemoryMmap,
+    /// Where each vCPU was when it left its run loop (index = vCPU).
+    pub final_rips: Mutex<Vec<Option<u64>>>,
 }
 
 impl VcpuShared {
@@ -283,6 +285,12 @@ impl Vcpu {
                     let ctx = self.fault_context();
                     self.shared.finish(GuestStop::Fault(GuestFault::UnhandledExit { exit, ctx }));
                 }
+            }
+        }
+        if let Ok(regs) = self.fd.get_regs() {
+            let mut rips = self.shared.final_rips.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(slot) = rips.get_mut(self.index as usize) {
+                *slot = Some(regs.rip);
             }
         }
     }

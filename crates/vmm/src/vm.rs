@@ -197,6 +197,7 @@ impl Vm {
             outcome: Mutex::new(None),
             devices: Mutex::new(devices),
             memory: ram.memory.clone(),
+            final_rips: Mutex::new(vec![None; config.vcpus as usize]),
         });
 
         let supported = kvm.get_supported_cpuid(KVM_MAX_CPUID_ENTRIES).map_err(setup("KVM_GET_SUPPORTED_CPUID"))?;
@@ -224,7 +225,7 @@ impl Vm {
             match std::thread::Builder::new().name(name).spawn(move || vcpu.run()) {
                 Ok(t) => threads.push(t),
                 Err(e) => {
-                    let running = RunningVm { vm, _ram: ram, shared, threads, console_tail, started };
+                    let mut running = RunningVm { vm, _ram: ram, shared, threads, console_tail, started };
                     let _ = running.stop();
                     return Err(VmError::Thread(e));
                 }
@@ -256,6 +257,13 @@ impl RunningVm {
     /// When [`Vm::start`] began.
     pub fn started(&self) -> Instant {
         self.started
+    }
+
+    /// Where each vCPU's RIP was when it stopped (`None` while running or
+    /// if its registers could not be read), by vCPU index. Filled once the
+    /// VM has ended; for a VM stopped by timeout it says where the guest was.
+    pub fn final_rips(&self) -> Vec<Option<u64>> {
+        self.shared.final_rips.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     /// Whether the VM has stopped (a vCPU recorded an outcome).
@@ -296,7 +304,7 @@ impl RunningVm {
     }
 
     /// Waits until the guest ends the VM.
-    pub fn wait(mut self) -> Result<VmExit, VmError> {
+    pub fn wait(&mut self) -> Result<VmExit, VmError> {
         while !self.is_stopped() {
             // vCPU threads set the flag; poll it cheaply.
             std::thread::sleep(Duration::from_millis(5));
@@ -306,7 +314,7 @@ impl RunningVm {
 
     /// Waits up to `timeout` for the guest to end the VM; on timeout the
     /// VM is stopped and `Ok(VmExit::Stopped)` returned.
-    pub fn wait_timeout(mut self, timeout: Duration) -> Result<VmExit, VmError> {
+    pub fn wait_timeout(&mut self, timeout: Duration) -> Result<VmExit, VmError> {
         let deadline = Instant::now() + timeout;
         while !self.is_stopped() && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(5));
@@ -316,7 +324,7 @@ impl RunningVm {
     }
 
     /// Stops the VM now and waits for its vCPU threads.
-    pub fn stop(mut self) -> Result<VmExit, VmError> {
+    pub fn stop(&mut self) -> Result<VmExit, VmError> {
         self.shared.finish(GuestStop::Requested);
         self.outcome()
     }

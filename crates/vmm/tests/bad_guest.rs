@@ -18,7 +18,7 @@ fn run_code(name: &str, code: &[u8]) -> Option<Result<vmm::VmExit, VmError>> {
     std::fs::write(&kernel, testkit::raw_code_elf(code, LOAD_ADDR)).unwrap();
     let mut config = VmConfig::new(name, &kernel);
     config.mem_mib = 64;
-    let vm = Vm::start(&config).expect("VM starts");
+    let mut vm = Vm::start(&config).expect("VM starts");
     Some(vm.wait_timeout(Duration::from_secs(120)))
 }
 

@@ -21,7 +21,7 @@ fn boot(vcpus: u8) {
     config.mem_mib = 256;
     config.console_log = Some(dir.path().join("console.log"));
 
-    let vm = Vm::start(&config).expect("VM starts");
+    let mut vm = Vm::start(&config).expect("VM starts");
     let console = vm.console().clone();
     let exit = vm.wait_timeout(BOOT_TIMEOUT);
     let text = console.text();
@@ -39,4 +39,9 @@ fn boot(vcpus: u8) {
 #[test]
 fn boots_to_init_reads_cpuinfo_and_powers_off() {
     boot(1);
+}
+
+#[test]
+fn boots_two_vcpus_and_the_guest_sees_both() {
+    boot(2);
 }

@@ -23,7 +23,12 @@
 //! `KVM_SET_CPUID2` can clear and whose use breaks the guest there:
 //! CX16 (bit 13, `cmpxchg16b` is not emulated), x2APIC (bit 21) and
 //! TSC-deadline (bit 24). Every other unusable feature is cleared on the
-//! guest command line instead ([`crate::host::PVM_CMDLINE`]).
+//! guest command line instead ([`crate::host::PVM_CMDLINE`]). And the KVM
+//! paravirtual features that work through hypercalls (`vmcall`/`vmmcall`
+//! never complete there: a vCPU sending a PV IPI spins in
+//! `kvm_hypercall4` for ever), in leaf 0x40000001 EAX: PV_UNHALT (bit 7,
+//! PV spinlock kicks), PV_SEND_IPI (bit 11), PV_SCHED_YIELD (bit 13) and
+//! HC_MAP_GPA_RANGE (bit 16).
 
 use kvm_bindings::kvm_cpuid_entry2;
 
@@ -43,6 +48,20 @@ pub const LEAF1_ECX_TSC_DEADLINE: u32 = 1 << 24;
 pub const LEAF1_ECX_HYPERVISOR: u32 = 1 << 31;
 /// Leaf 1 EDX: hyper-threading (more than one logical processor).
 pub const LEAF1_EDX_HTT: u32 = 1 << 28;
+
+/// The KVM paravirtual features leaf (Documentation/virt/kvm/x86/cpuid.rst).
+pub const KVM_CPUID_FEATURES: u32 = 0x4000_0001;
+/// KVM_FEATURE_PV_UNHALT: PV spinlocks kick halted vCPUs by hypercall.
+pub const KVM_FEATURE_PV_UNHALT: u32 = 1 << 7;
+/// KVM_FEATURE_PV_SEND_IPI: IPIs by hypercall.
+pub const KVM_FEATURE_PV_SEND_IPI: u32 = 1 << 11;
+/// KVM_FEATURE_PV_SCHED_YIELD: yield to a preempted vCPU by hypercall.
+pub const KVM_FEATURE_PV_SCHED_YIELD: u32 = 1 << 13;
+/// KVM_FEATURE_HC_MAP_GPA_RANGE: the MAP_GPA_RANGE hypercall.
+pub const KVM_FEATURE_HC_MAP_GPA_RANGE: u32 = 1 << 16;
+/// The KVM features that need a working hypercall instruction.
+pub const KVM_HYPERCALL_FEATURES: u32 =
+    KVM_FEATURE_PV_UNHALT | KVM_FEATURE_PV_SEND_IPI | KVM_FEATURE_PV_SCHED_YIELD | KVM_FEATURE_HC_MAP_GPA_RANGE;
 
 /// Where a vCPU sits in the VM.
 #[derive(Clone, Copy, Debug)]
@@ -105,6 +124,9 @@ pub fn filter_cpuid(entries: &mut [kvm_cpuid_entry2], topo: VcpuTopology, profil
                     }
                 }
             }
+            KVM_CPUID_FEATURES if profile == HostProfile::Pvm => {
+                e.eax &= !KVM_HYPERCALL_FEATURES;
+            }
             _ => {}
         }
     }
@@ -128,6 +150,7 @@ mod tests {
             entry(0xb, 1, 7, 64, 0x201, 7),
             entry(0xb, 2, 0, 0, 2, 7),
             entry(0x8000_0001, 0, 0, 0, 0x121, 0x2c10_0800),
+            entry(KVM_CPUID_FEATURES, 0, 0x0100_7afb, 0, 0, 0),
         ]
     }
 
@@ -153,6 +176,11 @@ mod tests {
         filter_cpuid(&mut e, VcpuTopology { index: 0, count: 1 }, HostProfile::Pvm);
         assert_eq!(e[0].ecx & (LEAF1_ECX_CX16 | LEAF1_ECX_X2APIC | LEAF1_ECX_TSC_DEADLINE), 0);
         assert_eq!(e[0].edx & LEAF1_EDX_HTT, 0, "one vCPU: no HTT");
+        assert_eq!(e[8].eax, 0x0100_7afb & !KVM_HYPERCALL_FEATURES);
+        assert_eq!(e[8].eax & KVM_HYPERCALL_FEATURES, 0);
+        let mut bare = host_like();
+        filter_cpuid(&mut bare, VcpuTopology { index: 0, count: 1 }, HostProfile::BareMetal);
+        assert_eq!(bare[8].eax, 0x0100_7afb, "bare metal keeps PV features");
     }
 
     #[test]
