@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Build Tine's guest kernel (an uncompressed ELF vmlinux) from Debian's
+# Build Tine's guest kernel (an uncompressed ELF vmlinux, and a bzImage of
+# the same kernel beside it) from Debian's
 # linux-source-6.1 package, with base.config + <profile>.config on top of
 # `make tinyconfig` and the patches in patches/.
 #
@@ -9,7 +10,8 @@
 # name that hashes every input (source package version, config fragments,
 # patches, this script): an unchanged input is not rebuilt, and a changed
 # fragment rebuilds incrementally in a per-profile object directory.
-# Prints the path of the vmlinux on its last line of standard output.
+# Prints the path of the vmlinux on its last line of standard output; the
+# bzImage is the same path with "vmlinux" replaced by "bzImage".
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -79,11 +81,18 @@ while IFS= read -r line; do
 done < <(cat "$here/base.config" "$here/$profile.config")
 [ "$bad" = 0 ] || { echo "kernel: config fragment not satisfied (a dependency is missing)" >&2; exit 1; }
 
-echo "kernel: building vmlinux ($profile) with $(nproc) jobs" >&2
-make -s -C "$src" O="$obj" ARCH=x86_64 -j"$(nproc)" vmlinux >&2
+echo "kernel: building vmlinux and bzImage ($profile) with $(nproc) jobs" >&2
+make -s -C "$src" O="$obj" ARCH=x86_64 -j"$(nproc)" vmlinux bzImage >&2
+bz="$cache/kernel/bzImage-$profile-$inputs"
+cp "$obj/arch/x86/boot/bzImage" "$bz"
 cp "$obj/vmlinux" "$out.tmp"
 cp "$obj/.config" "$out.config"
 mv "$out.tmp" "$out"
 ln -sfn "$(basename "$out")" "$cache/kernel/vmlinux-$profile"
+ln -sfn "$(basename "$bz")" "$cache/kernel/bzImage-$profile"
+# Older builds of this profile are superseded.
+for old in "$cache/kernel/vmlinux-$profile-"* "$cache/kernel/bzImage-$profile-"*; do
+  case "$old" in "$out"|"$out.config"|"$bz") ;; *) rm -f "$old" ;; esac
+done
 echo "kernel: built in $(( $(date +%s) - start )) s" >&2
 echo "$out"

@@ -4,6 +4,13 @@
  * that count and powers the VM off. Built by crates/testkit with
  * `cc -static -nostdlib -ffreestanding -O2`.
  *
+ * The kernel passes unknown `key=value` command line parameters to init as
+ * environment variables; `tine_init_action=` picks how init ends:
+ *   poweroff (default)  reboot(LINUX_REBOOT_CMD_POWER_OFF)
+ *   reset               reboot(LINUX_REBOOT_CMD_RESTART): with reboot=k,
+ *                       an i8042 CPU reset
+ *   exit                return from init: the kernel panics
+ *
  * Console lines (the tests match them):
  *   TINE-INIT-MARKER ready
  *   TINE-INIT-CPUINFO processors=<n> bytes=<m>
@@ -19,6 +26,8 @@
 #define LINUX_REBOOT_MAGIC1 0xfee1dead
 #define LINUX_REBOOT_MAGIC2 672274793
 #define LINUX_REBOOT_CMD_POWER_OFF 0x4321fedc
+#define LINUX_REBOOT_CMD_RESTART 0x01234567
+#define SYS_exit 60
 
 static long syscall5(long n, long a, long b, long c, long d, long e)
 {
@@ -70,9 +79,38 @@ static void fail(const char *step, long err)
 
 static char buf[65536];
 
-__attribute__((force_align_arg_pointer)) void _start(void)
+/* The value of environment variable `name` in `envp`, or 0. */
+static const char *getenv_in(char **envp, const char *name)
+{
+	for (; *envp; envp++) {
+		const char *e = *envp, *n = name;
+		while (*n && *e == *n) {
+			e++;
+			n++;
+		}
+		if (!*n && *e == '=')
+			return e + 1;
+	}
+	return 0;
+}
+
+static int streq(const char *a, const char *b)
+{
+	while (*a && *a == *b) {
+		a++;
+		b++;
+	}
+	return *a == *b;
+}
+
+/* Called from _start with the initial stack: argc, argv..., 0, envp..., 0. */
+__attribute__((used)) void start_c(long *sp)
 {
 	long r, fd, total = 0, processors = 0;
+	long argc = sp[0];
+	char **envp = (char **)(sp + argc + 2);
+	const char *action = getenv_in(envp, "tine_init_action");
+	long cmd = LINUX_REBOOT_CMD_POWER_OFF;
 
 	put("TINE-INIT-MARKER ready\n");
 	r = syscall5(SYS_mount, (long)"proc", (long)"/proc", (long)"proc", 0, 0);
@@ -102,7 +140,20 @@ __attribute__((force_align_arg_pointer)) void _start(void)
 	put(" bytes=");
 	put_num(total);
 	put("\n");
-	r = syscall5(SYS_reboot, LINUX_REBOOT_MAGIC1, LINUX_REBOOT_MAGIC2,
-		     LINUX_REBOOT_CMD_POWER_OFF, 0, 0);
+	if (action && streq(action, "exit")) {
+		put("TINE-INIT-EXIT\n");
+		syscall5(SYS_exit, 0, 0, 0, 0, 0);
+	}
+	if (action && streq(action, "reset"))
+		cmd = LINUX_REBOOT_CMD_RESTART;
+	r = syscall5(SYS_reboot, LINUX_REBOOT_MAGIC1, LINUX_REBOOT_MAGIC2, cmd, 0, 0);
 	fail("reboot", r);
 }
+
+/* The entry point: pass the initial stack pointer to start_c, aligned. */
+__asm__(".globl _start\n"
+	"_start:\n"
+	"	mov %rsp, %rdi\n"
+	"	and $-16, %rsp\n"
+	"	call start_c\n"
+	"	hlt\n");

@@ -43,6 +43,16 @@ pub fn kernel() -> PathBuf {
     PathBuf::from(stdout.lines().last().expect("build-kernel.sh printed a path").trim())
 }
 
+/// The bzImage built beside [`kernel`] (`$TINE_BZIMAGE` if set).
+pub fn bzimage() -> PathBuf {
+    if let Some(k) = std::env::var_os("TINE_BZIMAGE") {
+        return PathBuf::from(k);
+    }
+    let vmlinux = kernel();
+    let name = vmlinux.file_name().expect("kernel file name").to_string_lossy().replacen("vmlinux", "bzImage", 1);
+    vmlinux.with_file_name(name)
+}
+
 /// Console line the test init prints first.
 pub const INIT_MARKER: &str = "TINE-INIT-MARKER ready";
 /// Prefix of the test init's /proc/cpuinfo summary line.

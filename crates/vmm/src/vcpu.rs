@@ -3,7 +3,8 @@
 //! [`GuestStop`].
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, Once};
+use std::sync::{Arc, Condvar, Mutex, Once};
+use std::time::Instant;
 
 use kvm_bindings::{
     KVM_SYSTEM_EVENT_CRASH, KVM_SYSTEM_EVENT_RESET, KVM_SYSTEM_EVENT_SHUTDOWN,
@@ -145,6 +146,8 @@ pub struct VcpuShared {
     pub stop: AtomicBool,
     /// The first reason any vCPU stopped for.
     pub outcome: Mutex<Option<GuestStop>>,
+    /// Signalled when `stop` is set.
+    pub stopped: Condvar,
     /// The port I/O devices.
     pub devices: Mutex<LegacyDevices>,
     /// Guest memory, for reading instruction bytes.
@@ -162,6 +165,27 @@ impl VcpuShared {
             *o = Some(why);
         }
         self.stop.store(true, Ordering::SeqCst);
+        drop(o);
+        self.stopped.notify_all();
+    }
+
+    /// Blocks until `stop` is set or `deadline` passes; returns whether
+    /// the VM stopped.
+    pub fn wait_stopped(&self, deadline: Option<Instant>) -> bool {
+        let mut o = self.outcome.lock().unwrap_or_else(|e| e.into_inner());
+        while !self.stop.load(Ordering::SeqCst) {
+            match deadline {
+                None => o = self.stopped.wait(o).unwrap_or_else(|e| e.into_inner()),
+                Some(d) => {
+                    let now = Instant::now();
+                    if now >= d {
+                        return false;
+                    }
+                    o = self.stopped.wait_timeout(o, d - now).unwrap_or_else(|e| e.into_inner()).0;
+                }
+            }
+        }
+        true
     }
 }
 

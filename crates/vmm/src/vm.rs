@@ -195,6 +195,7 @@ impl Vm {
         let shared = Arc::new(VcpuShared {
             stop: Default::default(),
             outcome: Mutex::new(None),
+            stopped: Default::default(),
             devices: Mutex::new(devices),
             memory: ram.memory.clone(),
             final_rips: Mutex::new(vec![None; config.vcpus as usize]),
@@ -305,20 +306,14 @@ impl RunningVm {
 
     /// Waits until the guest ends the VM.
     pub fn wait(&mut self) -> Result<VmExit, VmError> {
-        while !self.is_stopped() {
-            // vCPU threads set the flag; poll it cheaply.
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        self.shared.wait_stopped(None);
         self.outcome()
     }
 
     /// Waits up to `timeout` for the guest to end the VM; on timeout the
     /// VM is stopped and `Ok(VmExit::Stopped)` returned.
     pub fn wait_timeout(&mut self, timeout: Duration) -> Result<VmExit, VmError> {
-        let deadline = Instant::now() + timeout;
-        while !self.is_stopped() && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        self.shared.wait_stopped(Some(Instant::now() + timeout));
         self.shared.finish(GuestStop::Requested);
         self.outcome()
     }

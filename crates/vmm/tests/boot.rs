@@ -1,47 +1,84 @@
 //! Boots the real guest kernel under KVM with the test initramfs: its
-//! /init prints a marker, counts the processors in /proc/cpuinfo and powers
-//! the VM off. Needs /dev/kvm (skips loudly without it).
+//! /init prints a marker, counts the processors in /proc/cpuinfo, and ends
+//! the way `tine_init_action=` says (power off, i8042 reset, or exiting,
+//! which panics the guest kernel). Needs /dev/kvm (skips loudly without it).
 
 use std::time::Duration;
 
-use vmm::{Vm, VmConfig, VmExit};
+use vmm::{Vm, VmConfig, VmError, VmExit};
 
-/// Generous: a boot takes ~45 s where the host emulates kernel mode.
+/// Generous: a boot takes ~22 s where the host emulates kernel mode.
 const BOOT_TIMEOUT: Duration = Duration::from_secs(600);
 
-fn boot(vcpus: u8) {
-    if !testkit::kvm_available(&format!("boot_{vcpus}_vcpu")) {
-        return;
+/// Boots with `vcpus` vCPUs and init action `action`; checks the marker
+/// and the cpuinfo line; returns the VM's end and the console text.
+fn boot(name: &str, vcpus: u8, action: &str) -> Option<(Result<VmExit, VmError>, String)> {
+    if !testkit::kvm_available(name) {
+        return None;
     }
     let dir = tempfile::tempdir().unwrap();
     let initrd = testkit::build_test_initramfs(dir.path());
-    let mut config = VmConfig::new(format!("boot-test-{vcpus}"), testkit::kernel());
+    let mut config = VmConfig::new(name, testkit::kernel());
     config.initrd = Some(initrd);
     config.vcpus = vcpus;
     config.mem_mib = 256;
+    config.cmdline = format!("tine_init_action={action}");
     config.console_log = Some(dir.path().join("console.log"));
 
     let mut vm = Vm::start(&config).expect("VM starts");
     let console = vm.console().clone();
     let exit = vm.wait_timeout(BOOT_TIMEOUT);
     let text = console.text();
-    let exit = exit.unwrap_or_else(|e| panic!("guest failed: {e}"));
-    assert_eq!(exit, VmExit::PowerOff, "the guest must power off by itself; console:\n{text}");
-    assert!(text.contains(testkit::INIT_MARKER), "no marker on the console:\n{text}");
+    assert!(text.contains(testkit::INIT_MARKER), "no marker on the console ({exit:?}):\n{text}");
     let expected = format!("{}{vcpus} ", testkit::INIT_CPUINFO);
     assert!(text.contains(&expected), "expected '{expected}' on the console:\n{text}");
     assert!(!text.contains("TINE-INIT-ERROR"), "init reported an error:\n{text}");
     // The log file got the same output.
     let log = std::fs::read_to_string(dir.path().join("console.log")).unwrap();
     assert!(log.contains(testkit::INIT_MARKER));
+    Some((exit, text))
 }
 
 #[test]
 fn boots_to_init_reads_cpuinfo_and_powers_off() {
-    boot(1);
+    let Some((exit, text)) = boot("boot-poweroff", 1, "poweroff") else { return };
+    let exit = exit.unwrap_or_else(|e| panic!("guest failed: {e}"));
+    assert_eq!(exit, VmExit::PowerOff, "the guest must power off by itself; console:\n{text}");
 }
 
 #[test]
-fn boots_two_vcpus_and_the_guest_sees_both() {
-    boot(2);
+fn boots_two_vcpus_and_resets_through_the_i8042() {
+    let Some((exit, text)) = boot("boot-smp-reset", 2, "reset") else { return };
+    let exit = exit.unwrap_or_else(|e| panic!("guest failed: {e}"));
+    assert_eq!(exit, VmExit::Reset, "the guest must reset itself; console:\n{text}");
+}
+
+#[test]
+fn a_guest_kernel_panic_ends_the_vm_with_an_error() {
+    let Some((exit, text)) = boot("boot-panic", 1, "exit") else { return };
+    assert!(text.contains("TINE-INIT-EXIT"), "{text}");
+    match exit {
+        Err(VmError::GuestPanic { line, console }) => {
+            assert!(line.contains("Attempted to kill init"), "{line}");
+            assert!(console.contains("Kernel panic"), "{console}");
+        }
+        other => panic!("expected a guest panic error, got {other:?}; console:\n{text}"),
+    }
+}
+
+#[test]
+fn boots_a_bzimage() {
+    if !testkit::kvm_available("boot-bzimage") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let initrd = testkit::build_test_initramfs(dir.path());
+    let mut config = VmConfig::new("boot-bzimage", testkit::bzimage());
+    config.initrd = Some(initrd);
+    let mut vm = Vm::start(&config).expect("VM starts");
+    let console = vm.console().clone();
+    let exit = vm.wait_timeout(BOOT_TIMEOUT);
+    let text = console.text();
+    assert!(matches!(exit, Ok(VmExit::PowerOff)), "{exit:?}; console:\n{text}");
+    assert!(text.contains(testkit::INIT_MARKER), "no marker on the console:\n{text}");
 }
