@@ -10,17 +10,25 @@
  *   reset               reboot(LINUX_REBOOT_CMD_RESTART): with reboot=k,
  *                       an i8042 CPU reset
  *   exit                return from init: the kernel panics
+ * and `tine_init_disk=/dev/vdX` adds a disk check: write a 4 KiB pattern
+ * at byte 4096 of that disk, fsync, read it back and compare, and print the
+ * disk's serial (virtio-blk GET_ID) from /sys/block/vdX/serial.
  *
  * Console lines (the tests match them):
  *   TINE-INIT-MARKER ready
  *   TINE-INIT-CPUINFO processors=<n> bytes=<m>
+ *   TINE-INIT-DISK ok serial=<serial>   (with tine_init_disk)
  *   TINE-INIT-ERROR <step> <errno>      (then it spins; the test fails)
  */
 #define SYS_read 0
 #define SYS_write 1
 #define SYS_open 2
 #define SYS_close 3
+#define SYS_pread64 17
+#define SYS_pwrite64 18
+#define SYS_fsync 74
 #define SYS_mount 165
+#define O_RDWR 2
 #define SYS_reboot 169
 
 #define LINUX_REBOOT_MAGIC1 0xfee1dead
@@ -103,6 +111,61 @@ static int streq(const char *a, const char *b)
 	return *a == *b;
 }
 
+static char pattern[4096], back[4096], path[64];
+
+static void disk_check(const char *dev)
+{
+	long fd, r, i, n;
+	const char *name = dev;
+
+	for (i = 0; i < 4096; i++)
+		pattern[i] = (char)(i * 13 + 7);
+	fd = syscall5(SYS_open, (long)dev, O_RDWR, 0, 0, 0);
+	if (fd < 0)
+		fail("disk-open", fd);
+	r = syscall5(SYS_pwrite64, fd, (long)pattern, 4096, 4096, 0);
+	if (r != 4096)
+		fail("disk-write", r < 0 ? r : -1);
+	r = syscall5(SYS_fsync, fd, 0, 0, 0, 0);
+	if (r < 0)
+		fail("disk-fsync", r);
+	r = syscall5(SYS_pread64, fd, (long)back, 4096, 4096, 0);
+	if (r != 4096)
+		fail("disk-read", r < 0 ? r : -1);
+	for (i = 0; i < 4096; i++)
+		if (back[i] != pattern[i])
+			fail("disk-compare", -1);
+	syscall5(SYS_close, fd, 0, 0, 0, 0);
+
+	/* /sys/block/<name>/serial, name = dev without "/dev/" */
+	for (i = 0; dev[i]; i++)
+		if (dev[i] == '/')
+			name = dev + i + 1;
+	r = syscall5(SYS_mount, (long)"sysfs", (long)"/sys", (long)"sysfs", 0, 0);
+	if (r < 0)
+		fail("mount-sys", r);
+	n = 0;
+	for (const char *p = "/sys/block/"; *p; p++)
+		path[n++] = *p;
+	for (const char *p = name; *p && n < 40; p++)
+		path[n++] = *p;
+	for (const char *p = "/serial"; *p; p++)
+		path[n++] = *p;
+	path[n] = 0;
+	fd = syscall5(SYS_open, (long)path, 0, 0, 0, 0);
+	if (fd < 0)
+		fail("serial-open", fd);
+	r = syscall5(SYS_read, fd, (long)back, 64, 0, 0);
+	if (r < 0)
+		fail("serial-read", r);
+	back[r] = 0;
+	if (r > 0 && back[r - 1] == '\n')
+		back[r - 1] = 0;
+	put("TINE-INIT-DISK ok serial=");
+	put(back);
+	put("\n");
+}
+
 /* Called from _start with the initial stack: argc, argv..., 0, envp..., 0. */
 __attribute__((used)) void start_c(long *sp)
 {
@@ -110,6 +173,7 @@ __attribute__((used)) void start_c(long *sp)
 	long argc = sp[0];
 	char **envp = (char **)(sp + argc + 2);
 	const char *action = getenv_in(envp, "tine_init_action");
+	const char *disk = getenv_in(envp, "tine_init_disk");
 	long cmd = LINUX_REBOOT_CMD_POWER_OFF;
 
 	put("TINE-INIT-MARKER ready\n");
@@ -140,6 +204,8 @@ __attribute__((used)) void start_c(long *sp)
 	put(" bytes=");
 	put_num(total);
 	put("\n");
+	if (disk)
+		disk_check(disk);
 	if (action && streq(action, "exit")) {
 		put("TINE-INIT-EXIT\n");
 		syscall5(SYS_exit, 0, 0, 0, 0, 0);

@@ -85,6 +85,31 @@ pub fn build_test_initramfs(dir: &Path) -> PathBuf {
     path
 }
 
+/// Builds an ext4 root filesystem image of `size_mib` MiB in `dir` with
+/// `mkfs.ext4 -d` (no mount needed): `/sbin/init` (the test init),
+/// `/dev`, `/proc`, `/sys`. Returns the image's path.
+pub fn build_test_rootfs(dir: &Path, size_mib: u64) -> PathBuf {
+    let root = dir.join("rootfs");
+    for d in ["dev", "proc", "sys", "sbin"] {
+        std::fs::create_dir_all(root.join(d)).expect("create rootfs dirs");
+    }
+    build_test_init(&root.join("sbin/init"));
+    let image = dir.join("rootfs.ext4");
+    let f = std::fs::File::create(&image).expect("create image");
+    f.set_len(size_mib << 20).expect("size image");
+    let out = Command::new("mkfs.ext4")
+        .args(["-q", "-F", "-d"])
+        .arg(&root)
+        .arg(&image)
+        .output()
+        .expect("run mkfs.ext4 (e2fsprogs)");
+    assert!(out.status.success(), "mkfs.ext4 failed: {}", String::from_utf8_lossy(&out.stderr));
+    image
+}
+
+/// Console line the test init prints after its disk check.
+pub const INIT_DISK_OK: &str = "TINE-INIT-DISK ok serial=";
+
 /// An ELF64 executable with one loadable segment holding `code` at
 /// physical and virtual address `addr`, entered at `addr`: a "kernel" that
 /// runs exactly these bytes.

@@ -51,6 +51,10 @@ struct RunArgs {
     /// Also append the console to this file.
     #[arg(long)]
     console_log: Option<PathBuf>,
+    /// Attach a raw disk image as virtio-blk (repeatable; the first is
+    /// /dev/vda). Append ":ro" to attach it read-only.
+    #[arg(long = "disk")]
+    disks: Vec<String>,
     /// Host profile: baremetal or pvm (default: detected).
     #[arg(long)]
     profile: Option<HostProfile>,
@@ -67,6 +71,13 @@ fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     config.vcpus = args.vcpus;
     config.console_log = args.console_log;
     config.console_stdout = true;
+    for (i, d) in args.disks.iter().enumerate() {
+        let (path, read_only) = match d.strip_suffix(":ro") {
+            Some(p) => (p, true),
+            None => (d.as_str(), false),
+        };
+        config.disks.push(vmm::DiskConfig { path: path.into(), read_only, id: format!("tine-disk-{i}") });
+    }
     if let Some(p) = args.profile {
         config.profile = p;
     }

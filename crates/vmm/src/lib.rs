@@ -9,6 +9,7 @@
 #![deny(missing_docs)]
 
 pub mod devices;
+pub mod event_loop;
 pub mod host;
 pub mod memory;
 pub mod vcpu;
@@ -16,4 +17,4 @@ pub mod vm;
 pub mod x86_64;
 
 pub use host::HostProfile;
-pub use vm::{RunningVm, Vm, VmConfig, VmError, VmExit};
+pub use vm::{DiskConfig, RunningVm, Vm, VmConfig, VmError, VmExit};

@@ -12,6 +12,7 @@ use kvm_bindings::{
 use kvm_ioctls::{VcpuExit, VcpuFd};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
+use crate::devices::virtio::mmio::MmioTransport;
 use crate::devices::{LegacyDevices, PioEvent};
 use crate::x86_64::paging::{translate, PagingState};
 
@@ -150,6 +151,8 @@ pub struct VcpuShared {
     pub stopped: Condvar,
     /// The port I/O devices.
     pub devices: Mutex<LegacyDevices>,
+    /// The virtio-mmio devices: `(base GPA, window size, transport)`.
+    pub mmio: Vec<(u64, u64, Arc<Mutex<MmioTransport>>)>,
     /// Guest memory, for reading instruction bytes.
     pub memory: GuestMemoryMmap,
     /// Where each vCPU was when it left its run loop (index = vCPU).
@@ -167,6 +170,14 @@ impl VcpuShared {
         self.stop.store(true, Ordering::SeqCst);
         drop(o);
         self.stopped.notify_all();
+    }
+
+    /// The virtio-mmio device whose window holds `addr`, with its base.
+    pub fn mmio_device(&self, addr: u64) -> Option<(u64, &Arc<Mutex<MmioTransport>>)> {
+        self.mmio
+            .iter()
+            .find(|(base, len, _)| addr >= *base && addr - *base < *len)
+            .map(|(base, _, dev)| (*base, dev))
     }
 
     /// Blocks until `stop` is set or `deadline` passes; returns whether
@@ -260,12 +271,20 @@ impl Vcpu {
                     }
                 }
                 Ok(VcpuExit::MmioRead(addr, data)) => {
-                    tracing::debug!(vcpu = self.index, "MMIO read of {} bytes at unmapped GPA {addr:#x}", data.len());
-                    data.fill(0xff);
+                    match self.shared.mmio_device(addr) {
+                        Some((base, dev)) => dev.lock().unwrap_or_else(|e| e.into_inner()).read(addr - base, data),
+                        None => {
+                            tracing::debug!(vcpu = self.index, "MMIO read of {} bytes at unmapped GPA {addr:#x}", data.len());
+                            data.fill(0xff);
+                        }
+                    }
                     Next::Continue
                 }
                 Ok(VcpuExit::MmioWrite(addr, data)) => {
-                    tracing::debug!(vcpu = self.index, "MMIO write of {} bytes to unmapped GPA {addr:#x}", data.len());
+                    match self.shared.mmio_device(addr) {
+                        Some((base, dev)) => dev.lock().unwrap_or_else(|e| e.into_inner()).write(addr - base, data),
+                        None => tracing::debug!(vcpu = self.index, "MMIO write of {} bytes to unmapped GPA {addr:#x}", data.len()),
+                    }
                     Next::Continue
                 }
                 Ok(VcpuExit::Shutdown) => Next::Fault(GuestFault::TripleFault),

@@ -8,13 +8,17 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use kvm_bindings::{kvm_pit_config, KVM_MAX_CPUID_ENTRIES, KVM_PIT_SPEAKER_DUMMY};
-use kvm_ioctls::{Kvm, VmFd};
+use kvm_ioctls::{IoEventAddress, Kvm, VmFd};
 use vmm_sys_util::eventfd::EventFd;
 use vmm_sys_util::signal::Killable;
 
+use crate::devices::virtio::block::{Block, BlockError};
+use crate::devices::virtio::mmio::{reg, MmioTransport, MMIO_WINDOW};
+use crate::devices::virtio::{Interrupt, VirtioDevice, VirtioError};
 use crate::devices::{self, Console, ConsoleTail, LegacyDevices};
+use crate::event_loop::{EventLoop, EventLoopError};
 use crate::host::HostProfile;
-use crate::memory::{GuestRam, MemoryError};
+use crate::memory::{GuestRam, MemoryError, MMIO_GAP_START};
 use crate::vcpu::{install_kick_handler, kick_signal, GuestFault, GuestStop, Vcpu, VcpuShared};
 use crate::x86_64::boot::{load_kernel, BootError};
 use crate::x86_64::cpuid::{filter_cpuid, VcpuTopology};
@@ -28,6 +32,22 @@ use crate::x86_64::{KVM_IDENTITY_MAP_ADDRESS, KVM_TSS_ADDRESS};
 /// and the power-off port.
 pub fn base_cmdline() -> String {
     format!("console=ttyS0 reboot=k panic=-1 tine_poweroff={:#x}", devices::POWER_OFF_PORT)
+}
+
+/// First GSI given to virtio-mmio devices (below: legacy ISA lines).
+pub const VIRTIO_FIRST_IRQ: u32 = 5;
+/// Most virtio-mmio devices per VM (GSIs 5..=23 of the IOAPIC).
+pub const MAX_VIRTIO_DEVICES: usize = 19;
+
+/// A disk: a raw image attached as virtio-blk.
+#[derive(Clone, Debug)]
+pub struct DiskConfig {
+    /// The image file.
+    pub path: PathBuf,
+    /// Attach read-only (shared images must be).
+    pub read_only: bool,
+    /// Serial the guest reads with GET_ID (at most 20 bytes are used).
+    pub id: String,
 }
 
 /// What a VM is made of.
@@ -52,6 +72,8 @@ pub struct VmConfig {
     pub console_stdout: bool,
     /// The host profile (see [`HostProfile::detect`]).
     pub profile: HostProfile,
+    /// Disks, in order: the first is `/dev/vda` in the guest.
+    pub disks: Vec<DiskConfig>,
 }
 
 impl VmConfig {
@@ -68,6 +90,7 @@ impl VmConfig {
             console_log: None,
             console_stdout: false,
             profile: HostProfile::detect(),
+            disks: Vec::new(),
         }
     }
 
@@ -119,6 +142,15 @@ pub enum VmError {
     /// A device could not be created.
     #[error(transparent)]
     Device(#[from] devices::DeviceError),
+    /// A disk could not be opened.
+    #[error(transparent)]
+    Disk(#[from] BlockError),
+    /// A virtio device could not be set up.
+    #[error(transparent)]
+    Virtio(#[from] VirtioError),
+    /// The device event loop could not start.
+    #[error(transparent)]
+    EventLoop(#[from] EventLoopError),
     /// A vCPU thread could not be started.
     #[error("cannot start a vCPU thread: {0}")]
     Thread(#[source] std::io::Error),
@@ -182,7 +214,28 @@ impl Vm {
         let ram = GuestRam::new(&config.name, mem_bytes)?;
         ram.register(&vm)?;
 
-        let cmdline = config.full_cmdline();
+        if config.disks.len() > MAX_VIRTIO_DEVICES {
+            return Err(VmError::Config(format!("at most {MAX_VIRTIO_DEVICES} virtio devices, got {}", config.disks.len())));
+        }
+        let mut virtio: Vec<Box<dyn VirtioDevice>> = Vec::new();
+        for d in &config.disks {
+            virtio.push(Box::new(Block::open(&d.path, d.read_only, &d.id)?));
+        }
+        let mut cmdline = config.full_cmdline();
+        let mut mmio = Vec::new();
+        for (i, dev) in virtio.into_iter().enumerate() {
+            let base = MMIO_GAP_START + i as u64 * MMIO_WINDOW;
+            let irq = VIRTIO_FIRST_IRQ + i as u32;
+            let irqfd = EventFd::new(libc::EFD_NONBLOCK).map_err(|e| VmError::Device(devices::DeviceError::EventFd(e)))?;
+            vm.register_irqfd(&irqfd, irq).map_err(setup("KVM_IRQFD"))?;
+            let transport = MmioTransport::new(dev, ram.memory.clone(), Arc::new(Interrupt::new(irqfd)))?;
+            for (q, evt) in transport.queue_evts().iter().enumerate() {
+                vm.register_ioevent(evt, &IoEventAddress::Mmio(base + reg::QUEUE_NOTIFY), q as u32)
+                    .map_err(setup("KVM_IOEVENTFD"))?;
+            }
+            cmdline.push_str(&format!(" virtio_mmio.device=4K@{base:#x}:{irq}"));
+            mmio.push((base, MMIO_WINDOW, Arc::new(Mutex::new(transport))));
+        }
         let kernel = load_kernel(&ram.memory, ram.size, &config.kernel, config.initrd.as_deref(), &cmdline)?;
         mptable::write(&ram.memory, config.vcpus)?;
 
@@ -197,6 +250,7 @@ impl Vm {
             outcome: Mutex::new(None),
             stopped: Default::default(),
             devices: Mutex::new(devices),
+            mmio: mmio.clone(),
             memory: ram.memory.clone(),
             final_rips: Mutex::new(vec![None; config.vcpus as usize]),
         });
@@ -219,6 +273,7 @@ impl Vm {
             vcpus.push(Vcpu { fd, index, shared: shared.clone() });
         }
 
+        let event_loop = EventLoop::spawn(&config.name, mmio.into_iter().map(|(_, _, d)| d).collect())?;
         install_kick_handler().map_err(|e| VmError::Thread(std::io::Error::from_raw_os_error(e.errno())))?;
         let mut threads = Vec::with_capacity(vcpus.len());
         for vcpu in vcpus {
@@ -226,7 +281,7 @@ impl Vm {
             match std::thread::Builder::new().name(name).spawn(move || vcpu.run()) {
                 Ok(t) => threads.push(t),
                 Err(e) => {
-                    let mut running = RunningVm { vm, _ram: ram, shared, threads, console_tail, started };
+                    let mut running = RunningVm { vm, _ram: ram, shared, threads, console_tail, started, _event_loop: event_loop };
                     let _ = running.stop();
                     return Err(VmError::Thread(e));
                 }
@@ -234,7 +289,7 @@ impl Vm {
         }
         tracing::info!(name = %config.name, vcpus = config.vcpus, mem_mib = config.mem_mib, profile = %config.profile,
             "VM started in {:?}", started.elapsed());
-        Ok(RunningVm { vm, _ram: ram, shared, threads, console_tail, started })
+        Ok(RunningVm { vm, _ram: ram, shared, threads, console_tail, started, _event_loop: event_loop })
     }
 }
 
@@ -247,6 +302,9 @@ pub struct RunningVm {
     threads: Vec<JoinHandle<()>>,
     console_tail: ConsoleTail,
     started: Instant,
+    // Declared after the vCPU threads' owner: dropped once they are joined
+    // (RunningVm's Drop joins them first).
+    _event_loop: EventLoop,
 }
 
 impl RunningVm {

@@ -82,3 +82,34 @@ fn boots_a_bzimage() {
     assert!(matches!(exit, Ok(VmExit::PowerOff)), "{exit:?}; console:\n{text}");
     assert!(text.contains(testkit::INIT_MARKER), "no marker on the console:\n{text}");
 }
+
+#[test]
+fn boots_from_a_virtio_blk_root_and_writes_a_data_disk() {
+    use std::os::unix::fs::FileExt;
+    if !testkit::kvm_available("boot-virtio-blk") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let rootfs = testkit::build_test_rootfs(dir.path(), 16);
+    let data = dir.path().join("data.img");
+    std::fs::File::create(&data).unwrap().set_len(1 << 20).unwrap();
+    let mut config = VmConfig::new("boot-virtio-blk", testkit::kernel());
+    config.disks = vec![
+        vmm::DiskConfig { path: rootfs, read_only: true, id: "tine-root".into() },
+        vmm::DiskConfig { path: data.clone(), read_only: false, id: "tine-data-serial".into() },
+    ];
+    config.cmdline = "root=/dev/vda ro rootfstype=ext4 tine_init_disk=/dev/vdb".into();
+    let mut vm = Vm::start(&config).expect("VM starts");
+    let console = vm.console().clone();
+    let exit = vm.wait_timeout(BOOT_TIMEOUT);
+    let text = console.text();
+    assert!(matches!(exit, Ok(VmExit::PowerOff)), "{exit:?}; console:\n{text}");
+    assert!(text.contains("EXT4-fs (vda): mounted filesystem"), "root not mounted from virtio-blk:\n{text}");
+    assert!(text.contains(testkit::INIT_MARKER), "{text}");
+    assert!(text.contains(&format!("{}tine-data-serial", testkit::INIT_DISK_OK)), "disk check failed:\n{text}");
+    // The guest's write reached the image file.
+    let mut got = vec![0u8; 4096];
+    std::fs::File::open(&data).unwrap().read_exact_at(&mut got, 4096).unwrap();
+    let want: Vec<u8> = (0..4096u32).map(|i| (i * 13 + 7) as u8).collect();
+    assert_eq!(got, want, "the data disk does not hold the guest's pattern");
+}

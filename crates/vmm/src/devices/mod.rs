@@ -1,11 +1,13 @@
-//! Legacy port I/O devices: the 16550 serial console (COM1), the i8042
-//! controller's reset line, and Tine's power-off port.
+//! Devices. Here: the legacy port I/O devices (the 16550 serial console (COM1), the i8042
+//! controller's reset line, and Tine's power-off port); in [`virtio`]:
+//! virtio-mmio devices.
 //!
 //! Ports: COM1 0x3f8..0x400 (IRQ 4), i8042 0x60..0x65, power-off
 //! [`POWER_OFF_PORT`]. Reads of any other port return all ones, as an
 //! unconnected ISA bus does; writes to them are dropped.
 
 pub mod console;
+pub mod virtio;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;

@@ -1,0 +1,295 @@
+//! virtio-blk (virtio 1.2, section 5.2) on a raw image file.
+//!
+//! One request queue. Requests: IN (read), OUT (write), FLUSH, GET_ID;
+//! anything else completes with `VIRTIO_BLK_S_UNSUPP`. A read-only disk
+//! offers `VIRTIO_BLK_F_RO` and fails writes with `VIRTIO_BLK_S_IOERR`.
+//! Data moves through a bounded bounce buffer, so no guest-supplied
+//! length sizes a host allocation.
+
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use virtio_queue::{Queue, QueueT};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+
+use super::chain::{parse_chain, ParsedChain, Segment};
+use super::{Activation, Interrupt, VirtioDevice, VirtioError, VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX};
+
+/// virtio device ID of a block device.
+pub const VIRTIO_ID_BLOCK: u32 = 2;
+/// Sector size (bytes) of the virtio-blk protocol.
+pub const SECTOR_SIZE: u64 = 512;
+/// Queue size offered.
+pub const QUEUE_SIZE: u16 = 256;
+/// Most descriptors in one request (header + data + status).
+pub const MAX_SEGMENTS: usize = 130;
+/// Bytes of the GET_ID answer.
+pub const ID_BYTES: usize = 20;
+const BOUNCE_BYTES: usize = 128 * 1024;
+
+/// VIRTIO_BLK_F_RO.
+pub const VIRTIO_BLK_F_RO: u64 = 1 << 5;
+/// VIRTIO_BLK_F_FLUSH.
+pub const VIRTIO_BLK_F_FLUSH: u64 = 1 << 9;
+
+/// Request types (section 5.2.6).
+pub mod req {
+    #![allow(missing_docs)]
+    pub const IN: u32 = 0;
+    pub const OUT: u32 = 1;
+    pub const FLUSH: u32 = 4;
+    pub const GET_ID: u32 = 8;
+}
+
+/// Request status values.
+pub mod status {
+    #![allow(missing_docs)]
+    pub const OK: u8 = 0;
+    pub const IOERR: u8 = 1;
+    pub const UNSUPP: u8 = 2;
+}
+
+/// Errors of opening a disk.
+#[derive(Debug, thiserror::Error)]
+pub enum BlockError {
+    /// The image cannot be opened.
+    #[error("cannot open disk image {path}: {source}")]
+    Open {
+        /// The image.
+        path: PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// The image size is not a whole number of sectors.
+    #[error("disk image {path} is {size} bytes, not a multiple of 512")]
+    Size {
+        /// The image.
+        path: PathBuf,
+        /// Its size in bytes.
+        size: u64,
+    },
+}
+
+/// A virtio-blk device.
+pub struct Block {
+    disk: File,
+    read_only: bool,
+    sectors: u64,
+    id: [u8; ID_BYTES],
+    config: [u8; 8],
+    queue_sizes: [u16; 1],
+    running: Option<Running>,
+    bounce: Vec<u8>,
+}
+
+struct Running {
+    mem: GuestMemoryMmap,
+    queue: Queue,
+    interrupt: Arc<Interrupt>,
+}
+
+/// How a request went wrong before it could complete with a status.
+enum RequestError {
+    /// Complete with this status.
+    Status(u8),
+}
+
+impl Block {
+    /// Opens `path` as a disk; `id` is the serial the guest reads with
+    /// GET_ID (truncated to 20 bytes).
+    ///
+    /// Errors: [`BlockError::Open`], [`BlockError::Size`].
+    pub fn open(path: &Path, read_only: bool, id: &str) -> Result<Self, BlockError> {
+        let disk = OpenOptions::new()
+            .read(true)
+            .write(!read_only)
+            .open(path)
+            .map_err(|source| BlockError::Open { path: path.to_path_buf(), source })?;
+        let size = disk.metadata().map_err(|source| BlockError::Open { path: path.to_path_buf(), source })?.len();
+        if size % SECTOR_SIZE != 0 {
+            return Err(BlockError::Size { path: path.to_path_buf(), size });
+        }
+        let mut id_bytes = [0u8; ID_BYTES];
+        let n = id.len().min(ID_BYTES);
+        id_bytes[..n].copy_from_slice(&id.as_bytes()[..n]);
+        let sectors = size / SECTOR_SIZE;
+        Ok(Block {
+            disk,
+            read_only,
+            sectors,
+            id: id_bytes,
+            config: sectors.to_le_bytes(),
+            queue_sizes: [QUEUE_SIZE],
+            running: None,
+            bounce: vec![0; BOUNCE_BYTES],
+        })
+    }
+
+    /// Capacity in 512-byte sectors.
+    pub fn sectors(&self) -> u64 {
+        self.sectors
+    }
+
+    /// Runs one parsed request; returns the bytes written into guest
+    /// buffers (status byte included) for the used ring.
+    fn execute(&mut self, mem: &GuestMemoryMmap, chain: &ParsedChain) -> u32 {
+        let segs = &chain.segments;
+        // The status byte: the last byte of the last, device-writable, segment.
+        let Some(last) = segs.last().filter(|s| s.writable && s.len >= 1) else {
+            tracing::warn!("virtio-blk: request {} has no writable status byte; dropped", chain.head);
+            return 0;
+        };
+        let status_addr = GuestAddress(last.addr.0 + u64::from(last.len) - 1);
+        let (written, status) = match self.run_request(mem, segs) {
+            Ok(written) => (written, status::OK),
+            Err(RequestError::Status(s)) => (0, s),
+        };
+        if mem.write_obj(status, status_addr).is_err() {
+            return 0;
+        }
+        written.saturating_add(1)
+    }
+
+    fn run_request(&mut self, mem: &GuestMemoryMmap, segs: &[Segment]) -> Result<u32, RequestError> {
+        let head = segs[0];
+        if head.writable || head.len < 16 {
+            tracing::warn!("virtio-blk: request header is not a readable 16-byte buffer");
+            return Err(RequestError::Status(status::IOERR));
+        }
+        let kind: u32 = mem.read_obj(head.addr).map_err(|_| RequestError::Status(status::IOERR))?;
+        let sector: u64 = mem.read_obj(GuestAddress(head.addr.0 + 8)).map_err(|_| RequestError::Status(status::IOERR))?;
+        // Data segments: everything between the header and the status
+        // segment, plus the status segment's bytes before the status byte.
+        let last = segs[segs.len() - 1];
+        let mut data: Vec<Segment> = segs[1..segs.len() - 1].to_vec();
+        if last.len > 1 {
+            data.push(Segment { addr: last.addr, len: last.len - 1, writable: true });
+        }
+        let data_len: u64 = data.iter().map(|s| u64::from(s.len)).sum();
+        match kind {
+            req::IN | req::OUT => {
+                let writing = kind == req::OUT;
+                if writing && self.read_only {
+                    return Err(RequestError::Status(status::IOERR));
+                }
+                if data.iter().any(|s| s.writable == writing) {
+                    tracing::warn!("virtio-blk: {} request with a data buffer of the wrong direction", if writing { "OUT" } else { "IN" });
+                    return Err(RequestError::Status(status::IOERR));
+                }
+                if data_len % SECTOR_SIZE != 0 {
+                    return Err(RequestError::Status(status::IOERR));
+                }
+                let end = sector.checked_add(data_len / SECTOR_SIZE);
+                if end.is_none_or(|e| e > self.sectors) {
+                    return Err(RequestError::Status(status::IOERR));
+                }
+                let mut offset = sector * SECTOR_SIZE;
+                for seg in &data {
+                    self.transfer(mem, *seg, offset, writing).map_err(|e| {
+                        tracing::warn!("virtio-blk: I/O at byte {offset}: {e}");
+                        RequestError::Status(status::IOERR)
+                    })?;
+                    offset += u64::from(seg.len);
+                }
+                Ok(if writing { 0 } else { data_len as u32 })
+            }
+            req::FLUSH => {
+                if !self.read_only {
+                    self.disk.sync_data().map_err(|_| RequestError::Status(status::IOERR))?;
+                }
+                Ok(0)
+            }
+            req::GET_ID => {
+                let seg = data.first().filter(|s| s.writable).ok_or(RequestError::Status(status::IOERR))?;
+                let n = (seg.len as usize).min(ID_BYTES);
+                mem.write_slice(&self.id[..n], seg.addr).map_err(|_| RequestError::Status(status::IOERR))?;
+                Ok(n as u32)
+            }
+            _ => Err(RequestError::Status(status::UNSUPP)),
+        }
+    }
+
+    /// Copies one segment between guest memory and the disk at byte `offset`.
+    fn transfer(&mut self, mem: &GuestMemoryMmap, seg: Segment, offset: u64, to_disk: bool) -> std::io::Result<()> {
+        let mut done = 0usize;
+        let len = seg.len as usize;
+        while done < len {
+            let n = (len - done).min(self.bounce.len());
+            let buf = &mut self.bounce[..n];
+            let gpa = GuestAddress(seg.addr.0 + done as u64);
+            let at = offset + done as u64;
+            if to_disk {
+                mem.read_slice(buf, gpa).map_err(std::io::Error::other)?;
+                self.disk.write_all_at(buf, at)?;
+            } else {
+                self.disk.read_exact_at(buf, at)?;
+                mem.write_slice(buf, gpa).map_err(std::io::Error::other)?;
+            }
+            done += n;
+        }
+        Ok(())
+    }
+}
+
+impl VirtioDevice for Block {
+    fn name(&self) -> &'static str {
+        "virtio-blk"
+    }
+
+    fn device_type(&self) -> u32 {
+        VIRTIO_ID_BLOCK
+    }
+
+    fn queue_max_sizes(&self) -> &[u16] {
+        &self.queue_sizes
+    }
+
+    fn avail_features(&self) -> u64 {
+        let mut f = VIRTIO_F_VERSION_1 | VIRTIO_RING_F_EVENT_IDX | VIRTIO_BLK_F_FLUSH;
+        if self.read_only {
+            f |= VIRTIO_BLK_F_RO;
+        }
+        f
+    }
+
+    fn read_config(&self, offset: u64, data: &mut [u8]) {
+        super::read_config_bytes(&self.config, offset, data);
+    }
+
+    fn write_config(&mut self, offset: u64, _data: &[u8]) {
+        tracing::debug!("virtio-blk: config write at {offset:#x} ignored (read-only fields)");
+    }
+
+    fn activate(&mut self, activation: Activation, interrupt: Arc<Interrupt>) -> Result<(), VirtioError> {
+        let queue = activation.queues.into_iter().next().filter(|q| q.ready()).ok_or(VirtioError::Activate {
+            device: "virtio-blk",
+            reason: "the request queue is not ready".into(),
+        })?;
+        self.running = Some(Running { mem: activation.mem, queue, interrupt });
+        Ok(())
+    }
+
+    fn reset(&mut self) {
+        self.running = None;
+    }
+
+    fn process_queue(&mut self, index: usize) -> Result<(), VirtioError> {
+        if index != 0 {
+            return Ok(());
+        }
+        let Some(mut run) = self.running.take() else { return Ok(()) };
+        let result = super::drain_queue("virtio-blk", &mut run.queue, &run.mem, &run.interrupt, |chain| {
+            match parse_chain(&run.mem, chain, MAX_SEGMENTS) {
+                Ok(parsed) => self.execute(&run.mem, &parsed),
+                Err(e) => {
+                    tracing::warn!("virtio-blk: {e}; request dropped");
+                    0
+                }
+            }
+        });
+        self.running = Some(run);
+        result
+    }
+}

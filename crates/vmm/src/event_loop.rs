@@ -1,0 +1,107 @@
+//! The device event loop: one thread per VM that waits (epoll) on every
+//! virtio queue's notification eventfd and runs the device's queue
+//! processing, so device work never runs on a vCPU thread.
+
+use std::os::fd::AsRawFd;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::devices::virtio::mmio::MmioTransport;
+
+/// Token of the stop eventfd.
+const STOP_TOKEN: u64 = u64::MAX;
+/// Events taken from epoll per wait.
+const EVENTS_PER_WAIT: usize = 32;
+
+/// Errors of the event loop's set-up.
+#[derive(Debug, thiserror::Error)]
+pub enum EventLoopError {
+    /// epoll or eventfd set-up failed.
+    #[error("device event loop set-up failed: {0}")]
+    Setup(#[source] std::io::Error),
+    /// The thread could not be started.
+    #[error("cannot start the device event loop thread: {0}")]
+    Thread(#[source] std::io::Error),
+}
+
+/// A running event loop; dropping it stops the thread.
+pub struct EventLoop {
+    stop: EventFd,
+    thread: Option<JoinHandle<()>>,
+}
+
+fn token(device: usize, queue: usize) -> u64 {
+    ((device as u64) << 16) | queue as u64
+}
+
+impl EventLoop {
+    /// Starts the loop over `devices`' queue notifications.
+    ///
+    /// Errors: [`EventLoopError`].
+    pub fn spawn(name: &str, devices: Vec<Arc<Mutex<MmioTransport>>>) -> Result<Self, EventLoopError> {
+        let epoll = Epoll::new().map_err(EventLoopError::Setup)?;
+        let stop = EventFd::new(libc::EFD_NONBLOCK).map_err(EventLoopError::Setup)?;
+        epoll
+            .ctl(ControlOperation::Add, stop.as_raw_fd(), EpollEvent::new(EventSet::IN, STOP_TOKEN))
+            .map_err(EventLoopError::Setup)?;
+        // The loop owns duplicates of the queue eventfds, so that draining
+        // one does not need the device lock.
+        let mut evts: Vec<Vec<EventFd>> = Vec::new();
+        for (d, dev) in devices.iter().enumerate() {
+            let dev = dev.lock().unwrap_or_else(|e| e.into_inner());
+            let mut mine = Vec::new();
+            for (q, evt) in dev.queue_evts().iter().enumerate() {
+                let dup = evt.try_clone().map_err(EventLoopError::Setup)?;
+                epoll
+                    .ctl(ControlOperation::Add, dup.as_raw_fd(), EpollEvent::new(EventSet::IN, token(d, q)))
+                    .map_err(EventLoopError::Setup)?;
+                mine.push(dup);
+            }
+            evts.push(mine);
+        }
+        let stop_dup = stop.try_clone().map_err(EventLoopError::Setup)?;
+        let thread = std::thread::Builder::new()
+            .name(format!("devices-{name}"))
+            .spawn(move || run(epoll, stop_dup, devices, evts))
+            .map_err(EventLoopError::Thread)?;
+        Ok(EventLoop { stop, thread: Some(thread) })
+    }
+}
+
+fn run(epoll: Epoll, _stop: EventFd, devices: Vec<Arc<Mutex<MmioTransport>>>, evts: Vec<Vec<EventFd>>) {
+    let mut events = vec![EpollEvent::default(); EVENTS_PER_WAIT];
+    loop {
+        let n = match epoll.wait(-1, &mut events) {
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => {
+                tracing::error!("device event loop: epoll_wait failed: {e}; devices stop");
+                return;
+            }
+        };
+        for ev in &events[..n] {
+            let t = ev.data();
+            if t == STOP_TOKEN {
+                return;
+            }
+            let (d, q) = ((t >> 16) as usize, (t & 0xffff) as usize);
+            let (Some(evt), Some(dev)) = (evts.get(d).and_then(|v| v.get(q)), devices.get(d)) else { continue };
+            // Drain the notification count; a spurious wake-up is harmless.
+            let _ = evt.read();
+            tracing::trace!(device = d, queue = q, "queue notification");
+            dev.lock().unwrap_or_else(|e| e.into_inner()).process_queue(q);
+        }
+    }
+}
+
+impl Drop for EventLoop {
+    fn drop(&mut self) {
+        let _ = self.stop.write(1);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
