@@ -12,12 +12,21 @@
  *   exit                return from init: the kernel panics
  * and `tine_init_disk=/dev/vdX` adds a disk check: write a 4 KiB pattern
  * at byte 4096 of that disk, fsync, read it back and compare, and print the
- * disk's serial (virtio-blk GET_ID) from /sys/block/vdX/serial.
+ * disk's serial (virtio-blk GET_ID) from /sys/block/vdX/serial;
+ * and `tine_init_vsock=<port>` adds a vsock exchange: listen on that
+ * AF_VSOCK port, accept one connection, then
+ *   1. read a u64 (little endian) N, then N bytes, checking each against
+ *      host_pattern(i);
+ *   2. send N bytes of guest_pattern(i);
+ *   3. read a u64 M, then M times: read 1 byte and send it back;
+ *   then close and go on.
  *
  * Console lines (the tests match them):
  *   TINE-INIT-MARKER ready
  *   TINE-INIT-CPUINFO processors=<n> bytes=<m>
  *   TINE-INIT-DISK ok serial=<serial>   (with tine_init_disk)
+ *   TINE-INIT-VSOCK listening           (with tine_init_vsock)
+ *   TINE-INIT-VSOCK ok bytes=<N> pings=<M>
  *   TINE-INIT-ERROR <step> <errno>      (then it spins; the test fails)
  */
 #define SYS_read 0
@@ -29,6 +38,12 @@
 #define SYS_fsync 74
 #define SYS_mount 165
 #define O_RDWR 2
+#define SYS_socket 41
+#define SYS_accept 43
+#define SYS_bind 49
+#define SYS_listen 50
+#define AF_VSOCK 40
+#define SOCK_STREAM 1
 #define SYS_reboot 169
 
 #define LINUX_REBOOT_MAGIC1 0xfee1dead
@@ -166,6 +181,103 @@ static void disk_check(const char *dev)
 	put("\n");
 }
 
+/* The byte patterns of the vsock exchange (the host test has the same). */
+static unsigned char host_pattern(unsigned long i)
+{
+	return (unsigned char)(i * 31 + (i >> 9));
+}
+
+static unsigned char guest_pattern(unsigned long i)
+{
+	return (unsigned char)(i * 17 + (i >> 11) + 5);
+}
+
+static void read_full(long fd, char *p, long n, const char *step)
+{
+	while (n > 0) {
+		long r = syscall5(SYS_read, fd, (long)p, n, 0, 0);
+		if (r <= 0)
+			fail(step, r < 0 ? r : -1);
+		p += r;
+		n -= r;
+	}
+}
+
+static void write_full(long fd, const char *p, long n, const char *step)
+{
+	while (n > 0) {
+		long r = syscall5(SYS_write, fd, (long)p, n, 0, 0);
+		if (r <= 0)
+			fail(step, r < 0 ? r : -1);
+		p += r;
+		n -= r;
+	}
+}
+
+static unsigned long parse_num(const char *s)
+{
+	unsigned long v = 0;
+	while (*s >= '0' && *s <= '9')
+		v = v * 10 + (unsigned long)(*s++ - '0');
+	return v;
+}
+
+static void vsock_exchange(unsigned long port)
+{
+	struct {
+		unsigned short family, reserved;
+		unsigned int port, cid;
+		unsigned char flags, zero[3];
+	} addr = { AF_VSOCK, 0, (unsigned int)port, 0xffffffffu, 0, { 0, 0, 0 } };
+	unsigned long n, m, i, off;
+	long lfd, fd, r;
+
+	lfd = syscall5(SYS_socket, AF_VSOCK, SOCK_STREAM, 0, 0, 0);
+	if (lfd < 0)
+		fail("vsock-socket", lfd);
+	r = syscall5(SYS_bind, lfd, (long)&addr, sizeof(addr), 0, 0);
+	if (r < 0)
+		fail("vsock-bind", r);
+	r = syscall5(SYS_listen, lfd, 1, 0, 0, 0);
+	if (r < 0)
+		fail("vsock-listen", r);
+	put("TINE-INIT-VSOCK listening\n");
+	fd = syscall5(SYS_accept, lfd, 0, 0, 0, 0);
+	if (fd < 0)
+		fail("vsock-accept", fd);
+
+	read_full(fd, (char *)&n, 8, "vsock-read-n");
+	for (off = 0; off < n;) {
+		long chunk = n - off > sizeof(buf) ? (long)sizeof(buf) : (long)(n - off);
+		r = syscall5(SYS_read, fd, (long)buf, chunk, 0, 0);
+		if (r <= 0)
+			fail("vsock-read", r < 0 ? r : -1);
+		for (i = 0; i < (unsigned long)r; i++)
+			if ((unsigned char)buf[i] != host_pattern(off + i))
+				fail("vsock-compare", -1);
+		off += (unsigned long)r;
+	}
+	for (off = 0; off < n;) {
+		long chunk = n - off > sizeof(buf) ? (long)sizeof(buf) : (long)(n - off);
+		for (i = 0; i < (unsigned long)chunk; i++)
+			buf[i] = (char)guest_pattern(off + i);
+		write_full(fd, buf, chunk, "vsock-write");
+		off += (unsigned long)chunk;
+	}
+	read_full(fd, (char *)&m, 8, "vsock-read-m");
+	for (i = 0; i < m; i++) {
+		read_full(fd, buf, 1, "vsock-ping");
+		write_full(fd, buf, 1, "vsock-pong");
+	}
+	syscall5(SYS_close, fd, 0, 0, 0, 0);
+	syscall5(SYS_close, lfd, 0, 0, 0, 0);
+	put("TINE-INIT-VSOCK ok bytes=");
+	put_num(n);
+	put(" pings=");
+	put_num(m);
+	put("\n");
+}
+
 /* Called from _start with the initial stack: argc, argv..., 0, envp..., 0. */
 __attribute__((used)) void start_c(long *sp)
 {
@@ -174,6 +286,7 @@ __attribute__((used)) void start_c(long *sp)
 	char **envp = (char **)(sp + argc + 2);
 	const char *action = getenv_in(envp, "tine_init_action");
 	const char *disk = getenv_in(envp, "tine_init_disk");
+	const char *vsock = getenv_in(envp, "tine_init_vsock");
 	long cmd = LINUX_REBOOT_CMD_POWER_OFF;
 
 	put("TINE-INIT-MARKER ready\n");
@@ -206,6 +319,8 @@ __attribute__((used)) void start_c(long *sp)
 	put("\n");
 	if (disk)
 		disk_check(disk);
+	if (vsock)
+		vsock_exchange(parse_num(vsock));
 	if (action && streq(action, "exit")) {
 		put("TINE-INIT-EXIT\n");
 		syscall5(SYS_exit, 0, 0, 0, 0, 0);

@@ -110,6 +110,45 @@ pub fn build_test_rootfs(dir: &Path, size_mib: u64) -> PathBuf {
 /// Console line the test init prints after its disk check.
 pub const INIT_DISK_OK: &str = "TINE-INIT-DISK ok serial=";
 
+/// The byte the host sends at offset `i` of the vsock exchange (as in init.c).
+pub fn host_pattern(i: u64) -> u8 {
+    (i.wrapping_mul(31).wrapping_add(i >> 9)) as u8
+}
+
+/// The byte the guest sends at offset `i` of the vsock exchange.
+pub fn guest_pattern(i: u64) -> u8 {
+    (i.wrapping_mul(17).wrapping_add(i >> 11).wrapping_add(5)) as u8
+}
+
+/// Connects to guest vsock `port` through the VM's hybrid-vsock Unix
+/// socket `uds` (`CONNECT <port>\n`, then `OK <host port>\n`). Returns the
+/// stream and the host port.
+pub fn vsock_connect(uds: &Path, port: u32) -> std::io::Result<(std::os::unix::net::UnixStream, u32)> {
+    use std::io::{Read, Write};
+    let mut s = std::os::unix::net::UnixStream::connect(uds)?;
+    s.write_all(format!("CONNECT {port}\n").as_bytes())?;
+    let mut line = Vec::new();
+    let mut b = [0u8; 1];
+    loop {
+        if s.read(&mut b)? == 0 {
+            return Err(std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "closed before OK"));
+        }
+        if b[0] == b'\n' {
+            break;
+        }
+        line.push(b[0]);
+        if line.len() > 32 {
+            return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, "reply line too long"));
+        }
+    }
+    let line = String::from_utf8_lossy(&line).into_owned();
+    let host_port = line
+        .strip_prefix("OK ")
+        .and_then(|p| p.parse().ok())
+        .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::InvalidData, format!("bad reply '{line}'")))?;
+    Ok((s, host_port))
+}
+
 /// An ELF64 executable with one loadable segment holding `code` at
 /// physical and virtual address `addr`, entered at `addr`: a "kernel" that
 /// runs exactly these bytes.

@@ -55,6 +55,10 @@ struct RunArgs {
     /// /dev/vda). Append ":ro" to attach it read-only.
     #[arg(long = "disk")]
     disks: Vec<String>,
+    /// Add a virtio-vsock device: the guest's CID and the Unix socket host
+    /// clients connect to, as CID:PATH (e.g. 3:/tmp/vm.vsock).
+    #[arg(long)]
+    vsock: Option<String>,
     /// Host profile: baremetal or pvm (default: detected).
     #[arg(long)]
     profile: Option<HostProfile>,
@@ -77,6 +81,11 @@ fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
             None => (d.as_str(), false),
         };
         config.disks.push(vmm::DiskConfig { path: path.into(), read_only, id: format!("tine-disk-{i}") });
+    }
+    if let Some(v) = &args.vsock {
+        let (cid, path) = v.split_once(':').ok_or_else(|| anyhow::anyhow!("--vsock takes CID:PATH, got '{v}'"))?;
+        let cid = cid.parse().map_err(|_| anyhow::anyhow!("--vsock: '{cid}' is not a CID number"))?;
+        config.vsock = Some(vmm::VsockConfig { cid, uds_path: path.into() });
     }
     if let Some(p) = args.profile {
         config.profile = p;

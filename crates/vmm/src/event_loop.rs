@@ -13,6 +13,8 @@ use crate::devices::virtio::mmio::MmioTransport;
 
 /// Token of the stop eventfd.
 const STOP_TOKEN: u64 = u64::MAX;
+/// Queue number in a token that means "the device's own epoll fd".
+const DEVICE_FD: usize = 0xffff;
 /// Events taken from epoll per wait.
 const EVENTS_PER_WAIT: usize = 32;
 
@@ -60,6 +62,11 @@ impl EventLoop {
                     .map_err(EventLoopError::Setup)?;
                 mine.push(dup);
             }
+            if let Some(fd) = dev.epoll_fd() {
+                epoll
+                    .ctl(ControlOperation::Add, fd, EpollEvent::new(EventSet::IN, token(d, DEVICE_FD)))
+                    .map_err(EventLoopError::Setup)?;
+            }
             evts.push(mine);
         }
         let stop_dup = stop.try_clone().map_err(EventLoopError::Setup)?;
@@ -88,6 +95,12 @@ fn run(epoll: Epoll, _stop: EventFd, devices: Vec<Arc<Mutex<MmioTransport>>>, ev
                 return;
             }
             let (d, q) = ((t >> 16) as usize, (t & 0xffff) as usize);
+            if q == DEVICE_FD {
+                if let Some(dev) = devices.get(d) {
+                    dev.lock().unwrap_or_else(|e| e.into_inner()).process_events();
+                }
+                continue;
+            }
             let (Some(evt), Some(dev)) = (evts.get(d).and_then(|v| v.get(q)), devices.get(d)) else { continue };
             // Drain the notification count; a spurious wake-up is harmless.
             let _ = evt.read();

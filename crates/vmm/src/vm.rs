@@ -14,6 +14,8 @@ use vmm_sys_util::signal::Killable;
 
 use crate::devices::virtio::block::{Block, BlockError};
 use crate::devices::virtio::mmio::{reg, MmioTransport, MMIO_WINDOW};
+use crate::devices::virtio::vsock::muxer::MuxerError;
+use crate::devices::virtio::vsock::{Vsock, MIN_GUEST_CID};
 use crate::devices::virtio::{Interrupt, VirtioDevice, VirtioError};
 use crate::devices::{self, Console, ConsoleTail, LegacyDevices};
 use crate::event_loop::{EventLoop, EventLoopError};
@@ -50,6 +52,16 @@ pub struct DiskConfig {
     pub id: String,
 }
 
+/// A virtio-vsock device: the guest's CID and the host's Unix socket.
+#[derive(Clone, Debug)]
+pub struct VsockConfig {
+    /// The guest's context ID (3 or more).
+    pub cid: u64,
+    /// The Unix socket host clients connect to (`CONNECT <port>\n`);
+    /// guest connections to host port P go to `<uds_path>_P`.
+    pub uds_path: PathBuf,
+}
+
 /// What a VM is made of.
 #[derive(Clone, Debug)]
 pub struct VmConfig {
@@ -74,6 +86,8 @@ pub struct VmConfig {
     pub profile: HostProfile,
     /// Disks, in order: the first is `/dev/vda` in the guest.
     pub disks: Vec<DiskConfig>,
+    /// An optional vsock device.
+    pub vsock: Option<VsockConfig>,
 }
 
 impl VmConfig {
@@ -91,6 +105,7 @@ impl VmConfig {
             console_stdout: false,
             profile: HostProfile::detect(),
             disks: Vec::new(),
+            vsock: None,
         }
     }
 
@@ -145,6 +160,9 @@ pub enum VmError {
     /// A disk could not be opened.
     #[error(transparent)]
     Disk(#[from] BlockError),
+    /// The vsock device could not be set up.
+    #[error(transparent)]
+    Vsock(#[from] MuxerError),
     /// A virtio device could not be set up.
     #[error(transparent)]
     Virtio(#[from] VirtioError),
@@ -214,12 +232,19 @@ impl Vm {
         let ram = GuestRam::new(&config.name, mem_bytes)?;
         ram.register(&vm)?;
 
-        if config.disks.len() > MAX_VIRTIO_DEVICES {
-            return Err(VmError::Config(format!("at most {MAX_VIRTIO_DEVICES} virtio devices, got {}", config.disks.len())));
+        let ndev = config.disks.len() + usize::from(config.vsock.is_some());
+        if ndev > MAX_VIRTIO_DEVICES {
+            return Err(VmError::Config(format!("at most {MAX_VIRTIO_DEVICES} virtio devices, got {ndev}")));
         }
         let mut virtio: Vec<Box<dyn VirtioDevice>> = Vec::new();
         for d in &config.disks {
             virtio.push(Box::new(Block::open(&d.path, d.read_only, &d.id)?));
+        }
+        if let Some(v) = &config.vsock {
+            if v.cid < MIN_GUEST_CID || v.cid > u64::from(u32::MAX) {
+                return Err(VmError::Config(format!("vsock CID {} is reserved or too large: use 3..=4294967295", v.cid)));
+            }
+            virtio.push(Box::new(Vsock::new(v.cid, &v.uds_path)?));
         }
         let mut cmdline = config.full_cmdline();
         let mut mmio = Vec::new();

@@ -163,6 +163,31 @@ impl MmioTransport {
         }
     }
 
+    /// The device's host-side fd, if it has one (see [`VirtioDevice::epoll_fd`]).
+    pub fn epoll_fd(&self) -> Option<std::os::fd::RawFd> {
+        self.device.epoll_fd()
+    }
+
+    /// Runs the device's host-side work, if the device runs.
+    pub fn process_events(&mut self) {
+        if !self.is_active() {
+            return;
+        }
+        if let Err(e) = self.device.process_events() {
+            self.mark_broken(&e);
+        }
+    }
+
+    /// Tells the device the VM was restored (see [`VirtioDevice::after_restore`]).
+    pub fn after_restore(&mut self) {
+        if !self.is_active() {
+            return;
+        }
+        if let Err(e) = self.device.after_restore() {
+            self.mark_broken(&e);
+        }
+    }
+
     fn reset(&mut self) {
         if self.activated {
             self.device.reset();

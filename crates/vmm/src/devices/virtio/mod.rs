@@ -12,7 +12,9 @@
 pub mod block;
 pub mod chain;
 pub mod mmio;
+pub mod vsock;
 
+use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use virtio_queue::{DescriptorChain, Queue, QueueOwnedT, QueueT};
@@ -128,6 +130,24 @@ pub trait VirtioDevice: Send {
     ///
     /// Errors: [`VirtioError::Broken`] when the driver broke the protocol.
     fn process_queue(&mut self, index: usize) -> Result<(), VirtioError>;
+    /// An fd the event loop should wait on for host-side work (readable
+    /// when [`VirtioDevice::process_events`] has something to do).
+    fn epoll_fd(&self) -> Option<RawFd> {
+        None
+    }
+    /// Handles host-side work signalled on [`VirtioDevice::epoll_fd`].
+    ///
+    /// Errors: [`VirtioError::Broken`] when the driver broke the protocol.
+    fn process_events(&mut self) -> Result<(), VirtioError> {
+        Ok(())
+    }
+    /// Called after the VM was restored from a snapshot: host-side state
+    /// did not survive (vsock resets its transport).
+    ///
+    /// Errors: [`VirtioError::Broken`] when the driver broke the protocol.
+    fn after_restore(&mut self) -> Result<(), VirtioError> {
+        Ok(())
+    }
 }
 
 /// Drains queue `queue`: hands every available descriptor chain to
@@ -145,16 +165,32 @@ pub fn drain_queue<F>(
     queue: &mut Queue,
     mem: &GuestMemoryMmap,
     interrupt: &Interrupt,
-    mut handle: F,
+    handle: F,
 ) -> Result<(), VirtioError>
 where
     F: FnMut(DescriptorChain<&GuestMemoryMmap>) -> u32,
 {
+    drain_queue_while(device, queue, mem, interrupt, || true, handle)
+}
+
+/// [`drain_queue`], taking chains only while `more()` says so.
+pub fn drain_queue_while<W, F>(
+    device: &'static str,
+    queue: &mut Queue,
+    mem: &GuestMemoryMmap,
+    interrupt: &Interrupt,
+    mut more: W,
+    mut handle: F,
+) -> Result<(), VirtioError>
+where
+    W: FnMut() -> bool,
+    F: FnMut(DescriptorChain<&GuestMemoryMmap>) -> u32,
+{
     let broken = |reason: String| VirtioError::Broken { device, reason };
     let mut used_any = false;
-    loop {
+    while more() {
         queue.disable_notification(mem).map_err(|e| broken(format!("available ring: {e}")))?;
-        loop {
+        while more() {
             let mut iter = queue.iter(mem).map_err(|e| broken(format!("available ring: {e}")))?;
             let Some(chain) = iter.next() else { break };
             drop(iter);
