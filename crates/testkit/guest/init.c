@@ -19,7 +19,8 @@
  *      host_pattern(i);
  *   2. send N bytes of guest_pattern(i);
  *   3. read a u64 M, then M times: read 1 byte and send it back;
- *   then close and go on.
+ *   4. wait for the host to close (so that every byte sent reached it
+ *      before init goes on and powers the VM off), then close.
  *
  * Console lines (the tests match them):
  *   TINE-INIT-MARKER ready
@@ -269,6 +270,9 @@ static void vsock_exchange(unsigned long port)
 		read_full(fd, buf, 1, "vsock-ping");
 		write_full(fd, buf, 1, "vsock-pong");
 	}
+	r = syscall5(SYS_read, fd, (long)buf, 1, 0, 0);
+	if (r != 0)
+		fail("vsock-eof", r < 0 ? r : -1);
 	syscall5(SYS_close, fd, 0, 0, 0, 0);
 	syscall5(SYS_close, lfd, 0, 0, 0, 0);
 	put("TINE-INIT-VSOCK ok bytes=");

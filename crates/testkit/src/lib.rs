@@ -12,10 +12,21 @@ pub fn workspace_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").canonicalize().expect("workspace root")
 }
 
+/// Sends the VMM's log (warnings and up, or `RUST_LOG`) to stderr, once
+/// per process, so a failing test shows what the VMM complained about.
+pub fn logging() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into());
+        let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_test_writer().try_init();
+    });
+}
+
 /// Whether `/dev/kvm` can be opened. When it cannot, prints a loud SKIPPED
 /// line naming `test` so that a skipped KVM test is never mistaken for a
 /// pass; CI machines have KVM, so there the tests run.
 pub fn kvm_available(test: &str) -> bool {
+    logging();
     match std::fs::OpenOptions::new().read(true).write(true).open("/dev/kvm") {
         Ok(_) => true,
         Err(e) => {
@@ -118,6 +129,114 @@ pub fn host_pattern(i: u64) -> u8 {
 /// The byte the guest sends at offset `i` of the vsock exchange.
 pub fn guest_pattern(i: u64) -> u8 {
     (i.wrapping_mul(17).wrapping_add(i >> 11).wrapping_add(5)) as u8
+}
+
+/// Timings of one run of the vsock exchange protocol (see init.c).
+#[derive(Debug)]
+pub struct ExchangeStats {
+    /// Bytes each way.
+    pub bytes: u64,
+    /// Time to send `bytes` to the peer (it checks them).
+    pub to_peer: std::time::Duration,
+    /// Time to receive and check `bytes` from the peer.
+    pub from_peer: std::time::Duration,
+    /// 1-byte round trips, sorted.
+    pub rtts: Vec<std::time::Duration>,
+}
+
+impl ExchangeStats {
+    /// MB/s (10^6 bytes) host to peer.
+    pub fn to_peer_mbps(&self) -> f64 {
+        self.bytes as f64 / 1e6 / self.to_peer.as_secs_f64()
+    }
+    /// MB/s peer to host.
+    pub fn from_peer_mbps(&self) -> f64 {
+        self.bytes as f64 / 1e6 / self.from_peer.as_secs_f64()
+    }
+    /// Median round trip.
+    pub fn rtt_median(&self) -> std::time::Duration {
+        self.rtts.get(self.rtts.len() / 2).copied().unwrap_or_default()
+    }
+}
+
+/// The host side of the exchange protocol of init.c's `vsock_exchange`:
+/// sends `bytes` of [`host_pattern`], receives `bytes` and checks each
+/// against [`guest_pattern`] (panics on a mismatch or early close), then
+/// times `pings` 1-byte round trips.
+pub fn exchange<S: std::io::Read + std::io::Write>(s: &mut S, bytes: u64, pings: u64) -> ExchangeStats {
+    use std::time::Instant;
+    let t0 = Instant::now();
+    s.write_all(&bytes.to_le_bytes()).unwrap();
+    let mut chunk = vec![0u8; 1 << 20];
+    let mut off = 0u64;
+    while off < bytes {
+        let len = (bytes - off).min(chunk.len() as u64) as usize;
+        for (i, b) in chunk[..len].iter_mut().enumerate() {
+            *b = host_pattern(off + i as u64);
+        }
+        s.write_all(&chunk[..len]).unwrap();
+        off += len as u64;
+    }
+    let t1 = Instant::now();
+    let mut off = 0u64;
+    while off < bytes {
+        let want = (bytes - off).min(chunk.len() as u64) as usize;
+        let got = s.read(&mut chunk[..want]).unwrap();
+        assert!(got > 0, "the peer closed after {off} of {bytes} bytes");
+        for (i, b) in chunk[..got].iter().enumerate() {
+            assert_eq!(*b, guest_pattern(off + i as u64), "byte {} from the peer", off + i as u64);
+        }
+        off += got as u64;
+    }
+    let t2 = Instant::now();
+    s.write_all(&pings.to_le_bytes()).unwrap();
+    let mut rtts = Vec::with_capacity(pings as usize);
+    for i in 0..pings {
+        let b = [i as u8];
+        let t = Instant::now();
+        s.write_all(&b).unwrap();
+        let mut r = [0u8; 1];
+        s.read_exact(&mut r).unwrap();
+        rtts.push(t.elapsed());
+        assert_eq!(r, b);
+    }
+    rtts.sort();
+    ExchangeStats { bytes, to_peer: t1 - t0, from_peer: t2 - t1, rtts }
+}
+
+/// The peer side of the exchange (what init.c does in the guest), for a
+/// host-only baseline over a Unix socket pair.
+pub fn exchange_peer<S: std::io::Read + std::io::Write>(s: &mut S) {
+    let mut n = [0u8; 8];
+    s.read_exact(&mut n).unwrap();
+    let n = u64::from_le_bytes(n);
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut off = 0u64;
+    while off < n {
+        let want = (n - off).min(buf.len() as u64) as usize;
+        let got = s.read(&mut buf[..want]).unwrap();
+        assert!(got > 0);
+        for (i, b) in buf[..got].iter().enumerate() {
+            assert_eq!(*b, host_pattern(off + i as u64));
+        }
+        off += got as u64;
+    }
+    let mut off = 0u64;
+    while off < n {
+        let len = (n - off).min(buf.len() as u64) as usize;
+        for (i, b) in buf[..len].iter_mut().enumerate() {
+            *b = guest_pattern(off + i as u64);
+        }
+        s.write_all(&buf[..len]).unwrap();
+        off += len as u64;
+    }
+    let mut m = [0u8; 8];
+    s.read_exact(&mut m).unwrap();
+    for _ in 0..u64::from_le_bytes(m) {
+        let mut b = [0u8; 1];
+        s.read_exact(&mut b).unwrap();
+        s.write_all(&b).unwrap();
+    }
 }
 
 /// Connects to guest vsock `port` through the VM's hybrid-vsock Unix

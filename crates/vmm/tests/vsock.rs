@@ -4,8 +4,7 @@
 //! times a 1-byte ping-pong. Needs /dev/kvm (skips loudly without it).
 //! N is 64 MiB (env TINE_VSOCK_BYTES overrides).
 
-use std::io::{Read, Write};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use vmm::{Vm, VmConfig, VmExit, VsockConfig};
 
@@ -36,52 +35,18 @@ fn guest_listener_exchanges_bytes_both_ways_over_vsock() {
     assert!(host_port >= 1 << 30, "host port {host_port}");
     s.set_read_timeout(Some(Duration::from_secs(600))).unwrap();
 
-    // Host -> guest: N bytes; the guest checks each one.
-    let t0 = Instant::now();
-    s.write_all(&n.to_le_bytes()).unwrap();
-    let mut chunk = vec![0u8; 1 << 20];
-    let mut off = 0u64;
-    while off < n {
-        let len = (n - off).min(chunk.len() as u64) as usize;
-        for (i, b) in chunk[..len].iter_mut().enumerate() {
-            *b = testkit::host_pattern(off + i as u64);
+    let stats = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| testkit::exchange(&mut s, n, PINGS))) {
+        Ok(stats) => stats,
+        Err(e) => {
+            eprintln!("exchange failed; guest console:\n{}", console.last_lines(15));
+            std::panic::resume_unwind(e)
         }
-        s.write_all(&chunk[..len]).unwrap();
-        off += len as u64;
-    }
-    // Guest -> host: N bytes, checked here.
-    let t1 = Instant::now();
-    let mut off = 0u64;
-    while off < n {
-        let want = (n - off).min(chunk.len() as u64) as usize;
-        let got = s.read(&mut chunk[..want]).unwrap();
-        assert!(got > 0, "the guest closed after {off} of {n} bytes:\n{}", console.last_lines(20));
-        for (i, b) in chunk[..got].iter().enumerate() {
-            assert_eq!(*b, testkit::guest_pattern(off + i as u64), "byte {} from the guest", off + i as u64);
-        }
-        off += got as u64;
-    }
-    let t2 = Instant::now();
-    // Ping-pong.
-    s.write_all(&PINGS.to_le_bytes()).unwrap();
-    let mut rtts = Vec::new();
-    for i in 0..PINGS {
-        let b = [i as u8];
-        let t = Instant::now();
-        s.write_all(&b).unwrap();
-        let mut r = [0u8; 1];
-        s.read_exact(&mut r).unwrap();
-        rtts.push(t.elapsed());
-        assert_eq!(r, b);
-    }
-    rtts.sort();
-    let mb = n as f64 / 1e6;
+    };
     eprintln!(
-        "vsock: host->guest {:.1} MB/s, guest->host {:.1} MB/s ({} bytes each way), 1-byte round trip median {} us",
-        mb / (t1 - t0).as_secs_f64(),
-        mb / (t2 - t1).as_secs_f64(),
-        n,
-        rtts[rtts.len() / 2].as_micros()
+        "vsock: host->guest {:.1} MB/s, guest->host {:.1} MB/s ({n} bytes each way), 1-byte round trip median {} us",
+        stats.to_peer_mbps(),
+        stats.from_peer_mbps(),
+        stats.rtt_median().as_micros()
     );
     drop(s);
     let exit = vm.wait_timeout(Duration::from_secs(300));

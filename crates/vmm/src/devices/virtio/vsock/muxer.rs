@@ -228,8 +228,9 @@ impl Muxer {
         self.update_interest(key);
     }
 
-    fn remove_conn(&mut self, key: Key) {
+    fn remove_conn(&mut self, key: Key, why: &str) {
         if let Some(c) = self.conns.remove(&key) {
+            tracing::debug!(host_port = key.0, guest_port = key.1, pending = c.pending.len(), "virtio-vsock: connection closed: {why}");
             let fd = c.stream.as_raw_fd();
             let _ = self.epoll.ctl(ControlOperation::Delete, fd, EpollEvent::default());
             self.by_fd.remove(&fd);
@@ -237,9 +238,9 @@ impl Muxer {
     }
 
     /// Closes the connection and tells the guest (RST).
-    fn reset_conn(&mut self, key: Key) {
+    fn reset_conn(&mut self, key: Key, why: &str) {
         let h = self.header(key, op::RST);
-        self.remove_conn(key);
+        self.remove_conn(key, why);
         self.push_control(h);
     }
 
@@ -248,7 +249,7 @@ impl Muxer {
     pub fn reset_all(&mut self) {
         let keys: Vec<Key> = self.conns.keys().copied().collect();
         for k in keys {
-            self.remove_conn(k);
+            self.remove_conn(k, "transport reset");
         }
         for (fd, _) in self.handshakes.drain() {
             let _ = self.epoll.ctl(ControlOperation::Delete, fd, EpollEvent::default());
@@ -264,6 +265,9 @@ impl Muxer {
             return;
         }
         let key = (hdr.dst_port, hdr.src_port);
+        if hdr.op != op::RW {
+            tracing::debug!(?hdr, "virtio-vsock: from guest");
+        }
         if hdr.type_ != TYPE_STREAM {
             if hdr.op != op::RST {
                 self.push_control(self.header(key, op::RST));
@@ -276,8 +280,8 @@ impl Muxer {
                 Some(c) if c.state == State::Connecting => {
                     c.state = State::Established;
                     let ok = format!("OK {}\n", key.0);
-                    if c.stream.write_all(ok.as_bytes()).is_err() {
-                        self.reset_conn(key);
+                    if let Err(e) = c.stream.write_all(ok.as_bytes()) {
+                        self.reset_conn(key, &format!("writing OK: {e}"));
                     } else {
                         self.update_interest(key);
                     }
@@ -294,10 +298,10 @@ impl Muxer {
                 }
             }
             op::SHUTDOWN => self.guest_shutdown(key, hdr.flags),
-            op::RST => self.remove_conn(key),
+            op::RST => self.remove_conn(key, "RST from the guest"),
             other => {
                 tracing::warn!("virtio-vsock: unknown op {other} from the guest; connection reset");
-                self.reset_conn(key);
+                self.reset_conn(key, "unknown op");
             }
         }
         // Every packet carries the guest's credit; a REQUEST's applies to
@@ -341,12 +345,12 @@ impl Muxer {
             return;
         };
         if c.state != State::Established || c.peer_shutdown & SHUTDOWN_SEND != 0 {
-            self.reset_conn(key);
+            self.reset_conn(key, "data on a connection not open for it");
             return;
         }
         if c.pending.len() + payload.len() > CONN_BUF as usize {
             tracing::warn!("virtio-vsock: guest port {} sent past its credit; connection reset", key.1);
-            self.reset_conn(key);
+            self.reset_conn(key, "credit exceeded");
             return;
         }
         let mut written = 0;
@@ -354,8 +358,8 @@ impl Muxer {
             match c.stream.write(payload) {
                 Ok(n) => written = n,
                 Err(e) if e.kind() == ErrorKind::WouldBlock => {}
-                Err(_) => {
-                    self.reset_conn(key);
+                Err(e) => {
+                    self.reset_conn(key, &format!("write: {e}"));
                     return;
                 }
             }
@@ -383,7 +387,7 @@ impl Muxer {
         }
         if c.peer_shutdown == SHUTDOWN_RCV | SHUTDOWN_SEND {
             // Both directions closed: finish with RST (section 5.10.6.6).
-            self.reset_conn(key);
+            self.reset_conn(key, "guest shut down both directions");
         }
     }
 
@@ -506,8 +510,8 @@ impl Muxer {
                     c.fwd_cnt = c.fwd_cnt.wrapping_add(n as u32);
                 }
                 Err(e) if e.kind() == ErrorKind::WouldBlock => break,
-                Err(_) => {
-                    self.reset_conn(key);
+                Err(e) => {
+                    self.reset_conn(key, &format!("flush: {e}"));
                     return;
                 }
             }
@@ -569,9 +573,9 @@ impl Muxer {
                     c.readable = false;
                     self.update_interest(key);
                 }
-                Err(_) => {
-                    self.remove_conn(key);
+                Err(e) => {
                     let h = self.header(key, op::RST);
+                    self.remove_conn(key, &format!("read: {e}"));
                     return Some((h, 0));
                 }
             }
