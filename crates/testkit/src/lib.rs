@@ -131,6 +131,20 @@ pub fn guest_pattern(i: u64) -> u8 {
     (i.wrapping_mul(17).wrapping_add(i >> 11).wrapping_add(5)) as u8
 }
 
+/// Fills `buf` with `pattern(off + i)`.
+fn fill(buf: &mut [u8], off: u64, pattern: fn(u64) -> u8) {
+    for (i, b) in buf.iter_mut().enumerate() {
+        *b = pattern(off + i as u64);
+    }
+}
+
+/// Panics unless `buf[i] == pattern(off + i)` for every `i`.
+fn check(buf: &[u8], off: u64, pattern: fn(u64) -> u8, from: &str) {
+    for (i, b) in buf.iter().enumerate() {
+        assert_eq!(*b, pattern(off + i as u64), "byte {} from the {from}", off + i as u64);
+    }
+}
+
 /// Timings of one run of the vsock exchange protocol (see init.c).
 #[derive(Debug)]
 pub struct ExchangeStats {
@@ -171,9 +185,7 @@ pub fn exchange<S: std::io::Read + std::io::Write>(s: &mut S, bytes: u64, pings:
     let mut off = 0u64;
     while off < bytes {
         let len = (bytes - off).min(chunk.len() as u64) as usize;
-        for (i, b) in chunk[..len].iter_mut().enumerate() {
-            *b = host_pattern(off + i as u64);
-        }
+        fill(&mut chunk[..len], off, host_pattern);
         s.write_all(&chunk[..len]).unwrap();
         off += len as u64;
     }
@@ -183,9 +195,7 @@ pub fn exchange<S: std::io::Read + std::io::Write>(s: &mut S, bytes: u64, pings:
         let want = (bytes - off).min(chunk.len() as u64) as usize;
         let got = s.read(&mut chunk[..want]).unwrap();
         assert!(got > 0, "the peer closed after {off} of {bytes} bytes");
-        for (i, b) in chunk[..got].iter().enumerate() {
-            assert_eq!(*b, guest_pattern(off + i as u64), "byte {} from the peer", off + i as u64);
-        }
+        check(&chunk[..got], off, guest_pattern, "peer");
         off += got as u64;
     }
     let t2 = Instant::now();
@@ -215,18 +225,14 @@ pub fn exchange_peer<S: std::io::Read + std::io::Write>(s: &mut S) {
     while off < n {
         let want = (n - off).min(buf.len() as u64) as usize;
         let got = s.read(&mut buf[..want]).unwrap();
-        assert!(got > 0);
-        for (i, b) in buf[..got].iter().enumerate() {
-            assert_eq!(*b, host_pattern(off + i as u64));
-        }
+        assert!(got > 0, "the host closed after {off} of {n} bytes");
+        check(&buf[..got], off, host_pattern, "host");
         off += got as u64;
     }
     let mut off = 0u64;
     while off < n {
         let len = (n - off).min(buf.len() as u64) as usize;
-        for (i, b) in buf[..len].iter_mut().enumerate() {
-            *b = guest_pattern(off + i as u64);
-        }
+        fill(&mut buf[..len], off, guest_pattern);
         s.write_all(&buf[..len]).unwrap();
         off += len as u64;
     }
