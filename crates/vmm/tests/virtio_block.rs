@@ -189,3 +189,30 @@ fn a_corrupt_available_ring_marks_the_device_broken_until_reset() {
     assert!(!d.needs_reset());
     assert_eq!(request(&mut d, req::IN, 0, 512, WRITE).0, status::OK);
 }
+
+#[test]
+fn queue_state_survives_save_and_restore() {
+    let (f, mut d) = disk(false);
+    d.write_bytes(DATA, &[0x11; 512]);
+    for _ in 0..3 {
+        assert_eq!(request(&mut d, req::OUT, 1, 512, 0).0, status::OK);
+    }
+    let saved = d.transport.save_state();
+    assert!(saved.activated);
+    assert_eq!((saved.queues[0].next_avail, saved.queues[0].next_used), (3, 3));
+    // A new device on the same image, restored: the driver's rings go on.
+    let block = Block::open(f.path(), false, "test-serial-0123456789").unwrap();
+    d.save_and_restore(Box::new(block));
+    assert!(d.transport.is_active());
+    assert_eq!(d.transport.save_state(), saved, "virtio-blk restores to exactly the saved state");
+    d.write_bytes(DATA, &[0u8; 512]);
+    let (st, used) = request(&mut d, req::IN, 1, 512, WRITE);
+    assert_eq!(st, status::OK);
+    assert_eq!(used, vec![(0, 513)], "exactly one new used entry after the restore");
+    assert_eq!(d.read_bytes(DATA, 512), vec![0x11; 512]);
+    // A state for another device shape is refused.
+    let other = vmm::devices::virtio::vsock::Vsock::new(3, &f.path().with_extension("sock")).unwrap();
+    let interrupt = std::sync::Arc::new(vmm::devices::virtio::Interrupt::new(d.irq.try_clone().unwrap()));
+    let err = vmm::devices::virtio::mmio::MmioTransport::restore(Box::new(other), d.mem.clone(), interrupt, &saved);
+    assert!(err.is_err());
+}

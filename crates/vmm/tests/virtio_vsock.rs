@@ -299,3 +299,32 @@ fn transport_reset_event_after_restore() {
     let mut b = [0u8; 4];
     assert_eq!(s.read(&mut b).unwrap(), 0);
 }
+
+#[test]
+fn a_restored_device_resets_the_transport_and_takes_new_connections() {
+    let mut h = harness();
+    h.rx_buffers(QSIZE);
+    let mut old = h.guest_connect(1234, 6000);
+    h.d.set_desc(EVQ, 0, EV_BASE, 8, WRITE, 0);
+    h.d.publish(EVQ, 0);
+    // Restore into a new device (the muxer listens on the same path).
+    let vsock = Vsock::new(CID, &h.uds).unwrap();
+    h.d.save_and_restore(Box::new(vsock));
+    assert_eq!(h.d.used(EVQ), vec![(0, 4)], "TRANSPORT_RESET after restore");
+    // Connections of before are gone.
+    old.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut b = [0u8; 1];
+    assert_eq!(old.read(&mut b).unwrap(), 0);
+    // The host socket still exists (the old device did not remove the
+    // new one's) and host-initiated connections work.
+    let mut c = UnixStream::connect(&h.uds).expect("the vsock socket survives a restore");
+    c.write_all(b"CONNECT 7000\n").unwrap();
+    h.host_events();
+    assert!(h.rx().iter().any(|(p, _)| p.op == op::REQUEST && p.dst_port == 7000));
+    // New connections work, on the restored rings.
+    let mut s = h.guest_connect(1235, 6002);
+    h.tx(hdr(op::RW, 1235, 6002, 3), b"new");
+    let mut got = [0u8; 3];
+    s.read_exact(&mut got).unwrap();
+    assert_eq!(&got, b"new");
+}

@@ -95,6 +95,14 @@ impl Driver {
         assert!(d.transport.is_active(), "device did not activate");
     }
 
+    /// Saves the transport's state and replaces it with `device` restored
+    /// from that state, on the same guest memory and interrupt line.
+    pub fn save_and_restore(&mut self, device: Box<dyn VirtioDevice>) {
+        let state = self.transport.save_state();
+        let interrupt = Arc::new(Interrupt::new(self.irq.try_clone().unwrap()));
+        self.transport = MmioTransport::restore(device, self.mem.clone(), interrupt, &state).unwrap();
+    }
+
     pub fn w(&mut self, offset: u64, v: u32) {
         self.transport.write(offset, &v.to_le_bytes());
     }

@@ -275,6 +275,10 @@ impl VirtioDevice for Block {
         self.running = None;
     }
 
+    fn queue_states(&self) -> Option<Vec<virtio_queue::QueueState>> {
+        self.running.as_ref().map(|r| vec![r.queue.state()])
+    }
+
     fn process_queue(&mut self, index: usize) -> Result<(), VirtioError> {
         if index != 0 {
             return Ok(());

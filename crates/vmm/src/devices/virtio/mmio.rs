@@ -9,7 +9,7 @@
 
 use std::sync::Arc;
 
-use virtio_queue::{Queue, QueueT};
+use virtio_queue::{Queue, QueueState, QueueT};
 use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
 
@@ -66,6 +66,48 @@ pub mod status {
     pub const FAILED: u32 = 0x80;
 }
 
+/// The persisted state of a transport and its device's queues: what a
+/// snapshot keeps so the device can go on where it was (virtqueue indices
+/// included). Host-side resources (files, sockets) are the device's own.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TransportState {
+    /// Device status register.
+    pub status: u32,
+    /// Features the driver accepted.
+    pub driver_features: u64,
+    /// DeviceFeaturesSel.
+    pub device_features_select: u32,
+    /// DriverFeaturesSel.
+    pub driver_features_select: u32,
+    /// QueueSel.
+    pub queue_select: u32,
+    /// ConfigGeneration.
+    pub config_generation: u32,
+    /// InterruptStatus.
+    pub interrupt_status: u32,
+    /// Whether the device was activated (DRIVER_OK seen).
+    pub activated: bool,
+    /// Every queue: the live state of a running device, else the driver's
+    /// configuration so far.
+    pub queues: Vec<QueueState>,
+}
+
+/// Errors of restoring a transport.
+#[derive(Debug, thiserror::Error)]
+pub enum RestoreError {
+    /// The state does not fit the device (queue count or sizes).
+    #[error("saved state does not fit {device}: {reason}")]
+    Mismatch {
+        /// The device's name.
+        device: &'static str,
+        /// What does not fit.
+        reason: String,
+    },
+    /// Re-creating the device's queues or eventfds failed.
+    #[error(transparent)]
+    Virtio(#[from] VirtioError),
+}
+
 /// A virtio device and its transport state.
 pub struct MmioTransport {
     device: Box<dyn VirtioDevice>,
@@ -109,6 +151,64 @@ impl MmioTransport {
             config_generation: 0,
             activated: false,
         })
+    }
+
+    /// The transport's persisted state (see [`TransportState`]).
+    pub fn save_state(&self) -> TransportState {
+        let queues = match (self.activated, self.device.queue_states()) {
+            (true, Some(live)) => live,
+            _ => self.queues.iter().map(|q| q.state()).collect(),
+        };
+        TransportState {
+            status: self.status,
+            driver_features: self.driver_features,
+            device_features_select: self.device_features_select,
+            driver_features_select: self.driver_features_select,
+            queue_select: self.queue_select,
+            config_generation: self.config_generation,
+            interrupt_status: self.interrupt.status(),
+            activated: self.activated,
+            queues,
+        }
+    }
+
+    /// Rebuilds a transport for `device` from `state` (same guest memory
+    /// contents as when it was saved). An activated device is activated
+    /// again on the saved queues (indices included) and then told it was
+    /// restored ([`VirtioDevice::after_restore`]).
+    ///
+    /// Errors: [`RestoreError`].
+    pub fn restore(
+        device: Box<dyn VirtioDevice>,
+        mem: GuestMemoryMmap,
+        interrupt: Arc<Interrupt>,
+        state: &TransportState,
+    ) -> Result<Self, RestoreError> {
+        let name = device.name();
+        let sizes = device.queue_max_sizes().to_vec();
+        if sizes.len() != state.queues.len() || sizes.iter().zip(&state.queues).any(|(m, q)| *m != q.max_size) {
+            return Err(RestoreError::Mismatch { device: name, reason: format!("queues {sizes:?} vs saved {:?}", state.queues.iter().map(|q| q.max_size).collect::<Vec<_>>()) });
+        }
+        let mut t = MmioTransport::new(device, mem, interrupt)?;
+        let mut queues = Vec::with_capacity(state.queues.len());
+        for (i, qs) in state.queues.iter().enumerate() {
+            queues.push(Queue::try_from(*qs).map_err(|e| RestoreError::Mismatch { device: name, reason: format!("queue {i}: {e}") })?);
+        }
+        t.queues = queues;
+        t.status = state.status;
+        t.driver_features = state.driver_features;
+        t.device_features_select = state.device_features_select;
+        t.driver_features_select = state.driver_features_select;
+        t.queue_select = state.queue_select;
+        t.config_generation = state.config_generation;
+        if state.interrupt_status != 0 {
+            t.interrupt.trigger(state.interrupt_status);
+        }
+        if state.activated && state.status & status::DEVICE_NEEDS_RESET == 0 {
+            t.activate();
+            t.after_restore();
+        }
+        Ok(t)
     }
 
     /// The per-queue notification eventfds, to register as KVM ioeventfds

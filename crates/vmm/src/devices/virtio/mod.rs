@@ -141,6 +141,9 @@ pub trait VirtioDevice: Send {
     fn process_events(&mut self) -> Result<(), VirtioError> {
         Ok(())
     }
+    /// The live state of the queues of a running device (`None` before
+    /// activation), for [`mmio::TransportState`].
+    fn queue_states(&self) -> Option<Vec<virtio_queue::QueueState>>;
     /// Called after the VM was restored from a snapshot: host-side state
     /// did not survive (vsock resets its transport).
     ///

@@ -286,6 +286,10 @@ impl VirtioDevice for Vsock {
         self.muxer.reset_all();
     }
 
+    fn queue_states(&self) -> Option<Vec<virtio_queue::QueueState>> {
+        self.running.as_ref().map(|r| r.queues.iter().map(|q| q.state()).collect())
+    }
+
     fn process_queue(&mut self, index: usize) -> Result<(), VirtioError> {
         match index {
             TXQ => {

@@ -17,6 +17,7 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::io::{ErrorKind, Read, Write};
 use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::fs::MetadataExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 
@@ -137,6 +138,8 @@ pub struct Muxer {
     next_local_port: u32,
     /// Where the RX round robin resumes.
     rr_cursor: Option<Key>,
+    /// (device, inode) of the socket file this muxer bound.
+    socket_id: Option<(u64, u64)>,
 }
 
 impl Muxer {
@@ -153,6 +156,7 @@ impl Muxer {
         }
         let listener = UnixListener::bind(uds_path).map_err(listen_err)?;
         listener.set_nonblocking(true).map_err(listen_err)?;
+        let socket_id = std::fs::metadata(uds_path).ok().map(|m| (m.dev(), m.ino()));
         let epoll = Epoll::new().map_err(MuxerError::Epoll)?;
         epoll
             .ctl(ControlOperation::Add, listener.as_raw_fd(), EpollEvent::new(EventSet::IN, LISTENER_TOKEN))
@@ -168,6 +172,7 @@ impl Muxer {
             control: VecDeque::new(),
             next_local_port: FIRST_LOCAL_PORT,
             rr_cursor: None,
+            socket_id,
         })
     }
 
@@ -586,6 +591,11 @@ impl Muxer {
 
 impl Drop for Muxer {
     fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.uds_path);
+        // Remove the socket file only if it is still ours: a device
+        // restored in place has bound a new socket at the same path.
+        let current = std::fs::metadata(&self.uds_path).ok().map(|m| (m.dev(), m.ino()));
+        if current.is_some() && current == self.socket_id {
+            let _ = std::fs::remove_file(&self.uds_path);
+        }
     }
 }
