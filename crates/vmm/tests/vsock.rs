@@ -1,5 +1,6 @@
-//! virtio-vsock with a real guest: the test init listens on an AF_VSOCK
-//! port; the host connects through the VM's Unix socket (hybrid vsock
+//! virtio-vsock with a real guest booted from an ext4 root filesystem on
+//! virtio-blk (built by the test with `mkfs.ext4 -d`): the test program
+//! on it (/sbin/init) listens on an AF_VSOCK port; the host connects through the VM's Unix socket (hybrid vsock
 //! handshake), sends N bytes, receives N bytes, checks every byte, and
 //! times a 1-byte ping-pong. Needs /dev/kvm (skips loudly without it).
 //! N is 64 MiB (env TINE_VSOCK_BYTES overrides).
@@ -20,9 +21,10 @@ fn guest_listener_exchanges_bytes_both_ways_over_vsock() {
     let dir = tempfile::tempdir().unwrap();
     let uds = dir.path().join("vm.vsock");
     let mut config = VmConfig::new("vsock-test", testkit::kernel());
-    config.initrd = Some(testkit::build_test_initramfs(dir.path()));
+    let rootfs = testkit::build_test_rootfs(dir.path(), 16);
+    config.disks = vec![vmm::DiskConfig { path: rootfs, read_only: true, id: "tine-root".into() }];
     config.vsock = Some(VsockConfig { cid: 3, uds_path: uds.clone() });
-    config.cmdline = format!("tine_init_vsock={PORT}");
+    config.cmdline = format!("root=/dev/vda ro rootfstype=ext4 tine_init_vsock={PORT}");
     let mut vm = Vm::start(&config).expect("VM starts");
     let console = vm.console().clone();
     assert!(
@@ -51,6 +53,7 @@ fn guest_listener_exchanges_bytes_both_ways_over_vsock() {
     drop(s);
     let exit = vm.wait_timeout(Duration::from_secs(300));
     let text = console.text();
+    assert!(text.contains("EXT4-fs (vda): mounted filesystem"), "root not on virtio-blk:\n{text}");
     assert!(text.contains(&format!("TINE-INIT-VSOCK ok bytes={n} pings={PINGS}")), "{text}");
     assert!(matches!(exit, Ok(VmExit::PowerOff)), "{exit:?}\n{text}");
 }
