@@ -1,0 +1,379 @@
+//! The request and response types, with the limits both sides enforce.
+
+use serde::{Deserialize, Serialize};
+
+/// Default `exec`/`python` timeout (ms).
+pub const DEFAULT_TIMEOUT_MS: u32 = 60_000;
+/// Largest `exec`/`python` timeout (ms): 10 minutes.
+pub const MAX_TIMEOUT_MS: u32 = 600_000;
+/// Default cap on each of stdout and stderr (bytes).
+pub const DEFAULT_OUTPUT_LIMIT: u32 = 32 * 1024;
+/// Largest cap on each of stdout and stderr (bytes).
+pub const MAX_OUTPUT_LIMIT: u32 = 4 << 20;
+/// Largest file chunk one read or write moves (bytes); larger files go in
+/// several requests (offset/length).
+pub const MAX_FILE_CHUNK: u64 = 8 << 20;
+/// Bytes of entropy a reseed carries at most.
+pub const MAX_ENTROPY_BYTES: usize = 512;
+
+/// A request from the host; answered by a [`Response`] with the same `id`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Request {
+    /// Chosen by the host, unique among its requests in flight.
+    pub id: u64,
+    /// What to do.
+    pub op: Op,
+}
+
+/// The agent's answer to the [`Request`] with the same `id`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Response {
+    /// The request's id.
+    pub id: u64,
+    /// What happened.
+    pub result: Result<Reply, AgentError>,
+}
+
+/// Operations.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Op {
+    /// Liveness and version check.
+    Ping,
+    /// Run a command.
+    Exec(Exec),
+    /// Run code in the sandbox's persistent Python interpreter.
+    Python(Python),
+    /// Read (part of) a file.
+    ReadFile(ReadFile),
+    /// Write a file.
+    WriteFile(WriteFile),
+    /// List a directory.
+    ListDir {
+        /// Absolute path.
+        path: String,
+    },
+    /// Stat a path (not following a final symlink).
+    Stat {
+        /// Absolute path.
+        path: String,
+    },
+    /// Remove a file, or a directory (`recursive` for a non-empty one).
+    Remove {
+        /// Absolute path.
+        path: String,
+        /// Remove a directory and everything below it.
+        recursive: bool,
+    },
+    /// Make a directory.
+    Mkdir {
+        /// Absolute path.
+        path: String,
+        /// Make missing parents too; no error if it exists.
+        parents: bool,
+        /// Permission bits (e.g. 0o755).
+        mode: u32,
+    },
+    /// Agent and guest facts.
+    Info,
+    /// After a restore or branch: mix host entropy into the kernel RNG
+    /// (RNDADDENTROPY, then a reseed) and set the clock.
+    Reseed(Reseed),
+}
+
+/// What `exec` runs.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Command {
+    /// `bash -c <script>`.
+    Shell(String),
+    /// A program and its arguments, no shell.
+    Argv(Vec<String>),
+}
+
+/// `exec`: run a command in its own process group.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Exec {
+    /// The command.
+    pub command: Command,
+    /// Working directory (default `/`).
+    pub cwd: Option<String>,
+    /// Extra environment variables.
+    pub env: Vec<(String, String)>,
+    /// Bytes fed to stdin (then closed).
+    #[serde(with = "serde_bytes")]
+    pub stdin: Vec<u8>,
+    /// Kill the whole process group after this long (ms), at most [`MAX_TIMEOUT_MS`].
+    pub timeout_ms: u32,
+    /// Keep at most this many bytes of each of stdout and stderr.
+    pub output_limit: u32,
+}
+
+/// `python`: run a cell in the persistent interpreter.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Python {
+    /// The code; the value of a final expression is returned.
+    pub code: String,
+    /// Interrupt the cell after this long (ms); the state is kept.
+    pub timeout_ms: u32,
+    /// Keep at most this many bytes of each of stdout and stderr.
+    pub output_limit: u32,
+}
+
+/// `read_file`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ReadFile {
+    /// Absolute path.
+    pub path: String,
+    /// Byte offset.
+    pub offset: u64,
+    /// Bytes to read (default: to the end); more than [`MAX_FILE_CHUNK`]
+    /// is an error.
+    pub length: Option<u64>,
+}
+
+/// `write_file`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct WriteFile {
+    /// Absolute path.
+    pub path: String,
+    /// The bytes (at most [`MAX_FILE_CHUNK`]).
+    #[serde(with = "serde_bytes")]
+    pub data: Vec<u8>,
+    /// Permission bits for a new file (default 0o644).
+    pub mode: Option<u32>,
+    /// Append instead of replacing.
+    pub append: bool,
+    /// Create missing parent directories.
+    pub create_parents: bool,
+}
+
+/// `reseed`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Reseed {
+    /// Host randomness (at most [`MAX_ENTROPY_BYTES`]).
+    #[serde(with = "serde_bytes")]
+    pub entropy: Vec<u8>,
+    /// The host's wall clock, ns since the Unix epoch.
+    pub unix_time_ns: u64,
+}
+
+/// Successful answers.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Reply {
+    /// To `Ping`.
+    Pong {
+        /// The agent's version string.
+        agent_version: String,
+    },
+    /// To `Exec`.
+    Exec(ExecReply),
+    /// To `Python`.
+    Python(PythonReply),
+    /// To `ReadFile`.
+    File(FileData),
+    /// To `WriteFile`: bytes written.
+    Written {
+        /// Bytes written.
+        bytes: u64,
+    },
+    /// To `ListDir`, sorted by name.
+    Entries(Vec<DirEntry>),
+    /// To `Stat`.
+    Stat(FileStat),
+    /// To `Info`.
+    Info(AgentInfo),
+    /// To `Remove`, `Mkdir`, `Reseed`.
+    Done,
+}
+
+/// Captured output of one stream.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Output {
+    /// The first `output_limit` bytes.
+    #[serde(with = "serde_bytes")]
+    pub data: Vec<u8>,
+    /// Whether bytes were dropped.
+    pub truncated: bool,
+    /// All bytes the stream produced.
+    pub total_bytes: u64,
+}
+
+/// How a process ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ExitStatus {
+    /// Exited with this code.
+    Code(i32),
+    /// Killed by this signal.
+    Signal(i32),
+    /// Killed (with its process group) at the timeout.
+    TimedOut,
+}
+
+/// `exec`'s result.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ExecReply {
+    /// How it ended.
+    pub status: ExitStatus,
+    /// Standard output.
+    pub stdout: Output,
+    /// Standard error.
+    pub stderr: Output,
+    /// Wall time (ms).
+    pub duration_ms: u64,
+}
+
+/// A Python exception.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PythonException {
+    /// Exception type name ("ZeroDivisionError").
+    pub name: String,
+    /// `str(exception)`.
+    pub message: String,
+    /// The formatted traceback.
+    pub traceback: String,
+}
+
+/// `python`'s result; the interpreter's state is kept in every case.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PythonReply {
+    /// `repr()` of the final expression's value, if the cell ended with one
+    /// (and it was not None).
+    pub value: Option<String>,
+    /// Standard output.
+    pub stdout: Output,
+    /// Standard error.
+    pub stderr: Output,
+    /// The exception the cell raised, if any.
+    pub exception: Option<PythonException>,
+    /// The cell was interrupted at its timeout.
+    pub timed_out: bool,
+}
+
+/// File bytes.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct FileData {
+    /// The bytes read.
+    #[serde(with = "serde_bytes")]
+    pub data: Vec<u8>,
+    /// The file's whole size.
+    pub size: u64,
+}
+
+/// Kinds of directory entries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum FileKind {
+    /// Regular file.
+    File,
+    /// Directory.
+    Dir,
+    /// Symbolic link.
+    Symlink,
+    /// Anything else (device, socket, FIFO).
+    Other,
+}
+
+/// `stat` facts.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileStat {
+    /// Kind.
+    pub kind: FileKind,
+    /// Size in bytes.
+    pub size: u64,
+    /// Permission bits.
+    pub mode: u32,
+    /// Modification time, ms since the Unix epoch.
+    pub mtime_ms: i64,
+}
+
+/// One entry of a listing.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DirEntry {
+    /// File name.
+    pub name: String,
+    /// Its facts.
+    pub stat: FileStat,
+}
+
+/// `info`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AgentInfo {
+    /// The agent's version.
+    pub agent_version: String,
+    /// Protocol version.
+    pub protocol_version: u16,
+    /// Time since the agent started (ms).
+    pub uptime_ms: u64,
+    /// Guest RAM (bytes) and what is available.
+    pub mem_total: u64,
+    /// Available guest RAM (bytes).
+    pub mem_available: u64,
+    /// Root filesystem size and free space (bytes).
+    pub disk_total: u64,
+    /// Free space on the root filesystem (bytes).
+    pub disk_free: u64,
+    /// 1, 5 and 15 minute load averages.
+    pub load: [f32; 3],
+}
+
+/// Why a request failed.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+pub enum AgentError {
+    /// The request is malformed or out of limits.
+    #[error("invalid request: {reason}")]
+    InvalidRequest {
+        /// What is wrong.
+        reason: String,
+    },
+    /// No such file or directory.
+    #[error("{path}: no such file or directory")]
+    NotFound {
+        /// The path.
+        path: String,
+    },
+    /// Permission denied.
+    #[error("{path}: permission denied")]
+    PermissionDenied {
+        /// The path.
+        path: String,
+    },
+    /// The path exists already.
+    #[error("{path}: already exists")]
+    AlreadyExists {
+        /// The path.
+        path: String,
+    },
+    /// A directory was expected.
+    #[error("{path}: not a directory")]
+    NotADirectory {
+        /// The path.
+        path: String,
+    },
+    /// A file was expected.
+    #[error("{path}: is a directory")]
+    IsADirectory {
+        /// The path.
+        path: String,
+    },
+    /// More bytes than a limit allows.
+    #[error("{size} bytes exceed the limit of {limit}")]
+    TooLarge {
+        /// The size asked for.
+        size: u64,
+        /// The limit.
+        limit: u64,
+    },
+    /// The guest is out of space.
+    #[error("no space left on the guest's disk")]
+    NoSpace,
+    /// Another I/O error.
+    #[error("I/O error: {message}")]
+    Io {
+        /// The OS error text.
+        message: String,
+    },
+    /// The operation is not available (e.g. no python3 in the image).
+    #[error("unsupported: {reason}")]
+    Unsupported {
+        /// Why.
+        reason: String,
+    },
+}

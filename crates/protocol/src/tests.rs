@@ -1,0 +1,154 @@
+use proptest::prelude::*;
+
+use super::*;
+
+fn arb_output() -> impl Strategy<Value = Output> {
+    (proptest::collection::vec(any::<u8>(), 0..64), any::<bool>(), any::<u64>())
+        .prop_map(|(data, truncated, total_bytes)| Output { data, truncated, total_bytes })
+}
+
+fn arb_op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        Just(Op::Ping),
+        Just(Op::Info),
+        (".{0,40}", proptest::collection::vec(any::<u8>(), 0..64), any::<u32>(), any::<u32>()).prop_map(|(s, stdin, t, l)| {
+            Op::Exec(Exec { command: Command::Shell(s), cwd: None, env: vec![("K".into(), "V".into())], stdin, timeout_ms: t, output_limit: l })
+        }),
+        (proptest::collection::vec(".{0,8}", 0..4)).prop_map(|argv| Op::Exec(Exec {
+            command: Command::Argv(argv),
+            cwd: Some("/tmp".into()),
+            env: vec![],
+            stdin: vec![],
+            timeout_ms: DEFAULT_TIMEOUT_MS,
+            output_limit: DEFAULT_OUTPUT_LIMIT
+        })),
+        (".{0,40}", any::<u32>()).prop_map(|(code, t)| Op::Python(Python { code, timeout_ms: t, output_limit: 10 })),
+        (".{0,20}", any::<u64>(), proptest::option::of(any::<u64>()))
+            .prop_map(|(path, offset, length)| Op::ReadFile(ReadFile { path, offset, length })),
+        (".{0,20}", proptest::collection::vec(any::<u8>(), 0..256), any::<bool>())
+            .prop_map(|(path, data, append)| Op::WriteFile(WriteFile { path, data, mode: Some(0o600), append, create_parents: true })),
+        (".{0,20}", any::<bool>()).prop_map(|(path, recursive)| Op::Remove { path, recursive }),
+        (proptest::collection::vec(any::<u8>(), 0..64), any::<u64>())
+            .prop_map(|(entropy, unix_time_ns)| Op::Reseed(Reseed { entropy, unix_time_ns })),
+    ]
+}
+
+fn arb_result() -> impl Strategy<Value = Result<Reply, AgentError>> {
+    prop_oneof![
+        (arb_output(), arb_output(), any::<i32>()).prop_map(|(stdout, stderr, c)| Ok(Reply::Exec(ExecReply {
+            status: ExitStatus::Code(c),
+            stdout,
+            stderr,
+            duration_ms: 3
+        }))),
+        (proptest::option::of(".{0,10}"), arb_output()).prop_map(|(value, stdout)| Ok(Reply::Python(PythonReply {
+            value,
+            stdout,
+            stderr: Output::default(),
+            exception: Some(PythonException { name: "E".into(), message: "m".into(), traceback: "t".into() }),
+            timed_out: false
+        }))),
+        Just(Ok(Reply::Done)),
+        ".{0,20}".prop_map(|path| Err(AgentError::NotFound { path })),
+        (any::<u64>(), any::<u64>()).prop_map(|(size, limit)| Err(AgentError::TooLarge { size, limit })),
+    ]
+}
+
+proptest! {
+    #[test]
+    fn requests_round_trip(id in any::<u64>(), op in arb_op()) {
+        let req = Request { id, op };
+        let frame = encode(&req).unwrap();
+        let back: Request = read_message(&mut &frame[..]).unwrap();
+        prop_assert_eq!(back, req);
+    }
+
+    #[test]
+    fn responses_round_trip(id in any::<u64>(), result in arb_result()) {
+        let resp = Response { id, result };
+        let frame = encode(&resp).unwrap();
+        let back: Response = read_message(&mut &frame[..]).unwrap();
+        prop_assert_eq!(back, resp);
+    }
+
+    /// Arbitrary bytes never panic the decoder, and it never reads (so
+    /// never allocates) a body longer than the frame limit.
+    #[test]
+    fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
+        let mut r = &bytes[..];
+        loop {
+            match read_body(&mut r) {
+                Ok(body) => {
+                    prop_assert!(body.len() <= MAX_FRAME_BYTES);
+                    let _ = decode_body::<Request>(&body);
+                    let _ = decode_body::<Response>(&body);
+                }
+                Err(_) => break,
+            }
+        }
+        let _ = decode_body::<Request>(&bytes);
+        let _ = decode_body::<Response>(&bytes);
+    }
+
+    /// A valid version followed by arbitrary bytes: decode errors, no panic.
+    #[test]
+    fn arbitrary_bodies_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
+        let mut body = PROTOCOL_VERSION.to_le_bytes().to_vec();
+        body.extend_from_slice(&bytes);
+        let _ = decode_body::<Request>(&body);
+        let _ = decode_body::<Response>(&body);
+    }
+}
+
+#[test]
+fn an_oversized_length_is_refused_before_reading_the_body() {
+    // Claims 4 GiB; only the 4-byte prefix may be consumed.
+    let mut input: &[u8] = &[0xff, 0xff, 0xff, 0xff, 1, 0, 9, 9, 9];
+    let err = read_body(&mut input).unwrap_err();
+    assert!(matches!(err, ProtocolError::FrameTooLarge { len: 0xffff_ffff, .. }), "{err}");
+    assert_eq!(input.len(), 5, "the body must not be read");
+    // Just over the limit.
+    let over = ((MAX_FRAME_BYTES + 1) as u32).to_le_bytes();
+    assert!(matches!(body_len(over), Err(ProtocolError::FrameTooLarge { .. })));
+}
+
+#[test]
+fn a_huge_vec_length_inside_a_small_frame_does_not_allocate_it() {
+    // A WriteFile whose data length prefix claims ~2^63 bytes: postcard
+    // must fail on the short input rather than reserve that much.
+    let mut body = PROTOCOL_VERSION.to_le_bytes().to_vec();
+    body.push(0); // id = 0 (varint)
+    body.push(4); // Op::WriteFile
+    body.push(1); // path length 1
+    body.push(b'/');
+    body.extend_from_slice(&[0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x7f]); // data length varint
+    body.extend_from_slice(&[1, 2, 3]);
+    assert!(matches!(decode_body::<Request>(&body), Err(ProtocolError::Decode(_))));
+}
+
+#[test]
+fn version_mismatch_and_eof_are_typed() {
+    let mut frame = encode(&Request { id: 1, op: Op::Ping }).unwrap();
+    frame[LENGTH_BYTES] = 9;
+    let err = read_message::<_, Request>(&mut &frame[..]).unwrap_err();
+    assert!(matches!(err, ProtocolError::VersionMismatch { ours: PROTOCOL_VERSION, theirs: 9 }), "{err}");
+    assert!(matches!(read_body(&mut &[][..]), Err(ProtocolError::Closed)));
+    assert!(matches!(read_body(&mut &[5u8, 0][..]), Err(ProtocolError::Io(_))));
+    assert!(matches!(read_body(&mut &[1u8, 0, 0, 0, 1][..]), Err(ProtocolError::FrameTooShort(1))));
+}
+
+#[test]
+fn a_frame_over_the_limit_is_not_encoded() {
+    let big = Request {
+        id: 1,
+        op: Op::WriteFile(WriteFile { path: "/x".into(), data: vec![0; MAX_FRAME_BYTES], mode: None, append: false, create_parents: false }),
+    };
+    assert!(matches!(encode(&big), Err(ProtocolError::Encode(_))));
+    let ok = Request {
+        id: 1,
+        op: Op::WriteFile(WriteFile { path: "/x".into(), data: vec![7; MAX_FILE_CHUNK as usize], mode: None, append: false, create_parents: false }),
+    };
+    let frame = encode(&ok).unwrap();
+    assert!(frame.len() < MAX_FRAME_BYTES, "a full file chunk fits in a frame");
+    assert_eq!(read_message::<_, Request>(&mut &frame[..]).unwrap(), ok);
+}
