@@ -5,7 +5,7 @@
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
-packages=(linux-source-6.1 build-essential bc flex bison libelf-dev libssl-dev cpio xz-utils patch e2fsprogs)
+packages=(linux-source-6.1 build-essential bc flex bison libelf-dev libssl-dev cpio xz-utils patch e2fsprogs busybox-static)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -20,6 +20,9 @@ command -v cargo >/dev/null || { echo "setup: cargo is missing; install Rust (ru
 
 kernel=$("$root/kernel-config/build-kernel.sh" | tail -n 1)
 (cd "$root" && cargo build --release -q -p tine)
+# The guest agent, static (see crates/testkit build_agent).
+(cd "$root" && RUSTFLAGS="-C target-feature=+crt-static" cargo build --release -q -p tine-agent \
+  --target x86_64-unknown-linux-gnu --target-dir "$root/target/guest")
 echo "setup: kernel $kernel" >&2
 echo "setup: binary $root/target/release/tine" >&2
 echo "$kernel"

@@ -118,6 +118,83 @@ pub fn build_test_rootfs(dir: &Path, size_mib: u64) -> PathBuf {
     image
 }
 
+/// Builds the guest agent as a static executable (its own target dir, so
+/// the static flags do not rebuild the host's crates). Returns its path.
+pub fn build_agent() -> PathBuf {
+    let root = workspace_root();
+    let target_dir = root.join("target/guest");
+    let out = Command::new("cargo")
+        .args(["build", "--release", "-q", "-p", "tine-agent", "--target", "x86_64-unknown-linux-gnu", "--target-dir"])
+        .arg(&target_dir)
+        .env("RUSTFLAGS", "-C target-feature=+crt-static")
+        .current_dir(&root)
+        .output()
+        .expect("run cargo");
+    assert!(out.status.success(), "building the agent failed:\n{}", String::from_utf8_lossy(&out.stderr));
+    target_dir.join("x86_64-unknown-linux-gnu/release/tine-agent")
+}
+
+/// Builds an ext4 image of `size_mib` MiB in `dir` whose `/sbin/init` is
+/// the guest agent, with Debian's static busybox and its applets in
+/// `/bin` (a shell and tools for the tests). Returns the image's path.
+pub fn build_agent_rootfs(dir: &Path, size_mib: u64) -> PathBuf {
+    let root = dir.join("agent-rootfs");
+    for d in ["dev", "proc", "sys", "tmp", "run", "sbin", "bin"] {
+        std::fs::create_dir_all(root.join(d)).expect("create rootfs dirs");
+    }
+    std::fs::copy(build_agent(), root.join("sbin/init")).expect("copy the agent");
+    let busybox = Path::new("/bin/busybox");
+    assert!(busybox.exists(), "/bin/busybox is missing: apt-get install busybox-static (scripts/setup.sh does)");
+    std::fs::copy(busybox, root.join("bin/busybox")).expect("copy busybox");
+    let list = Command::new(busybox).arg("--list").output().expect("busybox --list");
+    for applet in String::from_utf8_lossy(&list.stdout).lines() {
+        if applet != "busybox" && !applet.is_empty() {
+            let _ = std::os::unix::fs::symlink("busybox", root.join("bin").join(applet));
+        }
+    }
+    let image = dir.join("agent-rootfs.ext4");
+    let f = std::fs::File::create(&image).expect("create image");
+    f.set_len(size_mib << 20).expect("size image");
+    let out = Command::new("mkfs.ext4").args(["-q", "-F", "-d"]).arg(&root).arg(&image).output().expect("run mkfs.ext4");
+    assert!(out.status.success(), "mkfs.ext4 failed: {}", String::from_utf8_lossy(&out.stderr));
+    image
+}
+
+/// A blocking client of the guest agent for tests (the sandbox manager's
+/// async client comes with it).
+pub struct AgentClient {
+    stream: std::os::unix::net::UnixStream,
+    next_id: u64,
+}
+
+impl AgentClient {
+    /// Wraps a connected stream (see [`vsock_connect`]).
+    pub fn new(stream: std::os::unix::net::UnixStream) -> Self {
+        AgentClient { stream, next_id: 1 }
+    }
+
+    /// Sends `op` without waiting; returns its request id.
+    pub fn send(&mut self, op: tine_protocol::Op) -> u64 {
+        let id = self.next_id;
+        self.next_id += 1;
+        tine_protocol::write_message(&mut self.stream, &tine_protocol::Request { id, op }).expect("send request");
+        id
+    }
+
+    /// Reads the next response, whichever request it answers.
+    pub fn recv(&mut self) -> tine_protocol::Response {
+        tine_protocol::read_message(&mut self.stream).expect("read response")
+    }
+
+    /// Sends `op` and waits for its answer.
+    pub fn call(&mut self, op: tine_protocol::Op) -> Result<tine_protocol::Reply, tine_protocol::AgentError> {
+        let id = self.send(op);
+        let resp = self.recv();
+        assert_eq!(resp.id, id, "an answer to another request");
+        resp.result
+    }
+}
+
 /// Console line the test init prints after its disk check.
 pub const INIT_DISK_OK: &str = "TINE-INIT-DISK ok serial=";
 

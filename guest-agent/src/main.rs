@@ -1,0 +1,124 @@
+//! `tine-agent`: Tine's in-guest agent. It listens on a virtio-vsock port
+//! ([`DEFAULT_PORT`]) and serves the requests of `tine-protocol`: each
+//! request runs on its own thread, so several can be in flight on one
+//! connection, and answers go back in the order they finish.
+//!
+//! Run as PID 1 (the image's `/sbin/init` links to it), it is also the
+//! guest's tiny init: it mounts `/proc`, `/sys`, `/dev`, `/tmp` and
+//! `/run`, starts the agent in a child and reaps every orphan.
+//!
+//! Not built yet: the persistent Python interpreter (`Op::Python` answers
+//! `Unsupported`).
+
+mod exec;
+mod files;
+mod init;
+mod sys;
+mod vsock;
+
+use std::io::Write;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use tine_protocol::{read_message, write_message, AgentError, Op, ProtocolError, Reply, Request, Response};
+
+/// The vsock port the agent listens on.
+pub const DEFAULT_PORT: u32 = 1024;
+/// The agent's version.
+pub const AGENT_VERSION: &str = env!("CARGO_PKG_VERSION");
+
+fn handle(op: Op, started: Instant) -> Result<Reply, AgentError> {
+    match op {
+        Op::Ping => Ok(Reply::Pong { agent_version: AGENT_VERSION.to_string() }),
+        Op::Exec(e) => exec::run(e).map(Reply::Exec),
+        Op::Python(_) => Err(AgentError::Unsupported { reason: "the persistent Python interpreter is not built yet".into() }),
+        Op::ReadFile(r) => files::read(&r).map(Reply::File),
+        Op::WriteFile(w) => files::write(&w).map(|bytes| Reply::Written { bytes }),
+        Op::ListDir { path } => files::list(&path).map(Reply::Entries),
+        Op::Stat { path } => files::stat(&path).map(Reply::Stat),
+        Op::Remove { path, recursive } => files::remove(&path, recursive).map(|()| Reply::Done),
+        Op::Mkdir { path, parents, mode } => files::mkdir(&path, parents, mode).map(|()| Reply::Done),
+        Op::Info => Ok(Reply::Info(sys::info(started))),
+        Op::Reseed(r) => sys::reseed(&r).map(|()| Reply::Done),
+    }
+}
+
+/// Serves one connection until the host closes it.
+fn serve(conn: std::fs::File, started: Instant) {
+    let writer = match conn.try_clone() {
+        Ok(w) => Arc::new(Mutex::new(w)),
+        Err(e) => {
+            eprintln!("tine-agent: cannot clone the connection: {e}");
+            return;
+        }
+    };
+    let mut reader = conn;
+    loop {
+        let req: Request = match read_message(&mut reader) {
+            Ok(r) => r,
+            Err(ProtocolError::Closed) => return,
+            Err(e @ (ProtocolError::Decode(_) | ProtocolError::VersionMismatch { .. })) => {
+                // The frame was read whole: report it and go on.
+                eprintln!("tine-agent: bad request frame: {e}");
+                let resp = Response { id: u64::MAX, result: Err(AgentError::InvalidRequest { reason: e.to_string() }) };
+                let mut w = writer.lock().unwrap_or_else(|p| p.into_inner());
+                if write_message(&mut *w, &resp).is_err() {
+                    return;
+                }
+                continue;
+            }
+            Err(e) => {
+                // Framing is lost (oversized frame, I/O): drop the connection.
+                eprintln!("tine-agent: connection dropped: {e}");
+                return;
+            }
+        };
+        let writer = writer.clone();
+        let spawned = std::thread::Builder::new().name(format!("req-{}", req.id)).spawn(move || {
+            let resp = Response { id: req.id, result: handle(req.op, started) };
+            let mut w = writer.lock().unwrap_or_else(|p| p.into_inner());
+            if let Err(e) = write_message(&mut *w, &resp).and_then(|()| w.flush().map_err(Into::into)) {
+                eprintln!("tine-agent: cannot send response {}: {e}", resp.id);
+            }
+        });
+        if let Err(e) = spawned {
+            eprintln!("tine-agent: cannot start a request thread: {e}");
+        }
+    }
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    // SAFETY: getpid has no preconditions.
+    if unsafe { libc::getpid() } == 1 {
+        init::run_as_pid1();
+    }
+    let port = args
+        .iter()
+        .position(|a| a == "--port")
+        .and_then(|i| args.get(i + 1))
+        .and_then(|p| p.parse().ok())
+        .unwrap_or(DEFAULT_PORT);
+    let started = Instant::now();
+    let listener = match vsock::listen(port) {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("tine-agent: cannot listen on vsock port {port}: {e}");
+            std::process::exit(1);
+        }
+    };
+    println!("tine-agent {AGENT_VERSION} listening on vsock port {port}");
+    loop {
+        match vsock::accept(&listener) {
+            Ok(conn) => {
+                if let Err(e) = std::thread::Builder::new().name("conn".into()).spawn(move || serve(conn, started)) {
+                    eprintln!("tine-agent: cannot start a connection thread: {e}");
+                }
+            }
+            Err(e) => {
+                eprintln!("tine-agent: accept: {e}");
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
+        }
+    }
+}
