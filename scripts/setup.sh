@@ -5,7 +5,7 @@
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
-packages=(linux-source-6.1 build-essential bc flex bison libelf-dev libssl-dev cpio xz-utils patch e2fsprogs busybox-static)
+packages=(linux-source-6.1 build-essential bc flex bison libelf-dev libssl-dev cpio xz-utils patch e2fsprogs busybox-static mmdebstrap)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -23,6 +23,8 @@ kernel=$("$root/kernel-config/build-kernel.sh" | tail -n 1)
 # The guest agent, static (see crates/testkit build_agent).
 (cd "$root" && RUSTFLAGS="-C target-feature=+crt-static" cargo build --release -q -p tine-agent \
   --target x86_64-unknown-linux-gnu --target-dir "$root/target/guest")
+rootfs=$("$root/rootfs/build-rootfs.sh" | tail -n 1)
+echo "setup: rootfs $rootfs" >&2
 echo "setup: kernel $kernel" >&2
 echo "setup: binary $root/target/release/tine" >&2
 echo "$kernel"

@@ -1,6 +1,11 @@
-//! PID 1 duties when the agent is the guest's init: mount the basic file
-//! systems, run the agent in a child, reap every orphan, restart the agent
-//! if it dies.
+//! PID 1 duties when the agent is the guest's init: put a writable
+//! overlay over the read-only root (when the image has `/overlay`), mount
+//! the basic file systems, run the agent in a child, reap every orphan,
+//! restart the agent if it dies.
+//!
+//! The overlay's upper layer is a tmpfs: every file the sandbox changes
+//! lives in guest memory, so a copy of the VM's memory (snapshot, branch)
+//! is a copy of its file system too, and the image stays shared.
 
 use std::ffi::CStr;
 
@@ -17,9 +22,52 @@ fn mount(source: &CStr, target: &CStr, fstype: &CStr, flags: libc::c_ulong) {
     }
 }
 
+fn check(what: &str, r: libc::c_int) -> Result<(), String> {
+    if r < 0 {
+        Err(format!("{what}: {}", std::io::Error::last_os_error()))
+    } else {
+        Ok(())
+    }
+}
+
+/// Mounts `lowerdir=/` with a tmpfs upper layer at /overlay/root and makes
+/// it the root (as switch_root does: move it onto `/`, then chroot).
+fn overlay_root() -> Result<(), String> {
+    // SAFETY (all calls below): arguments are valid C strings or null, as
+    // mount(2), chdir(2) and chroot(2) take them.
+    check("mount tmpfs on /overlay", unsafe {
+        libc::mount(c"tmpfs".as_ptr(), c"/overlay".as_ptr(), c"tmpfs".as_ptr(), 0, c"mode=0755".as_ptr().cast())
+    })?;
+    for d in ["/overlay/upper", "/overlay/work", "/overlay/root"] {
+        std::fs::create_dir(d).map_err(|e| format!("mkdir {d}: {e}"))?;
+    }
+    check("mount overlay", unsafe {
+        libc::mount(
+            c"overlay".as_ptr(),
+            c"/overlay/root".as_ptr(),
+            c"overlay".as_ptr(),
+            0,
+            c"lowerdir=/,upperdir=/overlay/upper,workdir=/overlay/work".as_ptr().cast(),
+        )
+    })?;
+    check("chdir /overlay/root", unsafe { libc::chdir(c"/overlay/root".as_ptr()) })?;
+    check("move the overlay onto /", unsafe {
+        libc::mount(c".".as_ptr(), c"/".as_ptr(), std::ptr::null(), libc::MS_MOVE, std::ptr::null())
+    })?;
+    check("chroot", unsafe { libc::chroot(c".".as_ptr()) })?;
+    check("chdir /", unsafe { libc::chdir(c"/".as_ptr()) })?;
+    Ok(())
+}
+
 /// Never returns in the parent (PID 1); returns in the child, which then
 /// runs the agent.
 pub fn run_as_pid1() {
+    if std::path::Path::new("/overlay").is_dir() {
+        match overlay_root() {
+            Ok(()) => println!("tine-agent init: root is an overlay (tmpfs upper) on the read-only image"),
+            Err(e) => eprintln!("tine-agent init: no overlay ({e}); the root stays as mounted"),
+        }
+    }
     let nosuid = libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC;
     mount(c"proc", c"/proc", c"proc", nosuid);
     mount(c"sysfs", c"/sys", c"sysfs", nosuid);

@@ -7,12 +7,13 @@
 //! guest's tiny init: it mounts `/proc`, `/sys`, `/dev`, `/tmp` and
 //! `/run`, starts the agent in a child and reaps every orphan.
 //!
-//! Not built yet: the persistent Python interpreter (`Op::Python` answers
-//! `Unsupported`).
+//! `python` cells run in one persistent interpreter per sandbox (see
+//! [`python`]).
 
 mod exec;
 mod files;
 mod init;
+mod python;
 mod sys;
 mod vsock;
 
@@ -31,7 +32,7 @@ fn handle(op: Op, started: Instant) -> Result<Reply, AgentError> {
     match op {
         Op::Ping => Ok(Reply::Pong { agent_version: AGENT_VERSION.to_string() }),
         Op::Exec(e) => exec::run(e).map(Reply::Exec),
-        Op::Python(_) => Err(AgentError::Unsupported { reason: "the persistent Python interpreter is not built yet".into() }),
+        Op::Python(p) => python::run(p).map(Reply::Python),
         Op::ReadFile(r) => files::read(&r).map(Reply::File),
         Op::WriteFile(w) => files::write(&w).map(|bytes| Reply::Written { bytes }),
         Op::ListDir { path } => files::list(&path).map(Reply::Entries),

@@ -13,6 +13,9 @@ pub const MAX_OUTPUT_LIMIT: u32 = 4 << 20;
 /// Largest file chunk one read or write moves (bytes); larger files go in
 /// several requests (offset/length).
 pub const MAX_FILE_CHUNK: u64 = 8 << 20;
+/// After a Python cell's timeout the agent interrupts it (SIGINT); a cell
+/// still running this long after that is killed with its interpreter (ms).
+pub const PYTHON_KILL_GRACE_MS: u32 = 5_000;
 /// Bytes of entropy a reseed carries at most.
 pub const MAX_ENTROPY_BYTES: usize = 512;
 

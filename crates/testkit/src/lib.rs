@@ -4,6 +4,8 @@
 
 pub mod cpio;
 
+use vmm::devices::ConsoleTail;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -20,6 +22,18 @@ pub fn logging() {
         let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into());
         let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_test_writer().try_init();
     });
+}
+
+/// Runs `f`; if it panics, prints the last 40 lines of `console` (the
+/// guest's side of the story) and re-raises the panic.
+pub fn with_console_on_panic<T>(console: &ConsoleTail, f: impl FnOnce() -> T) -> T {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(v) => v,
+        Err(e) => {
+            eprintln!("---- guest console (last 40 lines) ----\n{}\n----", console.last_lines(40));
+            std::panic::resume_unwind(e)
+        }
+    }
 }
 
 /// Whether `/dev/kvm` can be opened. When it cannot, prints a loud SKIPPED
@@ -116,6 +130,23 @@ pub fn build_test_rootfs(dir: &Path, size_mib: u64) -> PathBuf {
         .expect("run mkfs.ext4 (e2fsprogs)");
     assert!(out.status.success(), "mkfs.ext4 failed: {}", String::from_utf8_lossy(&out.stderr));
     image
+}
+
+/// The guest root filesystem image `rootfs/build-rootfs.sh` builds
+/// (Debian with python3 and the agent; cached), or `$TINE_ROOTFS`.
+pub fn rootfs() -> PathBuf {
+    if let Some(r) = std::env::var_os("TINE_ROOTFS") {
+        return PathBuf::from(r);
+    }
+    let agent = build_agent();
+    let out = Command::new("bash")
+        .arg(workspace_root().join("rootfs/build-rootfs.sh"))
+        .arg(&agent)
+        .output()
+        .expect("run build-rootfs.sh");
+    assert!(out.status.success(), "build-rootfs.sh failed:\n{}", String::from_utf8_lossy(&out.stderr));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    PathBuf::from(stdout.lines().last().expect("build-rootfs.sh printed a path").trim())
 }
 
 /// Builds the guest agent as a static executable (its own target dir, so

@@ -108,6 +108,7 @@ fn agent_serves_exec_files_and_info_over_vsock() {
     let date = exec_reply(agent.call(shell("date +%s", 0, 0)));
     let guest_secs: u64 = String::from_utf8_lossy(&date.stdout.data).trim().parse().unwrap();
     assert!(guest_secs.abs_diff(now_ns / 1_000_000_000) < 120, "the clock was not set: {guest_secs}");
+    // This image has no python3: a typed error, not a hang.
     assert!(matches!(
         agent.call(Op::Python(Python { code: "1".into(), timeout_ms: 0, output_limit: 0 })),
         Err(AgentError::Unsupported { .. })
@@ -124,4 +125,111 @@ fn agent_serves_exec_files_and_info_over_vsock() {
     }));
     let exit = vm.wait_timeout(Duration::from_secs(120));
     assert!(matches!(exit, Ok(VmExit::PowerOff)), "{exit:?}\n{}", console.last_lines(20));
+}
+
+#[test]
+fn debian_rootfs_serves_bash_python_and_an_overlay() {
+    if !testkit::kvm_available("agent-debian") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let uds = dir.path().join("vm.vsock");
+    let mut config = VmConfig::new("agent-debian", testkit::kernel());
+    config.mem_mib = 512;
+    config.disks = vec![DiskConfig { path: testkit::rootfs(), read_only: true, id: "root".into() }];
+    config.vsock = Some(VsockConfig { cid: 3, uds_path: uds.clone() });
+    config.cmdline = "root=/dev/vda ro rootfstype=ext4".into();
+    let mut vm = Vm::start(&config).expect("VM starts");
+    let started = vm.started();
+    let console = vm.console().clone();
+    assert!(console.wait_for("listening on vsock port 1024", Duration::from_secs(600)), "agent never started:\n{}", console.text());
+    let ready = started.elapsed();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    testkit::with_console_on_panic(&console, || rt.block_on(debian_checks(&uds, ready)));
+    let _ = vm.stop();
+}
+
+/// The checks of the guest-agent issue, through the async client.
+async fn debian_checks(uds: &std::path::Path, ready: Duration) {
+    use tine_agent_client::{AgentClient, ClientError, AGENT_PORT};
+    let agent = AgentClient::connect(uds, AGENT_PORT).await.expect("connect to the agent");
+
+    // Real bash: stdout and exit code.
+    let r = agent.exec("echo hi; echo ${BASH_VERSION%%.*}; exit 3", 0, 0).await.unwrap();
+    assert_eq!((r.status, r.stdout.data.as_slice()), (ExitStatus::Code(3), &b"hi\n5\n"[..]));
+
+    // A timeout kills `sleep 1000` and its children.
+    let r = agent.exec("sleep 1000 & sleep 1000", 3000, 0).await.unwrap();
+    assert_eq!(r.status, ExitStatus::TimedOut);
+    let ps = agent.exec("ps -eo args", 0, 0).await.unwrap();
+    let ps = String::from_utf8_lossy(&ps.stdout.data).into_owned();
+    assert!(!ps.contains("sleep 1000"), "a sleep survived the timeout:\n{ps}");
+
+    // Output past the cap.
+    let r = agent.exec("head -c 100000 /dev/zero", 0, 1000).await.unwrap();
+    assert_eq!((r.stdout.data.len(), r.stdout.truncated, r.stdout.total_bytes), (1000, true, 100_000));
+
+    // The image is read-only; the root is an overlay with a tmpfs upper.
+    let r = agent.exec("echo x > /etc/tine-test && cat /etc/tine-test && grep -c '^overlay / overlay' /proc/mounts", 0, 0).await.unwrap();
+    assert_eq!((r.status, String::from_utf8_lossy(&r.stdout.data).into_owned()), (ExitStatus::Code(0), "x\n1\n".to_string()), "{r:?}");
+
+    // Python: state across three calls, notebook-style values.
+    assert_eq!(agent.python("x = 41", 0).await.unwrap().value, None);
+    assert_eq!(agent.python("x += 1", 0).await.unwrap().value, None);
+    assert_eq!(agent.python("x", 0).await.unwrap().value.as_deref(), Some("42"));
+    // An exception keeps the state.
+    let e = agent.python("1/0", 0).await.unwrap();
+    let exc = e.exception.expect("an exception");
+    assert_eq!(exc.name, "ZeroDivisionError");
+    assert!(exc.traceback.contains("ZeroDivisionError"), "{}", exc.traceback);
+    assert_eq!(agent.python("x", 0).await.unwrap().value.as_deref(), Some("42"), "the exception lost the state");
+    assert_eq!(agent.python("import sys; sys.version_info[:2]", 0).await.unwrap().value.as_deref(), Some("(3, 11)"));
+    let p = agent.python("print('hello'); x * 2", 0).await.unwrap();
+    assert_eq!((p.stdout.data.as_slice(), p.value.as_deref()), (&b"hello\n"[..], Some("84")));
+    // A timeout interrupts the cell and keeps the state.
+    let t = agent.python("import time\nwhile True:\n    time.sleep(0.05)", 3000).await.unwrap();
+    assert!(t.timed_out, "{t:?}");
+    assert_eq!(t.exception.map(|e| e.name).as_deref(), Some("KeyboardInterrupt"));
+    assert_eq!(agent.python("x", 0).await.unwrap().value.as_deref(), Some("42"), "the timeout lost the state");
+
+    // A 5 MiB binary file, byte-identical back; a listing; a typed error.
+    let blob: Vec<u8> = (0..5u32 << 20).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+    assert_eq!(agent.write_file("/root/work/blob.bin", blob.clone(), Some(0o600)).await.unwrap(), blob.len() as u64);
+    let f = agent.read_file("/root/work/blob.bin").await.unwrap();
+    assert!(f.data == blob && f.size == blob.len() as u64, "the file read back differs");
+    match agent.call(Op::ListDir { path: "/root/work".into() }, Duration::from_secs(60)).await {
+        Ok(Reply::Entries(e)) => assert_eq!((e.len(), e[0].name.as_str(), e[0].stat.size), (1, "blob.bin", blob.len() as u64)),
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(agent.read_file("/nope").await, Err(ClientError::Agent(AgentError::NotFound { .. }))));
+
+    // Calls in flight together: a ping answers while a command runs.
+    let t0 = std::time::Instant::now();
+    let (slow, ping) = tokio::join!(agent.exec("sleep 3", 0, 0), async {
+        let r = agent.call(Op::Ping, Duration::from_secs(60)).await;
+        (r, t0.elapsed())
+    });
+    assert_eq!(slow.unwrap().status, ExitStatus::Code(0));
+    assert!(matches!(ping.0, Ok(Reply::Pong { .. })));
+    assert!(ping.1 < t0.elapsed(), "the ping waited for the command");
+
+    // Reseed: the clock is set.
+    let now_ns = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
+    let reseed = Op::Reseed(Reseed { entropy: vec![9; 64], unix_time_ns: now_ns });
+    assert!(matches!(agent.call(reseed, Duration::from_secs(60)).await, Ok(Reply::Done)));
+
+    // Figures: exec `true` round trips.
+    let mut rtts = Vec::new();
+    for _ in 0..10 {
+        let t = std::time::Instant::now();
+        let op = Op::Exec(Exec { command: Command::Argv(vec!["/bin/true".into()]), cwd: None, env: vec![], stdin: vec![], timeout_ms: 0, output_limit: 0 });
+        assert!(matches!(agent.call(op, Duration::from_secs(120)).await, Ok(Reply::Exec(_))));
+        rtts.push(t.elapsed());
+    }
+    rtts.sort();
+    eprintln!(
+        "agent: VM start to agent ready {:.1} s; exec `true` round trip median {} us (10 runs)",
+        ready.as_secs_f64(),
+        rtts[5].as_micros()
+    );
 }

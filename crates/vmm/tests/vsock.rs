@@ -37,13 +37,7 @@ fn guest_listener_exchanges_bytes_both_ways_over_vsock() {
     assert!(host_port >= 1 << 30, "host port {host_port}");
     s.set_read_timeout(Some(Duration::from_secs(600))).unwrap();
 
-    let stats = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| testkit::exchange(&mut s, n, PINGS))) {
-        Ok(stats) => stats,
-        Err(e) => {
-            eprintln!("exchange failed; guest console:\n{}", console.last_lines(15));
-            std::panic::resume_unwind(e)
-        }
-    };
+    let stats = testkit::with_console_on_panic(&console, || testkit::exchange(&mut s, n, PINGS));
     eprintln!(
         "vsock: host->guest {:.1} MB/s, guest->host {:.1} MB/s ({n} bytes each way), 1-byte round trip median {} us",
         stats.to_peer_mbps(),

@@ -1,0 +1,224 @@
+//! Async client of Tine's guest agent.
+//!
+//! Connects through a VM's hybrid-vsock Unix socket (`CONNECT <port>\n`,
+//! answered `OK <host port>\n`), then speaks `tine-protocol`. One task
+//! reads responses and hands each to the caller waiting on its request id,
+//! so calls from many tasks run concurrently on one connection.
+
+#![deny(missing_docs)]
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tine_protocol::{
+    body_len, decode_body, encode, AgentError, Command, Exec, ExecReply, FileData, Op, ProtocolError, Python, PythonReply,
+    ReadFile, Reply, Request, Response, WriteFile, LENGTH_BYTES,
+};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::UnixStream;
+use tokio::sync::oneshot;
+
+/// The agent's vsock port.
+pub const AGENT_PORT: u32 = 1024;
+/// Longest wait for the `OK` of the hybrid-vsock handshake.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Errors of the client.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// The Unix socket or the handshake failed.
+    #[error("cannot reach the agent through {path}: {reason}")]
+    Connect {
+        /// The VM's vsock socket.
+        path: String,
+        /// Why.
+        reason: String,
+    },
+    /// The connection is gone (the guest stopped, or the agent died).
+    #[error("the connection to the agent is closed")]
+    Closed,
+    /// No answer within the call's timeout.
+    #[error("the agent did not answer within {0:?}")]
+    Timeout(Duration),
+    /// A framing or encoding error.
+    #[error(transparent)]
+    Protocol(#[from] ProtocolError),
+    /// The agent answered with an error.
+    #[error(transparent)]
+    Agent(#[from] AgentError),
+    /// The agent answered with a reply of another kind.
+    #[error("unexpected reply: {0}")]
+    Unexpected(String),
+}
+
+type Waiters = Arc<Mutex<HashMap<u64, oneshot::Sender<Result<Reply, AgentError>>>>>;
+
+/// A connection to one guest agent.
+pub struct AgentClient {
+    writer: tokio::sync::Mutex<OwnedWriteHalf>,
+    waiters: Waiters,
+    next_id: AtomicU64,
+    reader: tokio::task::JoinHandle<()>,
+}
+
+async fn read_frame(r: &mut BufReader<OwnedReadHalf>) -> Result<Vec<u8>, ProtocolError> {
+    let mut prefix = [0u8; LENGTH_BYTES];
+    match r.read_exact(&mut prefix).await {
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Err(ProtocolError::Closed),
+        Err(e) => return Err(e.into()),
+    }
+    let len = body_len(prefix)?;
+    let mut body = vec![0u8; len];
+    r.read_exact(&mut body).await?;
+    Ok(body)
+}
+
+async fn read_loop(mut r: BufReader<OwnedReadHalf>, waiters: Waiters) {
+    loop {
+        let resp: Response = match read_frame(&mut r).await.and_then(|b| decode_body(&b)) {
+            Ok(resp) => resp,
+            Err(ProtocolError::Closed) => break,
+            Err(e) => {
+                tracing::warn!("agent connection: {e}; closing it");
+                break;
+            }
+        };
+        let waiter = waiters.lock().unwrap_or_else(|p| p.into_inner()).remove(&resp.id);
+        match waiter {
+            Some(tx) => {
+                let _ = tx.send(resp.result);
+            }
+            None => tracing::warn!("agent answered unknown request {}", resp.id),
+        }
+    }
+    // Wake every waiter: their senders drop here.
+    waiters.lock().unwrap_or_else(|p| p.into_inner()).clear();
+}
+
+impl AgentClient {
+    /// Connects to guest port `port` through the VM's vsock socket `uds`.
+    ///
+    /// Errors: [`ClientError::Connect`].
+    pub async fn connect(uds: &Path, port: u32) -> Result<Self, ClientError> {
+        let fail = |reason: String| ClientError::Connect { path: uds.display().to_string(), reason };
+        let stream = UnixStream::connect(uds).await.map_err(|e| fail(e.to_string()))?;
+        let (r, mut w) = stream.into_split();
+        w.write_all(format!("CONNECT {port}\n").as_bytes()).await.map_err(|e| fail(e.to_string()))?;
+        let mut r = BufReader::new(r);
+        let mut line = String::new();
+        // The reply is one short line; read_line on a BufReader keeps any
+        // following bytes buffered for the frames.
+        match tokio::time::timeout(CONNECT_TIMEOUT, r.read_line(&mut line)).await {
+            Ok(Ok(n)) if n > 0 && line.starts_with("OK ") => {}
+            Ok(Ok(_)) => return Err(fail(format!("the guest refused port {port} (is the agent running?)"))),
+            Ok(Err(e)) => return Err(fail(e.to_string())),
+            Err(_) => return Err(fail(format!("no answer within {CONNECT_TIMEOUT:?}"))),
+        }
+        let waiters: Waiters = Arc::default();
+        let reader = tokio::spawn(read_loop(r, waiters.clone()));
+        Ok(AgentClient { writer: tokio::sync::Mutex::new(w), waiters, next_id: AtomicU64::new(1), reader })
+    }
+
+    /// Sends `op` and waits up to `timeout` for its answer.
+    ///
+    /// Errors: [`ClientError::Agent`] for the agent's typed errors,
+    /// [`ClientError::Timeout`], [`ClientError::Closed`],
+    /// [`ClientError::Protocol`].
+    pub async fn call(&self, op: Op, timeout: Duration) -> Result<Reply, ClientError> {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let frame = encode(&Request { id, op })?;
+        let (tx, rx) = oneshot::channel();
+        self.waiters.lock().unwrap_or_else(|p| p.into_inner()).insert(id, tx);
+        if self.reader.is_finished() {
+            self.waiters.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
+            return Err(ClientError::Closed);
+        }
+        let sent = self.writer.lock().await.write_all(&frame).await;
+        if sent.is_err() {
+            self.waiters.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
+            return Err(ClientError::Closed);
+        }
+        match tokio::time::timeout(timeout, rx).await {
+            Ok(Ok(result)) => Ok(result?),
+            Ok(Err(_)) => Err(ClientError::Closed),
+            Err(_) => {
+                self.waiters.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
+                Err(ClientError::Timeout(timeout))
+            }
+        }
+    }
+
+    /// Runs `bash -c script` with the given limits (0: defaults).
+    ///
+    /// Errors: as [`AgentClient::call`].
+    pub async fn exec(&self, script: &str, timeout_ms: u32, output_limit: u32) -> Result<ExecReply, ClientError> {
+        let op = Op::Exec(Exec {
+            command: Command::Shell(script.to_string()),
+            cwd: None,
+            env: Vec::new(),
+            stdin: Vec::new(),
+            timeout_ms,
+            output_limit,
+        });
+        match self.call(op, call_timeout(timeout_ms)).await? {
+            Reply::Exec(r) => Ok(r),
+            other => Err(ClientError::Unexpected(format!("{other:?}"))),
+        }
+    }
+
+    /// Runs a cell in the persistent Python interpreter.
+    ///
+    /// Errors: as [`AgentClient::call`].
+    pub async fn python(&self, code: &str, timeout_ms: u32) -> Result<PythonReply, ClientError> {
+        let op = Op::Python(Python { code: code.to_string(), timeout_ms, output_limit: 0 });
+        let grace = Duration::from_millis(u64::from(tine_protocol::PYTHON_KILL_GRACE_MS));
+        match self.call(op, call_timeout(timeout_ms) + grace).await? {
+            Reply::Python(r) => Ok(r),
+            other => Err(ClientError::Unexpected(format!("{other:?}"))),
+        }
+    }
+
+    /// Writes a whole file (at most one chunk, 8 MiB), making parents.
+    ///
+    /// Errors: as [`AgentClient::call`].
+    pub async fn write_file(&self, path: &str, data: Vec<u8>, mode: Option<u32>) -> Result<u64, ClientError> {
+        let op = Op::WriteFile(WriteFile { path: path.to_string(), data, mode, append: false, create_parents: true });
+        match self.call(op, FILE_TIMEOUT).await? {
+            Reply::Written { bytes } => Ok(bytes),
+            other => Err(ClientError::Unexpected(format!("{other:?}"))),
+        }
+    }
+
+    /// Reads a whole file (at most one chunk, 8 MiB).
+    ///
+    /// Errors: as [`AgentClient::call`].
+    pub async fn read_file(&self, path: &str) -> Result<FileData, ClientError> {
+        let op = Op::ReadFile(ReadFile { path: path.to_string(), offset: 0, length: None });
+        match self.call(op, FILE_TIMEOUT).await? {
+            Reply::File(f) => Ok(f),
+            other => Err(ClientError::Unexpected(format!("{other:?}"))),
+        }
+    }
+}
+
+/// How long a file call may take (bytes cross an emulated guest kernel
+/// slowly on some hosts).
+const FILE_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// The wait for a call with a guest-side timeout: that timeout plus slack
+/// for the round trip.
+fn call_timeout(timeout_ms: u32) -> Duration {
+    let t = if timeout_ms == 0 { tine_protocol::DEFAULT_TIMEOUT_MS } else { timeout_ms };
+    Duration::from_millis(u64::from(t)) + Duration::from_secs(60)
+}
+
+impl Drop for AgentClient {
+    fn drop(&mut self) {
+        self.reader.abort();
+    }
+}

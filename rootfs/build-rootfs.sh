@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# Build Tine's guest root filesystem: Debian bookworm (minbase plus bash,
+# coreutils, python3, ca-certificates, procps) made with mmdebstrap, the
+# guest agent as /sbin/init, written to an ext4 image with `mkfs.ext4 -d`
+# (no loop mount, no root-only mounts). The guest mounts it read-only and
+# the agent's init puts an overlay with a tmpfs upper layer on top, so
+# many VMs share one image and a VM's memory holds its file changes.
+#
+# Usage: rootfs/build-rootfs.sh [AGENT]
+#   AGENT: the static guest agent (default: the one scripts/setup.sh builds)
+#
+# Cached under ${TINE_CACHE:-~/.cache/tine}/rootfs/ by a hash of the
+# package list, this script and the agent binary; unchanged inputs are not
+# rebuilt. Prints the image's path on the last line of standard output.
+set -euo pipefail
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+root=$(cd "$here/.." && pwd)
+cache=${TINE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/tine}/rootfs
+agent=${1:-$root/target/guest/x86_64-unknown-linux-gnu/release/tine-agent}
+suite=bookworm
+packages=bash,coreutils,python3,ca-certificates,procps
+
+if [ ! -x "$agent" ]; then
+  echo "build-rootfs.sh: no agent at $agent; build it first (scripts/setup.sh)" >&2
+  exit 1
+fi
+command -v mmdebstrap >/dev/null || { echo "build-rootfs.sh: mmdebstrap is missing: apt-get install mmdebstrap (or run scripts/setup.sh)" >&2; exit 1; }
+
+inputs=$( { echo "$suite $packages"; cat "$0"; sha256sum < "$agent"; } | sha256sum | cut -c1-16)
+out="$cache/rootfs-$inputs.ext4"
+if [ -f "$out" ]; then
+  echo "rootfs: cached, inputs unchanged" >&2
+  echo "$out"; exit 0
+fi
+mkdir -p "$cache"
+exec 9>"$cache/lock"
+flock 9
+if [ -f "$out" ]; then echo "$out"; exit 0; fi
+
+start=$(date +%s)
+work=$(mktemp -d "$cache/build.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+echo "rootfs: mmdebstrap $suite ($packages)" >&2
+mmdebstrap --quiet --variant=minbase --include="$packages" \
+  --dpkgopt='path-exclude=/usr/share/man/*' \
+  --dpkgopt='path-exclude=/usr/share/doc/*' \
+  --dpkgopt='path-include=/usr/share/doc/*/copyright' \
+  --dpkgopt='path-exclude=/usr/share/locale/*' \
+  --dpkgopt='path-exclude=/usr/share/info/*' \
+  "$suite" "$work/root" >&2
+
+# The agent is the guest's init (it mounts the overlay, /proc, /sys, /dev,
+# /tmp and /run, reaps orphans and serves the host).
+install -m 0755 "$agent" "$work/root/usr/local/sbin/tine-agent"
+ln -sfn /usr/local/sbin/tine-agent "$work/root/sbin/init"
+# Mount points the read-only image must already have.
+mkdir -p "$work/root/overlay" "$work/root/proc" "$work/root/sys" "$work/root/dev" "$work/root/tmp" "$work/root/run"
+rm -rf "$work/root/var/lib/apt/lists/"* "$work/root/var/cache/apt/"*.bin "$work/root/var/cache/apt/archives/"*.deb
+echo "tine" > "$work/root/etc/hostname"
+
+used_mib=$(du -sm "$work/root" | cut -f1)
+size_mib=$(( used_mib + used_mib / 4 + 64 ))
+truncate -s "${size_mib}M" "$work/image.ext4"
+mkfs.ext4 -q -F -L tine-root -d "$work/root" "$work/image.ext4"
+mv "$work/image.ext4" "$out"
+for old in "$cache"/rootfs-*.ext4; do [ "$old" = "$out" ] || rm -f "$old"; done
+ln -sfn "$(basename "$out")" "$cache/rootfs.ext4"
+echo "rootfs: built in $(( $(date +%s) - start )) s: ${used_mib} MiB of files in a ${size_mib} MiB image" >&2
+echo "$out"
