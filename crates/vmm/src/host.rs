@@ -32,8 +32,16 @@ pub enum HostProfile {
 ///   user copy; `erms`/`fsrm`: `rep movsb`/`rep stosb` are emulated per
 ///   byte, `rep movsq` per 8 bytes).
 /// - `tsc=reliable`: no clocksource watchdog (its reads are emulated).
-pub const PVM_CMDLINE: &str =
-    "tine_pvm noxsave clearcpuid=popcnt,smap,fsgsbase,invpcid,pku,erms,fsrm tsc=reliable";
+/// - `GLIBC_TUNABLES=...`: passed by the kernel to init as an environment
+///   variable, inherited by every process the agent starts. With
+///   `noxsave` the guest kernel saves only the fxsave state (x87, SSE) on
+///   context switches, but user mode runs natively and glibc would pick
+///   AVX/AVX-512 routines from the host's CPUID and XCR0 (the host ignores
+///   the guest's XCR0 there): two threads or processes would then corrupt
+///   each other's vector registers. This keeps glibc on SSE. Programs with
+///   their own AVX code paths are not covered (see docs/hosts.md).
+pub const PVM_CMDLINE: &str = "tine_pvm noxsave clearcpuid=popcnt,smap,fsgsbase,invpcid,pku,erms,fsrm tsc=reliable \
+     GLIBC_TUNABLES=glibc.cpu.hwcaps=-AVX,-AVX2,-AVX512F,-AVX512BW,-AVX512CD,-AVX512DQ,-AVX512VL,-AVX_Fast_Unaligned_Load";
 
 impl HostProfile {
     /// Detects the profile of this host: [`HostProfile::Pvm`] when the
