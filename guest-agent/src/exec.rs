@@ -9,10 +9,7 @@ use std::process::{Command as Process, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use tine_protocol::{
-    AgentError, Command, Exec, ExecReply, ExitStatus, Output, DEFAULT_OUTPUT_LIMIT, DEFAULT_TIMEOUT_MS, MAX_OUTPUT_LIMIT,
-    MAX_TIMEOUT_MS,
-};
+use tine_protocol::{effective_limits, AgentError, Command, Exec, ExecReply, ExitStatus, Output};
 
 /// The shell for `Command::Shell`: bash where the image has it, else sh.
 fn shell() -> &'static str {
@@ -57,16 +54,8 @@ fn kill_group(pgid: u32) {
 /// `NotFound`/`PermissionDenied` when the program cannot be started.
 pub fn run(req: Exec) -> Result<ExecReply, AgentError> {
     let invalid = |reason: String| AgentError::InvalidRequest { reason };
-    let timeout_ms = match req.timeout_ms {
-        0 => DEFAULT_TIMEOUT_MS,
-        t if t > MAX_TIMEOUT_MS => return Err(invalid(format!("timeout {t} ms is over the {MAX_TIMEOUT_MS} ms limit"))),
-        t => t,
-    };
-    let limit = match req.output_limit {
-        0 => DEFAULT_OUTPUT_LIMIT,
-        l if l > MAX_OUTPUT_LIMIT => return Err(invalid(format!("output limit {l} is over {MAX_OUTPUT_LIMIT} bytes"))),
-        l => l,
-    } as usize;
+    let (timeout_ms, limit) = effective_limits(req.timeout_ms, req.output_limit)?;
+    let limit = limit as usize;
     let argv: Vec<String> = match req.command {
         Command::Shell(script) => vec![shell().to_string(), "-c".into(), script],
         Command::Argv(v) if !v.is_empty() => v,

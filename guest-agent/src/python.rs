@@ -13,10 +13,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use serde::Deserialize;
-use tine_protocol::{
-    AgentError, Output, Python, PythonException, PythonReply, DEFAULT_OUTPUT_LIMIT, DEFAULT_TIMEOUT_MS, MAX_OUTPUT_LIMIT,
-    MAX_TIMEOUT_MS, PYTHON_KILL_GRACE_MS,
-};
+use tine_protocol::{effective_limits, AgentError, Output, Python, PythonException, PythonReply, PYTHON_KILL_GRACE_MS};
 
 /// How long a cell has to stop after SIGINT before the interpreter is killed.
 pub const KILL_GRACE: Duration = Duration::from_millis(PYTHON_KILL_GRACE_MS as u64);
@@ -60,27 +57,17 @@ impl From<WireOutput> for Output {
 }
 
 fn start() -> Result<Interpreter, AgentError> {
+    // Minimal images may have no /root: run from / there.
+    let cwd = if std::path::Path::new("/root").is_dir() { "/root" } else { "/" };
     let mut child = Command::new("python3")
         .args(["-u", "-c", REPL])
-        .current_dir("/root")
+        .current_dir(cwd)
         .env("PYTHONIOENCODING", "utf-8")
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .process_group(0)
         .spawn()
-        .or_else(|_| {
-            // No /root in minimal images: run from /.
-            Command::new("python3")
-                .args(["-u", "-c", REPL])
-                .current_dir("/")
-                .env("PYTHONIOENCODING", "utf-8")
-                .stdin(Stdio::piped())
-                .stdout(Stdio::piped())
-                .stderr(Stdio::null())
-                .process_group(0)
-                .spawn()
-        })
         .map_err(|e| match e.kind() {
             std::io::ErrorKind::NotFound => AgentError::Unsupported { reason: "python3 is not installed in this sandbox's image".into() },
             _ => AgentError::Io { message: format!("cannot start python3: {e}") },
@@ -102,17 +89,7 @@ fn signal(pid: u32, sig: i32) {
 /// Errors: `InvalidRequest` for limits out of range; `Unsupported` without
 /// python3; `Io` if the interpreter cannot be reached.
 pub fn run(req: Python) -> Result<PythonReply, AgentError> {
-    let invalid = |reason: String| AgentError::InvalidRequest { reason };
-    let timeout_ms = match req.timeout_ms {
-        0 => DEFAULT_TIMEOUT_MS,
-        t if t > MAX_TIMEOUT_MS => return Err(invalid(format!("timeout {t} ms is over the {MAX_TIMEOUT_MS} ms limit"))),
-        t => t,
-    };
-    let limit = match req.output_limit {
-        0 => DEFAULT_OUTPUT_LIMIT,
-        l if l > MAX_OUTPUT_LIMIT => return Err(invalid(format!("output limit {l} is over {MAX_OUTPUT_LIMIT} bytes"))),
-        l => l,
-    };
+    let (timeout_ms, limit) = effective_limits(req.timeout_ms, req.output_limit)?;
     let mut guard = INTERPRETER.lock().unwrap_or_else(|p| p.into_inner());
     if guard.is_none() {
         *guard = Some(start()?);

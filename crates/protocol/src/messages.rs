@@ -19,6 +19,26 @@ pub const PYTHON_KILL_GRACE_MS: u32 = 5_000;
 /// Bytes of entropy a reseed carries at most.
 pub const MAX_ENTROPY_BYTES: usize = 512;
 
+/// The timeout (ms) and output cap (bytes) a request asks for, with 0
+/// meaning the defaults ([`DEFAULT_TIMEOUT_MS`], [`DEFAULT_OUTPUT_LIMIT`]).
+///
+/// Errors: [`AgentError::InvalidRequest`] past [`MAX_TIMEOUT_MS`] or
+/// [`MAX_OUTPUT_LIMIT`].
+pub fn effective_limits(timeout_ms: u32, output_limit: u32) -> Result<(u32, u32), AgentError> {
+    let invalid = |reason: String| AgentError::InvalidRequest { reason };
+    let timeout = match timeout_ms {
+        0 => DEFAULT_TIMEOUT_MS,
+        t if t > MAX_TIMEOUT_MS => return Err(invalid(format!("timeout {t} ms is over the {MAX_TIMEOUT_MS} ms limit"))),
+        t => t,
+    };
+    let limit = match output_limit {
+        0 => DEFAULT_OUTPUT_LIMIT,
+        l if l > MAX_OUTPUT_LIMIT => return Err(invalid(format!("output limit {l} is over {MAX_OUTPUT_LIMIT} bytes"))),
+        l => l,
+    };
+    Ok((timeout, limit))
+}
+
 /// A request from the host; answered by a [`Response`] with the same `id`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Request {

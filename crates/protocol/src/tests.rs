@@ -152,3 +152,12 @@ fn a_frame_over_the_limit_is_not_encoded() {
     assert!(frame.len() < MAX_FRAME_BYTES, "a full file chunk fits in a frame");
     assert_eq!(read_message::<_, Request>(&mut &frame[..]).unwrap(), ok);
 }
+
+#[test]
+fn limits_default_and_cap() {
+    assert_eq!(effective_limits(0, 0).unwrap(), (DEFAULT_TIMEOUT_MS, DEFAULT_OUTPUT_LIMIT));
+    assert_eq!(effective_limits(5, 7).unwrap(), (5, 7));
+    assert_eq!(effective_limits(MAX_TIMEOUT_MS, MAX_OUTPUT_LIMIT).unwrap(), (MAX_TIMEOUT_MS, MAX_OUTPUT_LIMIT));
+    assert!(matches!(effective_limits(MAX_TIMEOUT_MS + 1, 0), Err(AgentError::InvalidRequest { .. })));
+    assert!(matches!(effective_limits(0, MAX_OUTPUT_LIMIT + 1), Err(AgentError::InvalidRequest { .. })));
+}

@@ -119,17 +119,17 @@ pub fn build_test_rootfs(dir: &Path, size_mib: u64) -> PathBuf {
         std::fs::create_dir_all(root.join(d)).expect("create rootfs dirs");
     }
     build_test_init(&root.join("sbin/init"));
-    let image = dir.join("rootfs.ext4");
-    let f = std::fs::File::create(&image).expect("create image");
+    mkfs_ext4(&root, &dir.join("rootfs.ext4"), size_mib)
+}
+
+/// Writes the tree `root` into a new ext4 image `image` of `size_mib` MiB
+/// with `mkfs.ext4 -d`; returns the image's path.
+fn mkfs_ext4(root: &Path, image: &Path, size_mib: u64) -> PathBuf {
+    let f = std::fs::File::create(image).expect("create image");
     f.set_len(size_mib << 20).expect("size image");
-    let out = Command::new("mkfs.ext4")
-        .args(["-q", "-F", "-d"])
-        .arg(&root)
-        .arg(&image)
-        .output()
-        .expect("run mkfs.ext4 (e2fsprogs)");
+    let out = Command::new("mkfs.ext4").args(["-q", "-F", "-d"]).arg(root).arg(image).output().expect("run mkfs.ext4 (e2fsprogs)");
     assert!(out.status.success(), "mkfs.ext4 failed: {}", String::from_utf8_lossy(&out.stderr));
-    image
+    image.to_path_buf()
 }
 
 /// The guest root filesystem image `rootfs/build-rootfs.sh` builds
@@ -183,12 +183,7 @@ pub fn build_agent_rootfs(dir: &Path, size_mib: u64) -> PathBuf {
             let _ = std::os::unix::fs::symlink("busybox", root.join("bin").join(applet));
         }
     }
-    let image = dir.join("agent-rootfs.ext4");
-    let f = std::fs::File::create(&image).expect("create image");
-    f.set_len(size_mib << 20).expect("size image");
-    let out = Command::new("mkfs.ext4").args(["-q", "-F", "-d"]).arg(&root).arg(&image).output().expect("run mkfs.ext4");
-    assert!(out.status.success(), "mkfs.ext4 failed: {}", String::from_utf8_lossy(&out.stderr));
-    image
+    mkfs_ext4(&root, &dir.join("agent-rootfs.ext4"), size_mib)
 }
 
 /// A blocking client of the guest agent for tests (the sandbox manager's
