@@ -76,15 +76,10 @@ proptest! {
     #[test]
     fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
         let mut r = &bytes[..];
-        loop {
-            match read_body(&mut r) {
-                Ok(body) => {
-                    prop_assert!(body.len() <= MAX_FRAME_BYTES);
-                    let _ = decode_body::<Request>(&body);
-                    let _ = decode_body::<Response>(&body);
-                }
-                Err(_) => break,
-            }
+        while let Ok(body) = read_body(&mut r) {
+            prop_assert!(body.len() <= MAX_FRAME_BYTES);
+            let _ = decode_body::<Request>(&body);
+            let _ = decode_body::<Response>(&body);
         }
         let _ = decode_body::<Request>(&bytes);
         let _ = decode_body::<Response>(&bytes);

@@ -47,7 +47,7 @@ impl Writer {
     }
 
     fn pad(&mut self) {
-        while self.out.len() % 4 != 0 {
+        while !self.out.len().is_multiple_of(4) {
             self.out.push(0);
         }
     }
@@ -71,7 +71,7 @@ impl Writer {
     pub fn finish(mut self) -> Vec<u8> {
         self.entry("TRAILER!!!", 0, (0, 0), &[]);
         // The kernel reads the archive in 512-byte blocks.
-        while self.out.len() % 512 != 0 {
+        while !self.out.len().is_multiple_of(512) {
             self.out.push(0);
         }
         self.out

@@ -77,7 +77,7 @@ impl GuestRam {
     /// Errors: [`MemoryError::InvalidSize`], [`MemoryError::Memfd`],
     /// [`MemoryError::Mmap`].
     pub fn new(name: &str, size: u64) -> Result<Self, MemoryError> {
-        if !(MIN_MEM_BYTES..=MAX_MEM_BYTES).contains(&size) || size % 4096 != 0 {
+        if !(MIN_MEM_BYTES..=MAX_MEM_BYTES).contains(&size) || !size.is_multiple_of(4096) {
             return Err(MemoryError::InvalidSize(size));
         }
         let cname = CString::new(format!("tine-guest-ram-{name}")).unwrap_or_default();

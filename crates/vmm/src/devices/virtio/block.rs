@@ -178,7 +178,7 @@ impl Block {
                     tracing::warn!("virtio-blk: {} request with a data buffer of the wrong direction", if writing { "OUT" } else { "IN" });
                     return Err(RequestError::Status(status::IOERR));
                 }
-                if data_len % SECTOR_SIZE != 0 {
+                if !data_len.is_multiple_of(SECTOR_SIZE) {
                     return Err(RequestError::Status(status::IOERR));
                 }
                 let end = sector.checked_add(data_len / SECTOR_SIZE);

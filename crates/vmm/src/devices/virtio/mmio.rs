@@ -377,7 +377,7 @@ impl MmioTransport {
             self.device.read_config(offset - reg::CONFIG, data);
             return;
         }
-        if data.len() != 4 || offset % 4 != 0 {
+        if data.len() != 4 || !offset.is_multiple_of(4) {
             tracing::warn!("{}: {}-byte read at register offset {offset:#x} ignored", self.name(), data.len());
             data.fill(0);
             return;
@@ -414,7 +414,7 @@ impl MmioTransport {
             }
             return;
         }
-        if data.len() != 4 || offset % 4 != 0 {
+        if data.len() != 4 || !offset.is_multiple_of(4) {
             tracing::warn!("{}: {}-byte write at register offset {offset:#x} ignored", self.name(), data.len());
             return;
         }
@@ -449,7 +449,7 @@ impl MmioTransport {
                 if configurable =>
             {
                 if let Some(q) = self.selected_queue() {
-                    let (lo, hi) = if offset % 8 == 0 { (Some(v), None) } else { (None, Some(v)) };
+                    let (lo, hi) = if offset.is_multiple_of(8) { (Some(v), None) } else { (None, Some(v)) };
                     match offset & !7 {
                         reg::QUEUE_DESC_LOW => q.set_desc_table_address(lo, hi),
                         reg::QUEUE_DRIVER_LOW => q.set_avail_ring_address(lo, hi),

@@ -196,7 +196,6 @@ where
         while more() {
             let mut iter = queue.iter(mem).map_err(|e| broken(format!("available ring: {e}")))?;
             let Some(chain) = iter.next() else { break };
-            drop(iter);
             let head = chain.head_index();
             let len = handle(chain);
             queue.add_used(mem, head, len).map_err(|e| broken(format!("used ring: {e}")))?;

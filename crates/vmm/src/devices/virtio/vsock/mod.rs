@@ -201,7 +201,6 @@ impl Vsock {
         while muxer.has_rx() {
             let mut iter = q.iter(&mem).map_err(|e| broken(format!("RX available ring: {e}")))?;
             let Some(chain) = iter.next() else {
-                drop(iter);
                 // No buffer: ask to be told when the guest adds one, and
                 // re-check for one that raced in.
                 if q.enable_notification(&mem).map_err(|e| broken(format!("RX ring: {e}")))? {
@@ -209,7 +208,6 @@ impl Vsock {
                 }
                 break;
             };
-            drop(iter);
             let head = chain.head_index();
             let used = match parse_chain(&mem, chain, MAX_SEGMENTS) {
                 Ok(p) => {
