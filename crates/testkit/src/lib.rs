@@ -57,15 +57,20 @@ pub fn kernel() -> PathBuf {
     if let Some(k) = std::env::var_os("TINE_KERNEL") {
         return PathBuf::from(k);
     }
-    let script = workspace_root().join("kernel-config/build-kernel.sh");
-    let out = Command::new("bash").arg(&script).output().expect("run build-kernel.sh");
-    assert!(
-        out.status.success(),
-        "build-kernel.sh failed:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    run_build_script("kernel-config/build-kernel.sh", &[])
+}
+
+/// Runs one of the repository's build scripts (path relative to the
+/// workspace root) and returns the path it prints on its last line.
+fn run_build_script(script: &str, args: &[&Path]) -> PathBuf {
+    let out = Command::new("bash")
+        .arg(workspace_root().join(script))
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {script}: {e}"));
+    assert!(out.status.success(), "{script} failed:\n{}", String::from_utf8_lossy(&out.stderr));
     let stdout = String::from_utf8_lossy(&out.stdout);
-    PathBuf::from(stdout.lines().last().expect("build-kernel.sh printed a path").trim())
+    PathBuf::from(stdout.lines().last().unwrap_or_else(|| panic!("{script} printed no path")).trim())
 }
 
 /// The bzImage built beside [`kernel`] (`$TINE_BZIMAGE` if set).
@@ -138,15 +143,7 @@ pub fn rootfs() -> PathBuf {
     if let Some(r) = std::env::var_os("TINE_ROOTFS") {
         return PathBuf::from(r);
     }
-    let agent = build_agent();
-    let out = Command::new("bash")
-        .arg(workspace_root().join("rootfs/build-rootfs.sh"))
-        .arg(&agent)
-        .output()
-        .expect("run build-rootfs.sh");
-    assert!(out.status.success(), "build-rootfs.sh failed:\n{}", String::from_utf8_lossy(&out.stderr));
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    PathBuf::from(stdout.lines().last().expect("build-rootfs.sh printed a path").trim())
+    run_build_script("rootfs/build-rootfs.sh", &[&build_agent()])
 }
 
 /// Builds the guest agent as a static executable (its own target dir, so
