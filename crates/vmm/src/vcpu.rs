@@ -3,7 +3,7 @@
 //! [`GuestStop`].
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex, Once};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::Instant;
 
 use kvm_bindings::{
@@ -26,12 +26,9 @@ extern "C" fn noop_signal_handler(_: libc::c_int, _: *mut libc::siginfo_t, _: *m
 /// Installs the (empty) handler for [`kick_signal`] once per process, so the
 /// signal interrupts `KVM_RUN` with `EINTR` instead of killing the process.
 pub fn install_kick_handler() -> Result<(), vmm_sys_util::errno::Error> {
-    static ONCE: Once = Once::new();
-    let mut result = Ok(());
-    ONCE.call_once(|| {
-        result = vmm_sys_util::signal::register_signal_handler(kick_signal(), noop_signal_handler);
-    });
-    result
+    // Every caller gets the outcome of the one attempt, not only the first.
+    static INSTALLED: OnceLock<Result<(), vmm_sys_util::errno::Error>> = OnceLock::new();
+    *INSTALLED.get_or_init(|| vmm_sys_util::signal::register_signal_handler(kick_signal(), noop_signal_handler))
 }
 
 /// Registers and instruction bytes at the point a guest failed.
