@@ -131,16 +131,14 @@ impl Vsock {
     }
 
     fn deliver_event(&mut self) -> Result<(), VirtioError> {
-        let Some(run) = self.running.as_mut() else { return Ok(()) };
+        let Some(Running { mem, queues, interrupt }) = self.running.as_mut() else { return Ok(()) };
         if !self.pending_reset_event {
             return Ok(());
         }
-        let mem = run.mem.clone();
-        let q = &mut run.queues[EVQ];
         let delivered = std::cell::Cell::new(false);
-        super::drain_queue_while("virtio-vsock", q, &mem, &run.interrupt, || !delivered.get(), |chain| {
-            let len = match parse_chain(&mem, chain, MAX_SEGMENTS) {
-                Ok(p) => scatter(&mem, &p.segments, 0, &VIRTIO_VSOCK_EVENT_TRANSPORT_RESET.to_le_bytes()),
+        super::drain_queue_while("virtio-vsock", &mut queues[EVQ], mem, interrupt, || !delivered.get(), |chain| {
+            let len = match parse_chain(mem, chain, MAX_SEGMENTS) {
+                Ok(p) => scatter(mem, &p.segments, 0, &VIRTIO_VSOCK_EVENT_TRANSPORT_RESET.to_le_bytes()),
                 Err(e) => {
                     tracing::warn!("virtio-vsock: event queue: {e}");
                     0
@@ -158,12 +156,12 @@ impl Vsock {
     }
 
     fn process_tx(&mut self) -> Result<(), VirtioError> {
-        let Some(run) = self.running.as_mut() else { return Ok(()) };
-        let mem = run.mem.clone();
+        let Some(Running { mem, queues, interrupt }) = self.running.as_mut() else { return Ok(()) };
+        let mem = &*mem;
         let muxer = &mut self.muxer;
         let buf = &mut self.buf;
-        super::drain_queue("virtio-vsock", &mut run.queues[TXQ], &mem, &run.interrupt, |chain| {
-            let parsed = match parse_chain(&mem, chain, MAX_SEGMENTS) {
+        super::drain_queue("virtio-vsock", &mut queues[TXQ], mem, interrupt, |chain| {
+            let parsed = match parse_chain(mem, chain, MAX_SEGMENTS) {
                 Ok(p) => p,
                 Err(e) => {
                     tracing::warn!("virtio-vsock: TX {e}; packet dropped");
@@ -171,7 +169,7 @@ impl Vsock {
                 }
             };
             let mut raw = [0u8; HDR_LEN];
-            if gather(&mem, &parsed.segments, 0, &mut raw) != HDR_LEN {
+            if gather(mem, &parsed.segments, 0, &mut raw) != HDR_LEN {
                 tracing::warn!("virtio-vsock: TX packet shorter than its header; dropped");
                 return 0;
             }
@@ -181,7 +179,7 @@ impl Vsock {
                 return 0;
             }
             let payload = &mut buf[..hdr.len as usize];
-            if gather(&mem, &parsed.segments, HDR_LEN, payload) != payload.len() {
+            if gather(mem, &parsed.segments, HDR_LEN, payload) != payload.len() {
                 tracing::warn!("virtio-vsock: TX packet claims {} bytes of payload but carries fewer; dropped", hdr.len);
                 return 0;
             }
@@ -191,25 +189,25 @@ impl Vsock {
     }
 
     fn process_rx(&mut self) -> Result<(), VirtioError> {
-        let Some(run) = self.running.as_mut() else { return Ok(()) };
-        let mem = run.mem.clone();
+        let Some(Running { mem, queues, interrupt }) = self.running.as_mut() else { return Ok(()) };
+        let mem = &*mem;
         let muxer = &mut self.muxer;
         let buf = &mut self.buf;
         let broken = |reason: String| VirtioError::Broken { device: "virtio-vsock", reason };
-        let q = &mut run.queues[RXQ];
+        let q = &mut queues[RXQ];
         let mut used_any = false;
         while muxer.has_rx() {
-            let mut iter = q.iter(&mem).map_err(|e| broken(format!("RX available ring: {e}")))?;
+            let mut iter = q.iter(mem).map_err(|e| broken(format!("RX available ring: {e}")))?;
             let Some(chain) = iter.next() else {
                 // No buffer: ask to be told when the guest adds one, and
                 // re-check for one that raced in.
-                if q.enable_notification(&mem).map_err(|e| broken(format!("RX ring: {e}")))? {
+                if q.enable_notification(mem).map_err(|e| broken(format!("RX ring: {e}")))? {
                     continue;
                 }
                 break;
             };
             let head = chain.head_index();
-            let used = match parse_chain(&mem, chain, MAX_SEGMENTS) {
+            let used = match parse_chain(mem, chain, MAX_SEGMENTS) {
                 Ok(p) => {
                     let room: usize = p.segments.iter().filter(|s| s.writable).map(|s| s.len as usize).sum();
                     if room < HDR_LEN {
@@ -219,8 +217,8 @@ impl Vsock {
                         let cap = (room - HDR_LEN).min(buf.len());
                         match muxer.next_rx(&mut buf[..cap]) {
                             Some((hdr, n)) => {
-                                let h = scatter(&mem, &p.segments, 0, &hdr.to_bytes());
-                                let d = scatter(&mem, &p.segments, HDR_LEN, &buf[..n]);
+                                let h = scatter(mem, &p.segments, 0, &hdr.to_bytes());
+                                let d = scatter(mem, &p.segments, HDR_LEN, &buf[..n]);
                                 (h + d) as u32
                             }
                             None => {
@@ -236,11 +234,11 @@ impl Vsock {
                     0
                 }
             };
-            q.add_used(&mem, head, used).map_err(|e| broken(format!("RX used ring: {e}")))?;
+            q.add_used(mem, head, used).map_err(|e| broken(format!("RX used ring: {e}")))?;
             used_any = true;
         }
-        if used_any && q.needs_notification(&mem).map_err(|e| broken(format!("RX used event: {e}")))? {
-            run.interrupt.trigger(VIRTIO_MMIO_INT_VRING);
+        if used_any && q.needs_notification(mem).map_err(|e| broken(format!("RX used event: {e}")))? {
+            interrupt.trigger(VIRTIO_MMIO_INT_VRING);
         }
         Ok(())
     }

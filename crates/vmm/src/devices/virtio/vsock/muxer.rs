@@ -187,7 +187,7 @@ impl Muxer {
     }
 
     fn header(&self, key: Key, op: u16) -> Header {
-        let (fwd_cnt, buf_alloc) = self.conns.get(&key).map_or((0, CONN_BUF), |c| (c.fwd_cnt, CONN_BUF));
+        let fwd_cnt = self.conns.get(&key).map_or(0, |c| c.fwd_cnt);
         Header {
             src_cid: HOST_CID,
             dst_cid: self.guest_cid,
@@ -197,7 +197,7 @@ impl Muxer {
             type_: TYPE_STREAM,
             op,
             flags: 0,
-            buf_alloc,
+            buf_alloc: CONN_BUF,
             fwd_cnt,
         }
     }
@@ -489,9 +489,7 @@ impl Muxer {
         let local = self.alloc_local_port(port);
         let key = (local, port);
         self.add_conn(key, Conn::new(stream, State::Connecting));
-        let mut h = self.header(key, op::REQUEST);
-        h.fwd_cnt = 0;
-        self.push_control(h);
+        self.push_control(self.header(key, op::REQUEST));
     }
 
     fn alloc_local_port(&mut self, peer: u32) -> u32 {
