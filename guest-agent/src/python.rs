@@ -91,10 +91,10 @@ fn signal(pid: u32, sig: i32) {
 pub fn run(req: Python) -> Result<PythonReply, AgentError> {
     let (timeout_ms, limit) = effective_limits(req.timeout_ms, req.output_limit)?;
     let mut guard = INTERPRETER.lock().unwrap_or_else(|p| p.into_inner());
-    if guard.is_none() {
-        *guard = Some(start()?);
-    }
-    let Some(interp) = guard.as_mut() else { unreachable!("started above") };
+    let interp = match &mut *guard {
+        Some(interp) => interp,
+        slot @ None => slot.insert(start()?),
+    };
     let line = serde_json::json!({ "code": req.code, "limit": limit }).to_string() + "\n";
     if let Err(e) = interp.stdin.write_all(line.as_bytes()).and_then(|()| interp.stdin.flush()) {
         let _ = interp.child.kill();
