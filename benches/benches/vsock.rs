@@ -9,7 +9,7 @@
 use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
-use vmm::{Vm, VmConfig, VsockConfig};
+use vmm::Vm;
 
 fn report(what: &str, s: &testkit::ExchangeStats) {
     println!(
@@ -37,12 +37,7 @@ fn main() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let uds = dir.path().join("vm.vsock");
-    let mut config = VmConfig::new("vsock-bench", testkit::kernel());
-    let rootfs = testkit::build_test_rootfs(dir.path(), 16);
-    config.disks = vec![vmm::DiskConfig { path: rootfs, read_only: true, id: "tine-root".into() }];
-    config.vsock = Some(VsockConfig { cid: 3, uds_path: uds.clone() });
-    config.cmdline = "root=/dev/vda ro rootfstype=ext4 tine_init_vsock=5000".into();
+    let (config, uds) = testkit::vsock_exchange_guest(dir.path(), "vsock-bench", 5000);
     let mut vm = Vm::start(&config).expect("VM starts");
     assert!(vm.console().wait_for("TINE-INIT-VSOCK listening", Duration::from_secs(600)), "guest never listened");
     let (mut s, _) = testkit::vsock_connect(&uds, 5000).expect("vsock handshake");

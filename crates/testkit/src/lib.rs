@@ -146,6 +146,19 @@ pub fn rootfs() -> PathBuf {
     run_build_script("rootfs/build-rootfs.sh", &[&build_agent()])
 }
 
+/// The guest of the vsock exchange (see init.c): the test rootfs on a
+/// read-only virtio-blk root, vsock CID 3 with its Unix socket in `dir`,
+/// and init listening on `port`. Returns the config and the socket path.
+pub fn vsock_exchange_guest(dir: &Path, name: &str, port: u32) -> (vmm::VmConfig, PathBuf) {
+    let uds = dir.join("vm.vsock");
+    let mut config = vmm::VmConfig::new(name, kernel());
+    let rootfs = build_test_rootfs(dir, 16);
+    config.disks = vec![vmm::DiskConfig { path: rootfs, read_only: true, id: "tine-root".into() }];
+    config.vsock = Some(vmm::VsockConfig { cid: 3, uds_path: uds.clone() });
+    config.cmdline = format!("root=/dev/vda ro rootfstype=ext4 tine_init_vsock={port}");
+    (config, uds)
+}
+
 /// Builds the guest agent as a static executable (its own target dir, so
 /// the static flags do not rebuild the host's crates). Returns its path.
 pub fn build_agent() -> PathBuf {

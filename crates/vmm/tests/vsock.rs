@@ -7,7 +7,7 @@
 
 use std::time::Duration;
 
-use vmm::{Vm, VmConfig, VmExit, VsockConfig};
+use vmm::{Vm, VmExit};
 
 const PORT: u32 = 5000;
 const PINGS: u64 = 200;
@@ -19,12 +19,7 @@ fn guest_listener_exchanges_bytes_both_ways_over_vsock() {
     }
     let n: u64 = std::env::var("TINE_VSOCK_BYTES").ok().and_then(|s| s.parse().ok()).unwrap_or(64 << 20);
     let dir = tempfile::tempdir().unwrap();
-    let uds = dir.path().join("vm.vsock");
-    let mut config = VmConfig::new("vsock-test", testkit::kernel());
-    let rootfs = testkit::build_test_rootfs(dir.path(), 16);
-    config.disks = vec![vmm::DiskConfig { path: rootfs, read_only: true, id: "tine-root".into() }];
-    config.vsock = Some(VsockConfig { cid: 3, uds_path: uds.clone() });
-    config.cmdline = format!("root=/dev/vda ro rootfstype=ext4 tine_init_vsock={PORT}");
+    let (config, uds) = testkit::vsock_exchange_guest(dir.path(), "vsock-test", PORT);
     let mut vm = Vm::start(&config).expect("VM starts");
     let console = vm.console().clone();
     assert!(
