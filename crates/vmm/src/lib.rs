@@ -17,4 +17,4 @@ pub mod vm;
 pub mod x86_64;
 
 pub use host::HostProfile;
-pub use vm::{DiskConfig, RunningVm, Vm, VmConfig, VmError, VmExit, VsockConfig};
+pub use vm::{DiskConfig, ExitWatcher, RunningVm, Vm, VmConfig, VmError, VmExit, VsockConfig};

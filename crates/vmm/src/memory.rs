@@ -124,12 +124,29 @@ impl GuestRam {
     pub fn fd(&self) -> i32 {
         self.file.as_raw_fd()
     }
+
+    /// Bytes of host memory allocated to the memfd (pages the guest or the
+    /// VMM has touched), from `st_blocks` (512-byte units, `stat(2)`).
+    ///
+    /// Errors: the `fstat` error.
+    pub fn allocated_bytes(&self) -> std::io::Result<u64> {
+        use std::os::unix::fs::MetadataExt;
+        Ok(self.file.metadata()?.blocks() * 512)
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use vm_memory::Bytes;
+
+    #[test]
+    fn allocated_bytes_counts_touched_pages_only() {
+        let ram = GuestRam::new("alloc-test", 64 << 20).unwrap();
+        assert_eq!(ram.allocated_bytes().unwrap(), 0);
+        ram.memory.write_slice(&[1u8; 8192], GuestAddress(1 << 20)).unwrap();
+        assert_eq!(ram.allocated_bytes().unwrap(), 8192);
+    }
 
     #[test]
     fn ranges_split_around_the_mmio_gap() {

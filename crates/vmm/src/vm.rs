@@ -318,6 +318,23 @@ impl Vm {
     }
 }
 
+/// Waits for a VM's end from any thread (see [`RunningVm::exit_watcher`]).
+#[derive(Clone)]
+pub struct ExitWatcher(Arc<VcpuShared>);
+
+impl ExitWatcher {
+    /// Blocks until the VM stops (guest power-off, reset, fault, or a
+    /// stop request), or until `timeout` passes; true if it stopped.
+    pub fn wait(&self, timeout: Option<Duration>) -> bool {
+        self.0.wait_stopped(timeout.map(|t| Instant::now() + t))
+    }
+
+    /// Whether the VM has stopped.
+    pub fn is_stopped(&self) -> bool {
+        self.0.stop.load(Ordering::SeqCst)
+    }
+}
+
 /// A started VM. Dropping it stops it.
 pub struct RunningVm {
     #[allow(dead_code)]
@@ -353,6 +370,43 @@ impl RunningVm {
     /// Whether the VM has stopped (a vCPU recorded an outcome).
     pub fn is_stopped(&self) -> bool {
         self.shared.stop.load(Ordering::SeqCst)
+    }
+
+    /// A handle that waits for the VM to stop without borrowing it, so
+    /// one thread can watch for the guest's end while another owns the VM.
+    pub fn exit_watcher(&self) -> ExitWatcher {
+        ExitWatcher(self.shared.clone())
+    }
+
+    /// CPU time the vCPU threads have used so far (user + system), read
+    /// from each thread's CPU-time clock (`pthread_getcpuclockid(3)`).
+    /// Threads that have ended count nothing.
+    pub fn vcpu_cpu_time(&self) -> Duration {
+        use std::os::unix::thread::JoinHandleExt;
+        let mut total = Duration::ZERO;
+        for t in self.threads.iter().filter(|t| !t.is_finished()) {
+            let mut clock: libc::clockid_t = 0;
+            // SAFETY: the pthread_t comes from a JoinHandle we hold and have
+            // not joined, so the thread's id is valid; `clock` is a valid
+            // out pointer.
+            if unsafe { libc::pthread_getcpuclockid(t.as_pthread_t(), &mut clock) } != 0 {
+                continue;
+            }
+            let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+            // SAFETY: `clock` was just returned for a live thread; `ts` is
+            // a valid out pointer.
+            if unsafe { libc::clock_gettime(clock, &mut ts) } == 0 {
+                total += Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32);
+            }
+        }
+        total
+    }
+
+    /// Host memory (bytes) that backs guest RAM right now: the pages of the
+    /// memfd the guest has touched (`st_blocks` of `fstat(2)`, 512-byte
+    /// units), not the configured size.
+    pub fn resident_memory_bytes(&self) -> u64 {
+        self._ram.allocated_bytes().unwrap_or(0)
     }
 
     fn kick_and_join(&mut self) {
