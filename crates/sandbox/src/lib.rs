@@ -1,0 +1,24 @@
+//! Tine's sandbox manager.
+//!
+//! A sandbox is a microVM booted from the guest kernel and the shared,
+//! read-only root filesystem image, with the guest agent reached over
+//! hybrid vsock. The [`Manager`] gives sandboxes ids (`sb-1`, `sb-2`, ...),
+//! tracks their [`SandboxState`], enforces [`Limits`] (vCPUs, memory, how
+//! many live at once), reaps sandboxes left idle past their idle timeout,
+//! turns a crashed guest into a `failed` sandbox that carries the console's
+//! last lines, and on [`Manager::shutdown`] stops every VM and removes
+//! every file it made.
+//!
+//! Files: each sandbox owns `<run_dir>/<id>/` with `vsock.sock` (the
+//! hybrid-vsock socket) and `console.log`; the directory goes with the
+//! sandbox.
+
+#![deny(missing_docs)]
+
+mod limits;
+mod manager;
+
+pub use limits::{Limits, LimitsError};
+pub use manager::{
+    ExecRequest, Manager, ManagerConfig, SandboxError, SandboxId, SandboxInfo, SandboxSpec, SandboxState, Usage,
+};

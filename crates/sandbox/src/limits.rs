@@ -1,0 +1,240 @@
+//! Per-sandbox defaults and the server's limits (the `[limits]` table of
+//! the server's configuration file).
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use serde::Deserialize;
+
+/// Defaults and caps for sandboxes. Every field has a default, so a
+/// configuration file sets only what it changes.
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(default, deny_unknown_fields)]
+pub struct Limits {
+    /// Live sandboxes (starting or running) at most.
+    pub max_sandboxes: usize,
+    /// vCPUs of a sandbox created without `vcpus`.
+    pub default_vcpus: u8,
+    /// vCPUs one sandbox may ask for.
+    pub max_vcpus: u8,
+    /// Guest memory (MiB) of a sandbox created without `memory_mib`.
+    pub default_memory_mib: u64,
+    /// Guest memory (MiB) one sandbox may ask for.
+    pub max_memory_mib: u64,
+    /// A sandbox nobody used for this long (s) is killed; per-sandbox
+    /// overrides may not exceed `max_idle_timeout_secs`.
+    pub default_idle_timeout_secs: u64,
+    /// Longest idle timeout (s) a sandbox may ask for.
+    pub max_idle_timeout_secs: u64,
+    /// Longest wait (s) from VM start to the guest agent's first answer.
+    pub boot_timeout_secs: u64,
+    /// Labels per sandbox at most.
+    pub max_labels: usize,
+}
+
+/// Guest memory below this (MiB) cannot run the agent and Python.
+pub const MIN_MEMORY_MIB: u64 = 128;
+/// Longest label key (bytes).
+pub const MAX_LABEL_KEY: usize = 64;
+/// Longest label value (bytes).
+pub const MAX_LABEL_VALUE: usize = 256;
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_sandboxes: 16,
+            default_vcpus: 1,
+            max_vcpus: 8,
+            default_memory_mib: 512,
+            max_memory_mib: 8192,
+            default_idle_timeout_secs: 15 * 60,
+            max_idle_timeout_secs: 24 * 60 * 60,
+            boot_timeout_secs: 300,
+            max_labels: 16,
+        }
+    }
+}
+
+/// A request outside the limits, or limits that contradict themselves.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum LimitsError {
+    /// vCPUs out of range.
+    #[error("vcpus must be 1..={max}, got {got}")]
+    Vcpus {
+        /// Asked for.
+        got: u64,
+        /// The limit.
+        max: u8,
+    },
+    /// Memory out of range.
+    #[error("memory_mib must be {min}..={max}, got {got}")]
+    Memory {
+        /// Asked for.
+        got: u64,
+        /// The least.
+        min: u64,
+        /// The limit.
+        max: u64,
+    },
+    /// Idle timeout out of range.
+    #[error("idle_timeout_secs must be 1..={max}, got {got}")]
+    IdleTimeout {
+        /// Asked for.
+        got: u64,
+        /// The limit.
+        max: u64,
+    },
+    /// A label is malformed or there are too many.
+    #[error("bad labels: {0}")]
+    Labels(String),
+    /// The configuration itself is inconsistent.
+    #[error("invalid limits: {0}")]
+    Invalid(String),
+}
+
+impl Limits {
+    /// Checks that the defaults fit inside the caps.
+    ///
+    /// Errors: [`LimitsError::Invalid`].
+    pub fn validate(&self) -> Result<(), LimitsError> {
+        let bad = |m: String| Err(LimitsError::Invalid(m));
+        if self.max_sandboxes == 0 {
+            return bad("max_sandboxes must be at least 1".into());
+        }
+        if self.max_vcpus == 0 || self.max_vcpus > vmm::x86_64::mptable::MAX_VCPUS {
+            return bad(format!("max_vcpus must be 1..={}", vmm::x86_64::mptable::MAX_VCPUS));
+        }
+        if self.default_vcpus == 0 || self.default_vcpus > self.max_vcpus {
+            return bad("default_vcpus must be 1..=max_vcpus".into());
+        }
+        if self.max_memory_mib < MIN_MEMORY_MIB {
+            return bad(format!("max_memory_mib must be at least {MIN_MEMORY_MIB}"));
+        }
+        if !(MIN_MEMORY_MIB..=self.max_memory_mib).contains(&self.default_memory_mib) {
+            return bad(format!("default_memory_mib must be {MIN_MEMORY_MIB}..=max_memory_mib"));
+        }
+        if self.default_idle_timeout_secs == 0 || self.default_idle_timeout_secs > self.max_idle_timeout_secs {
+            return bad("default_idle_timeout_secs must be 1..=max_idle_timeout_secs".into());
+        }
+        if self.boot_timeout_secs == 0 {
+            return bad("boot_timeout_secs must be at least 1".into());
+        }
+        Ok(())
+    }
+
+    /// vCPUs for a request (`None`: the default).
+    ///
+    /// Errors: [`LimitsError::Vcpus`].
+    pub fn vcpus(&self, asked: Option<u64>) -> Result<u8, LimitsError> {
+        match asked {
+            None => Ok(self.default_vcpus),
+            Some(n) if n >= 1 && n <= u64::from(self.max_vcpus) => Ok(n as u8),
+            Some(n) => Err(LimitsError::Vcpus { got: n, max: self.max_vcpus }),
+        }
+    }
+
+    /// Guest memory (MiB) for a request (`None`: the default).
+    ///
+    /// Errors: [`LimitsError::Memory`].
+    pub fn memory_mib(&self, asked: Option<u64>) -> Result<u64, LimitsError> {
+        match asked {
+            None => Ok(self.default_memory_mib),
+            Some(n) if (MIN_MEMORY_MIB..=self.max_memory_mib).contains(&n) => Ok(n),
+            Some(n) => Err(LimitsError::Memory { got: n, min: MIN_MEMORY_MIB, max: self.max_memory_mib }),
+        }
+    }
+
+    /// The idle timeout for a request (`None`: the default).
+    ///
+    /// Errors: [`LimitsError::IdleTimeout`].
+    pub fn idle_timeout(&self, asked_secs: Option<u64>) -> Result<Duration, LimitsError> {
+        match asked_secs {
+            None => Ok(Duration::from_secs(self.default_idle_timeout_secs)),
+            Some(s) if s >= 1 && s <= self.max_idle_timeout_secs => Ok(Duration::from_secs(s)),
+            Some(s) => Err(LimitsError::IdleTimeout { got: s, max: self.max_idle_timeout_secs }),
+        }
+    }
+
+    /// Checks labels: at most `max_labels`, keys 1..=64 bytes of
+    /// `[A-Za-z0-9._/-]`, values at most 256 bytes.
+    ///
+    /// Errors: [`LimitsError::Labels`].
+    pub fn check_labels(&self, labels: &BTreeMap<String, String>) -> Result<(), LimitsError> {
+        if labels.len() > self.max_labels {
+            return Err(LimitsError::Labels(format!("{} labels, at most {}", labels.len(), self.max_labels)));
+        }
+        for (k, v) in labels {
+            let key_ok = !k.is_empty()
+                && k.len() <= MAX_LABEL_KEY
+                && k.bytes().all(|b| b.is_ascii_alphanumeric() || b"._/-".contains(&b));
+            if !key_ok {
+                return Err(LimitsError::Labels(format!(
+                    "key {k:?}: use 1..={MAX_LABEL_KEY} characters of A-Z a-z 0-9 . _ / -"
+                )));
+            }
+            if v.len() > MAX_LABEL_VALUE {
+                return Err(LimitsError::Labels(format!("value of {k:?} is longer than {MAX_LABEL_VALUE} bytes")));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_valid_and_documented_values() {
+        let l = Limits::default();
+        l.validate().unwrap();
+        assert_eq!(l.vcpus(None), Ok(1));
+        assert_eq!(l.memory_mib(None), Ok(512));
+        assert_eq!(l.idle_timeout(None), Ok(Duration::from_secs(900)));
+    }
+
+    #[test]
+    fn requests_outside_limits_are_refused() {
+        let l = Limits::default();
+        assert_eq!(l.vcpus(Some(0)), Err(LimitsError::Vcpus { got: 0, max: 8 }));
+        assert_eq!(l.vcpus(Some(9)), Err(LimitsError::Vcpus { got: 9, max: 8 }));
+        assert_eq!(l.vcpus(Some(2)), Ok(2));
+        assert!(l.memory_mib(Some(64)).is_err());
+        assert!(l.memory_mib(Some(8193)).is_err());
+        assert_eq!(l.memory_mib(Some(256)), Ok(256));
+        assert!(l.idle_timeout(Some(0)).is_err());
+        assert!(l.idle_timeout(Some(86_401)).is_err());
+    }
+
+    #[test]
+    fn labels_are_checked() {
+        let l = Limits { max_labels: 2, ..Limits::default() };
+        let m = |pairs: &[(&str, &str)]| pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        assert!(l.check_labels(&m(&[("team", "a"), ("app.kubernetes.io/name", "x")])).is_ok());
+        assert!(l.check_labels(&m(&[("a", "1"), ("b", "2"), ("c", "3")])).is_err());
+        assert!(l.check_labels(&m(&[("", "1")])).is_err());
+        assert!(l.check_labels(&m(&[("sp ace", "1")])).is_err());
+        assert!(l.check_labels(&m(&[("k", &"v".repeat(257))])).is_err());
+    }
+
+    #[test]
+    fn inconsistent_limits_are_refused() {
+        assert!(Limits { default_vcpus: 4, max_vcpus: 2, ..Limits::default() }.validate().is_err());
+        assert!(Limits { default_memory_mib: 64, ..Limits::default() }.validate().is_err());
+        assert!(Limits { max_sandboxes: 0, ..Limits::default() }.validate().is_err());
+        assert!(Limits { max_vcpus: 200, ..Limits::default() }.validate().is_err());
+    }
+
+    #[test]
+    fn unknown_keys_are_refused() {
+        let e = toml_like_json(r#"{"max_sandboxes": 4, "max_sandbox": 5}"#);
+        assert!(e.is_err());
+        let ok: Limits = toml_like_json(r#"{"max_sandboxes": 4}"#).unwrap();
+        assert_eq!(ok.max_sandboxes, 4);
+        assert_eq!(ok.default_vcpus, 1);
+    }
+
+    fn toml_like_json(s: &str) -> Result<Limits, String> {
+        serde_json::from_str(s).map_err(|e| e.to_string())
+    }
+}
