@@ -1,8 +1,15 @@
 //! The `tine` command line.
 //!
-//! `tine vm run`: boot one microVM with a given kernel and stream its
-//! serial console to stdout (a developer command; the sandbox server comes
-//! later).
+//! - `tine server start`: the MCP server (see [`server`]).
+//! - `tine server keygen`: make a bearer token.
+//! - `tine doctor`: check the host and say how to fix what is missing.
+//! - `tine vm run`: boot one microVM with a given kernel and stream its
+//!   serial console to stdout (a developer command).
+
+mod config;
+mod doctor;
+mod mcp;
+mod server;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -20,9 +27,186 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// The MCP server.
+    #[command(subcommand)]
+    Server(ServerCommand),
+    /// Check this host for what Tine needs, and say how to fix what is missing.
+    Doctor(ImageArgs),
     /// Work with single VMs directly.
     #[command(subcommand)]
     Vm(VmCommand),
+}
+
+#[derive(Subcommand)]
+enum ServerCommand {
+    /// Serve sandboxes to MCP clients over Streamable HTTP at /mcp.
+    Start(StartArgs),
+    /// Write a new random bearer token (64 hex digits) to a file (mode 0600),
+    /// or print it.
+    Keygen {
+        /// The file to write; without it the token is printed.
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
+}
+
+#[derive(Args, Clone)]
+struct ImageArgs {
+    /// Configuration file (TOML; see README "Configuration").
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Data directory [default: /var/lib/tine as root, else ~/.local/share/tine].
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
+    /// Guest kernel [default: DATA_DIR/images/vmlinux].
+    #[arg(long)]
+    kernel: Option<PathBuf>,
+    /// Guest root filesystem image [default: DATA_DIR/images/rootfs.ext4].
+    #[arg(long)]
+    rootfs: Option<PathBuf>,
+}
+
+#[derive(Args)]
+struct StartArgs {
+    #[command(flatten)]
+    images: ImageArgs,
+    /// Development mode: loopback only, no authentication.
+    #[arg(long)]
+    dev: bool,
+    /// Listen address [default: 127.0.0.1:5555].
+    #[arg(long)]
+    listen: Option<std::net::SocketAddr>,
+    /// File holding the bearer token (else $TINE_TOKEN, else systemd's
+    /// credential `tine-token`).
+    #[arg(long)]
+    token_file: Option<PathBuf>,
+    /// Accepted Host header (repeatable) [default: localhost, 127.0.0.1, ::1
+    /// and the listen address].
+    #[arg(long = "allowed-host")]
+    allowed_hosts: Vec<String>,
+}
+
+/// The configuration after file and flags are merged.
+struct Resolved {
+    file: config::FileConfig,
+    data_dir: PathBuf,
+    kernel: PathBuf,
+    rootfs: PathBuf,
+}
+
+fn resolve(args: &ImageArgs) -> anyhow::Result<Resolved> {
+    let file = match &args.config {
+        Some(p) => config::FileConfig::load(p)?,
+        None => config::FileConfig::default(),
+    };
+    let data_dir = args.data_dir.clone().or(file.data_dir.clone()).unwrap_or_else(config::default_data_dir);
+    let (dk, dr) = config::default_images(&data_dir);
+    let kernel = args.kernel.clone().or(file.kernel.clone()).unwrap_or(dk);
+    let rootfs = args.rootfs.clone().or(file.rootfs.clone()).unwrap_or(dr);
+    Ok(Resolved { file, data_dir, kernel, rootfs })
+}
+
+fn start(args: StartArgs) -> anyhow::Result<ExitCode> {
+    let r = resolve(&args.images)?;
+    let listen = match args.listen.or(r.file.listen) {
+        Some(a) => a,
+        None => config::DEFAULT_LISTEN.parse()?,
+    };
+    let token = if args.dev {
+        if !listen.ip().is_loopback() {
+            return Err(config::ConfigError::DevNotLoopback(listen).into());
+        }
+        None
+    } else {
+        let token_file = args.token_file.clone().or(r.file.token_file.clone());
+        Some(config::load_token(token_file.as_deref())?.ok_or(config::ConfigError::NoToken)?)
+    };
+    for (what, path) in [("guest kernel", &r.kernel), ("root filesystem image", &r.rootfs)] {
+        if !path.exists() {
+            return Err(config::ConfigError::MissingImage { what, path: path.clone() }.into());
+        }
+    }
+    let mut allowed_hosts = if !args.allowed_hosts.is_empty() {
+        args.allowed_hosts.clone()
+    } else {
+        r.file.allowed_hosts.clone().unwrap_or_default()
+    };
+    if allowed_hosts.is_empty() {
+        allowed_hosts = vec!["localhost".into(), "127.0.0.1".into(), "::1".into()];
+        if !listen.ip().is_unspecified() {
+            allowed_hosts.push(listen.ip().to_string());
+        }
+    }
+    let session_timeout = Duration::from_secs(
+        r.file.session_timeout_secs.unwrap_or(r.file.limits.default_idle_timeout_secs).max(1),
+    );
+    std::fs::create_dir_all(&r.data_dir)
+        .map_err(|e| anyhow::anyhow!("cannot create the data directory {}: {e}", r.data_dir.display()))?;
+    let _lock = lock_data_dir(&r.data_dir)?;
+    let profile = HostProfile::detect();
+    let manager = tine_sandbox::Manager::new(tine_sandbox::ManagerConfig {
+        kernel: r.kernel.clone(),
+        rootfs: r.rootfs.clone(),
+        run_dir: r.data_dir.join("sandboxes"),
+        profile,
+        limits: r.file.limits.clone(),
+    })?;
+    tracing::info!(
+        "data {}, kernel {}, rootfs {}, host profile {profile}, auth {}",
+        r.data_dir.display(),
+        r.kernel.display(),
+        r.rootfs.display(),
+        if token.is_some() { "bearer token" } else { "none (--dev)" }
+    );
+    let opts = server::ServeOptions { listen, token, allowed_hosts, session_timeout };
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    rt.block_on(server::serve(manager, opts))?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Takes an exclusive `flock(2)` on `DATA_DIR/tine.lock` so two servers
+/// never share (and clean up) one data directory. Held until exit.
+fn lock_data_dir(dir: &std::path::Path) -> anyhow::Result<std::fs::File> {
+    use std::os::fd::AsRawFd;
+    let path = dir.join("tine.lock");
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(|e| anyhow::anyhow!("cannot open {}: {e}", path.display()))?;
+    // SAFETY: flock on an fd we own; no memory is passed.
+    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        anyhow::bail!(
+            "another tine server uses the data directory {} (its lock {} is held); stop it or pass --data-dir",
+            dir.display(),
+            path.display()
+        );
+    }
+    Ok(f)
+}
+
+fn keygen(out: Option<PathBuf>) -> anyhow::Result<ExitCode> {
+    let token = config::new_token()?;
+    match out {
+        None => println!("{token}"),
+        Some(path) => {
+            use std::io::Write;
+            use std::os::unix::fs::OpenOptionsExt;
+            if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+                std::fs::create_dir_all(parent)?;
+            }
+            let mut f = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&path)
+                .map_err(|e| anyhow::anyhow!("cannot create {}: {e} (an existing token file is never overwritten)", path.display()))?;
+            writeln!(f, "{token}")?;
+            eprintln!("tine: wrote a new token to {}", path.display());
+        }
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 #[derive(Subcommand)]
@@ -116,13 +300,16 @@ fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info,rmcp=warn".into()),
         )
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Vm(VmCommand::Run(args)) => run(args),
+        Command::Server(ServerCommand::Start(args)) => start(args),
+        Command::Server(ServerCommand::Keygen { out }) => keygen(out),
+        Command::Doctor(args) => resolve(&args).map(|r| doctor::run(&r.kernel, &r.rootfs)),
     };
     match result {
         Ok(code) => code,

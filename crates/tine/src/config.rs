@@ -1,0 +1,216 @@
+//! The server's configuration: a TOML file (`--config`), overridden by
+//! command-line flags, with defaults a user would expect.
+//!
+//! ```toml
+//! listen = "127.0.0.1:5555"
+//! data_dir = "/var/lib/tine"
+//! kernel = "/var/lib/tine/images/vmlinux"
+//! rootfs = "/var/lib/tine/images/rootfs.ext4"
+//! token_file = "/etc/tine/token"
+//! allowed_hosts = ["tine.example.com"]
+//! session_timeout_secs = 900
+//!
+//! [limits]
+//! max_sandboxes = 16
+//! default_memory_mib = 512
+//! ```
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+use tine_sandbox::Limits;
+
+/// The default listen address.
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:5555";
+/// The environment variable that may hold the bearer token.
+pub const TOKEN_ENV: &str = "TINE_TOKEN";
+/// The credential name systemd's `LoadCredential=` gives the token
+/// (read from `$CREDENTIALS_DIRECTORY/<name>`; see systemd.exec(5)).
+pub const TOKEN_CREDENTIAL: &str = "tine-token";
+/// Shortest token accepted (bytes); `tine server keygen` makes 64.
+pub const MIN_TOKEN_LEN: usize = 32;
+
+/// The configuration file's contents. Every key is optional.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct FileConfig {
+    /// Listen address.
+    pub listen: Option<SocketAddr>,
+    /// Data directory.
+    pub data_dir: Option<PathBuf>,
+    /// Guest kernel.
+    pub kernel: Option<PathBuf>,
+    /// Root filesystem image.
+    pub rootfs: Option<PathBuf>,
+    /// File holding the bearer token.
+    pub token_file: Option<PathBuf>,
+    /// `Host` header values accepted (DNS-rebinding protection).
+    pub allowed_hosts: Option<Vec<String>>,
+    /// An MCP session idle this long (s) ends, and its own sandbox with it.
+    pub session_timeout_secs: Option<u64>,
+    /// Sandbox limits.
+    pub limits: Limits,
+}
+
+/// Errors of configuration.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file cannot be read.
+    #[error("cannot read the configuration file {path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The file is not valid TOML of the expected shape.
+    #[error("configuration file {path}: {message}")]
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// The parser's message (line and column included).
+        message: String,
+    },
+    /// `--dev` with a non-loopback address.
+    #[error("--dev serves without authentication and only on loopback; {0} is not a loopback address")]
+    DevNotLoopback(SocketAddr),
+    /// No token and not `--dev`.
+    #[error(
+        "no bearer token: pass --token-file FILE, set {TOKEN_ENV}, or set token_file in the configuration \
+         (make one with `tine server keygen --out FILE`); or use --dev for a loopback server without auth"
+    )]
+    NoToken,
+    /// The token is too short or unreadable.
+    #[error("bad token from {from}: {reason}")]
+    BadToken {
+        /// Where it came from.
+        from: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// An image is missing.
+    #[error(
+        "no {what} at {path}. Build the images with `scripts/setup.sh` in Tine's source tree (it prints their \
+         paths), then pass --kernel and --rootfs, or install them there with `deploy/install.sh`"
+    )]
+    MissingImage {
+        /// Which image.
+        what: &'static str,
+        /// Where it was looked for.
+        path: PathBuf,
+    },
+}
+
+impl FileConfig {
+    /// Reads and parses `path`.
+    ///
+    /// Errors: [`ConfigError::Read`], [`ConfigError::Parse`].
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.into(), source })?;
+        toml::from_str(&text).map_err(|e| ConfigError::Parse { path: path.into(), message: e.to_string() })
+    }
+}
+
+/// The default data directory: `/var/lib/tine` for root, otherwise
+/// `$XDG_DATA_HOME/tine` or `~/.local/share/tine`.
+pub fn default_data_dir() -> PathBuf {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    if unsafe { libc::geteuid() } == 0 {
+        return PathBuf::from("/var/lib/tine");
+    }
+    if let Some(x) = std::env::var_os("XDG_DATA_HOME").filter(|x| !x.is_empty()) {
+        return PathBuf::from(x).join("tine");
+    }
+    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("."));
+    home.join(".local/share/tine")
+}
+
+/// Where the kernel and rootfs are looked for by default.
+pub fn default_images(data_dir: &Path) -> (PathBuf, PathBuf) {
+    (data_dir.join("images/vmlinux"), data_dir.join("images/rootfs.ext4"))
+}
+
+/// Reads the bearer token: `token_file` if given, else `$TINE_TOKEN`, else
+/// systemd's credential `tine-token`. `None` if none is set.
+///
+/// Errors: [`ConfigError::BadToken`] for an unreadable file or a token
+/// shorter than [`MIN_TOKEN_LEN`] bytes.
+pub fn load_token(token_file: Option<&Path>) -> Result<Option<String>, ConfigError> {
+    let (from, token) = if let Some(f) = token_file {
+        let t = std::fs::read_to_string(f)
+            .map_err(|e| ConfigError::BadToken { from: f.display().to_string(), reason: e.to_string() })?;
+        (f.display().to_string(), t)
+    } else if let Some(t) = std::env::var(TOKEN_ENV).ok().filter(|t| !t.is_empty()) {
+        (format!("${TOKEN_ENV}"), t)
+    } else if let Some(dir) = std::env::var_os("CREDENTIALS_DIRECTORY") {
+        let f = PathBuf::from(dir).join(TOKEN_CREDENTIAL);
+        match std::fs::read_to_string(&f) {
+            Ok(t) => (f.display().to_string(), t),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(ConfigError::BadToken { from: f.display().to_string(), reason: e.to_string() }),
+        }
+    } else {
+        return Ok(None);
+    };
+    let token = token.trim().to_string();
+    if token.len() < MIN_TOKEN_LEN {
+        return Err(ConfigError::BadToken {
+            from,
+            reason: format!("it has {} bytes, at least {MIN_TOKEN_LEN} are needed", token.len()),
+        });
+    }
+    if token.bytes().any(|b| !b.is_ascii_graphic()) {
+        return Err(ConfigError::BadToken { from, reason: "it must be printable ASCII without spaces".into() });
+    }
+    Ok(Some(token))
+}
+
+/// A new random token: 32 bytes from the kernel's CSPRNG, as 64 hex digits.
+///
+/// Errors: reading `/dev/urandom`.
+pub fn new_token() -> std::io::Result<String> {
+    use std::io::Read;
+    let mut bytes = [0u8; 32];
+    std::fs::File::open("/dev/urandom")?.read_exact(&mut bytes)?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn file_config_parses_and_rejects_unknown_keys() {
+        let c: FileConfig = toml::from_str(
+            "listen = \"0.0.0.0:6000\"\nallowed_hosts = [\"a.example\"]\n[limits]\nmax_sandboxes = 3\n",
+        )
+        .unwrap();
+        assert_eq!(c.listen, Some("0.0.0.0:6000".parse().unwrap()));
+        assert_eq!(c.limits.max_sandboxes, 3);
+        assert_eq!(c.limits.default_memory_mib, 512);
+        assert!(toml::from_str::<FileConfig>("listn = \"x\"").is_err());
+        assert!(toml::from_str::<FileConfig>("[limits]\nmax_sandboxs = 1").is_err());
+    }
+
+    #[test]
+    fn the_shipped_configuration_parses_and_states_the_defaults() {
+        let c: FileConfig = toml::from_str(include_str!("../../../deploy/tine.toml")).unwrap();
+        assert_eq!(c.limits, Limits::default(), "deploy/tine.toml shows the defaults");
+        assert_eq!(c.listen, Some(DEFAULT_LISTEN.parse().unwrap()));
+    }
+
+    #[test]
+    fn tokens_are_checked() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("t");
+        std::fs::write(&f, "short\n").unwrap();
+        assert!(matches!(load_token(Some(&f)), Err(ConfigError::BadToken { .. })));
+        let good = new_token().unwrap();
+        assert_eq!(good.len(), 64);
+        std::fs::write(&f, format!("{good}\n")).unwrap();
+        assert_eq!(load_token(Some(&f)).unwrap(), Some(good));
+        assert!(load_token(Some(&dir.path().join("missing"))).is_err());
+    }
+}

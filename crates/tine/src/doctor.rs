@@ -1,0 +1,103 @@
+//! `tine doctor`: checks what the server needs on this host and says how to
+//! fix each missing piece.
+
+use std::path::Path;
+use std::process::ExitCode;
+
+use vmm::HostProfile;
+
+/// One check's outcome.
+struct Check {
+    name: &'static str,
+    ok: bool,
+    detail: String,
+    fix: &'static str,
+}
+
+fn check_kvm() -> Check {
+    let (ok, detail) = match kvm_ioctls::Kvm::new() {
+        Ok(kvm) => (true, format!("API version {}, host profile {}", kvm.get_api_version(), HostProfile::detect())),
+        Err(e) => (false, format!("cannot open /dev/kvm: {e}")),
+    };
+    Check {
+        name: "KVM",
+        ok,
+        detail,
+        fix: "enable virtualization in the firmware, load kvm_intel or kvm_amd, and run as root or in the kvm group",
+    }
+}
+
+fn check_userfaultfd() -> Check {
+    let dev = Path::new("/dev/userfaultfd");
+    let sysctl = std::fs::read_to_string("/proc/sys/vm/unprivileged_userfaultfd").unwrap_or_default();
+    let ok = std::fs::OpenOptions::new().read(true).write(true).open(dev).is_ok();
+    Check {
+        name: "userfaultfd",
+        ok,
+        detail: if ok {
+            "/dev/userfaultfd opens".into()
+        } else {
+            format!("/dev/userfaultfd cannot be opened (vm.unprivileged_userfaultfd = {})", sysctl.trim())
+        },
+        fix: "run the server as root, or give its user access to /dev/userfaultfd (Linux 6.1+); snapshots and branches need it",
+    }
+}
+
+fn check_image(name: &'static str, path: &Path) -> Check {
+    let (ok, detail) = match std::fs::metadata(path) {
+        Ok(m) if m.is_file() && m.len() > 0 => (true, format!("{} ({} MiB)", path.display(), m.len() >> 20)),
+        Ok(_) => (false, format!("{} is empty or not a file", path.display())),
+        Err(e) => (false, format!("{}: {e}", path.display())),
+    };
+    Check {
+        name,
+        ok,
+        detail,
+        fix: "run scripts/setup.sh in Tine's source tree (it builds both images and prints their paths), then pass \
+              --kernel/--rootfs or install them with deploy/install.sh",
+    }
+}
+
+fn check_memory() -> Check {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let avail_kib: u64 = meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0);
+    let mib = avail_kib / 1024;
+    Check {
+        name: "free memory",
+        ok: mib >= 1024,
+        detail: format!("{mib} MiB available"),
+        fix: "free memory or lower [limits] default_memory_mib and max_sandboxes; each sandbox uses up to its memory_mib",
+    }
+}
+
+/// Runs every check, prints one line each (with the fix for failures) and
+/// returns failure if any check failed.
+pub fn run(kernel: &Path, rootfs: &Path) -> ExitCode {
+    let checks = [
+        check_kvm(),
+        check_userfaultfd(),
+        check_image("guest kernel", kernel),
+        check_image("root filesystem", rootfs),
+        check_memory(),
+    ];
+    let mut failed = 0;
+    for c in &checks {
+        if c.ok {
+            println!("ok    {:<16} {}", c.name, c.detail);
+        } else {
+            failed += 1;
+            println!("FAIL  {:<16} {}\n      fix: {}", c.name, c.detail, c.fix);
+        }
+    }
+    if failed == 0 {
+        println!("all checks passed");
+        ExitCode::SUCCESS
+    } else {
+        println!("{failed} check(s) failed");
+        ExitCode::FAILURE
+    }
+}
