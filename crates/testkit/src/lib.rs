@@ -4,6 +4,8 @@
 
 pub mod cpio;
 
+pub mod mcp;
+
 use vmm::devices::ConsoleTail;
 
 use std::path::{Path, PathBuf};
@@ -54,7 +56,7 @@ pub fn kvm_available(test: &str) -> bool {
 /// `kernel-config/build-kernel.sh` builds for this host (cached; a build
 /// takes minutes the first time).
 pub fn kernel() -> PathBuf {
-    if let Some(k) = std::env::var_os("TINE_KERNEL") {
+    if let Some(k) = std::env::var_os("TINE_KERNEL").filter(|v| !v.is_empty()) {
         return PathBuf::from(k);
     }
     run_build_script("kernel-config/build-kernel.sh", &[])
@@ -75,7 +77,7 @@ fn run_build_script(script: &str, args: &[&Path]) -> PathBuf {
 
 /// The bzImage built beside [`kernel`] (`$TINE_BZIMAGE` if set).
 pub fn bzimage() -> PathBuf {
-    if let Some(k) = std::env::var_os("TINE_BZIMAGE") {
+    if let Some(k) = std::env::var_os("TINE_BZIMAGE").filter(|v| !v.is_empty()) {
         return PathBuf::from(k);
     }
     let vmlinux = kernel();
@@ -140,7 +142,7 @@ fn mkfs_ext4(root: &Path, image: &Path, size_mib: u64) -> PathBuf {
 /// The guest root filesystem image `rootfs/build-rootfs.sh` builds
 /// (Debian with python3 and the agent; cached), or `$TINE_ROOTFS`.
 pub fn rootfs() -> PathBuf {
-    if let Some(r) = std::env::var_os("TINE_ROOTFS") {
+    if let Some(r) = std::env::var_os("TINE_ROOTFS").filter(|v| !v.is_empty()) {
         return PathBuf::from(r);
     }
     run_build_script("rootfs/build-rootfs.sh", &[&build_agent()])

@@ -1,0 +1,189 @@
+//! A real `tine server start` subprocess and a real MCP client (rmcp's
+//! Streamable HTTP client over reqwest), for tests and benches.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use rmcp::model::{CallToolRequestParams, CallToolResult};
+use rmcp::service::RunningService;
+use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
+use rmcp::transport::StreamableHttpClientTransport;
+use rmcp::{RoleClient, ServiceExt};
+use serde_json::Value;
+
+/// A connected MCP client.
+pub type McpClient = RunningService<RoleClient, ()>;
+
+/// The `tine` binary, built in release mode by `cargo build` (the tests
+/// of crate `tine` get it from Cargo; others build it here).
+pub fn tine_binary() -> PathBuf {
+    if let Some(p) = std::env::var_os("TINE_BIN").filter(|v| !v.is_empty()) {
+        return PathBuf::from(p);
+    }
+    let root = crate::workspace_root();
+    let status = Command::new(env!("CARGO"))
+        .current_dir(&root)
+        .args(["build", "--release", "-q", "-p", "tine"])
+        .status()
+        .expect("run cargo build -p tine");
+    assert!(status.success(), "cargo build -p tine failed");
+    let target = std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| root.join("target"));
+    target.join("release/tine")
+}
+
+/// A running server; SIGTERM and wait on drop.
+pub struct TineServer {
+    child: Option<Child>,
+    /// `http://127.0.0.1:<port>/mcp`.
+    pub url: String,
+    /// `http://127.0.0.1:<port>`.
+    pub base: String,
+    /// The data directory.
+    pub data_dir: PathBuf,
+    /// The bearer token (`None`: `--dev`).
+    pub token: Option<String>,
+    _dir: tempfile::TempDir,
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("bind a free port").port()
+}
+
+impl TineServer {
+    /// Starts `binary server start` with a fresh data directory, the test
+    /// kernel and rootfs, and `config` (TOML) as its configuration file;
+    /// `token`: bearer auth with that token, else `--dev`. Returns once the
+    /// server says it listens.
+    pub fn start(binary: &Path, token: Option<&str>, config: &str) -> TineServer {
+        let dir = tempfile::Builder::new().prefix("tine-srv").tempdir_in("/tmp").expect("temp dir");
+        let data_dir = dir.path().join("data");
+        let config_path = dir.path().join("tine.toml");
+        std::fs::write(&config_path, config).expect("write config");
+        let port = free_port();
+        let mut cmd = Command::new(binary);
+        cmd.args(["server", "start", "--listen", &format!("127.0.0.1:{port}")])
+            .arg("--data-dir")
+            .arg(&data_dir)
+            .arg("--config")
+            .arg(&config_path)
+            .arg("--kernel")
+            .arg(crate::kernel())
+            .arg("--rootfs")
+            .arg(crate::rootfs())
+            .env_remove("TINE_TOKEN")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        match token {
+            Some(t) => {
+                let f = dir.path().join("token");
+                std::fs::write(&f, t).expect("write token");
+                cmd.arg("--token-file").arg(f);
+            }
+            None => {
+                cmd.arg("--dev");
+            }
+        }
+        let mut child = cmd.spawn().expect("spawn tine server");
+        let stdout = child.stdout.take().expect("stdout");
+        let mut lines = BufReader::new(stdout).lines();
+        loop {
+            match lines.next() {
+                Some(Ok(l)) if l.starts_with("tine: listening on") => break,
+                Some(Ok(_)) => continue,
+                _ => {
+                    let status = child.wait();
+                    panic!("tine server exited before listening: {status:?}");
+                }
+            }
+        }
+        // Keep draining stdout so the server never blocks on a full pipe.
+        std::thread::spawn(move || for _ in lines.by_ref() {});
+        TineServer {
+            child: Some(child),
+            url: format!("http://127.0.0.1:{port}/mcp"),
+            base: format!("http://127.0.0.1:{port}"),
+            data_dir,
+            token: token.map(str::to_string),
+            _dir: dir,
+        }
+    }
+
+    /// The server's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().map(|c| c.id()).unwrap_or(0)
+    }
+
+    /// Connects and initializes a new MCP session.
+    pub async fn client(&self) -> McpClient {
+        let mut config = StreamableHttpClientTransportConfig::with_uri(self.url.clone());
+        if let Some(t) = &self.token {
+            config = config.auth_header(t.clone());
+        }
+        let transport = StreamableHttpClientTransport::from_config(config);
+        ().serve(transport).await.expect("MCP initialize")
+    }
+
+    /// Sends SIGTERM and waits (up to 120 s) for the exit status.
+    pub fn terminate(&mut self) -> std::process::ExitStatus {
+        let mut child = self.child.take().expect("server already stopped");
+        // SAFETY: kill(2) on our own child's pid; no memory is involved.
+        unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            if let Some(s) = child.try_wait().expect("wait for the server") {
+                return s;
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                panic!("the server did not exit within 120 s of SIGTERM");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for TineServer {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            // SAFETY: as in terminate.
+            unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while Instant::now() < deadline {
+                if let Ok(Some(_)) = c.try_wait() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Calls a tool; `Err(text)` for a tool error (`isError`), panics on a
+/// protocol error.
+pub async fn call(client: &McpClient, tool: &str, args: Value) -> Result<Value, String> {
+    let r = try_call(client, tool, args).await.unwrap_or_else(|e| panic!("{tool}: protocol error: {e}"));
+    tool_value(tool, r)
+}
+
+/// Calls a tool and returns the raw result or the protocol error.
+pub async fn try_call(client: &McpClient, tool: &str, args: Value) -> Result<CallToolResult, rmcp::ServiceError> {
+    let args = match args {
+        Value::Object(m) => m,
+        Value::Null => Default::default(),
+        other => panic!("tool arguments must be an object, got {other}"),
+    };
+    client.call_tool(CallToolRequestParams::new(tool.to_string()).with_arguments(args)).await
+}
+
+/// A tool result's structured content, or its error text.
+pub fn tool_value(tool: &str, r: CallToolResult) -> Result<Value, String> {
+    let text = r.content.iter().filter_map(|c| c.as_text().map(|t| t.text.clone())).collect::<Vec<_>>().join("\n");
+    if r.is_error == Some(true) {
+        return Err(text);
+    }
+    Ok(r.structured_content.unwrap_or_else(|| panic!("{tool}: no structuredContent in {text}")))
+}
