@@ -30,6 +30,10 @@ pub struct Limits {
     pub boot_timeout_secs: u64,
     /// Labels per sandbox at most.
     pub max_labels: usize,
+    /// Sandboxes booting at once at most (0: one per host CPU). A boot is
+    /// CPU-bound; more at once only slows every one of them (and on hosts
+    /// that emulate the guest kernel, starves their timers).
+    pub max_concurrent_boots: usize,
 }
 
 /// Guest memory below this (MiB) cannot run the agent and Python.
@@ -51,6 +55,7 @@ impl Default for Limits {
             max_idle_timeout_secs: 24 * 60 * 60,
             boot_timeout_secs: 300,
             max_labels: 16,
+            max_concurrent_boots: 0,
         }
     }
 }
@@ -120,6 +125,15 @@ impl Limits {
             return bad("boot_timeout_secs must be at least 1".into());
         }
         Ok(())
+    }
+
+    /// Boots allowed at once: `max_concurrent_boots`, or the host's CPU
+    /// count when it is 0.
+    pub fn concurrent_boots(&self) -> usize {
+        match self.max_concurrent_boots {
+            0 => std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+            n => n,
+        }
     }
 
     /// vCPUs for a request (`None`: the default).

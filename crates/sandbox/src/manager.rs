@@ -345,6 +345,8 @@ pub struct Manager {
     /// [`Manager::shutdown`] waits for them.
     dying: AtomicU64,
     dying_done: tokio::sync::Notify,
+    /// One permit per boot allowed at once ([`Limits::concurrent_boots`]).
+    boot_slots: tokio::sync::Semaphore,
 }
 
 /// Counts a kill in progress for as long as it lives.
@@ -376,12 +378,13 @@ impl Manager {
             remove_dir(&e.path());
         }
         Ok(Arc::new(Manager {
-            config,
             sandboxes: Mutex::new(BTreeMap::new()),
             next_id: AtomicU64::new(1),
             shutting_down: AtomicBool::new(false),
             dying: AtomicU64::new(0),
             dying_done: tokio::sync::Notify::new(),
+            boot_slots: tokio::sync::Semaphore::new(config.limits.concurrent_boots()),
+            config,
         }))
     }
 
@@ -470,6 +473,11 @@ impl Manager {
                 what: format!("socket path {} is longer than {MAX_UDS_PATH} bytes; use a shorter data directory", uds.display()),
                 source: std::io::Error::from(std::io::ErrorKind::InvalidInput),
             });
+        }
+        // Wait for a boot slot; the boot timeout starts once the VM does.
+        let _slot = self.boot_slots.acquire().await.map_err(|_| SandboxError::ShuttingDown)?;
+        if self.shutting_down.load(Ordering::SeqCst) {
+            return Err(SandboxError::ShuttingDown);
         }
         let mut config = VmConfig::new(sb.id.clone(), &self.config.kernel);
         config.profile = self.config.profile;

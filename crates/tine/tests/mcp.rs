@@ -1,0 +1,363 @@
+//! End-to-end: `tine server start` as a subprocess, real microVMs, and a
+//! real MCP client over Streamable HTTP.
+
+use std::collections::BTreeSet;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use base64::Engine as _;
+use serde_json::{json, Value};
+use testkit::mcp::{call, try_call, TineServer};
+
+/// The tests here share the host's two cores; one at a time keeps boot
+/// times sane.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+const TOKEN: &str = "e2e-test-token-0123456789abcdef0123456789abcdef";
+/// Slow hosts (nested, emulated kernel mode) boot ten guests at once in
+/// minutes, not seconds.
+const CONFIG: &str = "[limits]\nboot_timeout_secs = 1200\nmax_sandboxes = 12\n";
+
+fn binary() -> &'static Path {
+    Path::new(env!("CARGO_BIN_EXE_tine"))
+}
+
+/// The JSON-RPC message in a Streamable HTTP response (JSON or SSE).
+fn rpc_body(text: &str) -> Value {
+    if let Ok(v) = serde_json::from_str(text) {
+        return v;
+    }
+    let data = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data:"))
+        .map(str::trim)
+        .find(|d| d.starts_with('{'))
+        .unwrap_or_else(|| panic!("no JSON-RPC message in {text:?}"));
+    serde_json::from_str(data).unwrap()
+}
+
+async fn raw_initialize(http: &reqwest::Client, url: &str, token: Option<&str>, version: &str) -> reqwest::Response {
+    let mut req = http
+        .post(url)
+        .header("content-type", "application/json")
+        .header("accept", "application/json, text/event-stream")
+        .body(
+            json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+                "protocolVersion": version, "capabilities": {},
+                "clientInfo": {"name": "raw", "version": "0"}}})
+            .to_string(),
+        );
+    if let Some(t) = token {
+        req = req.bearer_auth(t);
+    }
+    req.send().await.expect("POST /mcp")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn mcp_end_to_end() {
+    if !testkit::kvm_available("mcp_end_to_end") {
+        return;
+    }
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let mut server = TineServer::start(binary(), Some(TOKEN), CONFIG);
+    let http = reqwest::Client::new();
+
+    // No token, a wrong token: 401 with a Bearer challenge. /healthz is open.
+    for token in [None, Some("wrong-token")] {
+        let r = raw_initialize(&http, &server.url, token, "2025-06-18").await;
+        assert_eq!(r.status(), 401, "token {token:?}");
+        let challenge = r.headers().get("www-authenticate").expect("WWW-Authenticate").to_str().unwrap();
+        assert!(challenge.starts_with("Bearer"), "{challenge}");
+    }
+    let health = http.get(format!("{}/healthz", server.base)).send().await.unwrap();
+    assert_eq!(health.status(), 200);
+    // A Host header outside the allowed list is refused (DNS rebinding).
+    let r = http
+        .post(&server.url)
+        .header("host", "evil.example")
+        .bearer_auth(TOKEN)
+        .header("content-type", "application/json")
+        .header("accept", "application/json, text/event-stream")
+        .body("{}")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 403);
+
+    // Both protocol versions negotiate as asked.
+    for version in ["2025-06-18", "2025-11-25"] {
+        let r = raw_initialize(&http, &server.url, Some(TOKEN), version).await;
+        assert_eq!(r.status(), 200);
+        assert!(r.headers().get("mcp-session-id").is_some(), "a session id for {version}");
+        let body = rpc_body(&r.text().await.unwrap());
+        assert_eq!(body["result"]["protocolVersion"], version, "{body}");
+        assert_eq!(body["result"]["serverInfo"]["name"], "tine");
+    }
+
+    let client = server.client().await;
+    let tools = client.list_all_tools().await.expect("tools/list");
+    let names: BTreeSet<String> = tools.iter().map(|t| t.name.to_string()).collect();
+    for want in [
+        "sandbox_create",
+        "sandbox_list",
+        "sandbox_info",
+        "sandbox_kill",
+        "sandbox_exec",
+        "sandbox_run_python",
+        "sandbox_files_read",
+        "sandbox_files_write",
+        "sandbox_files_list",
+        "sandbox_upload",
+        "sandbox_download",
+    ] {
+        assert!(names.contains(want), "missing tool {want}: {names:?}");
+    }
+    let tool = |n: &str| tools.iter().find(|t| t.name == n).unwrap().clone();
+    assert_eq!(tool("sandbox_list").annotations.unwrap().read_only_hint, Some(true));
+    assert_eq!(tool("sandbox_kill").annotations.unwrap().destructive_hint, Some(true));
+    assert!(tool("sandbox_exec").output_schema.is_some(), "structured output has a schema");
+
+    // Bad input: a tool error that says what to do, or a protocol error; the
+    // server stays up.
+    let e = call(&client, "sandbox_exec", json!({"sandbox_id": "sb-999", "command": "true"})).await.unwrap_err();
+    assert!(e.contains("no sandbox sb-999") && e.contains("sandbox_list"), "{e}");
+    match try_call(&client, "sandbox_exec", json!({"sandbox_id": "sb-1"})).await {
+        Err(e) => assert!(e.to_string().contains("command"), "{e}"),
+        Ok(r) => {
+            assert_eq!(r.is_error, Some(true), "a call without `command` fails");
+            assert!(format!("{:?}", r.content).contains("command"), "{r:?}");
+        }
+    }
+    let e = call(&client, "sandbox_create", json!({"vcpus": 99})).await.unwrap_err();
+    assert!(e.contains("vcpus must be 1..="), "{e}");
+    let e = call(&client, "sandbox_upload", json!({"path": "/x", "data_base64": "!!"})).await.unwrap_err();
+    assert!(e.contains("base64"), "{e}");
+
+    // An explicit sandbox.
+    let t = Instant::now();
+    let created = call(&client, "sandbox_create", json!({"labels": {"suite": "e2e"}})).await.expect("create");
+    eprintln!("sandbox_create: {:.1} s", t.elapsed().as_secs_f64());
+    let id = created["sandbox_id"].as_str().unwrap().to_string();
+    assert_eq!(created["state"], "running");
+    assert_eq!(created["vcpus"], 1);
+    assert_eq!(created["memory_mib"], 512);
+
+    let v = call(&client, "sandbox_run_python", json!({"sandbox_id": id, "code": "import sys; sys.version"}))
+        .await
+        .unwrap();
+    assert!(v["result"].as_str().unwrap().starts_with("'3."), "{v}");
+    call(&client, "sandbox_run_python", json!({"sandbox_id": id, "code": "x = 41"})).await.unwrap();
+    let v = call(&client, "sandbox_run_python", json!({"sandbox_id": id, "code": "x += 1\nprint('x is', x)\nx"}))
+        .await
+        .unwrap();
+    assert_eq!(v["result"], "42");
+    assert_eq!(v["stdout"], "x is 42\n");
+    let v = call(&client, "sandbox_run_python", json!({"sandbox_id": id, "code": "1/0"})).await.unwrap();
+    assert_eq!(v["error"]["name"], "ZeroDivisionError");
+
+    let w = call(
+        &client,
+        "sandbox_files_write",
+        json!({"sandbox_id": id, "path": "/work/notes/hello.txt", "content": "hello from MCP\n"}),
+    )
+    .await
+    .unwrap();
+    assert_eq!(w["bytes_written"], 15);
+    let r = call(&client, "sandbox_files_read", json!({"sandbox_id": id, "path": "/work/notes/hello.txt"}))
+        .await
+        .unwrap();
+    assert_eq!(r["content"], "hello from MCP\n");
+    assert_eq!(r["remaining"], 0);
+    let l = call(&client, "sandbox_files_list", json!({"sandbox_id": id, "path": "/work/notes"})).await.unwrap();
+    assert_eq!(l["entries"][0]["name"], "hello.txt");
+    assert_eq!(l["entries"][0]["kind"], "file");
+    let e = call(&client, "sandbox_files_read", json!({"sandbox_id": id, "path": "/nope"})).await.unwrap_err();
+    assert!(e.contains("/nope: no such file"), "{e}");
+
+    let blob: Vec<u8> = (0..70_000u32).map(|i| (i * 7 % 256) as u8).collect();
+    let b64 = base64::engine::general_purpose::STANDARD;
+    let up = call(&client, "sandbox_upload", json!({"sandbox_id": id, "path": "/tmp/blob", "data_base64": b64.encode(&blob)}))
+        .await
+        .unwrap();
+    assert_eq!(up["bytes_written"], 70_000);
+    let down = call(&client, "sandbox_download", json!({"sandbox_id": id, "path": "/tmp/blob"})).await.unwrap();
+    assert_eq!(b64.decode(down["data_base64"].as_str().unwrap()).unwrap(), blob);
+    let e = call(&client, "sandbox_files_read", json!({"sandbox_id": id, "path": "/tmp/blob"})).await.unwrap_err();
+    assert!(e.contains("sandbox_download"), "{e}");
+
+    let x = call(
+        &client,
+        "sandbox_exec",
+        json!({"sandbox_id": id, "command": "echo $((6*7)) $GREETING; cat; echo oops >&2; exit 3",
+               "env": {"GREETING": "hi"}, "stdin": "from stdin\n"}),
+    )
+    .await
+    .unwrap();
+    assert_eq!(x["exit_code"], 3, "{x}");
+    assert_eq!(x["stdout"], "42 hi\nfrom stdin\n");
+    assert_eq!(x["stderr"], "oops\n");
+    let x = call(&client, "sandbox_exec", json!({"sandbox_id": id, "command": "sleep 30", "timeout_secs": 2}))
+        .await
+        .unwrap();
+    assert_eq!(x["timed_out"], true, "{x}");
+
+    let list = call(&client, "sandbox_list", json!({"labels": {"suite": "e2e"}})).await.unwrap();
+    let ids: Vec<&str> = list["sandboxes"].as_array().unwrap().iter().map(|s| s["sandbox_id"].as_str().unwrap()).collect();
+    assert_eq!(ids, vec![id.as_str()]);
+    let none = call(&client, "sandbox_list", json!({"labels": {"suite": "other"}})).await.unwrap();
+    assert!(none["sandboxes"].as_array().unwrap().is_empty());
+    let info = call(&client, "sandbox_info", json!({"sandbox_id": id})).await.unwrap();
+    assert_eq!(info["state"], "running");
+    assert!(info["usage"]["cpu_time_ms"].as_u64().unwrap() > 0, "{info}");
+    assert!(info["usage"]["host_memory_bytes"].as_u64().unwrap() > 1 << 20, "{info}");
+    assert!(info["usage"]["guest_memory_total_bytes"].as_u64().unwrap() > 256 << 20, "{info}");
+
+    let k = call(&client, "sandbox_kill", json!({"sandbox_id": id})).await.unwrap();
+    assert_eq!(k["killed"], true);
+    let e = call(&client, "sandbox_exec", json!({"sandbox_id": id, "command": "true"})).await.unwrap_err();
+    assert!(e.contains(&format!("no sandbox {id}")), "{e}");
+    assert!(!server.data_dir.join("sandboxes").join(&id).exists(), "the killed sandbox's files are gone");
+
+    // The session's own sandbox: no sandbox_id at all.
+    let x = call(&client, "sandbox_exec", json!({"command": "cat /proc/sys/kernel/hostname; echo ok"})).await.unwrap();
+    assert_eq!(x["exit_code"], 0, "{x}");
+    let own = x["sandbox_id"].as_str().unwrap().to_string();
+    assert_ne!(own, id);
+    call(&client, "sandbox_run_python", json!({"code": "y = 'kept'"})).await.unwrap();
+    let v = call(&client, "sandbox_run_python", json!({"code": "y"})).await.unwrap();
+    assert_eq!(v["result"], "'kept'");
+    assert_eq!(v["sandbox_id"], own.as_str());
+
+    // SIGTERM with the session's sandbox alive: clean exit, no files left.
+    assert!(server.data_dir.join("sandboxes").join(&own).exists());
+    let status = server.terminate();
+    assert!(status.success(), "{status:?}");
+    let left: Vec<_> = std::fs::read_dir(server.data_dir.join("sandboxes")).unwrap().collect();
+    assert!(left.is_empty(), "files left after SIGTERM: {left:?}");
+}
+
+/// What of the server's VMs is still there: thread names, fds to KVM,
+/// guest memory or sandbox files.
+fn vm_leftovers(pid: u32, data_dir: &Path) -> Vec<String> {
+    let mut left = Vec::new();
+    for t in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap().flatten() {
+        let comm = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default();
+        let comm = comm.trim();
+        if comm.starts_with("vcpu") || comm.starts_with("devices-") || comm.starts_with("mon-") {
+            left.push(format!("thread {comm}"));
+        }
+    }
+    for fd in std::fs::read_dir(format!("/proc/{pid}/fd")).unwrap().flatten() {
+        let target = std::fs::read_link(fd.path()).map(|p| p.display().to_string()).unwrap_or_default();
+        let sandbox_file = target.contains(&data_dir.join("sandboxes").display().to_string());
+        if target.contains("kvm") || target.contains("tine-guest-ram") || sandbox_file {
+            left.push(format!("fd {} -> {target}", fd.file_name().to_string_lossy()));
+        }
+    }
+    for e in std::fs::read_dir(data_dir.join("sandboxes")).unwrap().flatten() {
+        left.push(format!("file {}", e.path().display()));
+    }
+    left
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn ten_concurrent_sessions() {
+    if !testkit::kvm_available("ten_concurrent_sessions") {
+        return;
+    }
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let server = TineServer::start(binary(), None, CONFIG);
+    let pid = server.pid();
+    let before = vm_leftovers(pid, &server.data_dir);
+    assert!(before.is_empty(), "{before:?}");
+
+    // Ten sessions at once, each working in its own sandbox (made on first
+    // use). Session 9 makes an explicit sandbox with a short idle timeout
+    // instead, which the reaper must kill. Session 8 crashes its guest's
+    // kernel.
+    let t = Instant::now();
+    let mut tasks = Vec::new();
+    for i in 0..10u32 {
+        let client = server.client().await;
+        tasks.push(tokio::spawn(async move {
+            let target = if i == 9 {
+                let c = call(&client, "sandbox_create", json!({"idle_timeout_secs": 5})).await.expect("create");
+                json!(c["sandbox_id"])
+            } else {
+                Value::Null
+            };
+            let x = call(&client, "sandbox_exec", json!({"sandbox_id": target, "command": format!("echo session-{i}; expr {i} \\* 1000")}))
+                .await
+                .unwrap_or_else(|e| panic!("session {i}: {e}"));
+            assert_eq!(x["stdout"], format!("session-{i}\n{}\n", i * 1000), "session {i}");
+            (i, client, x["sandbox_id"].as_str().unwrap().to_string())
+        }));
+    }
+    let mut sessions = Vec::new();
+    for task in tasks {
+        sessions.push(task.await.expect("session task"));
+    }
+    eprintln!("ten sessions ran their first command {:.1} s after starting", t.elapsed().as_secs_f64());
+    let ids: BTreeSet<&str> = sessions.iter().map(|(_, _, id)| id.as_str()).collect();
+    assert_eq!(ids.len(), 10, "ten distinct sandboxes: {ids:?}");
+
+    // A guest kernel crash marks its sandbox failed with the console tail;
+    // the others go on.
+    let (_, crasher, crash_id) = &sessions[8];
+    let _ = call(crasher, "sandbox_exec", json!({"command": "echo c > /proc/sysrq-trigger", "timeout_secs": 30})).await;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let info = loop {
+        let info = call(crasher, "sandbox_info", json!({"sandbox_id": crash_id})).await.unwrap();
+        if info["state"] == "failed" || Instant::now() > deadline {
+            break info;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    assert_eq!(info["state"], "failed", "{info}");
+    let error = info["error"].as_str().unwrap();
+    assert!(error.contains("sysrq") || error.contains("panic"), "console tail in the error: {error}");
+    let e = call(crasher, "sandbox_exec", json!({"sandbox_id": crash_id, "command": "true"})).await.unwrap_err();
+    assert!(e.contains("Failed") || e.contains("failed"), "{e}");
+    for (i, client, _) in &sessions[..3] {
+        let x = call(client, "sandbox_exec", json!({"command": "echo still-here"})).await.unwrap();
+        assert_eq!(x["stdout"], "still-here\n", "session {i} after the crash");
+    }
+
+    // The idle sandbox is reaped.
+    let (_, idle_client, idle_id) = &sessions[9];
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let list = call(idle_client, "sandbox_list", json!({})).await.unwrap();
+        let live = list["sandboxes"].as_array().unwrap().iter().any(|s| s["sandbox_id"] == idle_id.as_str());
+        if !live {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{idle_id} was not reaped after its 5 s idle timeout");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+
+    // Kill the rest: sessions 0..=4 with sandbox_kill, 5..=8 by ending the
+    // session (DELETE), which kills the session's own sandbox.
+    let mut sessions = sessions;
+    let ending: Vec<_> = sessions.drain(5..9).collect();
+    for (i, client, id) in &sessions[..5] {
+        let k = call(client, "sandbox_kill", json!({})).await.unwrap_or_else(|e| panic!("session {i}: {e}"));
+        assert_eq!(k["sandbox_id"], id.as_str());
+    }
+    for (_, client, _) in ending {
+        client.cancel().await.expect("end the MCP session");
+    }
+    drop(sessions);
+
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let left = vm_leftovers(pid, &server.data_dir);
+        if left.is_empty() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "left after killing every sandbox: {left:#?}");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let health: Value = reqwest::get(format!("{}/healthz", server.base)).await.unwrap().json().await.unwrap();
+    assert_eq!(health["sandboxes"], 0, "{health}");
+}
