@@ -1,12 +1,11 @@
 #!/usr/bin/env bash
-# The main job (README): set up, then boot a microVM with the test
-# initramfs and stream its console. Arguments go to `tine vm run`.
-# (`tine server start --dev` replaces this once the MCP server exists.)
+# The main job (README): set up (packages, guest kernel, agent, root
+# filesystem, tine), then serve sandboxes to MCP clients at
+# http://127.0.0.1:5555/mcp with `tine server start --dev` (loopback, no
+# auth). Extra arguments go to `tine server start`; Ctrl-C stops the server
+# and every sandbox.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 kernel=$("$root/scripts/setup.sh" | tail -n 1)
-work=${TINE_CACHE:-$HOME/.cache/tine}/demo
-mkdir -p "$work"
-# The demo initramfs, written by the same code the tests use.
-(cd "$root" && cargo run -q --release -p testkit --example initramfs -- "$work" >/dev/null)
-exec "$root/target/release/tine" vm run --kernel "$kernel" --initrd "$work/initramfs.cpio" "$@"
+rootfs=$("$root/rootfs/build-rootfs.sh" | tail -n 1)
+exec "${CARGO_TARGET_DIR:-$root/target}/release/tine" server start --dev --kernel "$kernel" --rootfs "$rootfs" "$@"
