@@ -1,6 +1,8 @@
 //! Through MCP, as a client sees it: `sandbox_create` until the sandbox
 //! is ready (a cold boot; templates come later), and the round trip of
-//! `sandbox_exec` running `true`. A real `tine server start --dev`
+//! `sandbox_exec` running `true` (`bash -c true`: bash's start-up is most
+//! of it on hosts where guest system calls are slow), and of
+//! `sandbox_list`, which stays on the host. A real `tine server start --dev`
 //! subprocess and rmcp's Streamable HTTP client.
 //!
 //! `cargo bench -p tine-benches --bench mcp`; `MCP_CREATES=N` (default 5)
@@ -28,6 +30,7 @@ async fn main() {
 
     let mut create_times = Vec::new();
     let mut exec_times = Vec::new();
+    let mut list_times = Vec::new();
     for i in 0..creates {
         let t = Instant::now();
         let info = call(&client, "sandbox_create", json!({})).await.expect("sandbox_create");
@@ -42,6 +45,12 @@ async fn main() {
                 exec_times.push(t.elapsed());
                 assert_eq!(x["exit_code"], 0);
             }
+            // The MCP layer alone: a tool that does not reach the guest.
+            for _ in 0..execs {
+                let t = Instant::now();
+                call(&client, "sandbox_list", json!({})).await.unwrap();
+                list_times.push(t.elapsed());
+            }
         }
         call(&client, "sandbox_kill", json!({"sandbox_id": id})).await.expect("sandbox_kill");
     }
@@ -52,5 +61,9 @@ async fn main() {
         ms(median(&exec_times)),
         ms(*exec_times.iter().min().unwrap()),
         ms(*exec_times.iter().max().unwrap())
+    );
+    println!(
+        "sandbox_list round trip (MCP and HTTP only), median of {execs}: {:.2} ms",
+        ms(median(&list_times))
     );
 }

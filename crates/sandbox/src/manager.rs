@@ -628,6 +628,8 @@ impl Manager {
     /// SIGTERM/SIGINT).
     pub async fn shutdown(self: &Arc<Self>) {
         self.shutting_down.store(true, Ordering::SeqCst);
+        // Boots waiting for a slot give up at once.
+        self.boot_slots.close();
         let ids: Vec<SandboxId> = lock(&self.sandboxes).keys().cloned().collect();
         let mut kills = tokio::task::JoinSet::new();
         for id in ids {
@@ -642,6 +644,14 @@ impl Manager {
                 break;
             }
             done.await;
+        }
+        // A boot still inside Vm::start when its sandbox was killed may have
+        // made files after the kill removed its directory.
+        if let Ok(entries) = std::fs::read_dir(&self.config.run_dir) {
+            for e in entries.flatten() {
+                tracing::warn!("removing {} left after shutdown", e.path().display());
+                remove_dir(&e.path());
+            }
         }
     }
 

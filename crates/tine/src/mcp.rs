@@ -540,7 +540,7 @@ impl TineMcp {
         let data = base64::engine::general_purpose::STANDARD
             .decode(p.data_base64.trim())
             .map_err(|e| format!("data_base64 is not valid base64: {e}"))?;
-        if data.len() as u64 > u64::from(MAX_FILE_CHUNK) {
+        if data.len() as u64 > MAX_FILE_CHUNK {
             return Err(format!("{} bytes exceed the 8 MiB upload limit; split the file", data.len()));
         }
         let id = self.target(p.sandbox_id).await?;
@@ -554,7 +554,7 @@ impl TineMcp {
     )]
     async fn sandbox_download(&self, Parameters(p): Parameters<ReadParams>) -> Result<Json<DownloadResult>, String> {
         let id = self.target(p.sandbox_id).await?;
-        let max = u64::from(MAX_FILE_CHUNK);
+        let max = MAX_FILE_CHUNK;
         let length = p.length.unwrap_or(max).min(max);
         let f = self.manager.read_file(&id, p.path.clone(), p.offset, Some(length)).await.map_err(err)?;
         let n = f.data.len() as u64;

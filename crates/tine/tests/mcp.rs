@@ -11,7 +11,7 @@ use testkit::mcp::{call, try_call, TineServer};
 
 /// The tests here share the host's two cores; one at a time keeps boot
 /// times sane.
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 const TOKEN: &str = "e2e-test-token-0123456789abcdef0123456789abcdef";
 /// Slow hosts (nested, emulated kernel mode) boot ten guests at once in
@@ -58,7 +58,7 @@ async fn mcp_end_to_end() {
     if !testkit::kvm_available("mcp_end_to_end") {
         return;
     }
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = SERIAL.lock().await;
     let mut server = TineServer::start(binary(), Some(TOKEN), CONFIG);
     let http = reqwest::Client::new();
 
@@ -265,7 +265,7 @@ async fn ten_concurrent_sessions() {
     if !testkit::kvm_available("ten_concurrent_sessions") {
         return;
     }
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = SERIAL.lock().await;
     let server = TineServer::start(binary(), None, CONFIG);
     let pid = server.pid();
     let before = vm_leftovers(pid, &server.data_dir);

@@ -175,8 +175,8 @@ pub enum VmError {
     /// The guest failed; the console tail is attached.
     #[error("{fault}\nlast console lines:\n{console}")]
     Guest {
-        /// What KVM reported.
-        fault: GuestFault,
+        /// What KVM reported (boxed: it carries instruction bytes).
+        fault: Box<GuestFault>,
         /// The last console lines.
         console: String,
     },
@@ -437,7 +437,7 @@ impl RunningVm {
                 }
             }
             Some(GuestStop::Requested) | None => Ok(VmExit::Stopped),
-            Some(GuestStop::Fault(fault)) => Err(VmError::Guest { fault, console: console() }),
+            Some(GuestStop::Fault(fault)) => Err(VmError::Guest { fault: Box::new(fault), console: console() }),
         }
     }
 

@@ -24,7 +24,7 @@ fn run_code(name: &str, code: &[u8]) -> Option<Result<vmm::VmExit, VmError>> {
 
 fn fault_of(r: Result<vmm::VmExit, VmError>) -> GuestFault {
     match r {
-        Err(VmError::Guest { fault, .. }) => fault,
+        Err(VmError::Guest { fault, .. }) => *fault,
         other => panic!("expected a guest fault, got {other:?}"),
     }
 }
