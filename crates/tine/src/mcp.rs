@@ -313,17 +313,20 @@ fn text(o: Output) -> String {
     String::from_utf8_lossy(&o.data).into_owned()
 }
 
+/// A tool's `timeout_secs` as the agent's milliseconds (0: its default).
 fn secs_to_ms(secs: Option<u32>) -> Result<u32, String> {
+    let max = tine_protocol::MAX_TIMEOUT_MS / 1000;
     match secs {
         None => Ok(0),
-        Some(0) => Err("timeout_secs must be at least 1".into()),
-        Some(s) => s.checked_mul(1000).ok_or_else(|| format!("timeout_secs {s} is too large")),
+        Some(s) if (1..=max).contains(&s) => Ok(s * 1000),
+        Some(s) => Err(format!("timeout_secs must be 1..={max}, got {s}")),
     }
 }
 
 fn err(e: SandboxError) -> String {
     e.to_string()
 }
+
 
 #[tool_router]
 impl TineMcp {
@@ -581,5 +584,20 @@ impl ServerHandler for TineMcp {
                  first use, removed when the session ends), or sandbox_create for more sandboxes and pass \
                  their sandbox_id. Python state persists between sandbox_run_python calls.",
             )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timeouts_are_checked_in_seconds() {
+        assert_eq!(secs_to_ms(None), Ok(0));
+        assert_eq!(secs_to_ms(Some(2)), Ok(2000));
+        assert_eq!(secs_to_ms(Some(600)), Ok(600_000));
+        assert_eq!(secs_to_ms(Some(0)), Err("timeout_secs must be 1..=600, got 0".into()));
+        assert!(secs_to_ms(Some(601)).is_err());
+        assert!(secs_to_ms(Some(u32::MAX)).is_err());
     }
 }
