@@ -154,6 +154,20 @@ pub struct VcpuShared {
     pub memory: GuestMemoryMmap,
     /// Where each vCPU was when it left its run loop (index = vCPU).
     pub final_rips: Mutex<Vec<Option<u64>>>,
+    /// Pause requests and how many vCPUs are parked.
+    pub pause: Mutex<PauseState>,
+    /// Signalled when `pause` changes or the VM stops.
+    pub pause_changed: Condvar,
+}
+
+/// Pause bookkeeping: while `requested`, vCPUs park between exits from
+/// `KVM_RUN` (so none is inside it) until it is cleared or the VM stops.
+#[derive(Debug, Default)]
+pub struct PauseState {
+    /// A pause is asked for.
+    pub requested: bool,
+    /// vCPUs parked now.
+    pub parked: usize,
 }
 
 impl VcpuShared {
@@ -167,6 +181,24 @@ impl VcpuShared {
         self.stop.store(true, Ordering::SeqCst);
         drop(o);
         self.stopped.notify_all();
+        // Parked vCPUs wake up and leave their run loops.
+        let _p = self.pause.lock().unwrap_or_else(|e| e.into_inner());
+        self.pause_changed.notify_all();
+    }
+
+    /// Parks the calling vCPU thread while a pause is requested.
+    fn park_while_paused(&self) {
+        let mut p = self.pause.lock().unwrap_or_else(|e| e.into_inner());
+        if !p.requested {
+            return;
+        }
+        p.parked += 1;
+        self.pause_changed.notify_all();
+        while p.requested && !self.stop.load(Ordering::SeqCst) {
+            p = self.pause_changed.wait(p).unwrap_or_else(|e| e.into_inner());
+        }
+        p.parked -= 1;
+        self.pause_changed.notify_all();
     }
 
     /// The virtio-mmio device whose window holds `addr`, with its base.
@@ -254,6 +286,10 @@ impl Vcpu {
     /// every exit either continues or records a [`GuestStop`].
     pub fn run(mut self) {
         while !self.shared.stop.load(Ordering::SeqCst) {
+            self.shared.park_while_paused();
+            if self.shared.stop.load(Ordering::SeqCst) {
+                break;
+            }
             let next = match self.fd.run() {
                 Ok(VcpuExit::IoIn(port, data)) => {
                     self.shared.devices.lock().unwrap_or_else(|e| e.into_inner()).pio_read(port, data);

@@ -21,7 +21,7 @@ use crate::devices::{self, Console, ConsoleTail, LegacyDevices};
 use crate::event_loop::{EventLoop, EventLoopError};
 use crate::host::HostProfile;
 use crate::memory::{GuestRam, MemoryError, MMIO_GAP_START};
-use crate::vcpu::{install_kick_handler, kick_signal, GuestFault, GuestStop, Vcpu, VcpuShared};
+use crate::vcpu::{install_kick_handler, kick_signal, GuestFault, GuestStop, PauseState, Vcpu, VcpuShared};
 use crate::x86_64::boot::{load_kernel, BootError};
 use crate::x86_64::cpuid::{filter_cpuid, VcpuTopology};
 use crate::x86_64::mptable::{self, MptableError, MAX_VCPUS};
@@ -172,6 +172,12 @@ pub enum VmError {
     /// A vCPU thread could not be started.
     #[error("cannot start a vCPU thread: {0}")]
     Thread(#[source] std::io::Error),
+    /// The vCPUs did not all leave `KVM_RUN` in time for a pause.
+    #[error("the vCPUs did not stop within {0:?} for a pause")]
+    PauseTimeout(Duration),
+    /// The VM has stopped.
+    #[error("the VM has stopped")]
+    Stopped,
     /// The guest failed; the console tail is attached.
     #[error("{fault}\nlast console lines:\n{console}")]
     Guest {
@@ -278,6 +284,8 @@ impl Vm {
             mmio: mmio.clone(),
             memory: ram.memory.clone(),
             final_rips: Mutex::new(vec![None; config.vcpus as usize]),
+            pause: Mutex::new(PauseState::default()),
+            pause_changed: Default::default(),
         });
 
         let supported = kvm.get_supported_cpuid(KVM_MAX_CPUID_ENTRIES).map_err(setup("KVM_GET_SUPPORTED_CPUID"))?;
@@ -407,6 +415,54 @@ impl RunningVm {
     /// units), not the configured size.
     pub fn resident_memory_bytes(&self) -> u64 {
         self._ram.allocated_bytes().unwrap_or(0)
+    }
+
+    /// Pauses the guest: every vCPU leaves `KVM_RUN` and parks until
+    /// [`RunningVm::resume`]. Returns how long it took. Devices keep
+    /// serving the host side (a paused guest simply does not run); the
+    /// guest's clock goes on, so it sees the pause as lost time.
+    ///
+    /// Errors: [`VmError::Stopped`] if the VM has ended,
+    /// [`VmError::PauseTimeout`] if a vCPU did not park within `timeout`
+    /// (the pause is then withdrawn).
+    pub fn pause(&self, timeout: Duration) -> Result<Duration, VmError> {
+        let start = Instant::now();
+        let lock = || self.shared.pause.lock().unwrap_or_else(|e| e.into_inner());
+        lock().requested = true;
+        loop {
+            if self.is_stopped() {
+                self.resume();
+                return Err(VmError::Stopped);
+            }
+            let running: Vec<_> = self.threads.iter().filter(|t| !t.is_finished()).collect();
+            let p = lock();
+            if p.parked >= running.len() {
+                return Ok(start.elapsed());
+            }
+            if start.elapsed() >= timeout {
+                drop(p);
+                self.resume();
+                return Err(VmError::PauseTimeout(timeout));
+            }
+            // A kick can land just before a vCPU enters KVM_RUN and be
+            // lost, so kick again until every vCPU is parked.
+            for t in &running {
+                let _ = t.kill(kick_signal());
+            }
+            let _ = self.shared.pause_changed.wait_timeout(p, Duration::from_millis(2));
+        }
+    }
+
+    /// Lets paused vCPUs run again (nothing happens if none is paused).
+    pub fn resume(&self) {
+        let mut p = self.shared.pause.lock().unwrap_or_else(|e| e.into_inner());
+        p.requested = false;
+        self.shared.pause_changed.notify_all();
+    }
+
+    /// Whether a pause is in force.
+    pub fn is_paused(&self) -> bool {
+        self.shared.pause.lock().unwrap_or_else(|e| e.into_inner()).requested
     }
 
     fn kick_and_join(&mut self) {
