@@ -77,6 +77,9 @@ pub enum SandboxState {
     Starting,
     /// The agent answers; tools work.
     Running,
+    /// The vCPUs are parked; memory and files are kept. Tools that need
+    /// the guest resume it by themselves.
+    Paused,
     /// The guest powered off or rebooted by itself.
     Stopped,
     /// The guest crashed or could not start; `error` says why.
@@ -168,6 +171,25 @@ pub enum SandboxError {
     /// The sandbox is still booting.
     #[error("sandbox {0} is still starting; try again in a few seconds")]
     Starting(SandboxId),
+    /// Pause or resume does not apply in this state.
+    #[error("sandbox {id} is {state:?}; {what} needs a running or paused sandbox")]
+    BadState {
+        /// The id.
+        id: SandboxId,
+        /// Its state.
+        state: SandboxState,
+        /// The operation.
+        what: &'static str,
+    },
+    /// The VM refused to pause.
+    #[error("cannot pause sandbox {id}: {source}")]
+    Pause {
+        /// The id.
+        id: SandboxId,
+        /// Why.
+        #[source]
+        source: VmError,
+    },
     /// The sandbox is not running any more.
     #[error("sandbox {id} is {state:?} and cannot run anything: {reason}. Kill it and create a new one")]
     NotRunning {
@@ -287,7 +309,7 @@ impl Sandbox {
     /// Marks the sandbox ended (unless it already is) and drops the agent.
     fn end(&self, state: SandboxState, error: Option<String>) {
         let mut st = lock(&self.status);
-        if matches!(st.state, SandboxState::Starting | SandboxState::Running) {
+        if matches!(st.state, SandboxState::Starting | SandboxState::Running | SandboxState::Paused) {
             st.state = state;
             st.error = error;
         }
@@ -427,7 +449,10 @@ impl Manager {
             if self.shutting_down.load(Ordering::SeqCst) {
                 return Err(SandboxError::ShuttingDown);
             }
-            let live = map.values().filter(|s| matches!(s.state(), SandboxState::Starting | SandboxState::Running)).count();
+            let live = map
+                .values()
+                .filter(|s| matches!(s.state(), SandboxState::Starting | SandboxState::Running | SandboxState::Paused))
+                .count();
             if live >= limits.max_sandboxes {
                 return Err(SandboxError::TooMany { live, max: limits.max_sandboxes });
             }
@@ -578,7 +603,8 @@ impl Manager {
     /// Errors: [`SandboxError::NotFound`].
     pub async fn info(&self, id: &str) -> Result<SandboxInfo, SandboxError> {
         let sb = self.get(id)?;
-        if sb.state() != SandboxState::Running {
+        let state = sb.state();
+        if !matches!(state, SandboxState::Running | SandboxState::Paused) {
             return Ok(sb.info(None));
         }
         let (cpu, host_mem) = {
@@ -588,7 +614,8 @@ impl Manager {
                 None => (Duration::ZERO, 0),
             }
         };
-        let agent = lock(&sb.agent).clone();
+        // A paused guest cannot answer; its memory figures wait for resume.
+        let agent = if state == SandboxState::Running { lock(&sb.agent).clone() } else { None };
         let guest = match agent {
             Some(a) => match a.call(Op::Info, Duration::from_secs(10)).await {
                 Ok(Reply::Info(i)) => Some(i),
@@ -682,6 +709,10 @@ impl Manager {
     /// Sends `op` to a running sandbox's agent, waiting up to `timeout`.
     async fn call(&self, id: &str, op: Op, timeout: Duration) -> Result<Reply, SandboxError> {
         let sb = self.get(id)?;
+        if sb.state() == SandboxState::Paused {
+            tracing::info!(sandbox = %sb.id, "resuming a paused sandbox for a call");
+            self.resume(id)?;
+        }
         let agent = {
             let st = lock(&sb.status);
             match st.state {
@@ -726,6 +757,67 @@ impl Manager {
                 }
             }
         }
+    }
+
+    /// Longest wait for every vCPU to park.
+    const PAUSE_TIMEOUT: Duration = Duration::from_secs(5);
+
+    /// Pauses a running sandbox: its vCPUs stop (no CPU use), its memory,
+    /// processes and files stay. Pausing a paused sandbox does nothing.
+    /// Blocks until every vCPU has parked (milliseconds; at most 5 s):
+    /// call it from a blocking context.
+    ///
+    /// Errors: [`SandboxError::NotFound`], [`SandboxError::BadState`],
+    /// [`SandboxError::Pause`].
+    pub fn pause(&self, id: &str) -> Result<SandboxInfo, SandboxError> {
+        let sb = self.get(id)?;
+        match sb.state() {
+            SandboxState::Paused => return Ok(sb.info(None)),
+            SandboxState::Running => {}
+            state => return Err(SandboxError::BadState { id: sb.id.clone(), state, what: "pause" }),
+        }
+        let took = match lock(&sb.vm).as_ref() {
+            Some(vm) => vm.pause(Self::PAUSE_TIMEOUT).map_err(|source| SandboxError::Pause { id: sb.id.clone(), source })?,
+            None => return Err(SandboxError::BadState { id: sb.id.clone(), state: sb.state(), what: "pause" }),
+        };
+        {
+            let mut st = lock(&sb.status);
+            if st.state != SandboxState::Running {
+                // It ended (or was killed) while pausing.
+                let state = st.state;
+                drop(st);
+                if let Some(vm) = lock(&sb.vm).as_ref() {
+                    vm.resume();
+                }
+                return Err(SandboxError::BadState { id: sb.id.clone(), state, what: "pause" });
+            }
+            st.state = SandboxState::Paused;
+        }
+        sb.touch();
+        tracing::info!(sandbox = %sb.id, "paused in {took:?}");
+        Ok(sb.info(None))
+    }
+
+    /// Resumes a paused sandbox. Resuming a running sandbox does nothing.
+    ///
+    /// Errors: [`SandboxError::NotFound`], [`SandboxError::BadState`].
+    pub fn resume(&self, id: &str) -> Result<SandboxInfo, SandboxError> {
+        let sb = self.get(id)?;
+        let mut st = lock(&sb.status);
+        match st.state {
+            SandboxState::Running => {}
+            SandboxState::Paused => {
+                if let Some(vm) = lock(&sb.vm).as_ref() {
+                    vm.resume();
+                }
+                st.state = SandboxState::Running;
+                tracing::info!(sandbox = %sb.id, "resumed");
+            }
+            state => return Err(SandboxError::BadState { id: sb.id.clone(), state, what: "resume" }),
+        }
+        drop(st);
+        sb.touch();
+        Ok(sb.info(None))
     }
 
     /// Runs a `bash -c` command.

@@ -389,7 +389,7 @@ impl TineMcp {
     }
 
     #[tool(
-        description = "A sandbox's state (starting, running, stopped, failed), vCPUs, memory, uptime, labels, \
+        description = "A sandbox's state (starting, running, paused, stopped, failed), vCPUs, memory, uptime, labels, \
                        and CPU and memory use.",
         annotations(title = "Sandbox info", read_only_hint = true, open_world_hint = false)
     )]
@@ -414,6 +414,30 @@ impl TineMcp {
             *own = None;
         }
         Ok(Json(KillResult { sandbox_id: id, killed: true }))
+    }
+
+    #[tool(
+        description = "Pause a sandbox: its vCPUs stop and use no CPU; memory, processes, files and Python state \
+                       are kept. sandbox_exec, sandbox_run_python and the file tools resume it by themselves.",
+        annotations(title = "Pause sandbox", read_only_hint = false, destructive_hint = false, idempotent_hint = true, open_world_hint = false)
+    )]
+    async fn sandbox_pause(&self, Parameters(p): Parameters<SandboxParams>) -> Result<Json<SandboxInfo>, String> {
+        let id = self.target(p.sandbox_id).await?;
+        let manager = self.manager.clone();
+        // Pausing waits (milliseconds) for every vCPU to leave KVM_RUN.
+        let paused = tokio::task::spawn_blocking(move || manager.pause(&id))
+            .await
+            .map_err(|e| format!("pause task failed: {e}"))?;
+        paused.map(Json).map_err(err)
+    }
+
+    #[tool(
+        description = "Resume a paused sandbox where it left off.",
+        annotations(title = "Resume sandbox", read_only_hint = false, destructive_hint = false, idempotent_hint = true, open_world_hint = false)
+    )]
+    async fn sandbox_resume(&self, Parameters(p): Parameters<SandboxParams>) -> Result<Json<SandboxInfo>, String> {
+        let id = self.target(p.sandbox_id).await?;
+        self.manager.resume(&id).map(Json).map_err(err)
     }
 
     #[tool(

@@ -109,6 +109,8 @@ async fn mcp_end_to_end() {
         "sandbox_files_list",
         "sandbox_upload",
         "sandbox_download",
+        "sandbox_pause",
+        "sandbox_resume",
     ] {
         assert!(names.contains(want), "missing tool {want}: {names:?}");
     }
@@ -211,6 +213,18 @@ async fn mcp_end_to_end() {
     assert!(info["usage"]["cpu_time_ms"].as_u64().unwrap() > 0, "{info}");
     assert!(info["usage"]["host_memory_bytes"].as_u64().unwrap() > 1 << 20, "{info}");
     assert!(info["usage"]["guest_memory_total_bytes"].as_u64().unwrap() > 256 << 20, "{info}");
+
+    // Pause, then a command resumes the sandbox by itself.
+    let p = call(&client, "sandbox_pause", json!({"sandbox_id": id})).await.unwrap();
+    assert_eq!(p["state"], "paused", "{p}");
+    let p = call(&client, "sandbox_info", json!({"sandbox_id": id})).await.unwrap();
+    assert_eq!(p["state"], "paused", "{p}");
+    let x = call(&client, "sandbox_exec", json!({"sandbox_id": id, "command": "echo back"})).await.unwrap();
+    assert_eq!(x["stdout"], "back\n");
+    let p = call(&client, "sandbox_pause", json!({"sandbox_id": id})).await.unwrap();
+    assert_eq!(p["state"], "paused");
+    let r = call(&client, "sandbox_resume", json!({"sandbox_id": id})).await.unwrap();
+    assert_eq!(r["state"], "running");
 
     let k = call(&client, "sandbox_kill", json!({"sandbox_id": id})).await.unwrap();
     assert_eq!(k["killed"], true);
