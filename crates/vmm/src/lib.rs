@@ -13,6 +13,7 @@ pub mod event_loop;
 pub mod host;
 pub mod memory;
 pub mod vcpu;
+pub mod vcpu_state;
 pub mod vm;
 pub mod x86_64;
 

@@ -14,6 +14,7 @@ use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
 use crate::devices::virtio::mmio::MmioTransport;
 use crate::devices::{LegacyDevices, PioEvent};
+use crate::vcpu_state::{self, VcpuState, VcpuStateError};
 use crate::x86_64::paging::{translate, PagingState};
 
 /// The signal that kicks a vCPU thread out of `KVM_RUN`.
@@ -158,16 +159,45 @@ pub struct VcpuShared {
     pub pause: Mutex<PauseState>,
     /// Signalled when `pause` changes or the VM stops.
     pub pause_changed: Condvar,
+    /// The MSRs KVM lists (`KVM_GET_MSR_INDEX_LIST`), saved with each vCPU.
+    pub msr_indices: Vec<u32>,
 }
 
 /// Pause bookkeeping: while `requested`, vCPUs park between exits from
 /// `KVM_RUN` (so none is inside it) until it is cleared or the VM stops.
+/// Parked vCPUs also do the [`VcpuWork`] left for them, on their own
+/// thread, and put the answer in `done`.
 #[derive(Debug, Default)]
 pub struct PauseState {
     /// A pause is asked for.
     pub requested: bool,
     /// vCPUs parked now.
     pub parked: usize,
+    /// Work for each parked vCPU, by index.
+    pub work: Vec<Option<VcpuWork>>,
+    /// Each vCPU's answer to its last work, by index.
+    pub done: Vec<Option<Result<Option<VcpuState>, VcpuStateError>>>,
+}
+
+impl PauseState {
+    /// No pause, for `vcpus` vCPUs.
+    pub fn new(vcpus: usize) -> Self {
+        PauseState {
+            requested: false,
+            parked: 0,
+            work: (0..vcpus).map(|_| None).collect(),
+            done: (0..vcpus).map(|_| None).collect(),
+        }
+    }
+}
+
+/// What a parked vCPU can be asked to do.
+#[derive(Debug)]
+pub enum VcpuWork {
+    /// Save its state (answer: `Some(state)`).
+    Save,
+    /// Load this state (answer: `None`).
+    Restore(Arc<VcpuState>),
 }
 
 impl VcpuShared {
@@ -183,21 +213,6 @@ impl VcpuShared {
         self.stopped.notify_all();
         // Parked vCPUs wake up and leave their run loops.
         let _p = self.pause.lock().unwrap_or_else(|e| e.into_inner());
-        self.pause_changed.notify_all();
-    }
-
-    /// Parks the calling vCPU thread while a pause is requested.
-    fn park_while_paused(&self) {
-        let mut p = self.pause.lock().unwrap_or_else(|e| e.into_inner());
-        if !p.requested {
-            return;
-        }
-        p.parked += 1;
-        self.pause_changed.notify_all();
-        while p.requested && !self.stop.load(Ordering::SeqCst) {
-            p = self.pause_changed.wait(p).unwrap_or_else(|e| e.into_inner());
-        }
-        p.parked -= 1;
         self.pause_changed.notify_all();
     }
 
@@ -249,6 +264,38 @@ pub struct Vcpu {
 }
 
 impl Vcpu {
+    /// Parks this vCPU's thread while a pause is requested, doing the work
+    /// left for it meanwhile.
+    fn park_while_paused(&self) {
+        let shared = &self.shared;
+        let lock = || shared.pause.lock().unwrap_or_else(|e| e.into_inner());
+        let mut p = lock();
+        if !p.requested {
+            return;
+        }
+        let i = usize::from(self.index);
+        p.parked += 1;
+        shared.pause_changed.notify_all();
+        while p.requested && !shared.stop.load(Ordering::SeqCst) {
+            if let Some(work) = p.work.get_mut(i).and_then(Option::take) {
+                drop(p);
+                let answer = match work {
+                    VcpuWork::Save => vcpu_state::save(&self.fd, self.index, &shared.msr_indices).map(Some),
+                    VcpuWork::Restore(state) => vcpu_state::restore(&self.fd, &state).map(|()| None),
+                };
+                p = lock();
+                if let Some(slot) = p.done.get_mut(i) {
+                    *slot = Some(answer);
+                }
+                shared.pause_changed.notify_all();
+                continue;
+            }
+            p = shared.pause_changed.wait(p).unwrap_or_else(|e| e.into_inner());
+        }
+        p.parked -= 1;
+        shared.pause_changed.notify_all();
+    }
+
     fn fault_context(&self) -> FaultContext {
         let mut ctx = FaultContext { vcpu: self.index, ..Default::default() };
         match (self.fd.get_regs(), self.fd.get_sregs()) {
@@ -286,7 +333,7 @@ impl Vcpu {
     /// every exit either continues or records a [`GuestStop`].
     pub fn run(mut self) {
         while !self.shared.stop.load(Ordering::SeqCst) {
-            self.shared.park_while_paused();
+            self.park_while_paused();
             if self.shared.stop.load(Ordering::SeqCst) {
                 break;
             }

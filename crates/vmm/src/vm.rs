@@ -21,7 +21,8 @@ use crate::devices::{self, Console, ConsoleTail, LegacyDevices};
 use crate::event_loop::{EventLoop, EventLoopError};
 use crate::host::HostProfile;
 use crate::memory::{GuestRam, MemoryError, MMIO_GAP_START};
-use crate::vcpu::{install_kick_handler, kick_signal, GuestFault, GuestStop, PauseState, Vcpu, VcpuShared};
+use crate::vcpu::{install_kick_handler, kick_signal, GuestFault, GuestStop, PauseState, Vcpu, VcpuShared, VcpuWork};
+use crate::vcpu_state::{VcpuState, VcpuStateError};
 use crate::x86_64::boot::{load_kernel, BootError};
 use crate::x86_64::cpuid::{filter_cpuid, VcpuTopology};
 use crate::x86_64::mptable::{self, MptableError, MAX_VCPUS};
@@ -178,6 +179,12 @@ pub enum VmError {
     /// The VM has stopped.
     #[error("the VM has stopped")]
     Stopped,
+    /// The operation needs a paused VM.
+    #[error("the VM must be paused first")]
+    NotPaused,
+    /// Saving or restoring a vCPU failed.
+    #[error(transparent)]
+    VcpuState(#[from] VcpuStateError),
     /// The guest failed; the console tail is attached.
     #[error("{fault}\nlast console lines:\n{console}")]
     Guest {
@@ -284,8 +291,9 @@ impl Vm {
             mmio: mmio.clone(),
             memory: ram.memory.clone(),
             final_rips: Mutex::new(vec![None; config.vcpus as usize]),
-            pause: Mutex::new(PauseState::default()),
+            pause: Mutex::new(PauseState::new(usize::from(config.vcpus))),
             pause_changed: Default::default(),
+            msr_indices: kvm.get_msr_index_list().map_err(setup("KVM_GET_MSR_INDEX_LIST"))?.as_slice().to_vec(),
         });
 
         let supported = kvm.get_supported_cpuid(KVM_MAX_CPUID_ENTRIES).map_err(setup("KVM_GET_SUPPORTED_CPUID"))?;
@@ -451,6 +459,56 @@ impl RunningVm {
             }
             let _ = self.shared.pause_changed.wait_timeout(p, Duration::from_millis(2));
         }
+    }
+
+    /// Has every parked vCPU do `work(index)` on its own thread and
+    /// returns the answers by vCPU index.
+    fn on_parked_vcpus(
+        &self,
+        work: impl Fn(usize) -> VcpuWork,
+    ) -> Result<Vec<Option<VcpuState>>, VmError> {
+        const ANSWER_TIMEOUT: Duration = Duration::from_secs(10);
+        let n = self.threads.len();
+        let mut p = self.shared.pause.lock().unwrap_or_else(|e| e.into_inner());
+        if !p.requested || p.parked < n || self.threads.iter().any(|t| t.is_finished()) {
+            return Err(VmError::NotPaused);
+        }
+        for i in 0..n {
+            p.done[i] = None;
+            p.work[i] = Some(work(i));
+        }
+        self.shared.pause_changed.notify_all();
+        let deadline = Instant::now() + ANSWER_TIMEOUT;
+        while p.done.iter().any(Option::is_none) {
+            let now = Instant::now();
+            if now >= deadline || self.is_stopped() {
+                let missing = p.done.iter().position(Option::is_none).unwrap_or(0);
+                p.work.iter_mut().for_each(|w| *w = None);
+                return Err(VcpuStateError::NoAnswer(missing as u8).into());
+            }
+            p = self.shared.pause_changed.wait_timeout(p, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
+        }
+        p.done.iter_mut().map(|d| d.take().unwrap_or(Ok(None)).map_err(VmError::from)).collect()
+    }
+
+    /// Saves every vCPU's state (the VM must be paused), by vCPU index.
+    ///
+    /// Errors: [`VmError::NotPaused`], [`VmError::VcpuState`].
+    pub fn save_vcpu_states(&self) -> Result<Vec<VcpuState>, VmError> {
+        let answers = self.on_parked_vcpus(|_| VcpuWork::Save)?;
+        answers.into_iter().enumerate().map(|(i, a)| a.ok_or(VcpuStateError::NoAnswer(i as u8).into())).collect()
+    }
+
+    /// Loads `states` (one per vCPU, by index) into the paused vCPUs.
+    ///
+    /// Errors: [`VmError::NotPaused`], [`VmError::VcpuState`],
+    /// [`VmError::Config`] if the count differs from the vCPU count.
+    pub fn restore_vcpu_states(&self, states: &[Arc<VcpuState>]) -> Result<(), VmError> {
+        if states.len() != self.threads.len() {
+            return Err(VmError::Config(format!("{} vCPU states for {} vCPUs", states.len(), self.threads.len())));
+        }
+        self.on_parked_vcpus(|i| VcpuWork::Restore(states[i].clone()))?;
+        Ok(())
     }
 
     /// Lets paused vCPUs run again (nothing happens if none is paused).
