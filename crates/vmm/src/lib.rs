@@ -15,6 +15,7 @@ pub mod memory;
 pub mod vcpu;
 pub mod vcpu_state;
 pub mod vm;
+pub mod vm_state;
 pub mod x86_64;
 
 pub use host::HostProfile;

@@ -185,6 +185,9 @@ pub enum VmError {
     /// Saving or restoring a vCPU failed.
     #[error(transparent)]
     VcpuState(#[from] VcpuStateError),
+    /// Saving or restoring the VM-wide state failed.
+    #[error(transparent)]
+    VmState(#[from] crate::vm_state::VmStateError),
     /// The guest failed; the console tail is attached.
     #[error("{fault}\nlast console lines:\n{console}")]
     Guest {
@@ -353,7 +356,6 @@ impl ExitWatcher {
 
 /// A started VM. Dropping it stops it.
 pub struct RunningVm {
-    #[allow(dead_code)]
     vm: VmFd,
     _ram: GuestRam,
     shared: Arc<VcpuShared>,
@@ -509,6 +511,32 @@ impl RunningVm {
         }
         self.on_parked_vcpus(|i| VcpuWork::Restore(states[i].clone()))?;
         Ok(())
+    }
+
+    fn require_paused(&self) -> Result<(), VmError> {
+        let p = self.shared.pause.lock().unwrap_or_else(|e| e.into_inner());
+        let running = self.threads.iter().filter(|t| !t.is_finished()).count();
+        if !p.requested || p.parked < running || running < self.threads.len() {
+            return Err(VmError::NotPaused);
+        }
+        Ok(())
+    }
+
+    /// Saves the VM-wide state: interrupt controllers, PIT, clock (the VM
+    /// must be paused).
+    ///
+    /// Errors: [`VmError::NotPaused`], [`VmError::VmState`].
+    pub fn save_vm_state(&self) -> Result<crate::vm_state::VmState, VmError> {
+        self.require_paused()?;
+        Ok(crate::vm_state::save(&self.vm)?)
+    }
+
+    /// Loads VM-wide state into the paused VM.
+    ///
+    /// Errors: [`VmError::NotPaused`], [`VmError::VmState`].
+    pub fn restore_vm_state(&self, state: &crate::vm_state::VmState) -> Result<(), VmError> {
+        self.require_paused()?;
+        Ok(crate::vm_state::restore(&self.vm, state)?)
     }
 
     /// Lets paused vCPUs run again (nothing happens if none is paused).

@@ -1,6 +1,7 @@
-//! Saving and restoring vCPU state on a real guest: pause a booted Debian
-//! guest with its agent, save every vCPU, put the saved state (after a
-//! round trip through serde) back, resume, and the guest goes on.
+//! Saving and restoring machine state on a real guest: pause a booted
+//! Debian guest with its agent, save every vCPU and the VM-wide state
+//! (interrupt controllers, PIT, clock), put it all back (after a round trip
+//! through serde), resume, and the guest goes on.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -13,7 +14,7 @@ use vmm::{DiskConfig, Vm, VmConfig, VmError, VsockConfig};
 const MSR_LSTAR: u32 = 0xc000_0082;
 
 #[test]
-fn vcpu_state_saves_and_restores_on_a_running_guest() {
+fn machine_state_saves_and_restores_on_a_running_guest() {
     if !testkit::kvm_available("vcpu_state") {
         return;
     }
@@ -49,6 +50,11 @@ fn vcpu_state_saves_and_restores_on_a_running_guest() {
         .collect();
     assert_eq!(restored[0].regs.rip, states[0].regs.rip);
     assert_eq!(restored[1].lapic.regs, states[1].lapic.regs);
+    let vm_state = vm.save_vm_state().expect("save VM state");
+    eprintln!("{vm_state:?}");
+    assert_ne!(vm_state.clock.clock, 0);
+    let vm_state: vmm::vm_state::VmState = serde_json::from_str(&serde_json::to_string(&vm_state).unwrap()).unwrap();
+    vm.restore_vm_state(&vm_state).expect("restore VM state");
     vm.restore_vcpu_states(&restored).expect("restore");
     let again = vm.save_vcpu_states().expect("save after restore");
     for (a, b) in states.iter().zip(&again) {
