@@ -19,4 +19,4 @@ pub mod vm_state;
 pub mod x86_64;
 
 pub use host::HostProfile;
-pub use vm::{DiskConfig, ExitWatcher, RunningVm, Vm, VmConfig, VmError, VmExit, VsockConfig};
+pub use vm::{DiskConfig, ExitWatcher, RunningVm, Snapshot, Vm, VmConfig, VmError, VmExit, VsockConfig};

@@ -120,6 +120,79 @@ impl GuestRam {
         Ok(())
     }
 
+    /// Maps the memory file `path` (as [`GuestRam::write_to`] wrote it)
+    /// copy-on-write (`MAP_PRIVATE`) as guest RAM of `size` bytes: pages
+    /// come from the page cache, shared by every VM mapped from the same
+    /// file, and a guest write copies just that page.
+    ///
+    /// Errors: [`MemoryError::InvalidSize`] (also if the file's size is not
+    /// `size`), [`MemoryError::Memfd`] (opening the file),
+    /// [`MemoryError::Mmap`].
+    pub fn from_file_private(path: &std::path::Path, size: u64) -> Result<Self, MemoryError> {
+        use vm_memory::mmap::MmapRegionBuilder;
+        use vm_memory::GuestRegionMmap;
+        if !(MIN_MEM_BYTES..=MAX_MEM_BYTES).contains(&size) || !size.is_multiple_of(4096) {
+            return Err(MemoryError::InvalidSize(size));
+        }
+        let file = File::open(path).map_err(MemoryError::Memfd)?;
+        let len = file.metadata().map_err(MemoryError::Memfd)?.len();
+        if len != size {
+            return Err(MemoryError::InvalidSize(len));
+        }
+        let mut regions = Vec::new();
+        let mut offset = 0u64;
+        for (gpa, len) in ram_ranges(size) {
+            let dup = file.try_clone().map_err(MemoryError::Memfd)?;
+            let region = MmapRegionBuilder::new(len as usize)
+                .with_file_offset(FileOffset::new(dup, offset))
+                .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
+                .with_mmap_flags(libc::MAP_PRIVATE | libc::MAP_NORESERVE)
+                .build()
+                .map_err(|e| MemoryError::Mmap(e.to_string()))?;
+            regions.push(GuestRegionMmap::new(region, gpa).ok_or_else(|| MemoryError::Mmap("region overflows".into()))?);
+            offset += len;
+        }
+        let memory = GuestMemoryMmap::from_regions(regions).map_err(|e| MemoryError::Mmap(e.to_string()))?;
+        Ok(GuestRam { memory, file, size })
+    }
+
+    /// Writes guest RAM to `path` (created or truncated): the memfd's data
+    /// ranges only (`SEEK_DATA`/`SEEK_HOLE`), so untouched memory stays a
+    /// hole in a sparse file. The VM must not run meanwhile. Returns the
+    /// bytes copied.
+    ///
+    /// Errors: [`MemoryError::Memfd`] for I/O errors.
+    pub fn write_to(&self, path: &std::path::Path) -> Result<u64, MemoryError> {
+        use std::os::unix::fs::FileExt;
+        let out = File::create(path).map_err(MemoryError::Memfd)?;
+        out.set_len(self.size).map_err(MemoryError::Memfd)?;
+        let fd = self.file.as_raw_fd();
+        let mut pos: i64 = 0;
+        let mut copied = 0u64;
+        let mut buf = vec![0u8; 1 << 20];
+        while (pos as u64) < self.size {
+            // SAFETY: lseek on our own fd; no memory is passed.
+            let data = unsafe { libc::lseek(fd, pos, libc::SEEK_DATA) };
+            if data < 0 {
+                break; // ENXIO: no data after `pos`.
+            }
+            // SAFETY: as above.
+            let hole = unsafe { libc::lseek(fd, data, libc::SEEK_HOLE) };
+            let end = if hole < 0 { self.size as i64 } else { hole };
+            let mut at = data as u64;
+            while at < end as u64 {
+                let n = ((end as u64 - at) as usize).min(buf.len());
+                self.file.read_exact_at(&mut buf[..n], at).map_err(MemoryError::Memfd)?;
+                out.write_all_at(&buf[..n], at).map_err(MemoryError::Memfd)?;
+                at += n as u64;
+                copied += n as u64;
+            }
+            pos = end;
+        }
+        out.sync_data().map_err(MemoryError::Memfd)?;
+        Ok(copied)
+    }
+
     /// The raw fd of the backing memfd.
     pub fn fd(&self) -> i32 {
         self.file.as_raw_fd()

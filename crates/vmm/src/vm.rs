@@ -188,6 +188,9 @@ pub enum VmError {
     /// Saving or restoring the VM-wide state failed.
     #[error(transparent)]
     VmState(#[from] crate::vm_state::VmStateError),
+    /// A device's saved state does not fit it.
+    #[error(transparent)]
+    Restore(#[from] crate::devices::virtio::mmio::RestoreError),
     /// The guest failed; the console tail is attached.
     #[error("{fault}\nlast console lines:\n{console}")]
     Guest {
@@ -232,6 +235,25 @@ impl Vm {
     ///
     /// Errors: any [`VmError`] set-up variant; nothing is left running on error.
     pub fn start(config: &VmConfig) -> Result<RunningVm, VmError> {
+        Self::launch(config, None)
+    }
+
+    /// Starts a VM from `snapshot` instead of booting: guest RAM is the
+    /// snapshot's memory file mapped copy-on-write, devices go on from their
+    /// saved virtqueue state (vsock connections are reset and the guest is
+    /// told with `VIRTIO_VSOCK_EVENT_TRANSPORT_RESET`), vCPUs and the VM's
+    /// interrupt controllers, PIT and clock from their saved state.
+    /// `config` gives the name, the console, the disks and the vsock socket
+    /// of the new VM; its vCPU count and memory size must match the
+    /// snapshot's. The kernel is not loaded.
+    ///
+    /// Errors: as [`Vm::start`], plus [`VmError::Config`] for a snapshot
+    /// that does not fit the configuration and [`VmError::Restore`].
+    pub fn restore(config: &VmConfig, snapshot: &Snapshot) -> Result<RunningVm, VmError> {
+        Self::launch(config, Some(snapshot))
+    }
+
+    fn launch(config: &VmConfig, snap: Option<&Snapshot>) -> Result<RunningVm, VmError> {
         if config.vcpus == 0 || config.vcpus > MAX_VCPUS {
             return Err(VmError::Config(format!("vcpus must be 1..={MAX_VCPUS}, got {}", config.vcpus)));
         }
@@ -245,7 +267,21 @@ impl Vm {
             .map_err(setup("KVM_CREATE_PIT2"))?;
 
         let mem_bytes = config.mem_mib.checked_mul(1 << 20).ok_or_else(|| VmError::Config("mem_mib overflows".into()))?;
-        let ram = GuestRam::new(&config.name, mem_bytes)?;
+        let ram = match snap {
+            None => GuestRam::new(&config.name, mem_bytes)?,
+            Some(sn) => {
+                if sn.mem_bytes != mem_bytes || sn.vcpus.len() != usize::from(config.vcpus) {
+                    return Err(VmError::Config(format!(
+                        "the snapshot has {} vCPUs and {} MiB; the configuration asks for {} and {} MiB",
+                        sn.vcpus.len(),
+                        sn.mem_bytes >> 20,
+                        config.vcpus,
+                        config.mem_mib
+                    )));
+                }
+                GuestRam::from_file_private(&sn.memory_file, mem_bytes)?
+            }
+        };
         ram.register(&vm)?;
 
         let ndev = config.disks.len() + usize::from(config.vsock.is_some());
@@ -269,7 +305,16 @@ impl Vm {
             let irq = VIRTIO_FIRST_IRQ + i as u32;
             let irqfd = EventFd::new(libc::EFD_NONBLOCK).map_err(|e| VmError::Device(devices::DeviceError::EventFd(e)))?;
             vm.register_irqfd(&irqfd, irq).map_err(setup("KVM_IRQFD"))?;
-            let transport = MmioTransport::new(dev, ram.memory.clone(), Arc::new(Interrupt::new(irqfd)))?;
+            let interrupt = Arc::new(Interrupt::new(irqfd));
+            let transport = match snap {
+                None => MmioTransport::new(dev, ram.memory.clone(), interrupt)?,
+                Some(sn) => {
+                    let state = sn.transports.get(i).ok_or_else(|| {
+                        VmError::Config(format!("the snapshot has {} virtio devices, fewer than configured", sn.transports.len()))
+                    })?;
+                    MmioTransport::restore(dev, ram.memory.clone(), interrupt, state)?
+                }
+            };
             for (q, evt) in transport.queue_evts().iter().enumerate() {
                 vm.register_ioevent(evt, &IoEventAddress::Mmio(base + reg::QUEUE_NOTIFY), q as u32)
                     .map_err(setup("KVM_IOEVENTFD"))?;
@@ -277,8 +322,24 @@ impl Vm {
             cmdline.push_str(&format!(" virtio_mmio.device=4K@{base:#x}:{irq}"));
             mmio.push((base, MMIO_WINDOW, Arc::new(Mutex::new(transport))));
         }
-        let kernel = load_kernel(&ram.memory, ram.size, &config.kernel, config.initrd.as_deref(), &cmdline)?;
-        mptable::write(&ram.memory, config.vcpus)?;
+        let entry = match snap {
+            None => {
+                let kernel = load_kernel(&ram.memory, ram.size, &config.kernel, config.initrd.as_deref(), &cmdline)?;
+                mptable::write(&ram.memory, config.vcpus)?;
+                Some(kernel.entry)
+            }
+            Some(sn) => {
+                if sn.transports.len() != mmio.len() {
+                    return Err(VmError::Config(format!(
+                        "the snapshot has {} virtio devices, the configuration {}",
+                        sn.transports.len(),
+                        mmio.len()
+                    )));
+                }
+                crate::vm_state::restore(&vm, &sn.vm)?;
+                None
+            }
+        };
 
         let serial_irq = EventFd::new(libc::EFD_NONBLOCK).map_err(|e| VmError::Device(devices::DeviceError::EventFd(e)))?;
         vm.register_irqfd(&serial_irq, devices::COM1_IRQ).map_err(setup("KVM_IRQFD"))?;
@@ -307,12 +368,17 @@ impl Vm {
             filter_cpuid(cpuid.as_mut_slice(), VcpuTopology { index, count: config.vcpus }, config.profile);
             fd.set_cpuid2(&cpuid).map_err(setup("KVM_SET_CPUID2"))?;
             let regs_err = |source| VmError::Regs { vcpu: index, source };
-            regs::setup_msrs(&fd).map_err(regs_err)?;
-            regs::setup_fpu(&fd).map_err(regs_err)?;
-            regs::setup_lapic(&fd).map_err(regs_err)?;
-            if index == 0 {
-                fd.set_regs(&regs::boot_regs(kernel.entry)).map_err(setup("KVM_SET_REGS"))?;
-                regs::setup_sregs(&ram.memory, &fd).map_err(regs_err)?;
+            match (snap, entry) {
+                (Some(sn), _) => crate::vcpu_state::restore(&fd, &sn.vcpus[usize::from(index)])?,
+                (None, entry) => {
+                    regs::setup_msrs(&fd).map_err(regs_err)?;
+                    regs::setup_fpu(&fd).map_err(regs_err)?;
+                    regs::setup_lapic(&fd).map_err(regs_err)?;
+                    if let (0, Some(entry)) = (index, entry) {
+                        fd.set_regs(&regs::boot_regs(entry)).map_err(setup("KVM_SET_REGS"))?;
+                        regs::setup_sregs(&ram.memory, &fd).map_err(regs_err)?;
+                    }
+                }
             }
             vcpus.push(Vcpu { fd, index, shared: shared.clone() });
         }
@@ -335,6 +401,21 @@ impl Vm {
             "VM started in {:?}", started.elapsed());
         Ok(RunningVm { vm, _ram: ram, shared, threads, console_tail, started, _event_loop: event_loop })
     }
+}
+
+/// A VM's saved state: what [`Vm::restore`] starts from. Guest RAM lives
+/// in `memory_file` (a sparse file of `mem_bytes` bytes); the rest is here.
+pub struct Snapshot {
+    /// Each vCPU's state, by index.
+    pub vcpus: Vec<Arc<VcpuState>>,
+    /// Interrupt controllers, PIT, clock.
+    pub vm: crate::vm_state::VmState,
+    /// Each virtio-mmio transport's state, in device order.
+    pub transports: Vec<crate::devices::virtio::mmio::TransportState>,
+    /// Guest RAM size (bytes).
+    pub mem_bytes: u64,
+    /// The file holding guest RAM.
+    pub memory_file: PathBuf,
 }
 
 /// Waits for a VM's end from any thread (see [`RunningVm::exit_watcher`]).
@@ -537,6 +618,25 @@ impl RunningVm {
     pub fn restore_vm_state(&self, state: &crate::vm_state::VmState) -> Result<(), VmError> {
         self.require_paused()?;
         Ok(crate::vm_state::restore(&self.vm, state)?)
+    }
+
+    /// Takes a snapshot of the paused VM, writing guest RAM to
+    /// `memory_file`. Every virtio transport is locked for the whole
+    /// snapshot, so no device touches guest memory or its virtqueues
+    /// meanwhile. The VM stays paused; resume or stop it afterwards.
+    ///
+    /// Errors: [`VmError::NotPaused`], [`VmError::VcpuState`],
+    /// [`VmError::VmState`], [`VmError::Memory`].
+    pub fn snapshot(&self, memory_file: &std::path::Path) -> Result<Snapshot, VmError> {
+        self.require_paused()?;
+        let guards: Vec<_> =
+            self.shared.mmio.iter().map(|(_, _, t)| t.lock().unwrap_or_else(|e| e.into_inner())).collect();
+        let transports = guards.iter().map(|t| t.save_state()).collect();
+        let vcpus = self.save_vcpu_states()?.into_iter().map(Arc::new).collect();
+        let vm = crate::vm_state::save(&self.vm)?;
+        self._ram.write_to(memory_file)?;
+        drop(guards);
+        Ok(Snapshot { vcpus, vm, transports, mem_bytes: self._ram.size, memory_file: memory_file.to_path_buf() })
     }
 
     /// Lets paused vCPUs run again (nothing happens if none is paused).
