@@ -320,6 +320,14 @@ fn a_restored_device_resets_the_transport_and_takes_new_connections() {
     let mut c = UnixStream::connect(&h.uds).expect("the vsock socket survives a restore");
     c.write_all(b"CONNECT 7000\n").unwrap();
     h.host_events();
+    // Held until the guest has handled the reset: its old connections with
+    // the same ports would otherwise take the REQUEST, or the reset kill it.
+    assert!(h.rx().iter().all(|(p, _)| p.op != op::REQUEST), "no REQUEST before the guest acknowledges the reset");
+    // The guest handles the event and gives the buffer back (as Linux
+    // does), which releases the held connection.
+    h.d.set_desc(EVQ, 1, EV_BASE, 8, WRITE, 0);
+    h.d.publish(EVQ, 1);
+    h.d.kick(EVQ);
     assert!(h.rx().iter().any(|(p, _)| p.op == op::REQUEST && p.dst_port == 7000));
     // New connections work, on the restored rings.
     let mut s = h.guest_connect(1235, 6002);

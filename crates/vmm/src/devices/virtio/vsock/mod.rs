@@ -35,6 +35,9 @@ pub const MIN_GUEST_CID: u64 = 3;
 const RXQ: usize = 0;
 const TXQ: usize = 1;
 const EVQ: usize = 2;
+/// Longest wait for a guest to acknowledge `TRANSPORT_RESET` before held
+/// host connections go ahead anyway.
+const RESET_ACK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// A virtio-vsock device.
 pub struct Vsock {
@@ -45,6 +48,9 @@ pub struct Vsock {
     running: Option<Running>,
     buf: Vec<u8>,
     pending_reset_event: bool,
+    /// After a reset event was delivered: the event queue's available
+    /// index then, and when (see `check_reset_ack`).
+    reset_ack: Option<(std::num::Wrapping<u16>, std::time::Instant)>,
 }
 
 struct Running {
@@ -113,6 +119,7 @@ impl Vsock {
             running: None,
             buf: vec![0; MAX_PAYLOAD as usize],
             pending_reset_event: false,
+            reset_ack: None,
         })
     }
 
@@ -126,8 +133,27 @@ impl Vsock {
     /// soon as it has a buffer there). Used after a snapshot restore.
     pub fn transport_reset(&mut self) -> Result<(), VirtioError> {
         self.muxer.reset_all();
+        // New host connections wait until the guest has handled the event
+        // (it resets every connection it has when it does).
+        self.muxer.hold_host_connections();
+        self.reset_ack = None;
         self.pending_reset_event = true;
         self.deliver_event()
+    }
+
+    /// Releases held host connections once the guest has handled the
+    /// reset event: Linux refills the event queue right after handling an
+    /// event, so its available index moving past the one seen at delivery
+    /// is the acknowledgement. A guest that never acknowledges gets them
+    /// after [`RESET_ACK_TIMEOUT`].
+    fn check_reset_ack(&mut self) {
+        let Some((seen, since)) = self.reset_ack else { return };
+        let Some(Running { mem, queues, .. }) = self.running.as_ref() else { return };
+        let now = queues[EVQ].avail_idx(mem, std::sync::atomic::Ordering::Acquire).ok();
+        if now.is_some_and(|n| n != seen) || since.elapsed() >= RESET_ACK_TIMEOUT {
+            self.reset_ack = None;
+            self.muxer.release_host_connections();
+        }
     }
 
     fn deliver_event(&mut self) -> Result<(), VirtioError> {
@@ -151,6 +177,16 @@ impl Vsock {
         })?;
         if delivered.get() {
             self.pending_reset_event = false;
+            let q = &queues[EVQ];
+            let avail = q.avail_idx(mem, std::sync::atomic::Ordering::Acquire).unwrap_or_default();
+            self.reset_ack = Some((avail, std::time::Instant::now()));
+            // Ask for a notification when the guest adds a buffer beyond
+            // the ones it has posted: it refills right after handling the
+            // event. (`avail_event` follows the used ring, virtio 1.2
+            // §2.7.10; with EVENT_IDX the driver consults it before
+            // notifying, and it is behind by the buffers not consumed.)
+            let avail_event = q.used_ring() + 4 + 8 * u64::from(q.size());
+            let _ = mem.write_obj(avail.0, GuestAddress(avail_event));
         }
         Ok(())
     }
@@ -293,7 +329,11 @@ impl VirtioDevice for Vsock {
                 self.process_rx()
             }
             RXQ => self.process_rx(),
-            EVQ => self.deliver_event(),
+            EVQ => {
+                self.deliver_event()?;
+                self.check_reset_ack();
+                self.process_rx()
+            }
             _ => Ok(()),
         }
     }
@@ -304,6 +344,7 @@ impl VirtioDevice for Vsock {
 
     fn process_events(&mut self) -> Result<(), VirtioError> {
         self.muxer.process_host_events();
+        self.check_reset_ack();
         self.process_rx()
     }
 

@@ -35,8 +35,22 @@ pub const MAX_CONNECTIONS: usize = 1024;
 pub const MAX_PENDING_CONTROL: usize = 4096;
 /// Longest `CONNECT <port>\n` line (bytes).
 const MAX_HANDSHAKE: usize = 32;
-/// First host port given to host-initiated connections.
+/// Host ports of host-initiated connections are taken from
+/// `[FIRST_LOCAL_PORT, u32::MAX]`.
 const FIRST_LOCAL_PORT: u32 = 1 << 30;
+
+/// Where a muxer starts giving out host ports: a random point of the range.
+/// A guest restored from a snapshot (or branched) still holds the
+/// connections of the VM it was saved from until it has handled
+/// `TRANSPORT_RESET`; a new connection reusing one of their port pairs
+/// would be taken for the old one (a restored guest ignored the first
+/// `CONNECT` that way). Starting at a random point makes such a reuse
+/// improbable (a few old connections among 3 * 2^30 ports).
+fn first_local_port() -> u32 {
+    use std::hash::{BuildHasher, Hasher};
+    let random = std::collections::hash_map::RandomState::new().build_hasher().finish();
+    FIRST_LOCAL_PORT + (random % u64::from(u32::MAX - FIRST_LOCAL_PORT)) as u32
+}
 const LISTENER_TOKEN: u64 = u64::MAX;
 const EVENTS_PER_WAIT: usize = 64;
 
@@ -140,6 +154,9 @@ pub struct Muxer {
     rr_cursor: Option<Key>,
     /// (device, inode) of the socket file this muxer bound.
     socket_id: Option<(u64, u64)>,
+    /// While the guest has not yet handled a transport reset: host
+    /// connections whose handshake is done, waiting to be requested.
+    held: Option<Vec<(UnixStream, u32)>>,
 }
 
 impl Muxer {
@@ -170,9 +187,10 @@ impl Muxer {
             by_fd: HashMap::new(),
             handshakes: HashMap::new(),
             control: VecDeque::new(),
-            next_local_port: FIRST_LOCAL_PORT,
+            next_local_port: first_local_port(),
             rr_cursor: None,
             socket_id,
+            held: None,
         })
     }
 
@@ -486,10 +504,37 @@ impl Muxer {
                 return;
             }
         };
+        match self.held.as_mut() {
+            Some(held) => held.push((stream, port)),
+            None => self.request(stream, port),
+        }
+    }
+
+    /// Starts a host-initiated connection: a REQUEST to guest `port`.
+    fn request(&mut self, stream: UnixStream, port: u32) {
         let local = self.alloc_local_port(port);
         let key = (local, port);
         self.add_conn(key, Conn::new(stream, State::Connecting));
         self.push_control(self.header(key, op::REQUEST));
+    }
+
+    /// Holds new host connections (their CONNECT is read and kept) until
+    /// [`Muxer::release_host_connections`]: a guest that has not handled
+    /// `TRANSPORT_RESET` yet would reset them with its old connections.
+    pub fn hold_host_connections(&mut self) {
+        self.held.get_or_insert_with(Vec::new);
+    }
+
+    /// Whether host connections are being held.
+    pub fn holding(&self) -> bool {
+        self.held.is_some()
+    }
+
+    /// Sends the REQUESTs of every held connection and stops holding.
+    pub fn release_host_connections(&mut self) {
+        for (stream, port) in self.held.take().unwrap_or_default() {
+            self.request(stream, port);
+        }
     }
 
     fn alloc_local_port(&mut self, peer: u32) -> u32 {
