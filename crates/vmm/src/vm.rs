@@ -383,6 +383,21 @@ impl Vm {
             vcpus.push(Vcpu { fd, index, shared: shared.clone() });
         }
 
+        if snap.is_some() {
+            // Notifications the guest sent to the old VM's eventfds just
+            // before the snapshot were never seen here, and with EVENT_IDX
+            // the driver will not send them again: process every queue once,
+            // and have the guest look at its used rings.
+            for (_, _, t) in &mmio {
+                let t = t.lock().unwrap_or_else(|e| e.into_inner());
+                if t.is_active() {
+                    for evt in t.queue_evts() {
+                        let _ = evt.write(1);
+                    }
+                    t.interrupt().trigger(crate::devices::virtio::VIRTIO_MMIO_INT_VRING);
+                }
+            }
+        }
         let event_loop = EventLoop::spawn(&config.name, mmio.into_iter().map(|(_, _, d)| d).collect())?;
         install_kick_handler().map_err(|e| VmError::Thread(std::io::Error::from_raw_os_error(e.errno())))?;
         let mut threads = Vec::with_capacity(vcpus.len());
