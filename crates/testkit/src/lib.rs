@@ -148,6 +148,18 @@ pub fn rootfs() -> PathBuf {
     run_build_script("rootfs/build-rootfs.sh", &[&build_agent()])
 }
 
+/// A VM of the Debian rootfs with the guest agent as init: 512 MiB,
+/// 1 vCPU, the rootfs read-only as `/dev/vda`, vsock CID 3 with its Unix
+/// socket at `uds`.
+pub fn agent_vm_config(name: &str, uds: &Path) -> vmm::VmConfig {
+    let mut config = vmm::VmConfig::new(name, kernel());
+    config.mem_mib = 512;
+    config.disks = vec![vmm::DiskConfig { path: rootfs(), read_only: true, id: "root".into() }];
+    config.vsock = Some(vmm::VsockConfig { cid: 3, uds_path: uds.to_path_buf() });
+    config.cmdline = "root=/dev/vda ro rootfstype=ext4".into();
+    config
+}
+
 /// The guest of the vsock exchange (see init.c): the test rootfs on a
 /// read-only virtio-blk root, vsock CID 3 with its Unix socket in `dir`,
 /// and init listening on `port`. Returns the config and the socket path.

@@ -134,11 +134,7 @@ fn debian_rootfs_serves_bash_python_and_an_overlay() {
     }
     let dir = tempfile::tempdir().unwrap();
     let uds = dir.path().join("vm.vsock");
-    let mut config = VmConfig::new("agent-debian", testkit::kernel());
-    config.mem_mib = 512;
-    config.disks = vec![DiskConfig { path: testkit::rootfs(), read_only: true, id: "root".into() }];
-    config.vsock = Some(VsockConfig { cid: 3, uds_path: uds.clone() });
-    config.cmdline = "root=/dev/vda ro rootfstype=ext4".into();
+    let config = testkit::agent_vm_config("agent-debian", &uds);
     let mut vm = Vm::start(&config).expect("VM starts");
     let started = vm.started();
     let console = vm.console().clone();

@@ -5,15 +5,10 @@
 use std::time::{Duration, Instant};
 
 use tine_agent_client::{AgentClient, AGENT_PORT};
-use vmm::{DiskConfig, Vm, VmConfig, VsockConfig};
+use vmm::Vm;
 
-fn config(name: &str, uds: &std::path::Path) -> VmConfig {
-    let mut config = VmConfig::new(name, testkit::kernel());
-    config.mem_mib = 512;
-    config.disks = vec![DiskConfig { path: testkit::rootfs(), read_only: true, id: "root".into() }];
-    config.vsock = Some(VsockConfig { cid: 3, uds_path: uds.to_path_buf() });
-    config.cmdline = "root=/dev/vda ro rootfstype=ext4".into();
-    config
+fn config(name: &str, uds: &std::path::Path) -> vmm::VmConfig {
+    testkit::agent_vm_config(name, uds)
 }
 
 async fn connect(uds: &std::path::Path) -> AgentClient {

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use tine_protocol::ExitStatus;
 use vmm::vcpu_state::VcpuState;
-use vmm::{DiskConfig, Vm, VmConfig, VmError, VsockConfig};
+use vmm::{Vm, VmError};
 
 /// MSR_LSTAR: the 64-bit system-call entry, set by every Linux guest.
 const MSR_LSTAR: u32 = 0xc000_0082;
@@ -20,12 +20,8 @@ fn machine_state_saves_and_restores_on_a_running_guest() {
     }
     let dir = tempfile::tempdir().unwrap();
     let uds = dir.path().join("vm.vsock");
-    let mut config = VmConfig::new("vcpu-state", testkit::kernel());
-    config.mem_mib = 512;
+    let mut config = testkit::agent_vm_config("vcpu-state", &uds);
     config.vcpus = 2;
-    config.disks = vec![DiskConfig { path: testkit::rootfs(), read_only: true, id: "root".into() }];
-    config.vsock = Some(VsockConfig { cid: 3, uds_path: uds.clone() });
-    config.cmdline = "root=/dev/vda ro rootfstype=ext4".into();
     let mut vm = Vm::start(&config).expect("VM starts");
     let console = vm.console().clone();
     assert!(console.wait_for("listening on vsock port 1024", Duration::from_secs(600)), "agent never started");
