@@ -60,6 +60,14 @@ pub fn ram_ranges(size: u64) -> Vec<(GuestAddress, u64)> {
     }
 }
 
+/// Guest RAM sizes accepted: [`MIN_MEM_BYTES`]..=[`MAX_MEM_BYTES`], whole pages.
+fn check_size(size: u64) -> Result<(), MemoryError> {
+    if !(MIN_MEM_BYTES..=MAX_MEM_BYTES).contains(&size) || !size.is_multiple_of(4096) {
+        return Err(MemoryError::InvalidSize(size));
+    }
+    Ok(())
+}
+
 /// Guest RAM backed by one memfd.
 pub struct GuestRam {
     /// The mapped regions, as rust-vmm's memory model sees them.
@@ -77,9 +85,7 @@ impl GuestRam {
     /// Errors: [`MemoryError::InvalidSize`], [`MemoryError::Memfd`],
     /// [`MemoryError::Mmap`].
     pub fn new(name: &str, size: u64) -> Result<Self, MemoryError> {
-        if !(MIN_MEM_BYTES..=MAX_MEM_BYTES).contains(&size) || !size.is_multiple_of(4096) {
-            return Err(MemoryError::InvalidSize(size));
-        }
+        check_size(size)?;
         let cname = CString::new(format!("tine-guest-ram-{name}")).unwrap_or_default();
         let fd = nix::sys::memfd::memfd_create(&cname, nix::sys::memfd::MemFdCreateFlag::MFD_CLOEXEC)
             .map_err(|e| MemoryError::Memfd(e.into()))?;
@@ -131,9 +137,7 @@ impl GuestRam {
     pub fn from_file_private(path: &std::path::Path, size: u64) -> Result<Self, MemoryError> {
         use vm_memory::mmap::MmapRegionBuilder;
         use vm_memory::GuestRegionMmap;
-        if !(MIN_MEM_BYTES..=MAX_MEM_BYTES).contains(&size) || !size.is_multiple_of(4096) {
-            return Err(MemoryError::InvalidSize(size));
-        }
+        check_size(size)?;
         let file = File::open(path).map_err(MemoryError::Memfd)?;
         let len = file.metadata().map_err(MemoryError::Memfd)?.len();
         if len != size {

@@ -383,21 +383,6 @@ impl Vm {
             vcpus.push(Vcpu { fd, index, shared: shared.clone() });
         }
 
-        if snap.is_some() {
-            // Notifications the guest sent to the old VM's eventfds just
-            // before the snapshot were never seen here, and with EVENT_IDX
-            // the driver will not send them again: process every queue once,
-            // and have the guest look at its used rings.
-            for (_, _, t) in &mmio {
-                let t = t.lock().unwrap_or_else(|e| e.into_inner());
-                if t.is_active() {
-                    for evt in t.queue_evts() {
-                        let _ = evt.write(1);
-                    }
-                    t.interrupt().trigger(crate::devices::virtio::VIRTIO_MMIO_INT_VRING);
-                }
-            }
-        }
         let event_loop = EventLoop::spawn(&config.name, mmio.into_iter().map(|(_, _, d)| d).collect())?;
         install_kick_handler().map_err(|e| VmError::Thread(std::io::Error::from_raw_os_error(e.errno())))?;
         let mut threads = Vec::with_capacity(vcpus.len());
@@ -567,10 +552,7 @@ impl RunningVm {
     ) -> Result<Vec<Option<VcpuState>>, VmError> {
         const ANSWER_TIMEOUT: Duration = Duration::from_secs(10);
         let n = self.threads.len();
-        let mut p = self.shared.pause.lock().unwrap_or_else(|e| e.into_inner());
-        if !p.requested || p.parked < n || self.threads.iter().any(|t| t.is_finished()) {
-            return Err(VmError::NotPaused);
-        }
+        let mut p = self.paused_state()?;
         for i in 0..n {
             p.done[i] = None;
             p.work[i] = Some(work(i));
@@ -609,13 +591,17 @@ impl RunningVm {
         Ok(())
     }
 
-    fn require_paused(&self) -> Result<(), VmError> {
+    /// The pause state, locked, if every vCPU is parked (none has ended).
+    fn paused_state(&self) -> Result<std::sync::MutexGuard<'_, PauseState>, VmError> {
         let p = self.shared.pause.lock().unwrap_or_else(|e| e.into_inner());
-        let running = self.threads.iter().filter(|t| !t.is_finished()).count();
-        if !p.requested || p.parked < running || running < self.threads.len() {
+        if !p.requested || p.parked < self.threads.len() || self.threads.iter().any(|t| t.is_finished()) {
             return Err(VmError::NotPaused);
         }
-        Ok(())
+        Ok(p)
+    }
+
+    fn require_paused(&self) -> Result<(), VmError> {
+        self.paused_state().map(drop)
     }
 
     /// Saves the VM-wide state: interrupt controllers, PIT, clock (the VM

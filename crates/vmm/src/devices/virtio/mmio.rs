@@ -174,8 +174,8 @@ impl MmioTransport {
 
     /// Rebuilds a transport for `device` from `state` (same guest memory
     /// contents as when it was saved). An activated device is activated
-    /// again on the saved queues (indices included) and then told it was
-    /// restored ([`VirtioDevice::after_restore`]).
+    /// again on the saved queues (indices included), told it was restored
+    /// ([`VirtioDevice::after_restore`]), and every queue is marked notified.
     ///
     /// Errors: [`RestoreError`].
     pub fn restore(
@@ -207,6 +207,14 @@ impl MmioTransport {
         if state.activated && state.status & status::DEVICE_NEEDS_RESET == 0 {
             t.activate();
             t.after_restore();
+            // Notifications the driver sent to the old eventfds just before
+            // the save were never seen, and with EVENT_IDX it will not send
+            // them again: have every queue processed once, and have the
+            // driver look at its used rings.
+            for evt in &t.queue_evts {
+                let _ = evt.write(1);
+            }
+            t.interrupt.trigger(super::VIRTIO_MMIO_INT_VRING);
         }
         Ok(t)
     }
