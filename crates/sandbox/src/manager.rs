@@ -589,6 +589,21 @@ impl Manager {
         Ok(())
     }
 
+    /// Whether a sandbox with this id exists (in any state).
+    pub fn contains(&self, id: &str) -> bool {
+        lock(&self.sandboxes).contains_key(id)
+    }
+
+    /// How many sandboxes exist (in any state).
+    pub fn len(&self) -> usize {
+        lock(&self.sandboxes).len()
+    }
+
+    /// Whether there are no sandboxes.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
     /// Every sandbox whose labels include all of `labels`, by id.
     pub fn list(&self, labels: &BTreeMap<String, String>) -> Vec<SandboxInfo> {
         let all: Vec<Arc<Sandbox>> = lock(&self.sandboxes).values().cloned().collect();

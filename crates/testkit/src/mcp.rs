@@ -127,37 +127,33 @@ impl TineServer {
 
     /// Sends SIGTERM and waits (up to 120 s) for the exit status.
     pub fn terminate(&mut self) -> std::process::ExitStatus {
-        let mut child = self.child.take().expect("server already stopped");
-        // SAFETY: kill(2) on our own child's pid; no memory is involved.
-        unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
-        let deadline = Instant::now() + Duration::from_secs(120);
-        loop {
-            if let Some(s) = child.try_wait().expect("wait for the server") {
-                return s;
-            }
-            if Instant::now() > deadline {
-                let _ = child.kill();
-                panic!("the server did not exit within 120 s of SIGTERM");
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        let child = self.child.take().expect("server already stopped");
+        sigterm_and_wait(child, Duration::from_secs(120))
+            .unwrap_or_else(|| panic!("the server did not exit within 120 s of SIGTERM"))
     }
+}
+
+/// Sends SIGTERM to `child` and waits up to `timeout` for it; kills it
+/// (and returns `None`) if it is still there then.
+fn sigterm_and_wait(mut child: Child, timeout: Duration) -> Option<std::process::ExitStatus> {
+    // SAFETY: kill(2) on our own child's pid; no memory is involved.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        if let Ok(Some(status)) = child.try_wait() {
+            return Some(status);
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    None
 }
 
 impl Drop for TineServer {
     fn drop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            // SAFETY: as in terminate.
-            unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
-            let deadline = Instant::now() + Duration::from_secs(60);
-            while Instant::now() < deadline {
-                if let Ok(Some(_)) = c.try_wait() {
-                    return;
-                }
-                std::thread::sleep(Duration::from_millis(50));
-            }
-            let _ = c.kill();
-            let _ = c.wait();
+        if let Some(child) = self.child.take() {
+            sigterm_and_wait(child, Duration::from_secs(60));
         }
     }
 }

@@ -351,7 +351,7 @@ impl TineMcp {
         }
         let mut own = self.session.id.lock().await;
         if let Some(id) = own.as_ref() {
-            if self.manager.list(&BTreeMap::new()).iter().any(|s| &s.sandbox_id == id) {
+            if self.manager.contains(id) {
                 return Ok(id.clone());
             }
         }

@@ -86,8 +86,7 @@ async fn require_bearer(State(token): State<Arc<String>>, req: Request, next: Ne
 }
 
 async fn healthz(State(manager): State<Arc<Manager>>) -> impl IntoResponse {
-    let live = manager.list(&Default::default()).len();
-    ([(header::CONTENT_TYPE, "application/json")], format!(r#"{{"status":"ok","sandboxes":{live}}}"#))
+    ([(header::CONTENT_TYPE, "application/json")], format!(r#"{{"status":"ok","sandboxes":{}}}"#, manager.len()))
 }
 
 /// Resolves when SIGTERM or SIGINT arrives.
@@ -109,11 +108,10 @@ async fn shutdown_signal() {
 /// Errors: [`ServeError`].
 pub async fn serve(manager: Arc<Manager>, opts: ServeOptions) -> Result<(), ServeError> {
     let cancel = CancellationToken::new();
-    let mut mcp_config = StreamableHttpServerConfig::default()
+    let mcp_config = StreamableHttpServerConfig::default()
         .with_allowed_hosts(opts.allowed_hosts.clone())
         .with_cancellation_token(cancel.child_token())
         .with_max_request_body_bytes(MAX_REQUEST_BYTES);
-    mcp_config.sse_keep_alive = Some(Duration::from_secs(15));
     let mut sessions = LocalSessionManager::default();
     sessions.session_config.keep_alive = Some(opts.session_timeout);
     let factory_manager = manager.clone();
