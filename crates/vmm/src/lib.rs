@@ -12,6 +12,8 @@ pub mod devices;
 pub mod event_loop;
 pub mod host;
 pub mod memory;
+pub mod snapshot;
+pub mod uffd;
 pub mod vcpu;
 pub mod vcpu_state;
 pub mod vm;
@@ -19,4 +21,6 @@ pub mod vm_state;
 pub mod x86_64;
 
 pub use host::HostProfile;
-pub use vm::{DiskConfig, ExitWatcher, RunningVm, Snapshot, Vm, VmConfig, VmError, VmExit, VsockConfig};
+pub use memory::MemoryBacking;
+pub use snapshot::{Snapshot, SnapshotError};
+pub use vm::{DiskConfig, ExitWatcher, RunningVm, Vm, VmConfig, VmError, VmExit, VsockConfig};

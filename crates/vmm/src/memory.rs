@@ -37,6 +37,10 @@ pub enum MemoryError {
     /// mmap of the memory file failed.
     #[error("cannot map guest memory: {0}")]
     Mmap(String),
+    /// Lazy restore through userfaultfd could not be set up
+    /// ([`MemoryBacking::Userfaultfd`]).
+    #[error(transparent)]
+    Userfaultfd(#[from] crate::uffd::UffdError),
     /// KVM_SET_USER_MEMORY_REGION failed.
     #[error("KVM_SET_USER_MEMORY_REGION for slot {slot} failed: {source}")]
     RegisterSlot {
@@ -68,15 +72,58 @@ fn check_size(size: u64) -> Result<(), MemoryError> {
     Ok(())
 }
 
-/// Guest RAM backed by one memfd.
+/// How a snapshot's memory file becomes guest RAM.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MemoryBacking {
+    /// The file is mapped `MAP_PRIVATE | MAP_NORESERVE`: pages are read from
+    /// and shared through the page cache by every VM restored from the same
+    /// file, and a guest write copies just that page, privately.
+    #[default]
+    Private,
+    /// Guest RAM is anonymous private memory that a handler thread fills on
+    /// first touch, `UFFDIO_COPY` from the file, or `UFFDIO_ZEROPAGE` for
+    /// holes, all-zero pages and ranges the guest gave back (see
+    /// [`crate::uffd`]). For files not on a local file system (whose pages
+    /// should not be mapped from the page cache), or to prefetch. Needs
+    /// userfaultfd: root, or access to `/dev/userfaultfd`, or
+    /// `vm.unprivileged_userfaultfd=1`.
+    Userfaultfd,
+}
+
+/// Host memory that guest RAM takes, from `/proc/self/smaps` (bytes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct MemoryUsage {
+    /// Resident pages of guest RAM in this process (`Rss:`), in bytes.
+    pub rss_bytes: u64,
+    /// Proportional share of the resident pages (`Pss:`): a page shared by
+    /// `n` processes counts `1/n`; in bytes.
+    pub pss_bytes: u64,
+    /// Resident pages mapped by this process only (`Private_Clean:` +
+    /// `Private_Dirty:`), in bytes.
+    pub private_bytes: u64,
+}
+
+/// Guest RAM backed by one memfd (or, restored from a snapshot, by the
+/// snapshot's memory file, see [`MemoryBacking`]).
 pub struct GuestRam {
+    /// The userfaultfd handler filling `memory` on first touch
+    /// ([`MemoryBacking::Userfaultfd`]). Declared before `memory` so that it
+    /// is dropped (its thread stopped and joined) before the regions are
+    /// unmapped.
+    uffd: Option<crate::uffd::Handler>,
     /// The mapped regions, as rust-vmm's memory model sees them.
     pub memory: GuestMemoryMmap,
     /// The memfd behind every region; region `i` starts at the sum of the
-    /// lengths of regions `0..i` in the file.
+    /// lengths of regions `0..i` in the file. Restored from a snapshot, the
+    /// snapshot's memory file instead (see [`MemoryBacking`]), which guest
+    /// writes do not reach.
     pub file: File,
     /// Total RAM in bytes.
     pub size: u64,
+    /// Whether `file` is a snapshot's (restored RAM) rather than the memfd
+    /// that guest writes reach.
+    restored: bool,
 }
 
 impl GuestRam {
@@ -101,7 +148,7 @@ impl GuestRam {
         }
         let memory = GuestMemoryMmap::from_ranges_with_files(ranges)
             .map_err(|e| MemoryError::Mmap(e.to_string()))?;
-        Ok(GuestRam { memory, file, size })
+        Ok(GuestRam { uffd: None, memory, file, size, restored: false })
     }
 
     /// Registers every region with KVM, slot `i` for region `i`.
@@ -157,17 +204,102 @@ impl GuestRam {
             offset += len;
         }
         let memory = GuestMemoryMmap::from_regions(regions).map_err(|e| MemoryError::Mmap(e.to_string()))?;
-        Ok(GuestRam { memory, file, size })
+        Ok(GuestRam { uffd: None, memory, file, size, restored: true })
     }
 
-    /// Writes guest RAM to `path` (created or truncated): the memfd's data
-    /// ranges only (`SEEK_DATA`/`SEEK_HOLE`), so untouched memory stays a
-    /// hole in a sparse file. The VM must not run meanwhile. Returns the
-    /// bytes copied.
+    /// Guest RAM of `size` bytes from the memory file `path` (as
+    /// [`GuestRam::write_to`] wrote it), the way `backing` says:
+    /// [`GuestRam::from_file_private`] or [`GuestRam::from_file_uffd`]
+    /// (whose handler thread is named `uffd-<name>`).
+    ///
+    /// Errors: those of the function it dispatches to.
+    pub fn from_snapshot_file(name: &str, path: &std::path::Path, size: u64, backing: MemoryBacking) -> Result<Self, MemoryError> {
+        match backing {
+            MemoryBacking::Private => Self::from_file_private(path, size),
+            MemoryBacking::Userfaultfd => Self::from_file_uffd(name, path, size),
+        }
+    }
+
+    /// Restores guest RAM of `size` bytes lazily from the memory file `path`
+    /// (as [`GuestRam::write_to`] wrote it): the regions are anonymous
+    /// private memory (`MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE`)
+    /// registered with a userfaultfd, and the thread `uffd-<name>` fills each
+    /// page from the file when it is first touched (see [`crate::uffd`]).
+    /// Nothing is read up front. Dropping the `GuestRam` stops the thread.
+    ///
+    /// [`GuestRam::file`] is the memory file, opened read-only: it is not
+    /// guest RAM, which lives in anonymous memory (see
+    /// [`GuestRam::memory_usage`]).
+    ///
+    /// Errors: [`MemoryError::InvalidSize`] (also if the file's size is not
+    /// `size`), [`MemoryError::Memfd`] (opening the file),
+    /// [`MemoryError::Mmap`], [`MemoryError::Userfaultfd`] (e.g. not
+    /// permitted: run as root or allow `/dev/userfaultfd` /
+    /// `vm.unprivileged_userfaultfd=1`, or use [`MemoryBacking::Private`]).
+    pub fn from_file_uffd(name: &str, path: &std::path::Path, size: u64) -> Result<Self, MemoryError> {
+        use vm_memory::mmap::MmapRegionBuilder;
+        use vm_memory::GuestRegionMmap;
+        check_size(size)?;
+        let file = File::open(path).map_err(MemoryError::Memfd)?;
+        let len = file.metadata().map_err(MemoryError::Memfd)?.len();
+        if len != size {
+            return Err(MemoryError::InvalidSize(len));
+        }
+        let mut regions = Vec::new();
+        for (gpa, len) in ram_ranges(size) {
+            let region = MmapRegionBuilder::new(len as usize)
+                .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
+                .with_mmap_flags(libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE)
+                .build()
+                .map_err(|e| MemoryError::Mmap(e.to_string()))?;
+            regions.push(GuestRegionMmap::new(region, gpa).ok_or_else(|| MemoryError::Mmap("region overflows".into()))?);
+        }
+        let memory = GuestMemoryMmap::from_regions(regions).map_err(|e| MemoryError::Mmap(e.to_string()))?;
+        let mut offset = 0u64;
+        let mut uffd_regions = Vec::new();
+        for region in memory.iter() {
+            uffd_regions.push(crate::uffd::Region { host_addr: region.as_ptr() as usize, len: region.len() as usize, file_offset: offset });
+            offset += region.len();
+        }
+        let handler_file = file.try_clone().map_err(MemoryError::Memfd)?;
+        // SAFETY: the regions are the anonymous private mappings just made,
+        // owned by `memory` and untouched; the handler is dropped before
+        // `memory` (field order of `GuestRam`), so they stay mapped while it
+        // runs.
+        let handler = unsafe { crate::uffd::Handler::start(name, handler_file, &uffd_regions) }?;
+        Ok(GuestRam { uffd: Some(handler), memory, file, size, restored: true })
+    }
+
+    /// The userfaultfd handler filling this RAM ([`MemoryBacking::Userfaultfd`]
+    /// only): its [`crate::uffd::Handler::stats`] and
+    /// [`crate::uffd::Handler::error`].
+    pub fn uffd_handler(&self) -> Option<&crate::uffd::Handler> {
+        self.uffd.as_ref()
+    }
+
+    /// Host memory guest RAM takes in this process: the `Rss:`, `Pss:` and
+    /// `Private_Clean:` + `Private_Dirty:` lines of `/proc/self/smaps`
+    /// (`proc(5)`) for the mappings inside guest RAM's regions, summed. Works
+    /// for every backing (memfd, private file mapping, userfaultfd).
+    ///
+    /// Errors: reading `/proc/self/smaps`.
+    pub fn memory_usage(&self) -> std::io::Result<MemoryUsage> {
+        let ranges: Vec<(usize, usize)> = self.memory.iter().map(|r| (r.as_ptr() as usize, r.as_ptr() as usize + r.len() as usize)).collect();
+        Ok(smaps_usage(&std::fs::read_to_string("/proc/self/smaps")?, &ranges))
+    }
+
+    /// Writes guest RAM to `path` (created or truncated) as a sparse file
+    /// of `size` bytes: for memfd RAM, the memfd's data ranges only
+    /// (`SEEK_DATA`/`SEEK_HOLE`); for restored RAM, see
+    /// [`GuestRam::write_mapped_to`]. Untouched memory stays a hole. The
+    /// VM must not run meanwhile. Returns the bytes copied.
     ///
     /// Errors: [`MemoryError::Memfd`] for I/O errors.
     pub fn write_to(&self, path: &std::path::Path) -> Result<u64, MemoryError> {
         use std::os::unix::fs::FileExt;
+        if self.restored {
+            return self.write_mapped_to(path);
+        }
         let out = File::create(path).map_err(MemoryError::Memfd)?;
         out.set_len(self.size).map_err(MemoryError::Memfd)?;
         let fd = self.file.as_raw_fd();
@@ -197,6 +329,62 @@ impl GuestRam {
         Ok(copied)
     }
 
+    /// Writes restored guest RAM to `path`. Its contents live in three
+    /// places: pages the guest wrote (private copies), pages still read from
+    /// the snapshot file, and pages never touched (zero). So every page that
+    /// is in the snapshot file's data ranges, or present or swapped in this
+    /// process's page table (`/proc/self/pagemap`, kernel doc
+    /// `Documentation/admin-guide/mm/pagemap.rst`: bit 63 present, bit 62
+    /// swapped), is read through the guest mapping and written unless it
+    /// is all zeros. Under userfaultfd, reading a page not yet filled fills
+    /// it (from the file, or zeros for a removed range).
+    fn write_mapped_to(&self, path: &std::path::Path) -> Result<u64, MemoryError> {
+        use std::os::unix::fs::FileExt;
+        use vm_memory::Bytes;
+        const PAGE: u64 = 4096;
+        let out = File::create(path).map_err(MemoryError::Memfd)?;
+        out.set_len(self.size).map_err(MemoryError::Memfd)?;
+        let in_file = data_ranges(&self.file, self.size).map_err(MemoryError::Memfd)?;
+        let pagemap = File::open("/proc/self/pagemap").map_err(MemoryError::Memfd)?;
+        let mut next_range = 0usize;
+        let mut copied = 0u64;
+        let mut offset = 0u64; // Where the region starts in the file.
+        let mut page = vec![0u8; PAGE as usize];
+        let mut entries = vec![0u8; 8 * 4096];
+        for region in self.memory.iter() {
+            let host_page = region.as_ptr() as u64 / PAGE;
+            let pages = region.len() / PAGE;
+            let mut i = 0u64;
+            while i < pages {
+                let n = (pages - i).min(4096);
+                let bytes = &mut entries[..(n * 8) as usize];
+                pagemap.read_exact_at(bytes, (host_page + i) * 8).map_err(MemoryError::Memfd)?;
+                for j in 0..n {
+                    let e = u64::from_le_bytes(bytes[(j * 8) as usize..(j * 8 + 8) as usize].try_into().unwrap_or_default());
+                    let at = offset + (i + j) * PAGE;
+                    while next_range < in_file.len() && in_file[next_range].1 <= at {
+                        next_range += 1;
+                    }
+                    let from_file = in_file.get(next_range).is_some_and(|&(start, _)| start <= at);
+                    if e & (3 << 62) == 0 && !from_file {
+                        continue;
+                    }
+                    let gpa = region.start_addr().0 + (i + j) * PAGE;
+                    self.memory.read_slice(&mut page, GuestAddress(gpa)).map_err(|e| MemoryError::Mmap(e.to_string()))?;
+                    if page.iter().all(|&b| b == 0) {
+                        continue;
+                    }
+                    out.write_all_at(&page, at).map_err(MemoryError::Memfd)?;
+                    copied += PAGE;
+                }
+                i += n;
+            }
+            offset += region.len();
+        }
+        out.sync_data().map_err(MemoryError::Memfd)?;
+        Ok(copied)
+    }
+
     /// The raw fd of the backing memfd.
     pub fn fd(&self) -> i32 {
         self.file.as_raw_fd()
@@ -210,6 +398,64 @@ impl GuestRam {
         use std::os::unix::fs::MetadataExt;
         Ok(self.file.metadata()?.blocks() * 512)
     }
+}
+
+/// Sums the usage of the `smaps` mappings lying inside one of `ranges`
+/// (host addresses `[start, end)`).
+fn smaps_usage(smaps: &str, ranges: &[(usize, usize)]) -> MemoryUsage {
+    let mut usage = MemoryUsage::default();
+    let mut inside = false;
+    for line in smaps.lines() {
+        let mut words = line.split_whitespace();
+        let Some(first) = words.next() else { continue };
+        // A mapping's header: "start-end perms offset dev inode [path]", hex
+        // addresses without 0x.
+        if let Some((start, end)) = first.split_once('-') {
+            if let (Ok(start), Ok(end)) = (usize::from_str_radix(start, 16), usize::from_str_radix(end, 16)) {
+                inside = ranges.iter().any(|&(s, e)| start >= s && end <= e);
+                continue;
+            }
+        }
+        if !inside {
+            continue;
+        }
+        let bytes = words.next().and_then(|v| v.parse::<u64>().ok()).unwrap_or(0) * 1024; // kB
+        match first {
+            "Rss:" => usage.rss_bytes += bytes,
+            "Pss:" => usage.pss_bytes += bytes,
+            "Private_Clean:" | "Private_Dirty:" => usage.private_bytes += bytes,
+            _ => {}
+        }
+    }
+    usage
+}
+
+/// The data ranges of `file` below `size` (`SEEK_DATA`/`SEEK_HOLE`,
+/// `lseek(2)`), as sorted `(start, end)` byte offsets.
+fn data_ranges(file: &File, size: u64) -> std::io::Result<Vec<(u64, u64)>> {
+    let fd = file.as_raw_fd();
+    let mut out = Vec::new();
+    let mut pos = 0u64;
+    while pos < size {
+        // SAFETY: lseek on an fd `file` owns; no memory is passed.
+        let data = unsafe { libc::lseek(fd, pos as i64, libc::SEEK_DATA) };
+        if data < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::ENXIO) {
+                break; // Only a hole is left.
+            }
+            return Err(e);
+        }
+        // SAFETY: as above.
+        let hole = unsafe { libc::lseek(fd, data, libc::SEEK_HOLE) };
+        let end = if hole < 0 { size } else { (hole as u64).min(size) };
+        if data as u64 >= end {
+            break;
+        }
+        out.push((data as u64, end));
+        pos = end;
+    }
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -241,6 +487,237 @@ mod tests {
     }
 
     #[test]
+    fn memory_usage_grows_with_touched_pages() {
+        let ram = GuestRam::new("usage-test", 64 << 20).unwrap();
+        let before = ram.memory_usage().unwrap();
+        ram.memory.write_slice(&[7u8; 4 << 20], GuestAddress(8 << 20)).unwrap();
+        let after = ram.memory_usage().unwrap();
+        assert!(after.rss_bytes >= before.rss_bytes + (4 << 20), "{before:?} -> {after:?}");
+        assert!(after.pss_bytes >= before.pss_bytes + (4 << 20), "{before:?} -> {after:?}");
+        assert!(after.private_bytes >= before.private_bytes + (4 << 20), "{before:?} -> {after:?}");
+    }
+
+    #[test]
+    fn smaps_parsing() {
+        let smaps = "\
+7f0000000000-7f0000002000 rw-s 00000000 00:01 5 /memfd:tine-guest-ram-x (deleted)
+Size:                  8 kB
+Rss:                   8 kB
+Pss:                   4 kB
+Private_Clean:         0 kB
+Private_Dirty:         4 kB
+VmFlags: rd wr sh mr mw me ms sd
+7f0000002000-7f0000003000 rw-p 00000000 00:00 0
+Rss:                   4 kB
+Pss:                   4 kB
+Private_Clean:         4 kB
+7f0000003000-7f0000004000 rw-p 00000000 00:00 0
+Rss:                 100 kB
+";
+        let u = smaps_usage(smaps, &[(0x7f00_0000_0000, 0x7f00_0000_3000)]);
+        assert_eq!(u, MemoryUsage { rss_bytes: 12 << 10, pss_bytes: 8 << 10, private_bytes: 8 << 10 });
+    }
+
+    #[test]
+    fn memory_backing_serde_names() {
+        assert_eq!(serde_json::to_string(&MemoryBacking::Userfaultfd).unwrap(), "\"userfaultfd\"");
+        assert_eq!(serde_json::from_str::<MemoryBacking>("\"private\"").unwrap(), MemoryBacking::Private);
+        assert_eq!(MemoryBacking::default(), MemoryBacking::Private);
+    }
+
+    const SNAP_BYTES: u64 = 64 << 20;
+    const PAGE: u64 = 4096;
+
+    /// The test pattern of file page `page`: no zero byte.
+    fn pattern(page: u64) -> Vec<u8> {
+        (0..PAGE).map(|i| ((page * 7 + i) % 255) as u8 + 1).collect()
+    }
+
+    /// A sparse 64 MiB memory file with [`pattern`] in `pages`, an all-zero
+    /// data page at `zero_page`, holes elsewhere.
+    fn snapshot_file(pages: &[u64], zero_page: u64) -> tempfile::NamedTempFile {
+        use std::os::unix::fs::FileExt;
+        let f = tempfile::NamedTempFile::new().unwrap();
+        f.as_file().set_len(SNAP_BYTES).unwrap();
+        for &p in pages {
+            f.as_file().write_all_at(&pattern(p), p * PAGE).unwrap();
+        }
+        f.as_file().write_all_at(&[0u8; PAGE as usize], zero_page * PAGE).unwrap();
+        f.as_file().sync_all().unwrap();
+        f
+    }
+
+    /// Restores `file` through userfaultfd, or `None` after a loud SKIP if
+    /// this process may not use userfaultfd.
+    fn uffd_ram(name: &str, file: &tempfile::NamedTempFile) -> Option<GuestRam> {
+        match GuestRam::from_snapshot_file(name, file.path(), SNAP_BYTES, MemoryBacking::Userfaultfd) {
+            Ok(ram) => Some(ram),
+            Err(MemoryError::Userfaultfd(e @ crate::uffd::UffdError::Unavailable(_))) => {
+                eprintln!("SKIP: userfaultfd unavailable: {e}");
+                None
+            }
+            Err(e) => panic!("userfaultfd restore failed: {e}"),
+        }
+    }
+
+    fn read_page(ram: &GuestRam, page: u64) -> Vec<u8> {
+        let mut buf = vec![0u8; PAGE as usize];
+        ram.memory.read_slice(&mut buf, GuestAddress(page * PAGE)).unwrap();
+        buf
+    }
+
+    /// The handler's stats once `done` holds, or after 2 s: a fill is
+    /// counted just after the ioctl that woke the faulting thread returns.
+    fn settled_stats(ram: &GuestRam, done: impl Fn(crate::uffd::UffdStats) -> bool) -> crate::uffd::UffdStats {
+        let handler = ram.uffd_handler().unwrap();
+        for _ in 0..400 {
+            if done(handler.stats()) {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        handler.stats()
+    }
+
+    /// Names of this process's threads (`/proc/self/task/*/comm`).
+    fn thread_names() -> Vec<String> {
+        std::fs::read_dir("/proc/self/task")
+            .unwrap()
+            .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+            .map(|c| c.trim_end().to_string())
+            .collect()
+    }
+
+    #[test]
+    fn uffd_restore_fills_pages_lazily() {
+        let pages = [0, 1, 100, 5000, 12000, 16383];
+        let (zero_page, hole, written, dontneed) = (200, 7000, 5000, 1);
+        let file = snapshot_file(&pages, zero_page);
+        let Some(ram) = uffd_ram("lazy", &file) else { return };
+        // The thread names itself once it runs.
+        let named = (0..200).any(|_| {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+            thread_names().iter().any(|n| n == "uffd-lazy")
+        });
+        assert!(named, "no uffd-lazy thread: {:?}", thread_names());
+        assert_eq!(ram.uffd_handler().unwrap().stats(), crate::uffd::UffdStats::default());
+
+        // Patterned pages come from the file; `written` is first touched by
+        // a write below.
+        for &p in pages.iter().filter(|&&p| p != written) {
+            assert_eq!(read_page(&ram, p), pattern(p), "page {p}");
+        }
+        let stats = settled_stats(&ram, |s| s.pages_copied >= pages.len() as u64 - 1);
+        assert!(stats.pages_copied >= pages.len() as u64 - 1, "{stats:?}");
+        // Holes and all-zero data pages read as zeros, as zero pages.
+        assert_eq!(read_page(&ram, hole), vec![0u8; PAGE as usize]);
+        assert_eq!(read_page(&ram, zero_page), vec![0u8; PAGE as usize]);
+        let stats = settled_stats(&ram, |s| s.pages_zeroed >= 2);
+        assert!(stats.pages_zeroed >= 2, "{stats:?}");
+
+        // A write as first touch lands on top of the file's contents.
+        ram.memory.write_obj(0x1122_3344_5566_7788u64, GuestAddress(written * PAGE + 16)).unwrap();
+        let mut want = pattern(written);
+        want[16..24].copy_from_slice(&0x1122_3344_5566_7788u64.to_le_bytes());
+        assert_eq!(read_page(&ram, written), want);
+        // A write to a zero page copies it.
+        ram.memory.write_obj(0xabu8, GuestAddress(hole * PAGE + 5)).unwrap();
+        assert_eq!(ram.memory.read_obj::<u8>(GuestAddress(hole * PAGE + 5)).unwrap(), 0xab);
+
+        // The guest gives a page back (balloon, DONTNEED): it reads as zeros
+        // afterwards, not as the snapshot's page.
+        let host = ram.memory.get_host_address(GuestAddress(dontneed * PAGE)).unwrap();
+        // SAFETY: one page of guest RAM that no Rust reference points into.
+        assert_eq!(unsafe { libc::madvise(host.cast(), PAGE as usize, libc::MADV_DONTNEED) }, 0);
+        assert_eq!(read_page(&ram, dontneed), vec![0u8; PAGE as usize]);
+
+        // Every page not changed above reads the same as a private mapping of
+        // the same file.
+        let private = GuestRam::from_snapshot_file("lazy-private", file.path(), SNAP_BYTES, MemoryBacking::Private).unwrap();
+        let (mut a, mut b) = (vec![0u8; 1 << 20], vec![0u8; 1 << 20]);
+        for mib in 0..(SNAP_BYTES >> 20) {
+            ram.memory.read_slice(&mut a, GuestAddress(mib << 20)).unwrap();
+            private.memory.read_slice(&mut b, GuestAddress(mib << 20)).unwrap();
+            for p in 0..(1 << 20) / PAGE as usize {
+                let page = (mib << 20) / PAGE + p as u64;
+                if [written, hole, dontneed].contains(&page) {
+                    continue;
+                }
+                let r = p * PAGE as usize..(p + 1) * PAGE as usize;
+                assert!(a[r.clone()] == b[r], "page {page} differs between the backings");
+            }
+        }
+        let stats = settled_stats(&ram, |s| s.pages_copied + s.pages_zeroed == SNAP_BYTES / PAGE + 1);
+        assert_eq!(stats.pages_copied + stats.pages_zeroed, SNAP_BYTES / PAGE + 1, "{stats:?}"); // + the page filled again after DONTNEED
+        assert!(ram.uffd_handler().unwrap().error().is_none());
+        let usage = ram.memory_usage().unwrap();
+        assert!(usage.rss_bytes >= pages.len() as u64 * PAGE && usage.private_bytes >= pages.len() as u64 * PAGE, "{usage:?}");
+        println!("uffd stats {stats:?}, usage {usage:?}");
+
+        drop(ram);
+        assert!(!thread_names().iter().any(|n| n == "uffd-lazy"), "the handler thread outlived its GuestRam: {:?}", thread_names());
+    }
+
+    #[test]
+    fn uffd_concurrent_faults_on_the_same_pages() {
+        // 2048 patterned pages (8 MiB) and as many holes, read by 4 threads
+        // at once: the same page faults in several threads, and all but the
+        // first UFFDIO_COPY/ZEROPAGE meet EEXIST.
+        let pages: Vec<u64> = (0..2048).map(|i| 1024 + 2 * i).collect();
+        let file = snapshot_file(&pages, 0);
+        let Some(ram) = uffd_ram("race", &file) else { return };
+        let barrier = std::sync::Barrier::new(4);
+        std::thread::scope(|s| {
+            for t in 0..4u64 {
+                let (ram, pages, barrier) = (&ram, &pages, &barrier);
+                s.spawn(move || {
+                    barrier.wait();
+                    // Half the threads go up, half down, so they meet.
+                    let order: Vec<u64> = if t % 2 == 0 { pages.clone() } else { pages.iter().rev().copied().collect() };
+                    for &p in &order {
+                        assert_eq!(read_page(ram, p), pattern(p), "thread {t}, page {p}");
+                        assert_eq!(read_page(ram, p + 1), vec![0u8; PAGE as usize], "thread {t}, page {}", p + 1);
+                    }
+                });
+            }
+        });
+        let want = crate::uffd::UffdStats { pages_copied: pages.len() as u64, pages_zeroed: pages.len() as u64 };
+        let stats = settled_stats(&ram, |s| s == want);
+        // Each page is filled once, however many threads faulted on it.
+        assert_eq!(stats, want);
+        drop(ram);
+        assert!(!thread_names().iter().any(|n| n == "uffd-race"));
+    }
+
+    #[test]
+    fn uffd_serves_faults_taken_inside_the_kernel() {
+        // KVM and device I/O (read(2)/write(2) on guest memory) touch guest
+        // RAM from the kernel: those faults must be served too (the
+        // userfaultfd is not UFFD_USER_MODE_ONLY), not fail with EFAULT.
+        use std::io::{Read, Seek};
+        let file = snapshot_file(&[10, 11], 0);
+        let Some(ram) = uffd_ram("kernel", &file) else { return };
+        let mut out = tempfile::tempfile().unwrap();
+        // write(2) from untouched guest pages: the kernel reads them.
+        ram.memory.write_all_volatile_to(GuestAddress(10 * PAGE), &mut out, 2 * PAGE as usize).unwrap();
+        // read(2) into an untouched guest page: the kernel writes it.
+        out.rewind().unwrap();
+        ram.memory.read_exact_volatile_from(GuestAddress(300 * PAGE), &mut out, PAGE as usize).unwrap();
+        let mut back = Vec::new();
+        out.rewind().unwrap();
+        out.read_to_end(&mut back).unwrap();
+        assert_eq!(back, [pattern(10), pattern(11)].concat());
+        assert_eq!(read_page(&ram, 300), pattern(10));
+    }
+
+    #[test]
+    fn uffd_restore_checks_the_file_size() {
+        let file = snapshot_file(&[], 0);
+        let r = GuestRam::from_snapshot_file("size", file.path(), SNAP_BYTES * 2, MemoryBacking::Userfaultfd);
+        assert!(matches!(r, Err(MemoryError::InvalidSize(n)) if n == SNAP_BYTES));
+    }
+
+    #[test]
     fn memory_is_backed_by_the_memfd() {
         use std::os::unix::fs::FileExt;
         let ram = GuestRam::new("t", 64 << 20).unwrap();
@@ -248,5 +725,41 @@ mod tests {
         let mut buf = [0u8; 4];
         ram.file.read_exact_at(&mut buf, 0x1234).unwrap();
         assert_eq!(u32::from_le_bytes(buf), 0xdead_beef);
+    }
+
+    /// A snapshot of restored RAM holds the guest's writes on top of the
+    /// file it was restored from, and keeps untouched memory a hole.
+    #[test]
+    fn restored_ram_writes_out_what_the_guest_sees() {
+        use std::os::unix::fs::MetadataExt;
+        let pages = [0, 1, 100, 5000];
+        let file = snapshot_file(&pages, 200);
+        for backing in [MemoryBacking::Private, MemoryBacking::Userfaultfd] {
+            let ram = match GuestRam::from_snapshot_file("wt", file.path(), SNAP_BYTES, backing) {
+                Ok(r) => r,
+                Err(MemoryError::Userfaultfd(e)) => {
+                    eprintln!("SKIP: userfaultfd unavailable: {e}");
+                    continue;
+                }
+                Err(e) => panic!("{e}"),
+            };
+            // Overwrite a file page, write a hole page, read another hole.
+            ram.memory.write_slice(&[0xabu8; 16], GuestAddress(100 * PAGE + 8)).unwrap();
+            ram.memory.write_slice(&[0xcdu8; 4], GuestAddress(9000 * PAGE)).unwrap();
+            assert!(read_page(&ram, 7000).iter().all(|&b| b == 0));
+            let out = tempfile::NamedTempFile::new().unwrap();
+            let copied = ram.write_to(out.path()).unwrap();
+            // Pages 0, 1, 100, 5000 and 9000; the all-zero data page 200 and
+            // the read hole stay holes.
+            assert_eq!(copied, 5 * PAGE, "{backing:?}");
+            let back = GuestRam::from_file_private(out.path(), SNAP_BYTES).unwrap();
+            let mut want = pattern(100);
+            want[8..24].fill(0xab);
+            assert_eq!(read_page(&back, 100), want, "{backing:?}");
+            assert_eq!(read_page(&back, 5000), pattern(5000));
+            assert_eq!(&read_page(&back, 9000)[..5], &[0xcd, 0xcd, 0xcd, 0xcd, 0]);
+            assert!(read_page(&back, 7000).iter().all(|&b| b == 0));
+            assert!(std::fs::metadata(out.path()).unwrap().blocks() * 512 <= 5 * PAGE + 4 * PAGE, "sparse");
+        }
     }
 }

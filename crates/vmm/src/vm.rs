@@ -20,7 +20,8 @@ use crate::devices::virtio::{Interrupt, VirtioDevice, VirtioError};
 use crate::devices::{self, Console, ConsoleTail, LegacyDevices};
 use crate::event_loop::{EventLoop, EventLoopError};
 use crate::host::HostProfile;
-use crate::memory::{GuestRam, MemoryError, MMIO_GAP_START};
+use crate::memory::{GuestRam, MemoryBacking, MemoryError, MMIO_GAP_START};
+use crate::snapshot::{file_crc32, CpuidLeaf, Snapshot, SnapshotError, MEMORY_FILE};
 use crate::vcpu::{install_kick_handler, kick_signal, GuestFault, GuestStop, PauseState, Vcpu, VcpuShared, VcpuWork};
 use crate::vcpu_state::{VcpuState, VcpuStateError};
 use crate::x86_64::boot::{load_kernel, BootError};
@@ -188,6 +189,9 @@ pub enum VmError {
     /// Saving or restoring the VM-wide state failed.
     #[error(transparent)]
     VmState(#[from] crate::vm_state::VmStateError),
+    /// A snapshot could not be written, read, or does not fit this host.
+    #[error(transparent)]
+    Snapshot(#[from] SnapshotError),
     /// A device's saved state does not fit it.
     #[error(transparent)]
     Restore(#[from] crate::devices::virtio::mmio::RestoreError),
@@ -249,11 +253,11 @@ impl Vm {
     ///
     /// Errors: as [`Vm::start`], plus [`VmError::Config`] for a snapshot
     /// that does not fit the configuration and [`VmError::Restore`].
-    pub fn restore(config: &VmConfig, snapshot: &Snapshot) -> Result<RunningVm, VmError> {
-        Self::launch(config, Some(snapshot))
+    pub fn restore(config: &VmConfig, snapshot: &Snapshot, backing: MemoryBacking) -> Result<RunningVm, VmError> {
+        Self::launch(config, Some((snapshot, backing)))
     }
 
-    fn launch(config: &VmConfig, snap: Option<&Snapshot>) -> Result<RunningVm, VmError> {
+    fn launch(config: &VmConfig, snap: Option<(&Snapshot, MemoryBacking)>) -> Result<RunningVm, VmError> {
         if config.vcpus == 0 || config.vcpus > MAX_VCPUS {
             return Err(VmError::Config(format!("vcpus must be 1..={MAX_VCPUS}, got {}", config.vcpus)));
         }
@@ -269,7 +273,7 @@ impl Vm {
         let mem_bytes = config.mem_mib.checked_mul(1 << 20).ok_or_else(|| VmError::Config("mem_mib overflows".into()))?;
         let ram = match snap {
             None => GuestRam::new(&config.name, mem_bytes)?,
-            Some(sn) => {
+            Some((sn, backing)) => {
                 if sn.mem_bytes != mem_bytes || sn.vcpus.len() != usize::from(config.vcpus) {
                     return Err(VmError::Config(format!(
                         "the snapshot has {} vCPUs and {} MiB; the configuration asks for {} and {} MiB",
@@ -279,7 +283,7 @@ impl Vm {
                         config.mem_mib
                     )));
                 }
-                GuestRam::from_file_private(&sn.memory_file, mem_bytes)?
+                GuestRam::from_snapshot_file(&config.name, &sn.memory_file, mem_bytes, backing)?
             }
         };
         ram.register(&vm)?;
@@ -308,7 +312,7 @@ impl Vm {
             let interrupt = Arc::new(Interrupt::new(irqfd));
             let transport = match snap {
                 None => MmioTransport::new(dev, ram.memory.clone(), interrupt)?,
-                Some(sn) => {
+                Some((sn, _)) => {
                     let state = sn.transports.get(i).ok_or_else(|| {
                         VmError::Config(format!("the snapshot has {} virtio devices, fewer than configured", sn.transports.len()))
                     })?;
@@ -328,7 +332,7 @@ impl Vm {
                 mptable::write(&ram.memory, config.vcpus)?;
                 Some(kernel.entry)
             }
-            Some(sn) => {
+            Some((sn, _)) => {
                 if sn.transports.len() != mmio.len() {
                     return Err(VmError::Config(format!(
                         "the snapshot has {} virtio devices, the configuration {}",
@@ -362,14 +366,19 @@ impl Vm {
 
         let supported = kvm.get_supported_cpuid(KVM_MAX_CPUID_ENTRIES).map_err(setup("KVM_GET_SUPPORTED_CPUID"))?;
         let mut vcpus = Vec::with_capacity(config.vcpus as usize);
+        let mut cpuids = Vec::with_capacity(config.vcpus as usize);
         for index in 0..config.vcpus {
             let fd = vm.create_vcpu(u64::from(index)).map_err(setup("KVM_CREATE_VCPU"))?;
             let mut cpuid = supported.clone();
             filter_cpuid(cpuid.as_mut_slice(), VcpuTopology { index, count: config.vcpus }, config.profile);
+            if let Some((sn, _)) = snap {
+                sn.check_cpuid(usize::from(index), cpuid.as_slice())?;
+            }
             fd.set_cpuid2(&cpuid).map_err(setup("KVM_SET_CPUID2"))?;
+            cpuids.push(cpuid.as_slice().iter().map(CpuidLeaf::from).collect());
             let regs_err = |source| VmError::Regs { vcpu: index, source };
             match (snap, entry) {
-                (Some(sn), _) => crate::vcpu_state::restore(&fd, &sn.vcpus[usize::from(index)])?,
+                (Some((sn, _)), _) => crate::vcpu_state::restore(&fd, &sn.vcpus[usize::from(index)])?,
                 (None, entry) => {
                     regs::setup_msrs(&fd).map_err(regs_err)?;
                     regs::setup_fpu(&fd).map_err(regs_err)?;
@@ -391,7 +400,7 @@ impl Vm {
             match std::thread::Builder::new().name(name).spawn(move || vcpu.run()) {
                 Ok(t) => threads.push(t),
                 Err(e) => {
-                    let mut running = RunningVm { vm, _ram: ram, shared, threads, console_tail, started, _event_loop: event_loop };
+                    let mut running = RunningVm { vm, _ram: ram, shared, threads, console_tail, started, cpuid: cpuids, _event_loop: event_loop };
                     let _ = running.stop();
                     return Err(VmError::Thread(e));
                 }
@@ -399,23 +408,8 @@ impl Vm {
         }
         tracing::info!(name = %config.name, vcpus = config.vcpus, mem_mib = config.mem_mib, profile = %config.profile,
             "VM started in {:?}", started.elapsed());
-        Ok(RunningVm { vm, _ram: ram, shared, threads, console_tail, started, _event_loop: event_loop })
+        Ok(RunningVm { vm, _ram: ram, shared, threads, console_tail, started, cpuid: cpuids, _event_loop: event_loop })
     }
-}
-
-/// A VM's saved state: what [`Vm::restore`] starts from. Guest RAM lives
-/// in `memory_file` (a sparse file of `mem_bytes` bytes); the rest is here.
-pub struct Snapshot {
-    /// Each vCPU's state, by index.
-    pub vcpus: Vec<Arc<VcpuState>>,
-    /// Interrupt controllers, PIT, clock.
-    pub vm: crate::vm_state::VmState,
-    /// Each virtio-mmio transport's state, in device order.
-    pub transports: Vec<crate::devices::virtio::mmio::TransportState>,
-    /// Guest RAM size (bytes).
-    pub mem_bytes: u64,
-    /// The file holding guest RAM.
-    pub memory_file: PathBuf,
 }
 
 /// Waits for a VM's end from any thread (see [`RunningVm::exit_watcher`]).
@@ -443,6 +437,8 @@ pub struct RunningVm {
     threads: Vec<JoinHandle<()>>,
     console_tail: ConsoleTail,
     started: Instant,
+    /// The CPUID each vCPU was given (kept for snapshots).
+    cpuid: Vec<Vec<CpuidLeaf>>,
     // Declared after the vCPU threads' owner: dropped once they are joined
     // (RunningVm's Drop joins them first).
     _event_loop: EventLoop,
@@ -501,11 +497,22 @@ impl RunningVm {
         total
     }
 
-    /// Host memory (bytes) that backs guest RAM right now: the pages of the
-    /// memfd the guest has touched (`st_blocks` of `fstat(2)`, 512-byte
-    /// units), not the configured size.
+    /// Host memory (bytes) that backs guest RAM right now: the resident
+    /// pages of its mappings (`Rss` in `/proc/self/smaps`), not the
+    /// configured size. For a VM restored copy-on-write this counts the
+    /// template's page-cache pages it shares with others; see
+    /// [`RunningVm::memory_usage`] for the proportional and private shares.
     pub fn resident_memory_bytes(&self) -> u64 {
-        self._ram.allocated_bytes().unwrap_or(0)
+        self.memory_usage().map(|u| u.rss_bytes).unwrap_or(0)
+    }
+
+    /// Resident, proportional (PSS) and private bytes of guest RAM's
+    /// mappings, from `/proc/self/smaps` (kernel doc
+    /// `Documentation/filesystems/proc.rst`).
+    ///
+    /// Errors: reading `/proc/self/smaps`.
+    pub fn memory_usage(&self) -> std::io::Result<crate::memory::MemoryUsage> {
+        self._ram.memory_usage()
     }
 
     /// Pauses the guest: every vCPU leaves `KVM_RUN` and parks until
@@ -621,23 +628,31 @@ impl RunningVm {
         Ok(crate::vm_state::restore(&self.vm, state)?)
     }
 
-    /// Takes a snapshot of the paused VM, writing guest RAM to
-    /// `memory_file`. Every virtio transport is locked for the whole
-    /// snapshot, so no device touches guest memory or its virtqueues
-    /// meanwhile. The VM stays paused; resume or stop it afterwards.
+    /// Takes a snapshot of the paused VM into the directory `dir` (which
+    /// must exist): guest RAM to `dir/memory`, then the state file (see
+    /// [`crate::snapshot`] for the format). Every virtio transport is locked
+    /// for the whole snapshot, so no device touches guest memory or its
+    /// virtqueues meanwhile. The VM stays paused; resume or stop it
+    /// afterwards.
     ///
     /// Errors: [`VmError::NotPaused`], [`VmError::VcpuState`],
-    /// [`VmError::VmState`], [`VmError::Memory`].
-    pub fn snapshot(&self, memory_file: &std::path::Path) -> Result<Snapshot, VmError> {
+    /// [`VmError::VmState`], [`VmError::Memory`], [`VmError::Snapshot`].
+    pub fn snapshot(&self, dir: &std::path::Path) -> Result<Snapshot, VmError> {
         self.require_paused()?;
         let guards: Vec<_> =
             self.shared.mmio.iter().map(|(_, _, t)| t.lock().unwrap_or_else(|e| e.into_inner())).collect();
         let transports = guards.iter().map(|t| t.save_state()).collect();
         let vcpus = self.save_vcpu_states()?.into_iter().map(Arc::new).collect();
         let vm = crate::vm_state::save(&self.vm)?;
-        self._ram.write_to(memory_file)?;
+        let memory_file = dir.join(MEMORY_FILE);
+        self._ram.write_to(&memory_file)?;
         drop(guards);
-        Ok(Snapshot { vcpus, vm, transports, mem_bytes: self._ram.size, memory_file: memory_file.to_path_buf() })
+        let io = |source| SnapshotError::Io { path: memory_file.clone(), source };
+        let memory_crc32 = file_crc32(&std::fs::File::open(&memory_file).map_err(io)?, self._ram.size).map_err(io)?;
+        let snapshot =
+            Snapshot { vcpus, vm, transports, cpuid: self.cpuid.clone(), mem_bytes: self._ram.size, memory_crc32, memory_file };
+        snapshot.write_state(dir)?;
+        Ok(snapshot)
     }
 
     /// Lets paused vCPUs run again (nothing happens if none is paused).

@@ -1,11 +1,13 @@
 //! Snapshot a running Debian guest (agent, Python state, a file in its
-//! overlay) and restore it as a second VM from the memory file mapped
-//! copy-on-write: the clone has the state, and the two diverge.
+//! overlay) to disk, load it back as another process would, and restore it
+//! as a second VM from the memory file mapped copy-on-write and as a third
+//! through userfaultfd: the clones have the state, and they diverge. A
+//! snapshot of a restored clone keeps the clone's own writes.
 
 use std::time::{Duration, Instant};
 
 use tine_agent_client::{AgentClient, AGENT_PORT};
-use vmm::Vm;
+use vmm::{MemoryBacking, Snapshot, Vm};
 
 fn config(name: &str, uds: &std::path::Path) -> vmm::VmConfig {
     testkit::agent_vm_config(name, uds)
@@ -36,7 +38,7 @@ fn a_restored_clone_has_the_state_and_diverges() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let (uds_a, uds_b) = (dir.path().join("a.vsock"), dir.path().join("b.vsock"));
+    let uds_a = dir.path().join("a.vsock");
     let vm_a = Vm::start(&config("snap-a", &uds_a)).expect("VM A starts");
     let console_a = vm_a.console().clone();
     assert!(console_a.wait_for("listening on vsock port 1024", Duration::from_secs(600)), "agent never started");
@@ -50,40 +52,68 @@ fn a_restored_clone_has_the_state_and_diverges() {
     });
 
     vm_a.pause(Duration::from_secs(5)).expect("pause");
+    let snap_dir = dir.path().join("snap");
+    std::fs::create_dir(&snap_dir).unwrap();
     let t = Instant::now();
-    let snapshot = vm_a.snapshot(&dir.path().join("memory")).expect("snapshot");
+    vm_a.snapshot(&snap_dir).expect("snapshot");
     let took = t.elapsed();
     vm_a.resume();
-    let on_disk = std::fs::metadata(dir.path().join("memory")).unwrap();
+    let on_disk = std::fs::metadata(snap_dir.join("memory")).unwrap();
     use std::os::unix::fs::MetadataExt;
     eprintln!(
         "snapshot in {took:?}: memory file {} MiB long, {} MiB allocated",
         on_disk.len() >> 20,
         (on_disk.blocks() * 512) >> 20
     );
-
     let t = Instant::now();
-    let vm_b = Vm::restore(&config("snap-b", &uds_b), &snapshot).expect("VM B restores");
-    let console_b = vm_b.console().clone();
-    testkit::with_console_on_panic(&console_b, || {
-        rt.block_on(async {
-            let agent_b = connect(&uds_b).await;
-            let marker = sh(&agent_b, "cat /tmp/marker").await;
-            eprintln!("restore to first answer: {:?}", t.elapsed());
-            assert_eq!(marker, "before-snapshot\n");
-            let r = agent_b.python("x", 0).await.unwrap();
-            assert_eq!(r.value.as_deref(), Some("1234"), "{r:?}");
+    let snapshot = Snapshot::load(&snap_dir).expect("the snapshot loads");
+    eprintln!("snapshot loaded and checked in {:?}", t.elapsed());
 
-            // They diverge: a write in the clone is not in the source.
-            assert_eq!(sh(&agent_b, "echo clone > /tmp/marker; cat /tmp/marker").await, "clone\n");
-            let agent_a = connect(&uds_a).await;
-            assert_eq!(sh(&agent_a, "cat /tmp/marker").await, "before-snapshot\n");
-            let r = agent_a.python("x += 1\nx", 0).await.unwrap();
-            assert_eq!(r.value.as_deref(), Some("1235"));
-            let r = agent_b.python("x", 0).await.unwrap();
-            assert_eq!(r.value.as_deref(), Some("1234"));
-        })
-    });
-    drop(vm_b);
+    for (name, backing) in [("snap-b", MemoryBacking::Private), ("snap-c", MemoryBacking::Userfaultfd)] {
+        let uds = dir.path().join(format!("{name}.vsock"));
+        let t = Instant::now();
+        let vm = Vm::restore(&config(name, &uds), &snapshot, backing).expect("the clone restores");
+        eprintln!("{backing:?}: VM restored in {:?}", t.elapsed());
+        let console = vm.console().clone();
+        testkit::with_console_on_panic(&console, || {
+            rt.block_on(async {
+                let agent = connect(&uds).await;
+                let marker = sh(&agent, "cat /tmp/marker").await;
+                eprintln!("{backing:?}: restore to first answer: {:?}", t.elapsed());
+                assert_eq!(marker, "before-snapshot\n");
+                let r = agent.python("x", 0).await.unwrap();
+                assert_eq!(r.value.as_deref(), Some("1234"), "{r:?}");
+
+                // They diverge: a write in the clone is not in the source.
+                assert_eq!(sh(&agent, &format!("echo {name} > /tmp/marker; cat /tmp/marker")).await, format!("{name}\n"));
+                let agent_a = connect(&uds_a).await;
+                assert_eq!(sh(&agent_a, "cat /tmp/marker").await, "before-snapshot\n");
+                let r = agent_a.python("x += 1\nx", 0).await.unwrap();
+                assert!(r.value.as_deref().is_some_and(|v| v.parse::<u32>().unwrap() > 1234), "{r:?}");
+                let r = agent.python("x", 0).await.unwrap();
+                assert_eq!(r.value.as_deref(), Some("1234"));
+            })
+        });
+        let usage = vm.memory_usage();
+        eprintln!("{backing:?}: clone's guest RAM usage {usage:?}");
+
+        // A snapshot of the clone holds the clone's writes, not only the
+        // pages of the file it was restored from.
+        vm.pause(Duration::from_secs(5)).expect("pause the clone");
+        let again = dir.path().join(format!("{name}-snap"));
+        std::fs::create_dir(&again).unwrap();
+        vm.snapshot(&again).expect("snapshot of the clone");
+        drop(vm);
+        let snap2 = Snapshot::load(&again).expect("the clone's snapshot loads");
+        let uds2 = dir.path().join(format!("{name}-2.vsock"));
+        let vm2 = Vm::restore(&config(&format!("{name}-2"), &uds2), &snap2, backing).expect("restore of the clone's snapshot");
+        let console2 = vm2.console().clone();
+        testkit::with_console_on_panic(&console2, || {
+            rt.block_on(async {
+                let agent = connect(&uds2).await;
+                assert_eq!(sh(&agent, "cat /tmp/marker").await, format!("{name}\n"));
+            })
+        });
+    }
     drop(vm_a);
 }

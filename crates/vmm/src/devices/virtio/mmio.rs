@@ -69,7 +69,7 @@ pub mod status {
 /// The persisted state of a transport and its device's queues: what a
 /// snapshot keeps so the device can go on where it was (virtqueue indices
 /// included). Host-side resources (files, sockets) are the device's own.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct TransportState {
     /// Device status register.
     pub status: u32,
@@ -89,7 +89,64 @@ pub struct TransportState {
     pub activated: bool,
     /// Every queue: the live state of a running device, else the driver's
     /// configuration so far.
+    #[serde(with = "saved_queues")]
     pub queues: Vec<QueueState>,
+}
+
+/// Serde for virtio-queue's `QueueState` (which has no serde support):
+/// the same fields, by name.
+mod saved_queues {
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+    use virtio_queue::QueueState;
+
+    #[derive(Serialize, Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Saved {
+        max_size: u16,
+        next_avail: u16,
+        next_used: u16,
+        event_idx_enabled: bool,
+        size: u16,
+        ready: bool,
+        desc_table: u64,
+        avail_ring: u64,
+        used_ring: u64,
+    }
+
+    pub fn serialize<S: Serializer>(queues: &[QueueState], s: S) -> Result<S::Ok, S::Error> {
+        let saved: Vec<Saved> = queues
+            .iter()
+            .map(|q| Saved {
+                max_size: q.max_size,
+                next_avail: q.next_avail,
+                next_used: q.next_used,
+                event_idx_enabled: q.event_idx_enabled,
+                size: q.size,
+                ready: q.ready,
+                desc_table: q.desc_table,
+                avail_ring: q.avail_ring,
+                used_ring: q.used_ring,
+            })
+            .collect();
+        saved.serialize(s)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<QueueState>, D::Error> {
+        Ok(Vec::<Saved>::deserialize(d)?
+            .into_iter()
+            .map(|q| QueueState {
+                max_size: q.max_size,
+                next_avail: q.next_avail,
+                next_used: q.next_used,
+                event_idx_enabled: q.event_idx_enabled,
+                size: q.size,
+                ready: q.ready,
+                desc_table: q.desc_table,
+                avail_ring: q.avail_ring,
+                used_ring: q.used_ring,
+            })
+            .collect())
+    }
 }
 
 /// Errors of restoring a transport.

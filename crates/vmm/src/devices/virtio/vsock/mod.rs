@@ -150,7 +150,13 @@ impl Vsock {
         let Some((seen, since)) = self.reset_ack else { return };
         let Some(Running { mem, queues, .. }) = self.running.as_ref() else { return };
         let now = queues[EVQ].avail_idx(mem, std::sync::atomic::Ordering::Acquire).ok();
-        if now.is_some_and(|n| n != seen) || since.elapsed() >= RESET_ACK_TIMEOUT {
+        let acked = now.is_some_and(|n| n != seen);
+        if acked || since.elapsed() >= RESET_ACK_TIMEOUT {
+            if acked {
+                tracing::debug!("virtio-vsock: the guest handled the transport reset after {:?}", since.elapsed());
+            } else {
+                tracing::warn!("virtio-vsock: the guest did not acknowledge the transport reset in {RESET_ACK_TIMEOUT:?}; releasing host connections");
+            }
             self.reset_ack = None;
             self.muxer.release_host_connections();
         }
