@@ -21,6 +21,8 @@ async fn a_paused_guest_stops_and_goes_on_after_resume() {
         kernel: testkit::kernel(),
         rootfs: testkit::rootfs(),
         run_dir: dir.path().join("sandboxes"),
+        templates_dir: dir.path().join("templates"),
+        memory_backing: vmm::MemoryBacking::Private,
         profile: vmm::HostProfile::detect(),
         limits: Limits { boot_timeout_secs: 900, ..Limits::default() },
     })

@@ -51,6 +51,27 @@ pub struct FileConfig {
     pub session_timeout_secs: Option<u64>,
     /// Sandbox limits.
     pub limits: Limits,
+    /// Templates.
+    pub templates: TemplatesConfig,
+}
+
+/// `[templates]`.
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(default, deny_unknown_fields)]
+pub struct TemplatesConfig {
+    /// Build the default template at start when it is missing or stale
+    /// (a cold boot in the background; creates meanwhile wait for it).
+    pub build_default: bool,
+    /// How a restored sandbox's memory comes from its template's file:
+    /// `"private"` (mapped copy-on-write, pages shared through the page
+    /// cache) or `"userfaultfd"` (copied in on first touch).
+    pub memory_backing: vmm::MemoryBacking,
+}
+
+impl Default for TemplatesConfig {
+    fn default() -> Self {
+        TemplatesConfig { build_default: true, memory_backing: vmm::MemoryBacking::Private }
+    }
 }
 
 /// Errors of configuration.
@@ -198,6 +219,7 @@ mod tests {
     fn the_shipped_configuration_parses_and_states_the_defaults() {
         let c: FileConfig = toml::from_str(include_str!("../../../deploy/tine.toml")).unwrap();
         assert_eq!(c.limits, Limits::default(), "deploy/tine.toml shows the defaults");
+        assert_eq!(c.templates, TemplatesConfig::default(), "deploy/tine.toml shows the template defaults");
         assert_eq!(c.listen, Some(DEFAULT_LISTEN.parse().unwrap()));
     }
 

@@ -2,6 +2,7 @@
 //!
 //! - `tine server start`: the MCP server (see [`server`]).
 //! - `tine server keygen`: make a bearer token.
+//! - `tine template build|list`: the default template, offline.
 //! - `tine doctor`: check the host and say how to fix what is missing.
 //! - `tine vm run`: boot one microVM with a given kernel and stream its
 //!   serial console to stdout (a developer command).
@@ -32,9 +33,21 @@ enum Command {
     Server(ServerCommand),
     /// Check this host for what Tine needs, and say how to fix what is missing.
     Doctor(ImageArgs),
+    /// Templates: snapshots of a ready sandbox that sandboxes start from.
+    #[command(subcommand)]
+    Template(TemplateCommand),
     /// Work with single VMs directly.
     #[command(subcommand)]
     Vm(VmCommand),
+}
+
+#[derive(Subcommand)]
+enum TemplateCommand {
+    /// (Re)build the default template: boot a sandbox, wait for its agent,
+    /// snapshot it. The server must not be running on the same data directory.
+    Build(ImageArgs),
+    /// List the templates in the data directory.
+    List(ImageArgs),
 }
 
 #[derive(Subcommand)]
@@ -121,11 +134,6 @@ fn start(args: StartArgs) -> anyhow::Result<ExitCode> {
         let token_file = args.token_file.clone().or(r.file.token_file.clone());
         Some(config::load_token(token_file.as_deref())?.ok_or(config::ConfigError::NoToken)?)
     };
-    for (what, path) in [("guest kernel", &r.kernel), ("root filesystem image", &r.rootfs)] {
-        if !path.exists() {
-            return Err(config::ConfigError::MissingImage { what, path: path.clone() }.into());
-        }
-    }
     let mut allowed_hosts = if !args.allowed_hosts.is_empty() {
         args.allowed_hosts.clone()
     } else {
@@ -140,17 +148,8 @@ fn start(args: StartArgs) -> anyhow::Result<ExitCode> {
     let session_timeout = Duration::from_secs(
         r.file.session_timeout_secs.unwrap_or(r.file.limits.default_idle_timeout_secs).max(1),
     );
-    std::fs::create_dir_all(&r.data_dir)
-        .map_err(|e| anyhow::anyhow!("cannot create the data directory {}: {e}", r.data_dir.display()))?;
-    let _lock = lock_data_dir(&r.data_dir)?;
+    let (manager, _lock) = open_manager(&r)?;
     let profile = HostProfile::detect();
-    let manager = tine_sandbox::Manager::new(tine_sandbox::ManagerConfig {
-        kernel: r.kernel.clone(),
-        rootfs: r.rootfs.clone(),
-        run_dir: r.data_dir.join("sandboxes"),
-        profile,
-        limits: r.file.limits.clone(),
-    })?;
     tracing::info!(
         "data {}, kernel {}, rootfs {}, host profile {profile}, auth {}",
         r.data_dir.display(),
@@ -158,9 +157,60 @@ fn start(args: StartArgs) -> anyhow::Result<ExitCode> {
         r.rootfs.display(),
         if token.is_some() { "bearer token" } else { "none (--dev)" }
     );
-    let opts = server::ServeOptions { listen, token, allowed_hosts, session_timeout };
+    let opts = server::ServeOptions {
+        listen,
+        token,
+        allowed_hosts,
+        session_timeout,
+        build_default_template: r.file.templates.build_default,
+    };
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(server::serve(manager, opts))?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Locks the data directory and makes the sandbox manager on it.
+fn open_manager(r: &Resolved) -> anyhow::Result<(std::sync::Arc<tine_sandbox::Manager>, std::fs::File)> {
+    for (what, path) in [("guest kernel", &r.kernel), ("root filesystem image", &r.rootfs)] {
+        if !path.exists() {
+            return Err(config::ConfigError::MissingImage { what, path: path.clone() }.into());
+        }
+    }
+    std::fs::create_dir_all(&r.data_dir)
+        .map_err(|e| anyhow::anyhow!("cannot create the data directory {}: {e}", r.data_dir.display()))?;
+    let lock = lock_data_dir(&r.data_dir)?;
+    let profile = HostProfile::detect();
+    let manager = tine_sandbox::Manager::new(tine_sandbox::ManagerConfig {
+        kernel: r.kernel.clone(),
+        rootfs: r.rootfs.clone(),
+        run_dir: r.data_dir.join("sandboxes"),
+        templates_dir: r.data_dir.join("templates"),
+        memory_backing: r.file.templates.memory_backing,
+        profile,
+        limits: r.file.limits.clone(),
+    })?;
+    Ok((manager, lock))
+}
+
+/// `tine template build` and `tine template list`.
+fn template(cmd: TemplateCommand) -> anyhow::Result<ExitCode> {
+    let (args, build) = match cmd {
+        TemplateCommand::Build(a) => (a, true),
+        TemplateCommand::List(a) => (a, false),
+    };
+    let r = resolve(&args)?;
+    let (manager, _lock) = open_manager(&r)?;
+    if build {
+        let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+        let info = rt.block_on(async {
+            let r = manager.ensure_default_template(true).await;
+            manager.shutdown().await;
+            r
+        })?;
+        println!("{}", serde_json::to_string_pretty(&info)?);
+    } else {
+        println!("{}", serde_json::to_string_pretty(&manager.templates())?);
+    }
     Ok(ExitCode::SUCCESS)
 }
 
@@ -309,6 +359,7 @@ fn main() -> ExitCode {
         Command::Vm(VmCommand::Run(args)) => run(args),
         Command::Server(ServerCommand::Start(args)) => start(args),
         Command::Server(ServerCommand::Keygen { out }) => keygen(out),
+        Command::Template(cmd) => template(cmd),
         Command::Doctor(args) => resolve(&args).map(|r| doctor::run(&r.kernel, &r.rootfs)),
     };
     match result {

@@ -35,6 +35,8 @@ pub struct ServeOptions {
     pub allowed_hosts: Vec<String>,
     /// An MCP session idle this long ends (and its own sandbox with it).
     pub session_timeout: Duration,
+    /// Build the default template in the background if it is missing.
+    pub build_default_template: bool,
 }
 
 /// Errors of serving.
@@ -130,6 +132,13 @@ pub async fn serve(manager: Arc<Manager>, opts: ServeOptions) -> Result<(), Serv
         .await
         .map_err(|source| ServeError::Bind { addr: opts.listen, source })?;
     let reaper = manager.spawn_reaper(REAP_PERIOD);
+    if opts.build_default_template {
+        let m = manager.clone();
+        tokio::spawn(async move {
+            // Errors are logged; sandboxes then boot instead.
+            let _ = m.ensure_default_template(false).await;
+        });
+    }
     tracing::info!("serving MCP at http://{}/mcp", opts.listen);
     // Tests and scripts wait for this line on stdout.
     println!("tine: listening on http://{}/mcp", opts.listen);

@@ -111,6 +111,8 @@ async fn mcp_end_to_end() {
         "sandbox_download",
         "sandbox_pause",
         "sandbox_resume",
+        "sandbox_snapshot",
+        "template_list",
     ] {
         assert!(names.contains(want), "missing tool {want}: {names:?}");
     }
@@ -374,4 +376,127 @@ async fn ten_concurrent_sessions() {
     }
     let health: Value = reqwest::get(format!("{}/healthz", server.base)).await.unwrap().json().await.unwrap();
     assert_eq!(health["sandboxes"], 0, "{health}");
+}
+
+/// The template test: a sandbox with Python state and a file is
+/// saved as a template; three sandboxes made from it have both; writes stay
+/// in the sandbox that made them; every sandbox draws its own randomness.
+/// Then damaged templates are refused with a clear error while the server
+/// goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn templates_end_to_end() {
+    if !testkit::kvm_available("templates_end_to_end") {
+        return;
+    }
+    let _serial = SERIAL.lock().await;
+    let server = TineServer::start(binary(), None, CONFIG);
+    let client = server.client().await;
+
+    // The first create waits for the default template the server builds at
+    // start, then restores from it.
+    let t = Instant::now();
+    let source = call(&client, "sandbox_create", json!({})).await.expect("create the source");
+    eprintln!("first sandbox_create (default template built meanwhile): {:.1} s", t.elapsed().as_secs_f64());
+    assert_eq!(source["template"], "default", "{source}");
+    let src = source["sandbox_id"].as_str().unwrap().to_string();
+    let py = |id: &str, code: &str| json!({"sandbox_id": id, "code": code});
+    let v = call(&client, "sandbox_run_python", py(&src, "x = 1234\nnote = 'from the source'\nx")).await.unwrap();
+    assert_eq!(v["result"], "1234", "{v}");
+    call(&client, "sandbox_files_write", json!({"sandbox_id": src, "path": "/root/work/state.txt", "content": "made before the snapshot\n"}))
+        .await
+        .expect("write");
+
+    let tpl = call(&client, "sandbox_snapshot", json!({"sandbox_id": src, "name": "with-state"})).await.expect("snapshot");
+    assert_eq!(tpl["name"], "with-state");
+    assert_eq!(tpl["source_sandbox"], src.as_str());
+    assert_eq!(tpl["memory_mib"], 512);
+    let e = call(&client, "sandbox_snapshot", json!({"sandbox_id": src, "name": "with-state"})).await.unwrap_err();
+    assert!(e.contains("exists already"), "{e}");
+    let e = call(&client, "sandbox_snapshot", json!({"sandbox_id": src, "name": "../x"})).await.unwrap_err();
+    assert!(e.contains("invalid template name"), "{e}");
+    let list = call(&client, "template_list", json!({})).await.unwrap();
+    let names: Vec<&str> = list["templates"].as_array().unwrap().iter().map(|t| t["name"].as_str().unwrap()).collect();
+    assert_eq!(names, ["default", "with-state"], "{list}");
+
+    // Three sandboxes from the template, at once.
+    let t = Instant::now();
+    let shared = std::sync::Arc::new(client);
+    let creates: Vec<_> = (0..3)
+        .map(|_| {
+            let c = shared.clone();
+            tokio::spawn(async move { call(&c, "sandbox_create", json!({"template": "with-state"})).await })
+        })
+        .collect();
+    let mut kids = Vec::new();
+    for c in creates {
+        let info = c.await.unwrap().expect("create from the template");
+        assert_eq!(info["template"], "with-state");
+        kids.push(info["sandbox_id"].as_str().unwrap().to_string());
+    }
+    let client = std::sync::Arc::into_inner(shared).expect("the create tasks are done");
+    eprintln!("three sandboxes from the template: {:.1} s", t.elapsed().as_secs_f64());
+    for id in &kids {
+        let v = call(&client, "sandbox_run_python", py(id, "(x, note)")).await.unwrap();
+        assert_eq!(v["result"], "(1234, 'from the source')", "{id}: {v}");
+        let f = call(&client, "sandbox_files_read", json!({"sandbox_id": id, "path": "/root/work/state.txt"})).await.unwrap();
+        assert_eq!(f["content"], "made before the snapshot\n", "{id}");
+    }
+
+    // A write in one is seen by no other, nor by the source.
+    let (first, others) = kids.split_first().unwrap();
+    call(&client, "sandbox_files_write", json!({"sandbox_id": first, "path": "/root/work/only-here.txt", "content": "x"}))
+        .await
+        .unwrap();
+    call(&client, "sandbox_run_python", py(first, "x = -1")).await.unwrap();
+    for id in others.iter().chain(std::iter::once(&src)) {
+        let e = call(&client, "sandbox_files_read", json!({"sandbox_id": id, "path": "/root/work/only-here.txt"})).await.unwrap_err();
+        assert!(e.to_lowercase().contains("no such file") || e.contains("not found"), "{id}: {e}");
+        let v = call(&client, "sandbox_run_python", py(id, "x")).await.unwrap();
+        assert_eq!(v["result"], "1234", "{id}");
+    }
+
+    // Fresh randomness everywhere: os.urandom differs in all four.
+    let mut seen = BTreeSet::new();
+    for id in kids.iter().chain(std::iter::once(&src)) {
+        let v = call(&client, "sandbox_run_python", py(id, "import os; os.urandom(16).hex()")).await.unwrap();
+        let r = v["result"].as_str().unwrap().to_string();
+        assert!(seen.insert(r.clone()), "{id} drew {r} again");
+    }
+    assert_eq!(seen.len(), 4);
+
+    // Damaged templates: refused with a clear error, the server goes on.
+    let dir = server.data_dir.join("templates");
+    let copy = |name: &str| {
+        let to = dir.join(name);
+        std::fs::create_dir(&to).unwrap();
+        for f in ["state", "memory", "template.json"] {
+            std::fs::copy(dir.join("with-state").join(f), to.join(f)).unwrap();
+        }
+        let meta = std::fs::read_to_string(to.join("template.json")).unwrap().replace("\"with-state\"", &format!("\"{name}\""));
+        std::fs::write(to.join("template.json"), meta).unwrap();
+        to
+    };
+    let flipped = copy("flipped");
+    let mem = std::fs::OpenOptions::new().read(true).write(true).open(flipped.join("memory")).unwrap();
+    {
+        use std::os::unix::fs::FileExt;
+        let mut b = [0u8; 1];
+        mem.read_exact_at(&mut b, 1 << 20).unwrap();
+        mem.write_all_at(&[b[0] ^ 1], 1 << 20).unwrap();
+    }
+    let e = call(&client, "sandbox_create", json!({"template": "flipped"})).await.unwrap_err();
+    assert!(e.contains("corrupted") && e.contains("flipped"), "{e}");
+    let short = copy("short");
+    let len = std::fs::metadata(short.join("state")).unwrap().len();
+    std::fs::OpenOptions::new().write(true).open(short.join("state")).unwrap().set_len(len / 2).unwrap();
+    let e = call(&client, "sandbox_create", json!({"template": "short"})).await.unwrap_err();
+    assert!(e.contains("truncated"), "{e}");
+    let e = call(&client, "sandbox_create", json!({"template": "no-such"})).await.unwrap_err();
+    assert!(e.contains("template_list"), "{e}");
+    let e = call(&client, "sandbox_create", json!({"template": "with-state", "memory_mib": 1024})).await.unwrap_err();
+    assert!(e.contains("512 MiB"), "{e}");
+    let list = call(&client, "sandbox_list", json!({})).await.unwrap();
+    assert_eq!(list["sandboxes"].as_array().unwrap().len(), 4, "no sandbox was left from the failed creates: {list}");
+    let v = call(&client, "sandbox_exec", json!({"sandbox_id": src, "command": "cat /root/work/state.txt"})).await.unwrap();
+    assert_eq!(v["stdout"], "made before the snapshot\n");
 }

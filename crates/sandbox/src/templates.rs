@@ -1,0 +1,419 @@
+//! Templates: named snapshots of a sandbox taken when its agent was ready,
+//! from which new sandboxes are restored instead of booted.
+//!
+//! On disk, `<templates_dir>/<name>/` holds the VMM snapshot (`state` and
+//! `memory`, see [`vmm::snapshot`]) and `template.json` ([`TemplateMeta`]:
+//! shape, origin, and the identity of the kernel and root filesystem image
+//! it was made from). A template is made in `.<name>.tmp` and renamed into
+//! place when whole. Loaded snapshots are cached and reloaded when the
+//! files change.
+
+use std::collections::BTreeMap;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+use vmm::snapshot::{MEMORY_FILE, STATE_FILE};
+use vmm::{Snapshot, SnapshotError};
+
+/// The template the server builds at first start and `sandbox_create`
+/// uses when no other is named.
+pub const DEFAULT_TEMPLATE: &str = "default";
+/// The metadata file's name in a template directory.
+const META_FILE: &str = "template.json";
+/// Longest template name (bytes).
+const MAX_NAME: usize = 63;
+
+/// Errors of the template store. Messages say what to do next.
+#[derive(Debug, thiserror::Error)]
+pub enum TemplateError {
+    /// The name is not usable.
+    #[error("invalid template name {0:?}: use 1-63 lowercase letters, digits, '-' or '_', starting with a letter or digit")]
+    BadName(String),
+    /// No template has this name.
+    #[error("no template {0:?}; call template_list to see them, or sandbox_snapshot to make one")]
+    NotFound(String),
+    /// The name is taken.
+    #[error("a template named {0:?} exists already; choose another name")]
+    Exists(String),
+    /// The template was made from another kernel or root filesystem.
+    #[error("template {name:?} was made from another {what} than the server uses now; make it again (sandbox_snapshot, or `tine template build` for the default)")]
+    Stale {
+        /// The template.
+        name: String,
+        /// "guest kernel" or "root filesystem image".
+        what: &'static str,
+    },
+    /// The snapshot files are damaged, of another version, or of a host
+    /// with other CPU features.
+    #[error("template {name:?} cannot be used: {source}")]
+    Snapshot {
+        /// The template.
+        name: String,
+        /// Why.
+        #[source]
+        source: SnapshotError,
+    },
+    /// `template.json` is missing or damaged.
+    #[error("template {name:?} is damaged: {reason}; delete {dir} and make it again")]
+    Meta {
+        /// The template.
+        name: String,
+        /// The directory.
+        dir: PathBuf,
+        /// Why.
+        reason: String,
+    },
+    /// A file operation failed.
+    #[error("{what}: {source}")]
+    Io {
+        /// What was being done.
+        what: String,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Which file, by identity: a changed image must not be used under a
+/// template made from the old one (the guest's page cache would disagree
+/// with the disk).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileIdentity {
+    /// Size (bytes).
+    pub len: u64,
+    /// Modification time (ns since the Unix epoch).
+    pub mtime_ns: i128,
+    /// Inode number.
+    pub ino: u64,
+}
+
+impl FileIdentity {
+    /// The identity of the file at `path`.
+    ///
+    /// Errors: the `stat(2)` error.
+    pub fn of(path: &Path) -> std::io::Result<Self> {
+        let m = std::fs::metadata(path)?;
+        Ok(FileIdentity { len: m.len(), mtime_ns: i128::from(m.mtime()) * 1_000_000_000 + i128::from(m.mtime_nsec()), ino: m.ino() })
+    }
+}
+
+/// `template.json`.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TemplateMeta {
+    /// The name (the directory's).
+    pub name: String,
+    /// vCPUs of every sandbox made from it.
+    pub vcpus: u8,
+    /// Guest memory of every sandbox made from it (MiB).
+    pub memory_mib: u64,
+    /// When it was made (ms since the Unix epoch).
+    pub created_at_ms: u64,
+    /// The sandbox it was taken from (`None` for a built default).
+    pub source_sandbox: Option<String>,
+    /// The guest kernel it was booted from.
+    pub kernel: FileIdentity,
+    /// The root filesystem image it runs on.
+    pub rootfs: FileIdentity,
+}
+
+/// What `template_list` shows of a template.
+#[derive(Clone, Debug, Serialize, JsonSchema)]
+pub struct TemplateInfo {
+    /// The name, for `sandbox_create { template }`.
+    pub name: String,
+    /// vCPUs of sandboxes made from it.
+    pub vcpus: u8,
+    /// Guest memory of sandboxes made from it (MiB).
+    pub memory_mib: u64,
+    /// When it was made (ms since the Unix epoch).
+    pub created_at_ms: u64,
+    /// The sandbox it was taken from, if any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub source_sandbox: Option<String>,
+    /// Disk space its memory file takes (bytes; the file is sparse).
+    pub disk_bytes: u64,
+    /// Why it cannot be used, if it cannot.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// A loaded template: its metadata and checked snapshot.
+pub struct Template {
+    /// `template.json`.
+    pub meta: TemplateMeta,
+    /// The snapshot, checked (checksums, version) when loaded.
+    pub snapshot: Snapshot,
+    /// Identity of the state and memory files when loaded.
+    files: (FileIdentity, FileIdentity),
+}
+
+/// The templates directory and a cache of loaded templates.
+pub struct TemplateStore {
+    dir: PathBuf,
+    kernel: PathBuf,
+    rootfs: PathBuf,
+    cache: Mutex<BTreeMap<String, Arc<Template>>>,
+}
+
+/// Checks a template name: `[a-z0-9][a-z0-9_-]{0,62}`.
+///
+/// Errors: [`TemplateError::BadName`].
+pub fn check_name(name: &str) -> Result<(), TemplateError> {
+    let ok = !name.is_empty()
+        && name.len() <= MAX_NAME
+        && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
+        && name.as_bytes()[0].is_ascii_alphanumeric();
+    if ok {
+        Ok(())
+    } else {
+        Err(TemplateError::BadName(name.to_string()))
+    }
+}
+
+fn io(what: String) -> impl FnOnce(std::io::Error) -> TemplateError {
+    move |source| TemplateError::Io { what, source }
+}
+
+impl TemplateStore {
+    /// A store in `dir` (created if missing; half-made templates left by
+    /// an earlier run are removed) for templates of `kernel` and `rootfs`.
+    ///
+    /// Errors: [`TemplateError::Io`].
+    pub fn new(dir: PathBuf, kernel: PathBuf, rootfs: PathBuf) -> Result<Self, TemplateError> {
+        std::fs::create_dir_all(&dir).map_err(io(format!("create {}", dir.display())))?;
+        let entries = std::fs::read_dir(&dir).map_err(io(format!("read {}", dir.display())))?;
+        for e in entries.flatten() {
+            if e.file_name().to_string_lossy().starts_with('.') {
+                tracing::info!("removing the half-made template {}", e.path().display());
+                let _ = std::fs::remove_dir_all(e.path());
+            }
+        }
+        Ok(TemplateStore { dir, kernel, rootfs, cache: Mutex::new(BTreeMap::new()) })
+    }
+
+    /// The directory of template `name`.
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.dir.join(name)
+    }
+
+    /// Whether a template directory named `name` exists (usable or not).
+    pub fn exists(&self, name: &str) -> bool {
+        self.path(name).join(STATE_FILE).exists()
+    }
+
+    /// A new, empty directory to make template `name` in; pass it to
+    /// [`TemplateStore::commit`] when the snapshot is written.
+    ///
+    /// Errors: [`TemplateError::BadName`], [`TemplateError::Exists`],
+    /// [`TemplateError::Io`].
+    pub fn begin(&self, name: &str, replace: bool) -> Result<PathBuf, TemplateError> {
+        check_name(name)?;
+        if !replace && self.path(name).exists() {
+            return Err(TemplateError::Exists(name.to_string()));
+        }
+        let tmp = self.dir.join(format!(".{name}.{}.tmp", std::process::id()));
+        let _ = std::fs::remove_dir_all(&tmp);
+        std::fs::create_dir(&tmp).map_err(io(format!("create {}", tmp.display())))?;
+        Ok(tmp)
+    }
+
+    /// Writes `template.json` into `tmp` and moves it into place as
+    /// `meta.name` (replacing an older template of that name if `replace`).
+    /// VMs restored from a replaced template keep its files open.
+    ///
+    /// Errors: [`TemplateError::Exists`], [`TemplateError::Io`].
+    pub fn commit(&self, tmp: &Path, meta: &TemplateMeta, replace: bool) -> Result<(), TemplateError> {
+        let json = serde_json::to_vec_pretty(meta).map_err(|e| TemplateError::Io { what: "encode template.json".into(), source: e.into() })?;
+        std::fs::write(tmp.join(META_FILE), json).map_err(io(format!("write {}", tmp.join(META_FILE).display())))?;
+        let dest = self.path(&meta.name);
+        if dest.exists() {
+            if !replace {
+                return Err(TemplateError::Exists(meta.name.clone()));
+            }
+            std::fs::remove_dir_all(&dest).map_err(io(format!("remove {}", dest.display())))?;
+        }
+        std::fs::rename(tmp, &dest).map_err(io(format!("rename {} to {}", tmp.display(), dest.display())))?;
+        lock(&self.cache).remove(&meta.name);
+        Ok(())
+    }
+
+    /// The identities of the kernel and root filesystem in use now.
+    ///
+    /// Errors: [`TemplateError::Io`].
+    pub fn images(&self) -> Result<(FileIdentity, FileIdentity), TemplateError> {
+        let k = FileIdentity::of(&self.kernel).map_err(io(format!("stat {}", self.kernel.display())))?;
+        let r = FileIdentity::of(&self.rootfs).map_err(io(format!("stat {}", self.rootfs.display())))?;
+        Ok((k, r))
+    }
+
+    fn read_meta(&self, name: &str) -> Result<TemplateMeta, TemplateError> {
+        let dir = self.path(name);
+        let damaged = |reason: String| TemplateError::Meta { name: name.to_string(), dir: dir.clone(), reason };
+        let text = std::fs::read(dir.join(META_FILE)).map_err(|e| damaged(format!("{META_FILE}: {e}")))?;
+        let meta: TemplateMeta = serde_json::from_slice(&text).map_err(|e| damaged(format!("{META_FILE}: {e}")))?;
+        if meta.name != name {
+            return Err(damaged(format!("{META_FILE} names {:?}", meta.name)));
+        }
+        Ok(meta)
+    }
+
+    fn file_ids(&self, name: &str) -> Result<(FileIdentity, FileIdentity), TemplateError> {
+        let dir = self.path(name);
+        let id = |f: &str| FileIdentity::of(&dir.join(f)).map_err(io(format!("stat {}", dir.join(f).display())));
+        Ok((id(STATE_FILE)?, id(MEMORY_FILE)?))
+    }
+
+    /// Template `name`, loaded and checked (metadata, image identities,
+    /// snapshot checksums and version); cached until its files change.
+    /// Reading a large memory file takes a while: call it from a blocking
+    /// context.
+    ///
+    /// Errors: [`TemplateError::BadName`], [`TemplateError::NotFound`],
+    /// [`TemplateError::Meta`], [`TemplateError::Stale`],
+    /// [`TemplateError::Snapshot`], [`TemplateError::Io`].
+    pub fn load(&self, name: &str) -> Result<Arc<Template>, TemplateError> {
+        check_name(name)?;
+        if !self.path(name).exists() {
+            return Err(TemplateError::NotFound(name.to_string()));
+        }
+        let files = self.file_ids(name).map_err(|e| match e {
+            TemplateError::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound => TemplateError::Meta {
+                name: name.to_string(),
+                dir: self.path(name),
+                reason: "its snapshot files are missing".into(),
+            },
+            e => e,
+        })?;
+        if let Some(t) = lock(&self.cache).get(name) {
+            if t.files == files {
+                return Ok(t.clone());
+            }
+        }
+        let meta = self.read_meta(name)?;
+        let (kernel, rootfs) = self.images()?;
+        if meta.kernel != kernel {
+            return Err(TemplateError::Stale { name: name.to_string(), what: "guest kernel" });
+        }
+        if meta.rootfs != rootfs {
+            return Err(TemplateError::Stale { name: name.to_string(), what: "root filesystem image" });
+        }
+        let snapshot =
+            Snapshot::load(&self.path(name)).map_err(|source| TemplateError::Snapshot { name: name.to_string(), source })?;
+        let t = Arc::new(Template { meta, snapshot, files });
+        lock(&self.cache).insert(name.to_string(), t.clone());
+        Ok(t)
+    }
+
+    /// Every template directory, by name, with why it cannot be used if it
+    /// cannot (metadata and image checks only; checksums are checked on use).
+    pub fn list(&self) -> Vec<TemplateInfo> {
+        let mut out = Vec::new();
+        let Ok(entries) = std::fs::read_dir(&self.dir) else { return out };
+        let images = self.images().ok();
+        let mut names: Vec<String> =
+            entries.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).filter(|n| check_name(n).is_ok()).collect();
+        names.sort();
+        for name in names {
+            let dir = self.path(&name);
+            let disk_bytes = std::fs::metadata(dir.join(MEMORY_FILE)).map(|m| m.blocks() * 512).unwrap_or(0);
+            match self.read_meta(&name) {
+                Ok(m) => {
+                    let error = match &images {
+                        Some((k, _)) if *k != m.kernel => Some(TemplateError::Stale { name: name.clone(), what: "guest kernel" }.to_string()),
+                        Some((_, r)) if *r != m.rootfs => {
+                            Some(TemplateError::Stale { name: name.clone(), what: "root filesystem image" }.to_string())
+                        }
+                        _ => None,
+                    };
+                    out.push(TemplateInfo {
+                        name,
+                        vcpus: m.vcpus,
+                        memory_mib: m.memory_mib,
+                        created_at_ms: m.created_at_ms,
+                        source_sandbox: m.source_sandbox,
+                        disk_bytes,
+                        error,
+                    });
+                }
+                Err(e) => out.push(TemplateInfo {
+                    name,
+                    vcpus: 0,
+                    memory_mib: 0,
+                    created_at_ms: 0,
+                    source_sandbox: None,
+                    disk_bytes,
+                    error: Some(e.to_string()),
+                }),
+            }
+        }
+        out
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names() {
+        for ok in ["default", "py-3", "a", "x_1", "0abc"] {
+            check_name(ok).unwrap();
+        }
+        for bad in ["", "-a", "_a", "A", "a/b", "..", ".x", "a b", &"x".repeat(64)] {
+            assert!(matches!(check_name(bad), Err(TemplateError::BadName(_))), "{bad:?}");
+        }
+    }
+
+    fn store() -> (tempfile::TempDir, TemplateStore) {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::write(d.path().join("vmlinux"), b"kernel").unwrap();
+        std::fs::write(d.path().join("rootfs"), b"rootfs").unwrap();
+        let s = TemplateStore::new(d.path().join("templates"), d.path().join("vmlinux"), d.path().join("rootfs")).unwrap();
+        (d, s)
+    }
+
+    fn meta(s: &TemplateStore, name: &str) -> TemplateMeta {
+        let (kernel, rootfs) = s.images().unwrap();
+        TemplateMeta { name: name.into(), vcpus: 1, memory_mib: 128, created_at_ms: 1, source_sandbox: None, kernel, rootfs }
+    }
+
+    #[test]
+    fn commit_list_and_stale_images() {
+        let (d, s) = store();
+        let tmp = s.begin("t1", false).unwrap();
+        std::fs::write(tmp.join(STATE_FILE), b"x").unwrap();
+        std::fs::write(tmp.join(MEMORY_FILE), b"y").unwrap();
+        s.commit(&tmp, &meta(&s, "t1"), false).unwrap();
+        assert!(s.exists("t1"));
+        assert!(matches!(s.begin("t1", false), Err(TemplateError::Exists(_))));
+        let l = s.list();
+        assert_eq!(l.len(), 1);
+        assert_eq!(l[0].name, "t1");
+        assert!(l[0].error.is_none());
+        // A damaged state file is found on load, with the snapshot's reason.
+        let e = s.load("t1").err().unwrap();
+        assert!(matches!(e, TemplateError::Snapshot { .. }), "{e}");
+        assert!(e.to_string().contains("template \"t1\" cannot be used"), "{e}");
+        // A rebuilt root filesystem makes the template stale.
+        std::thread::sleep(std::time::Duration::from_millis(10));
+        std::fs::write(d.path().join("rootfs"), b"rootfs, rebuilt").unwrap();
+        let e = s.load("t1").err().unwrap();
+        assert!(matches!(e, TemplateError::Stale { what: "root filesystem image", .. }), "{e}");
+        assert!(s.list()[0].error.as_deref().unwrap().contains("another root filesystem image"));
+        assert!(matches!(s.load("nope"), Err(TemplateError::NotFound(_))));
+        assert!(matches!(s.load("../etc"), Err(TemplateError::BadName(_))));
+        // Half-made templates go at the next start.
+        let _half = s.begin("t2", false).unwrap();
+        let s2 = TemplateStore::new(d.path().join("templates"), d.path().join("vmlinux"), d.path().join("rootfs")).unwrap();
+        assert_eq!(std::fs::read_dir(d.path().join("templates")).unwrap().count(), 1);
+        assert_eq!(s2.list().len(), 1);
+    }
+}
