@@ -1,12 +1,15 @@
 //! Through MCP, as a client sees it: `sandbox_create` until the sandbox
-//! is ready (a cold boot; templates come later), and the round trip of
+//! is ready, by a cold boot (a server with `[templates] build_default =
+//! false`) and restored from the default template (a second server, which
+//! builds it first), and the round trip of
 //! `sandbox_exec` running `true` (`bash -c true`: bash's start-up is most
 //! of it on hosts where guest system calls are slow), and of
 //! `sandbox_list`, which stays on the host. A real `tine server start --dev`
 //! subprocess and rmcp's Streamable HTTP client.
 //!
-//! `cargo bench -p tine-benches --bench mcp`; `MCP_CREATES=N` (default 5)
-//! and `MCP_EXECS=N` (default 20) set the runs.
+//! `cargo bench -p tine-benches --bench mcp`; `MCP_CREATES=N` (default 5
+//! cold boots), `MCP_RESTORES=N` (default 10 template creates) and
+//! `MCP_EXECS=N` (default 20) set the runs.
 
 use std::time::{Duration, Instant};
 
@@ -24,10 +27,13 @@ async fn main() {
         return;
     }
     let creates = runs("MCP_CREATES", 5);
+    let restores = runs("MCP_RESTORES", 10);
     let execs = runs("MCP_EXECS", 20);
-    let server = TineServer::start(&tine_binary(), None, "[limits]\nboot_timeout_secs = 900\n");
-    let client = server.client().await;
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
 
+    // Cold boots.
+    let cold = TineServer::start(&tine_binary(), None, "[limits]\nboot_timeout_secs = 900\n[templates]\nbuild_default = false\n");
+    let client = cold.client().await;
     let mut create_times = Vec::new();
     let mut exec_times = Vec::new();
     let mut list_times = Vec::new();
@@ -35,8 +41,9 @@ async fn main() {
         let t = Instant::now();
         let info = call(&client, "sandbox_create", json!({})).await.expect("sandbox_create");
         let took = t.elapsed();
+        assert!(info.get("template").is_none(), "a cold boot: {info}");
         let id = info["sandbox_id"].as_str().unwrap().to_string();
-        eprintln!("create {i}: {:.0} ms (guest boot_ms {})", took.as_secs_f64() * 1e3, info["boot_ms"]);
+        eprintln!("cold create {i}: {:.0} ms (guest boot_ms {})", ms(took), info["boot_ms"]);
         create_times.push(took);
         if i == 0 {
             for _ in 0..execs {
@@ -54,8 +61,41 @@ async fn main() {
         }
         call(&client, "sandbox_kill", json!({"sandbox_id": id})).await.expect("sandbox_kill");
     }
-    let ms = |d: Duration| d.as_secs_f64() * 1e3;
-    println!("sandbox_create to ready (cold boot), median of {creates}: {:.0} ms", ms(median(&create_times)));
+    drop(client);
+    drop(cold);
+
+    // From the default template, which the server builds at start.
+    let warm = TineServer::start(&tine_binary(), None, "[limits]\nboot_timeout_secs = 900\n");
+    let client = warm.client().await;
+    let t = Instant::now();
+    loop {
+        let l = call(&client, "template_list", json!({})).await.unwrap();
+        if l["templates"].as_array().is_some_and(|a| a.iter().any(|t| t["name"] == "default")) {
+            break;
+        }
+        assert!(t.elapsed() < Duration::from_secs(900), "no default template after 900 s");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    eprintln!("default template built in {:.0} ms after start", ms(t.elapsed()));
+    let mut restore_times = Vec::new();
+    for i in 0..restores {
+        let t = Instant::now();
+        let info = call(&client, "sandbox_create", json!({})).await.expect("sandbox_create from the template");
+        let took = t.elapsed();
+        assert_eq!(info["template"], "default", "{info}");
+        let id = info["sandbox_id"].as_str().unwrap().to_string();
+        eprintln!("template create {i}: {:.0} ms", ms(took));
+        restore_times.push(took);
+        let x = call(&client, "sandbox_exec", json!({"sandbox_id": id, "command": "true"})).await.unwrap();
+        assert_eq!(x["exit_code"], 0);
+        call(&client, "sandbox_kill", json!({"sandbox_id": id})).await.expect("sandbox_kill");
+    }
+
+    let (cold_ms, warm_ms) = (ms(median(&create_times)), ms(median(&restore_times)));
+    println!("sandbox_create to ready, cold boot, median of {creates}: {cold_ms:.0} ms");
+    println!("sandbox_create to ready, from the default template, median of {restores}: {warm_ms:.0} ms (min {:.0}, max {:.0})",
+        ms(*restore_times.iter().min().unwrap()), ms(*restore_times.iter().max().unwrap()));
+    println!("cold boot / template: {:.1}x", cold_ms / warm_ms);
     println!(
         "sandbox_exec `true` round trip through MCP, median of {execs}: {:.0} ms (min {:.0}, max {:.0})",
         ms(median(&exec_times)),
