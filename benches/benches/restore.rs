@@ -96,8 +96,9 @@ async fn main() {
         let (mut restore, mut answer) = (Vec::new(), Vec::new());
         for _ in 0..runs {
             let (name, uds) = next("r");
+            let config = testkit::agent_vm_config(&name, &uds);
             let t = Instant::now();
-            let vm = Vm::restore(&testkit::agent_vm_config(&name, &uds), &snapshot, backing).expect("restore");
+            let vm = Vm::restore(&config, &snapshot, backing).expect("restore");
             restore.push(t.elapsed());
             let a = ready(&uds, Duration::from_secs(300)).await;
             answer.push(t.elapsed());
