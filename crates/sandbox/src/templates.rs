@@ -205,7 +205,8 @@ impl TemplateStore {
         self.path(name).join(STATE_FILE).exists()
     }
 
-    /// A new, empty directory to make template `name` in; pass it to
+    /// A new, empty directory (its own, even for concurrent calls) to make
+    /// template `name` in; pass it to
     /// [`TemplateStore::commit`] when the snapshot is written.
     ///
     /// Errors: [`TemplateError::BadName`], [`TemplateError::Exists`],
@@ -215,8 +216,11 @@ impl TemplateStore {
         if !replace && self.path(name).exists() {
             return Err(TemplateError::Exists(name.to_string()));
         }
-        let tmp = self.dir.join(format!(".{name}.{}.tmp", std::process::id()));
-        let _ = std::fs::remove_dir_all(&tmp);
+        // Unique per call: two snapshots under one name may race; the
+        // second to commit finds the name taken.
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let tmp = self.dir.join(format!(".{name}.{}-{n}.tmp", std::process::id()));
         std::fs::create_dir(&tmp).map_err(io(format!("create {}", tmp.display())))?;
         Ok(tmp)
     }
