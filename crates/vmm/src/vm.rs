@@ -392,6 +392,15 @@ impl Vm {
             vcpus.push(Vcpu { fd, index, shared: shared.clone() });
         }
 
+        if snap.is_some() {
+            // The transports raised their interrupts while being restored,
+            // before the IOAPIC and the LAPICs got their saved state back,
+            // which can drop them (seen: a guest that never looked at the
+            // vsock event queue until other traffic arrived). Again, now.
+            for (_, _, t) in &mmio {
+                t.lock().unwrap_or_else(|e| e.into_inner()).reassert_interrupt();
+            }
+        }
         let event_loop = EventLoop::spawn(&config.name, mmio.into_iter().map(|(_, _, d)| d).collect())?;
         install_kick_handler().map_err(|e| VmError::Thread(std::io::Error::from_raw_os_error(e.errno())))?;
         let mut threads = Vec::with_capacity(vcpus.len());

@@ -276,6 +276,23 @@ impl MmioTransport {
         Ok(t)
     }
 
+    /// Raises the device's interrupt again if the driver has anything to
+    /// look at (an activated device, or status bits set). For a restored
+    /// VM once its interrupt controllers and LAPICs hold their saved state:
+    /// an interrupt raised before (as [`MmioTransport::restore`] does) can
+    /// be lost when `KVM_SET_IRQCHIP` or `KVM_SET_LAPIC` overwrite the
+    /// state it reached. A spurious interrupt is harmless: the driver reads
+    /// InterruptStatus and its used rings.
+    pub fn reassert_interrupt(&self) {
+        let mut bits = self.interrupt.status();
+        if self.activated {
+            bits |= super::VIRTIO_MMIO_INT_VRING;
+        }
+        if bits != 0 {
+            self.interrupt.trigger(bits);
+        }
+    }
+
     /// The per-queue notification eventfds, to register as KVM ioeventfds
     /// on QueueNotify (datamatch = queue index) and to poll.
     pub fn queue_evts(&self) -> &[EventFd] {
