@@ -184,12 +184,7 @@ impl GuestRam {
     pub fn from_file_private(path: &std::path::Path, size: u64) -> Result<Self, MemoryError> {
         use vm_memory::mmap::MmapRegionBuilder;
         use vm_memory::GuestRegionMmap;
-        check_size(size)?;
-        let file = File::open(path).map_err(MemoryError::Memfd)?;
-        let len = file.metadata().map_err(MemoryError::Memfd)?.len();
-        if len != size {
-            return Err(MemoryError::InvalidSize(len));
-        }
+        let file = open_snapshot_file(path, size)?;
         let mut regions = Vec::new();
         let mut offset = 0u64;
         for (gpa, len) in ram_ranges(size) {
@@ -239,12 +234,7 @@ impl GuestRam {
     pub fn from_file_uffd(name: &str, path: &std::path::Path, size: u64) -> Result<Self, MemoryError> {
         use vm_memory::mmap::MmapRegionBuilder;
         use vm_memory::GuestRegionMmap;
-        check_size(size)?;
-        let file = File::open(path).map_err(MemoryError::Memfd)?;
-        let len = file.metadata().map_err(MemoryError::Memfd)?.len();
-        if len != size {
-            return Err(MemoryError::InvalidSize(len));
-        }
+        let file = open_snapshot_file(path, size)?;
         let mut regions = Vec::new();
         for (gpa, len) in ram_ranges(size) {
             let region = MmapRegionBuilder::new(len as usize)
@@ -302,28 +292,17 @@ impl GuestRam {
         }
         let out = File::create(path).map_err(MemoryError::Memfd)?;
         out.set_len(self.size).map_err(MemoryError::Memfd)?;
-        let fd = self.file.as_raw_fd();
-        let mut pos: i64 = 0;
         let mut copied = 0u64;
         let mut buf = vec![0u8; 1 << 20];
-        while (pos as u64) < self.size {
-            // SAFETY: lseek on our own fd; no memory is passed.
-            let data = unsafe { libc::lseek(fd, pos, libc::SEEK_DATA) };
-            if data < 0 {
-                break; // ENXIO: no data after `pos`.
-            }
-            // SAFETY: as above.
-            let hole = unsafe { libc::lseek(fd, data, libc::SEEK_HOLE) };
-            let end = if hole < 0 { self.size as i64 } else { hole };
-            let mut at = data as u64;
-            while at < end as u64 {
-                let n = ((end as u64 - at) as usize).min(buf.len());
+        for (start, end) in data_ranges(&self.file, self.size).map_err(MemoryError::Memfd)? {
+            let mut at = start;
+            while at < end {
+                let n = ((end - at) as usize).min(buf.len());
                 self.file.read_exact_at(&mut buf[..n], at).map_err(MemoryError::Memfd)?;
                 out.write_all_at(&buf[..n], at).map_err(MemoryError::Memfd)?;
                 at += n as u64;
                 copied += n as u64;
             }
-            pos = end;
         }
         out.sync_data().map_err(MemoryError::Memfd)?;
         Ok(copied)
@@ -430,9 +409,26 @@ fn smaps_usage(smaps: &str, ranges: &[(usize, usize)]) -> MemoryUsage {
     usage
 }
 
+/// Opens a snapshot's memory file for `size` bytes of guest RAM.
+///
+/// Errors: [`MemoryError::InvalidSize`] for a bad size or a file of
+/// another length, [`MemoryError::Memfd`] for I/O errors.
+fn open_snapshot_file(path: &std::path::Path, size: u64) -> Result<File, MemoryError> {
+    check_size(size)?;
+    let file = File::open(path).map_err(MemoryError::Memfd)?;
+    let len = file.metadata().map_err(MemoryError::Memfd)?.len();
+    if len != size {
+        return Err(MemoryError::InvalidSize(len));
+    }
+    Ok(file)
+}
+
 /// The data ranges of `file` below `size` (`SEEK_DATA`/`SEEK_HOLE`,
-/// `lseek(2)`), as sorted `(start, end)` byte offsets.
-fn data_ranges(file: &File, size: u64) -> std::io::Result<Vec<(u64, u64)>> {
+/// `lseek(2)`), as sorted `(start, end)` byte offsets; the rest reads as
+/// zeros.
+///
+/// Errors: `lseek` errors other than `ENXIO` (no data after the offset).
+pub fn data_ranges(file: &File, size: u64) -> std::io::Result<Vec<(u64, u64)>> {
     let fd = file.as_raw_fd();
     let mut out = Vec::new();
     let mut pos = 0u64;

@@ -24,7 +24,6 @@
 
 use std::fs::File;
 use std::io::{Read, Write};
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -301,8 +300,8 @@ impl Snapshot {
 }
 
 /// CRC32 (IEEE) of the first `size` bytes of `file`, holes read as zeros.
-/// Only the data ranges are read (`SEEK_DATA`/`SEEK_HOLE`, `lseek(2)`);
-/// holes are hashed from a zero buffer.
+/// Only the data ranges are read ([`crate::memory::data_ranges`]); holes
+/// are hashed from a zero buffer.
 ///
 /// Bytes past the end of a shorter file hash as zeros too: check the
 /// file's length first.
@@ -319,20 +318,10 @@ pub fn file_crc32(file: &File, size: u64) -> std::io::Result<u32> {
             n -= k as u64;
         }
     };
-    let fd = file.as_raw_fd();
     let mut pos = 0u64;
-    while pos < size {
-        // SAFETY: lseek on an fd `file` owns; no memory is passed.
-        let data = unsafe { libc::lseek(fd, pos as i64, libc::SEEK_DATA) };
-        let data = if data < 0 { size } else { (data as u64).min(size) }; // ENXIO: only a hole is left.
-        hash_zeros(&mut hasher, data - pos);
-        if data >= size {
-            break;
-        }
-        // SAFETY: as above.
-        let hole = unsafe { libc::lseek(fd, data as i64, libc::SEEK_HOLE) };
-        let end = if hole < 0 { size } else { (hole as u64).min(size) };
-        let mut at = data;
+    for (start, end) in crate::memory::data_ranges(file, size)? {
+        hash_zeros(&mut hasher, start - pos);
+        let mut at = start;
         while at < end {
             let n = ((end - at) as usize).min(buf.len());
             file.read_exact_at(&mut buf[..n], at)?;
@@ -341,6 +330,7 @@ pub fn file_crc32(file: &File, size: u64) -> std::io::Result<u32> {
         }
         pos = end;
     }
+    hash_zeros(&mut hasher, size.saturating_sub(pos));
     Ok(hasher.finalize())
 }
 
