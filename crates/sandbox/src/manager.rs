@@ -316,6 +316,36 @@ fn unix_ms() -> u64 {
 }
 
 impl Sandbox {
+    /// A sandbox in state `starting`, created now, with no VM yet.
+    fn new(
+        id: SandboxId,
+        dir: PathBuf,
+        vcpus: u8,
+        memory_mib: u64,
+        labels: BTreeMap<String, String>,
+        template: Option<String>,
+        idle_timeout: Duration,
+    ) -> Self {
+        Sandbox {
+            id,
+            dir,
+            vcpus,
+            memory_mib,
+            labels,
+            template,
+            idle_timeout,
+            created: Instant::now(),
+            created_at_ms: unix_ms(),
+            status: Mutex::new(Status { state: SandboxState::Starting, error: None, boot_ms: None }),
+            last_used: Mutex::new(Instant::now()),
+            vm: Mutex::new(None),
+            agent: Mutex::new(None),
+            monitor: Mutex::new(None),
+            busy: AtomicU64::new(0),
+            control: Mutex::new(()),
+        }
+    }
+
     fn state(&self) -> SandboxState {
         lock(&self.status).state
     }
@@ -561,27 +591,19 @@ impl Manager {
                 return Err(SandboxError::TooMany { live, max: limits.max_sandboxes });
             }
             let id = format!("sb-{}", self.next_id.fetch_add(1, Ordering::Relaxed));
-            let sandbox = Arc::new(Sandbox {
-                dir: self.config.run_dir.join(&id),
-                id: id.clone(),
+            let template = match &origin {
+                Origin::Template(t) => Some(t.meta.name.clone()),
+                Origin::Boot => None,
+            };
+            let sandbox = Arc::new(Sandbox::new(
+                id.clone(),
+                self.config.run_dir.join(&id),
                 vcpus,
                 memory_mib,
-                labels: spec.labels,
-                template: match &origin {
-                    Origin::Template(t) => Some(t.meta.name.clone()),
-                    Origin::Boot => None,
-                },
+                spec.labels,
+                template,
                 idle_timeout,
-                created: Instant::now(),
-                created_at_ms: unix_ms(),
-                status: Mutex::new(Status { state: SandboxState::Starting, error: None, boot_ms: None }),
-                last_used: Mutex::new(Instant::now()),
-                vm: Mutex::new(None),
-                agent: Mutex::new(None),
-                monitor: Mutex::new(None),
-                busy: AtomicU64::new(0),
-                control: Mutex::new(()),
-            });
+            ));
             map.insert(id, sandbox.clone());
             sandbox
         };
@@ -1061,24 +1083,9 @@ impl Manager {
         let _building = BuildFlag::set(&self.default_building);
         let limits = &self.config.limits;
         let id = format!("template-{}", self.next_id.fetch_add(1, Ordering::Relaxed));
-        let sb = Arc::new(Sandbox {
-            dir: self.config.run_dir.join(&id),
-            id,
-            vcpus: limits.vcpus(None)?,
-            memory_mib: limits.memory_mib(None)?,
-            labels: BTreeMap::new(),
-            template: None,
-            idle_timeout: Duration::MAX,
-            created: Instant::now(),
-            created_at_ms: unix_ms(),
-            status: Mutex::new(Status { state: SandboxState::Starting, error: None, boot_ms: None }),
-            last_used: Mutex::new(Instant::now()),
-            vm: Mutex::new(None),
-            agent: Mutex::new(None),
-            monitor: Mutex::new(None),
-            busy: AtomicU64::new(0),
-            control: Mutex::new(()),
-        });
+        let dir = self.config.run_dir.join(&id);
+        let (vcpus, memory_mib) = (limits.vcpus(None)?, limits.memory_mib(None)?);
+        let sb = Arc::new(Sandbox::new(id, dir, vcpus, memory_mib, BTreeMap::new(), None, Duration::MAX));
         tracing::info!("building the default template (a cold boot)");
         let r = match self.boot(&sb, Origin::Boot).await {
             Ok(()) => {

@@ -298,12 +298,8 @@ impl TemplateStore {
             }
         }
         let meta = self.read_meta(name)?;
-        let (kernel, rootfs) = self.images()?;
-        if meta.kernel != kernel {
-            return Err(TemplateError::Stale { name: name.to_string(), what: "guest kernel" });
-        }
-        if meta.rootfs != rootfs {
-            return Err(TemplateError::Stale { name: name.to_string(), what: "root filesystem image" });
+        if let Some(e) = stale(&meta, &self.images()?) {
+            return Err(e);
         }
         let snapshot =
             Snapshot::load(&self.path(name)).map_err(|source| TemplateError::Snapshot { name: name.to_string(), source })?;
@@ -326,13 +322,7 @@ impl TemplateStore {
             let disk_bytes = std::fs::metadata(dir.join(MEMORY_FILE)).map(|m| m.blocks() * 512).unwrap_or(0);
             match self.read_meta(&name) {
                 Ok(m) => {
-                    let error = match &images {
-                        Some((k, _)) if *k != m.kernel => Some(TemplateError::Stale { name: name.clone(), what: "guest kernel" }.to_string()),
-                        Some((_, r)) if *r != m.rootfs => {
-                            Some(TemplateError::Stale { name: name.clone(), what: "root filesystem image" }.to_string())
-                        }
-                        _ => None,
-                    };
+                    let error = images.as_ref().and_then(|i| stale(&m, i)).map(|e| e.to_string());
                     out.push(TemplateInfo {
                         name,
                         vcpus: m.vcpus,
@@ -356,6 +346,19 @@ impl TemplateStore {
         }
         out
     }
+}
+
+/// [`TemplateError::Stale`] if `meta` was made from other images than
+/// `images` (kernel, root filesystem), else `None`.
+fn stale(meta: &TemplateMeta, images: &(FileIdentity, FileIdentity)) -> Option<TemplateError> {
+    let what = if meta.kernel != images.0 {
+        "guest kernel"
+    } else if meta.rootfs != images.1 {
+        "root filesystem image"
+    } else {
+        return None;
+    };
+    Some(TemplateError::Stale { name: meta.name.clone(), what })
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
