@@ -8,6 +8,7 @@
 
 #![deny(missing_docs)]
 
+pub mod branch;
 pub mod devices;
 pub mod event_loop;
 pub mod host;
@@ -22,5 +23,6 @@ pub mod x86_64;
 
 pub use host::HostProfile;
 pub use memory::MemoryBacking;
-pub use snapshot::{Snapshot, SnapshotError};
+pub use branch::{BranchMode, BranchReport};
+pub use snapshot::{Snapshot, SnapshotError, SnapshotMemory};
 pub use vm::{DiskConfig, ExitWatcher, RunningVm, Vm, VmConfig, VmError, VmExit, VsockConfig};

@@ -133,11 +133,7 @@ impl GuestRam {
     /// [`MemoryError::Mmap`].
     pub fn new(name: &str, size: u64) -> Result<Self, MemoryError> {
         check_size(size)?;
-        let cname = CString::new(format!("tine-guest-ram-{name}")).unwrap_or_default();
-        let fd = nix::sys::memfd::memfd_create(&cname, nix::sys::memfd::MemFdCreateFlag::MFD_CLOEXEC)
-            .map_err(|e| MemoryError::Memfd(e.into()))?;
-        let file = File::from(fd);
-        file.set_len(size).map_err(MemoryError::Memfd)?;
+        let file = new_memfd(&format!("tine-guest-ram-{name}"), size).map_err(MemoryError::Memfd)?;
 
         let mut offset = 0u64;
         let mut ranges = Vec::new();
@@ -173,18 +169,19 @@ impl GuestRam {
         Ok(())
     }
 
-    /// Maps the memory file `path` (as [`GuestRam::write_to`] wrote it)
-    /// copy-on-write (`MAP_PRIVATE`) as guest RAM of `size` bytes: pages
-    /// come from the page cache, shared by every VM mapped from the same
-    /// file, and a guest write copies just that page.
+    /// Maps the memory file `file` (as [`GuestRam::write_to`] wrote it, or a
+    /// branch point's memfd) copy-on-write (`MAP_PRIVATE`) as guest RAM of
+    /// `size` bytes: pages come from the page cache (or shmem), shared by
+    /// every VM mapped from the same file, and a guest write copies just
+    /// that page.
     ///
     /// Errors: [`MemoryError::InvalidSize`] (also if the file's size is not
-    /// `size`), [`MemoryError::Memfd`] (opening the file),
+    /// `size`), [`MemoryError::Memfd`] (its `fstat`),
     /// [`MemoryError::Mmap`].
-    pub fn from_file_private(path: &std::path::Path, size: u64) -> Result<Self, MemoryError> {
+    pub fn from_file_private(file: File, size: u64) -> Result<Self, MemoryError> {
         use vm_memory::mmap::MmapRegionBuilder;
         use vm_memory::GuestRegionMmap;
-        let file = open_snapshot_file(path, size)?;
+        check_snapshot_file(&file, size)?;
         let mut regions = Vec::new();
         let mut offset = 0u64;
         for (gpa, len) in ram_ranges(size) {
@@ -202,21 +199,24 @@ impl GuestRam {
         Ok(GuestRam { uffd: None, memory, file, size, restored: true })
     }
 
-    /// Guest RAM of `size` bytes from the memory file `path` (as
-    /// [`GuestRam::write_to`] wrote it), the way `backing` says:
-    /// [`GuestRam::from_file_private`] or [`GuestRam::from_file_uffd`]
-    /// (whose handler thread is named `uffd-<name>`).
+    /// Guest RAM of `size` bytes from a snapshot's memory (a file as
+    /// [`GuestRam::write_to`] wrote it, or a branch point's memfd), the way
+    /// `backing` says: [`GuestRam::from_file_private`] or
+    /// [`GuestRam::from_file_uffd`] (whose handler thread is named
+    /// `uffd-<name>`).
     ///
-    /// Errors: those of the function it dispatches to.
-    pub fn from_snapshot_file(name: &str, path: &std::path::Path, size: u64, backing: MemoryBacking) -> Result<Self, MemoryError> {
+    /// Errors: [`MemoryError::Memfd`] if the file cannot be opened, and
+    /// those of the function it dispatches to.
+    pub fn from_snapshot(name: &str, memory: &crate::snapshot::SnapshotMemory, size: u64, backing: MemoryBacking) -> Result<Self, MemoryError> {
+        let file = memory.open().map_err(MemoryError::Memfd)?;
         match backing {
-            MemoryBacking::Private => Self::from_file_private(path, size),
-            MemoryBacking::Userfaultfd => Self::from_file_uffd(name, path, size),
+            MemoryBacking::Private => Self::from_file_private(file, size),
+            MemoryBacking::Userfaultfd => Self::from_file_uffd(name, file, size),
         }
     }
 
-    /// Restores guest RAM of `size` bytes lazily from the memory file `path`
-    /// (as [`GuestRam::write_to`] wrote it): the regions are anonymous
+    /// Restores guest RAM of `size` bytes lazily from the memory file `file`
+    /// (as [`GuestRam::write_to`] wrote it, or a branch point's memfd): the regions are anonymous
     /// private memory (`MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE`)
     /// registered with a userfaultfd, and the thread `uffd-<name>` fills each
     /// page from the file when it is first touched (see [`crate::uffd`]).
@@ -227,14 +227,14 @@ impl GuestRam {
     /// [`GuestRam::memory_usage`]).
     ///
     /// Errors: [`MemoryError::InvalidSize`] (also if the file's size is not
-    /// `size`), [`MemoryError::Memfd`] (opening the file),
+    /// `size`), [`MemoryError::Memfd`] (its `fstat`),
     /// [`MemoryError::Mmap`], [`MemoryError::Userfaultfd`] (e.g. not
     /// permitted: run as root or allow `/dev/userfaultfd` /
     /// `vm.unprivileged_userfaultfd=1`, or use [`MemoryBacking::Private`]).
-    pub fn from_file_uffd(name: &str, path: &std::path::Path, size: u64) -> Result<Self, MemoryError> {
+    pub fn from_file_uffd(name: &str, file: File, size: u64) -> Result<Self, MemoryError> {
         use vm_memory::mmap::MmapRegionBuilder;
         use vm_memory::GuestRegionMmap;
-        let file = open_snapshot_file(path, size)?;
+        check_snapshot_file(&file, size)?;
         let mut regions = Vec::new();
         for (gpa, len) in ram_ranges(size) {
             let region = MmapRegionBuilder::new(len as usize)
@@ -279,60 +279,57 @@ impl GuestRam {
     }
 
     /// Writes guest RAM to `path` (created or truncated) as a sparse file
-    /// of `size` bytes: for memfd RAM, the memfd's data ranges only
-    /// (`SEEK_DATA`/`SEEK_HOLE`); for restored RAM, see
-    /// [`GuestRam::write_mapped_to`]. Untouched memory stays a hole. The
-    /// VM must not run meanwhile. Returns the bytes copied.
+    /// of `size` bytes: the pages of [`GuestRam::content_ranges`], read
+    /// through the guest mapping, except all-zero pages, which stay holes
+    /// like untouched memory. The VM must not run meanwhile. Returns the
+    /// bytes written.
     ///
-    /// Errors: [`MemoryError::Memfd`] for I/O errors.
+    /// Errors: [`MemoryError::Memfd`] for I/O errors, [`MemoryError::Mmap`]
+    /// for a range outside guest RAM (a bug).
     pub fn write_to(&self, path: &std::path::Path) -> Result<u64, MemoryError> {
-        use std::os::unix::fs::FileExt;
-        if self.restored {
-            return self.write_mapped_to(path);
-        }
         let out = File::create(path).map_err(MemoryError::Memfd)?;
         out.set_len(self.size).map_err(MemoryError::Memfd)?;
-        let mut copied = 0u64;
-        let mut buf = vec![0u8; 1 << 20];
-        for (start, end) in data_ranges(&self.file, self.size).map_err(MemoryError::Memfd)? {
-            let mut at = start;
-            while at < end {
-                let n = ((end - at) as usize).min(buf.len());
-                self.file.read_exact_at(&mut buf[..n], at).map_err(MemoryError::Memfd)?;
-                out.write_all_at(&buf[..n], at).map_err(MemoryError::Memfd)?;
-                at += n as u64;
-                copied += n as u64;
-            }
+        let mut copier = PageCopier::new(self, &out);
+        for (start, end) in self.content_ranges()? {
+            copier.copy(start, end)?;
         }
         out.sync_data().map_err(MemoryError::Memfd)?;
-        Ok(copied)
+        Ok(copier.bytes_written)
     }
 
-    /// Writes restored guest RAM to `path`. Its contents live in three
-    /// places: pages the guest wrote (private copies), pages still read from
-    /// the snapshot file, and pages never touched (zero). So every page that
-    /// is in the snapshot file's data ranges, or present or swapped in this
-    /// process's page table (`/proc/self/pagemap`, kernel doc
-    /// `Documentation/admin-guide/mm/pagemap.rst`: bit 63 present, bit 62
-    /// swapped), is read through the guest mapping and written unless it
-    /// is all zeros. Under userfaultfd, reading a page not yet filled fills
-    /// it (from the file, or zeros for a removed range).
-    fn write_mapped_to(&self, path: &std::path::Path) -> Result<u64, MemoryError> {
+    /// The byte ranges of guest RAM, as `(start, end)` offsets in the
+    /// memory file's layout (region `i` after regions `0..i`, see
+    /// [`GuestRam::regions`]), sorted, outside which every byte is zero:
+    /// - memfd RAM: the memfd's data ranges (`SEEK_DATA`/`SEEK_HOLE`).
+    /// - Restored RAM lives in three places: pages the guest wrote (private
+    ///   copies), pages still read from the snapshot's file, and pages never
+    ///   touched (zero). So: every page in the file's data ranges, or present
+    ///   or swapped in this process's page table (`/proc/self/pagemap`,
+    ///   kernel doc `Documentation/admin-guide/mm/pagemap.rst`: bit 63
+    ///   present, bit 62 swapped).
+    ///
+    /// The ranges can hold all-zero pages too. The answer is only exact
+    /// while the VM (vCPUs and devices) does not run.
+    ///
+    /// Errors: [`MemoryError::Memfd`] for I/O errors.
+    pub fn content_ranges(&self) -> Result<Vec<(u64, u64)>, MemoryError> {
         use std::os::unix::fs::FileExt;
-        use vm_memory::Bytes;
         const PAGE: u64 = 4096;
-        let out = File::create(path).map_err(MemoryError::Memfd)?;
-        out.set_len(self.size).map_err(MemoryError::Memfd)?;
         let in_file = data_ranges(&self.file, self.size).map_err(MemoryError::Memfd)?;
+        if !self.restored {
+            return Ok(in_file);
+        }
         let pagemap = File::open("/proc/self/pagemap").map_err(MemoryError::Memfd)?;
+        let mut out: Vec<(u64, u64)> = Vec::new();
+        let mut push = |at: u64| match out.last_mut() {
+            Some(last) if last.1 == at => last.1 += PAGE,
+            _ => out.push((at, at + PAGE)),
+        };
         let mut next_range = 0usize;
-        let mut copied = 0u64;
-        let mut offset = 0u64; // Where the region starts in the file.
-        let mut page = vec![0u8; PAGE as usize];
         let mut entries = vec![0u8; 8 * 4096];
-        for region in self.memory.iter() {
-            let host_page = region.as_ptr() as u64 / PAGE;
-            let pages = region.len() / PAGE;
+        for region in self.regions() {
+            let host_page = region.host_addr as u64 / PAGE;
+            let pages = region.len as u64 / PAGE;
             let mut i = 0u64;
             while i < pages {
                 let n = (pages - i).min(4096);
@@ -340,28 +337,47 @@ impl GuestRam {
                 pagemap.read_exact_at(bytes, (host_page + i) * 8).map_err(MemoryError::Memfd)?;
                 for j in 0..n {
                     let e = u64::from_le_bytes(bytes[(j * 8) as usize..(j * 8 + 8) as usize].try_into().unwrap_or_default());
-                    let at = offset + (i + j) * PAGE;
+                    let at = region.file_offset + (i + j) * PAGE;
                     while next_range < in_file.len() && in_file[next_range].1 <= at {
                         next_range += 1;
                     }
                     let from_file = in_file.get(next_range).is_some_and(|&(start, _)| start <= at);
-                    if e & (3 << 62) == 0 && !from_file {
-                        continue;
+                    if e & (3 << 62) != 0 || from_file {
+                        push(at);
                     }
-                    let gpa = region.start_addr().0 + (i + j) * PAGE;
-                    self.memory.read_slice(&mut page, GuestAddress(gpa)).map_err(|e| MemoryError::Mmap(e.to_string()))?;
-                    if page.iter().all(|&b| b == 0) {
-                        continue;
-                    }
-                    out.write_all_at(&page, at).map_err(MemoryError::Memfd)?;
-                    copied += PAGE;
                 }
                 i += n;
             }
-            offset += region.len();
         }
-        out.sync_data().map_err(MemoryError::Memfd)?;
-        Ok(copied)
+        Ok(out)
+    }
+
+    /// Guest RAM's regions: host virtual address, length and offset in the
+    /// memory file's layout (bytes), in GPA order.
+    pub fn regions(&self) -> Vec<crate::uffd::Region> {
+        let mut offset = 0u64;
+        self.memory
+            .iter()
+            .map(|r| {
+                let region = crate::uffd::Region { host_addr: r.as_ptr() as usize, len: r.len() as usize, file_offset: offset };
+                offset += r.len();
+                region
+            })
+            .collect()
+    }
+
+    /// The guest physical address of byte `offset` of the memory file's
+    /// layout and the bytes left in its region from there, if it is inside
+    /// guest RAM.
+    pub fn offset_to_gpa(&self, offset: u64) -> Option<(GuestAddress, u64)> {
+        let mut start = 0u64;
+        for r in self.memory.iter() {
+            if offset < start + r.len() {
+                return Some((GuestAddress(r.start_addr().0 + (offset - start)), start + r.len() - offset));
+            }
+            start += r.len();
+        }
+        None
     }
 
     /// The raw fd of the backing memfd.
@@ -409,18 +425,83 @@ fn smaps_usage(smaps: &str, ranges: &[(usize, usize)]) -> MemoryUsage {
     usage
 }
 
-/// Opens a snapshot's memory file for `size` bytes of guest RAM.
+/// Checks that a snapshot's memory file fits `size` bytes of guest RAM.
 ///
 /// Errors: [`MemoryError::InvalidSize`] for a bad size or a file of
-/// another length, [`MemoryError::Memfd`] for I/O errors.
-fn open_snapshot_file(path: &std::path::Path, size: u64) -> Result<File, MemoryError> {
+/// another length, [`MemoryError::Memfd`] for the `fstat` error.
+fn check_snapshot_file(file: &File, size: u64) -> Result<(), MemoryError> {
     check_size(size)?;
-    let file = File::open(path).map_err(MemoryError::Memfd)?;
     let len = file.metadata().map_err(MemoryError::Memfd)?.len();
     if len != size {
         return Err(MemoryError::InvalidSize(len));
     }
+    Ok(())
+}
+
+/// A new, empty memfd (close-on-exec) of `size` bytes named `name` (as
+/// `/proc/<pid>/maps` shows it, after `memfd:`).
+///
+/// Errors: the `memfd_create(2)` or `ftruncate(2)` error.
+pub fn new_memfd(name: &str, size: u64) -> std::io::Result<File> {
+    let cname = CString::new(name).unwrap_or_default();
+    let fd = nix::sys::memfd::memfd_create(&cname, nix::sys::memfd::MemFdCreateFlag::MFD_CLOEXEC)?;
+    let file = File::from(fd);
+    file.set_len(size)?;
     Ok(file)
+}
+
+/// Copies pages of guest RAM (read through the guest mapping) into a
+/// file of the memory file's layout, leaving all-zero pages as holes.
+pub(crate) struct PageCopier<'a> {
+    ram: &'a GuestRam,
+    out: &'a File,
+    buf: Vec<u8>,
+    /// Bytes written so far.
+    pub bytes_written: u64,
+}
+
+impl<'a> PageCopier<'a> {
+    /// Bytes read through the mapping at once.
+    const CHUNK: u64 = 256 << 10;
+
+    pub(crate) fn new(ram: &'a GuestRam, out: &'a File) -> Self {
+        PageCopier { ram, out, buf: vec![0u8; Self::CHUNK as usize], bytes_written: 0 }
+    }
+
+    /// Copies the bytes `[start, end)` of the memory file's layout (page
+    /// aligned).
+    ///
+    /// Errors: [`MemoryError::Mmap`] for a range outside guest RAM,
+    /// [`MemoryError::Memfd`] for write errors.
+    pub(crate) fn copy(&mut self, start: u64, end: u64) -> Result<(), MemoryError> {
+        use std::os::unix::fs::FileExt;
+        use vm_memory::Bytes;
+        const PAGE: usize = 4096;
+        let mut at = start;
+        while at < end {
+            let (gpa, left) =
+                self.ram.offset_to_gpa(at).ok_or_else(|| MemoryError::Mmap(format!("offset {at:#x} is outside guest RAM")))?;
+            let n = (end - at).min(Self::CHUNK).min(left) as usize;
+            let buf = &mut self.buf[..n];
+            self.ram.memory.read_slice(buf, gpa).map_err(|e| MemoryError::Mmap(e.to_string()))?;
+            // Write runs of non-zero pages.
+            let mut page = 0;
+            while page < n {
+                if buf[page..page + PAGE].iter().all(|&b| b == 0) {
+                    page += PAGE;
+                    continue;
+                }
+                let run_start = page;
+                while page < n && buf[page..page + PAGE].iter().any(|&b| b != 0) {
+                    page += PAGE;
+                }
+                self.out.write_all_at(&buf[run_start..page], at + run_start as u64).map_err(MemoryError::Memfd)?;
+                self.bytes_written += (page - run_start) as u64;
+            }
+            at += n as u64;
+        }
+        Ok(())
+    }
 }
 
 /// The data ranges of `file` below `size` (`SEEK_DATA`/`SEEK_HOLE`,
@@ -546,7 +627,7 @@ Rss:                 100 kB
     /// Restores `file` through userfaultfd, or `None` after a loud SKIP if
     /// this process may not use userfaultfd.
     fn uffd_ram(name: &str, file: &tempfile::NamedTempFile) -> Option<GuestRam> {
-        match GuestRam::from_snapshot_file(name, file.path(), SNAP_BYTES, MemoryBacking::Userfaultfd) {
+        match GuestRam::from_snapshot(name, &crate::snapshot::SnapshotMemory::File(file.path().to_path_buf()), SNAP_BYTES, MemoryBacking::Userfaultfd) {
             Ok(ram) => Some(ram),
             Err(MemoryError::Userfaultfd(e @ crate::uffd::UffdError::Unavailable(_))) => {
                 eprintln!("SKIP: userfaultfd unavailable: {e}");
@@ -629,7 +710,7 @@ Rss:                 100 kB
 
         // Every page not changed above reads the same as a private mapping of
         // the same file.
-        let private = GuestRam::from_snapshot_file("lazy-private", file.path(), SNAP_BYTES, MemoryBacking::Private).unwrap();
+        let private = GuestRam::from_snapshot("lazy-private", &crate::snapshot::SnapshotMemory::File(file.path().to_path_buf()), SNAP_BYTES, MemoryBacking::Private).unwrap();
         let (mut a, mut b) = (vec![0u8; 1 << 20], vec![0u8; 1 << 20]);
         for mib in 0..(SNAP_BYTES >> 20) {
             ram.memory.read_slice(&mut a, GuestAddress(mib << 20)).unwrap();
@@ -709,7 +790,7 @@ Rss:                 100 kB
     #[test]
     fn uffd_restore_checks_the_file_size() {
         let file = snapshot_file(&[], 0);
-        let r = GuestRam::from_snapshot_file("size", file.path(), SNAP_BYTES * 2, MemoryBacking::Userfaultfd);
+        let r = GuestRam::from_snapshot("size", &crate::snapshot::SnapshotMemory::File(file.path().to_path_buf()), SNAP_BYTES * 2, MemoryBacking::Userfaultfd);
         assert!(matches!(r, Err(MemoryError::InvalidSize(n)) if n == SNAP_BYTES));
     }
 
@@ -731,7 +812,7 @@ Rss:                 100 kB
         let pages = [0, 1, 100, 5000];
         let file = snapshot_file(&pages, 200);
         for backing in [MemoryBacking::Private, MemoryBacking::Userfaultfd] {
-            let ram = match GuestRam::from_snapshot_file("wt", file.path(), SNAP_BYTES, backing) {
+            let ram = match GuestRam::from_snapshot("wt", &crate::snapshot::SnapshotMemory::File(file.path().to_path_buf()), SNAP_BYTES, backing) {
                 Ok(r) => r,
                 Err(MemoryError::Userfaultfd(e)) => {
                     eprintln!("SKIP: userfaultfd unavailable: {e}");
@@ -748,7 +829,7 @@ Rss:                 100 kB
             // Pages 0, 1, 100, 5000 and 9000; the all-zero data page 200 and
             // the read hole stay holes.
             assert_eq!(copied, 5 * PAGE, "{backing:?}");
-            let back = GuestRam::from_file_private(out.path(), SNAP_BYTES).unwrap();
+            let back = GuestRam::from_file_private(File::open(out.path()).unwrap(), SNAP_BYTES).unwrap();
             let mut want = pattern(100);
             want[8..24].fill(0xab);
             assert_eq!(read_page(&back, 100), want, "{backing:?}");

@@ -144,9 +144,35 @@ impl From<&kvm_cpuid_entry2> for CpuidLeaf {
     }
 }
 
+/// Where a snapshot's guest RAM is: `mem_bytes` bytes in the memory file's
+/// layout (region after region, see [`crate::memory::GuestRam::regions`]),
+/// holes and missing pages reading as zeros.
+#[derive(Debug, Clone)]
+pub enum SnapshotMemory {
+    /// A sparse file on disk (`<snapshot dir>/memory`).
+    File(PathBuf),
+    /// A memfd held in memory: a branch point ([`crate::vm::RunningVm::branch`]),
+    /// or a template loaded with [`Snapshot::into_memory`]. VMs restored from
+    /// it map it `MAP_PRIVATE` and share its pages; it is freed when the
+    /// last of them and the last `Snapshot` holding it are gone.
+    Shared(Arc<File>),
+}
+
+impl SnapshotMemory {
+    /// A new file handle on the memory (the file opened read-only, or the
+    /// memfd duplicated).
+    ///
+    /// Errors: the `open(2)` or `dup(2)` error.
+    pub fn open(&self) -> std::io::Result<File> {
+        match self {
+            SnapshotMemory::File(path) => File::open(path),
+            SnapshotMemory::Shared(file) => file.try_clone(),
+        }
+    }
+}
+
 /// A VM's saved state: what [`crate::Vm::restore`] starts from. Guest RAM
-/// lives in `memory_file` (a sparse file of `mem_bytes` bytes); the rest
-/// is here.
+/// is in `memory`; the rest is here.
 pub struct Snapshot {
     /// Each vCPU's state, by index.
     pub vcpus: Vec<Arc<VcpuState>>,
@@ -158,10 +184,11 @@ pub struct Snapshot {
     pub cpuid: Vec<Vec<CpuidLeaf>>,
     /// Guest RAM size (bytes).
     pub mem_bytes: u64,
-    /// CRC32 of the memory file's `mem_bytes` bytes (holes read as zeros).
+    /// CRC32 of the memory file's `mem_bytes` bytes (holes read as zeros);
+    /// 0 for a branch point, which never leaves memory.
     pub memory_crc32: u32,
-    /// The file holding guest RAM.
-    pub memory_file: PathBuf,
+    /// Guest RAM.
+    pub memory: SnapshotMemory,
 }
 
 #[derive(Serialize)]
@@ -273,8 +300,36 @@ impl Snapshot {
             cpuid: p.cpuid,
             mem_bytes: p.mem_bytes,
             memory_crc32: p.memory_crc32,
-            memory_file,
+            memory: SnapshotMemory::File(memory_file),
         })
+    }
+
+    /// The same snapshot with its memory file copied into a memfd
+    /// (`memfd:tine-snapshot-<name>`; data ranges only, holes stay holes):
+    /// VMs restored from it then map shmem, which userfaultfd can
+    /// write-protect, so they can be branched without a full copy while
+    /// paused ([`crate::vm::RunningVm::branch`]). Costs the snapshot's data
+    /// in memory, shared by every VM restored from it.
+    ///
+    /// Errors: [`SnapshotError::Io`].
+    pub fn into_memory(self, name: &str) -> Result<Snapshot, SnapshotError> {
+        let path = match &self.memory {
+            SnapshotMemory::Shared(_) => return Ok(self),
+            SnapshotMemory::File(path) => path.clone(),
+        };
+        let src = File::open(&path).map_err(io(&path))?;
+        let memfd = crate::memory::new_memfd(&format!("tine-snapshot-{name}"), self.mem_bytes).map_err(io(&path))?;
+        let mut buf = vec![0u8; 1 << 20];
+        for (start, end) in crate::memory::data_ranges(&src, self.mem_bytes).map_err(io(&path))? {
+            let mut at = start;
+            while at < end {
+                let n = ((end - at) as usize).min(buf.len());
+                src.read_exact_at(&mut buf[..n], at).map_err(io(&path))?;
+                memfd.write_all_at(&buf[..n], at).map_err(io(&path))?;
+                at += n as u64;
+            }
+        }
+        Ok(Snapshot { memory: SnapshotMemory::Shared(Arc::new(memfd)), ..self })
     }
 
     /// Checks that `current`, the CPUID this host gives vCPU `vcpu`, is the
@@ -393,7 +448,7 @@ mod tests {
             cpuid: vec![vec![leaf]],
             mem_bytes: MEM,
             memory_crc32: file_crc32(&mem, MEM).unwrap(),
-            memory_file: dir.path().join(MEMORY_FILE),
+            memory: SnapshotMemory::File(dir.path().join(MEMORY_FILE)),
         };
         snap.write_state(dir.path()).unwrap();
         (dir, snap)
@@ -413,7 +468,7 @@ mod tests {
         assert_eq!(back.vm.clock.clock, 123_456_789);
         assert_eq!(back.cpuid, snap.cpuid);
         assert_eq!(back.mem_bytes, MEM);
-        assert_eq!(back.memory_file, dir.path().join(MEMORY_FILE));
+        assert!(matches!(&back.memory, SnapshotMemory::File(p) if *p == dir.path().join(MEMORY_FILE)));
         assert_eq!(&state_bytes(dir.path())[..8], b"TINESNAP");
         assert!(!dir.path().join("state.tmp").exists());
     }

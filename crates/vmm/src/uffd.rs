@@ -219,13 +219,35 @@ pub fn supported_features() -> Result<FeatureFlags, UffdError> {
 /// through `userfaultfd(2)`, which `vm.unprivileged_userfaultfd=1` or
 /// `CAP_SYS_PTRACE` allows.
 fn create_uffd() -> Result<Uffd, UffdError> {
+    create_uffd_with(FeatureFlags::EVENT_REMOVE)
+}
+
+/// `UFFD_FEATURE_WP_HUGETLBFS_SHMEM` (Linux 5.19): write protection of
+/// shmem (memfd) and hugetlbfs memory, not only anonymous memory.
+pub const FEATURE_WP_HUGETLBFS_SHMEM: u64 = 1 << 12;
+
+/// A userfaultfd (close-on-exec, non-blocking, kernel faults included)
+/// for write protection: `UFFD_FEATURE_PAGEFAULT_FLAG_WP`, plus
+/// `UFFD_FEATURE_WP_HUGETLBFS_SHMEM` where the kernel has it, enabled.
+///
+/// Errors: [`UffdError::Unavailable`], [`UffdError::Api`] (a kernel
+/// without write protection: before Linux 5.7).
+pub fn create_wp_uffd() -> Result<Uffd, UffdError> {
+    let mut features = FeatureFlags::PAGEFAULT_FLAG_WP;
+    if supported_features()?.bits() & FEATURE_WP_HUGETLBFS_SHMEM != 0 {
+        features |= FeatureFlags::from_bits_retain(FEATURE_WP_HUGETLBFS_SHMEM);
+    }
+    create_uffd_with(features)
+}
+
+fn create_uffd_with(features: FeatureFlags) -> Result<Uffd, UffdError> {
     let built = UffdBuilder::new()
         .close_on_exec(true)
         .non_blocking(true)
         // KVM touches guest RAM from the kernel (get_user_pages): those
         // faults must reach the handler too, not fail with EFAULT.
         .user_mode_only(false)
-        .require_features(FeatureFlags::EVENT_REMOVE)
+        .require_features(features)
         .create();
     let dev_error = match built {
         Ok(uffd) => return Ok(uffd),
@@ -241,7 +263,7 @@ fn create_uffd() -> Result<Uffd, UffdError> {
     };
     let fd = new_by_syscall(libc::O_CLOEXEC | libc::O_NONBLOCK)
         .map_err(|e| UffdError::Unavailable(format!("/dev/userfaultfd: {dev_error}; userfaultfd(2): {e}")))?;
-    api(&fd, FeatureFlags::EVENT_REMOVE.bits())?;
+    api(&fd, features.bits())?;
     // SAFETY: `fd` is a userfaultfd we own and hand over; `Uffd` closes it.
     Ok(unsafe { Uffd::from_raw_fd(std::os::fd::IntoRawFd::into_raw_fd(fd)) })
 }

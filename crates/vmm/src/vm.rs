@@ -20,8 +20,9 @@ use crate::devices::virtio::{Interrupt, VirtioDevice, VirtioError};
 use crate::devices::{self, Console, ConsoleTail, LegacyDevices};
 use crate::event_loop::{EventLoop, EventLoopError};
 use crate::host::HostProfile;
-use crate::memory::{GuestRam, MemoryBacking, MemoryError, MMIO_GAP_START};
-use crate::snapshot::{file_crc32, CpuidLeaf, Snapshot, SnapshotError, MEMORY_FILE};
+use crate::branch::{BranchMode, BranchReport, WriteProtection};
+use crate::memory::{GuestRam, MemoryBacking, MemoryError, PageCopier, MMIO_GAP_START};
+use crate::snapshot::{file_crc32, CpuidLeaf, Snapshot, SnapshotError, SnapshotMemory, MEMORY_FILE};
 use crate::vcpu::{install_kick_handler, kick_signal, GuestFault, GuestStop, PauseState, Vcpu, VcpuShared, VcpuWork};
 use crate::vcpu_state::{VcpuState, VcpuStateError};
 use crate::x86_64::boot::{load_kernel, BootError};
@@ -283,7 +284,7 @@ impl Vm {
                         config.mem_mib
                     )));
                 }
-                GuestRam::from_snapshot_file(&config.name, &sn.memory_file, mem_bytes, backing)?
+                GuestRam::from_snapshot(&config.name, &sn.memory, mem_bytes, backing)?
             }
         };
         ram.register(&vm)?;
@@ -409,7 +410,7 @@ impl Vm {
             match std::thread::Builder::new().name(name).spawn(move || vcpu.run()) {
                 Ok(t) => threads.push(t),
                 Err(e) => {
-                    let mut running = RunningVm { vm, _ram: ram, shared, threads, console_tail, started, cpuid: cpuids, _event_loop: event_loop };
+                    let mut running = RunningVm { vm, _ram: ram, shared, threads, console_tail, started, cpuid: cpuids, name: config.name.clone(), _event_loop: event_loop };
                     let _ = running.stop();
                     return Err(VmError::Thread(e));
                 }
@@ -417,7 +418,7 @@ impl Vm {
         }
         tracing::info!(name = %config.name, vcpus = config.vcpus, mem_mib = config.mem_mib, profile = %config.profile,
             "VM started in {:?}", started.elapsed());
-        Ok(RunningVm { vm, _ram: ram, shared, threads, console_tail, started, cpuid: cpuids, _event_loop: event_loop })
+        Ok(RunningVm { vm, _ram: ram, shared, threads, console_tail, started, cpuid: cpuids, name: config.name.clone(), _event_loop: event_loop })
     }
 }
 
@@ -448,6 +449,8 @@ pub struct RunningVm {
     started: Instant,
     /// The CPUID each vCPU was given (kept for snapshots).
     cpuid: Vec<Vec<CpuidLeaf>>,
+    /// The VM's name (logs, thread and memfd names).
+    name: String,
     // Declared after the vCPU threads' owner: dropped once they are joined
     // (RunningVm's Drop joins them first).
     _event_loop: EventLoop,
@@ -658,10 +661,106 @@ impl RunningVm {
         drop(guards);
         let io = |source| SnapshotError::Io { path: memory_file.clone(), source };
         let memory_crc32 = file_crc32(&std::fs::File::open(&memory_file).map_err(io)?, self._ram.size).map_err(io)?;
-        let snapshot =
-            Snapshot { vcpus, vm, transports, cpuid: self.cpuid.clone(), mem_bytes: self._ram.size, memory_crc32, memory_file };
+        let snapshot = Snapshot {
+            vcpus,
+            vm,
+            transports,
+            cpuid: self.cpuid.clone(),
+            mem_bytes: self._ram.size,
+            memory_crc32,
+            memory: SnapshotMemory::File(memory_file),
+        };
         snapshot.write_state(dir)?;
         Ok(snapshot)
+    }
+
+    /// Takes a branch point: a consistent copy of the VM's whole state at
+    /// one instant, held in memory, to restore any number of VMs from
+    /// ([`Vm::restore`] with the returned snapshot; its memory is a memfd,
+    /// [`crate::snapshot::SnapshotMemory::Shared`]).
+    ///
+    /// The VM is paused (within `pause_timeout`), its vCPU, VM and device
+    /// state saved, the pages of guest RAM that hold data write-protected,
+    /// and the VM resumed; the memory is then copied while it runs, each
+    /// page before its first write (see [`crate::branch`]). Where write
+    /// protection is not available, or the VM was paused already, the
+    /// memory is copied while paused instead, and the report says so. A VM
+    /// paused before the call stays paused. Blocks until the copy is
+    /// complete.
+    ///
+    /// Errors: [`VmError::Stopped`], [`VmError::PauseTimeout`],
+    /// [`VmError::VcpuState`], [`VmError::VmState`], [`VmError::Memory`].
+    pub fn branch(&self, pause_timeout: Duration) -> Result<(Snapshot, BranchReport), VmError> {
+        let start = Instant::now();
+        let was_paused = self.is_paused();
+        if !was_paused {
+            self.pause(pause_timeout)?;
+        }
+        let ram = &self._ram;
+        let taken = (|| {
+            let memfd = crate::memory::new_memfd(&format!("tine-branch-{}", self.name), ram.size).map_err(MemoryError::Memfd)?;
+            let guards: Vec<_> =
+                self.shared.mmio.iter().map(|(_, _, t)| t.lock().unwrap_or_else(|e| e.into_inner())).collect();
+            let transports: Vec<_> = guards.iter().map(|t| t.save_state()).collect();
+            let vcpus: Vec<_> = self.save_vcpu_states()?.into_iter().map(Arc::new).collect();
+            let vm = crate::vm_state::save(&self.vm)?;
+            let ranges = ram.content_ranges()?;
+            let protection = if was_paused {
+                Err("the VM was paused already, so its memory was copied as it stood".to_string())
+            } else {
+                // SAFETY: the regions are guest RAM's mappings, owned by
+                // `self._ram`, which outlives this call (and the returned
+                // protection, dropped within it); the vCPUs are paused and
+                // every transport is locked until after this returns.
+                unsafe { WriteProtection::start(&ram.regions(), &ranges) }
+            };
+            let mut copier = PageCopier::new(ram, &memfd);
+            if protection.is_err() {
+                for &(s, e) in &ranges {
+                    copier.copy(s, e)?;
+                }
+            }
+            let bytes_written = copier.bytes_written;
+            drop(guards);
+            Ok::<_, VmError>((memfd, transports, vcpus, vm, ranges, protection, bytes_written))
+        })();
+        if !was_paused {
+            self.resume();
+        }
+        let pause = start.elapsed();
+        let (memfd, transports, vcpus, vm, ranges, protection, mut bytes_written) = taken?;
+        let bytes_examined = ranges.iter().map(|(s, e)| e - s).sum();
+        let (mode, fallback_reason, pages_copied_before_write, write_faults) = match protection {
+            Ok(wp) => {
+                let mut copier = PageCopier::new(ram, &memfd);
+                let (early, faults) = wp.copy(&ranges, &mut copier)?;
+                bytes_written = copier.bytes_written;
+                (BranchMode::WriteProtect, None, early, faults)
+            }
+            Err(reason) => (BranchMode::CopyWhilePaused, Some(reason), 0, 0),
+        };
+        let report = BranchReport {
+            mode,
+            fallback_reason,
+            pause,
+            total: start.elapsed(),
+            bytes_examined,
+            bytes_written,
+            pages_copied_before_write,
+            write_faults,
+        };
+        tracing::info!(name = %self.name, ?mode, "branch point taken: paused {:?}, copied {} MiB in {:?}, {} pages copied before a write",
+            report.pause, report.bytes_written >> 20, report.total, report.pages_copied_before_write);
+        let snapshot = Snapshot {
+            vcpus,
+            vm,
+            transports,
+            cpuid: self.cpuid.clone(),
+            mem_bytes: ram.size,
+            memory_crc32: 0,
+            memory: SnapshotMemory::Shared(Arc::new(memfd)),
+        };
+        Ok((snapshot, report))
     }
 
     /// Lets paused vCPUs run again (nothing happens if none is paused).
