@@ -5,9 +5,28 @@
 //!
 //! The overlay's upper layer is a tmpfs: every file the sandbox changes
 //! lives in guest memory, so a copy of the VM's memory (snapshot, branch)
-//! is a copy of its file system too, and the image stays shared.
+//! is a copy of its file system too, and the image stays shared. PID 1
+//! keeps an fd of the upper directory ([`upper_fd`]) for the agent's
+//! manifests: after the switch to the overlay no path reaches it.
 
 use std::ffi::CStr;
+use std::sync::atomic::{AtomicI32, Ordering};
+
+/// The overlay's upper directory (`/overlay/upper` before the chroot), an
+/// `O_PATH` directory fd kept for the life of the process; -1 when the
+/// root is not an overlay. Set once by PID 1 before it forks the agent: the
+/// forked agent (which does not exec) inherits both the fd and this value,
+/// and every agent restart is a new fork of PID 1, so it stays valid. It
+/// is close-on-exec, so commands the agent runs do not get it.
+static UPPER_FD: AtomicI32 = AtomicI32::new(-1);
+
+/// The fd of the overlay's upper layer (see [`UPPER_FD`]), or `None` when
+/// the root is not an overlay (or the agent is not the guest's init). Walk
+/// it through `/proc/self/fd/<fd>`, or with `openat` on the fd.
+pub fn upper_fd() -> Option<libc::c_int> {
+    let fd = UPPER_FD.load(Ordering::Relaxed);
+    (fd >= 0).then_some(fd)
+}
 
 fn mount(source: &CStr, target: &CStr, fstype: &CStr, flags: libc::c_ulong) {
     let _ = std::fs::create_dir_all(target.to_str().unwrap_or("/"));
@@ -31,10 +50,12 @@ fn check(what: &str, r: libc::c_int) -> Result<(), String> {
 }
 
 /// Mounts `lowerdir=/` with a tmpfs upper layer at /overlay/root and makes
-/// it the root (as switch_root does: move it onto `/`, then chroot).
+/// it the root (as switch_root does: move it onto `/`, then chroot). On
+/// success, [`UPPER_FD`] holds the upper directory: after the chroot no
+/// path reaches it.
 fn overlay_root() -> Result<(), String> {
-    // SAFETY (all calls below): arguments are valid C strings or null, as
-    // mount(2), chdir(2) and chroot(2) take them.
+    // SAFETY (the mount calls below): arguments are valid C strings or
+    // null, as mount(2) takes them.
     check("mount tmpfs on /overlay", unsafe {
         libc::mount(c"tmpfs".as_ptr(), c"/overlay".as_ptr(), c"tmpfs".as_ptr(), 0, c"mode=0755".as_ptr().cast())
     })?;
@@ -50,6 +71,30 @@ fn overlay_root() -> Result<(), String> {
             c"lowerdir=/,upperdir=/overlay/upper,workdir=/overlay/work".as_ptr().cast(),
         )
     })?;
+    // SAFETY: a valid C string and open(2) flags; the fd is owned below.
+    let upper = unsafe { libc::open(c"/overlay/upper".as_ptr(), libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC) };
+    if let Err(e) = check("open /overlay/upper", upper) {
+        // The overlay still works; only the manifest (diff) will not.
+        eprintln!("tine-agent init: {e}; manifests (sandbox_diff) will not work");
+    }
+    let moved = switch_root();
+    if upper >= 0 {
+        match moved {
+            Ok(()) => UPPER_FD.store(upper, Ordering::Relaxed),
+            // SAFETY: `upper` is the fd opened above, used nowhere else.
+            Err(_) => unsafe {
+                libc::close(upper);
+            },
+        }
+    }
+    moved
+}
+
+/// Makes the overlay at /overlay/root the root: moves it onto `/`, then
+/// chroots into it.
+fn switch_root() -> Result<(), String> {
+    // SAFETY (all calls below): arguments are valid C strings or null, as
+    // mount(2), chdir(2) and chroot(2) take them.
     check("chdir /overlay/root", unsafe { libc::chdir(c"/overlay/root".as_ptr()) })?;
     check("move the overlay onto /", unsafe {
         libc::mount(c".".as_ptr(), c"/".as_ptr(), std::ptr::null(), libc::MS_MOVE, std::ptr::null())

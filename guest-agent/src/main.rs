@@ -8,11 +8,13 @@
 //! `/run`, starts the agent in a child and reaps every orphan.
 //!
 //! `python` cells run in one persistent interpreter per sandbox (see
-//! [`python`]).
+//! [`python`]). `manifest` lists what the sandbox changed on its overlay
+//! root and in `/tmp`, with hashes (see [`manifest`]).
 
 mod exec;
 mod files;
 mod init;
+mod manifest;
 mod python;
 mod sys;
 mod vsock;
@@ -41,6 +43,7 @@ fn handle(op: Op, started: Instant) -> Result<Reply, AgentError> {
         Op::Mkdir { path, parents, mode } => files::mkdir(&path, parents, mode).map(|()| Reply::Done),
         Op::Info => Ok(Reply::Info(sys::info(started))),
         Op::Reseed(r) => sys::reseed(&r).map(|()| Reply::Done),
+        Op::Manifest { paths } => manifest::handle(paths).map(Reply::Manifest),
     }
 }
 

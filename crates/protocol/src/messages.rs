@@ -18,6 +18,12 @@ pub const MAX_FILE_CHUNK: u64 = 8 << 20;
 pub const PYTHON_KILL_GRACE_MS: u32 = 5_000;
 /// Bytes of entropy a reseed carries at most.
 pub const MAX_ENTROPY_BYTES: usize = 512;
+/// Most entries one [`Manifest`] holds; past it the agent sets
+/// `truncated`. Also the most paths one `Manifest` request should name.
+pub const MAX_MANIFEST_ENTRIES: usize = 100_000;
+/// Regular files larger than this (bytes, 256 MiB) are not hashed: their
+/// [`ManifestEntry::sha256`] is `None` (size and mode are still given).
+pub const MAX_HASHED_FILE_BYTES: u64 = 256 << 20;
 
 /// The timeout (ms) and output cap (bytes) a request asks for, with 0
 /// meaning the defaults ([`DEFAULT_TIMEOUT_MS`], [`DEFAULT_OUTPUT_LIMIT`]).
@@ -101,6 +107,23 @@ pub enum Op {
     /// After a restore or branch: mix host entropy into the kernel RNG
     /// (RNDADDENTROPY, then a reseed) and set the clock.
     Reseed(Reseed),
+    /// The sandbox's changed paths, as a [`Manifest`] of the merged view
+    /// (the file system as the sandbox sees it, symlinks not followed).
+    ///
+    /// With `paths: None`: every path in the root overlay's upper layer
+    /// (what the sandbox added, changed or deleted since its image) and
+    /// everything under `/tmp`. Errors: [`AgentError::Unsupported`] when
+    /// the root is not an overlay.
+    ///
+    /// With `paths: Some(list)`: exactly those paths (absolute, no `..`
+    /// component; else [`AgentError::InvalidRequest`]), each reported
+    /// `Absent` when it does not exist. At most [`MAX_MANIFEST_ENTRIES`]
+    /// are answered (then `truncated` is set); the request must fit in a
+    /// frame.
+    Manifest {
+        /// The paths to report, or `None` for the changed ones.
+        paths: Option<Vec<String>>,
+    },
 }
 
 /// What `exec` runs.
@@ -206,6 +229,8 @@ pub enum Reply {
     Info(AgentInfo),
     /// To `Remove`, `Mkdir`, `Reseed`.
     Done,
+    /// To `Manifest`.
+    Manifest(Manifest),
 }
 
 /// Captured output of one stream.
@@ -314,6 +339,62 @@ pub struct DirEntry {
     pub name: String,
     /// Its facts.
     pub stat: FileStat,
+}
+
+/// What a [`ManifestEntry`]'s path is in the merged view.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum EntryKind {
+    /// Regular file.
+    File,
+    /// Directory.
+    Dir,
+    /// Symbolic link.
+    Symlink,
+    /// Anything else (device, socket, FIFO).
+    Other,
+    /// Nothing is there (deleted, whited out, or never existed; also when
+    /// an ancestor is not a directory, or the path cannot be looked up).
+    Absent,
+}
+
+/// One path of a [`Manifest`], as the sandbox sees it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ManifestEntry {
+    /// Absolute path in the sandbox (`/etc/hosts`). File names that are
+    /// not UTF-8 are converted lossily (U+FFFD).
+    pub path: String,
+    /// What is there.
+    pub kind: EntryKind,
+    /// Bytes: a file's length, a symlink's target length; 0 for
+    /// directories (their size is file-system bookkeeping) and `Absent`.
+    pub size: u64,
+    /// Permission bits including setuid, setgid and sticky (`mode & 0o7777`);
+    /// 0 for `Absent`.
+    pub mode: u32,
+    /// SHA-256, lowercase hex (64 characters): of the contents of a regular
+    /// file of at most [`MAX_HASHED_FILE_BYTES`], of the target string of a
+    /// symlink; `None` for everything else or when the file cannot be read.
+    pub sha256: Option<String>,
+}
+
+impl ManifestEntry {
+    /// An upper bound of this entry's encoded size (bytes), for keeping a
+    /// [`Manifest`] reply under [`MAX_FRAME_BYTES`](crate::MAX_FRAME_BYTES).
+    pub fn encoded_len_bound(&self) -> usize {
+        // Varint length + path, kind, size (varint <= 10), mode (varint <= 5),
+        // option tag + varint length + hash.
+        10 + self.path.len() + 1 + 10 + 5 + 1 + 10 + self.sha256.as_ref().map_or(0, String::len)
+    }
+}
+
+/// The answer to [`Op::Manifest`].
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Manifest {
+    /// Sorted by `path` (byte order), no duplicates.
+    pub entries: Vec<ManifestEntry>,
+    /// Entries were left out: more than [`MAX_MANIFEST_ENTRIES`], or more
+    /// than a frame holds (the last ones in path order are dropped then).
+    pub truncated: bool,
 }
 
 /// `info`.

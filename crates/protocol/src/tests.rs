@@ -30,7 +30,24 @@ fn arb_op() -> impl Strategy<Value = Op> {
         (".{0,20}", any::<bool>()).prop_map(|(path, recursive)| Op::Remove { path, recursive }),
         (proptest::collection::vec(any::<u8>(), 0..64), any::<u64>())
             .prop_map(|(entropy, unix_time_ns)| Op::Reseed(Reseed { entropy, unix_time_ns })),
+        proptest::option::of(proptest::collection::vec(".{0,20}", 0..8)).prop_map(|paths| Op::Manifest { paths }),
     ]
+}
+
+fn arb_entry_kind() -> impl Strategy<Value = EntryKind> {
+    prop_oneof![
+        Just(EntryKind::File),
+        Just(EntryKind::Dir),
+        Just(EntryKind::Symlink),
+        Just(EntryKind::Other),
+        Just(EntryKind::Absent),
+    ]
+}
+
+fn arb_manifest() -> impl Strategy<Value = Manifest> {
+    let entry = (".{0,30}", arb_entry_kind(), any::<u64>(), 0u32..0o10000, proptest::option::of("[0-9a-f]{64}"))
+        .prop_map(|(path, kind, size, mode, sha256)| ManifestEntry { path, kind, size, mode, sha256 });
+    (proptest::collection::vec(entry, 0..8), any::<bool>()).prop_map(|(entries, truncated)| Manifest { entries, truncated })
 }
 
 fn arb_result() -> impl Strategy<Value = Result<Reply, AgentError>> {
@@ -49,6 +66,8 @@ fn arb_result() -> impl Strategy<Value = Result<Reply, AgentError>> {
             timed_out: false
         }))),
         Just(Ok(Reply::Done)),
+        arb_manifest().prop_map(|m| Ok(Reply::Manifest(m))),
+        ".{0,20}".prop_map(|reason| Err(AgentError::Unsupported { reason })),
         ".{0,20}".prop_map(|path| Err(AgentError::NotFound { path })),
         (any::<u64>(), any::<u64>()).prop_map(|(size, limit)| Err(AgentError::TooLarge { size, limit })),
     ]
@@ -69,6 +88,15 @@ proptest! {
         let frame = encode(&resp).unwrap();
         let back: Response = read_message(&mut &frame[..]).unwrap();
         prop_assert_eq!(back, resp);
+    }
+
+    /// The size bound the agent budgets a manifest reply with holds.
+    #[test]
+    fn manifest_entries_encode_within_their_bound(m in arb_manifest()) {
+        for e in &m.entries {
+            let body = postcard::to_allocvec(e).unwrap();
+            prop_assert!(body.len() <= e.encoded_len_bound(), "{} > {}", body.len(), e.encoded_len_bound());
+        }
     }
 
     /// Arbitrary bytes never panic the decoder, and it never reads (so
@@ -155,4 +183,39 @@ fn limits_default_and_cap() {
     assert_eq!(effective_limits(MAX_TIMEOUT_MS, MAX_OUTPUT_LIMIT).unwrap(), (MAX_TIMEOUT_MS, MAX_OUTPUT_LIMIT));
     assert!(matches!(effective_limits(MAX_TIMEOUT_MS + 1, 0), Err(AgentError::InvalidRequest { .. })));
     assert!(matches!(effective_limits(0, MAX_OUTPUT_LIMIT + 1), Err(AgentError::InvalidRequest { .. })));
+}
+
+#[test]
+fn manifest_request_and_reply_round_trip() {
+    for paths in [None, Some(vec![]), Some(vec!["/etc/hosts".to_string(), "/tmp/x y".to_string()])] {
+        let req = Request { id: 7, op: Op::Manifest { paths } };
+        let frame = encode(&req).unwrap();
+        assert_eq!(read_message::<_, Request>(&mut &frame[..]).unwrap(), req);
+    }
+    let manifest = Manifest {
+        entries: vec![
+            ManifestEntry { path: "/etc".into(), kind: EntryKind::Dir, size: 0, mode: 0o755, sha256: None },
+            ManifestEntry { path: "/etc/gone".into(), kind: EntryKind::Absent, size: 0, mode: 0, sha256: None },
+            ManifestEntry {
+                path: "/usr/bin/sudo".into(),
+                kind: EntryKind::File,
+                size: u64::MAX,
+                mode: 0o4755,
+                sha256: Some("e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855".into()),
+            },
+        ],
+        truncated: true,
+    };
+    let resp = Response { id: 7, result: Ok(Reply::Manifest(manifest)) };
+    let frame = encode(&resp).unwrap();
+    assert_eq!(read_message::<_, Response>(&mut &frame[..]).unwrap(), resp);
+}
+
+#[test]
+fn existing_ops_keep_their_wire_tags() {
+    // Op::Manifest is appended: an old host's requests still decode the same.
+    assert_eq!(postcard::to_allocvec(&Op::Ping).unwrap(), [0]);
+    assert_eq!(postcard::to_allocvec(&Op::Info).unwrap(), [9]);
+    assert_eq!(postcard::to_allocvec(&Op::Manifest { paths: None }).unwrap(), [11, 0]);
+    assert_eq!(postcard::to_allocvec(&Reply::Done).unwrap(), [8]);
 }

@@ -14,16 +14,22 @@
 //! builds the default template on request ([`Manager::ensure_default_template`])
 //! and makes others from live sandboxes ([`Manager::snapshot`]).
 //!
+//! [`Manager::diff`] ([`diff`]) compares two sandboxes' file systems: the
+//! paths added, removed and modified, with unified diffs of small text
+//! files on request.
+//!
 //! Files: each sandbox owns `<run_dir>/<id>/` with `vsock.sock` (the
 //! hybrid-vsock socket) and `console.log`; the directory goes with the
 //! sandbox.
 
 #![deny(missing_docs)]
 
+pub mod diff;
 mod limits;
 mod manager;
 pub mod templates;
 
+pub use diff::{DiffOptions, DiffReport};
 pub use limits::{Limits, LimitsError};
 pub use templates::{TemplateError, TemplateInfo, DEFAULT_TEMPLATE};
 pub use manager::{

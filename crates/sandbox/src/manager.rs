@@ -866,7 +866,7 @@ impl Manager {
     }
 
     /// Sends `op` to a running sandbox's agent, waiting up to `timeout`.
-    async fn call(&self, id: &str, op: Op, timeout: Duration) -> Result<Reply, SandboxError> {
+    pub(crate) async fn call(&self, id: &str, op: Op, timeout: Duration) -> Result<Reply, SandboxError> {
         let sb = self.get(id)?;
         if sb.state() == SandboxState::Paused {
             tracing::info!(sandbox = %sb.id, "resuming a paused sandbox for a call");
@@ -1203,6 +1203,6 @@ impl Manager {
     }
 }
 
-fn unexpected(id: &str, reply: &Reply) -> SandboxError {
+pub(crate) fn unexpected(id: &str, reply: &Reply) -> SandboxError {
     SandboxError::Connection { id: id.to_string(), reason: format!("the agent answered with an unexpected {reply:?}") }
 }
