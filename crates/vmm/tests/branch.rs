@@ -1,0 +1,135 @@
+//! Branch a running Debian guest while a Python thread in it rewrites a
+//! 16 MiB buffer in a tight loop, and restore three children from the
+//! branch point. The loop is a deterministic chain (every value depends on
+//! the previous one and on the page's old contents), so a child finishes
+//! with the same checksum as the source only if its memory is the source's
+//! memory at one instant: a page copied after the source wrote it, or
+//! before the source's earlier writes, changes the result.
+
+use std::time::{Duration, Instant};
+
+use tine_agent_client::{AgentClient, AGENT_PORT};
+use vmm::{BranchMode, MemoryBacking, Vm};
+
+/// The writer: `GENERATIONS` passes over the buffer, one 8-byte word per
+/// 4 KiB page, each a step of a 64-bit LCG chained through the whole pass
+/// and mixed with the word's old value.
+const WRITER: &str = r#"
+import threading, hashlib
+GENERATIONS = 3000
+buf = bytearray(16 << 20)
+words = memoryview(buf).cast('Q')
+progress = {'gen': 0}
+def work():
+    x = 1
+    for g in range(GENERATIONS):
+        for i in range(0, len(words), 512):
+            x = (x * 6364136223846793005 + words[i] + 1442695040888963407) & 0xFFFFFFFFFFFFFFFF
+            words[i] = x
+        progress['gen'] = g + 1
+writer = threading.Thread(target=work)
+writer.start()
+"#;
+
+const FINISH: &str = "writer.join()\n(progress['gen'], hashlib.sha256(buf).hexdigest())";
+
+async fn connect(uds: &std::path::Path) -> AgentClient {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        match AgentClient::connect(uds, AGENT_PORT).await {
+            Ok(a) => return a,
+            Err(e) if Instant::now() < deadline => {
+                eprintln!("connect: {e}; retrying");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Err(e) => panic!("agent unreachable: {e}"),
+        }
+    }
+}
+
+async fn python(agent: &AgentClient, code: &str) -> String {
+    let r = agent.python(code, 600_000).await.expect("python call");
+    assert!(r.exception.is_none(), "{r:?}");
+    r.value.unwrap_or_default()
+}
+
+async fn generation(agent: &AgentClient) -> u64 {
+    python(agent, "progress['gen']").await.parse().expect("a generation number")
+}
+
+#[test]
+fn children_of_a_busy_source_see_one_instant() {
+    if !testkit::kvm_available("branch") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let uds = dir.path().join("src.vsock");
+    let source = Vm::start(&testkit::agent_vm_config("br-src", &uds)).expect("the source starts");
+    let console = source.console().clone();
+    assert!(console.wait_for("listening on vsock port 1024", Duration::from_secs(600)), "agent never started");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let agent = rt.block_on(connect(&uds));
+
+    let before = rt.block_on(async {
+        python(&agent, WRITER).await;
+        // Wait until the loop is well under way.
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            let g = generation(&agent).await;
+            if g >= 20 || Instant::now() > deadline {
+                break g;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
+    let (branch, report) = source.branch(Duration::from_secs(5)).expect("branch");
+    let after = rt.block_on(generation(&agent));
+    eprintln!("branch report: {report:?}; the writer was at generation {before} before and {after} after");
+    assert!(before >= 20 && after < 3000, "the writer must run during the branch (generation {before} -> {after})");
+    assert_eq!(report.mode, BranchMode::WriteProtect, "{:?}", report.fallback_reason);
+    assert!(report.write_faults > 0, "the source never wrote during the copy: {report:?}");
+
+    let mut sums = Vec::new();
+    let mut children = Vec::new();
+    for i in 0..3 {
+        let name = format!("br-child{i}");
+        let uds = dir.path().join(format!("{name}.vsock"));
+        let t = Instant::now();
+        let vm = Vm::restore(&testkit::agent_vm_config(&name, &uds), &branch, MemoryBacking::Private).expect("a child restores");
+        let console = vm.console().clone();
+        let sum = testkit::with_console_on_panic(&console, || {
+            rt.block_on(async {
+                let agent = connect(&uds).await;
+                eprintln!("child {i}: agent answered {:?} after the restore", t.elapsed());
+                python(&agent, FINISH).await
+            })
+        });
+        eprintln!("child {i}: {sum}");
+        sums.push(sum);
+        children.push((vm, uds));
+    }
+    drop(branch);
+    let source_sum = testkit::with_console_on_panic(&console, || rt.block_on(python(&agent, FINISH)));
+    eprintln!("source: {source_sum}");
+    assert!(source_sum.starts_with("(3000, "), "{source_sum}");
+    for (i, sum) in sums.iter().enumerate() {
+        assert_eq!(sum, &source_sum, "child {i} does not match the source");
+    }
+
+    // A child's RAM (the branch point's memfd mapped MAP_PRIVATE) can be
+    // write-protected in turn: branches of branches need no full copy.
+    let (child, child_uds) = &children[0];
+    let (grandchild_point, report) = child.branch(Duration::from_secs(5)).expect("branch of a child");
+    eprintln!("branch of a child: {report:?}");
+    assert_eq!(report.mode, BranchMode::WriteProtect, "{:?}", report.fallback_reason);
+    let uds = dir.path().join("br-grandchild.vsock");
+    let grandchild = Vm::restore(&testkit::agent_vm_config("br-grandchild", &uds), &grandchild_point, MemoryBacking::Private)
+        .expect("a grandchild restores");
+    let gc_console = grandchild.console().clone();
+    testkit::with_console_on_panic(&gc_console, || {
+        rt.block_on(async {
+            let agent = connect(&uds).await;
+            assert_eq!(python(&agent, "hashlib.sha256(buf).hexdigest()").await, python(&connect(child_uds).await, "hashlib.sha256(buf).hexdigest()").await);
+        })
+    });
+}
