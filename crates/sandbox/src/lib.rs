@@ -33,5 +33,6 @@ pub use diff::{DiffOptions, DiffReport};
 pub use limits::{Limits, LimitsError};
 pub use templates::{TemplateError, TemplateInfo, DEFAULT_TEMPLATE};
 pub use manager::{
-    ExecRequest, Manager, ManagerConfig, SandboxError, SandboxId, SandboxInfo, SandboxSpec, SandboxState, Usage,
+    BranchResult, ExecRequest, Lineage, Manager, ManagerConfig, SandboxError, SandboxId, SandboxInfo, SandboxSpec,
+    SandboxState, Usage,
 };

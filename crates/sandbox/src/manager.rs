@@ -19,6 +19,9 @@ use tine_protocol::{
 use vmm::{DiskConfig, HostProfile, MemoryBacking, RunningVm, Vm, VmConfig, VmError, VmExit, VsockConfig};
 
 use crate::limits::{Limits, LimitsError};
+
+mod branch;
+pub use branch::BranchResult;
 use crate::templates::{Template, TemplateError, TemplateInfo, TemplateMeta, TemplateStore, DEFAULT_TEMPLATE};
 
 /// A sandbox's id, `sb-<n>`.
@@ -128,6 +131,9 @@ pub struct SandboxInfo {
     /// The template it was restored from (`None`: booted).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub template: Option<String>,
+    /// Branch parent and children.
+    #[serde(skip_serializing_if = "Lineage::is_empty")]
+    pub lineage: Lineage,
     /// Creation time, ms since the Unix epoch.
     pub created_at_ms: u64,
     /// Time since creation (ms).
@@ -268,6 +274,45 @@ pub enum SandboxError {
         #[source]
         source: VmError,
     },
+    /// Taking the branch point failed.
+    #[error("cannot branch sandbox {id}: {source}")]
+    Branch {
+        /// The id.
+        id: SandboxId,
+        /// Why.
+        #[source]
+        source: VmError,
+    },
+    /// Children of a branch did not start; none were kept.
+    #[error("{failed} of {n} children of sandbox {id} did not start, so none were kept (first error: {first}); the source is unchanged")]
+    BranchChildren {
+        /// The source.
+        id: SandboxId,
+        /// Children that failed.
+        failed: usize,
+        /// Children asked for.
+        n: usize,
+        /// The first failure.
+        first: String,
+    },
+    /// A branch asked for no children, or more than the limit allows.
+    #[error("n must be 1..={max} (the live-sandbox limit minus the live sandboxes), got {n}")]
+    BranchCount {
+        /// Requested children.
+        n: usize,
+        /// At most this many now.
+        max: usize,
+    },
+    /// A merge between sandboxes that are not parent and descendant.
+    #[error("sandbox {winner} was not branched from {parent} (its lineage: {lineage}); merge a sandbox into the one it was branched from, or an ancestor of it")]
+    NotDescendant {
+        /// The would-be winner.
+        winner: SandboxId,
+        /// The would-be parent.
+        parent: SandboxId,
+        /// The winner's ancestors, nearest first.
+        lineage: String,
+    },
     /// A host file or directory operation failed.
     #[error("{what}: {source}")]
     Io {
@@ -294,7 +339,11 @@ struct Sandbox {
     idle_timeout: Duration,
     created: Instant,
     created_at_ms: u64,
-    dir: PathBuf,
+    /// The VM's files (vsock socket, console log). A merge gives a sandbox
+    /// its winner's VM, and with it the winner's directory.
+    dir: Mutex<PathBuf>,
+    /// Where it came from and what came from it.
+    lineage: Mutex<Lineage>,
     status: Mutex<Status>,
     last_used: Mutex<Instant>,
     /// `None` once stopped; whoever takes it stops it.
@@ -305,6 +354,34 @@ struct Sandbox {
     busy: AtomicU64,
     /// Held by pause, resume and snapshot, one at a time.
     control: Mutex<()>,
+}
+
+/// A sandbox's place in a branch tree.
+#[derive(Clone, Debug, Default, Serialize, JsonSchema)]
+pub struct Lineage {
+    /// The sandbox it was branched from (which may be gone since).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub parent: Option<SandboxId>,
+    /// When it was branched, ms since the Unix epoch.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub branched_at_ms: Option<u64>,
+    /// Live sandboxes branched from it, oldest first.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub children: Vec<SandboxId>,
+    /// The last sandbox merged into it (`sandbox_merge_into`), whose VM
+    /// it now runs.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub merged_from: Option<SandboxId>,
+    /// When that merge happened, ms since the Unix epoch.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub merged_at_ms: Option<u64>,
+}
+
+impl Lineage {
+    /// Whether there is nothing to say.
+    pub fn is_empty(&self) -> bool {
+        self.parent.is_none() && self.children.is_empty() && self.merged_from.is_none()
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -328,7 +405,7 @@ impl Sandbox {
     ) -> Self {
         Sandbox {
             id,
-            dir,
+            dir: Mutex::new(dir),
             vcpus,
             memory_mib,
             labels,
@@ -336,6 +413,7 @@ impl Sandbox {
             idle_timeout,
             created: Instant::now(),
             created_at_ms: unix_ms(),
+            lineage: Mutex::new(Lineage::default()),
             status: Mutex::new(Status { state: SandboxState::Starting, error: None, boot_ms: None }),
             last_used: Mutex::new(Instant::now()),
             vm: Mutex::new(None),
@@ -348,6 +426,10 @@ impl Sandbox {
 
     fn state(&self) -> SandboxState {
         lock(&self.status).state
+    }
+
+    fn dir(&self) -> PathBuf {
+        lock(&self.dir).clone()
     }
 
     fn touch(&self) {
@@ -364,6 +446,7 @@ impl Sandbox {
             memory_mib: self.memory_mib,
             labels: self.labels.clone(),
             template: self.template.clone(),
+            lineage: lock(&self.lineage).clone(),
             created_at_ms: self.created_at_ms,
             uptime_ms: self.created.elapsed().as_millis() as u64,
             boot_ms: st.boot_ms,
@@ -415,6 +498,18 @@ impl Sandbox {
     }
 }
 
+/// Starts the thread that waits for `sb`'s VM (`watcher`) to end by
+/// itself and records why ([`Sandbox::on_vm_exit`]).
+fn spawn_monitor(sb: &Arc<Sandbox>, watcher: vmm::ExitWatcher) -> std::io::Result<JoinHandle<()>> {
+    let weak: Weak<Sandbox> = Arc::downgrade(sb);
+    std::thread::Builder::new().name(format!("mon-{}", sb.id)).spawn(move || {
+        watcher.wait(None);
+        if let Some(sb) = weak.upgrade() {
+            sb.on_vm_exit();
+        }
+    })
+}
+
 /// Removes `dir` and everything in it; a missing directory is fine.
 fn remove_dir(dir: &std::path::Path) {
     match std::fs::remove_dir_all(dir) {
@@ -445,6 +540,8 @@ pub struct Manager {
 enum Origin {
     Boot,
     Template(Arc<Template>),
+    /// A branch point of another sandbox.
+    Branch(Arc<vmm::Snapshot>),
 }
 
 /// Marks the default template as being built for as long as it lives.
@@ -593,7 +690,7 @@ impl Manager {
             let id = format!("sb-{}", self.next_id.fetch_add(1, Ordering::Relaxed));
             let template = match &origin {
                 Origin::Template(t) => Some(t.meta.name.clone()),
-                Origin::Boot => None,
+                Origin::Boot | Origin::Branch(_) => None,
             };
             let sandbox = Arc::new(Sandbox::new(
                 id.clone(),
@@ -613,7 +710,7 @@ impl Manager {
                 lock(&self.sandboxes).remove(&sandbox.id);
                 let sb = sandbox.clone();
                 let _ = tokio::task::spawn_blocking(move || sb.stop_vm()).await;
-                remove_dir(&sandbox.dir);
+                remove_dir(&sandbox.dir());
                 tracing::warn!(sandbox = %sandbox.id, "creation failed: {e}");
                 Err(e)
             }
@@ -622,8 +719,9 @@ impl Manager {
 
     async fn boot(&self, sb: &Arc<Sandbox>, origin: Origin) -> Result<(), SandboxError> {
         let io = |what: String| move |source| SandboxError::Io { what, source };
-        std::fs::create_dir(&sb.dir).map_err(io(format!("create {}", sb.dir.display())))?;
-        let uds = sb.dir.join("vsock.sock");
+        let dir = sb.dir();
+        std::fs::create_dir(&dir).map_err(io(format!("create {}", dir.display())))?;
+        let uds = dir.join("vsock.sock");
         if uds.as_os_str().len() > MAX_UDS_PATH {
             return Err(SandboxError::Io {
                 what: format!("socket path {} is longer than {MAX_UDS_PATH} bytes; use a shorter data directory", uds.display()),
@@ -634,7 +732,7 @@ impl Manager {
         // already); the boot timeout starts once the VM does.
         let _slot = match origin {
             Origin::Boot => Some(self.boot_slots.acquire().await.map_err(|_| SandboxError::ShuttingDown)?),
-            Origin::Template(_) => None,
+            Origin::Template(_) | Origin::Branch(_) => None,
         };
         if self.shutting_down.load(Ordering::SeqCst) {
             return Err(SandboxError::ShuttingDown);
@@ -643,7 +741,7 @@ impl Manager {
         config.profile = self.config.profile;
         config.vcpus = sb.vcpus;
         config.mem_mib = sb.memory_mib;
-        config.console_log = Some(sb.dir.join("console.log"));
+        config.console_log = Some(dir.join("console.log"));
         config.disks = vec![DiskConfig { path: self.config.rootfs.clone(), read_only: true, id: "root".into() }];
         config.vsock = Some(VsockConfig { cid: GUEST_CID, uds_path: uds.clone() });
         config.cmdline = "root=/dev/vda ro rootfstype=ext4 quiet".into();
@@ -652,6 +750,9 @@ impl Manager {
         let vm = tokio::task::spawn_blocking(move || match origin {
             Origin::Boot => Vm::start(&config),
             Origin::Template(t) => Vm::restore(&config, &t.snapshot, backing),
+            // Children share the branch point's pages (MAP_PRIVATE of its
+            // memfd) whatever the templates' backing.
+            Origin::Branch(s) => Vm::restore(&config, &s, MemoryBacking::Private),
         })
         .await
             .map_err(|e| SandboxError::Io { what: "VM start task".into(), source: std::io::Error::other(e) })?
@@ -659,17 +760,7 @@ impl Manager {
         let watcher = vm.exit_watcher();
         let started = vm.started();
         *lock(&sb.vm) = Some(vm);
-        let weak: Weak<Sandbox> = Arc::downgrade(sb);
-        let w = watcher.clone();
-        let monitor = std::thread::Builder::new()
-            .name(format!("mon-{}", sb.id))
-            .spawn(move || {
-                w.wait(None);
-                if let Some(sb) = weak.upgrade() {
-                    sb.on_vm_exit();
-                }
-            })
-            .map_err(io("spawn the monitor thread".into()))?;
+        let monitor = spawn_monitor(sb, watcher.clone()).map_err(io("spawn the monitor thread".into()))?;
         *lock(&sb.monitor) = Some(monitor);
 
         let deadline = Instant::now() + Duration::from_secs(self.config.limits.boot_timeout_secs);
@@ -799,10 +890,11 @@ impl Manager {
             sb
         };
         let _dying = Dying(self);
+        self.leave_parent(&sb);
         sb.end(SandboxState::Stopped, Some("killed".into()));
         let s = sb.clone();
         let _ = tokio::task::spawn_blocking(move || s.stop_vm()).await;
-        remove_dir(&sb.dir);
+        remove_dir(&sb.dir());
         tracing::info!(sandbox = %id, "sandbox killed");
         Ok(())
     }
@@ -1100,7 +1192,7 @@ impl Manager {
         sb.end(SandboxState::Stopped, None);
         let s = sb.clone();
         let _ = tokio::task::spawn_blocking(move || s.stop_vm()).await;
-        remove_dir(&sb.dir);
+        remove_dir(&sb.dir());
         match r {
             Ok(()) => {
                 tracing::info!("the default template is ready");

@@ -145,7 +145,8 @@ pub struct TemplateInfo {
 pub struct Template {
     /// `template.json`.
     pub meta: TemplateMeta,
-    /// The snapshot, checked (checksums, version) when loaded.
+    /// The snapshot, checked (checksums, version) when loaded, its memory
+    /// copied into a memfd ([`Snapshot::into_memory`]).
     pub snapshot: Snapshot,
     /// Identity of the state and memory files when loaded.
     files: (FileIdentity, FileIdentity),
@@ -301,8 +302,12 @@ impl TemplateStore {
         if let Some(e) = stale(&meta, &self.images()?) {
             return Err(e);
         }
-        let snapshot =
-            Snapshot::load(&self.path(name)).map_err(|source| TemplateError::Snapshot { name: name.to_string(), source })?;
+        // Held in a memfd, the memory is shmem: sandboxes restored from it
+        // map that, which userfaultfd can write-protect, so they branch
+        // without a copy while paused (see `vmm::branch`).
+        let snapshot = Snapshot::load(&self.path(name))
+            .and_then(|s| s.into_memory(name))
+            .map_err(|source| TemplateError::Snapshot { name: name.to_string(), source })?;
         let t = Arc::new(Template { meta, snapshot, files });
         lock(&self.cache).insert(name.to_string(), t.clone());
         Ok(t)

@@ -18,7 +18,9 @@ use rmcp::{tool, tool_handler, tool_router, Json, ServerHandler};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use tine_protocol::{ExitStatus, FileKind, Output, MAX_FILE_CHUNK};
-use tine_sandbox::{ExecRequest, Manager, SandboxError, SandboxInfo, SandboxSpec, TemplateInfo};
+use tine_sandbox::{
+    BranchResult, DiffOptions, DiffReport, ExecRequest, Manager, SandboxError, SandboxInfo, SandboxSpec, TemplateInfo,
+};
 
 /// The label that marks a session's own sandbox.
 pub const SESSION_LABEL: &str = "tine/session-sandbox";
@@ -87,6 +89,41 @@ pub struct SnapshotParams {
 pub struct TemplateListResult {
     /// Every template, by name.
     pub templates: Vec<TemplateInfo>,
+}
+
+/// `sandbox_branch`.
+#[derive(Debug, Deserialize, JsonSchema)]
+pub struct BranchParams {
+    /// The sandbox to branch (default: this session's own sandbox).
+    pub sandbox_id: Option<String>,
+    /// How many children (at least 1; at most the live-sandbox limit minus
+    /// the live sandboxes).
+    pub n: usize,
+}
+
+/// `sandbox_diff`.
+#[derive(Debug, Deserialize, JsonSchema)]
+pub struct DiffParams {
+    /// One sandbox ("before").
+    pub a: String,
+    /// The other ("after").
+    pub b: String,
+    /// Also return a unified diff of each changed text file up to
+    /// max_text_bytes (default false).
+    #[serde(default)]
+    pub unified: bool,
+    /// Largest file (bytes) that gets a unified diff (default 65536).
+    pub max_text_bytes: Option<u64>,
+}
+
+/// `sandbox_merge_into`.
+#[derive(Debug, Deserialize, JsonSchema)]
+pub struct MergeParams {
+    /// The sandbox whose state wins: a sandbox branched (directly or not)
+    /// from parent. Its id ceases to exist.
+    pub winner: String,
+    /// The sandbox that takes the winner's state and keeps its own id.
+    pub parent: String,
 }
 
 /// Tools that only need the sandbox.
@@ -402,7 +439,8 @@ impl TineMcp {
     }
 
     #[tool(
-        description = "List templates: snapshots of a ready sandbox that sandbox_create { template } starts from                        in a fraction of a boot's time. 'default' is what sandbox_create uses when none is named.",
+        description = "List templates: snapshots of a ready sandbox that sandbox_create { template } starts from \
+                       in a fraction of a boot's time. 'default' is what sandbox_create uses when none is named.",
         annotations(title = "List templates", read_only_hint = true, open_world_hint = false)
     )]
     async fn template_list(&self) -> Result<Json<TemplateListResult>, String> {
@@ -410,12 +448,58 @@ impl TineMcp {
     }
 
     #[tool(
-        description = "Save a running sandbox as a new template under a name: its memory, running processes,                        files and Python state as they are now. The sandbox pauses for the copy and goes on.                        Then sandbox_create { template: name } makes copies of it, each with fresh randomness                        and the current clock.",
+        description = "Save a running sandbox as a new template under a name: its memory, running processes, \
+                       files and Python state as they are now. The sandbox pauses for the copy and goes on. \
+                       Then sandbox_create { template: name } makes copies of it, each with fresh randomness \
+                       and the current clock.",
         annotations(title = "Snapshot sandbox", read_only_hint = false, destructive_hint = false, open_world_hint = false)
     )]
     async fn sandbox_snapshot(&self, Parameters(p): Parameters<SnapshotParams>) -> Result<Json<TemplateInfo>, String> {
         let id = self.target(p.sandbox_id).await?;
         self.manager.snapshot(&id, &p.name).await.map(Json).map_err(err)
+    }
+
+    #[tool(
+        description = "Branch a running sandbox into n children: each child starts from the sandbox's exact \
+                       state at this instant (memory, running processes, Python variables, files) and then goes \
+                       its own way; the source keeps running, paused for milliseconds. Children share unchanged \
+                       memory. Returns the children's ids. Compare children with sandbox_diff, keep the best with \
+                       sandbox_merge_into, kill the rest with sandbox_kill.",
+        annotations(title = "Branch sandbox", read_only_hint = false, destructive_hint = false, open_world_hint = false)
+    )]
+    async fn sandbox_branch(&self, Parameters(p): Parameters<BranchParams>) -> Result<Json<BranchResult>, String> {
+        let id = self.target(p.sandbox_id).await?;
+        self.manager.branch(&id, p.n).await.map(Json).map_err(err)
+    }
+
+    #[tool(
+        description = "Compare two sandboxes' filesystems (everything written since boot, and /tmp): the paths \
+                       added, removed and modified from a to b, with size, mode and SHA-256, and on request a \
+                       unified diff of small text files.",
+        annotations(title = "Diff sandboxes", read_only_hint = true, open_world_hint = false)
+    )]
+    async fn sandbox_diff(&self, Parameters(p): Parameters<DiffParams>) -> Result<Json<DiffReport>, String> {
+        let mut opts = DiffOptions { unified: p.unified, ..DiffOptions::default() };
+        if let Some(max) = p.max_text_bytes {
+            opts.max_text_bytes = max;
+        }
+        self.manager.diff(&p.a, &p.b, opts).await.map(Json).map_err(err)
+    }
+
+    #[tool(
+        description = "Merge a branched sandbox (winner) into the sandbox it was branched from (parent): the \
+                       parent's VM is replaced by the winner's, so the parent's id now has the winner's memory, \
+                       processes, Python state and files; the winner's id ceases to exist; other children are \
+                       untouched.",
+        annotations(title = "Merge sandbox into its parent", read_only_hint = false, destructive_hint = true, open_world_hint = false)
+    )]
+    async fn sandbox_merge_into(&self, Parameters(p): Parameters<MergeParams>) -> Result<Json<SandboxInfo>, String> {
+        let info = self.manager.merge_into(&p.winner, &p.parent).await.map_err(err)?;
+        let mut own = self.session.id.lock().await;
+        if own.as_deref() == Some(p.winner.as_str()) {
+            *own = None;
+        }
+        Ok(Json(info))
     }
 
     #[tool(

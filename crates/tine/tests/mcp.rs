@@ -504,3 +504,113 @@ async fn templates_end_to_end() {
     let v = call(&client, "sandbox_exec", json!({"sandbox_id": src, "command": "cat /root/work/state.txt"})).await.unwrap();
     assert_eq!(v["stdout"], "made before the snapshot\n");
 }
+
+/// Issue 7's scenario through MCP: Python `x = 1` and a file in a source;
+/// branch into 4; each child gets its own `x` and file; the source keeps
+/// its own; `sandbox_diff` of two children lists exactly the paths that
+/// differ; one child merged into the source gives the source its `x` and
+/// file, and the other children are untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn branch_diff_merge_end_to_end() {
+    if !testkit::kvm_available("branch_diff_merge_end_to_end") {
+        return;
+    }
+    let _serial = SERIAL.lock().await;
+    let server = TineServer::start(binary(), None, CONFIG);
+    let client = server.client().await;
+    let py = |id: &str, code: &str| json!({"sandbox_id": id, "code": code, "timeout_secs": 600});
+    let write = |id: &str, path: &str, content: &str| json!({"sandbox_id": id, "path": path, "content": content});
+    let exists = |id: &str, path: &str| json!({"sandbox_id": id, "command": format!("test -e {path} && echo yes || echo no")});
+
+    let source = call(&client, "sandbox_create", json!({})).await.expect("create the source");
+    let src = source["sandbox_id"].as_str().unwrap().to_string();
+    let v = call(&client, "sandbox_run_python", py(&src, "x = 1\nx")).await.unwrap();
+    assert_eq!(v["result"], "1", "{v}");
+    call(&client, "sandbox_files_write", write(&src, "/root/work/source.txt", "from the source\n")).await.expect("write");
+
+    let t = Instant::now();
+    let b = call(&client, "sandbox_branch", json!({"sandbox_id": src, "n": 4})).await.expect("branch");
+    eprintln!("sandbox_branch n=4 in {:.2} s: {b}", t.elapsed().as_secs_f64());
+    assert_eq!(b["mode"], "write_protect", "a sandbox restored from a template can be write-protected: {b}");
+    let kids: Vec<String> = b["children"].as_array().unwrap().iter().map(|c| c["sandbox_id"].as_str().unwrap().to_string()).collect();
+    assert_eq!(kids.len(), 4, "{b}");
+    assert!(b["pause_ms"].as_f64().unwrap() < 1000.0, "{b}");
+
+    // Each child starts with the source's state, then goes its own way.
+    for (i, id) in kids.iter().enumerate() {
+        let v = call(&client, "sandbox_run_python", py(id, &format!("before = x\nx = {}\n(before, x)", 100 + i))).await.unwrap();
+        assert_eq!(v["result"], format!("(1, {})", 100 + i), "{id}: {v}");
+        let f = call(&client, "sandbox_files_read", json!({"sandbox_id": id, "path": "/root/work/source.txt"})).await.unwrap();
+        assert_eq!(f["content"], "from the source\n", "{id}");
+        call(&client, "sandbox_files_write", write(id, &format!("/root/work/child{i}.txt"), &format!("child {i}\n"))).await.unwrap();
+    }
+    for (i, id) in kids.iter().enumerate() {
+        let v = call(&client, "sandbox_run_python", py(id, "x")).await.unwrap();
+        assert_eq!(v["result"], format!("{}", 100 + i), "{id}: {v}");
+        for j in 0..kids.len() {
+            let v = call(&client, "sandbox_exec", exists(id, &format!("/root/work/child{j}.txt"))).await.unwrap();
+            assert_eq!(v["stdout"], if i == j { "yes\n" } else { "no\n" }, "{id}: child{j}.txt");
+        }
+    }
+    let v = call(&client, "sandbox_run_python", py(&src, "x")).await.unwrap();
+    assert_eq!(v["result"], "1", "the source is unchanged: {v}");
+    let v = call(&client, "sandbox_exec", json!({"sandbox_id": src, "command": "cat /root/work/source.txt; ls /root/work"})).await.unwrap();
+    assert_eq!(v["stdout"], "from the source\nsource.txt\n", "{v}");
+
+    // Lineage.
+    let info = call(&client, "sandbox_info", json!({"sandbox_id": src})).await.unwrap();
+    assert_eq!(info["lineage"]["children"], json!(kids), "{info}");
+    let info = call(&client, "sandbox_info", json!({"sandbox_id": kids[0]})).await.unwrap();
+    assert_eq!(info["lineage"]["parent"], src.as_str(), "{info}");
+    assert!(info["lineage"]["branched_at_ms"].as_u64().is_some(), "{info}");
+
+    // The diff of two children: exactly their two files.
+    let d = call(&client, "sandbox_diff", json!({"a": kids[0], "b": kids[1], "unified": true})).await.expect("diff");
+    eprintln!("diff: {d}");
+    let paths = |k: &str| -> Vec<String> { d[k].as_array().unwrap().iter().map(|c| c["path"].as_str().unwrap().to_string()).collect() };
+    assert_eq!(paths("added"), ["/root/work/child1.txt"], "{d}");
+    assert_eq!(paths("removed"), ["/root/work/child0.txt"], "{d}");
+    assert_eq!(paths("modified"), Vec::<String>::new(), "{d}");
+    let added = &d["added"][0];
+    assert_eq!(added["b"]["size"], 8, "{d}");
+    assert!(added["unified_diff"].as_str().is_some_and(|u| u.contains("+child 1")), "{d}");
+    // A file changed in one child shows as modified.
+    call(&client, "sandbox_files_write", write(&kids[1], "/root/work/source.txt", "changed in child 1\n")).await.unwrap();
+    let d = call(&client, "sandbox_diff", json!({"a": kids[0], "b": kids[1]})).await.expect("diff");
+    let modified: Vec<&str> = d["modified"].as_array().unwrap().iter().map(|c| c["path"].as_str().unwrap()).collect();
+    assert_eq!(modified, ["/root/work/source.txt"], "{d}");
+
+    // Bad requests get clear errors and change nothing.
+    let e = call(&client, "sandbox_branch", json!({"sandbox_id": src, "n": 0})).await.unwrap_err();
+    assert!(e.contains("n must be"), "{e}");
+    let e = call(&client, "sandbox_branch", json!({"sandbox_id": src, "n": 100})).await.unwrap_err();
+    assert!(e.contains("n must be"), "{e}");
+    let e = call(&client, "sandbox_merge_into", json!({"winner": kids[0], "parent": kids[1]})).await.unwrap_err();
+    assert!(e.contains("was not branched from"), "{e}");
+    let e = call(&client, "sandbox_diff", json!({"a": kids[0], "b": "sb-999"})).await.unwrap_err();
+    assert!(e.contains("no sandbox sb-999"), "{e}");
+
+    // Merge child 2 into the source.
+    let m = call(&client, "sandbox_merge_into", json!({"winner": kids[2], "parent": src})).await.expect("merge");
+    assert_eq!(m["sandbox_id"], src.as_str(), "{m}");
+    assert_eq!(m["lineage"]["merged_from"], kids[2].as_str(), "{m}");
+    let v = call(&client, "sandbox_run_python", py(&src, "x")).await.unwrap();
+    assert_eq!(v["result"], "102", "the source now has child 2's state: {v}");
+    let v = call(&client, "sandbox_exec", exists(&src, "/root/work/child2.txt")).await.unwrap();
+    assert_eq!(v["stdout"], "yes\n");
+    let e = call(&client, "sandbox_info", json!({"sandbox_id": kids[2]})).await.unwrap_err();
+    assert!(e.contains("no sandbox"), "the winner's id is gone: {e}");
+    let info = call(&client, "sandbox_info", json!({"sandbox_id": src})).await.unwrap();
+    assert_eq!(info["lineage"]["children"], json!([kids[0], kids[1], kids[3]]), "{info}");
+    for (i, id) in kids.iter().enumerate().filter(|(i, _)| *i != 2) {
+        let v = call(&client, "sandbox_run_python", py(id, "x")).await.unwrap();
+        assert_eq!(v["result"], format!("{}", 100 + i), "sibling {id} is untouched: {v}");
+    }
+    let list = call(&client, "sandbox_list", json!({})).await.unwrap();
+    assert_eq!(list["sandboxes"].as_array().unwrap().len(), 4, "{list}");
+    // The merged sandbox can be branched again.
+    let b = call(&client, "sandbox_branch", json!({"sandbox_id": src, "n": 1})).await.expect("branch after merge");
+    let kid = b["children"][0]["sandbox_id"].as_str().unwrap().to_string();
+    let v = call(&client, "sandbox_run_python", py(&kid, "x")).await.unwrap();
+    assert_eq!(v["result"], "102", "{v}");
+}

@@ -763,6 +763,12 @@ impl RunningVm {
         Ok((snapshot, report))
     }
 
+    /// Guest RAM. For tests and benchmarks: writing to memory the guest
+    /// uses corrupts it.
+    pub fn ram(&self) -> &GuestRam {
+        &self._ram
+    }
+
     /// Lets paused vCPUs run again (nothing happens if none is paused).
     pub fn resume(&self) {
         let mut p = self.shared.pause.lock().unwrap_or_else(|e| e.into_inner());

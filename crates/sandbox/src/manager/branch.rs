@@ -1,0 +1,290 @@
+//! Branch and merge: a running sandbox becomes the parent of `n` children
+//! restored from one branch point of it ([`vmm::RunningVm::branch`]), and a
+//! child's VM can later take its parent's place.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use schemars::JsonSchema;
+use serde::Serialize;
+use vmm::BranchMode;
+
+use super::{lock, remove_dir, spawn_monitor, unix_ms, Manager, Origin, Sandbox, SandboxError, SandboxId, SandboxInfo, SandboxState};
+
+/// What `sandbox_branch` made and what it cost.
+#[derive(Clone, Debug, Serialize, JsonSchema)]
+pub struct BranchResult {
+    /// The source sandbox.
+    pub sandbox_id: SandboxId,
+    /// The children, running, each from the source's state at the branch.
+    pub children: Vec<SandboxInfo>,
+    /// How the source's memory was copied: `write_protect` (the source ran
+    /// on during the copy, each page copied before its first write) or
+    /// `copy_while_paused`.
+    pub mode: String,
+    /// Why the copy was made while paused, if it was.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fallback_reason: Option<String>,
+    /// How long the source's vCPUs were stopped (ms).
+    pub pause_ms: f64,
+    /// From the pause until the branch point's memory was complete (ms).
+    pub copy_ms: f64,
+    /// Guest memory copied into the branch point (bytes; zero pages left out).
+    pub memory_copied_bytes: u64,
+    /// Pages copied early because the source was about to write them.
+    pub pages_copied_before_write: u64,
+    /// From the call until every child's agent answered (ms).
+    pub ready_ms: u64,
+}
+
+impl Manager {
+    /// Branches sandbox `id` into `n` children: each starts from the
+    /// source's memory, processes, files and vCPU state at one instant, and
+    /// gets fresh host entropy and the host clock. The source goes on
+    /// running (a paused source stays paused). The children share the
+    /// branch point's pages until they write them.
+    ///
+    /// If any child fails to start, none is kept.
+    ///
+    /// Errors: [`SandboxError::NotFound`], [`SandboxError::BadState`],
+    /// [`SandboxError::BranchCount`], [`SandboxError::Branch`],
+    /// [`SandboxError::ShuttingDown`], and those of starting a sandbox.
+    pub async fn branch(self: &Arc<Self>, id: &str, n: usize) -> Result<BranchResult, SandboxError> {
+        let (me, id) = (self.clone(), id.to_string());
+        match tokio::spawn(async move { me.branch_inner(&id, n).await }).await {
+            Ok(r) => r,
+            Err(e) => Err(SandboxError::Io { what: "branch task".into(), source: std::io::Error::other(e) }),
+        }
+    }
+
+    async fn branch_inner(self: &Arc<Self>, id: &str, n: usize) -> Result<BranchResult, SandboxError> {
+        let started = Instant::now();
+        let source = self.get(id)?;
+        match source.state() {
+            SandboxState::Running | SandboxState::Paused => {}
+            state => return Err(SandboxError::BadState { id: source.id.clone(), state, what: "a branch" }),
+        }
+        let children = self.reserve_children(&source, n)?;
+        let src = source.clone();
+        let taken = tokio::task::spawn_blocking(move || {
+            let _control = lock(&src.control);
+            let vm = lock(&src.vm);
+            let Some(vm) = vm.as_ref() else {
+                return Err(SandboxError::BadState { id: src.id.clone(), state: src.state(), what: "a branch" });
+            };
+            vm.branch(Self::PAUSE_TIMEOUT).map_err(|source| SandboxError::Branch { id: src.id.clone(), source })
+        })
+        .await
+        .unwrap_or_else(|e| Err(SandboxError::Io { what: "branch task".into(), source: std::io::Error::other(e) }));
+        let (point, report) = match taken {
+            Ok(t) => t,
+            Err(e) => {
+                self.discard(&children).await;
+                return Err(e);
+            }
+        };
+        let point = Arc::new(point);
+        let mut boots = tokio::task::JoinSet::new();
+        for child in &children {
+            let (me, child, point) = (self.clone(), child.clone(), point.clone());
+            boots.spawn(async move { me.boot(&child, Origin::Branch(point)).await.map_err(|e| format!("{}: {e}", child.id)) });
+        }
+        let mut failed = Vec::new();
+        while let Some(r) = boots.join_next().await {
+            match r {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => failed.push(e),
+                Err(e) => failed.push(e.to_string()),
+            }
+        }
+        drop(point);
+        if !failed.is_empty() {
+            self.discard(&children).await;
+            return Err(SandboxError::BranchChildren { id: source.id.clone(), failed: failed.len(), n, first: failed.swap_remove(0) });
+        }
+        lock(&source.lineage).children.extend(children.iter().map(|c| c.id.clone()));
+        let ready_ms = started.elapsed().as_millis() as u64;
+        tracing::info!(sandbox = %source.id, n, mode = ?report.mode, pause = ?report.pause, "branched; children ready in {ready_ms} ms");
+        Ok(BranchResult {
+            sandbox_id: source.id.clone(),
+            children: children.iter().map(|c| c.info(None)).collect(),
+            mode: match report.mode {
+                BranchMode::WriteProtect => "write_protect".into(),
+                BranchMode::CopyWhilePaused => "copy_while_paused".into(),
+            },
+            fallback_reason: report.fallback_reason,
+            pause_ms: ms(report.pause),
+            copy_ms: ms(report.total),
+            memory_copied_bytes: report.bytes_written,
+            pages_copied_before_write: report.pages_copied_before_write,
+            ready_ms,
+        })
+    }
+
+    /// Puts `n` children of `source` in the map, starting, within the
+    /// live-sandbox cap.
+    fn reserve_children(&self, source: &Sandbox, n: usize) -> Result<Vec<Arc<Sandbox>>, SandboxError> {
+        let mut map = lock(&self.sandboxes);
+        if self.shutting_down.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(SandboxError::ShuttingDown);
+        }
+        let live = map
+            .values()
+            .filter(|s| matches!(s.state(), SandboxState::Starting | SandboxState::Running | SandboxState::Paused))
+            .count();
+        let max = self.config.limits.max_sandboxes.saturating_sub(live);
+        if n == 0 || n > max {
+            return Err(SandboxError::BranchCount { n, max });
+        }
+        let branched_at = unix_ms();
+        let mut children = Vec::with_capacity(n);
+        for _ in 0..n {
+            let id = format!("sb-{}", self.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+            let child = Arc::new(Sandbox::new(
+                id.clone(),
+                self.config.run_dir.join(&id),
+                source.vcpus,
+                source.memory_mib,
+                source.labels.clone(),
+                source.template.clone(),
+                source.idle_timeout,
+            ));
+            {
+                let mut l = lock(&child.lineage);
+                l.parent = Some(source.id.clone());
+                l.branched_at_ms = Some(branched_at);
+            }
+            map.insert(id, child.clone());
+            children.push(child);
+        }
+        Ok(children)
+    }
+
+    /// Removes children that will not be kept: out of the map, VMs
+    /// stopped, files removed.
+    async fn discard(&self, children: &[Arc<Sandbox>]) {
+        for child in children {
+            lock(&self.sandboxes).remove(&child.id);
+            child.end(SandboxState::Stopped, Some("discarded".into()));
+            let c = child.clone();
+            let _ = tokio::task::spawn_blocking(move || c.stop_vm()).await;
+            remove_dir(&child.dir());
+        }
+    }
+
+    /// Takes `sb` out of its parent's list of children (when it is killed).
+    pub(super) fn leave_parent(&self, sb: &Sandbox) {
+        let parent = lock(&sb.lineage).parent.clone();
+        if let Some(parent) = parent.and_then(|p| lock(&self.sandboxes).get(&p).cloned()) {
+            lock(&parent.lineage).children.retain(|c| *c != sb.id);
+        }
+    }
+
+    /// Merges `winner` into `parent`, an ancestor it was branched from: the
+    /// parent's VM is stopped and `parent` now names the winner's VM
+    /// (memory, processes, files), its labels, idle timeout and lineage
+    /// kept; `winner` no longer exists; the winner's children become the
+    /// parent's; other children of the parent are untouched.
+    ///
+    /// Errors: [`SandboxError::NotFound`], [`SandboxError::NotDescendant`],
+    /// [`SandboxError::BadState`] (a winner that is not running or paused,
+    /// or a parent still starting), [`SandboxError::Io`].
+    pub async fn merge_into(self: &Arc<Self>, winner: &str, parent: &str) -> Result<SandboxInfo, SandboxError> {
+        let (w, p) = (self.get(winner)?, self.get(parent)?);
+        self.check_descendant(&w, &p)?;
+        let me = self.clone();
+        let (w2, p2) = (w.clone(), p.clone());
+        tokio::task::spawn_blocking(move || me.merge_blocking(&w2, &p2))
+            .await
+            .map_err(|e| SandboxError::Io { what: "merge task".into(), source: std::io::Error::other(e) })??;
+        tracing::info!(winner = %w.id, parent = %p.id, "merged: {} now runs {}'s VM", p.id, w.id);
+        Ok(p.info(None))
+    }
+
+    /// Whether `parent` is among `w`'s ancestors (followed through live
+    /// sandboxes).
+    fn check_descendant(&self, w: &Sandbox, parent: &Sandbox) -> Result<(), SandboxError> {
+        let mut chain = Vec::new();
+        let mut cur = lock(&w.lineage).parent.clone();
+        while let Some(id) = cur {
+            chain.push(id.clone());
+            if id == parent.id {
+                return Ok(());
+            }
+            if chain.len() > 10_000 {
+                break;
+            }
+            cur = lock(&self.sandboxes).get(&id).and_then(|s| lock(&s.lineage).parent.clone());
+        }
+        let lineage = if chain.is_empty() { "not branched".to_string() } else { format!("branched from {}", chain.join(" <- ")) };
+        Err(SandboxError::NotDescendant { winner: w.id.clone(), parent: parent.id.clone(), lineage })
+    }
+
+    fn merge_blocking(&self, w: &Arc<Sandbox>, p: &Arc<Sandbox>) -> Result<(), SandboxError> {
+        // Ancestor before descendant, as every merge takes them.
+        let _pc = lock(&p.control);
+        let _wc = lock(&w.control);
+        let (w_state, w_boot_ms) = {
+            let st = lock(&w.status);
+            (st.state, st.boot_ms)
+        };
+        if !matches!(w_state, SandboxState::Running | SandboxState::Paused) {
+            return Err(SandboxError::BadState { id: w.id.clone(), state: w_state, what: "a merge (as the winner)" });
+        }
+        if p.state() == SandboxState::Starting {
+            return Err(SandboxError::Starting(p.id.clone()));
+        }
+        // The winner leaves the map; its VM, agent and files move over.
+        if lock(&self.sandboxes).remove(&w.id).is_none() {
+            return Err(SandboxError::NotFound(w.id.clone()));
+        }
+        let vm = lock(&w.vm).take();
+        let agent = lock(&w.agent).take();
+        // The winner's monitor thread ends with the VM and finds the
+        // winner gone; the parent gets a monitor of its own below.
+        drop(lock(&w.monitor).take());
+        let Some(vm) = vm else {
+            return Err(SandboxError::BadState { id: w.id.clone(), state: w.state(), what: "a merge (as the winner)" });
+        };
+        let watcher = vm.exit_watcher();
+
+        p.stop_vm();
+        let old_dir = p.dir();
+        *lock(&p.dir) = w.dir();
+        remove_dir(&old_dir);
+        *lock(&p.vm) = Some(vm);
+        *lock(&p.agent) = agent;
+        {
+            let mut st = lock(&p.status);
+            st.state = w_state;
+            st.error = None;
+            st.boot_ms = w_boot_ms;
+        }
+        match spawn_monitor(p, watcher) {
+            Ok(m) => *lock(&p.monitor) = Some(m),
+            Err(e) => tracing::error!(sandbox = %p.id, "cannot start a monitor thread after the merge: {e}; a crash will not be noticed"),
+        }
+        let grandchildren = std::mem::take(&mut lock(&w.lineage).children);
+        {
+            let mut l = lock(&p.lineage);
+            l.children.retain(|c| *c != w.id);
+            l.children.extend(grandchildren.iter().cloned());
+            l.merged_from = Some(w.id.clone());
+            l.merged_at_ms = Some(unix_ms());
+        }
+        for id in &grandchildren {
+            if let Some(c) = lock(&self.sandboxes).get(id).cloned() {
+                lock(&c.lineage).parent = Some(p.id.clone());
+            }
+        }
+        // In case the winner's own parent was in between.
+        self.leave_parent(w);
+        w.end(SandboxState::Stopped, Some(format!("merged into {}", p.id)));
+        p.touch();
+        Ok(())
+    }
+}
+
+fn ms(d: Duration) -> f64 {
+    (d.as_secs_f64() * 1e6).round() / 1e3
+}
