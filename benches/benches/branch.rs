@@ -1,0 +1,118 @@
+//! Branch points in the VMM ([`vmm::RunningVm::branch`]): the source's
+//! pause window and the time until the branch point's memory is complete,
+//! against guest memory size (256 MiB, 1 GiB, 4 GiB) and how much of it
+//! holds data (10% and 80%); with userfaultfd write protection (the source
+//! runs on during the copy) and, for comparison, with the copy made while
+//! paused (the fallback).
+//!
+//! Touching 80% of 4 GiB from inside a guest is out of reach on hosts where
+//! the guest kernel's page clearing is emulated (about 1.6 ms a page), so
+//! the bench fills pages the guest never touched (holes of the guest RAM
+//! memfd: free guest memory, whose contents Linux does not rely on) from
+//! the host, with non-zero bytes, until the fraction is reached. To the
+//! VMM these pages are like pages the guest wrote: data pages of the memfd,
+//! mapped in the VMM's page tables, write-protected and copied. The guest's
+//! own pages (about 40 MiB of a booted Debian guest) are part of the count.
+//!
+//! `cargo bench -p tine-benches --bench branch`. `BRANCH_SIZES_MIB`
+//! (default `256,1024,4096`), `BRANCH_FRACTIONS` (percent, default
+//! `10,80`), `BRANCH_RUNS` (default 10 branches per point).
+
+use std::time::Duration;
+
+use tine_benches::median;
+use vm_memory::{Bytes, GuestAddress};
+use vmm::{BranchMode, Vm};
+
+fn env_list(var: &str, default: &str) -> Vec<u64> {
+    std::env::var(var).unwrap_or_else(|_| default.into()).split(',').filter_map(|v| v.trim().parse().ok()).collect()
+}
+
+/// The value at quantile `q` (0..=1) of `v`, nearest rank.
+fn quantile(v: &[Duration], q: f64) -> Duration {
+    let mut s = v.to_vec();
+    s.sort();
+    s[((q * s.len() as f64).ceil() as usize).clamp(1, s.len()) - 1]
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+/// Fills holes of guest RAM with non-zero pages until `target` bytes hold
+/// data; returns the bytes that hold data afterwards.
+fn fill_to(vm: &vmm::RunningVm, target: u64) -> u64 {
+    let ram = vm.ram();
+    let data: u64 = ram.content_ranges().unwrap().iter().map(|(s, e)| e - s).sum();
+    let mut missing = target.saturating_sub(data);
+    let page = [0x5au8; 4096];
+    let mut pos = 0u64;
+    for (start, end) in ram.content_ranges().unwrap().into_iter().chain(std::iter::once((ram.size, ram.size))) {
+        // The hole [pos, start): never touched by the guest.
+        let mut at = pos;
+        while at < start && missing > 0 {
+            let (gpa, _) = ram.offset_to_gpa(at).unwrap();
+            ram.memory.write_slice(&page, GuestAddress(gpa.0)).unwrap();
+            at += 4096;
+            missing -= 4096;
+        }
+        pos = end;
+    }
+    ram.content_ranges().unwrap().iter().map(|(s, e)| e - s).sum()
+}
+
+fn main() {
+    if !testkit::kvm_available("bench branch") {
+        return;
+    }
+    let sizes = env_list("BRANCH_SIZES_MIB", "256,1024,4096");
+    let fractions = env_list("BRANCH_FRACTIONS", "10,80");
+    let runs = env_list("BRANCH_RUNS", "10").first().copied().unwrap_or(10) as usize;
+    let dir = tempfile::tempdir().unwrap();
+    let mut rows = Vec::new();
+    for &mib in &sizes {
+        let uds = dir.path().join(format!("b{mib}.vsock"));
+        let mut config = testkit::agent_vm_config(&format!("bench-branch-{mib}"), &uds);
+        config.mem_mib = mib;
+        let vm = Vm::start(&config).expect("the VM starts");
+        assert!(vm.console().wait_for("listening on vsock port 1024", Duration::from_secs(1800)), "the agent never started");
+        for &pct in &fractions {
+            let data = fill_to(&vm, (mib << 20) * pct / 100);
+            let (mut pauses, mut totals, mut paused_copies) = (Vec::new(), Vec::new(), Vec::new());
+            let mut written = 0;
+            for _ in 0..runs {
+                let (point, report) = vm.branch(Duration::from_secs(10)).expect("branch");
+                assert_eq!(report.mode, BranchMode::WriteProtect, "{:?}", report.fallback_reason);
+                pauses.push(report.pause);
+                totals.push(report.total);
+                written = report.bytes_written;
+                drop(point);
+            }
+            // The fallback: the same copy with the VM paused throughout.
+            vm.pause(Duration::from_secs(10)).expect("pause");
+            for _ in 0..runs.min(3) {
+                let (point, report) = vm.branch(Duration::from_secs(10)).expect("branch while paused");
+                assert_eq!(report.mode, BranchMode::CopyWhilePaused);
+                paused_copies.push(report.total);
+                drop(point);
+            }
+            vm.resume();
+            let row = format!(
+                "{mib:>5} MiB, {pct:>2}% ({:>5} MiB data, {:>5} MiB copied): write-protect pause median {:>7.2} ms, p99 {:>7.2} ms; copy complete median {:>8.1} ms | copy while paused (= pause) median {:>8.1} ms",
+                data >> 20,
+                written >> 20,
+                ms(median(&pauses)),
+                ms(quantile(&pauses, 0.99)),
+                ms(median(&totals)),
+                ms(median(&paused_copies)),
+            );
+            eprintln!("{row}");
+            rows.push(row);
+        }
+        drop(vm);
+    }
+    println!("\nbranch point, {runs} runs per row (pause = vCPUs stopped; copy complete = pause to last page copied):");
+    for r in rows {
+        println!("{r}");
+    }
+}

@@ -1,0 +1,92 @@
+//! Branching through MCP, as a client sees it: the time until all `n`
+//! children of a sandbox are ready (`sandbox_branch` returns once every
+//! child's agent has answered and been reseeded) for n = 1, 8, 32, 100, and
+//! the host memory each idle child costs (growth of the server process's
+//! PSS, and each child's resident guest RAM as `sandbox_info` reports it).
+//! A real `tine server start --dev` subprocess; the source is restored from
+//! the default template and has run a Python cell.
+//!
+//! `cargo bench -p tine-benches --bench children`. `CHILDREN_NS` (default
+//! `1,8,32,100`), `CHILDREN_IDLE_SECS` (default 10: how long the children
+//! idle before memory is read).
+
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use testkit::mcp::{call, tine_binary, TineServer};
+
+/// `Pss:` of process `pid` (bytes), from `smaps_rollup`.
+fn pss(pid: u32) -> u64 {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).unwrap_or_default();
+    text.lines()
+        .find(|l| l.starts_with("Pss:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse::<u64>().ok())
+        .unwrap_or(0)
+        * 1024
+}
+
+fn mib(b: u64) -> f64 {
+    b as f64 / (1 << 20) as f64
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    if !testkit::kvm_available("bench children") {
+        return;
+    }
+    let ns: Vec<usize> = std::env::var("CHILDREN_NS")
+        .unwrap_or_else(|_| "1,8,32,100".into())
+        .split(',')
+        .filter_map(|v| v.trim().parse().ok())
+        .collect();
+    let idle: u64 = std::env::var("CHILDREN_IDLE_SECS").ok().and_then(|v| v.parse().ok()).unwrap_or(10);
+    let max = ns.iter().max().copied().unwrap_or(1) + 1;
+    let config = format!("[limits]\nboot_timeout_secs = 1800\nmax_sandboxes = {max}\n");
+    let server = TineServer::start(&tine_binary(), None, &config);
+    let client = server.client().await;
+    let source = call(&client, "sandbox_create", json!({})).await.expect("create the source");
+    let src = source["sandbox_id"].as_str().unwrap().to_string();
+    call(&client, "sandbox_run_python", json!({"sandbox_id": src, "code": "import json, hashlib\nstate = list(range(100000))\nlen(state)", "timeout_secs": 600}))
+        .await
+        .expect("python in the source");
+    let mut rows = Vec::new();
+    for &n in &ns {
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let before = pss(server.pid());
+        let t = Instant::now();
+        let b = call(&client, "sandbox_branch", json!({"sandbox_id": src, "n": n})).await.expect("sandbox_branch");
+        let took = t.elapsed();
+        let kids: Vec<String> = b["children"].as_array().unwrap().iter().map(|c| c["sandbox_id"].as_str().unwrap().to_string()).collect();
+        assert_eq!(kids.len(), n);
+        tokio::time::sleep(Duration::from_secs(idle)).await;
+        let after = pss(server.pid());
+        let mut rss = Vec::new();
+        for id in &kids {
+            let info = call(&client, "sandbox_info", json!({"sandbox_id": id})).await.expect("sandbox_info");
+            rss.push(info["usage"]["host_memory_bytes"].as_u64().unwrap_or(0));
+        }
+        rss.sort();
+        let row = format!(
+            "n = {n:>3}: all children ready in {:>8.0} ms (client), server says {} ms; mode {}, source paused {} ms, copy {} ms ({:.1} MiB); \
+             per idle child after {idle} s: server PSS +{:.2} MiB, guest RAM RSS median {:.1} MiB",
+            took.as_secs_f64() * 1e3,
+            b["ready_ms"],
+            b["mode"],
+            b["pause_ms"],
+            b["copy_ms"],
+            mib(b["memory_copied_bytes"].as_u64().unwrap_or(0)),
+            mib(after.saturating_sub(before)) / n as f64,
+            mib(rss[rss.len() / 2]),
+        );
+        eprintln!("{row}");
+        rows.push(row);
+        for id in &kids {
+            call(&client, "sandbox_kill", json!({"sandbox_id": id})).await.expect("kill a child");
+        }
+    }
+    println!("\nsandbox_branch through MCP (source: a default-template sandbox, 512 MiB, 1 vCPU):");
+    for r in rows {
+        println!("{r}");
+    }
+}
