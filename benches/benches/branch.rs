@@ -44,7 +44,7 @@ fn ms(d: Duration) -> f64 {
 fn fill_to(vm: &vmm::RunningVm, target: u64) -> u64 {
     let ram = vm.ram();
     let data: u64 = ram.content_ranges().unwrap().iter().map(|(s, e)| e - s).sum();
-    let mut missing = target.saturating_sub(data);
+    let mut missing = target.saturating_sub(data).div_ceil(4096) * 4096;
     let page = [0x5au8; 4096];
     let mut pos = 0u64;
     for (start, end) in ram.content_ranges().unwrap().into_iter().chain(std::iter::once((ram.size, ram.size))) {
@@ -54,7 +54,7 @@ fn fill_to(vm: &vmm::RunningVm, target: u64) -> u64 {
             let (gpa, _) = ram.offset_to_gpa(at).unwrap();
             ram.memory.write_slice(&page, GuestAddress(gpa.0)).unwrap();
             at += 4096;
-            missing -= 4096;
+            missing = missing.saturating_sub(4096);
         }
         pos = end;
     }
@@ -77,7 +77,9 @@ fn main() {
         let vm = Vm::start(&config).expect("the VM starts");
         assert!(vm.console().wait_for("listening on vsock port 1024", Duration::from_secs(1800)), "the agent never started");
         for &pct in &fractions {
+            let before = vm.ram().content_ranges().unwrap().iter().map(|(s, e)| e - s).sum::<u64>();
             let data = fill_to(&vm, (mib << 20) * pct / 100);
+            eprintln!("{mib} MiB guest: {} MiB of data from the guest, {} MiB after filling to {pct}%", before >> 20, data >> 20);
             let (mut pauses, mut totals, mut paused_copies) = (Vec::new(), Vec::new(), Vec::new());
             let mut written = 0;
             for _ in 0..runs {

@@ -41,6 +41,8 @@ const CALL_GRACE: Duration = Duration::from_secs(30);
 const SHORT_CALL: Duration = Duration::from_secs(60);
 /// Entropy handed to each new guest (bytes).
 const SEED_BYTES: usize = 64;
+/// Restores allowed at once per boot slot ([`Limits::concurrent_boots`]).
+const RESTORES_PER_BOOT_SLOT: usize = 2;
 /// Longest Unix socket path (`sun_path` is 108 bytes with its NUL).
 const MAX_UDS_PATH: usize = 107;
 
@@ -531,6 +533,11 @@ pub struct Manager {
     dying_done: tokio::sync::Notify,
     /// One permit per boot allowed at once ([`Limits::concurrent_boots`]).
     boot_slots: tokio::sync::Semaphore,
+    /// Restores (from a template or a branch point) allowed at once, until
+    /// the agent answers: [`RESTORES_PER_BOOT_SLOT`] per boot slot.
+    /// Restored guests all handle their device resets and reconnect at
+    /// once; 32 at a time on 2 host CPUs starved each other for minutes.
+    restore_slots: tokio::sync::Semaphore,
     templates: TemplateStore,
     /// Whether the default template is being built.
     default_building: tokio::sync::watch::Sender<bool>,
@@ -598,6 +605,7 @@ impl Manager {
             dying: AtomicU64::new(0),
             dying_done: tokio::sync::Notify::new(),
             boot_slots: tokio::sync::Semaphore::new(config.limits.concurrent_boots()),
+            restore_slots: tokio::sync::Semaphore::new(config.limits.concurrent_boots() * RESTORES_PER_BOOT_SLOT),
             config,
         }))
     }
@@ -728,12 +736,13 @@ impl Manager {
                 source: std::io::Error::from(std::io::ErrorKind::InvalidInput),
             });
         }
-        // Wait for a boot slot (restores need none: the guest has booted
-        // already); the boot timeout starts once the VM does.
-        let _slot = match origin {
-            Origin::Boot => Some(self.boot_slots.acquire().await.map_err(|_| SandboxError::ShuttingDown)?),
-            Origin::Template(_) | Origin::Branch(_) => None,
+        // Wait for a boot or restore slot; the boot timeout starts once
+        // the VM does.
+        let slots = match origin {
+            Origin::Boot => &self.boot_slots,
+            Origin::Template(_) | Origin::Branch(_) => &self.restore_slots,
         };
+        let _slot = slots.acquire().await.map_err(|_| SandboxError::ShuttingDown)?;
         if self.shutting_down.load(Ordering::SeqCst) {
             return Err(SandboxError::ShuttingDown);
         }
@@ -905,6 +914,7 @@ impl Manager {
         self.shutting_down.store(true, Ordering::SeqCst);
         // Boots waiting for a slot give up at once.
         self.boot_slots.close();
+        self.restore_slots.close();
         let ids: Vec<SandboxId> = lock(&self.sandboxes).keys().cloned().collect();
         let mut kills = tokio::task::JoinSet::new();
         for id in ids {

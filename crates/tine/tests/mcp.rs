@@ -590,6 +590,21 @@ async fn branch_diff_merge_end_to_end() {
     let e = call(&client, "sandbox_diff", json!({"a": kids[0], "b": "sb-999"})).await.unwrap_err();
     assert!(e.contains("no sandbox sb-999"), "{e}");
 
+    // A paused sandbox is copied as it stands (no write protection
+    // needed), and says so; it stays paused.
+    call(&client, "sandbox_pause", json!({"sandbox_id": kids[3]})).await.expect("pause");
+    let b = call(&client, "sandbox_branch", json!({"sandbox_id": kids[3], "n": 1})).await.expect("branch a paused sandbox");
+    assert_eq!(b["mode"], "copy_while_paused", "{b}");
+    assert!(b["fallback_reason"].as_str().is_some_and(|r| r.contains("paused")), "{b}");
+    let info = call(&client, "sandbox_info", json!({"sandbox_id": kids[3]})).await.unwrap();
+    assert_eq!(info["state"], "paused", "{info}");
+    let grandchild = b["children"][0]["sandbox_id"].as_str().unwrap().to_string();
+    let v = call(&client, "sandbox_run_python", py(&grandchild, "x")).await.unwrap();
+    assert_eq!(v["result"], "103", "{v}");
+    call(&client, "sandbox_kill", json!({"sandbox_id": grandchild})).await.expect("kill the grandchild");
+    let info = call(&client, "sandbox_info", json!({"sandbox_id": kids[3]})).await.unwrap();
+    assert!(info["lineage"].get("children").is_none(), "a killed child leaves its parent's list: {info}");
+
     // Merge child 2 into the source.
     let m = call(&client, "sandbox_merge_into", json!({"winner": kids[2], "parent": src})).await.expect("merge");
     assert_eq!(m["sandbox_id"], src.as_str(), "{m}");
