@@ -15,20 +15,7 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 use testkit::mcp::{call, tine_binary, TineServer};
 
-/// `Pss:` of process `pid` (bytes), from `smaps_rollup`.
-fn pss(pid: u32) -> u64 {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).unwrap_or_default();
-    text.lines()
-        .find(|l| l.starts_with("Pss:"))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse::<u64>().ok())
-        .unwrap_or(0)
-        * 1024
-}
-
-fn mib(b: u64) -> f64 {
-    b as f64 / (1 << 20) as f64
-}
+use tine_benches::{mib, process_pss};
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
@@ -53,14 +40,14 @@ async fn main() {
     let mut rows = Vec::new();
     for &n in &ns {
         tokio::time::sleep(Duration::from_secs(2)).await;
-        let before = pss(server.pid());
+        let before = process_pss(server.pid());
         let t = Instant::now();
         let b = call(&client, "sandbox_branch", json!({"sandbox_id": src, "n": n})).await.expect("sandbox_branch");
         let took = t.elapsed();
         let kids: Vec<String> = b["children"].as_array().unwrap().iter().map(|c| c["sandbox_id"].as_str().unwrap().to_string()).collect();
         assert_eq!(kids.len(), n);
         tokio::time::sleep(Duration::from_secs(idle)).await;
-        let after = pss(server.pid());
+        let after = process_pss(server.pid());
         let mut rss = Vec::new();
         for id in &kids {
             let info = call(&client, "sandbox_info", json!({"sandbox_id": id})).await.expect("sandbox_info");

@@ -16,7 +16,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use tine_agent_client::{AgentClient, AGENT_PORT};
-use tine_benches::median;
+use tine_benches::{median, mib, process_pss};
 use tine_protocol::Op;
 use vmm::{MemoryBacking, RunningVm, Snapshot, Vm};
 
@@ -35,21 +35,6 @@ async fn ready(uds: &Path, within: Duration) -> AgentClient {
         assert!(Instant::now() < deadline, "agent at {} not ready within {within:?}", uds.display());
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-}
-
-/// `Pss:` of the whole process (kB -> bytes), from smaps_rollup.
-fn process_pss() -> u64 {
-    let text = std::fs::read_to_string("/proc/self/smaps_rollup").unwrap_or_default();
-    text.lines()
-        .find(|l| l.starts_with("Pss:"))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse::<u64>().ok())
-        .unwrap_or(0)
-        * 1024
-}
-
-fn mib(b: u64) -> f64 {
-    b as f64 / (1 << 20) as f64
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
@@ -120,7 +105,7 @@ async fn main() {
     // Memory per restored idle VM.
     for backing in [MemoryBacking::Private, MemoryBacking::Userfaultfd] {
         for &count in &counts {
-            let pss_before = process_pss();
+            let pss_before = process_pss(std::process::id());
             let mut vms: Vec<(RunningVm, AgentClient)> = Vec::with_capacity(count);
             let t = Instant::now();
             for _ in 0..count {
@@ -138,7 +123,7 @@ async fn main() {
                 pss += u.pss_bytes;
                 private += u.private_bytes;
             }
-            let process = process_pss().saturating_sub(pss_before);
+            let process = process_pss(std::process::id()).saturating_sub(pss_before);
             let c = count as u64;
             println!(
                 "{backing:?}, {count} idle VMs (ready after {:.1} s, idle {} s): guest RAM per VM: RSS {:.1} MiB, PSS {:.1} MiB, private {:.1} MiB; whole process PSS growth per VM {:.1} MiB",

@@ -43,3 +43,20 @@ pub fn time_to_marker(mut cmd: Command, marker: &str, timeout: Duration) -> Opti
     let _ = child.wait();
     result
 }
+
+/// `Pss:` of process `pid` (bytes), from `/proc/<pid>/smaps_rollup`
+/// (`proc(5)`); 0 if it cannot be read.
+pub fn process_pss(pid: u32) -> u64 {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).unwrap_or_default();
+    text.lines()
+        .find(|l| l.starts_with("Pss:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse::<u64>().ok())
+        .unwrap_or(0)
+        * 1024
+}
+
+/// Bytes in MiB.
+pub fn mib(bytes: u64) -> f64 {
+    bytes as f64 / (1 << 20) as f64
+}

@@ -8,7 +8,11 @@
 
 use std::time::{Duration, Instant};
 
-use tine_agent_client::{AgentClient, AGENT_PORT};
+#[path = "common/agent.rs"]
+mod agent;
+
+use agent::connect;
+use tine_agent_client::AgentClient;
 use vmm::{BranchMode, MemoryBacking, Vm};
 
 /// The writer: `GENERATIONS` passes over the buffer, one 8-byte word per
@@ -32,20 +36,6 @@ writer.start()
 "#;
 
 const FINISH: &str = "writer.join()\n(progress['gen'], hashlib.sha256(buf).hexdigest())";
-
-async fn connect(uds: &std::path::Path) -> AgentClient {
-    let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
-        match AgentClient::connect(uds, AGENT_PORT).await {
-            Ok(a) => return a,
-            Err(e) if Instant::now() < deadline => {
-                eprintln!("connect: {e}; retrying");
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-            Err(e) => panic!("agent unreachable: {e}"),
-        }
-    }
-}
 
 async fn python(agent: &AgentClient, code: &str) -> String {
     let r = agent.python(code, 600_000).await.expect("python call");

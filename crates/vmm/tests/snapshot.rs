@@ -6,25 +6,15 @@
 
 use std::time::{Duration, Instant};
 
-use tine_agent_client::{AgentClient, AGENT_PORT};
+#[path = "common/agent.rs"]
+mod agent;
+
+use agent::connect;
+use tine_agent_client::AgentClient;
 use vmm::{MemoryBacking, Snapshot, Vm};
 
 fn config(name: &str, uds: &std::path::Path) -> vmm::VmConfig {
     testkit::agent_vm_config(name, uds)
-}
-
-async fn connect(uds: &std::path::Path) -> AgentClient {
-    let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
-        match AgentClient::connect(uds, AGENT_PORT).await {
-            Ok(a) => return a,
-            Err(e) if Instant::now() < deadline => {
-                eprintln!("connect: {e}; retrying");
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-            Err(e) => panic!("agent unreachable: {e}"),
-        }
-    }
 }
 
 async fn sh(agent: &AgentClient, cmd: &str) -> String {
