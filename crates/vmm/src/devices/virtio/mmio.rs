@@ -94,13 +94,13 @@ pub struct TransportState {
 }
 
 /// Serde for virtio-queue's `QueueState` (which has no serde support):
-/// the same fields, by name.
+/// the same fields, by name, through serde's remote derive.
 mod saved_queues {
     use serde::{Deserialize, Deserializer, Serialize, Serializer};
     use virtio_queue::QueueState;
 
     #[derive(Serialize, Deserialize)]
-    #[serde(deny_unknown_fields)]
+    #[serde(remote = "QueueState", deny_unknown_fields)]
     struct Saved {
         max_size: u16,
         next_avail: u16,
@@ -113,39 +113,18 @@ mod saved_queues {
         used_ring: u64,
     }
 
+    #[derive(Serialize)]
+    struct Out<'a>(#[serde(with = "Saved")] &'a QueueState);
+
+    #[derive(Deserialize)]
+    struct In(#[serde(with = "Saved")] QueueState);
+
     pub fn serialize<S: Serializer>(queues: &[QueueState], s: S) -> Result<S::Ok, S::Error> {
-        let saved: Vec<Saved> = queues
-            .iter()
-            .map(|q| Saved {
-                max_size: q.max_size,
-                next_avail: q.next_avail,
-                next_used: q.next_used,
-                event_idx_enabled: q.event_idx_enabled,
-                size: q.size,
-                ready: q.ready,
-                desc_table: q.desc_table,
-                avail_ring: q.avail_ring,
-                used_ring: q.used_ring,
-            })
-            .collect();
-        saved.serialize(s)
+        s.collect_seq(queues.iter().map(Out))
     }
 
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<QueueState>, D::Error> {
-        Ok(Vec::<Saved>::deserialize(d)?
-            .into_iter()
-            .map(|q| QueueState {
-                max_size: q.max_size,
-                next_avail: q.next_avail,
-                next_used: q.next_used,
-                event_idx_enabled: q.event_idx_enabled,
-                size: q.size,
-                ready: q.ready,
-                desc_table: q.desc_table,
-                avail_ring: q.avail_ring,
-                used_ring: q.used_ring,
-            })
-            .collect())
+        Ok(Vec::<In>::deserialize(d)?.into_iter().map(|q| q.0).collect())
     }
 }
 
