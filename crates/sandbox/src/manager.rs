@@ -512,6 +512,12 @@ fn spawn_monitor(sb: &Arc<Sandbox>, watcher: vmm::ExitWatcher) -> std::io::Resul
     })
 }
 
+/// The error for a task that panicked or was cancelled (`what`: "branch
+/// task", ...).
+fn task_failed(what: &'static str) -> impl FnOnce(tokio::task::JoinError) -> SandboxError {
+    move |e| SandboxError::Io { what: what.into(), source: std::io::Error::other(e) }
+}
+
 /// Removes `dir` and everything in it; a missing directory is fine.
 fn remove_dir(dir: &std::path::Path) {
     match std::fs::remove_dir_all(dir) {
@@ -632,7 +638,7 @@ impl Manager {
         let me = self.clone();
         match tokio::spawn(async move { me.create_inner(spec).await }).await {
             Ok(r) => r,
-            Err(e) => Err(SandboxError::Io { what: "sandbox creation task".into(), source: std::io::Error::other(e) }),
+            Err(e) => Err(task_failed("sandbox creation task")(e)),
         }
     }
 
@@ -641,7 +647,7 @@ impl Manager {
         let me = self.clone();
         tokio::task::spawn_blocking(move || me.templates.load(&name))
             .await
-            .map_err(|e| SandboxError::Io { what: "template load task".into(), source: std::io::Error::other(e) })?
+            .map_err(task_failed("template load task"))?
             .map_err(SandboxError::Template)
     }
 
@@ -764,7 +770,7 @@ impl Manager {
             Origin::Branch(s) => Vm::restore(&config, &s, MemoryBacking::Private),
         })
         .await
-            .map_err(|e| SandboxError::Io { what: "VM start task".into(), source: std::io::Error::other(e) })?
+            .map_err(task_failed("VM start task"))?
             .map_err(SandboxError::Start)?;
         let watcher = vm.exit_watcher();
         let started = vm.started();
@@ -1163,7 +1169,7 @@ impl Manager {
         let n = name.to_string();
         tokio::task::spawn_blocking(move || me.snapshot_blocking(&sb, &n, false))
             .await
-            .map_err(|e| SandboxError::Io { what: "snapshot task".into(), source: std::io::Error::other(e) })??;
+            .map_err(task_failed("snapshot task"))??;
         self.template_info(name)
     }
 
@@ -1194,7 +1200,7 @@ impl Manager {
                 let (me, s) = (self.clone(), sb.clone());
                 tokio::task::spawn_blocking(move || me.snapshot_blocking(&s, DEFAULT_TEMPLATE, true))
                     .await
-                    .map_err(|e| SandboxError::Io { what: "snapshot task".into(), source: std::io::Error::other(e) })
+                    .map_err(task_failed("snapshot task"))
                     .and_then(|r| r)
             }
             Err(e) => Err(e),

@@ -9,7 +9,7 @@ use schemars::JsonSchema;
 use serde::Serialize;
 use vmm::BranchMode;
 
-use super::{lock, remove_dir, spawn_monitor, unix_ms, Manager, Origin, Sandbox, SandboxError, SandboxId, SandboxInfo, SandboxState};
+use super::{lock, remove_dir, spawn_monitor, task_failed, unix_ms, Manager, Origin, Sandbox, SandboxError, SandboxId, SandboxInfo, SandboxState};
 
 /// What `sandbox_branch` made and what it cost.
 #[derive(Clone, Debug, Serialize, JsonSchema)]
@@ -53,7 +53,7 @@ impl Manager {
         let (me, id) = (self.clone(), id.to_string());
         match tokio::spawn(async move { me.branch_inner(&id, n).await }).await {
             Ok(r) => r,
-            Err(e) => Err(SandboxError::Io { what: "branch task".into(), source: std::io::Error::other(e) }),
+            Err(e) => Err(task_failed("branch task")(e)),
         }
     }
 
@@ -75,7 +75,7 @@ impl Manager {
             vm.branch(Self::PAUSE_TIMEOUT).map_err(|source| SandboxError::Branch { id: src.id.clone(), source })
         })
         .await
-        .unwrap_or_else(|e| Err(SandboxError::Io { what: "branch task".into(), source: std::io::Error::other(e) }));
+        .unwrap_or_else(|e| Err(task_failed("branch task")(e)));
         let (point, report) = match taken {
             Ok(t) => t,
             Err(e) => {
@@ -196,7 +196,7 @@ impl Manager {
         let (w2, p2) = (w.clone(), p.clone());
         tokio::task::spawn_blocking(move || me.merge_blocking(&w2, &p2))
             .await
-            .map_err(|e| SandboxError::Io { what: "merge task".into(), source: std::io::Error::other(e) })??;
+            .map_err(task_failed("merge task"))??;
         tracing::info!(winner = %w.id, parent = %p.id, "merged: {} now runs {}'s VM", p.id, w.id);
         Ok(p.info(None))
     }
