@@ -48,9 +48,23 @@ fn main() {
         let mut c = Command::new(q);
         let cpu = if profile == vmm::HostProfile::Pvm { "host,-cx16,-arch-capabilities" } else { "host" };
         c.args([
-            "-M", "microvm,acpi=off,pic=on,pit=on,rtc=off,isa-serial=on", "-enable-kvm", "-cpu", cpu,
-            "-m", "256", "-smp", "1", "-nodefaults", "-no-user-config", "-nographic", "-serial", "stdio",
-            "-device", "isa-debug-exit,iobase=0xf4,iosize=4", "-kernel",
+            "-M",
+            "microvm,acpi=off,pic=on,pit=on,rtc=off,isa-serial=on",
+            "-enable-kvm",
+            "-cpu",
+            cpu,
+            "-m",
+            "256",
+            "-smp",
+            "1",
+            "-nodefaults",
+            "-no-user-config",
+            "-nographic",
+            "-serial",
+            "stdio",
+            "-device",
+            "isa-debug-exit,iobase=0xf4,iosize=4",
+            "-kernel",
         ]);
         c.arg(k).arg("-initrd").arg(i).arg("-append").arg(&cmdline);
         c
@@ -88,9 +102,5 @@ fn main() {
 }
 
 fn which(name: &str) -> Option<PathBuf> {
-    std::env::var_os("PATH")?
-        .to_str()?
-        .split(':')
-        .map(|d| Path::new(d).join(name))
-        .find(|p| p.is_file())
+    std::env::var_os("PATH")?.to_str()?.split(':').map(|d| Path::new(d).join(name)).find(|p| p.is_file())
 }

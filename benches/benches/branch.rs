@@ -75,11 +75,18 @@ fn main() {
         let mut config = testkit::agent_vm_config(&format!("bench-branch-{mib}"), &uds);
         config.mem_mib = mib;
         let vm = Vm::start(&config).expect("the VM starts");
-        assert!(vm.console().wait_for("listening on vsock port 1024", Duration::from_secs(1800)), "the agent never started");
+        assert!(
+            vm.console().wait_for("listening on vsock port 1024", Duration::from_secs(1800)),
+            "the agent never started"
+        );
         for &pct in &fractions {
             let before = vm.ram().content_ranges().unwrap().iter().map(|(s, e)| e - s).sum::<u64>();
             let data = fill_to(&vm, (mib << 20) * pct / 100);
-            eprintln!("{mib} MiB guest: {} MiB of data from the guest, {} MiB after filling to {pct}%", before >> 20, data >> 20);
+            eprintln!(
+                "{mib} MiB guest: {} MiB of data from the guest, {} MiB after filling to {pct}%",
+                before >> 20,
+                data >> 20
+            );
             let (mut pauses, mut totals, mut paused_copies) = (Vec::new(), Vec::new(), Vec::new());
             let mut written = 0;
             for _ in 0..runs {

@@ -44,7 +44,8 @@ async fn main() {
         let t = Instant::now();
         let b = call(&client, "sandbox_branch", json!({"sandbox_id": src, "n": n})).await.expect("sandbox_branch");
         let took = t.elapsed();
-        let kids: Vec<String> = b["children"].as_array().unwrap().iter().map(|c| c["sandbox_id"].as_str().unwrap().to_string()).collect();
+        let kids: Vec<String> =
+            b["children"].as_array().unwrap().iter().map(|c| c["sandbox_id"].as_str().unwrap().to_string()).collect();
         assert_eq!(kids.len(), n);
         tokio::time::sleep(Duration::from_secs(idle)).await;
         let after = process_pss(server.pid());

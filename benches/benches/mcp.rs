@@ -14,8 +14,8 @@
 use std::time::{Duration, Instant};
 
 use serde_json::json;
-use tine_benches::median;
 use testkit::mcp::{call, tine_binary, TineServer};
+use tine_benches::median;
 
 fn runs(var: &str, default: usize) -> usize {
     std::env::var(var).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
@@ -32,7 +32,11 @@ async fn main() {
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
 
     // Cold boots.
-    let cold = TineServer::start(&tine_binary(), None, "[limits]\nboot_timeout_secs = 900\n[templates]\nbuild_default = false\n");
+    let cold = TineServer::start(
+        &tine_binary(),
+        None,
+        "[limits]\nboot_timeout_secs = 900\n[templates]\nbuild_default = false\n",
+    );
     let client = cold.client().await;
     let mut create_times = Vec::new();
     let mut exec_times = Vec::new();
@@ -102,8 +106,5 @@ async fn main() {
         ms(*exec_times.iter().min().unwrap()),
         ms(*exec_times.iter().max().unwrap())
     );
-    println!(
-        "sandbox_list round trip (MCP and HTTP only), median of {execs}: {:.2} ms",
-        ms(median(&list_times))
-    );
+    println!("sandbox_list round trip (MCP and HTTP only), median of {execs}: {:.2} ms", ms(median(&list_times)));
 }

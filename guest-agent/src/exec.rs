@@ -80,7 +80,10 @@ pub fn run(req: Exec) -> Result<ExecReply, AgentError> {
     let pgid = child.id();
 
     let (tx, rx) = mpsc::channel::<(u8, Output)>();
-    for (which, stream) in [(1u8, child.stdout.take().map(|s| Box::new(s) as Box<dyn Read + Send>)), (2, child.stderr.take().map(|s| Box::new(s) as Box<dyn Read + Send>))] {
+    for (which, stream) in [
+        (1u8, child.stdout.take().map(|s| Box::new(s) as Box<dyn Read + Send>)),
+        (2, child.stderr.take().map(|s| Box::new(s) as Box<dyn Read + Send>)),
+    ] {
         if let Some(s) = stream {
             let tx = tx.clone();
             std::thread::spawn(move || {

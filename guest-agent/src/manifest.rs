@@ -75,7 +75,10 @@ pub fn handle(paths: Option<Vec<String>>) -> Result<Manifest, AgentError> {
             })?;
             // The magic link reaches the upper directory from inside the
             // chroot (proc is mounted after the overlay).
-            let roots = [(PathBuf::from(format!("/proc/self/fd/{fd}")), PathBuf::new()), (PathBuf::from("/tmp"), PathBuf::from("tmp"))];
+            let roots = [
+                (PathBuf::from(format!("/proc/self/fd/{fd}")), PathBuf::new()),
+                (PathBuf::from("/tmp"), PathBuf::from("tmp")),
+            ];
             changed(&roots, merged, &Limits::PROTOCOL)
         }
     }
@@ -247,7 +250,13 @@ impl Lookup {
             let how = OpenHow { flags: flags as u64, mode: 0, resolve: libc::RESOLVE_NO_SYMLINKS };
             // SAFETY: a valid dir fd, C string and open_how of the size passed.
             let r = unsafe {
-                libc::syscall(libc::SYS_openat2, self.root.as_raw_fd(), c.as_ptr(), &how as *const OpenHow, std::mem::size_of::<OpenHow>())
+                libc::syscall(
+                    libc::SYS_openat2,
+                    self.root.as_raw_fd(),
+                    c.as_ptr(),
+                    &how as *const OpenHow,
+                    std::mem::size_of::<OpenHow>(),
+                )
             };
             if r >= 0 || last_errno() != libc::ENOSYS {
                 return owned(r as libc::c_int);
@@ -470,11 +479,19 @@ mod tests {
     #[test]
     fn of_paths_reports_exactly_the_given_paths() {
         let (_t, _roots, merged, _) = fake_overlay();
-        let paths: Vec<String> =
-            ["/usr/bin/tool", "/nope", "/etc/passwd", "/srv/etc-link/passwd", "/etc/hosts/x", "/", "/etc/passwd", "/usr//bin/./tool"]
-                .iter()
-                .map(|s| s.to_string())
-                .collect();
+        let paths: Vec<String> = [
+            "/usr/bin/tool",
+            "/nope",
+            "/etc/passwd",
+            "/srv/etc-link/passwd",
+            "/etc/hosts/x",
+            "/",
+            "/etc/passwd",
+            "/usr//bin/./tool",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
         let m = of_paths(&paths, &merged, &Limits::PROTOCOL).unwrap();
         assert!(!m.truncated);
         let got: Vec<(&str, EntryKind)> = m.entries.iter().map(|e| (e.path.as_str(), e.kind)).collect();
@@ -530,7 +547,10 @@ mod tests {
             .iter()
             .map(|rel| lookup.entry(Path::new(rel), rel.to_string(), &Limits::PROTOCOL).kind)
             .collect();
-        assert_eq!(kinds, [EntryKind::Absent, EntryKind::File, EntryKind::Symlink, EntryKind::Absent, EntryKind::Absent]);
+        assert_eq!(
+            kinds,
+            [EntryKind::Absent, EntryKind::File, EntryKind::Symlink, EntryKind::Absent, EntryKind::Absent]
+        );
     }
 
     #[test]

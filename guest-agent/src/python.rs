@@ -69,11 +69,14 @@ fn start() -> Result<Interpreter, AgentError> {
         .process_group(0)
         .spawn()
         .map_err(|e| match e.kind() {
-            std::io::ErrorKind::NotFound => AgentError::Unsupported { reason: "python3 is not installed in this sandbox's image".into() },
+            std::io::ErrorKind::NotFound => {
+                AgentError::Unsupported { reason: "python3 is not installed in this sandbox's image".into() }
+            }
             _ => AgentError::Io { message: format!("cannot start python3: {e}") },
         })?;
     let stdin = child.stdin.take().ok_or_else(|| AgentError::Io { message: "python3 has no stdin".into() })?;
-    let stdout = BufReader::new(child.stdout.take().ok_or_else(|| AgentError::Io { message: "python3 has no stdout".into() })?);
+    let stdout =
+        BufReader::new(child.stdout.take().ok_or_else(|| AgentError::Io { message: "python3 has no stdout".into() })?);
     Ok(Interpreter { child, stdin, stdout })
 }
 
@@ -99,7 +102,9 @@ pub fn run(req: Python) -> Result<PythonReply, AgentError> {
     if let Err(e) = interp.stdin.write_all(line.as_bytes()).and_then(|()| interp.stdin.flush()) {
         let _ = interp.child.kill();
         *guard = None;
-        return Err(AgentError::Io { message: format!("the Python interpreter is gone ({e}); the next call starts a new one") });
+        return Err(AgentError::Io {
+            message: format!("the Python interpreter is gone ({e}); the next call starts a new one"),
+        });
     }
 
     // The watchdog: SIGINT at the timeout, SIGKILL after the grace period.
@@ -126,7 +131,11 @@ pub fn run(req: Python) -> Result<PythonReply, AgentError> {
                 value: w.value,
                 stdout: w.stdout.into(),
                 stderr: w.stderr.into(),
-                exception: w.exception.map(|x| PythonException { name: x.name, message: x.message, traceback: x.traceback }),
+                exception: w.exception.map(|x| PythonException {
+                    name: x.name,
+                    message: x.message,
+                    traceback: x.traceback,
+                }),
                 timed_out: w.timed_out,
             })
         }

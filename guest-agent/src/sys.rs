@@ -34,8 +34,7 @@ pub fn info(started: Instant) -> AgentInfo {
     let mut vfs: libc::statvfs = unsafe { std::mem::zeroed() };
     // SAFETY: the path is a valid C string and `vfs` a valid out pointer.
     let ok = unsafe { libc::statvfs(c"/".as_ptr(), &mut vfs) } == 0;
-    let (disk_total, disk_free) =
-        if ok { (vfs.f_blocks * vfs.f_frsize, vfs.f_bavail * vfs.f_frsize) } else { (0, 0) };
+    let (disk_total, disk_free) = if ok { (vfs.f_blocks * vfs.f_frsize, vfs.f_bavail * vfs.f_frsize) } else { (0, 0) };
     AgentInfo {
         agent_version: AGENT_VERSION.to_string(),
         protocol_version: PROTOCOL_VERSION,

@@ -40,7 +40,9 @@ pub fn listen(port: u32) -> io::Result<OwnedFd> {
 pub fn accept(listener: &OwnedFd) -> io::Result<File> {
     loop {
         // SAFETY: `listener` is a listening socket; no address is asked for.
-        let fd = unsafe { libc::accept4(listener.as_raw_fd(), std::ptr::null_mut(), std::ptr::null_mut(), libc::SOCK_CLOEXEC) };
+        let fd = unsafe {
+            libc::accept4(listener.as_raw_fd(), std::ptr::null_mut(), std::ptr::null_mut(), libc::SOCK_CLOEXEC)
+        };
         if fd >= 0 {
             // SAFETY: `fd` is a new connection this function owns.
             return Ok(File::from(unsafe { OwnedFd::from_raw_fd(fd) }));

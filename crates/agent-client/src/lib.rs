@@ -14,8 +14,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tine_protocol::{
-    body_len, decode_body, encode, AgentError, Command, Exec, ExecReply, FileData, Op, ProtocolError, Python, PythonReply,
-    ReadFile, Reply, Request, Response, WriteFile, LENGTH_BYTES,
+    body_len, decode_body, encode, AgentError, Command, Exec, ExecReply, FileData, Op, ProtocolError, Python,
+    PythonReply, ReadFile, Reply, Request, Response, WriteFile, LENGTH_BYTES,
 };
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};

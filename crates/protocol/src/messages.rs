@@ -34,7 +34,9 @@ pub fn effective_limits(timeout_ms: u32, output_limit: u32) -> Result<(u32, u32)
     let invalid = |reason: String| AgentError::InvalidRequest { reason };
     let timeout = match timeout_ms {
         0 => DEFAULT_TIMEOUT_MS,
-        t if t > MAX_TIMEOUT_MS => return Err(invalid(format!("timeout {t} ms is over the {MAX_TIMEOUT_MS} ms limit"))),
+        t if t > MAX_TIMEOUT_MS => {
+            return Err(invalid(format!("timeout {t} ms is over the {MAX_TIMEOUT_MS} ms limit")))
+        }
         t => t,
     };
     let limit = match output_limit {

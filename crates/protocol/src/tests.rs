@@ -11,9 +11,18 @@ fn arb_op() -> impl Strategy<Value = Op> {
     prop_oneof![
         Just(Op::Ping),
         Just(Op::Info),
-        (".{0,40}", proptest::collection::vec(any::<u8>(), 0..64), any::<u32>(), any::<u32>()).prop_map(|(s, stdin, t, l)| {
-            Op::Exec(Exec { command: Command::Shell(s), cwd: None, env: vec![("K".into(), "V".into())], stdin, timeout_ms: t, output_limit: l })
-        }),
+        (".{0,40}", proptest::collection::vec(any::<u8>(), 0..64), any::<u32>(), any::<u32>()).prop_map(
+            |(s, stdin, t, l)| {
+                Op::Exec(Exec {
+                    command: Command::Shell(s),
+                    cwd: None,
+                    env: vec![("K".into(), "V".into())],
+                    stdin,
+                    timeout_ms: t,
+                    output_limit: l,
+                })
+            }
+        ),
         (proptest::collection::vec(".{0,8}", 0..4)).prop_map(|argv| Op::Exec(Exec {
             command: Command::Argv(argv),
             cwd: Some("/tmp".into()),
@@ -25,8 +34,9 @@ fn arb_op() -> impl Strategy<Value = Op> {
         (".{0,40}", any::<u32>()).prop_map(|(code, t)| Op::Python(Python { code, timeout_ms: t, output_limit: 10 })),
         (".{0,20}", any::<u64>(), proptest::option::of(any::<u64>()))
             .prop_map(|(path, offset, length)| Op::ReadFile(ReadFile { path, offset, length })),
-        (".{0,20}", proptest::collection::vec(any::<u8>(), 0..256), any::<bool>())
-            .prop_map(|(path, data, append)| Op::WriteFile(WriteFile { path, data, mode: Some(0o600), append, create_parents: true })),
+        (".{0,20}", proptest::collection::vec(any::<u8>(), 0..256), any::<bool>()).prop_map(|(path, data, append)| {
+            Op::WriteFile(WriteFile { path, data, mode: Some(0o600), append, create_parents: true })
+        }),
         (".{0,20}", any::<bool>()).prop_map(|(path, recursive)| Op::Remove { path, recursive }),
         (proptest::collection::vec(any::<u8>(), 0..64), any::<u64>())
             .prop_map(|(entropy, unix_time_ns)| Op::Reseed(Reseed { entropy, unix_time_ns })),
@@ -47,7 +57,8 @@ fn arb_entry_kind() -> impl Strategy<Value = EntryKind> {
 fn arb_manifest() -> impl Strategy<Value = Manifest> {
     let entry = (".{0,30}", arb_entry_kind(), any::<u64>(), 0u32..0o10000, proptest::option::of("[0-9a-f]{64}"))
         .prop_map(|(path, kind, size, mode, sha256)| ManifestEntry { path, kind, size, mode, sha256 });
-    (proptest::collection::vec(entry, 0..8), any::<bool>()).prop_map(|(entries, truncated)| Manifest { entries, truncated })
+    (proptest::collection::vec(entry, 0..8), any::<bool>())
+        .prop_map(|(entries, truncated)| Manifest { entries, truncated })
 }
 
 fn arb_result() -> impl Strategy<Value = Result<Reply, AgentError>> {
@@ -164,12 +175,24 @@ fn version_mismatch_and_eof_are_typed() {
 fn a_frame_over_the_limit_is_not_encoded() {
     let big = Request {
         id: 1,
-        op: Op::WriteFile(WriteFile { path: "/x".into(), data: vec![0; MAX_FRAME_BYTES], mode: None, append: false, create_parents: false }),
+        op: Op::WriteFile(WriteFile {
+            path: "/x".into(),
+            data: vec![0; MAX_FRAME_BYTES],
+            mode: None,
+            append: false,
+            create_parents: false,
+        }),
     };
     assert!(matches!(encode(&big), Err(ProtocolError::Encode(_))));
     let ok = Request {
         id: 1,
-        op: Op::WriteFile(WriteFile { path: "/x".into(), data: vec![7; MAX_FILE_CHUNK as usize], mode: None, append: false, create_parents: false }),
+        op: Op::WriteFile(WriteFile {
+            path: "/x".into(),
+            data: vec![7; MAX_FILE_CHUNK as usize],
+            mode: None,
+            append: false,
+            create_parents: false,
+        }),
     };
     let frame = encode(&ok).unwrap();
     assert!(frame.len() < MAX_FRAME_BYTES, "a full file chunk fits in a frame");

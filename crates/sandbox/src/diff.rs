@@ -93,7 +93,12 @@ pub struct EntrySummary {
 
 impl EntrySummary {
     fn of(e: &ManifestEntry) -> Option<EntrySummary> {
-        Some(EntrySummary { kind: Kind::of(e.kind)?, size: e.size, mode: format!("{:04o}", e.mode), sha256: e.sha256.clone() })
+        Some(EntrySummary {
+            kind: Kind::of(e.kind)?,
+            size: e.size,
+            mode: format!("{:04o}", e.mode),
+            sha256: e.sha256.clone(),
+        })
     }
 }
 
@@ -276,14 +281,24 @@ impl Manager {
                 }
                 if wants_text(c, max) {
                     budget -= 1;
-                    let (old, new) = tokio::join!(self.text(a, &c.path, c.a.is_some(), max), self.text(b, &c.path, c.b.is_some(), max));
+                    let (old, new) = tokio::join!(
+                        self.text(a, &c.path, c.a.is_some(), max),
+                        self.text(b, &c.path, c.b.is_some(), max)
+                    );
                     if let (Some(old), Some(new)) = (old, new) {
                         c.unified_diff = unified_diff(&c.path, &old, &new);
                     }
                 }
             }
         }
-        Ok(DiffReport { a: a.to_string(), b: b.to_string(), added: changes.added, removed: changes.removed, modified: changes.modified, truncated })
+        Ok(DiffReport {
+            a: a.to_string(),
+            b: b.to_string(),
+            added: changes.added,
+            removed: changes.removed,
+            modified: changes.modified,
+            truncated,
+        })
     }
 
     /// One `Manifest` call.
@@ -355,7 +370,13 @@ mod tests {
         ];
         let b = vec![
             // Order does not matter; a directory's size is noise.
-            ManifestEntry { path: "/was-file".into(), kind: EntryKind::Symlink, size: 8, mode: 0o777, sha256: Some("11".into()) },
+            ManifestEntry {
+                path: "/was-file".into(),
+                kind: EntryKind::Symlink,
+                size: 8,
+                mode: 0o777,
+                sha256: Some("11".into()),
+            },
             dir("/etc", 0o755, 60),
             file("/etc/hosts", 12, 0o644, "bb"),
             file("/etc/same", 3, 0o644, "cc"),
@@ -378,7 +399,10 @@ mod tests {
         assert_eq!((gone.kind, gone.b.as_ref()), (Kind::File, None));
         assert_eq!(gone.a.as_ref().unwrap().sha256.as_deref(), Some("ee"));
         let chmod = &c.modified[0];
-        assert_eq!((chmod.a.as_ref().unwrap().mode.as_str(), chmod.b.as_ref().unwrap().mode.as_str()), ("0644", "4755"));
+        assert_eq!(
+            (chmod.a.as_ref().unwrap().mode.as_str(), chmod.b.as_ref().unwrap().mode.as_str()),
+            ("0644", "4755")
+        );
         let kind_change = &c.modified[2];
         assert_eq!((kind_change.kind, kind_change.a.as_ref().unwrap().kind), (Kind::Symlink, Kind::File));
     }
@@ -405,12 +429,17 @@ mod tests {
 
     #[test]
     fn only_small_differing_files_get_text() {
-        let summary = |kind, size, sha: Option<&str>| Some(EntrySummary { kind, size, mode: "0644".into(), sha256: sha.map(Into::into) });
+        let summary = |kind, size, sha: Option<&str>| {
+            Some(EntrySummary { kind, size, mode: "0644".into(), sha256: sha.map(Into::into) })
+        };
         let change = |a, b| PathChange { path: "/p".into(), kind: Kind::File, a, b, unified_diff: None };
         assert!(wants_text(&change(None, summary(Kind::File, 10, Some("x"))), 10));
         assert!(wants_text(&change(summary(Kind::File, 10, Some("x")), summary(Kind::File, 3, Some("y"))), 10));
         assert!(!wants_text(&change(summary(Kind::File, 11, Some("x")), None), 10), "too large");
-        assert!(!wants_text(&change(summary(Kind::File, 1, Some("x")), summary(Kind::File, 1, Some("x"))), 10), "mode only");
+        assert!(
+            !wants_text(&change(summary(Kind::File, 1, Some("x")), summary(Kind::File, 1, Some("x"))), 10),
+            "mode only"
+        );
         assert!(!wants_text(&change(summary(Kind::Symlink, 1, Some("x")), summary(Kind::File, 1, Some("y"))), 10));
         assert!(!wants_text(&change(None, summary(Kind::Dir, 0, None)), 10));
     }
@@ -429,10 +458,23 @@ mod tests {
 
     #[test]
     fn the_report_serializes_as_mcp_structured_output() {
-        let c = compare(&[absent("/n"), file("/m", 1, 0o644, "aa")], &[file("/n", 2, 0o600, "bb"), file("/m", 2, 0o644, "cc")]);
-        let r = DiffReport { a: "sb-1".into(), b: "sb-2".into(), added: c.added, removed: c.removed, modified: c.modified, truncated: false };
+        let c = compare(
+            &[absent("/n"), file("/m", 1, 0o644, "aa")],
+            &[file("/n", 2, 0o600, "bb"), file("/m", 2, 0o644, "cc")],
+        );
+        let r = DiffReport {
+            a: "sb-1".into(),
+            b: "sb-2".into(),
+            added: c.added,
+            removed: c.removed,
+            modified: c.modified,
+            truncated: false,
+        };
         let v = serde_json::to_value(&r).unwrap();
-        assert_eq!(v["added"][0], serde_json::json!({"path": "/n", "kind": "file", "b": {"kind": "file", "size": 2, "mode": "0600", "sha256": "bb"}}));
+        assert_eq!(
+            v["added"][0],
+            serde_json::json!({"path": "/n", "kind": "file", "b": {"kind": "file", "size": 2, "mode": "0600", "sha256": "bb"}})
+        );
         assert_eq!(v["modified"][0]["a"]["sha256"], "aa");
         assert_eq!(v["removed"], serde_json::json!([]));
         let schema = serde_json::to_value(schemars::schema_for!(DiffReport)).unwrap();

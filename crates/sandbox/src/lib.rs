@@ -31,8 +31,8 @@ pub mod templates;
 
 pub use diff::{DiffOptions, DiffReport};
 pub use limits::{Limits, LimitsError};
-pub use templates::{TemplateError, TemplateInfo, DEFAULT_TEMPLATE};
 pub use manager::{
     BranchResult, ExecRequest, Lineage, Manager, ManagerConfig, SandboxError, SandboxId, SandboxInfo, SandboxSpec,
     SandboxState, Usage,
 };
+pub use templates::{TemplateError, TemplateInfo, DEFAULT_TEMPLATE};

@@ -21,8 +21,8 @@ use vmm::{DiskConfig, HostProfile, MemoryBacking, RunningVm, Vm, VmConfig, VmErr
 use crate::limits::{Limits, LimitsError};
 
 mod branch;
-pub use branch::BranchResult;
 use crate::templates::{Template, TemplateError, TemplateInfo, TemplateMeta, TemplateStore, DEFAULT_TEMPLATE};
+pub use branch::BranchResult;
 
 /// A sandbox's id, `sb-<n>`.
 pub type SandboxId = String;
@@ -592,7 +592,8 @@ impl Manager {
     pub fn new(config: ManagerConfig) -> Result<Arc<Self>, SandboxError> {
         config.limits.validate()?;
         for (what, p) in [("guest kernel", &config.kernel), ("root filesystem image", &config.rootfs)] {
-            std::fs::metadata(p).map_err(|source| SandboxError::Io { what: format!("{what} {}", p.display()), source })?;
+            std::fs::metadata(p)
+                .map_err(|source| SandboxError::Io { what: format!("{what} {}", p.display()), source })?;
         }
         let io = |what: String| move |source| SandboxError::Io { what, source };
         std::fs::create_dir_all(&config.run_dir).map_err(io(format!("create {}", config.run_dir.display())))?;
@@ -659,7 +660,8 @@ impl Manager {
         if let Some(name) = &spec.template {
             let t = self.load_template(name.clone()).await?;
             let (vcpus, memory_mib) = (t.meta.vcpus, t.meta.memory_mib);
-            let differs = spec.vcpus.is_some_and(|v| v != u64::from(vcpus)) || spec.memory_mib.is_some_and(|m| m != memory_mib);
+            let differs =
+                spec.vcpus.is_some_and(|v| v != u64::from(vcpus)) || spec.memory_mib.is_some_and(|m| m != memory_mib);
             if differs {
                 return Err(SandboxError::TemplateShape { name: name.clone(), vcpus, memory_mib });
             }
@@ -671,7 +673,9 @@ impl Manager {
             let mut building = self.default_building.subscribe();
             let _ = building.wait_for(|b| !*b).await;
             match self.load_template(DEFAULT_TEMPLATE.into()).await {
-                Ok(t) if t.meta.vcpus == vcpus && t.meta.memory_mib == memory_mib => return Ok((Origin::Template(t), vcpus, memory_mib)),
+                Ok(t) if t.meta.vcpus == vcpus && t.meta.memory_mib == memory_mib => {
+                    return Ok((Origin::Template(t), vcpus, memory_mib))
+                }
                 Ok(_) => tracing::info!("the default template has another shape than the limits' defaults; booting"),
                 Err(e) => tracing::info!("booting instead of restoring: {e}"),
             }
@@ -738,7 +742,10 @@ impl Manager {
         let uds = dir.join("vsock.sock");
         if uds.as_os_str().len() > MAX_UDS_PATH {
             return Err(SandboxError::Io {
-                what: format!("socket path {} is longer than {MAX_UDS_PATH} bytes; use a shorter data directory", uds.display()),
+                what: format!(
+                    "socket path {} is longer than {MAX_UDS_PATH} bytes; use a shorter data directory",
+                    uds.display()
+                ),
                 source: std::io::Error::from(std::io::ErrorKind::InvalidInput),
             });
         }
@@ -770,8 +777,8 @@ impl Manager {
             Origin::Branch(s) => Vm::restore(&config, &s, MemoryBacking::Private),
         })
         .await
-            .map_err(task_failed("VM start task"))?
-            .map_err(SandboxError::Start)?;
+        .map_err(task_failed("VM start task"))?
+        .map_err(SandboxError::Start)?;
         let watcher = vm.exit_watcher();
         let started = vm.started();
         *lock(&sb.vm) = Some(vm);
@@ -792,8 +799,13 @@ impl Manager {
                 return Err(SandboxError::NotRunning { id: sb.id.clone(), state: SandboxState::Failed, reason });
             }
             if Instant::now() >= deadline || self.shutting_down.load(Ordering::SeqCst) {
-                let console = lock(&sb.vm).as_ref().map(|vm| vm.console().last_lines(CONSOLE_TAIL_LINES)).unwrap_or_default();
-                return Err(SandboxError::Boot { secs: self.config.limits.boot_timeout_secs, reason: last_error, console });
+                let console =
+                    lock(&sb.vm).as_ref().map(|vm| vm.console().last_lines(CONSOLE_TAIL_LINES)).unwrap_or_default();
+                return Err(SandboxError::Boot {
+                    secs: self.config.limits.boot_timeout_secs,
+                    reason: last_error,
+                    console,
+                });
             }
             match AgentClient::connect(&uds, AGENT_PORT).await {
                 Ok(client) => match client.call(Op::Ping, Duration::from_secs(10)).await {
@@ -854,10 +866,7 @@ impl Manager {
     /// Every sandbox whose labels include all of `labels`, by id.
     pub fn list(&self, labels: &BTreeMap<String, String>) -> Vec<SandboxInfo> {
         let all: Vec<Arc<Sandbox>> = lock(&self.sandboxes).values().cloned().collect();
-        all.iter()
-            .filter(|s| labels.iter().all(|(k, v)| s.labels.get(k) == Some(v)))
-            .map(|s| s.info(None))
-            .collect()
+        all.iter().filter(|s| labels.iter().all(|(k, v)| s.labels.get(k) == Some(v))).map(|s| s.info(None)).collect()
     }
 
     /// One sandbox, with its resource use if it is running.
@@ -1045,7 +1054,9 @@ impl Manager {
             state => return Err(SandboxError::BadState { id: sb.id.clone(), state, what: "pause" }),
         }
         let took = match lock(&sb.vm).as_ref() {
-            Some(vm) => vm.pause(Self::PAUSE_TIMEOUT).map_err(|source| SandboxError::Pause { id: sb.id.clone(), source })?,
+            Some(vm) => {
+                vm.pause(Self::PAUSE_TIMEOUT).map_err(|source| SandboxError::Pause { id: sb.id.clone(), source })?
+            }
             None => return Err(SandboxError::BadState { id: sb.id.clone(), state: sb.state(), what: "pause" }),
         };
         {

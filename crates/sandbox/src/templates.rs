@@ -30,7 +30,9 @@ const MAX_NAME: usize = 63;
 #[derive(Debug, thiserror::Error)]
 pub enum TemplateError {
     /// The name is not usable.
-    #[error("invalid template name {0:?}: use 1-63 lowercase letters, digits, '-' or '_', starting with a letter or digit")]
+    #[error(
+        "invalid template name {0:?}: use 1-63 lowercase letters, digits, '-' or '_', starting with a letter or digit"
+    )]
     BadName(String),
     /// No template has this name.
     #[error("no template {0:?}; call template_list to see them, or sandbox_snapshot to make one")]
@@ -96,7 +98,11 @@ impl FileIdentity {
     /// Errors: the `stat(2)` error.
     pub fn of(path: &Path) -> std::io::Result<Self> {
         let m = std::fs::metadata(path)?;
-        Ok(FileIdentity { len: m.len(), mtime_ns: i128::from(m.mtime()) * 1_000_000_000 + i128::from(m.mtime_nsec()), ino: m.ino() })
+        Ok(FileIdentity {
+            len: m.len(),
+            mtime_ns: i128::from(m.mtime()) * 1_000_000_000 + i128::from(m.mtime_nsec()),
+            ino: m.ino(),
+        })
     }
 }
 
@@ -232,7 +238,8 @@ impl TemplateStore {
     ///
     /// Errors: [`TemplateError::Exists`], [`TemplateError::Io`].
     pub fn commit(&self, tmp: &Path, meta: &TemplateMeta, replace: bool) -> Result<(), TemplateError> {
-        let json = serde_json::to_vec_pretty(meta).map_err(|e| TemplateError::Io { what: "encode template.json".into(), source: e.into() })?;
+        let json = serde_json::to_vec_pretty(meta)
+            .map_err(|e| TemplateError::Io { what: "encode template.json".into(), source: e.into() })?;
         std::fs::write(tmp.join(META_FILE), json).map_err(io(format!("write {}", tmp.join(META_FILE).display())))?;
         let dest = self.path(&meta.name);
         if dest.exists() {
@@ -319,8 +326,11 @@ impl TemplateStore {
         let mut out = Vec::new();
         let Ok(entries) = std::fs::read_dir(&self.dir) else { return out };
         let images = self.images().ok();
-        let mut names: Vec<String> =
-            entries.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).filter(|n| check_name(n).is_ok()).collect();
+        let mut names: Vec<String> = entries
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| check_name(n).is_ok())
+            .collect();
         names.sort();
         for name in names {
             let dir = self.path(&name);
@@ -388,13 +398,22 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         std::fs::write(d.path().join("vmlinux"), b"kernel").unwrap();
         std::fs::write(d.path().join("rootfs"), b"rootfs").unwrap();
-        let s = TemplateStore::new(d.path().join("templates"), d.path().join("vmlinux"), d.path().join("rootfs")).unwrap();
+        let s =
+            TemplateStore::new(d.path().join("templates"), d.path().join("vmlinux"), d.path().join("rootfs")).unwrap();
         (d, s)
     }
 
     fn meta(s: &TemplateStore, name: &str) -> TemplateMeta {
         let (kernel, rootfs) = s.images().unwrap();
-        TemplateMeta { name: name.into(), vcpus: 1, memory_mib: 128, created_at_ms: 1, source_sandbox: None, kernel, rootfs }
+        TemplateMeta {
+            name: name.into(),
+            vcpus: 1,
+            memory_mib: 128,
+            created_at_ms: 1,
+            source_sandbox: None,
+            kernel,
+            rootfs,
+        }
     }
 
     #[test]
@@ -424,7 +443,8 @@ mod tests {
         assert!(matches!(s.load("../etc"), Err(TemplateError::BadName(_))));
         // Half-made templates go at the next start.
         let _half = s.begin("t2", false).unwrap();
-        let s2 = TemplateStore::new(d.path().join("templates"), d.path().join("vmlinux"), d.path().join("rootfs")).unwrap();
+        let s2 =
+            TemplateStore::new(d.path().join("templates"), d.path().join("vmlinux"), d.path().join("rootfs")).unwrap();
         assert_eq!(std::fs::read_dir(d.path().join("templates")).unwrap().count(), 1);
         assert_eq!(s2.list().len(), 1);
     }

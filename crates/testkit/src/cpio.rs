@@ -95,7 +95,9 @@ mod tests {
         let mut names = Vec::new();
         loop {
             assert_eq!(&a[off..off + 6], b"070701");
-            let field = |i: usize| u32::from_str_radix(std::str::from_utf8(&a[off + 6 + i * 8..off + 14 + i * 8]).unwrap(), 16).unwrap();
+            let field = |i: usize| {
+                u32::from_str_radix(std::str::from_utf8(&a[off + 6 + i * 8..off + 14 + i * 8]).unwrap(), 16).unwrap()
+            };
             let (mode, size, rmaj, namesize) = (field(1), field(6) as usize, field(9), field(11) as usize);
             let name = std::str::from_utf8(&a[off + 110..off + 110 + namesize - 1]).unwrap().to_string();
             off = (off + 110 + namesize + 3) & !3;

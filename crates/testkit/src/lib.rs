@@ -22,7 +22,11 @@ pub fn logging() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
         let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into());
-        let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_test_writer().try_init();
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_writer(std::io::stderr)
+            .with_test_writer()
+            .try_init();
     });
 }
 
@@ -134,7 +138,12 @@ pub fn build_test_rootfs(dir: &Path, size_mib: u64) -> PathBuf {
 fn mkfs_ext4(root: &Path, image: &Path, size_mib: u64) -> PathBuf {
     let f = std::fs::File::create(image).expect("create image");
     f.set_len(size_mib << 20).expect("size image");
-    let out = Command::new("mkfs.ext4").args(["-q", "-F", "-d"]).arg(root).arg(image).output().expect("run mkfs.ext4 (e2fsprogs)");
+    let out = Command::new("mkfs.ext4")
+        .args(["-q", "-F", "-d"])
+        .arg(root)
+        .arg(image)
+        .output()
+        .expect("run mkfs.ext4 (e2fsprogs)");
     assert!(out.status.success(), "mkfs.ext4 failed: {}", String::from_utf8_lossy(&out.stderr));
     image.to_path_buf()
 }

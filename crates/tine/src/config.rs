@@ -204,10 +204,9 @@ mod tests {
 
     #[test]
     fn file_config_parses_and_rejects_unknown_keys() {
-        let c: FileConfig = toml::from_str(
-            "listen = \"0.0.0.0:6000\"\nallowed_hosts = [\"a.example\"]\n[limits]\nmax_sandboxes = 3\n",
-        )
-        .unwrap();
+        let c: FileConfig =
+            toml::from_str("listen = \"0.0.0.0:6000\"\nallowed_hosts = [\"a.example\"]\n[limits]\nmax_sandboxes = 3\n")
+                .unwrap();
         assert_eq!(c.listen, Some("0.0.0.0:6000".parse().unwrap()));
         assert_eq!(c.limits.max_sandboxes, 3);
         assert_eq!(c.limits.default_memory_mib, 512);

@@ -70,7 +70,8 @@ fn check_memory() -> Check {
         name: "free memory",
         ok: mib >= 1024,
         detail: format!("{mib} MiB available"),
-        fix: "free memory or lower [limits] default_memory_mib and max_sandboxes; each sandbox uses up to its memory_mib",
+        fix:
+            "free memory or lower [limits] default_memory_mib and max_sandboxes; each sandbox uses up to its memory_mib",
     }
 }
 

@@ -145,9 +145,8 @@ fn start(args: StartArgs) -> anyhow::Result<ExitCode> {
             allowed_hosts.push(listen.ip().to_string());
         }
     }
-    let session_timeout = Duration::from_secs(
-        r.file.session_timeout_secs.unwrap_or(r.file.limits.default_idle_timeout_secs).max(1),
-    );
+    let session_timeout =
+        Duration::from_secs(r.file.session_timeout_secs.unwrap_or(r.file.limits.default_idle_timeout_secs).max(1));
     let (manager, _lock) = open_manager(&r)?;
     let profile = HostProfile::detect();
     tracing::info!(
@@ -246,12 +245,13 @@ fn keygen(out: Option<PathBuf>) -> anyhow::Result<ExitCode> {
             if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
                 std::fs::create_dir_all(parent)?;
             }
-            let mut f = std::fs::OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .mode(0o600)
-                .open(&path)
-                .map_err(|e| anyhow::anyhow!("cannot create {}: {e} (an existing token file is never overwritten)", path.display()))?;
+            let mut f =
+                std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&path).map_err(|e| {
+                    anyhow::anyhow!(
+                        "cannot create {}: {e} (an existing token file is never overwritten)",
+                        path.display()
+                    )
+                })?;
             writeln!(f, "{token}")?;
             eprintln!("tine: wrote a new token to {}", path.display());
         }
@@ -327,11 +327,8 @@ fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     tracing::info!("host profile {}, command line: {}", config.profile, config.full_cmdline());
     let mut vm = Vm::start(&config)?;
     let started = vm.started();
-    let exit = if args.timeout_secs > 0 {
-        vm.wait_timeout(Duration::from_secs(args.timeout_secs))?
-    } else {
-        vm.wait()?
-    };
+    let exit =
+        if args.timeout_secs > 0 { vm.wait_timeout(Duration::from_secs(args.timeout_secs))? } else { vm.wait()? };
     eprintln!("tine: VM ended ({exit:?}) after {:.1} s", started.elapsed().as_secs_f64());
     if exit == VmExit::Stopped {
         for (i, rip) in vm.final_rips().iter().enumerate() {

@@ -365,7 +365,6 @@ pub struct ListDirResult {
     pub entries: Vec<Entry>,
 }
 
-
 fn text(o: Output) -> String {
     String::from_utf8_lossy(&o.data).into_owned()
 }
@@ -383,7 +382,6 @@ fn secs_to_ms(secs: Option<u32>) -> Result<u32, String> {
 fn err(e: SandboxError) -> String {
     e.to_string()
 }
-
 
 #[tool_router]
 impl TineMcp {
@@ -425,7 +423,12 @@ impl TineMcp {
         description = "Create a new sandbox: an isolated Linux microVM (Debian, bash, Python 3) with its own \
                        kernel. Returns its sandbox_id. Tools called without sandbox_id use this session's own \
                        sandbox instead, created on first use.",
-        annotations(title = "Create sandbox", read_only_hint = false, destructive_hint = false, open_world_hint = false)
+        annotations(
+            title = "Create sandbox",
+            read_only_hint = false,
+            destructive_hint = false,
+            open_world_hint = false
+        )
     )]
     async fn sandbox_create(&self, Parameters(p): Parameters<CreateParams>) -> Result<Json<SandboxInfo>, String> {
         let spec = SandboxSpec {
@@ -452,7 +455,12 @@ impl TineMcp {
                        files and Python state as they are now. The sandbox pauses for the copy and goes on. \
                        Then sandbox_create { template: name } makes copies of it, each with fresh randomness \
                        and the current clock.",
-        annotations(title = "Snapshot sandbox", read_only_hint = false, destructive_hint = false, open_world_hint = false)
+        annotations(
+            title = "Snapshot sandbox",
+            read_only_hint = false,
+            destructive_hint = false,
+            open_world_hint = false
+        )
     )]
     async fn sandbox_snapshot(&self, Parameters(p): Parameters<SnapshotParams>) -> Result<Json<TemplateInfo>, String> {
         let id = self.target(p.sandbox_id).await?;
@@ -465,7 +473,12 @@ impl TineMcp {
                        its own way; the source keeps running, paused for milliseconds. Children share unchanged \
                        memory. Returns the children's ids. Compare children with sandbox_diff, keep the best with \
                        sandbox_merge_into, kill the rest with sandbox_kill.",
-        annotations(title = "Branch sandbox", read_only_hint = false, destructive_hint = false, open_world_hint = false)
+        annotations(
+            title = "Branch sandbox",
+            read_only_hint = false,
+            destructive_hint = false,
+            open_world_hint = false
+        )
     )]
     async fn sandbox_branch(&self, Parameters(p): Parameters<BranchParams>) -> Result<Json<BranchResult>, String> {
         let id = self.target(p.sandbox_id).await?;
@@ -491,7 +504,12 @@ impl TineMcp {
                        parent's VM is replaced by the winner's, so the parent's id now has the winner's memory, \
                        processes, Python state and files; the winner's id ceases to exist; other children are \
                        untouched.",
-        annotations(title = "Merge sandbox into its parent", read_only_hint = false, destructive_hint = true, open_world_hint = false)
+        annotations(
+            title = "Merge sandbox into its parent",
+            read_only_hint = false,
+            destructive_hint = true,
+            open_world_hint = false
+        )
     )]
     async fn sandbox_merge_into(&self, Parameters(p): Parameters<MergeParams>) -> Result<Json<SandboxInfo>, String> {
         let info = self.manager.merge_into(&p.winner, &p.parent).await.map_err(err)?;
@@ -523,7 +541,13 @@ impl TineMcp {
     #[tool(
         description = "Kill a sandbox: stop its VM and delete everything in it. Without sandbox_id, kills this \
                        session's own sandbox (a new one is made on next use).",
-        annotations(title = "Kill sandbox", read_only_hint = false, destructive_hint = true, idempotent_hint = true, open_world_hint = false)
+        annotations(
+            title = "Kill sandbox",
+            read_only_hint = false,
+            destructive_hint = true,
+            idempotent_hint = true,
+            open_world_hint = false
+        )
     )]
     async fn sandbox_kill(&self, Parameters(p): Parameters<SandboxParams>) -> Result<Json<KillResult>, String> {
         let id = match p.sandbox_id {
@@ -541,7 +565,13 @@ impl TineMcp {
     #[tool(
         description = "Pause a sandbox: its vCPUs stop and use no CPU; memory, processes, files and Python state \
                        are kept. sandbox_exec, sandbox_run_python and the file tools resume it by themselves.",
-        annotations(title = "Pause sandbox", read_only_hint = false, destructive_hint = false, idempotent_hint = true, open_world_hint = false)
+        annotations(
+            title = "Pause sandbox",
+            read_only_hint = false,
+            destructive_hint = false,
+            idempotent_hint = true,
+            open_world_hint = false
+        )
     )]
     async fn sandbox_pause(&self, Parameters(p): Parameters<SandboxParams>) -> Result<Json<SandboxInfo>, String> {
         let id = self.target(p.sandbox_id).await?;
@@ -555,7 +585,13 @@ impl TineMcp {
 
     #[tool(
         description = "Resume a paused sandbox where it left off.",
-        annotations(title = "Resume sandbox", read_only_hint = false, destructive_hint = false, idempotent_hint = true, open_world_hint = false)
+        annotations(
+            title = "Resume sandbox",
+            read_only_hint = false,
+            destructive_hint = false,
+            idempotent_hint = true,
+            open_world_hint = false
+        )
     )]
     async fn sandbox_resume(&self, Parameters(p): Parameters<SandboxParams>) -> Result<Json<SandboxInfo>, String> {
         let id = self.target(p.sandbox_id).await?;
@@ -650,7 +686,11 @@ impl TineMcp {
     )]
     async fn sandbox_files_write(&self, Parameters(p): Parameters<WriteParams>) -> Result<Json<WriteResult>, String> {
         let id = self.target(p.sandbox_id).await?;
-        let n = self.manager.write_file(&id, p.path.clone(), p.content.into_bytes(), p.mode, p.append).await.map_err(err)?;
+        let n = self
+            .manager
+            .write_file(&id, p.path.clone(), p.content.into_bytes(), p.mode, p.append)
+            .await
+            .map_err(err)?;
         Ok(Json(WriteResult { sandbox_id: id, path: p.path, bytes_written: n }))
     }
 
@@ -658,7 +698,10 @@ impl TineMcp {
         description = "List a directory in a sandbox: names, kinds, sizes, modes and modification times.",
         annotations(title = "List directory", read_only_hint = true, open_world_hint = false)
     )]
-    async fn sandbox_files_list(&self, Parameters(p): Parameters<ListDirParams>) -> Result<Json<ListDirResult>, String> {
+    async fn sandbox_files_list(
+        &self,
+        Parameters(p): Parameters<ListDirParams>,
+    ) -> Result<Json<ListDirResult>, String> {
         let id = self.target(p.sandbox_id).await?;
         let path = p.path.unwrap_or_else(|| "/".into());
         let entries = self.manager.list_dir(&id, path.clone()).await.map_err(err)?;

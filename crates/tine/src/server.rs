@@ -72,11 +72,8 @@ async fn require_bearer(State(token): State<Arc<String>>, req: Request, next: Ne
     if ok {
         return next.run(req).await;
     }
-    let challenge = if given.is_some() {
-        r#"Bearer realm="tine", error="invalid_token""#
-    } else {
-        r#"Bearer realm="tine""#
-    };
+    let challenge =
+        if given.is_some() { r#"Bearer realm="tine", error="invalid_token""# } else { r#"Bearer realm="tine""# };
     let mut resp = (
         StatusCode::UNAUTHORIZED,
         [(header::CONTENT_TYPE, "application/json")],
@@ -117,11 +114,8 @@ pub async fn serve(manager: Arc<Manager>, opts: ServeOptions) -> Result<(), Serv
     let mut sessions = LocalSessionManager::default();
     sessions.session_config.keep_alive = Some(opts.session_timeout);
     let factory_manager = manager.clone();
-    let mcp = StreamableHttpService::new(
-        move || Ok(TineMcp::new(factory_manager.clone())),
-        Arc::new(sessions),
-        mcp_config,
-    );
+    let mcp =
+        StreamableHttpService::new(move || Ok(TineMcp::new(factory_manager.clone())), Arc::new(sessions), mcp_config);
     let mut mcp_router = Router::new().nest_service("/mcp", mcp);
     if let Some(token) = opts.token {
         mcp_router = mcp_router.layer(axum::middleware::from_fn_with_state(Arc::new(token), require_bearer));

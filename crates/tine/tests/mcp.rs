@@ -167,9 +167,8 @@ async fn mcp_end_to_end() {
     .await
     .unwrap();
     assert_eq!(w["bytes_written"], 15);
-    let r = call(&client, "sandbox_files_read", json!({"sandbox_id": id, "path": "/work/notes/hello.txt"}))
-        .await
-        .unwrap();
+    let r =
+        call(&client, "sandbox_files_read", json!({"sandbox_id": id, "path": "/work/notes/hello.txt"})).await.unwrap();
     assert_eq!(r["content"], "hello from MCP\n");
     assert_eq!(r["remaining"], 0);
     let l = call(&client, "sandbox_files_list", json!({"sandbox_id": id, "path": "/work/notes"})).await.unwrap();
@@ -180,9 +179,13 @@ async fn mcp_end_to_end() {
 
     let blob: Vec<u8> = (0..70_000u32).map(|i| (i * 7 % 256) as u8).collect();
     let b64 = base64::engine::general_purpose::STANDARD;
-    let up = call(&client, "sandbox_upload", json!({"sandbox_id": id, "path": "/tmp/blob", "data_base64": b64.encode(&blob)}))
-        .await
-        .unwrap();
+    let up = call(
+        &client,
+        "sandbox_upload",
+        json!({"sandbox_id": id, "path": "/tmp/blob", "data_base64": b64.encode(&blob)}),
+    )
+    .await
+    .unwrap();
     assert_eq!(up["bytes_written"], 70_000);
     let down = call(&client, "sandbox_download", json!({"sandbox_id": id, "path": "/tmp/blob"})).await.unwrap();
     assert_eq!(b64.decode(down["data_base64"].as_str().unwrap()).unwrap(), blob);
@@ -206,7 +209,8 @@ async fn mcp_end_to_end() {
     assert_eq!(x["timed_out"], true, "{x}");
 
     let list = call(&client, "sandbox_list", json!({"labels": {"suite": "e2e"}})).await.unwrap();
-    let ids: Vec<&str> = list["sandboxes"].as_array().unwrap().iter().map(|s| s["sandbox_id"].as_str().unwrap()).collect();
+    let ids: Vec<&str> =
+        list["sandboxes"].as_array().unwrap().iter().map(|s| s["sandbox_id"].as_str().unwrap()).collect();
     assert_eq!(ids, vec![id.as_str()]);
     let none = call(&client, "sandbox_list", json!({"labels": {"suite": "other"}})).await.unwrap();
     assert!(none["sandboxes"].as_array().unwrap().is_empty());
@@ -306,9 +310,10 @@ async fn ten_concurrent_sessions() {
             // hosts where each fault is slow, their first commands take
             // tens of seconds (see docs/hosts.md).
             let command = format!("echo session-{i}; expr {i} \\* 1000");
-            let x = call(&client, "sandbox_exec", json!({"sandbox_id": target, "command": command, "timeout_secs": 600}))
-                .await
-                .unwrap_or_else(|e| panic!("session {i}: {e}"));
+            let x =
+                call(&client, "sandbox_exec", json!({"sandbox_id": target, "command": command, "timeout_secs": 600}))
+                    .await
+                    .unwrap_or_else(|e| panic!("session {i}: {e}"));
             assert_eq!(x["stdout"], format!("session-{i}\n{}\n", i * 1000), "session {i}: {x}");
             (i, client, x["sandbox_id"].as_str().unwrap().to_string())
         }));
@@ -406,11 +411,16 @@ async fn templates_end_to_end() {
     let py = |id: &str, code: &str| json!({"sandbox_id": id, "code": code});
     let v = call(&client, "sandbox_run_python", py(&src, "x = 1234\nnote = 'from the source'\nx")).await.unwrap();
     assert_eq!(v["result"], "1234", "{v}");
-    call(&client, "sandbox_files_write", json!({"sandbox_id": src, "path": "/root/work/state.txt", "content": "made before the snapshot\n"}))
-        .await
-        .expect("write");
+    call(
+        &client,
+        "sandbox_files_write",
+        json!({"sandbox_id": src, "path": "/root/work/state.txt", "content": "made before the snapshot\n"}),
+    )
+    .await
+    .expect("write");
 
-    let tpl = call(&client, "sandbox_snapshot", json!({"sandbox_id": src, "name": "with-state"})).await.expect("snapshot");
+    let tpl =
+        call(&client, "sandbox_snapshot", json!({"sandbox_id": src, "name": "with-state"})).await.expect("snapshot");
     assert_eq!(tpl["name"], "with-state");
     assert_eq!(tpl["source_sandbox"], src.as_str());
     assert_eq!(tpl["memory_mib"], 512);
@@ -442,18 +452,26 @@ async fn templates_end_to_end() {
     for id in &kids {
         let v = call(&client, "sandbox_run_python", py(id, "(x, note)")).await.unwrap();
         assert_eq!(v["result"], "(1234, 'from the source')", "{id}: {v}");
-        let f = call(&client, "sandbox_files_read", json!({"sandbox_id": id, "path": "/root/work/state.txt"})).await.unwrap();
+        let f = call(&client, "sandbox_files_read", json!({"sandbox_id": id, "path": "/root/work/state.txt"}))
+            .await
+            .unwrap();
         assert_eq!(f["content"], "made before the snapshot\n", "{id}");
     }
 
     // A write in one is seen by no other, nor by the source.
     let (first, others) = kids.split_first().unwrap();
-    call(&client, "sandbox_files_write", json!({"sandbox_id": first, "path": "/root/work/only-here.txt", "content": "x"}))
-        .await
-        .unwrap();
+    call(
+        &client,
+        "sandbox_files_write",
+        json!({"sandbox_id": first, "path": "/root/work/only-here.txt", "content": "x"}),
+    )
+    .await
+    .unwrap();
     call(&client, "sandbox_run_python", py(first, "x = -1")).await.unwrap();
     for id in others.iter().chain(std::iter::once(&src)) {
-        let e = call(&client, "sandbox_files_read", json!({"sandbox_id": id, "path": "/root/work/only-here.txt"})).await.unwrap_err();
+        let e = call(&client, "sandbox_files_read", json!({"sandbox_id": id, "path": "/root/work/only-here.txt"}))
+            .await
+            .unwrap_err();
         assert!(e.to_lowercase().contains("no such file") || e.contains("not found"), "{id}: {e}");
         let v = call(&client, "sandbox_run_python", py(id, "x")).await.unwrap();
         assert_eq!(v["result"], "1234", "{id}");
@@ -476,7 +494,9 @@ async fn templates_end_to_end() {
         for f in ["state", "memory", "template.json"] {
             std::fs::copy(dir.join("with-state").join(f), to.join(f)).unwrap();
         }
-        let meta = std::fs::read_to_string(to.join("template.json")).unwrap().replace("\"with-state\"", &format!("\"{name}\""));
+        let meta = std::fs::read_to_string(to.join("template.json"))
+            .unwrap()
+            .replace("\"with-state\"", &format!("\"{name}\""));
         std::fs::write(to.join("template.json"), meta).unwrap();
         to
     };
@@ -501,7 +521,8 @@ async fn templates_end_to_end() {
     assert!(e.contains("512 MiB"), "{e}");
     let list = call(&client, "sandbox_list", json!({})).await.unwrap();
     assert_eq!(list["sandboxes"].as_array().unwrap().len(), 4, "no sandbox was left from the failed creates: {list}");
-    let v = call(&client, "sandbox_exec", json!({"sandbox_id": src, "command": "cat /root/work/state.txt"})).await.unwrap();
+    let v =
+        call(&client, "sandbox_exec", json!({"sandbox_id": src, "command": "cat /root/work/state.txt"})).await.unwrap();
     assert_eq!(v["stdout"], "made before the snapshot\n");
 }
 
@@ -520,29 +541,39 @@ async fn branch_diff_merge_end_to_end() {
     let client = server.client().await;
     let py = |id: &str, code: &str| json!({"sandbox_id": id, "code": code, "timeout_secs": 600});
     let write = |id: &str, path: &str, content: &str| json!({"sandbox_id": id, "path": path, "content": content});
-    let exists = |id: &str, path: &str| json!({"sandbox_id": id, "command": format!("test -e {path} && echo yes || echo no")});
+    let exists =
+        |id: &str, path: &str| json!({"sandbox_id": id, "command": format!("test -e {path} && echo yes || echo no")});
 
     let source = call(&client, "sandbox_create", json!({})).await.expect("create the source");
     let src = source["sandbox_id"].as_str().unwrap().to_string();
     let v = call(&client, "sandbox_run_python", py(&src, "x = 1\nx")).await.unwrap();
     assert_eq!(v["result"], "1", "{v}");
-    call(&client, "sandbox_files_write", write(&src, "/root/work/source.txt", "from the source\n")).await.expect("write");
+    call(&client, "sandbox_files_write", write(&src, "/root/work/source.txt", "from the source\n"))
+        .await
+        .expect("write");
 
     let t = Instant::now();
     let b = call(&client, "sandbox_branch", json!({"sandbox_id": src, "n": 4})).await.expect("branch");
     eprintln!("sandbox_branch n=4 in {:.2} s: {b}", t.elapsed().as_secs_f64());
     assert_eq!(b["mode"], "write_protect", "a sandbox restored from a template can be write-protected: {b}");
-    let kids: Vec<String> = b["children"].as_array().unwrap().iter().map(|c| c["sandbox_id"].as_str().unwrap().to_string()).collect();
+    let kids: Vec<String> =
+        b["children"].as_array().unwrap().iter().map(|c| c["sandbox_id"].as_str().unwrap().to_string()).collect();
     assert_eq!(kids.len(), 4, "{b}");
     assert!(b["pause_ms"].as_f64().unwrap() < 1000.0, "{b}");
 
     // Each child starts with the source's state, then goes its own way.
     for (i, id) in kids.iter().enumerate() {
-        let v = call(&client, "sandbox_run_python", py(id, &format!("before = x\nx = {}\n(before, x)", 100 + i))).await.unwrap();
+        let v = call(&client, "sandbox_run_python", py(id, &format!("before = x\nx = {}\n(before, x)", 100 + i)))
+            .await
+            .unwrap();
         assert_eq!(v["result"], format!("(1, {})", 100 + i), "{id}: {v}");
-        let f = call(&client, "sandbox_files_read", json!({"sandbox_id": id, "path": "/root/work/source.txt"})).await.unwrap();
+        let f = call(&client, "sandbox_files_read", json!({"sandbox_id": id, "path": "/root/work/source.txt"}))
+            .await
+            .unwrap();
         assert_eq!(f["content"], "from the source\n", "{id}");
-        call(&client, "sandbox_files_write", write(id, &format!("/root/work/child{i}.txt"), &format!("child {i}\n"))).await.unwrap();
+        call(&client, "sandbox_files_write", write(id, &format!("/root/work/child{i}.txt"), &format!("child {i}\n")))
+            .await
+            .unwrap();
     }
     for (i, id) in kids.iter().enumerate() {
         let v = call(&client, "sandbox_run_python", py(id, "x")).await.unwrap();
@@ -554,7 +585,13 @@ async fn branch_diff_merge_end_to_end() {
     }
     let v = call(&client, "sandbox_run_python", py(&src, "x")).await.unwrap();
     assert_eq!(v["result"], "1", "the source is unchanged: {v}");
-    let v = call(&client, "sandbox_exec", json!({"sandbox_id": src, "command": "cat /root/work/source.txt; ls /root/work"})).await.unwrap();
+    let v = call(
+        &client,
+        "sandbox_exec",
+        json!({"sandbox_id": src, "command": "cat /root/work/source.txt; ls /root/work"}),
+    )
+    .await
+    .unwrap();
     assert_eq!(v["stdout"], "from the source\nsource.txt\n", "{v}");
 
     // Lineage.
@@ -567,7 +604,9 @@ async fn branch_diff_merge_end_to_end() {
     // The diff of two children: exactly their two files.
     let d = call(&client, "sandbox_diff", json!({"a": kids[0], "b": kids[1], "unified": true})).await.expect("diff");
     eprintln!("diff: {d}");
-    let paths = |k: &str| -> Vec<String> { d[k].as_array().unwrap().iter().map(|c| c["path"].as_str().unwrap().to_string()).collect() };
+    let paths = |k: &str| -> Vec<String> {
+        d[k].as_array().unwrap().iter().map(|c| c["path"].as_str().unwrap().to_string()).collect()
+    };
     assert_eq!(paths("added"), ["/root/work/child1.txt"], "{d}");
     assert_eq!(paths("removed"), ["/root/work/child0.txt"], "{d}");
     assert_eq!(paths("modified"), Vec::<String>::new(), "{d}");
@@ -575,7 +614,9 @@ async fn branch_diff_merge_end_to_end() {
     assert_eq!(added["b"]["size"], 8, "{d}");
     assert!(added["unified_diff"].as_str().is_some_and(|u| u.contains("+child 1")), "{d}");
     // A file changed in one child shows as modified.
-    call(&client, "sandbox_files_write", write(&kids[1], "/root/work/source.txt", "changed in child 1\n")).await.unwrap();
+    call(&client, "sandbox_files_write", write(&kids[1], "/root/work/source.txt", "changed in child 1\n"))
+        .await
+        .unwrap();
     let d = call(&client, "sandbox_diff", json!({"a": kids[0], "b": kids[1]})).await.expect("diff");
     let modified: Vec<&str> = d["modified"].as_array().unwrap().iter().map(|c| c["path"].as_str().unwrap()).collect();
     assert_eq!(modified, ["/root/work/source.txt"], "{d}");
@@ -593,7 +634,8 @@ async fn branch_diff_merge_end_to_end() {
     // A paused sandbox is copied as it stands (no write protection
     // needed), and says so; it stays paused.
     call(&client, "sandbox_pause", json!({"sandbox_id": kids[3]})).await.expect("pause");
-    let b = call(&client, "sandbox_branch", json!({"sandbox_id": kids[3], "n": 1})).await.expect("branch a paused sandbox");
+    let b =
+        call(&client, "sandbox_branch", json!({"sandbox_id": kids[3], "n": 1})).await.expect("branch a paused sandbox");
     assert_eq!(b["mode"], "copy_while_paused", "{b}");
     assert!(b["fallback_reason"].as_str().is_some_and(|r| r.contains("paused")), "{b}");
     let info = call(&client, "sandbox_info", json!({"sandbox_id": kids[3]})).await.unwrap();

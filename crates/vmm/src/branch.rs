@@ -116,7 +116,9 @@ impl WriteProtection {
         }
         for &(start, end) in ranges {
             for (addr, len) in wp.host_ranges(start, end) {
-                wp.uffd.write_protect(addr as *mut libc::c_void, len).map_err(|e| format!("UFFDIO_WRITEPROTECT failed: {e}"))?;
+                wp.uffd
+                    .write_protect(addr as *mut libc::c_void, len)
+                    .map_err(|e| format!("UFFDIO_WRITEPROTECT failed: {e}"))?;
             }
             let mut page = start / PAGE_SIZE as u64;
             while page < end / PAGE_SIZE as u64 {
@@ -169,7 +171,9 @@ impl WriteProtection {
     fn serve_faults(&mut self, events: &mut EventBuffer, copier: &mut PageCopier) -> Result<(), MemoryError> {
         loop {
             let mut faults = Vec::new();
-            for event in self.uffd.read_events(events).map_err(|e| MemoryError::Memfd(std::io::Error::other(e.to_string())))? {
+            for event in
+                self.uffd.read_events(events).map_err(|e| MemoryError::Memfd(std::io::Error::other(e.to_string())))?
+            {
                 match event {
                     Ok(Event::Pagefault { addr, .. }) => faults.push(addr as usize),
                     Ok(other) => tracing::warn!("branch: ignoring userfaultfd event {other:?}"),
@@ -209,7 +213,10 @@ impl WriteProtection {
 
     /// The memory file offset of host address `addr`.
     fn offset_of(&self, addr: usize) -> Option<u64> {
-        self.regions.iter().find(|r| r.host_addr <= addr && addr - r.host_addr < r.len).map(|r| r.file_offset + (addr - r.host_addr) as u64)
+        self.regions
+            .iter()
+            .find(|r| r.host_addr <= addr && addr - r.host_addr < r.len)
+            .map(|r| r.file_offset + (addr - r.host_addr) as u64)
     }
 
     /// The host address ranges of the memory file's bytes `[start, end)`.
@@ -356,7 +363,8 @@ mod tests {
             }
         };
         // SAFETY: `ram` outlives the call; nothing runs on it.
-        let err = unsafe { WriteProtection::start(&ram.regions(), &[(0, PAGE)]) }.err().expect("registration must fail");
+        let err =
+            unsafe { WriteProtection::start(&ram.regions(), &[(0, PAGE)]) }.err().expect("registration must fail");
         assert!(err.contains("another userfaultfd"), "{err}");
     }
 }

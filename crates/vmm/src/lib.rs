@@ -21,8 +21,8 @@ pub mod vm;
 pub mod vm_state;
 pub mod x86_64;
 
+pub use branch::{BranchMode, BranchReport};
 pub use host::HostProfile;
 pub use memory::MemoryBacking;
-pub use branch::{BranchMode, BranchReport};
 pub use snapshot::{Snapshot, SnapshotError, SnapshotMemory};
 pub use vm::{DiskConfig, ExitWatcher, RunningVm, Vm, VmConfig, VmError, VmExit, VsockConfig};

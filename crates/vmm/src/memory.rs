@@ -57,10 +57,7 @@ pub fn ram_ranges(size: u64) -> Vec<(GuestAddress, u64)> {
     if size <= MMIO_GAP_START {
         vec![(GuestAddress(0), size)]
     } else {
-        vec![
-            (GuestAddress(0), MMIO_GAP_START),
-            (GuestAddress(MMIO_GAP_END), size - MMIO_GAP_START),
-        ]
+        vec![(GuestAddress(0), MMIO_GAP_START), (GuestAddress(MMIO_GAP_END), size - MMIO_GAP_START)]
     }
 }
 
@@ -142,8 +139,7 @@ impl GuestRam {
             ranges.push((gpa, len as usize, Some(FileOffset::new(dup, offset))));
             offset += len;
         }
-        let memory = GuestMemoryMmap::from_ranges_with_files(ranges)
-            .map_err(|e| MemoryError::Mmap(e.to_string()))?;
+        let memory = GuestMemoryMmap::from_ranges_with_files(ranges).map_err(|e| MemoryError::Mmap(e.to_string()))?;
         Ok(GuestRam { uffd: None, memory, file, size, restored: false })
     }
 
@@ -192,7 +188,8 @@ impl GuestRam {
                 .with_mmap_flags(libc::MAP_PRIVATE | libc::MAP_NORESERVE)
                 .build()
                 .map_err(|e| MemoryError::Mmap(e.to_string()))?;
-            regions.push(GuestRegionMmap::new(region, gpa).ok_or_else(|| MemoryError::Mmap("region overflows".into()))?);
+            regions
+                .push(GuestRegionMmap::new(region, gpa).ok_or_else(|| MemoryError::Mmap("region overflows".into()))?);
             offset += len;
         }
         let memory = GuestMemoryMmap::from_regions(regions).map_err(|e| MemoryError::Mmap(e.to_string()))?;
@@ -207,7 +204,12 @@ impl GuestRam {
     ///
     /// Errors: [`MemoryError::Memfd`] if the file cannot be opened, and
     /// those of the function it dispatches to.
-    pub fn from_snapshot(name: &str, memory: &crate::snapshot::SnapshotMemory, size: u64, backing: MemoryBacking) -> Result<Self, MemoryError> {
+    pub fn from_snapshot(
+        name: &str,
+        memory: &crate::snapshot::SnapshotMemory,
+        size: u64,
+        backing: MemoryBacking,
+    ) -> Result<Self, MemoryError> {
         let file = memory.open().map_err(MemoryError::Memfd)?;
         match backing {
             MemoryBacking::Private => Self::from_file_private(file, size),
@@ -242,13 +244,18 @@ impl GuestRam {
                 .with_mmap_flags(libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE)
                 .build()
                 .map_err(|e| MemoryError::Mmap(e.to_string()))?;
-            regions.push(GuestRegionMmap::new(region, gpa).ok_or_else(|| MemoryError::Mmap("region overflows".into()))?);
+            regions
+                .push(GuestRegionMmap::new(region, gpa).ok_or_else(|| MemoryError::Mmap("region overflows".into()))?);
         }
         let memory = GuestMemoryMmap::from_regions(regions).map_err(|e| MemoryError::Mmap(e.to_string()))?;
         let mut offset = 0u64;
         let mut uffd_regions = Vec::new();
         for region in memory.iter() {
-            uffd_regions.push(crate::uffd::Region { host_addr: region.as_ptr() as usize, len: region.len() as usize, file_offset: offset });
+            uffd_regions.push(crate::uffd::Region {
+                host_addr: region.as_ptr() as usize,
+                len: region.len() as usize,
+                file_offset: offset,
+            });
             offset += region.len();
         }
         let handler_file = file.try_clone().map_err(MemoryError::Memfd)?;
@@ -274,7 +281,8 @@ impl GuestRam {
     ///
     /// Errors: reading `/proc/self/smaps`.
     pub fn memory_usage(&self) -> std::io::Result<MemoryUsage> {
-        let ranges: Vec<(usize, usize)> = self.memory.iter().map(|r| (r.as_ptr() as usize, r.as_ptr() as usize + r.len() as usize)).collect();
+        let ranges: Vec<(usize, usize)> =
+            self.memory.iter().map(|r| (r.as_ptr() as usize, r.as_ptr() as usize + r.len() as usize)).collect();
         Ok(smaps_usage(&std::fs::read_to_string("/proc/self/smaps")?, &ranges))
     }
 
@@ -336,7 +344,9 @@ impl GuestRam {
                 let bytes = &mut entries[..(n * 8) as usize];
                 pagemap.read_exact_at(bytes, (host_page + i) * 8).map_err(MemoryError::Memfd)?;
                 for j in 0..n {
-                    let e = u64::from_le_bytes(bytes[(j * 8) as usize..(j * 8 + 8) as usize].try_into().unwrap_or_default());
+                    let e = u64::from_le_bytes(
+                        bytes[(j * 8) as usize..(j * 8 + 8) as usize].try_into().unwrap_or_default(),
+                    );
                     let at = region.file_offset + (i + j) * PAGE;
                     while next_range < in_file.len() && in_file[next_range].1 <= at {
                         next_range += 1;
@@ -359,7 +369,8 @@ impl GuestRam {
         self.memory
             .iter()
             .map(|r| {
-                let region = crate::uffd::Region { host_addr: r.as_ptr() as usize, len: r.len() as usize, file_offset: offset };
+                let region =
+                    crate::uffd::Region { host_addr: r.as_ptr() as usize, len: r.len() as usize, file_offset: offset };
                 offset += r.len();
                 region
             })
@@ -479,8 +490,10 @@ impl<'a> PageCopier<'a> {
         const PAGE: usize = 4096;
         let mut at = start;
         while at < end {
-            let (gpa, left) =
-                self.ram.offset_to_gpa(at).ok_or_else(|| MemoryError::Mmap(format!("offset {at:#x} is outside guest RAM")))?;
+            let (gpa, left) = self
+                .ram
+                .offset_to_gpa(at)
+                .ok_or_else(|| MemoryError::Mmap(format!("offset {at:#x} is outside guest RAM")))?;
             let n = (end - at).min(Self::CHUNK).min(left) as usize;
             let buf = &mut self.buf[..n];
             self.ram.memory.read_slice(buf, gpa).map_err(|e| MemoryError::Mmap(e.to_string()))?;
@@ -553,7 +566,10 @@ mod tests {
         assert_eq!(ram_ranges(512 << 20), vec![(GuestAddress(0), 512 << 20)]);
         assert_eq!(ram_ranges(MMIO_GAP_START), vec![(GuestAddress(0), MMIO_GAP_START)]);
         let r = ram_ranges(4 << 30);
-        assert_eq!(r, vec![(GuestAddress(0), MMIO_GAP_START), (GuestAddress(MMIO_GAP_END), (4 << 30) - MMIO_GAP_START)]);
+        assert_eq!(
+            r,
+            vec![(GuestAddress(0), MMIO_GAP_START), (GuestAddress(MMIO_GAP_END), (4 << 30) - MMIO_GAP_START)]
+        );
         assert_eq!(r.iter().map(|x| x.1).sum::<u64>(), 4 << 30);
     }
 
@@ -627,7 +643,12 @@ Rss:                 100 kB
     /// Restores `file` through userfaultfd, or `None` after a loud SKIP if
     /// this process may not use userfaultfd.
     fn uffd_ram(name: &str, file: &tempfile::NamedTempFile) -> Option<GuestRam> {
-        match GuestRam::from_snapshot(name, &crate::snapshot::SnapshotMemory::File(file.path().to_path_buf()), SNAP_BYTES, MemoryBacking::Userfaultfd) {
+        match GuestRam::from_snapshot(
+            name,
+            &crate::snapshot::SnapshotMemory::File(file.path().to_path_buf()),
+            SNAP_BYTES,
+            MemoryBacking::Userfaultfd,
+        ) {
             Ok(ram) => Some(ram),
             Err(MemoryError::Userfaultfd(e @ crate::uffd::UffdError::Unavailable(_))) => {
                 eprintln!("SKIP: userfaultfd unavailable: {e}");
@@ -710,7 +731,13 @@ Rss:                 100 kB
 
         // Every page not changed above reads the same as a private mapping of
         // the same file.
-        let private = GuestRam::from_snapshot("lazy-private", &crate::snapshot::SnapshotMemory::File(file.path().to_path_buf()), SNAP_BYTES, MemoryBacking::Private).unwrap();
+        let private = GuestRam::from_snapshot(
+            "lazy-private",
+            &crate::snapshot::SnapshotMemory::File(file.path().to_path_buf()),
+            SNAP_BYTES,
+            MemoryBacking::Private,
+        )
+        .unwrap();
         let (mut a, mut b) = (vec![0u8; 1 << 20], vec![0u8; 1 << 20]);
         for mib in 0..(SNAP_BYTES >> 20) {
             ram.memory.read_slice(&mut a, GuestAddress(mib << 20)).unwrap();
@@ -728,11 +755,18 @@ Rss:                 100 kB
         assert_eq!(stats.pages_copied + stats.pages_zeroed, SNAP_BYTES / PAGE + 1, "{stats:?}"); // + the page filled again after DONTNEED
         assert!(ram.uffd_handler().unwrap().error().is_none());
         let usage = ram.memory_usage().unwrap();
-        assert!(usage.rss_bytes >= pages.len() as u64 * PAGE && usage.private_bytes >= pages.len() as u64 * PAGE, "{usage:?}");
+        assert!(
+            usage.rss_bytes >= pages.len() as u64 * PAGE && usage.private_bytes >= pages.len() as u64 * PAGE,
+            "{usage:?}"
+        );
         println!("uffd stats {stats:?}, usage {usage:?}");
 
         drop(ram);
-        assert!(!thread_names().iter().any(|n| n == "uffd-lazy"), "the handler thread outlived its GuestRam: {:?}", thread_names());
+        assert!(
+            !thread_names().iter().any(|n| n == "uffd-lazy"),
+            "the handler thread outlived its GuestRam: {:?}",
+            thread_names()
+        );
     }
 
     #[test]
@@ -750,7 +784,8 @@ Rss:                 100 kB
                 s.spawn(move || {
                     barrier.wait();
                     // Half the threads go up, half down, so they meet.
-                    let order: Vec<u64> = if t % 2 == 0 { pages.clone() } else { pages.iter().rev().copied().collect() };
+                    let order: Vec<u64> =
+                        if t % 2 == 0 { pages.clone() } else { pages.iter().rev().copied().collect() };
                     for &p in &order {
                         assert_eq!(read_page(ram, p), pattern(p), "thread {t}, page {p}");
                         assert_eq!(read_page(ram, p + 1), vec![0u8; PAGE as usize], "thread {t}, page {}", p + 1);
@@ -790,7 +825,12 @@ Rss:                 100 kB
     #[test]
     fn uffd_restore_checks_the_file_size() {
         let file = snapshot_file(&[], 0);
-        let r = GuestRam::from_snapshot("size", &crate::snapshot::SnapshotMemory::File(file.path().to_path_buf()), SNAP_BYTES * 2, MemoryBacking::Userfaultfd);
+        let r = GuestRam::from_snapshot(
+            "size",
+            &crate::snapshot::SnapshotMemory::File(file.path().to_path_buf()),
+            SNAP_BYTES * 2,
+            MemoryBacking::Userfaultfd,
+        );
         assert!(matches!(r, Err(MemoryError::InvalidSize(n)) if n == SNAP_BYTES));
     }
 
@@ -812,7 +852,12 @@ Rss:                 100 kB
         let pages = [0, 1, 100, 5000];
         let file = snapshot_file(&pages, 200);
         for backing in [MemoryBacking::Private, MemoryBacking::Userfaultfd] {
-            let ram = match GuestRam::from_snapshot("wt", &crate::snapshot::SnapshotMemory::File(file.path().to_path_buf()), SNAP_BYTES, backing) {
+            let ram = match GuestRam::from_snapshot(
+                "wt",
+                &crate::snapshot::SnapshotMemory::File(file.path().to_path_buf()),
+                SNAP_BYTES,
+                backing,
+            ) {
                 Ok(r) => r,
                 Err(MemoryError::Userfaultfd(e)) => {
                     eprintln!("SKIP: userfaultfd unavailable: {e}");

@@ -105,7 +105,9 @@ pub enum SnapshotError {
     #[error("the snapshot state does not encode: {0}")]
     Encode(#[source] serde_json::Error),
     /// This host would give a vCPU other CPUID than the snapshot's host.
-    #[error("the snapshot was taken on a host with other CPU features (vCPU {vcpu}: {what}); take it again on this host")]
+    #[error(
+        "the snapshot was taken on a host with other CPU features (vCPU {vcpu}: {what}); take it again on this host"
+    )]
     Cpuid {
         /// The vCPU.
         vcpu: usize,
@@ -140,7 +142,15 @@ pub struct CpuidLeaf {
 
 impl From<&kvm_cpuid_entry2> for CpuidLeaf {
     fn from(e: &kvm_cpuid_entry2) -> Self {
-        CpuidLeaf { function: e.function, index: e.index, flags: e.flags, eax: e.eax, ebx: e.ebx, ecx: e.ecx, edx: e.edx }
+        CpuidLeaf {
+            function: e.function,
+            index: e.index,
+            flags: e.flags,
+            eax: e.eax,
+            ebx: e.ebx,
+            ecx: e.ecx,
+            edx: e.edx,
+        }
     }
 }
 
@@ -277,9 +287,11 @@ impl Snapshot {
         if expected != found {
             return Err(SnapshotError::Checksum { path, expected, found });
         }
-        let p: PayloadIn = serde_json::from_slice(&payload).map_err(|source| SnapshotError::Decode { path: path.clone(), source })?;
+        let p: PayloadIn =
+            serde_json::from_slice(&payload).map_err(|source| SnapshotError::Decode { path: path.clone(), source })?;
         if p.cpuid.len() != p.vcpus.len() {
-            let source = serde::de::Error::custom(format!("{} vCPUs but {} CPUID tables", p.vcpus.len(), p.cpuid.len()));
+            let source =
+                serde::de::Error::custom(format!("{} vCPUs but {} CPUID tables", p.vcpus.len(), p.cpuid.len()));
             return Err(SnapshotError::Decode { path, source });
         }
 
@@ -343,8 +355,18 @@ impl Snapshot {
         for leaf in &now {
             match saved.iter().find(|s| key(s) == key(leaf)) {
                 Some(s) if s == leaf => {}
-                Some(_) => return Err(SnapshotError::Cpuid { vcpu, what: format!("leaf {:#x}.{} differs", leaf.function, leaf.index) }),
-                None => return Err(SnapshotError::Cpuid { vcpu, what: format!("leaf {:#x}.{} is new", leaf.function, leaf.index) }),
+                Some(_) => {
+                    return Err(SnapshotError::Cpuid {
+                        vcpu,
+                        what: format!("leaf {:#x}.{} differs", leaf.function, leaf.index),
+                    })
+                }
+                None => {
+                    return Err(SnapshotError::Cpuid {
+                        vcpu,
+                        what: format!("leaf {:#x}.{} is new", leaf.function, leaf.index),
+                    })
+                }
             }
         }
         if let Some(s) = saved.iter().find(|s| !now.iter().any(|l| key(l) == key(s))) {
@@ -416,7 +438,13 @@ mod tests {
     /// new directory with a 4 MiB memory file.
     fn write_sample() -> (tempfile::TempDir, Snapshot) {
         let dir = tempfile::tempdir().unwrap();
-        let mem = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open(dir.path().join(MEMORY_FILE)).unwrap();
+        let mem = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(dir.path().join(MEMORY_FILE))
+            .unwrap();
         mem.set_len(MEM).unwrap();
         mem.write_all_at(b"guest page", 1 << 20).unwrap();
         let mut vcpu = VcpuState {
@@ -425,7 +453,11 @@ mod tests {
             sregs: Default::default(),
             xsave: Default::default(),
             xcrs: Default::default(),
-            msrs: vec![kvm_bindings::kvm_msr_entry { index: 0xc000_0082, data: 0xffff_ffff_8100_0000, ..Default::default() }],
+            msrs: vec![kvm_bindings::kvm_msr_entry {
+                index: 0xc000_0082,
+                data: 0xffff_ffff_8100_0000,
+                ..Default::default()
+            }],
             lapic: Default::default(),
             mp_state: Default::default(),
             events: Default::default(),

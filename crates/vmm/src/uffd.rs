@@ -296,7 +296,8 @@ fn api(fd: &OwnedFd, features: u64) -> Result<u64, UffdError> {
     let mut arg = sys::UffdioApi { api: sys::UFFD_API, features, ioctls: 0 };
     // SAFETY: `arg` is a live, properly laid out `struct uffdio_api` the
     // kernel reads and writes back.
-    unsafe { sys::uffdio_api(fd.as_raw_fd(), &mut arg) }.map_err(|e| UffdError::Api(std::io::Error::from(e).to_string()))?;
+    unsafe { sys::uffdio_api(fd.as_raw_fd(), &mut arg) }
+        .map_err(|e| UffdError::Api(std::io::Error::from(e).to_string()))?;
     Ok(arg.features)
 }
 
@@ -383,7 +384,9 @@ struct Worker {
 impl Worker {
     fn run(mut self) {
         if let Err(e) = self.serve_until_stopped() {
-            tracing::error!("userfaultfd handler stopped: {e}; guest RAM pages not yet restored can no longer be filled");
+            tracing::error!(
+                "userfaultfd handler stopped: {e}; guest RAM pages not yet restored can no longer be filled"
+            );
             match self.shared.error.lock() {
                 Ok(mut slot) => *slot = Some(e),
                 Err(p) => *p.into_inner() = Some(e),
@@ -515,9 +518,9 @@ impl Worker {
 /// The errno inside a userfaultfd crate error, if any.
 fn errno(e: &userfaultfd::Error) -> Option<i32> {
     match e {
-        userfaultfd::Error::CopyFailed(n) | userfaultfd::Error::ZeropageFailed(n) | userfaultfd::Error::SystemError(n) => {
-            Some(*n as i32)
-        }
+        userfaultfd::Error::CopyFailed(n)
+        | userfaultfd::Error::ZeropageFailed(n)
+        | userfaultfd::Error::SystemError(n) => Some(*n as i32),
         userfaultfd::Error::PartiallyCopied(_) => Some(libc::EAGAIN),
         _ => None,
     }

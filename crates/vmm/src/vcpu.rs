@@ -6,9 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::Instant;
 
-use kvm_bindings::{
-    KVM_SYSTEM_EVENT_CRASH, KVM_SYSTEM_EVENT_RESET, KVM_SYSTEM_EVENT_SHUTDOWN,
-};
+use kvm_bindings::{KVM_SYSTEM_EVENT_CRASH, KVM_SYSTEM_EVENT_RESET, KVM_SYSTEM_EVENT_SHUTDOWN};
 use kvm_ioctls::{VcpuExit, VcpuFd};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
@@ -218,10 +216,7 @@ impl VcpuShared {
 
     /// The virtio-mmio device whose window holds `addr`, with its base.
     pub fn mmio_device(&self, addr: u64) -> Option<(u64, &Arc<Mutex<MmioTransport>>)> {
-        self.mmio
-            .iter()
-            .find(|(base, len, _)| addr >= *base && addr - *base < *len)
-            .map(|(base, _, dev)| (*base, dev))
+        self.mmio.iter().find(|(base, len, _)| addr >= *base && addr - *base < *len).map(|(base, _, dev)| (*base, dev))
     }
 
     /// Blocks until `stop` is set or `deadline` passes; returns whether
@@ -354,7 +349,11 @@ impl Vcpu {
                     match self.shared.mmio_device(addr) {
                         Some((base, dev)) => dev.lock().unwrap_or_else(|e| e.into_inner()).read(addr - base, data),
                         None => {
-                            tracing::debug!(vcpu = self.index, "MMIO read of {} bytes at unmapped GPA {addr:#x}", data.len());
+                            tracing::debug!(
+                                vcpu = self.index,
+                                "MMIO read of {} bytes at unmapped GPA {addr:#x}",
+                                data.len()
+                            );
                             data.fill(0xff);
                         }
                     }
@@ -363,7 +362,11 @@ impl Vcpu {
                 Ok(VcpuExit::MmioWrite(addr, data)) => {
                     match self.shared.mmio_device(addr) {
                         Some((base, dev)) => dev.lock().unwrap_or_else(|e| e.into_inner()).write(addr - base, data),
-                        None => tracing::debug!(vcpu = self.index, "MMIO write of {} bytes to unmapped GPA {addr:#x}", data.len()),
+                        None => tracing::debug!(
+                            vcpu = self.index,
+                            "MMIO write of {} bytes to unmapped GPA {addr:#x}",
+                            data.len()
+                        ),
                     }
                     Next::Continue
                 }
@@ -398,7 +401,11 @@ impl Vcpu {
                     let n = (internal.ndata as usize).min(internal.data.len());
                     let data = internal.data[..n].to_vec();
                     let ctx = self.fault_context();
-                    self.shared.finish(GuestStop::Fault(GuestFault::Internal { suberror: internal.suberror, data, ctx }));
+                    self.shared.finish(GuestStop::Fault(GuestFault::Internal {
+                        suberror: internal.suberror,
+                        data,
+                        ctx,
+                    }));
                 }
                 Next::FailEntry(reason) => {
                     let ctx = self.fault_context();

@@ -89,7 +89,8 @@ fn read_msrs(fd: &VcpuFd, vcpu: u8, indices: &[u32]) -> Result<Vec<kvm_msr_entry
     let mut rest = indices;
     while !rest.is_empty() {
         let batch = &rest[..rest.len().min(MSR_BATCH)];
-        let entries: Vec<kvm_msr_entry> = batch.iter().map(|&index| kvm_msr_entry { index, ..Default::default() }).collect();
+        let entries: Vec<kvm_msr_entry> =
+            batch.iter().map(|&index| kvm_msr_entry { index, ..Default::default() }).collect();
         let mut msrs = Msrs::from_entries(&entries).map_err(|_| ioctl_err(kvm_ioctls::Error::new(libc::E2BIG)))?;
         let read = fd.get_msrs(&mut msrs).map_err(ioctl_err)?;
         out.extend_from_slice(&msrs.as_slice()[..read]);

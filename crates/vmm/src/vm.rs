@@ -12,6 +12,7 @@ use kvm_ioctls::{IoEventAddress, Kvm, VmFd};
 use vmm_sys_util::eventfd::EventFd;
 use vmm_sys_util::signal::Killable;
 
+use crate::branch::{BranchMode, BranchReport, WriteProtection};
 use crate::devices::virtio::block::{Block, BlockError};
 use crate::devices::virtio::mmio::{reg, MmioTransport, MMIO_WINDOW};
 use crate::devices::virtio::vsock::muxer::MuxerError;
@@ -20,7 +21,6 @@ use crate::devices::virtio::{Interrupt, VirtioDevice, VirtioError};
 use crate::devices::{self, Console, ConsoleTail, LegacyDevices};
 use crate::event_loop::{EventLoop, EventLoopError};
 use crate::host::HostProfile;
-use crate::branch::{BranchMode, BranchReport, WriteProtection};
 use crate::memory::{GuestRam, MemoryBacking, MemoryError, PageCopier, MMIO_GAP_START};
 use crate::snapshot::{file_crc32, CpuidLeaf, Snapshot, SnapshotError, SnapshotMemory, MEMORY_FILE};
 use crate::vcpu::{install_kick_handler, kick_signal, GuestFault, GuestStop, PauseState, Vcpu, VcpuShared, VcpuWork};
@@ -271,7 +271,8 @@ impl Vm {
         vm.create_pit2(kvm_pit_config { flags: KVM_PIT_SPEAKER_DUMMY, ..Default::default() })
             .map_err(setup("KVM_CREATE_PIT2"))?;
 
-        let mem_bytes = config.mem_mib.checked_mul(1 << 20).ok_or_else(|| VmError::Config("mem_mib overflows".into()))?;
+        let mem_bytes =
+            config.mem_mib.checked_mul(1 << 20).ok_or_else(|| VmError::Config("mem_mib overflows".into()))?;
         let ram = match snap {
             None => GuestRam::new(&config.name, mem_bytes)?,
             Some((sn, backing)) => {
@@ -299,7 +300,10 @@ impl Vm {
         }
         if let Some(v) = &config.vsock {
             if v.cid < MIN_GUEST_CID || v.cid > u64::from(u32::MAX) {
-                return Err(VmError::Config(format!("vsock CID {} is reserved or too large: use 3..=4294967295", v.cid)));
+                return Err(VmError::Config(format!(
+                    "vsock CID {} is reserved or too large: use 3..=4294967295",
+                    v.cid
+                )));
             }
             virtio.push(Box::new(Vsock::new(v.cid, &v.uds_path)?));
         }
@@ -308,14 +312,18 @@ impl Vm {
         for (i, dev) in virtio.into_iter().enumerate() {
             let base = MMIO_GAP_START + i as u64 * MMIO_WINDOW;
             let irq = VIRTIO_FIRST_IRQ + i as u32;
-            let irqfd = EventFd::new(libc::EFD_NONBLOCK).map_err(|e| VmError::Device(devices::DeviceError::EventFd(e)))?;
+            let irqfd =
+                EventFd::new(libc::EFD_NONBLOCK).map_err(|e| VmError::Device(devices::DeviceError::EventFd(e)))?;
             vm.register_irqfd(&irqfd, irq).map_err(setup("KVM_IRQFD"))?;
             let interrupt = Arc::new(Interrupt::new(irqfd));
             let transport = match snap {
                 None => MmioTransport::new(dev, ram.memory.clone(), interrupt)?,
                 Some((sn, _)) => {
                     let state = sn.transports.get(i).ok_or_else(|| {
-                        VmError::Config(format!("the snapshot has {} virtio devices, fewer than configured", sn.transports.len()))
+                        VmError::Config(format!(
+                            "the snapshot has {} virtio devices, fewer than configured",
+                            sn.transports.len()
+                        ))
                     })?;
                     MmioTransport::restore(dev, ram.memory.clone(), interrupt, state)?
                 }
@@ -346,7 +354,8 @@ impl Vm {
             }
         };
 
-        let serial_irq = EventFd::new(libc::EFD_NONBLOCK).map_err(|e| VmError::Device(devices::DeviceError::EventFd(e)))?;
+        let serial_irq =
+            EventFd::new(libc::EFD_NONBLOCK).map_err(|e| VmError::Device(devices::DeviceError::EventFd(e)))?;
         vm.register_irqfd(&serial_irq, devices::COM1_IRQ).map_err(setup("KVM_IRQFD"))?;
         let console = Console::new(config.console_log.as_deref(), config.console_stdout)?;
         let devices = LegacyDevices::new(serial_irq, console);
@@ -410,7 +419,17 @@ impl Vm {
             match std::thread::Builder::new().name(name).spawn(move || vcpu.run()) {
                 Ok(t) => threads.push(t),
                 Err(e) => {
-                    let mut running = RunningVm { vm, _ram: ram, shared, threads, console_tail, started, cpuid: cpuids, name: config.name.clone(), _event_loop: event_loop };
+                    let mut running = RunningVm {
+                        vm,
+                        _ram: ram,
+                        shared,
+                        threads,
+                        console_tail,
+                        started,
+                        cpuid: cpuids,
+                        name: config.name.clone(),
+                        _event_loop: event_loop,
+                    };
                     let _ = running.stop();
                     return Err(VmError::Thread(e));
                 }
@@ -418,7 +437,17 @@ impl Vm {
         }
         tracing::info!(name = %config.name, vcpus = config.vcpus, mem_mib = config.mem_mib, profile = %config.profile,
             "VM started in {:?}", started.elapsed());
-        Ok(RunningVm { vm, _ram: ram, shared, threads, console_tail, started, cpuid: cpuids, name: config.name.clone(), _event_loop: event_loop })
+        Ok(RunningVm {
+            vm,
+            _ram: ram,
+            shared,
+            threads,
+            console_tail,
+            started,
+            cpuid: cpuids,
+            name: config.name.clone(),
+            _event_loop: event_loop,
+        })
     }
 }
 
@@ -565,10 +594,7 @@ impl RunningVm {
 
     /// Has every parked vCPU do `work(index)` on its own thread and
     /// returns the answers by vCPU index.
-    fn on_parked_vcpus(
-        &self,
-        work: impl Fn(usize) -> VcpuWork,
-    ) -> Result<Vec<Option<VcpuState>>, VmError> {
+    fn on_parked_vcpus(&self, work: impl Fn(usize) -> VcpuWork) -> Result<Vec<Option<VcpuState>>, VmError> {
         const ANSWER_TIMEOUT: Duration = Duration::from_secs(10);
         let n = self.threads.len();
         let mut p = self.paused_state()?;
@@ -698,7 +724,8 @@ impl RunningVm {
         }
         let ram = &self._ram;
         let taken = (|| {
-            let memfd = crate::memory::new_memfd(&format!("tine-branch-{}", self.name), ram.size).map_err(MemoryError::Memfd)?;
+            let memfd = crate::memory::new_memfd(&format!("tine-branch-{}", self.name), ram.size)
+                .map_err(MemoryError::Memfd)?;
             let guards: Vec<_> =
                 self.shared.mmio.iter().map(|(_, _, t)| t.lock().unwrap_or_else(|e| e.into_inner())).collect();
             let transports: Vec<_> = guards.iter().map(|t| t.save_state()).collect();

@@ -33,12 +33,17 @@ fn agent_serves_exec_files_and_info_over_vsock() {
     let dir = tempfile::tempdir().unwrap();
     let uds = dir.path().join("vm.vsock");
     let mut config = VmConfig::new("agent-test", testkit::kernel());
-    config.disks = vec![DiskConfig { path: testkit::build_agent_rootfs(dir.path(), 64), read_only: true, id: "root".into() }];
+    config.disks =
+        vec![DiskConfig { path: testkit::build_agent_rootfs(dir.path(), 64), read_only: true, id: "root".into() }];
     config.vsock = Some(VsockConfig { cid: 3, uds_path: uds.clone() });
     config.cmdline = "root=/dev/vda ro rootfstype=ext4".into();
     let mut vm = Vm::start(&config).expect("VM starts");
     let console = vm.console().clone();
-    assert!(console.wait_for("listening on vsock port 1024", Duration::from_secs(600)), "agent never started:\n{}", console.text());
+    assert!(
+        console.wait_for("listening on vsock port 1024", Duration::from_secs(600)),
+        "agent never started:\n{}",
+        console.text()
+    );
     let (stream, _) = testkit::vsock_connect(&uds, 1024).expect("connect to the agent");
     stream.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
     let mut agent = testkit::AgentClient::new(stream);
@@ -138,7 +143,11 @@ fn debian_rootfs_serves_bash_python_and_an_overlay() {
     let mut vm = Vm::start(&config).expect("VM starts");
     let started = vm.started();
     let console = vm.console().clone();
-    assert!(console.wait_for("listening on vsock port 1024", Duration::from_secs(600)), "agent never started:\n{}", console.text());
+    assert!(
+        console.wait_for("listening on vsock port 1024", Duration::from_secs(600)),
+        "agent never started:\n{}",
+        console.text()
+    );
     let ready = started.elapsed();
     let rt = tokio::runtime::Runtime::new().unwrap();
     testkit::with_console_on_panic(&console, || rt.block_on(debian_checks(&uds, ready)));
@@ -166,8 +175,15 @@ async fn debian_checks(uds: &std::path::Path, ready: Duration) {
     assert_eq!((r.stdout.data.len(), r.stdout.truncated, r.stdout.total_bytes), (1000, true, 100_000));
 
     // The image is read-only; the root is an overlay with a tmpfs upper.
-    let r = agent.exec("echo x > /etc/tine-test && cat /etc/tine-test && grep -c '^overlay / overlay' /proc/mounts", 0, 0).await.unwrap();
-    assert_eq!((r.status, String::from_utf8_lossy(&r.stdout.data).into_owned()), (ExitStatus::Code(0), "x\n1\n".to_string()), "{r:?}");
+    let r = agent
+        .exec("echo x > /etc/tine-test && cat /etc/tine-test && grep -c '^overlay / overlay' /proc/mounts", 0, 0)
+        .await
+        .unwrap();
+    assert_eq!(
+        (r.status, String::from_utf8_lossy(&r.stdout.data).into_owned()),
+        (ExitStatus::Code(0), "x\n1\n".to_string()),
+        "{r:?}"
+    );
 
     // Python: state across three calls, notebook-style values.
     assert_eq!(agent.python("x = 41", 0).await.unwrap().value, None);
@@ -194,7 +210,9 @@ async fn debian_checks(uds: &std::path::Path, ready: Duration) {
     let f = agent.read_file("/root/work/blob.bin").await.unwrap();
     assert!(f.data == blob && f.size == blob.len() as u64, "the file read back differs");
     match agent.call(Op::ListDir { path: "/root/work".into() }, Duration::from_secs(60)).await {
-        Ok(Reply::Entries(e)) => assert_eq!((e.len(), e[0].name.as_str(), e[0].stat.size), (1, "blob.bin", blob.len() as u64)),
+        Ok(Reply::Entries(e)) => {
+            assert_eq!((e.len(), e[0].name.as_str(), e[0].stat.size), (1, "blob.bin", blob.len() as u64))
+        }
         other => panic!("{other:?}"),
     }
     assert!(matches!(agent.read_file("/nope").await, Err(ClientError::Agent(AgentError::NotFound { .. }))));
@@ -218,7 +236,14 @@ async fn debian_checks(uds: &std::path::Path, ready: Duration) {
     let mut rtts = Vec::new();
     for _ in 0..10 {
         let t = std::time::Instant::now();
-        let op = Op::Exec(Exec { command: Command::Argv(vec!["/bin/true".into()]), cwd: None, env: vec![], stdin: vec![], timeout_ms: 0, output_limit: 0 });
+        let op = Op::Exec(Exec {
+            command: Command::Argv(vec!["/bin/true".into()]),
+            cwd: None,
+            env: vec![],
+            stdin: vec![],
+            timeout_ms: 0,
+            output_limit: 0,
+        });
         assert!(matches!(agent.call(op, Duration::from_secs(120)).await, Ok(Reply::Exec(_))));
         rtts.push(t.elapsed());
     }

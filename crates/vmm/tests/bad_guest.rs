@@ -32,7 +32,9 @@ fn fault_of(r: Result<vmm::VmExit, VmError>) -> GuestFault {
 fn ctx_of(f: &GuestFault) -> &vmm::vcpu::FaultContext {
     match f {
         GuestFault::TripleFault(c) | GuestFault::Crash(c) => c,
-        GuestFault::Internal { ctx, .. } | GuestFault::FailEntry { ctx, .. } | GuestFault::UnhandledExit { ctx, .. } => ctx,
+        GuestFault::Internal { ctx, .. }
+        | GuestFault::FailEntry { ctx, .. }
+        | GuestFault::UnhandledExit { ctx, .. } => ctx,
         GuestFault::Run { .. } => panic!("KVM_RUN itself failed: {f}"),
     }
 }
@@ -47,10 +49,7 @@ fn garbage_instructions_end_the_vm_with_an_error() {
     let msg = fault.to_string();
     eprintln!("fault reported: {msg}");
     let ctx = ctx_of(&fault);
-    assert!(
-        matches!(fault, GuestFault::TripleFault(_) | GuestFault::Internal { .. }),
-        "unexpected fault kind: {msg}"
-    );
+    assert!(matches!(fault, GuestFault::TripleFault(_) | GuestFault::Internal { .. }), "unexpected fault kind: {msg}");
     assert!((LOAD_ADDR..LOAD_ADDR + 4096).contains(&ctx.rip), "RIP outside the garbage: {msg}");
     assert_eq!(&ctx.insn[..2], &[0xff, 0xff], "instruction bytes not reported: {msg}");
     assert!(msg.contains("instruction bytes [ff ff"), "{msg}");

@@ -85,7 +85,8 @@ fn children_of_a_busy_source_see_one_instant() {
         let name = format!("br-child{i}");
         let uds = dir.path().join(format!("{name}.vsock"));
         let t = Instant::now();
-        let vm = Vm::restore(&testkit::agent_vm_config(&name, &uds), &branch, MemoryBacking::Private).expect("a child restores");
+        let vm = Vm::restore(&testkit::agent_vm_config(&name, &uds), &branch, MemoryBacking::Private)
+            .expect("a child restores");
         let console = vm.console().clone();
         let sum = testkit::with_console_on_panic(&console, || {
             rt.block_on(async {
@@ -113,13 +114,17 @@ fn children_of_a_busy_source_see_one_instant() {
     eprintln!("branch of a child: {report:?}");
     assert_eq!(report.mode, BranchMode::WriteProtect, "{:?}", report.fallback_reason);
     let uds = dir.path().join("br-grandchild.vsock");
-    let grandchild = Vm::restore(&testkit::agent_vm_config("br-grandchild", &uds), &grandchild_point, MemoryBacking::Private)
-        .expect("a grandchild restores");
+    let grandchild =
+        Vm::restore(&testkit::agent_vm_config("br-grandchild", &uds), &grandchild_point, MemoryBacking::Private)
+            .expect("a grandchild restores");
     let gc_console = grandchild.console().clone();
     testkit::with_console_on_panic(&gc_console, || {
         rt.block_on(async {
             let agent = connect(&uds).await;
-            assert_eq!(python(&agent, "hashlib.sha256(buf).hexdigest()").await, python(&connect(child_uds).await, "hashlib.sha256(buf).hexdigest()").await);
+            assert_eq!(
+                python(&agent, "hashlib.sha256(buf).hexdigest()").await,
+                python(&connect(child_uds).await, "hashlib.sha256(buf).hexdigest()").await
+            );
         })
     });
 }

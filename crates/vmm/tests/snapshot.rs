@@ -75,7 +75,10 @@ fn a_restored_clone_has_the_state_and_diverges() {
                 assert_eq!(r.value.as_deref(), Some("1234"), "{r:?}");
 
                 // They diverge: a write in the clone is not in the source.
-                assert_eq!(sh(&agent, &format!("echo {name} > /tmp/marker; cat /tmp/marker")).await, format!("{name}\n"));
+                assert_eq!(
+                    sh(&agent, &format!("echo {name} > /tmp/marker; cat /tmp/marker")).await,
+                    format!("{name}\n")
+                );
                 let agent_a = connect(&uds_a).await;
                 assert_eq!(sh(&agent_a, "cat /tmp/marker").await, "before-snapshot\n");
                 let r = agent_a.python("x += 1\nx", 0).await.unwrap();
@@ -96,7 +99,8 @@ fn a_restored_clone_has_the_state_and_diverges() {
         drop(vm);
         let snap2 = Snapshot::load(&again).expect("the clone's snapshot loads");
         let uds2 = dir.path().join(format!("{name}-2.vsock"));
-        let vm2 = Vm::restore(&config(&format!("{name}-2"), &uds2), &snap2, backing).expect("restore of the clone's snapshot");
+        let vm2 = Vm::restore(&config(&format!("{name}-2"), &uds2), &snap2, backing)
+            .expect("restore of the clone's snapshot");
         let console2 = vm2.console().clone();
         testkit::with_console_on_panic(&console2, || {
             rt.block_on(async {

@@ -40,10 +40,8 @@ fn machine_state_saves_and_restores_on_a_running_guest() {
         assert!(s.msrs.iter().any(|m| m.index == MSR_LSTAR), "LSTAR saved");
     }
     // Through a serializer and back, as a snapshot file will carry them.
-    let restored: Vec<Arc<VcpuState>> = states
-        .iter()
-        .map(|s| Arc::new(serde_json::from_str(&serde_json::to_string(s).unwrap()).unwrap()))
-        .collect();
+    let restored: Vec<Arc<VcpuState>> =
+        states.iter().map(|s| Arc::new(serde_json::from_str(&serde_json::to_string(s).unwrap()).unwrap())).collect();
     assert_eq!(restored[0].regs.rip, states[0].regs.rip);
     assert_eq!(restored[1].lapic.regs, states[1].lapic.regs);
     let vm_state = vm.save_vm_state().expect("save VM state");

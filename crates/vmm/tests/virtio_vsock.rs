@@ -41,7 +41,18 @@ fn harness() -> Harness {
 }
 
 fn hdr(op: u16, src_port: u32, dst_port: u32, len: u32) -> Header {
-    Header { src_cid: CID, dst_cid: HOST_CID, src_port, dst_port, len, type_: TYPE_STREAM, op, flags: 0, buf_alloc: 1 << 20, fwd_cnt: 0 }
+    Header {
+        src_cid: CID,
+        dst_cid: HOST_CID,
+        src_port,
+        dst_port,
+        len,
+        type_: TYPE_STREAM,
+        op,
+        flags: 0,
+        buf_alloc: 1 << 20,
+        fwd_cnt: 0,
+    }
 }
 
 impl Harness {

@@ -9,7 +9,10 @@ use schemars::JsonSchema;
 use serde::Serialize;
 use vmm::BranchMode;
 
-use super::{lock, remove_dir, spawn_monitor, task_failed, unix_ms, Manager, Origin, Sandbox, SandboxError, SandboxId, SandboxInfo, SandboxState};
+use super::{
+    lock, remove_dir, spawn_monitor, task_failed, unix_ms, Manager, Origin, Sandbox, SandboxError, SandboxId,
+    SandboxInfo, SandboxState,
+};
 
 /// What `sandbox_branch` made and what it cost.
 #[derive(Clone, Debug, Serialize, JsonSchema)]
@@ -87,7 +90,9 @@ impl Manager {
         let mut boots = tokio::task::JoinSet::new();
         for child in &children {
             let (me, child, point) = (self.clone(), child.clone(), point.clone());
-            boots.spawn(async move { me.boot(&child, Origin::Branch(point)).await.map_err(|e| format!("{}: {e}", child.id)) });
+            boots.spawn(async move {
+                me.boot(&child, Origin::Branch(point)).await.map_err(|e| format!("{}: {e}", child.id))
+            });
         }
         let mut failed = Vec::new();
         while let Some(r) = boots.join_next().await {
@@ -100,7 +105,12 @@ impl Manager {
         drop(point);
         if !failed.is_empty() {
             self.discard(&children).await;
-            return Err(SandboxError::BranchChildren { id: source.id.clone(), failed: failed.len(), n, first: failed.swap_remove(0) });
+            return Err(SandboxError::BranchChildren {
+                id: source.id.clone(),
+                failed: failed.len(),
+                n,
+                first: failed.swap_remove(0),
+            });
         }
         lock(&source.lineage).children.extend(children.iter().map(|c| c.id.clone()));
         let ready_ms = started.elapsed().as_millis() as u64;
@@ -194,9 +204,7 @@ impl Manager {
         self.check_descendant(&w, &p)?;
         let me = self.clone();
         let (w2, p2) = (w.clone(), p.clone());
-        tokio::task::spawn_blocking(move || me.merge_blocking(&w2, &p2))
-            .await
-            .map_err(task_failed("merge task"))??;
+        tokio::task::spawn_blocking(move || me.merge_blocking(&w2, &p2)).await.map_err(task_failed("merge task"))??;
         tracing::info!(winner = %w.id, parent = %p.id, "merged: {} now runs {}'s VM", p.id, w.id);
         Ok(p.info(None))
     }
@@ -216,7 +224,8 @@ impl Manager {
             }
             cur = lock(&self.sandboxes).get(&id).and_then(|s| lock(&s.lineage).parent.clone());
         }
-        let lineage = if chain.is_empty() { "not branched".to_string() } else { format!("branched from {}", chain.join(" <- ")) };
+        let lineage =
+            if chain.is_empty() { "not branched".to_string() } else { format!("branched from {}", chain.join(" <- ")) };
         Err(SandboxError::NotDescendant { winner: w.id.clone(), parent: parent.id.clone(), lineage })
     }
 
@@ -262,7 +271,9 @@ impl Manager {
         }
         match spawn_monitor(p, watcher) {
             Ok(m) => *lock(&p.monitor) = Some(m),
-            Err(e) => tracing::error!(sandbox = %p.id, "cannot start a monitor thread after the merge: {e}; a crash will not be noticed"),
+            Err(e) => {
+                tracing::error!(sandbox = %p.id, "cannot start a monitor thread after the merge: {e}; a crash will not be noticed")
+            }
         }
         let grandchildren = std::mem::take(&mut lock(&w.lineage).children);
         {

@@ -158,8 +158,7 @@ pub fn load_kernel(
             Some(a) if a >= result.kernel_end && size > 0 => a,
             _ => return Err(BootError::InitrdTooBig { size, kernel_end: result.kernel_end }),
         };
-        mem.read_exact_volatile_from(GuestAddress(addr), &mut f, size as usize)
-            .map_err(BootError::InitrdLoad)?;
+        mem.read_exact_volatile_from(GuestAddress(addr), &mut f, size as usize).map_err(BootError::InitrdLoad)?;
         params.hdr.ramdisk_image = addr as u32;
         params.hdr.ramdisk_size = size as u32;
         initrd_place = Some((addr, size));

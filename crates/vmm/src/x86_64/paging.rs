@@ -53,10 +53,8 @@ pub enum PagingError {
 /// space with 2 MiB pages (PML4 -> one PDPT -> one PD of 512 entries).
 /// Returns the value for CR3.
 pub fn write_identity_map<M: GuestMemoryBackend>(mem: &M) -> Result<u64, PagingError> {
-    mem.write_obj(PDPTE_START | PRESENT | WRITABLE, GuestAddress(PML4_START))
-        .map_err(PagingError::Write)?;
-    mem.write_obj(PDE_START | PRESENT | WRITABLE, GuestAddress(PDPTE_START))
-        .map_err(PagingError::Write)?;
+    mem.write_obj(PDPTE_START | PRESENT | WRITABLE, GuestAddress(PML4_START)).map_err(PagingError::Write)?;
+    mem.write_obj(PDE_START | PRESENT | WRITABLE, GuestAddress(PDPTE_START)).map_err(PagingError::Write)?;
     for i in 0..512u64 {
         mem.write_obj((i << 21) | PRESENT | WRITABLE | PAGE_SIZE, GuestAddress(PDE_START + i * 8))
             .map_err(PagingError::Write)?;
@@ -94,9 +92,8 @@ pub fn translate<M: GuestMemoryBackend>(mem: &M, state: &PagingState, gva: u64) 
     for level in (1..=4u8).rev() {
         let shift = 12 + 9 * (u32::from(level) - 1);
         let index = (gva >> shift) & 0x1ff;
-        let entry: u64 = mem
-            .read_obj(GuestAddress(table + index * 8))
-            .map_err(|_| PagingError::TableOutsideMemory(table))?;
+        let entry: u64 =
+            mem.read_obj(GuestAddress(table + index * 8)).map_err(|_| PagingError::TableOutsideMemory(table))?;
         if entry & PRESENT == 0 {
             return Err(PagingError::NotMapped { gva, level });
         }
@@ -147,10 +144,7 @@ mod tests {
         m.write_obj(0x20_0000u64 | 3, GuestAddress(pt + idx(1) * 8)).unwrap();
         assert_eq!(translate(&m, &long_mode(pml4), gva).unwrap(), 0x20_0123);
         // The next page is not mapped.
-        assert!(matches!(
-            translate(&m, &long_mode(pml4), gva + 0x1000),
-            Err(PagingError::NotMapped { level: 1, .. })
-        ));
+        assert!(matches!(translate(&m, &long_mode(pml4), gva + 0x1000), Err(PagingError::NotMapped { level: 1, .. })));
     }
 
     #[test]
@@ -165,9 +159,6 @@ mod tests {
     #[test]
     fn table_outside_memory_is_an_error() {
         let m = mem();
-        assert!(matches!(
-            translate(&m, &long_mode(0x4000_0000), 0x1000),
-            Err(PagingError::TableOutsideMemory(_))
-        ));
+        assert!(matches!(translate(&m, &long_mode(0x4000_0000), 0x1000), Err(PagingError::TableOutsideMemory(_))));
     }
 }

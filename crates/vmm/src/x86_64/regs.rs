@@ -124,8 +124,7 @@ pub fn boot_regs(entry: GuestAddress) -> kvm_regs {
 pub fn setup_sregs<M: GuestMemoryBackend>(mem: &M, vcpu: &VcpuFd) -> Result<(), RegsError> {
     let gdt = boot_gdt();
     for (i, e) in gdt.iter().enumerate() {
-        mem.write_obj(*e, GuestAddress(BOOT_GDT_START + i as u64 * 8))
-            .map_err(|e| RegsError::Memory(e.to_string()))?;
+        mem.write_obj(*e, GuestAddress(BOOT_GDT_START + i as u64 * 8)).map_err(|e| RegsError::Memory(e.to_string()))?;
     }
     mem.write_obj(0u64, GuestAddress(BOOT_IDT_START)).map_err(|e| RegsError::Memory(e.to_string()))?;
     let cr3 = paging::write_identity_map(mem).map_err(|e| RegsError::Memory(e.to_string()))?;

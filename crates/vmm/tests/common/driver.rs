@@ -78,7 +78,8 @@ impl Driver {
         assert_ne!(d.r(reg::STATUS) & status::FEATURES_OK, 0, "device refused features {want:#x}");
         for q in 0..nq {
             let base = QUEUE_BASE + q as u64 * QUEUE_STRIDE;
-            let dq = DriverQueue { size, desc: base, avail: base + 0x1000, used: base + 0x2000, avail_idx: 0, used_seen: 0 };
+            let dq =
+                DriverQueue { size, desc: base, avail: base + 0x1000, used: base + 0x2000, avail_idx: 0, used_seen: 0 };
             d.w(reg::QUEUE_SEL, q as u32);
             assert!(d.r(reg::QUEUE_NUM_MAX) >= u32::from(size));
             d.w(reg::QUEUE_NUM, u32::from(size));

@@ -159,7 +159,8 @@ impl Block {
             return Err(RequestError::Status(status::IOERR));
         }
         let kind: u32 = mem.read_obj(head.addr).map_err(|_| RequestError::Status(status::IOERR))?;
-        let sector: u64 = mem.read_obj(GuestAddress(head.addr.0 + 8)).map_err(|_| RequestError::Status(status::IOERR))?;
+        let sector: u64 =
+            mem.read_obj(GuestAddress(head.addr.0 + 8)).map_err(|_| RequestError::Status(status::IOERR))?;
         // Data segments: everything between the header and the status
         // segment, plus the status segment's bytes before the status byte.
         let last = segs[segs.len() - 1];
@@ -175,7 +176,10 @@ impl Block {
                     return Err(RequestError::Status(status::IOERR));
                 }
                 if data.iter().any(|s| s.writable == writing) {
-                    tracing::warn!("virtio-blk: {} request with a data buffer of the wrong direction", if writing { "OUT" } else { "IN" });
+                    tracing::warn!(
+                        "virtio-blk: {} request with a data buffer of the wrong direction",
+                        if writing { "OUT" } else { "IN" }
+                    );
                     return Err(RequestError::Status(status::IOERR));
                 }
                 if !data_len.is_multiple_of(SECTOR_SIZE) {
@@ -263,10 +267,11 @@ impl VirtioDevice for Block {
     }
 
     fn activate(&mut self, activation: Activation, interrupt: Arc<Interrupt>) -> Result<(), VirtioError> {
-        let queue = activation.queues.into_iter().next().filter(|q| q.ready()).ok_or(VirtioError::Activate {
-            device: "virtio-blk",
-            reason: "the request queue is not ready".into(),
-        })?;
+        let queue =
+            activation.queues.into_iter().next().filter(|q| q.ready()).ok_or(VirtioError::Activate {
+                device: "virtio-blk",
+                reason: "the request queue is not ready".into(),
+            })?;
         self.running = Some(Running { mem: activation.mem, queue, interrupt });
         Ok(())
     }

@@ -165,13 +165,21 @@ impl MmioTransport {
     /// eventfd per queue (see [`MmioTransport::queue_evts`]).
     ///
     /// Errors: [`VirtioError::Io`] if an eventfd cannot be created.
-    pub fn new(device: Box<dyn VirtioDevice>, mem: GuestMemoryMmap, interrupt: Arc<Interrupt>) -> Result<Self, VirtioError> {
+    pub fn new(
+        device: Box<dyn VirtioDevice>,
+        mem: GuestMemoryMmap,
+        interrupt: Arc<Interrupt>,
+    ) -> Result<Self, VirtioError> {
         let name = device.name();
         let mut queues = Vec::new();
         let mut queue_evts = Vec::new();
         for &max in device.queue_max_sizes() {
-            queues.push(Queue::new(max).map_err(|e| VirtioError::Activate { device: name, reason: format!("queue size {max}: {e}") })?);
-            queue_evts.push(EventFd::new(libc::EFD_NONBLOCK).map_err(|source| VirtioError::Io { device: name, source })?);
+            queues.push(
+                Queue::new(max)
+                    .map_err(|e| VirtioError::Activate { device: name, reason: format!("queue size {max}: {e}") })?,
+            );
+            queue_evts
+                .push(EventFd::new(libc::EFD_NONBLOCK).map_err(|source| VirtioError::Io { device: name, source })?);
         }
         Ok(MmioTransport {
             device,
@@ -223,12 +231,21 @@ impl MmioTransport {
         let name = device.name();
         let sizes = device.queue_max_sizes().to_vec();
         if sizes.len() != state.queues.len() || sizes.iter().zip(&state.queues).any(|(m, q)| *m != q.max_size) {
-            return Err(RestoreError::Mismatch { device: name, reason: format!("queues {sizes:?} vs saved {:?}", state.queues.iter().map(|q| q.max_size).collect::<Vec<_>>()) });
+            return Err(RestoreError::Mismatch {
+                device: name,
+                reason: format!(
+                    "queues {sizes:?} vs saved {:?}",
+                    state.queues.iter().map(|q| q.max_size).collect::<Vec<_>>()
+                ),
+            });
         }
         let mut t = MmioTransport::new(device, mem, interrupt)?;
         let mut queues = Vec::with_capacity(state.queues.len());
         for (i, qs) in state.queues.iter().enumerate() {
-            queues.push(Queue::try_from(*qs).map_err(|e| RestoreError::Mismatch { device: name, reason: format!("queue {i}: {e}") })?);
+            queues.push(
+                Queue::try_from(*qs)
+                    .map_err(|e| RestoreError::Mismatch { device: name, reason: format!("queue {i}: {e}") })?,
+            );
         }
         t.queues = queues;
         t.status = state.status;
@@ -405,7 +422,8 @@ impl MmioTransport {
         let name = self.name();
         for (i, q) in self.queues.iter().enumerate() {
             if q.ready() && !q.is_valid(&self.mem) {
-                let err = VirtioError::Activate { device: name, reason: format!("queue {i} is not inside guest memory") };
+                let err =
+                    VirtioError::Activate { device: name, reason: format!("queue {i} is not inside guest memory") };
                 self.mark_broken(&err);
                 return;
             }
@@ -505,8 +523,12 @@ impl MmioTransport {
                     q.set_ready(v == 1);
                 }
             }
-            reg::QUEUE_DESC_LOW | reg::QUEUE_DESC_HIGH | reg::QUEUE_DRIVER_LOW | reg::QUEUE_DRIVER_HIGH
-            | reg::QUEUE_DEVICE_LOW | reg::QUEUE_DEVICE_HIGH
+            reg::QUEUE_DESC_LOW
+            | reg::QUEUE_DESC_HIGH
+            | reg::QUEUE_DRIVER_LOW
+            | reg::QUEUE_DRIVER_HIGH
+            | reg::QUEUE_DEVICE_LOW
+            | reg::QUEUE_DEVICE_HIGH
                 if configurable =>
             {
                 if let Some(q) = self.selected_queue() {

@@ -16,7 +16,10 @@ use virtio_queue::{Queue, QueueOwnedT, QueueT};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
 use super::chain::{parse_chain, Segment};
-use super::{Activation, Interrupt, VirtioDevice, VirtioError, VIRTIO_F_VERSION_1, VIRTIO_MMIO_INT_VRING, VIRTIO_RING_F_EVENT_IDX};
+use super::{
+    Activation, Interrupt, VirtioDevice, VirtioError, VIRTIO_F_VERSION_1, VIRTIO_MMIO_INT_VRING,
+    VIRTIO_RING_F_EVENT_IDX,
+};
 use muxer::{Muxer, MuxerError};
 use packet::{Header, HDR_LEN, MAX_PAYLOAD};
 
@@ -168,19 +171,26 @@ impl Vsock {
             return Ok(());
         }
         let delivered = std::cell::Cell::new(false);
-        super::drain_queue_while("virtio-vsock", &mut queues[EVQ], mem, interrupt, || !delivered.get(), |chain| {
-            let len = match parse_chain(mem, chain, MAX_SEGMENTS) {
-                Ok(p) => scatter(mem, &p.segments, 0, &VIRTIO_VSOCK_EVENT_TRANSPORT_RESET.to_le_bytes()),
-                Err(e) => {
-                    tracing::warn!("virtio-vsock: event queue: {e}");
-                    0
+        super::drain_queue_while(
+            "virtio-vsock",
+            &mut queues[EVQ],
+            mem,
+            interrupt,
+            || !delivered.get(),
+            |chain| {
+                let len = match parse_chain(mem, chain, MAX_SEGMENTS) {
+                    Ok(p) => scatter(mem, &p.segments, 0, &VIRTIO_VSOCK_EVENT_TRANSPORT_RESET.to_le_bytes()),
+                    Err(e) => {
+                        tracing::warn!("virtio-vsock: event queue: {e}");
+                        0
+                    }
+                };
+                if len == 4 {
+                    delivered.set(true);
                 }
-            };
-            if len == 4 {
-                delivered.set(true);
-            }
-            len as u32
-        })?;
+                len as u32
+            },
+        )?;
         if delivered.get() {
             self.pending_reset_event = false;
             let q = &queues[EVQ];
@@ -217,12 +227,18 @@ impl Vsock {
             }
             let hdr = Header::from_bytes(&raw);
             if hdr.len > MAX_PAYLOAD {
-                tracing::warn!("virtio-vsock: TX packet claims {} bytes of payload (max {MAX_PAYLOAD}); dropped", hdr.len);
+                tracing::warn!(
+                    "virtio-vsock: TX packet claims {} bytes of payload (max {MAX_PAYLOAD}); dropped",
+                    hdr.len
+                );
                 return 0;
             }
             let payload = &mut buf[..hdr.len as usize];
             if gather(mem, &parsed.segments, HDR_LEN, payload) != payload.len() {
-                tracing::warn!("virtio-vsock: TX packet claims {} bytes of payload but carries fewer; dropped", hdr.len);
+                tracing::warn!(
+                    "virtio-vsock: TX packet claims {} bytes of payload but carries fewer; dropped",
+                    hdr.len
+                );
                 return 0;
             }
             muxer.from_guest(&hdr, payload);
@@ -313,7 +329,10 @@ impl VirtioDevice for Vsock {
 
     fn activate(&mut self, activation: Activation, interrupt: Arc<Interrupt>) -> Result<(), VirtioError> {
         if activation.queues.len() != 3 || activation.queues.iter().any(|q| !q.ready()) {
-            return Err(VirtioError::Activate { device: "virtio-vsock", reason: "the RX, TX and event queues must all be ready".into() });
+            return Err(VirtioError::Activate {
+                device: "virtio-vsock",
+                reason: "the RX, TX and event queues must all be ready".into(),
+            });
         }
         self.running = Some(Running { mem: activation.mem, queues: activation.queues, interrupt });
         Ok(())

@@ -222,7 +222,12 @@ impl Muxer {
 
     fn push_control(&mut self, h: Header) {
         if self.control.len() >= MAX_PENDING_CONTROL {
-            tracing::warn!("virtio-vsock: {} control packets wait for RX buffers; dropping op {} to port {}", self.control.len(), h.op, h.dst_port);
+            tracing::warn!(
+                "virtio-vsock: {} control packets wait for RX buffers; dropping op {} to port {}",
+                self.control.len(),
+                h.op,
+                h.dst_port
+            );
             return;
         }
         self.control.push_back(h);
@@ -253,7 +258,12 @@ impl Muxer {
 
     fn remove_conn(&mut self, key: Key, why: &str) {
         if let Some(c) = self.conns.remove(&key) {
-            tracing::debug!(host_port = key.0, guest_port = key.1, pending = c.pending.len(), "virtio-vsock: connection closed: {why}");
+            tracing::debug!(
+                host_port = key.0,
+                guest_port = key.1,
+                pending = c.pending.len(),
+                "virtio-vsock: connection closed: {why}"
+            );
             let fd = c.stream.as_raw_fd();
             let _ = self.epoll.ctl(ControlOperation::Delete, fd, EpollEvent::default());
             self.by_fd.remove(&fd);
@@ -284,7 +294,12 @@ impl Muxer {
     /// `hdr.len` bytes.
     pub fn from_guest(&mut self, hdr: &Header, payload: &[u8]) {
         if hdr.src_cid != self.guest_cid || hdr.dst_cid != HOST_CID {
-            tracing::warn!("virtio-vsock: packet from CID {} to CID {} dropped (guest is {})", hdr.src_cid, hdr.dst_cid, self.guest_cid);
+            tracing::warn!(
+                "virtio-vsock: packet from CID {} to CID {} dropped (guest is {})",
+                hdr.src_cid,
+                hdr.dst_cid,
+                self.guest_cid
+            );
             return;
         }
         let key = (hdr.dst_port, hdr.src_port);
@@ -345,7 +360,11 @@ impl Muxer {
 
     fn guest_connect(&mut self, key: Key) {
         if self.conns.contains_key(&key) || self.conns.len() >= MAX_CONNECTIONS {
-            tracing::warn!("virtio-vsock: guest connection to port {} refused (duplicate or {} connections)", key.0, self.conns.len());
+            tracing::warn!(
+                "virtio-vsock: guest connection to port {} refused (duplicate or {} connections)",
+                key.0,
+                self.conns.len()
+            );
             self.push_control(self.header(key, op::RST));
             return;
         }
@@ -453,7 +472,9 @@ impl Muxer {
         loop {
             match self.listener.accept() {
                 Ok((stream, _)) => {
-                    if self.handshakes.len() + self.conns.len() >= MAX_CONNECTIONS || stream.set_nonblocking(true).is_err() {
+                    if self.handshakes.len() + self.conns.len() >= MAX_CONNECTIONS
+                        || stream.set_nonblocking(true).is_err()
+                    {
                         tracing::warn!("virtio-vsock: host connection refused ({} connections)", self.conns.len());
                         continue;
                     }
@@ -587,7 +608,9 @@ impl Muxer {
         }
         // Round robin over readable connections the guest has credit for.
         let keys: Vec<Key> = match self.rr_cursor {
-            Some(cur) => self.conns.range((std::ops::Bound::Excluded(cur), std::ops::Bound::Unbounded))
+            Some(cur) => self
+                .conns
+                .range((std::ops::Bound::Excluded(cur), std::ops::Bound::Unbounded))
                 .chain(self.conns.range(..=cur))
                 .filter(|(_, c)| c.readable && c.peer_credit() > 0)
                 .map(|(k, _)| *k)
