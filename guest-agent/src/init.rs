@@ -54,23 +54,29 @@ fn check(what: &str, r: libc::c_int) -> Result<(), String> {
 /// success, [`UPPER_FD`] holds the upper directory: after the chroot no
 /// path reaches it.
 fn overlay_root() -> Result<(), String> {
-    // SAFETY (the mount calls below): arguments are valid C strings or
-    // null, as mount(2) takes them.
-    check("mount tmpfs on /overlay", unsafe {
-        libc::mount(c"tmpfs".as_ptr(), c"/overlay".as_ptr(), c"tmpfs".as_ptr(), 0, c"mode=0755".as_ptr().cast())
-    })?;
+    check(
+        "mount tmpfs on /overlay",
+        // SAFETY: valid NUL-terminated C strings, as mount(2) takes them.
+        unsafe {
+            libc::mount(c"tmpfs".as_ptr(), c"/overlay".as_ptr(), c"tmpfs".as_ptr(), 0, c"mode=0755".as_ptr().cast())
+        },
+    )?;
     for d in ["/overlay/upper", "/overlay/work", "/overlay/root"] {
         std::fs::create_dir(d).map_err(|e| format!("mkdir {d}: {e}"))?;
     }
-    check("mount overlay", unsafe {
-        libc::mount(
-            c"overlay".as_ptr(),
-            c"/overlay/root".as_ptr(),
-            c"overlay".as_ptr(),
-            0,
-            c"lowerdir=/,upperdir=/overlay/upper,workdir=/overlay/work".as_ptr().cast(),
-        )
-    })?;
+    check(
+        "mount overlay",
+        // SAFETY: valid NUL-terminated C strings, as mount(2) takes them.
+        unsafe {
+            libc::mount(
+                c"overlay".as_ptr(),
+                c"/overlay/root".as_ptr(),
+                c"overlay".as_ptr(),
+                0,
+                c"lowerdir=/,upperdir=/overlay/upper,workdir=/overlay/work".as_ptr().cast(),
+            )
+        },
+    )?;
     // SAFETY: a valid C string and open(2) flags; the fd is owned below.
     let upper = unsafe { libc::open(c"/overlay/upper".as_ptr(), libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC) };
     if let Err(e) = check("open /overlay/upper", upper) {
@@ -93,13 +99,16 @@ fn overlay_root() -> Result<(), String> {
 /// Makes the overlay at /overlay/root the root: moves it onto `/`, then
 /// chroots into it.
 fn switch_root() -> Result<(), String> {
-    // SAFETY (all calls below): arguments are valid C strings or null, as
-    // mount(2), chdir(2) and chroot(2) take them.
+    // SAFETY: a valid NUL-terminated C string, as chdir(2) takes it.
     check("chdir /overlay/root", unsafe { libc::chdir(c"/overlay/root".as_ptr()) })?;
-    check("move the overlay onto /", unsafe {
-        libc::mount(c".".as_ptr(), c"/".as_ptr(), std::ptr::null(), libc::MS_MOVE, std::ptr::null())
-    })?;
+    check(
+        "move the overlay onto /",
+        // SAFETY: valid C strings or null, as mount(2) takes them for MS_MOVE.
+        unsafe { libc::mount(c".".as_ptr(), c"/".as_ptr(), std::ptr::null(), libc::MS_MOVE, std::ptr::null()) },
+    )?;
+    // SAFETY: a valid NUL-terminated C string, as chroot(2) takes it.
     check("chroot", unsafe { libc::chroot(c".".as_ptr()) })?;
+    // SAFETY: a valid NUL-terminated C string, as chdir(2) takes it.
     check("chdir /", unsafe { libc::chdir(c"/".as_ptr()) })?;
     Ok(())
 }
