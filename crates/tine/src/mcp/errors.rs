@@ -1,0 +1,221 @@
+//! The messages an agent sees when a tool call fails: [`ToolError`], and
+//! the "what to do next" hint the MCP layer adds to each domain error
+//! ([`SandboxError`], [`TemplateError`]). The domain says what happened;
+//! only this file names MCP tools.
+
+use rmcp::model::{ContentBlock, IntoContents};
+use tine_sandbox::{SandboxError, SandboxState, TemplateError};
+
+/// Why a tool call failed; becomes the text of a tool result with
+/// `isError: true`.
+#[derive(Debug, thiserror::Error)]
+pub enum ToolError {
+    /// The sandbox manager refused or failed; shown with a hint.
+    #[error("{}", with_hint(.0))]
+    Sandbox(#[from] SandboxError),
+    /// `timeout_secs` is out of range.
+    #[error("timeout_secs must be 1..={max}, got {got}")]
+    Timeout {
+        /// Asked for (s).
+        got: u32,
+        /// The limit (s).
+        max: u32,
+    },
+    /// `sandbox_kill` without an id, and the session has no sandbox.
+    #[error("this session has no sandbox of its own to kill")]
+    NoOwnSandbox,
+    /// `sandbox_files_read` on a file that is not UTF-8.
+    #[error("{path} is not UTF-8 text (invalid byte at offset {offset}); use sandbox_download for binary files")]
+    NotUtf8 {
+        /// The file.
+        path: String,
+        /// The first invalid byte's offset in the file.
+        offset: u64,
+    },
+    /// `sandbox_upload`'s `data_base64` does not decode.
+    #[error("data_base64 is not valid base64: {0}")]
+    Base64(#[from] base64::DecodeError),
+    /// `sandbox_upload`'s data is larger than one call may carry.
+    #[error("{bytes} bytes exceed the 8 MiB upload limit; split the file")]
+    UploadTooLarge {
+        /// The decoded size (bytes).
+        bytes: usize,
+    },
+    /// A blocking task the tool ran failed (panicked or was cancelled).
+    #[error("{what} task failed: {source}")]
+    Task {
+        /// The task.
+        what: &'static str,
+        /// Why.
+        #[source]
+        source: tokio::task::JoinError,
+    },
+}
+
+impl IntoContents for ToolError {
+    fn into_contents(self) -> Vec<ContentBlock> {
+        vec![ContentBlock::text(self.to_string())]
+    }
+}
+
+/// A domain error's message followed by the MCP hint for it, if any.
+///
+/// A message that already ends in the same hint (a domain error from
+/// before the hints moved here) is not repeated.
+pub fn with_hint(e: &SandboxError) -> String {
+    let message = e.to_string();
+    match sandbox_hint(e) {
+        Some(hint) if !message.ends_with(&hint) => message + &hint,
+        _ => message,
+    }
+}
+
+/// What an agent can do about `e`, as a suffix to its message (starting
+/// with its own separator), or `None` if there is nothing to add.
+pub fn sandbox_hint(e: &SandboxError) -> Option<String> {
+    let hint = match e {
+        SandboxError::NotFound(_) => "; call sandbox_list to see the live ones, or sandbox_create for a new one",
+        SandboxError::TooMany { .. } => "; kill one with sandbox_kill first",
+        SandboxError::Starting(_) => "; try again in a few seconds",
+        SandboxError::BadState { state: SandboxState::Paused, .. } => {
+            "; call sandbox_resume, or just sandbox_exec, which resumes it"
+        }
+        SandboxError::NotRunning { .. } => ". Kill it and create a new one",
+        SandboxError::TemplateShape { .. } => {
+            "; leave out vcpus and memory_mib, or make a template of the shape you need"
+        }
+        SandboxError::NotDescendant { .. } => {
+            "; merge a sandbox into the one it was branched from, or an ancestor of it"
+        }
+        SandboxError::Template(t) => return template_hint(t),
+        _ => return None,
+    };
+    Some(hint.to_string())
+}
+
+/// What an agent can do about a template error, as [`sandbox_hint`].
+pub fn template_hint(e: &TemplateError) -> Option<String> {
+    Some(match e {
+        TemplateError::NotFound(_) => "; call template_list to see them, or sandbox_snapshot to make one".into(),
+        TemplateError::Exists(_) => "; choose another name".into(),
+        TemplateError::Stale { .. } => {
+            "; make it again (sandbox_snapshot, or `tine template build` for the default)".into()
+        }
+        TemplateError::Meta { dir, .. } => format!("; delete {} and make it again", dir.display()),
+        _ => return None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+
+    use tine_sandbox::LimitsError;
+
+    use super::*;
+
+    /// Each domain error as an agent reads it: what happened, then what to do.
+    fn cases() -> Vec<(SandboxError, &'static str)> {
+        let template = |e| SandboxError::Template(e);
+        vec![
+            (
+                SandboxError::NotFound("sb-9".into()),
+                "no sandbox sb-9; call sandbox_list to see the live ones, or sandbox_create for a new one",
+            ),
+            (
+                SandboxError::TooMany { live: 4, max: 4 },
+                "4 sandboxes are live, the limit is 4; kill one with sandbox_kill first",
+            ),
+            (SandboxError::Starting("sb-2".into()), "sandbox sb-2 is still starting; try again in a few seconds"),
+            (
+                SandboxError::NotRunning {
+                    id: "sb-3".into(),
+                    state: SandboxState::Failed,
+                    reason: "kernel panic".into(),
+                },
+                "sandbox sb-3 is Failed and cannot run anything: kernel panic. Kill it and create a new one",
+            ),
+            (
+                SandboxError::TemplateShape { name: "py".into(), vcpus: 2, memory_mib: 1024 },
+                "template \"py\" makes sandboxes of 2 vCPUs and 1024 MiB; leave out vcpus and memory_mib, or make a \
+                 template of the shape you need",
+            ),
+            (
+                SandboxError::NotDescendant { winner: "sb-5".into(), parent: "sb-1".into(), lineage: "sb-4".into() },
+                "sandbox sb-5 was not branched from sb-1 (its lineage: sb-4); merge a sandbox into the one it was \
+                 branched from, or an ancestor of it",
+            ),
+            (
+                template(TemplateError::NotFound("py".into())),
+                "no template \"py\"; call template_list to see them, or sandbox_snapshot to make one",
+            ),
+            (
+                template(TemplateError::Exists("py".into())),
+                "a template named \"py\" exists already; choose another name",
+            ),
+            (
+                template(TemplateError::Stale { name: "py".into(), what: "guest kernel" }),
+                "template \"py\" was made from another guest kernel than the server uses now; make it again \
+                 (sandbox_snapshot, or `tine template build` for the default)",
+            ),
+            (
+                template(TemplateError::Meta {
+                    name: "py".into(),
+                    dir: PathBuf::from("/data/templates/py"),
+                    reason: "missing template.json".into(),
+                }),
+                "template \"py\" is damaged: missing template.json; delete /data/templates/py and make it again",
+            ),
+            // Nothing to add: the message says it all.
+            (SandboxError::Limits(LimitsError::Vcpus { got: 99, max: 8 }), "vcpus must be 1..=8, got 99"),
+            (SandboxError::ShuttingDown, "the server is shutting down"),
+        ]
+    }
+
+    #[test]
+    fn each_domain_error_gets_its_hint_once() {
+        for (e, want) in cases() {
+            assert_eq!(with_hint(&e), want, "{e:?}");
+            assert_eq!(ToolError::from(e).to_string(), want);
+        }
+    }
+
+    #[test]
+    fn hints_say_what_to_do_not_what_happened() {
+        for (e, want) in cases() {
+            if let Some(hint) = sandbox_hint(&e) {
+                assert!(want.ends_with(&hint), "{e:?}: {hint:?}");
+                assert!(hint.starts_with("; ") || hint.starts_with(". "), "{hint:?} continues the message");
+            }
+        }
+        let paused = SandboxError::BadState { id: "sb-1".into(), state: SandboxState::Paused, what: "x" };
+        assert!(with_hint(&paused).ends_with("; call sandbox_resume, or just sandbox_exec, which resumes it"));
+        let stopped = SandboxError::BadState { id: "sb-1".into(), state: SandboxState::Stopped, what: "pause" };
+        assert_eq!(sandbox_hint(&stopped), None);
+    }
+
+    #[test]
+    fn hints_name_only_tools_that_exist() {
+        let tools: Vec<String> =
+            super::super::TineMcp::tool_router().list_all().into_iter().map(|t| t.name.into()).collect();
+        let paused = SandboxError::BadState { id: "sb-1".into(), state: SandboxState::Paused, what: "x" };
+        let hints = cases().iter().map(|(e, _)| e).chain([&paused]).filter_map(sandbox_hint).collect::<Vec<_>>();
+        for hint in &hints {
+            for word in hint.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')) {
+                if word.starts_with("sandbox_") || word.starts_with("template_") {
+                    assert!(tools.iter().any(|t| t == word), "{hint:?} names {word}, which is no tool");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn tool_errors_are_text_content() {
+        let contents = ToolError::NoOwnSandbox.into_contents();
+        assert_eq!(contents.len(), 1);
+        assert_eq!(
+            contents[0].as_text().map(|t| t.text.as_str()),
+            Some("this session has no sandbox of its own to kill")
+        );
+    }
+}
