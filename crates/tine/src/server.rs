@@ -101,12 +101,12 @@ async fn shutdown_signal() {
     }
 }
 
-/// Serves until SIGTERM/SIGINT, then ends every session and kills every
-/// sandbox before returning.
-///
-/// Errors: [`ServeError`].
-pub async fn serve(manager: Arc<Manager>, opts: ServeOptions) -> Result<(), ServeError> {
-    let cancel = CancellationToken::new();
+/// The HTTP routes: `/mcp` (Streamable HTTP, behind the bearer check
+/// unless `opts.token` is `None`; `Host` checked against
+/// `opts.allowed_hosts`, 403 otherwise; bodies over [`MAX_REQUEST_BYTES`]
+/// answered 413) and the open `/healthz`. Cancelling `cancel` ends every
+/// MCP session and its streams.
+pub fn router(manager: Arc<Manager>, opts: &ServeOptions, cancel: &CancellationToken) -> Router {
     let mcp_config = StreamableHttpServerConfig::default()
         .with_allowed_hosts(opts.allowed_hosts.clone())
         .with_cancellation_token(cancel.child_token())
@@ -117,11 +117,19 @@ pub async fn serve(manager: Arc<Manager>, opts: ServeOptions) -> Result<(), Serv
     let mcp =
         StreamableHttpService::new(move || Ok(TineMcp::new(factory_manager.clone())), Arc::new(sessions), mcp_config);
     let mut mcp_router = Router::new().nest_service("/mcp", mcp);
-    if let Some(token) = opts.token {
-        mcp_router = mcp_router.layer(axum::middleware::from_fn_with_state(Arc::new(token), require_bearer));
+    if let Some(token) = &opts.token {
+        mcp_router = mcp_router.layer(axum::middleware::from_fn_with_state(Arc::new(token.clone()), require_bearer));
     }
-    let app = Router::new().route("/healthz", get(healthz)).with_state(manager.clone()).merge(mcp_router);
+    Router::new().route("/healthz", get(healthz)).with_state(manager).merge(mcp_router)
+}
 
+/// Serves until SIGTERM/SIGINT, then ends every session and kills every
+/// sandbox before returning.
+///
+/// Errors: [`ServeError`].
+pub async fn serve(manager: Arc<Manager>, opts: ServeOptions) -> Result<(), ServeError> {
+    let cancel = CancellationToken::new();
+    let app = router(manager.clone(), &opts, &cancel);
     let listener = tokio::net::TcpListener::bind(opts.listen)
         .await
         .map_err(|source| ServeError::Bind { addr: opts.listen, source })?;
@@ -151,3 +159,6 @@ pub async fn serve(manager: Arc<Manager>, opts: ServeOptions) -> Result<(), Serv
     tracing::info!("stopped");
     served.map_err(ServeError::Http)
 }
+
+#[cfg(test)]
+mod tests;

@@ -36,9 +36,8 @@ fn rpc_body(text: &str) -> Value {
     serde_json::from_str(data).unwrap()
 }
 
-async fn raw_initialize(http: &reqwest::Client, url: &str, token: Option<&str>, version: &str) -> reqwest::Response {
-    let mut req = http
-        .post(url)
+async fn raw_initialize(http: &reqwest::Client, url: &str, token: &str, version: &str) -> reqwest::Response {
+    http.post(url)
         .header("content-type", "application/json")
         .header("accept", "application/json, text/event-stream")
         .body(
@@ -46,11 +45,11 @@ async fn raw_initialize(http: &reqwest::Client, url: &str, token: Option<&str>, 
                 "protocolVersion": version, "capabilities": {},
                 "clientInfo": {"name": "raw", "version": "0"}}})
             .to_string(),
-        );
-    if let Some(t) = token {
-        req = req.bearer_auth(t);
-    }
-    req.send().await.expect("POST /mcp")
+        )
+        .bearer_auth(token)
+        .send()
+        .await
+        .expect("POST /mcp")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -62,13 +61,9 @@ async fn mcp_end_to_end() {
     let mut server = TineServer::start(binary(), Some(TOKEN), CONFIG);
     let http = reqwest::Client::new();
 
-    // No token, a wrong token: 401 with a Bearer challenge. /healthz is open.
-    for token in [None, Some("wrong-token")] {
-        let r = raw_initialize(&http, &server.url, token, "2025-06-18").await;
-        assert_eq!(r.status(), 401, "token {token:?}");
-        let challenge = r.headers().get("www-authenticate").expect("WWW-Authenticate").to_str().unwrap();
-        assert!(challenge.starts_with("Bearer"), "{challenge}");
-    }
+    // The 401 Bearer challenge, the Host check and the body limit are tested
+    // without KVM on the router (src/server/tests.rs); here, over a real
+    // socket: /healthz is open, and a foreign Host is refused.
     let health = http.get(format!("{}/healthz", server.base)).send().await.unwrap();
     assert_eq!(health.status(), 200);
     // A Host header outside the allowed list is refused (DNS rebinding).
@@ -86,7 +81,7 @@ async fn mcp_end_to_end() {
 
     // Both protocol versions negotiate as asked.
     for version in ["2025-06-18", "2025-11-25"] {
-        let r = raw_initialize(&http, &server.url, Some(TOKEN), version).await;
+        let r = raw_initialize(&http, &server.url, TOKEN, version).await;
         assert_eq!(r.status(), 200);
         assert!(r.headers().get("mcp-session-id").is_some(), "a session id for {version}");
         let body = rpc_body(&r.text().await.unwrap());
