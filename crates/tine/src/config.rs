@@ -111,16 +111,15 @@ pub enum ConfigError {
         /// What is wrong.
         reason: String,
     },
-    /// An image is missing.
-    #[error(
-        "no {what} at {path}. Build the images with `scripts/setup.sh` in Tine's source tree (it prints their \
-         paths), then pass --kernel and --rootfs, or install them there with `deploy/install.sh`"
-    )]
+    /// An image is missing, unreadable, empty or not a regular file.
+    #[error("no {what} at {path}: {reason}. {IMAGE_FIX}")]
     MissingImage {
-        /// Which image.
+        /// Which image: [`KERNEL`] or [`ROOTFS`].
         what: &'static str,
         /// Where it was looked for.
         path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
     },
 }
 
@@ -151,6 +150,28 @@ pub fn default_data_dir() -> PathBuf {
 /// Where the kernel and rootfs are looked for by default.
 pub fn default_images(data_dir: &Path) -> (PathBuf, PathBuf) {
     (data_dir.join("images/vmlinux"), data_dir.join("images/rootfs.ext4"))
+}
+
+/// The guest kernel, as [`check_image`] and its errors name it.
+pub const KERNEL: &str = "guest kernel";
+/// The root filesystem image, as [`check_image`] and its errors name it.
+pub const ROOTFS: &str = "root filesystem image";
+/// How to get the images.
+pub const IMAGE_FIX: &str = "Build the images with `scripts/setup.sh` in Tine's source tree (it prints their paths), \
+                             then pass --kernel and --rootfs, or install them there with `deploy/install.sh`";
+
+/// Checks that the image `what` ([`KERNEL`] or [`ROOTFS`]) at `path` is a
+/// non-empty regular file, and returns its size (bytes).
+///
+/// Errors: [`ConfigError::MissingImage`], saying what is wrong.
+pub fn check_image(what: &'static str, path: &Path) -> Result<u64, ConfigError> {
+    let missing = |reason: String| ConfigError::MissingImage { what, path: path.into(), reason };
+    match std::fs::metadata(path) {
+        Ok(m) if !m.is_file() => Err(missing("not a regular file".into())),
+        Ok(m) if m.len() == 0 => Err(missing("the file is empty".into())),
+        Ok(m) => Ok(m.len()),
+        Err(e) => Err(missing(e.to_string())),
+    }
 }
 
 /// Reads the bearer token: `token_file` if given, else `$TINE_TOKEN`, else
@@ -220,6 +241,20 @@ mod tests {
         assert_eq!(c.limits, Limits::default(), "deploy/tine.toml shows the defaults");
         assert_eq!(c.templates, TemplatesConfig::default(), "deploy/tine.toml shows the template defaults");
         assert_eq!(c.listen, Some(DEFAULT_LISTEN.parse().unwrap()));
+    }
+
+    #[test]
+    fn images_are_checked() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("vmlinux");
+        let e = check_image(KERNEL, &f).unwrap_err().to_string();
+        assert!(e.starts_with(&format!("no guest kernel at {}: ", f.display())), "{e}");
+        assert!(e.ends_with(IMAGE_FIX), "{e}");
+        std::fs::write(&f, b"").unwrap();
+        assert!(check_image(KERNEL, &f).unwrap_err().to_string().contains("the file is empty"));
+        assert!(check_image(ROOTFS, dir.path()).unwrap_err().to_string().contains("not a regular file"));
+        std::fs::write(&f, b"ELF").unwrap();
+        assert_eq!(check_image(KERNEL, &f).unwrap(), 3);
     }
 
     #[test]

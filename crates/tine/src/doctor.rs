@@ -6,6 +6,8 @@ use std::process::ExitCode;
 
 use vmm::HostProfile;
 
+use crate::config::{self, ConfigError};
+
 /// One check's outcome.
 struct Check {
     name: &'static str,
@@ -43,19 +45,13 @@ fn check_userfaultfd() -> Check {
     }
 }
 
-fn check_image(name: &'static str, path: &Path) -> Check {
-    let (ok, detail) = match std::fs::metadata(path) {
-        Ok(m) if m.is_file() && m.len() > 0 => (true, format!("{} ({} MiB)", path.display(), m.len() >> 20)),
-        Ok(_) => (false, format!("{} is empty or not a file", path.display())),
-        Err(e) => (false, format!("{}: {e}", path.display())),
+fn check_image(name: &'static str, what: &'static str, path: &Path) -> Check {
+    let (ok, detail) = match config::check_image(what, path) {
+        Ok(len) => (true, format!("{} ({} MiB)", path.display(), len >> 20)),
+        Err(ConfigError::MissingImage { reason, .. }) => (false, format!("{}: {reason}", path.display())),
+        Err(e) => (false, e.to_string()),
     };
-    Check {
-        name,
-        ok,
-        detail,
-        fix: "run scripts/setup.sh in Tine's source tree (it builds both images and prints their paths), then pass \
-              --kernel/--rootfs or install them with deploy/install.sh",
-    }
+    Check { name, ok, detail, fix: config::IMAGE_FIX }
 }
 
 fn check_memory() -> Check {
@@ -81,8 +77,8 @@ pub fn run(kernel: &Path, rootfs: &Path) -> ExitCode {
     let checks = [
         check_kvm(),
         check_userfaultfd(),
-        check_image("guest kernel", kernel),
-        check_image("root filesystem", rootfs),
+        check_image("guest kernel", config::KERNEL, kernel),
+        check_image("root filesystem", config::ROOTFS, rootfs),
         check_memory(),
     ];
     let mut failed = 0;

@@ -147,8 +147,8 @@ fn start(args: StartArgs) -> anyhow::Result<ExitCode> {
     }
     let session_timeout =
         Duration::from_secs(r.file.session_timeout_secs.unwrap_or(r.file.limits.default_idle_timeout_secs).max(1));
-    let (manager, _lock) = open_manager(&r)?;
     let profile = HostProfile::detect();
+    let (manager, _lock) = open_manager(&r, profile)?;
     tracing::info!(
         "data {}, kernel {}, rootfs {}, host profile {profile}, auth {}",
         r.data_dir.display(),
@@ -168,17 +168,17 @@ fn start(args: StartArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// Locks the data directory and makes the sandbox manager on it.
-fn open_manager(r: &Resolved) -> anyhow::Result<(std::sync::Arc<tine_sandbox::Manager>, std::fs::File)> {
-    for (what, path) in [("guest kernel", &r.kernel), ("root filesystem image", &r.rootfs)] {
-        if !path.exists() {
-            return Err(config::ConfigError::MissingImage { what, path: path.clone() }.into());
-        }
-    }
+/// Checks the images, locks the data directory and makes the sandbox
+/// manager on it for host `profile`.
+fn open_manager(
+    r: &Resolved,
+    profile: HostProfile,
+) -> anyhow::Result<(std::sync::Arc<tine_sandbox::Manager>, std::fs::File)> {
+    config::check_image(config::KERNEL, &r.kernel)?;
+    config::check_image(config::ROOTFS, &r.rootfs)?;
     std::fs::create_dir_all(&r.data_dir)
         .map_err(|e| anyhow::anyhow!("cannot create the data directory {}: {e}", r.data_dir.display()))?;
     let lock = lock_data_dir(&r.data_dir)?;
-    let profile = HostProfile::detect();
     let manager = tine_sandbox::Manager::new(tine_sandbox::ManagerConfig {
         kernel: r.kernel.clone(),
         rootfs: r.rootfs.clone(),
@@ -198,7 +198,7 @@ fn template(cmd: TemplateCommand) -> anyhow::Result<ExitCode> {
         TemplateCommand::List(a) => (a, false),
     };
     let r = resolve(&args)?;
-    let (manager, _lock) = open_manager(&r)?;
+    let (manager, _lock) = open_manager(&r, HostProfile::detect())?;
     if build {
         let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
         let info = rt.block_on(async {
@@ -276,9 +276,9 @@ struct RunArgs {
     /// Extra kernel command line, appended to Tine's own parameters.
     #[arg(long, default_value = "")]
     cmdline: String,
-    /// Guest memory in MiB.
-    #[arg(long, default_value_t = 256)]
-    mem_mib: u64,
+    /// Guest memory in MiB (`--mem-mib` is accepted too).
+    #[arg(long, alias = "mem-mib", default_value_t = 256)]
+    memory_mib: u64,
     /// Number of vCPUs.
     #[arg(long, default_value_t = 1)]
     vcpus: u8,
@@ -305,7 +305,7 @@ fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     let mut config = VmConfig::new("cli", args.kernel);
     config.initrd = args.initrd;
     config.cmdline = args.cmdline;
-    config.mem_mib = args.mem_mib;
+    config.mem_mib = args.memory_mib;
     config.vcpus = args.vcpus;
     config.console_log = args.console_log;
     config.console_stdout = true;
