@@ -1,5 +1,5 @@
 //! `tine-agent`: Tine's in-guest agent. It listens on a virtio-vsock port
-//! ([`DEFAULT_PORT`]) and serves the requests of `tine-protocol`: each
+//! ([`AGENT_PORT`]) and serves the requests of `tine-protocol`: each
 //! request runs on its own thread, so several can be in flight on one
 //! connection, and answers go back in the order they finish.
 //!
@@ -23,10 +23,8 @@ use std::io::Write;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use tine_protocol::{read_message, write_message, AgentError, Op, ProtocolError, Reply, Request, Response};
+use tine_protocol::{read_message, write_message, AgentError, Op, ProtocolError, Reply, Request, Response, AGENT_PORT};
 
-/// The vsock port the agent listens on.
-pub const DEFAULT_PORT: u32 = 1024;
 /// The agent's version.
 pub const AGENT_VERSION: &str = env!("CARGO_PKG_VERSION");
 
@@ -102,7 +100,7 @@ fn main() {
         .position(|a| a == "--port")
         .and_then(|i| args.get(i + 1))
         .and_then(|p| p.parse().ok())
-        .unwrap_or(DEFAULT_PORT);
+        .unwrap_or(AGENT_PORT);
     let started = Instant::now();
     let listener = match vsock::listen(port) {
         Ok(l) => l,

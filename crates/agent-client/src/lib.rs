@@ -14,16 +14,17 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tine_protocol::{
-    body_len, decode_body, encode, AgentError, Command, Exec, ExecReply, FileData, Op, ProtocolError, Python,
-    PythonReply, ReadFile, Reply, Request, Response, WriteFile, LENGTH_BYTES,
+    body_len, decode_body, encode, AgentError, AgentInfo, Command, DirEntry, Exec, ExecReply, FileData, FileStat,
+    Manifest, Op, ProtocolError, Python, PythonReply, ReadFile, Reply, Request, Reseed, Response, WriteFile,
+    LENGTH_BYTES,
 };
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::UnixStream;
 use tokio::sync::oneshot;
 
-/// The agent's vsock port.
-pub const AGENT_PORT: u32 = 1024;
+/// The agent's vsock port (defined by the protocol).
+pub use tine_protocol::AGENT_PORT;
 /// Longest wait for the `OK` of the hybrid-vsock handshake.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -153,56 +154,169 @@ impl AgentClient {
         }
     }
 
+    /// Sends `op` and hands its reply to `pick`, which returns the typed
+    /// answer or gives back a reply of another kind. The one place a
+    /// [`Reply`] is unwrapped.
+    async fn call_for<T>(
+        &self,
+        op: Op,
+        timeout: Duration,
+        pick: impl FnOnce(Reply) -> Result<T, Box<Reply>>,
+    ) -> Result<T, ClientError> {
+        pick(self.call(op, timeout).await?).map_err(|other| ClientError::Unexpected(format!("{other:?}")))
+    }
+
+    /// Asks whether the agent is up; returns its version string.
+    ///
+    /// Errors: as [`AgentClient::call`], and [`ClientError::Unexpected`]
+    /// (as every typed call).
+    pub async fn ping(&self, timeout: Duration) -> Result<String, ClientError> {
+        self.call_for(Op::Ping, timeout, |r| match r {
+            Reply::Pong { agent_version } => Ok(agent_version),
+            other => Err(Box::new(other)),
+        })
+        .await
+    }
+
+    /// Hands the guest host entropy and the host's clock.
+    ///
+    /// Errors: as [`AgentClient::ping`].
+    pub async fn reseed(&self, reseed: Reseed, timeout: Duration) -> Result<(), ClientError> {
+        self.call_for(Op::Reseed(reseed), timeout, |r| match r {
+            Reply::Done => Ok(()),
+            other => Err(Box::new(other)),
+        })
+        .await
+    }
+
+    /// The guest's memory, disk and uptime figures.
+    ///
+    /// Errors: as [`AgentClient::ping`].
+    pub async fn info(&self, timeout: Duration) -> Result<AgentInfo, ClientError> {
+        self.call_for(Op::Info, timeout, |r| match r {
+            Reply::Info(i) => Ok(i),
+            other => Err(Box::new(other)),
+        })
+        .await
+    }
+
+    /// Runs `exec`, waiting up to `timeout` (give it more than the
+    /// command's own timeout: the answer has to travel back).
+    ///
+    /// Errors: as [`AgentClient::ping`].
+    pub async fn run(&self, exec: Exec, timeout: Duration) -> Result<ExecReply, ClientError> {
+        self.call_for(Op::Exec(exec), timeout, |r| match r {
+            Reply::Exec(r) => Ok(r),
+            other => Err(Box::new(other)),
+        })
+        .await
+    }
+
+    /// Runs a cell in the persistent Python interpreter, waiting up to
+    /// `timeout`.
+    ///
+    /// Errors: as [`AgentClient::ping`].
+    pub async fn run_python(&self, python: Python, timeout: Duration) -> Result<PythonReply, ClientError> {
+        self.call_for(Op::Python(python), timeout, |r| match r {
+            Reply::Python(r) => Ok(r),
+            other => Err(Box::new(other)),
+        })
+        .await
+    }
+
+    /// Reads part of a file (at most one chunk, [`tine_protocol::MAX_FILE_CHUNK`]).
+    ///
+    /// Errors: as [`AgentClient::ping`].
+    pub async fn read(&self, read: ReadFile, timeout: Duration) -> Result<FileData, ClientError> {
+        self.call_for(Op::ReadFile(read), timeout, |r| match r {
+            Reply::File(f) => Ok(f),
+            other => Err(Box::new(other)),
+        })
+        .await
+    }
+
+    /// Writes (or appends to) a file; returns the bytes written.
+    ///
+    /// Errors: as [`AgentClient::ping`].
+    pub async fn write(&self, write: WriteFile, timeout: Duration) -> Result<u64, ClientError> {
+        self.call_for(Op::WriteFile(write), timeout, |r| match r {
+            Reply::Written { bytes } => Ok(bytes),
+            other => Err(Box::new(other)),
+        })
+        .await
+    }
+
+    /// Lists a directory, sorted by name.
+    ///
+    /// Errors: as [`AgentClient::ping`].
+    pub async fn list_dir(&self, path: String, timeout: Duration) -> Result<Vec<DirEntry>, ClientError> {
+        self.call_for(Op::ListDir { path }, timeout, |r| match r {
+            Reply::Entries(e) => Ok(e),
+            other => Err(Box::new(other)),
+        })
+        .await
+    }
+
+    /// Facts about one path.
+    ///
+    /// Errors: as [`AgentClient::ping`].
+    pub async fn stat(&self, path: String, timeout: Duration) -> Result<FileStat, ClientError> {
+        self.call_for(Op::Stat { path }, timeout, |r| match r {
+            Reply::Stat(s) => Ok(s),
+            other => Err(Box::new(other)),
+        })
+        .await
+    }
+
+    /// The paths the guest changed from its image (`paths: None`), or the
+    /// guest's view of the given paths.
+    ///
+    /// Errors: as [`AgentClient::ping`].
+    pub async fn manifest(&self, paths: Option<Vec<String>>, timeout: Duration) -> Result<Manifest, ClientError> {
+        self.call_for(Op::Manifest { paths }, timeout, |r| match r {
+            Reply::Manifest(m) => Ok(m),
+            other => Err(Box::new(other)),
+        })
+        .await
+    }
+
     /// Runs `bash -c script` with the given limits (0: defaults).
     ///
-    /// Errors: as [`AgentClient::call`].
+    /// Errors: as [`AgentClient::ping`].
     pub async fn exec(&self, script: &str, timeout_ms: u32, output_limit: u32) -> Result<ExecReply, ClientError> {
-        let op = Op::Exec(Exec {
+        let exec = Exec {
             command: Command::Shell(script.to_string()),
             cwd: None,
             env: Vec::new(),
             stdin: Vec::new(),
             timeout_ms,
             output_limit,
-        });
-        match self.call(op, call_timeout(timeout_ms)).await? {
-            Reply::Exec(r) => Ok(r),
-            other => Err(ClientError::Unexpected(format!("{other:?}"))),
-        }
+        };
+        self.run(exec, call_timeout(timeout_ms)).await
     }
 
     /// Runs a cell in the persistent Python interpreter.
     ///
-    /// Errors: as [`AgentClient::call`].
+    /// Errors: as [`AgentClient::ping`].
     pub async fn python(&self, code: &str, timeout_ms: u32) -> Result<PythonReply, ClientError> {
-        let op = Op::Python(Python { code: code.to_string(), timeout_ms, output_limit: 0 });
+        let python = Python { code: code.to_string(), timeout_ms, output_limit: 0 };
         let grace = Duration::from_millis(u64::from(tine_protocol::PYTHON_KILL_GRACE_MS));
-        match self.call(op, call_timeout(timeout_ms) + grace).await? {
-            Reply::Python(r) => Ok(r),
-            other => Err(ClientError::Unexpected(format!("{other:?}"))),
-        }
+        self.run_python(python, call_timeout(timeout_ms) + grace).await
     }
 
     /// Writes a whole file (at most one chunk, 8 MiB), making parents.
     ///
-    /// Errors: as [`AgentClient::call`].
+    /// Errors: as [`AgentClient::ping`].
     pub async fn write_file(&self, path: &str, data: Vec<u8>, mode: Option<u32>) -> Result<u64, ClientError> {
-        let op = Op::WriteFile(WriteFile { path: path.to_string(), data, mode, append: false, create_parents: true });
-        match self.call(op, FILE_TIMEOUT).await? {
-            Reply::Written { bytes } => Ok(bytes),
-            other => Err(ClientError::Unexpected(format!("{other:?}"))),
-        }
+        let write = WriteFile { path: path.to_string(), data, mode, append: false, create_parents: true };
+        self.write(write, FILE_TIMEOUT).await
     }
 
     /// Reads a whole file (at most one chunk, 8 MiB).
     ///
-    /// Errors: as [`AgentClient::call`].
+    /// Errors: as [`AgentClient::ping`].
     pub async fn read_file(&self, path: &str) -> Result<FileData, ClientError> {
-        let op = Op::ReadFile(ReadFile { path: path.to_string(), offset: 0, length: None });
-        match self.call(op, FILE_TIMEOUT).await? {
-            Reply::File(f) => Ok(f),
-            other => Err(ClientError::Unexpected(format!("{other:?}"))),
-        }
+        self.read(ReadFile { path: path.to_string(), offset: 0, length: None }, FILE_TIMEOUT).await
     }
 }
 

@@ -26,6 +26,9 @@ pub use messages::*;
 
 /// The protocol version this crate speaks.
 pub const PROTOCOL_VERSION: u16 = 1;
+/// The guest vsock port the agent listens on (the host connects to it
+/// through the VM's hybrid-vsock socket with `CONNECT <port>\n`).
+pub const AGENT_PORT: u32 = 1024;
 /// Largest frame body (version + message), bytes.
 pub const MAX_FRAME_BYTES: usize = 16 << 20;
 /// Bytes of the length prefix.

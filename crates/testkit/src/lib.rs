@@ -219,30 +219,59 @@ pub fn build_agent_rootfs(dir: &Path, size_mib: u64) -> PathBuf {
     mkfs_ext4(&root, &dir.join("agent-rootfs.ext4"), size_mib)
 }
 
-/// A blocking client of the guest agent for tests (the sandbox manager's
-/// async client comes with it).
-pub struct AgentClient {
-    stream: std::os::unix::net::UnixStream,
+/// A blocking wrapper over the guest agent's client
+/// ([`tine_agent_client::AgentClient`]) for tests that are not async: it
+/// runs the client on a runtime of its own. Agent errors come back typed;
+/// any other failure (connection, timeout) panics, as suits a test.
+pub struct BlockingAgent {
+    runtime: tokio::runtime::Runtime,
+    client: std::sync::Arc<tine_agent_client::AgentClient>,
     next_id: u64,
+    answers_tx: std::sync::mpsc::Sender<(u64, Result<tine_protocol::Reply, tine_agent_client::ClientError>)>,
+    answers: std::sync::mpsc::Receiver<(u64, Result<tine_protocol::Reply, tine_agent_client::ClientError>)>,
 }
 
-impl AgentClient {
-    /// Wraps a connected stream (see [`vsock_connect`]).
-    pub fn new(stream: std::os::unix::net::UnixStream) -> Self {
-        AgentClient { stream, next_id: 1 }
+impl BlockingAgent {
+    /// Longest wait for one answer.
+    pub const CALL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(300);
+
+    /// Connects to the agent through the VM's hybrid-vsock socket `uds`
+    /// (port [`tine_protocol::AGENT_PORT`]).
+    ///
+    /// Errors: those of [`tine_agent_client::AgentClient::connect`].
+    pub fn connect(uds: &Path) -> Result<Self, tine_agent_client::ClientError> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .expect("a tokio runtime");
+        let client = runtime.block_on(tine_agent_client::AgentClient::connect(uds, tine_protocol::AGENT_PORT))?;
+        let (answers_tx, answers) = std::sync::mpsc::channel();
+        Ok(BlockingAgent { runtime, client: std::sync::Arc::new(client), next_id: 1, answers_tx, answers })
     }
 
-    /// Sends `op` without waiting; returns its request id.
+    /// Sends `op` without waiting; returns an id [`BlockingAgent::recv`]
+    /// reports its answer under.
     pub fn send(&mut self, op: tine_protocol::Op) -> u64 {
         let id = self.next_id;
         self.next_id += 1;
-        tine_protocol::write_message(&mut self.stream, &tine_protocol::Request { id, op }).expect("send request");
+        let (client, tx) = (self.client.clone(), self.answers_tx.clone());
+        self.runtime.spawn(async move {
+            let _ = tx.send((id, client.call(op, Self::CALL_TIMEOUT).await));
+        });
         id
     }
 
-    /// Reads the next response, whichever request it answers.
+    /// The next answer to arrive, whichever request it answers. Panics on
+    /// a failure other than the agent's typed errors.
     pub fn recv(&mut self) -> tine_protocol::Response {
-        tine_protocol::read_message(&mut self.stream).expect("read response")
+        let (id, result) = self.answers.recv().expect("an answer");
+        let result = match result {
+            Ok(reply) => Ok(reply),
+            Err(tine_agent_client::ClientError::Agent(e)) => Err(e),
+            Err(e) => panic!("request {id}: {e}"),
+        };
+        tine_protocol::Response { id, result }
     }
 
     /// Sends `op` and waits for its answer.

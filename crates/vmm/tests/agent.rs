@@ -44,9 +44,7 @@ fn agent_serves_exec_files_and_info_over_vsock() {
         "agent never started:\n{}",
         console.text()
     );
-    let (stream, _) = testkit::vsock_connect(&uds, 1024).expect("connect to the agent");
-    stream.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
-    let mut agent = testkit::AgentClient::new(stream);
+    let mut agent = testkit::BlockingAgent::connect(&uds).expect("connect to the agent");
 
     assert!(matches!(agent.call(Op::Ping), Ok(Reply::Pong { .. })));
 
