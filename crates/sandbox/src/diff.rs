@@ -7,14 +7,13 @@
 //! paths only the other listed, so both sides describe the same set of
 //! paths, and [`compare`] sorts them into added, removed and modified.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::time::Duration;
 
+#[cfg(feature = "schema")]
 use schemars::JsonSchema;
 use serde::Serialize;
-use tine_protocol::{EntryKind, Manifest, ManifestEntry, Op, Reply, MAX_FILE_CHUNK, MAX_MANIFEST_ENTRIES};
-
-use crate::manager::{unexpected, Manager, SandboxError};
+use tine_protocol::{EntryKind, ManifestEntry, MAX_MANIFEST_ENTRIES};
 
 /// Longest wait for one manifest call: a guest walks and hashes every
 /// changed file, and each guest syscall is slow.
@@ -50,7 +49,8 @@ impl Default for DiffOptions {
 }
 
 /// What a path is.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, JsonSchema)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "schema", derive(JsonSchema))]
 #[serde(rename_all = "lowercase")]
 pub enum Kind {
     /// Regular file.
@@ -77,7 +77,8 @@ impl Kind {
 }
 
 /// One side of a changed path.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, JsonSchema)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "schema", derive(JsonSchema))]
 pub struct EntrySummary {
     /// What is there.
     pub kind: Kind,
@@ -103,7 +104,8 @@ impl EntrySummary {
 }
 
 /// A path that differs between the two sandboxes.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, JsonSchema)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "schema", derive(JsonSchema))]
 pub struct PathChange {
     /// Absolute path in the sandboxes.
     pub path: String,
@@ -125,7 +127,8 @@ pub struct PathChange {
 /// What differs between sandbox `a`'s file system and sandbox `b`'s: the
 /// paths either changed from its image, plus `/tmp`. Lists are sorted by
 /// path; unchanged paths are not listed.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, JsonSchema)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "schema", derive(JsonSchema))]
 pub struct DiffReport {
     /// The first sandbox's id.
     pub a: String,
@@ -200,7 +203,7 @@ pub fn compare(a: &[ManifestEntry], b: &[ManifestEntry]) -> Changes {
 
 /// A unified diff of `old` to `new` named `a<path>` and `b<path>`, or
 /// `None` when no line differs.
-fn unified_diff(path: &str, old: &str, new: &str) -> Option<String> {
+pub(crate) fn unified_diff(path: &str, old: &str, new: &str) -> Option<String> {
     let diff = similar::TextDiff::configure().timeout(LINE_DIFF_TIMEOUT).diff_lines(old, new);
     let text = diff.unified_diff().context_radius(3).header(&format!("a{path}"), &format!("b{path}")).to_string();
     (!text.is_empty()).then_some(text)
@@ -208,7 +211,7 @@ fn unified_diff(path: &str, old: &str, new: &str) -> Option<String> {
 
 /// Splits paths into requests of at most [`MAX_MANIFEST_ENTRIES`] paths and
 /// about [`BATCH_PATH_BYTES`] of names each.
-fn batches(paths: Vec<String>) -> Vec<Vec<String>> {
+pub(crate) fn batches(paths: Vec<String>) -> Vec<Vec<String>> {
     let mut out: Vec<Vec<String>> = Vec::new();
     let mut bytes = 0;
     for p in paths {
@@ -229,110 +232,13 @@ fn batches(paths: Vec<String>) -> Vec<Vec<String>> {
 
 /// Whether a change gets a unified diff: regular files on each present
 /// side, each at most `max` bytes, contents differing.
-fn wants_text(c: &PathChange, max: u64) -> bool {
+pub(crate) fn wants_text(c: &PathChange, max: u64) -> bool {
     let small_file = |s: &Option<EntrySummary>| s.as_ref().is_none_or(|s| s.kind == Kind::File && s.size <= max);
     let differ = match (&c.a, &c.b) {
         (Some(x), Some(y)) => x.sha256 != y.sha256 || x.sha256.is_none(),
         _ => true,
     };
     small_file(&c.a) && small_file(&c.b) && differ
-}
-
-impl Manager {
-    /// Compares the file systems of sandboxes `a` and `b`: the paths added
-    /// (in `b` only), removed (in `a` only) and modified (kind, size, mode
-    /// or SHA-256 differ), among those either sandbox changed from its
-    /// image (its overlay's upper layer) or holds in `/tmp`. Both sandboxes
-    /// are asked at once; paused ones are resumed. With
-    /// `opts.unified`, small changed text files get a unified diff (see
-    /// [`DiffOptions`]; at most [`MAX_UNIFIED_FILES`]; files that cannot be
-    /// read just get none).
-    ///
-    /// Takes up to [`MANIFEST_CALL`] per manifest call (a guest hashes
-    /// every changed file).
-    ///
-    /// Errors: those of agent calls ([`SandboxError::NotFound`],
-    /// [`SandboxError::Starting`], [`SandboxError::NotRunning`],
-    /// [`SandboxError::Timeout`], [`SandboxError::Connection`]), and
-    /// [`SandboxError::Agent`] with `AgentError::Unsupported` when a
-    /// sandbox's root is not an overlay (an image without `/overlay`).
-    pub async fn diff(&self, a: &str, b: &str, opts: DiffOptions) -> Result<DiffReport, SandboxError> {
-        let (ma, mb) = tokio::join!(self.manifest(a, None), self.manifest(b, None));
-        let (mut ma, mut mb) = (ma?, mb?);
-        let mut truncated = ma.truncated || mb.truncated;
-        // Each side's view of the paths only the other listed.
-        let listed = |m: &Manifest| m.entries.iter().map(|e| e.path.clone()).collect::<BTreeSet<String>>();
-        let (in_a, in_b) = (listed(&ma), listed(&mb));
-        let only_a: Vec<String> = in_a.difference(&in_b).cloned().collect();
-        let only_b: Vec<String> = in_b.difference(&in_a).cloned().collect();
-        let (xa, xb) = tokio::join!(self.manifest_of(a, only_b), self.manifest_of(b, only_a));
-        let (xa, xb) = (xa?, xb?);
-        truncated |= xa.truncated || xb.truncated;
-        ma.entries.extend(xa.entries);
-        mb.entries.extend(xb.entries);
-        let mut changes = compare(&ma.entries, &mb.entries);
-        truncated |= changes.skipped > 0;
-        if opts.unified {
-            let max = opts.max_text_bytes.min(MAX_FILE_CHUNK - 1);
-            let mut budget = MAX_UNIFIED_FILES;
-            for c in changes.added.iter_mut().chain(&mut changes.removed).chain(&mut changes.modified) {
-                if budget == 0 {
-                    break;
-                }
-                if wants_text(c, max) {
-                    budget -= 1;
-                    let (old, new) = tokio::join!(
-                        self.text(a, &c.path, c.a.is_some(), max),
-                        self.text(b, &c.path, c.b.is_some(), max)
-                    );
-                    if let (Some(old), Some(new)) = (old, new) {
-                        c.unified_diff = unified_diff(&c.path, &old, &new);
-                    }
-                }
-            }
-        }
-        Ok(DiffReport {
-            a: a.to_string(),
-            b: b.to_string(),
-            added: changes.added,
-            removed: changes.removed,
-            modified: changes.modified,
-            truncated,
-        })
-    }
-
-    /// One `Manifest` call.
-    async fn manifest(&self, id: &str, paths: Option<Vec<String>>) -> Result<Manifest, SandboxError> {
-        match self.call(id, Op::Manifest { paths }, MANIFEST_CALL).await? {
-            Reply::Manifest(m) => Ok(m),
-            other => Err(unexpected(id, &other)),
-        }
-    }
-
-    /// The merged view of `paths` in sandbox `id`, in as many calls as the
-    /// frame limit needs (none for no paths).
-    async fn manifest_of(&self, id: &str, paths: Vec<String>) -> Result<Manifest, SandboxError> {
-        let mut out = Manifest::default();
-        for batch in batches(paths) {
-            let m = self.manifest(id, Some(batch)).await?;
-            out.entries.extend(m.entries);
-            out.truncated |= m.truncated;
-        }
-        Ok(out)
-    }
-
-    /// A file's text for a unified diff: "" when `present` is false, `None`
-    /// when it cannot be read, is over `max` bytes or is not UTF-8.
-    async fn text(&self, id: &str, path: &str, present: bool, max: u64) -> Option<String> {
-        if !present {
-            return Some(String::new());
-        }
-        let f = self.read_file(id, path.to_string(), 0, Some(max + 1)).await.ok()?;
-        if f.data.len() as u64 > max {
-            return None;
-        }
-        String::from_utf8(f.data).ok()
-    }
 }
 
 #[cfg(test)]
@@ -477,8 +383,11 @@ mod tests {
         );
         assert_eq!(v["modified"][0]["a"]["sha256"], "aa");
         assert_eq!(v["removed"], serde_json::json!([]));
-        let schema = serde_json::to_value(schemars::schema_for!(DiffReport)).unwrap();
-        assert_eq!(schema["type"], "object");
-        assert!(schema["required"].as_array().unwrap().contains(&serde_json::json!("modified")));
+        #[cfg(feature = "schema")]
+        {
+            let schema = serde_json::to_value(schemars::schema_for!(DiffReport)).unwrap();
+            assert_eq!(schema["type"], "object");
+            assert!(schema["required"].as_array().unwrap().contains(&serde_json::json!("modified")));
+        }
     }
 }

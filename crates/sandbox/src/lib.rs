@@ -32,7 +32,13 @@ pub mod templates;
 pub use diff::{DiffOptions, DiffReport};
 pub use limits::{Limits, LimitsError};
 pub use manager::{
-    BranchResult, ExecRequest, Lineage, Manager, ManagerConfig, SandboxError, SandboxId, SandboxInfo, SandboxSpec,
-    SandboxState, Usage,
+    BackendError, BranchResult, ExecRequest, Lineage, Manager, ManagerConfig, SandboxError, SandboxId, SandboxInfo,
+    SandboxSpec, SandboxState, Usage,
 };
 pub use templates::{TemplateError, TemplateInfo, DEFAULT_TEMPLATE};
+
+/// Locks `m`, going on with the data of a holder that panicked (every
+/// lock here guards plain data that stays consistent).
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}

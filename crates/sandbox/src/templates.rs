@@ -13,6 +13,9 @@ use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
+use crate::lock;
+
+#[cfg(feature = "schema")]
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use vmm::snapshot::{MEMORY_FILE, STATE_FILE};
@@ -127,7 +130,8 @@ pub struct TemplateMeta {
 }
 
 /// What `template_list` shows of a template.
-#[derive(Clone, Debug, Serialize, JsonSchema)]
+#[derive(Clone, Debug, Serialize)]
+#[cfg_attr(feature = "schema", derive(JsonSchema))]
 pub struct TemplateInfo {
     /// The name, for `sandbox_create { template }`.
     pub name: String,
@@ -374,10 +378,6 @@ fn stale(meta: &TemplateMeta, images: &(FileIdentity, FileIdentity)) -> Option<T
         return None;
     };
     Some(TemplateError::Stale { name: meta.name.clone(), what })
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 #[cfg(test)]

@@ -41,9 +41,7 @@ async fn a_paused_guest_stops_and_goes_on_after_resume() {
     let before: usize = python(&manager, &id, "len(ts)").await.parse().unwrap();
     assert!(before > 0, "the counter runs");
 
-    let m = manager.clone();
-    let pid = id.clone();
-    let info = tokio::task::spawn_blocking(move || m.pause(&pid)).await.unwrap().expect("pause");
+    let info = manager.pause(&id).await.expect("pause");
     assert_eq!(info.state, SandboxState::Paused);
     let cpu_at_pause = manager.info(&id).await.unwrap().usage.unwrap().cpu_time_ms;
     tokio::time::sleep(Duration::from_secs(4)).await;
@@ -52,7 +50,7 @@ async fn a_paused_guest_stops_and_goes_on_after_resume() {
     let cpu_after = paused_info.usage.unwrap().cpu_time_ms;
     assert!(cpu_after - cpu_at_pause <= 5, "vCPUs used {} ms while paused", cpu_after - cpu_at_pause);
 
-    assert_eq!(manager.resume(&id).unwrap().state, SandboxState::Running);
+    assert_eq!(manager.resume(&id).await.unwrap().state, SandboxState::Running);
     tokio::time::sleep(Duration::from_secs(2)).await;
     // The guest's clock went on; its counter did not: the longest gap
     // between two ticks spans the pause, and ticks go on after it.
@@ -71,9 +69,7 @@ async fn a_paused_guest_stops_and_goes_on_after_resume() {
     assert!(total > before);
 
     // A call on a paused sandbox resumes it.
-    let m = manager.clone();
-    let pid = id.clone();
-    tokio::task::spawn_blocking(move || m.pause(&pid)).await.unwrap().expect("pause again");
+    manager.pause(&id).await.expect("pause again");
     let out = manager
         .exec(&id, ExecRequest { command: "echo awake".into(), ..ExecRequest::default() })
         .await
@@ -82,5 +78,5 @@ async fn a_paused_guest_stops_and_goes_on_after_resume() {
     assert_eq!(manager.list(&BTreeMap::new())[0].state, SandboxState::Running);
 
     manager.kill(&id).await.unwrap();
-    assert!(manager.resume(&id).is_err());
+    assert!(manager.resume(&id).await.is_err());
 }

@@ -5,17 +5,20 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+#[cfg(feature = "schema")]
 use schemars::JsonSchema;
 use serde::Serialize;
 use vmm::BranchMode;
 
-use super::{
-    lock, remove_dir, spawn_monitor, task_failed, unix_ms, Manager, Origin, Sandbox, SandboxError, SandboxId,
-    SandboxInfo, SandboxState,
-};
+use super::backend::VmSource;
+use super::control::PAUSE_TIMEOUT;
+use super::sandbox::{Sandbox, Transition};
+use super::{remove_dir, task_failed, unix_ms, Manager, SandboxError, SandboxId, SandboxInfo, SandboxState};
+use crate::lock;
 
-/// What `sandbox_branch` made and what it cost.
-#[derive(Clone, Debug, Serialize, JsonSchema)]
+/// What a branch made and what it cost.
+#[derive(Clone, Debug, Serialize)]
+#[cfg_attr(feature = "schema", derive(JsonSchema))]
 pub struct BranchResult {
     /// The source sandbox.
     pub sandbox_id: SandboxId,
@@ -24,7 +27,8 @@ pub struct BranchResult {
     /// How the source's memory was copied: `write_protect` (the source ran
     /// on during the copy, each page copied before its first write) or
     /// `copy_while_paused`.
-    pub mode: String,
+    #[cfg_attr(feature = "schema", schemars(with = "String"))]
+    pub mode: BranchMode,
     /// Why the copy was made while paused, if it was.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub fallback_reason: Option<String>,
@@ -71,27 +75,27 @@ impl Manager {
         let src = source.clone();
         let taken = tokio::task::spawn_blocking(move || {
             let _control = lock(&src.control);
-            let vm = lock(&src.vm);
-            let Some(vm) = vm.as_ref() else {
-                return Err(SandboxError::BadState { id: src.id.clone(), state: src.state(), what: "a branch" });
-            };
-            vm.branch(Self::PAUSE_TIMEOUT).map_err(|source| SandboxError::Branch { id: src.id.clone(), source })
+            let taken = lock(&src.vm).vm.as_ref().map(|vm| vm.branch(PAUSE_TIMEOUT));
+            match taken {
+                Some(r) => r.map_err(|source| SandboxError::Branch { id: src.id.clone(), source }),
+                None => Err(SandboxError::BadState { id: src.id.clone(), state: src.state(), what: "a branch" }),
+            }
         })
         .await
         .unwrap_or_else(|e| Err(task_failed("branch task")(e)));
-        let (point, report) = match taken {
+        let point = match taken {
             Ok(t) => t,
             Err(e) => {
                 self.discard(&children).await;
                 return Err(e);
             }
         };
-        let point = Arc::new(point);
+        let image = point.image;
         let mut boots = tokio::task::JoinSet::new();
         for child in &children {
-            let (me, child, point) = (self.clone(), child.clone(), point.clone());
+            let (me, child, image) = (self.clone(), child.clone(), image.clone());
             boots.spawn(async move {
-                me.boot(&child, Origin::Branch(point)).await.map_err(|e| format!("{}: {e}", child.id))
+                me.start(&child, VmSource::Branch(image)).await.map_err(|e| format!("{}: {e}", child.id))
             });
         }
         let mut failed = Vec::new();
@@ -102,7 +106,7 @@ impl Manager {
                 Err(e) => failed.push(e.to_string()),
             }
         }
-        drop(point);
+        drop(image);
         if !failed.is_empty() {
             self.discard(&children).await;
             return Err(SandboxError::BranchChildren {
@@ -114,19 +118,16 @@ impl Manager {
         }
         lock(&source.lineage).children.extend(children.iter().map(|c| c.id.clone()));
         let ready_ms = started.elapsed().as_millis() as u64;
-        tracing::info!(sandbox = %source.id, n, mode = ?report.mode, pause = ?report.pause, "branched; children ready in {ready_ms} ms");
+        tracing::info!(sandbox = %source.id, n, mode = ?point.mode, pause = ?point.pause, "branched; children ready in {ready_ms} ms");
         Ok(BranchResult {
             sandbox_id: source.id.clone(),
             children: children.iter().map(|c| c.info(None)).collect(),
-            mode: match report.mode {
-                BranchMode::WriteProtect => "write_protect".into(),
-                BranchMode::CopyWhilePaused => "copy_while_paused".into(),
-            },
-            fallback_reason: report.fallback_reason,
-            pause_ms: ms(report.pause),
-            copy_ms: ms(report.total),
-            memory_copied_bytes: report.bytes_written,
-            pages_copied_before_write: report.pages_copied_before_write,
+            mode: point.mode,
+            fallback_reason: point.fallback_reason,
+            pause_ms: ms(point.pause),
+            copy_ms: ms(point.total),
+            memory_copied_bytes: point.bytes_written,
+            pages_copied_before_write: point.pages_copied_before_write,
             ready_ms,
         })
     }
@@ -134,51 +135,37 @@ impl Manager {
     /// Puts `n` children of `source` in the map, starting, within the
     /// live-sandbox cap.
     fn reserve_children(&self, source: &Sandbox, n: usize) -> Result<Vec<Arc<Sandbox>>, SandboxError> {
-        let mut map = lock(&self.sandboxes);
-        if self.shutting_down.load(std::sync::atomic::Ordering::SeqCst) {
-            return Err(SandboxError::ShuttingDown);
-        }
-        let live = map
-            .values()
-            .filter(|s| matches!(s.state(), SandboxState::Starting | SandboxState::Running | SandboxState::Paused))
-            .count();
-        let max = self.config.limits.max_sandboxes.saturating_sub(live);
-        if n == 0 || n > max {
-            return Err(SandboxError::BranchCount { n, max });
-        }
         let branched_at = unix_ms();
-        let mut children = Vec::with_capacity(n);
-        for _ in 0..n {
-            let id = format!("sb-{}", self.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
-            let child = Arc::new(Sandbox::new(
-                id.clone(),
-                self.config.run_dir.join(&id),
+        let made = self.reserve(n, |id, dir| {
+            let child = Sandbox::new(
+                id,
+                dir,
                 source.vcpus,
                 source.memory_mib,
                 source.labels.clone(),
                 source.template.clone(),
                 source.idle_timeout,
-            ));
+            );
             {
                 let mut l = lock(&child.lineage);
                 l.parent = Some(source.id.clone());
                 l.branched_at_ms = Some(branched_at);
             }
-            map.insert(id, child.clone());
-            children.push(child);
+            child
+        });
+        match made {
+            Err(SandboxError::TooMany { live, max }) => {
+                Err(SandboxError::BranchCount { n, max: max.saturating_sub(live) })
+            }
+            r => r,
         }
-        Ok(children)
     }
 
     /// Removes children that will not be kept: out of the map, VMs
     /// stopped, files removed.
     async fn discard(&self, children: &[Arc<Sandbox>]) {
         for child in children {
-            lock(&self.sandboxes).remove(&child.id);
-            child.end(SandboxState::Stopped, Some("discarded".into()));
-            let c = child.clone();
-            let _ = tokio::task::spawn_blocking(move || c.stop_vm()).await;
-            remove_dir(&child.dir());
+            self.teardown(child, Some("discarded".into())).await;
         }
     }
 
@@ -247,33 +234,24 @@ impl Manager {
         if lock(&self.sandboxes).remove(&w.id).is_none() {
             return Err(SandboxError::NotFound(w.id.clone()));
         }
-        let vm = lock(&w.vm).take();
-        let agent = lock(&w.agent).take();
+        let slot = std::mem::take(&mut *lock(&w.vm));
+        let agent = lock(&w.status).agent.take();
         // The winner's monitor thread ends with the VM and finds the
         // winner gone; the parent gets a monitor of its own below.
-        drop(lock(&w.monitor).take());
-        let Some(vm) = vm else {
+        drop(slot.monitor);
+        let Some(vm) = slot.vm else {
             return Err(SandboxError::BadState { id: w.id.clone(), state: w.state(), what: "a merge (as the winner)" });
         };
-        let watcher = vm.exit_watcher();
+        let watch = vm.exit_watch();
 
         p.stop_vm();
         let old_dir = p.dir();
         *lock(&p.dir) = w.dir();
         remove_dir(&old_dir);
-        *lock(&p.vm) = Some(vm);
-        *lock(&p.agent) = agent;
-        {
-            let mut st = lock(&p.status);
-            st.state = w_state;
-            st.error = None;
-            st.boot_ms = w_boot_ms;
-        }
-        match spawn_monitor(p, watcher) {
-            Ok(m) => *lock(&p.monitor) = Some(m),
-            Err(e) => {
-                tracing::error!(sandbox = %p.id, "cannot start a monitor thread after the merge: {e}; a crash will not be noticed")
-            }
+        lock(&p.vm).vm = Some(vm);
+        let _ = p.transition(Transition::TakeOver { to: w_state, boot_ms: w_boot_ms, agent });
+        if let Err(e) = p.spawn_monitor(watch) {
+            tracing::error!(sandbox = %p.id, "cannot start a monitor thread after the merge: {e}; a crash will not be noticed")
         }
         let grandchildren = std::mem::take(&mut lock(&w.lineage).children);
         {

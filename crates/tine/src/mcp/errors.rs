@@ -41,15 +41,6 @@ pub enum ToolError {
         /// The decoded size (bytes).
         bytes: usize,
     },
-    /// A blocking task the tool ran failed (panicked or was cancelled).
-    #[error("{what} task failed: {source}")]
-    Task {
-        /// The task.
-        what: &'static str,
-        /// Why.
-        #[source]
-        source: tokio::task::JoinError,
-    },
 }
 
 impl IntoContents for ToolError {

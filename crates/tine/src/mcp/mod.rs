@@ -216,12 +216,7 @@ impl TineMcp {
     )]
     async fn sandbox_pause(&self, Parameters(p): Parameters<SandboxParams>) -> Result<Json<SandboxInfo>, ToolError> {
         let id = self.target(p.sandbox_id).await?;
-        let manager = self.manager.clone();
-        // Pausing waits (milliseconds) for every vCPU to leave KVM_RUN.
-        let paused = tokio::task::spawn_blocking(move || manager.pause(&id))
-            .await
-            .map_err(|source| ToolError::Task { what: "pause", source })?;
-        Ok(Json(paused?))
+        self.manager.pause(&id).await.map(Json).map_err(ToolError::from)
     }
 
     #[tool(
@@ -236,7 +231,7 @@ impl TineMcp {
     )]
     async fn sandbox_resume(&self, Parameters(p): Parameters<SandboxParams>) -> Result<Json<SandboxInfo>, ToolError> {
         let id = self.target(p.sandbox_id).await?;
-        self.manager.resume(&id).map(Json).map_err(ToolError::from)
+        self.manager.resume(&id).await.map(Json).map_err(ToolError::from)
     }
 
     #[tool(

@@ -1,0 +1,153 @@
+//! The seam between the manager and the VMM: [`VmBackend`] starts VMs,
+//! [`VmHandle`] controls one. The real backend ([`super::kvm`]) runs
+//! `vmm` guests on KVM; the fake one (`super::fake`, tests only) answers the
+//! agent protocol from a thread, so the manager's lifecycle, lineage,
+//! reaper and limits are tested without `/dev/kvm`.
+//!
+//! The methods block (a VM start takes a cold boot's first steps, a pause
+//! waits for every vCPU to park): the manager calls them off the async
+//! threads.
+
+use std::any::Any;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use vmm::{BranchMode, HostProfile, MemoryBacking};
+
+use crate::templates::Template;
+
+/// Why the VM backend failed: the VMM's own error, kept as the source.
+#[derive(Debug, thiserror::Error)]
+#[error(transparent)]
+pub struct BackendError(Box<dyn std::error::Error + Send + Sync>);
+
+impl BackendError {
+    /// Wraps the backend's error.
+    pub(crate) fn new(e: impl std::error::Error + Send + Sync + 'static) -> Self {
+        BackendError(Box::new(e))
+    }
+}
+
+/// What VM to make: the shape and the files of one sandbox.
+#[derive(Clone, Debug)]
+pub(crate) struct VmSpec {
+    /// The VM's name (the sandbox id).
+    pub name: String,
+    /// Guest kernel.
+    pub kernel: PathBuf,
+    /// Root filesystem image, attached read-only.
+    pub rootfs: PathBuf,
+    /// vCPUs.
+    pub vcpus: u8,
+    /// Guest memory (MiB).
+    pub memory_mib: u64,
+    /// The host profile.
+    pub profile: HostProfile,
+    /// How a template's memory file backs a restored guest.
+    pub memory_backing: MemoryBacking,
+    /// Where the guest console's output goes.
+    pub console_log: PathBuf,
+    /// The hybrid-vsock socket the host reaches the agent through.
+    pub agent_socket: PathBuf,
+}
+
+/// A branch point: one instant of a VM that children are restored from.
+/// Opaque to the manager; only the backend that made it can start from it.
+pub(crate) type BranchImage = Arc<dyn Any + Send + Sync>;
+
+/// Where a VM's first state comes from.
+pub(crate) enum VmSource {
+    /// A cold boot of the kernel.
+    Boot,
+    /// A template's snapshot.
+    Template(Arc<Template>),
+    /// A branch point of another sandbox (children share its pages).
+    Branch(BranchImage),
+}
+
+/// A branch point and what taking it cost.
+pub(crate) struct BranchPoint {
+    /// The image children start from.
+    pub image: BranchImage,
+    /// How the memory was copied.
+    pub mode: BranchMode,
+    /// Why the copy was made while paused, if it was.
+    pub fallback_reason: Option<String>,
+    /// How long the vCPUs were stopped.
+    pub pause: Duration,
+    /// From the pause until the copy was complete.
+    pub total: Duration,
+    /// Guest memory copied (bytes; zero pages left out).
+    pub bytes_written: u64,
+    /// Pages copied early because the source was about to write them.
+    pub pages_copied_before_write: u64,
+}
+
+/// How a VM ended.
+#[derive(Debug)]
+pub(crate) enum VmEnd {
+    /// The host stopped it.
+    Stopped,
+    /// The guest powered off.
+    PowerOff,
+    /// The guest rebooted.
+    Reset,
+    /// The guest faulted; the message says it all (with the console).
+    GuestFault(String),
+    /// The VMM failed; the message lacks the console's last lines.
+    Error(String),
+}
+
+/// Waits for a VM to end, without holding the VM.
+pub(crate) trait ExitWatch: Send + Sync {
+    /// Waits until the VM has stopped, or `timeout` passed (`None`:
+    /// forever); returns whether it stopped.
+    fn wait(&self, timeout: Option<Duration>) -> bool;
+    /// Whether the VM has stopped.
+    fn is_stopped(&self) -> bool;
+}
+
+/// Starts VMs.
+pub(crate) trait VmBackend: Send + Sync {
+    /// Starts a VM of `spec` from `source`; its agent comes up on
+    /// `spec.agent_socket` later. Blocking.
+    ///
+    /// Errors: the VMM's (bad image, no KVM, damaged snapshot, ...).
+    fn start(&self, spec: &VmSpec, source: &VmSource) -> Result<Box<dyn VmHandle>, BackendError>;
+}
+
+/// One running (or paused) VM.
+pub(crate) trait VmHandle: Send + Sync {
+    /// When it was started (the boot or restore began).
+    fn started(&self) -> Instant;
+    /// The hybrid-vsock socket the agent is reached through.
+    fn agent_socket(&self) -> &Path;
+    /// A watcher of its end.
+    fn exit_watch(&self) -> Box<dyn ExitWatch>;
+    /// The guest console's last `lines` lines.
+    fn console_tail(&self, lines: usize) -> String;
+    /// CPU time its vCPUs used.
+    fn cpu_time(&self) -> Duration;
+    /// Host memory backing guest RAM now (bytes).
+    fn resident_memory_bytes(&self) -> u64;
+    /// Parks every vCPU, waiting up to `timeout`; returns how long it took.
+    ///
+    /// Errors: a vCPU that did not park in time, or a VM that ended.
+    fn pause(&self, timeout: Duration) -> Result<Duration, BackendError>;
+    /// Lets the vCPUs run again.
+    fn resume(&self);
+    /// Whether the vCPUs are parked.
+    fn is_paused(&self) -> bool;
+    /// Writes a snapshot of the paused VM into `dir`.
+    ///
+    /// Errors: the VMM's (file writes, device state).
+    fn snapshot(&self, dir: &Path) -> Result<(), BackendError>;
+    /// Takes a branch point (pausing for at most `pause_timeout` to park
+    /// the vCPUs); a paused VM stays paused.
+    ///
+    /// Errors: the VMM's.
+    fn branch(&self, pause_timeout: Duration) -> Result<BranchPoint, BackendError>;
+    /// Stops the VM and joins its threads; says how it ended.
+    fn stop(&mut self) -> VmEnd;
+}

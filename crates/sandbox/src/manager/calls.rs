@@ -1,0 +1,179 @@
+//! Calls into a sandbox's guest agent (commands, Python, files), through
+//! the agent client's typed methods: [`Manager::with_agent`] finds the
+//! running agent (resuming a paused sandbox), counts the call as busy and
+//! turns client errors into [`SandboxError`]s.
+
+use std::future::Future;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tine_agent_client::{AgentClient, ClientError};
+use tine_protocol::{Command, DirEntry, Exec, ExecReply, FileData, FileStat, Python, PythonReply, ReadFile, WriteFile};
+
+use super::{Manager, SandboxError, SandboxState};
+use crate::lock;
+
+/// Extra time a call gets beyond the timeout the agent enforces itself
+/// (the agent's answer has to travel back; guests on slow hosts are slow).
+const CALL_GRACE: Duration = Duration::from_secs(30);
+/// Timeout of short agent calls (files, stat).
+pub(super) const SHORT_CALL: Duration = Duration::from_secs(60);
+
+/// A command to run.
+#[derive(Clone, Debug, Default)]
+pub struct ExecRequest {
+    /// `bash -c` script.
+    pub command: String,
+    /// Working directory (default `/`).
+    pub cwd: Option<String>,
+    /// Extra environment.
+    pub env: Vec<(String, String)>,
+    /// Bytes for stdin.
+    pub stdin: Vec<u8>,
+    /// Timeout (ms; 0: the agent's default).
+    pub timeout_ms: u32,
+    /// Output cap per stream (bytes; 0: the agent's default).
+    pub output_limit: u32,
+}
+
+impl Manager {
+    /// Runs `call` on the agent of running sandbox `id` (a paused one is
+    /// resumed first), keeping the sandbox busy meanwhile.
+    ///
+    /// Errors: [`SandboxError::NotFound`], [`SandboxError::Starting`],
+    /// [`SandboxError::NotRunning`], [`SandboxError::Agent`],
+    /// [`SandboxError::Timeout`], [`SandboxError::Connection`].
+    pub(super) async fn with_agent<T, F, Fut>(&self, id: &str, call: F) -> Result<T, SandboxError>
+    where
+        F: FnOnce(Arc<AgentClient>) -> Fut,
+        Fut: Future<Output = Result<T, ClientError>>,
+    {
+        let sb = self.get(id)?;
+        if sb.state() == SandboxState::Paused {
+            tracing::info!(sandbox = %sb.id, "resuming a paused sandbox for a call");
+            self.resume(id).await?;
+        }
+        let agent = {
+            let st = lock(&sb.status);
+            match st.state {
+                SandboxState::Running => st.agent.clone(),
+                SandboxState::Starting => return Err(SandboxError::Starting(sb.id.clone())),
+                state => {
+                    return Err(SandboxError::NotRunning {
+                        id: sb.id.clone(),
+                        state,
+                        reason: st.error.clone().unwrap_or_else(|| "it ended".into()),
+                    })
+                }
+            }
+        };
+        let Some(agent) = agent else {
+            return Err(SandboxError::Connection { id: sb.id.clone(), reason: "the agent connection is gone".into() });
+        };
+        sb.busy.fetch_add(1, Ordering::SeqCst);
+        sb.touch();
+        let r = call(agent).await;
+        sb.touch();
+        sb.busy.fetch_sub(1, Ordering::SeqCst);
+        match r {
+            Ok(reply) => Ok(reply),
+            Err(ClientError::Agent(e)) => Err(SandboxError::Agent(e)),
+            Err(ClientError::Timeout(t)) => Err(SandboxError::Timeout { id: sb.id.clone(), secs: t.as_secs() }),
+            Err(ClientError::Unexpected(reply)) => Err(SandboxError::Connection {
+                id: sb.id.clone(),
+                reason: format!("the agent answered with an unexpected {reply}"),
+            }),
+            Err(e) => {
+                // A dead connection usually means a dead guest: let the
+                // monitor record why before answering.
+                if let Some(w) = sb.exit_watch() {
+                    let _ = tokio::task::spawn_blocking(move || w.wait(Some(Duration::from_secs(2)))).await;
+                }
+                let st = lock(&sb.status);
+                match st.state {
+                    SandboxState::Running => Err(SandboxError::Connection { id: sb.id.clone(), reason: e.to_string() }),
+                    state => Err(SandboxError::NotRunning {
+                        id: sb.id.clone(),
+                        state,
+                        reason: st.error.clone().unwrap_or_default(),
+                    }),
+                }
+            }
+        }
+    }
+
+    /// Runs a `bash -c` command.
+    ///
+    /// Errors: those of agent calls ([`SandboxError::NotFound`],
+    /// [`SandboxError::Starting`], [`SandboxError::NotRunning`],
+    /// [`SandboxError::Agent`], [`SandboxError::Timeout`],
+    /// [`SandboxError::Connection`]).
+    pub async fn exec(&self, id: &str, req: ExecRequest) -> Result<ExecReply, SandboxError> {
+        let limits = tine_protocol::effective_limits(req.timeout_ms, req.output_limit)?;
+        let exec = Exec {
+            command: Command::Shell(req.command),
+            cwd: req.cwd,
+            env: req.env,
+            stdin: req.stdin,
+            timeout_ms: req.timeout_ms,
+            output_limit: req.output_limit,
+        };
+        let timeout = Duration::from_millis(u64::from(limits.0)) + CALL_GRACE;
+        self.with_agent(id, |a| async move { a.run(exec, timeout).await }).await
+    }
+
+    /// Runs a cell in the sandbox's persistent Python interpreter.
+    ///
+    /// Errors: as [`Manager::exec`].
+    pub async fn python(&self, id: &str, code: String, timeout_ms: u32) -> Result<PythonReply, SandboxError> {
+        let limits = tine_protocol::effective_limits(timeout_ms, 0)?;
+        let python = Python { code, timeout_ms, output_limit: 0 };
+        let timeout = Duration::from_millis(u64::from(limits.0)) + CALL_GRACE;
+        self.with_agent(id, |a| async move { a.run_python(python, timeout).await }).await
+    }
+
+    /// Reads `length` bytes (default: to the end) at `offset` of a file.
+    ///
+    /// Errors: as [`Manager::exec`].
+    pub async fn read_file(
+        &self,
+        id: &str,
+        path: String,
+        offset: u64,
+        length: Option<u64>,
+    ) -> Result<FileData, SandboxError> {
+        let read = ReadFile { path, offset, length };
+        self.with_agent(id, |a| async move { a.read(read, SHORT_CALL).await }).await
+    }
+
+    /// Writes (or appends to) a file, creating parent directories.
+    /// Returns the bytes written.
+    ///
+    /// Errors: as [`Manager::exec`].
+    pub async fn write_file(
+        &self,
+        id: &str,
+        path: String,
+        data: Vec<u8>,
+        mode: Option<u32>,
+        append: bool,
+    ) -> Result<u64, SandboxError> {
+        let write = WriteFile { path, data, mode, append, create_parents: true };
+        self.with_agent(id, |a| async move { a.write(write, SHORT_CALL).await }).await
+    }
+
+    /// Lists a directory, sorted by name.
+    ///
+    /// Errors: as [`Manager::exec`].
+    pub async fn list_dir(&self, id: &str, path: String) -> Result<Vec<DirEntry>, SandboxError> {
+        self.with_agent(id, |a| async move { a.list_dir(path, SHORT_CALL).await }).await
+    }
+
+    /// Facts about one path.
+    ///
+    /// Errors: as [`Manager::exec`].
+    pub async fn stat(&self, id: &str, path: String) -> Result<FileStat, SandboxError> {
+        self.with_agent(id, |a| async move { a.stat(path, SHORT_CALL).await }).await
+    }
+}

@@ -1,0 +1,165 @@
+//! [`SandboxError`], the one error type of the sandbox manager.
+
+use tine_protocol::AgentError;
+
+use super::backend::BackendError;
+use super::{SandboxId, SandboxState};
+use crate::limits::LimitsError;
+use crate::templates::TemplateError;
+
+/// Errors of the manager. Messages are meant for the person or model that
+/// made the call: each says what to do next.
+#[derive(Debug, thiserror::Error)]
+pub enum SandboxError {
+    /// No sandbox has this id.
+    #[error("no sandbox {0}; call sandbox_list to see the live ones, or sandbox_create for a new one")]
+    NotFound(SandboxId),
+    /// The live-sandbox cap is reached.
+    #[error("{live} sandboxes are live, the limit is {max}; kill one with sandbox_kill first")]
+    TooMany {
+        /// Live sandboxes.
+        live: usize,
+        /// The cap.
+        max: usize,
+    },
+    /// The request is outside the limits.
+    #[error(transparent)]
+    Limits(#[from] LimitsError),
+    /// The sandbox is still booting.
+    #[error("sandbox {0} is still starting; try again in a few seconds")]
+    Starting(SandboxId),
+    /// Pause or resume does not apply in this state.
+    #[error("sandbox {id} is {state:?}; {what} needs a running or paused sandbox")]
+    BadState {
+        /// The id.
+        id: SandboxId,
+        /// Its state.
+        state: SandboxState,
+        /// The operation.
+        what: &'static str,
+    },
+    /// The VM refused to pause.
+    #[error("cannot pause sandbox {id}: {source}")]
+    Pause {
+        /// The id.
+        id: SandboxId,
+        /// Why.
+        #[source]
+        source: BackendError,
+    },
+    /// The sandbox is not running any more.
+    #[error("sandbox {id} is {state:?} and cannot run anything: {reason}. Kill it and create a new one")]
+    NotRunning {
+        /// The id.
+        id: SandboxId,
+        /// Its state.
+        state: SandboxState,
+        /// Why.
+        reason: String,
+    },
+    /// The VM could not be started.
+    #[error("could not start the VM: {0}")]
+    Start(#[source] BackendError),
+    /// The guest booted but its agent never answered.
+    #[error("the guest agent did not answer within {secs} s of boot ({reason}); last console lines:\n{console}")]
+    Boot {
+        /// The boot timeout.
+        secs: u64,
+        /// The last error seen.
+        reason: String,
+        /// The guest console's last lines.
+        console: String,
+    },
+    /// The agent refused the request (missing file, bad path, ...).
+    #[error("{0}")]
+    Agent(#[from] AgentError),
+    /// The agent did not answer in time.
+    #[error("sandbox {id} did not answer within {secs} s; the guest may be overloaded")]
+    Timeout {
+        /// The id.
+        id: SandboxId,
+        /// Seconds waited.
+        secs: u64,
+    },
+    /// Talking to the agent failed.
+    #[error("lost the connection to sandbox {id}'s agent: {reason}")]
+    Connection {
+        /// The id.
+        id: SandboxId,
+        /// Why.
+        reason: String,
+    },
+    /// The server is shutting down.
+    #[error("the server is shutting down")]
+    ShuttingDown,
+    /// A template cannot be used or made.
+    #[error(transparent)]
+    Template(#[from] TemplateError),
+    /// The requested shape differs from the template's.
+    #[error("template {name:?} makes sandboxes of {vcpus} vCPUs and {memory_mib} MiB; leave out vcpus and memory_mib, or make a template of the shape you need")]
+    TemplateShape {
+        /// The template.
+        name: String,
+        /// Its vCPUs.
+        vcpus: u8,
+        /// Its memory (MiB).
+        memory_mib: u64,
+    },
+    /// Taking a snapshot failed.
+    #[error("cannot snapshot sandbox {id}: {source}")]
+    Snapshot {
+        /// The id.
+        id: SandboxId,
+        /// Why.
+        #[source]
+        source: BackendError,
+    },
+    /// Taking the branch point failed.
+    #[error("cannot branch sandbox {id}: {source}")]
+    Branch {
+        /// The id.
+        id: SandboxId,
+        /// Why.
+        #[source]
+        source: BackendError,
+    },
+    /// Children of a branch did not start; none were kept.
+    #[error("{failed} of {n} children of sandbox {id} did not start, so none were kept (first error: {first}); the source is unchanged")]
+    BranchChildren {
+        /// The source.
+        id: SandboxId,
+        /// Children that failed.
+        failed: usize,
+        /// Children asked for.
+        n: usize,
+        /// The first failure.
+        first: String,
+    },
+    /// A branch asked for no children, or more than the limit allows.
+    #[error("n must be 1..={max} (the live-sandbox limit minus the live sandboxes), got {n}")]
+    BranchCount {
+        /// Requested children.
+        n: usize,
+        /// At most this many now.
+        max: usize,
+    },
+    /// A merge between sandboxes that are not parent and descendant.
+    #[error("sandbox {winner} was not branched from {parent} (its lineage: {lineage}); merge a sandbox into the one it was branched from, or an ancestor of it")]
+    NotDescendant {
+        /// The would-be winner.
+        winner: SandboxId,
+        /// The would-be parent.
+        parent: SandboxId,
+        /// The winner's ancestors, nearest first.
+        lineage: String,
+    },
+    /// A host file or directory operation failed.
+    #[error("{what}: {source}")]
+    Io {
+        /// What was being done.
+        what: String,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+}

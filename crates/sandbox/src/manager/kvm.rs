@@ -1,0 +1,126 @@
+//! The real VM backend: `vmm` guests on KVM. Every use of the VMM's VM API
+//! by the manager is in this file.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use vmm::{DiskConfig, MemoryBacking, RunningVm, Vm, VmConfig, VmError, VmExit, VsockConfig};
+
+use super::backend::{BackendError, BranchPoint, ExitWatch, VmBackend, VmEnd, VmHandle, VmSource, VmSpec};
+
+/// The guest CID every sandbox's vsock device gets (each VM has its own
+/// device and host socket, so CIDs need not differ).
+const GUEST_CID: u64 = 3;
+/// The guest kernel's command line (the root is the read-only image).
+const CMDLINE: &str = "root=/dev/vda ro rootfstype=ext4 quiet";
+
+/// Starts `vmm` VMs.
+pub(crate) struct KvmBackend;
+
+impl VmBackend for KvmBackend {
+    fn start(&self, spec: &VmSpec, source: &VmSource) -> Result<Box<dyn VmHandle>, BackendError> {
+        let mut config = VmConfig::new(spec.name.clone(), &spec.kernel);
+        config.profile = spec.profile;
+        config.vcpus = spec.vcpus;
+        config.mem_mib = spec.memory_mib;
+        config.console_log = Some(spec.console_log.clone());
+        config.disks = vec![DiskConfig { path: spec.rootfs.clone(), read_only: true, id: "root".into() }];
+        config.vsock = Some(VsockConfig { cid: GUEST_CID, uds_path: spec.agent_socket.clone() });
+        config.cmdline = CMDLINE.into();
+        let vm = match source {
+            VmSource::Boot => Vm::start(&config),
+            VmSource::Template(t) => Vm::restore(&config, &t.snapshot, spec.memory_backing),
+            // Children share the branch point's pages (MAP_PRIVATE of its
+            // memfd) whatever the templates' backing.
+            VmSource::Branch(image) => {
+                let snapshot = image.downcast_ref::<vmm::Snapshot>().ok_or_else(|| {
+                    BackendError::new(std::io::Error::other("the branch point was not made by this backend"))
+                })?;
+                Vm::restore(&config, snapshot, MemoryBacking::Private)
+            }
+        }
+        .map_err(BackendError::new)?;
+        Ok(Box::new(KvmVm { vm, agent_socket: spec.agent_socket.clone() }))
+    }
+}
+
+/// A running `vmm` VM.
+struct KvmVm {
+    vm: RunningVm,
+    agent_socket: PathBuf,
+}
+
+impl ExitWatch for vmm::ExitWatcher {
+    fn wait(&self, timeout: Option<Duration>) -> bool {
+        vmm::ExitWatcher::wait(self, timeout)
+    }
+
+    fn is_stopped(&self) -> bool {
+        vmm::ExitWatcher::is_stopped(self)
+    }
+}
+
+impl VmHandle for KvmVm {
+    fn started(&self) -> Instant {
+        self.vm.started()
+    }
+
+    fn agent_socket(&self) -> &Path {
+        &self.agent_socket
+    }
+
+    fn exit_watch(&self) -> Box<dyn ExitWatch> {
+        Box::new(self.vm.exit_watcher())
+    }
+
+    fn console_tail(&self, lines: usize) -> String {
+        self.vm.console().last_lines(lines)
+    }
+
+    fn cpu_time(&self) -> Duration {
+        self.vm.vcpu_cpu_time()
+    }
+
+    fn resident_memory_bytes(&self) -> u64 {
+        self.vm.resident_memory_bytes()
+    }
+
+    fn pause(&self, timeout: Duration) -> Result<Duration, BackendError> {
+        self.vm.pause(timeout).map_err(BackendError::new)
+    }
+
+    fn resume(&self) {
+        self.vm.resume();
+    }
+
+    fn is_paused(&self) -> bool {
+        self.vm.is_paused()
+    }
+
+    fn snapshot(&self, dir: &Path) -> Result<(), BackendError> {
+        self.vm.snapshot(dir).map(drop).map_err(BackendError::new)
+    }
+
+    fn branch(&self, pause_timeout: Duration) -> Result<BranchPoint, BackendError> {
+        let (snapshot, report) = self.vm.branch(pause_timeout).map_err(BackendError::new)?;
+        Ok(BranchPoint {
+            image: std::sync::Arc::new(snapshot),
+            mode: report.mode,
+            fallback_reason: report.fallback_reason,
+            pause: report.pause,
+            total: report.total,
+            bytes_written: report.bytes_written,
+            pages_copied_before_write: report.pages_copied_before_write,
+        })
+    }
+
+    fn stop(&mut self) -> VmEnd {
+        match self.vm.stop() {
+            Ok(VmExit::PowerOff) => VmEnd::PowerOff,
+            Ok(VmExit::Reset) => VmEnd::Reset,
+            Ok(VmExit::Stopped) => VmEnd::Stopped,
+            Err(e @ (VmError::Guest { .. } | VmError::GuestPanic { .. })) => VmEnd::GuestFault(e.to_string()),
+            Err(e) => VmEnd::Error(e.to_string()),
+        }
+    }
+}

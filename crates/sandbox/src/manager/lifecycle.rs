@@ -1,0 +1,384 @@
+//! A sandbox's life: where it comes from ([`SandboxSpec`], template or
+//! boot), the one reservation that counts live sandboxes and mints ids,
+//! the start (VM, agent, reseed), the one teardown (used by a failed
+//! create, kill, discarded branch children and the default template's
+//! build), and the default template.
+
+use std::collections::BTreeMap;
+use std::io::Read;
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use tine_agent_client::{AgentClient, AGENT_PORT};
+use tine_protocol::Reseed;
+
+use super::backend::{ExitWatch, VmSource, VmSpec};
+use super::sandbox::{Transition, CONSOLE_TAIL_LINES};
+use super::{remove_dir, task_failed, Manager, Sandbox, SandboxError, SandboxId, SandboxInfo, SandboxState};
+use crate::lock;
+use crate::templates::{Template, TemplateError, TemplateInfo, DEFAULT_TEMPLATE};
+
+/// Pause between attempts to reach a booting guest's agent.
+const AGENT_RETRY: Duration = Duration::from_millis(250);
+/// Timeout of one ping of a booting guest's agent.
+const PING_TIMEOUT: Duration = Duration::from_secs(10);
+/// Timeout of the reseed call.
+const RESEED_TIMEOUT: Duration = Duration::from_secs(60);
+/// Entropy handed to each new guest (bytes).
+const SEED_BYTES: usize = 64;
+/// Longest Unix socket path (`sun_path` is 108 bytes with its NUL).
+const MAX_UDS_PATH: usize = 107;
+
+/// What to create.
+#[derive(Clone, Debug, Default)]
+pub struct SandboxSpec {
+    /// vCPUs (`None`: the default).
+    pub vcpus: Option<u64>,
+    /// Guest memory in MiB (`None`: the default).
+    pub memory_mib: Option<u64>,
+    /// Free-form labels, for `list` filters.
+    pub labels: BTreeMap<String, String>,
+    /// Idle timeout in seconds (`None`: the default).
+    pub idle_timeout_secs: Option<u64>,
+    /// Restore from this template instead of booting (`None`: the default
+    /// template, when it exists and has the requested shape).
+    pub template: Option<String>,
+}
+
+/// Marks the default template as being built for as long as it lives.
+struct BuildFlag<'a>(&'a tokio::sync::watch::Sender<bool>);
+
+impl<'a> BuildFlag<'a> {
+    fn set(flag: &'a tokio::sync::watch::Sender<bool>) -> Self {
+        flag.send_replace(true);
+        BuildFlag(flag)
+    }
+}
+
+impl Drop for BuildFlag<'_> {
+    fn drop(&mut self) {
+        self.0.send_replace(false);
+    }
+}
+
+/// Counts a kill in progress for as long as it lives.
+struct Dying<'a>(&'a Manager);
+
+impl Drop for Dying<'_> {
+    fn drop(&mut self) {
+        self.0.dying.fetch_sub(1, Ordering::SeqCst);
+        self.0.dying_done.notify_waiters();
+    }
+}
+
+impl Manager {
+    /// Creates a sandbox and waits until its agent answers (a cold boot:
+    /// tens of seconds on hosts without hardware virtualization).
+    ///
+    /// The work runs in its own task, so a caller that goes away does not
+    /// leave a half-made sandbox behind.
+    ///
+    /// Errors: [`SandboxError::Limits`], [`SandboxError::TooMany`],
+    /// [`SandboxError::Start`], [`SandboxError::Boot`],
+    /// [`SandboxError::ShuttingDown`], [`SandboxError::Io`].
+    pub async fn create(self: &Arc<Self>, spec: SandboxSpec) -> Result<SandboxInfo, SandboxError> {
+        let me = self.clone();
+        match tokio::spawn(async move { me.create_inner(spec).await }).await {
+            Ok(r) => r,
+            Err(e) => Err(task_failed("sandbox creation task")(e)),
+        }
+    }
+
+    /// Template `name`, loaded (and checked) off the async threads.
+    pub(super) async fn load_template(self: &Arc<Self>, name: String) -> Result<Arc<Template>, SandboxError> {
+        let me = self.clone();
+        tokio::task::spawn_blocking(move || me.templates.load(&name))
+            .await
+            .map_err(task_failed("template load task"))?
+            .map_err(SandboxError::Template)
+    }
+
+    /// Where a sandbox of `spec` comes from: the named template, else the
+    /// default template when it fits the requested shape (waiting for it
+    /// if it is being built), else a boot.
+    async fn origin(self: &Arc<Self>, spec: &SandboxSpec) -> Result<(VmSource, u8, u64), SandboxError> {
+        let limits = &self.config.limits;
+        if let Some(name) = &spec.template {
+            let t = self.load_template(name.clone()).await?;
+            let (vcpus, memory_mib) = (t.meta.vcpus, t.meta.memory_mib);
+            let differs =
+                spec.vcpus.is_some_and(|v| v != u64::from(vcpus)) || spec.memory_mib.is_some_and(|m| m != memory_mib);
+            if differs {
+                return Err(SandboxError::TemplateShape { name: name.clone(), vcpus, memory_mib });
+            }
+            return Ok((VmSource::Template(t), vcpus, memory_mib));
+        }
+        let vcpus = limits.vcpus(spec.vcpus)?;
+        let memory_mib = limits.memory_mib(spec.memory_mib)?;
+        if vcpus == limits.default_vcpus && memory_mib == limits.default_memory_mib {
+            let mut building = self.default_building.subscribe();
+            let _ = building.wait_for(|b| !*b).await;
+            match self.load_template(DEFAULT_TEMPLATE.into()).await {
+                Ok(t) if t.meta.vcpus == vcpus && t.meta.memory_mib == memory_mib => {
+                    return Ok((VmSource::Template(t), vcpus, memory_mib))
+                }
+                Ok(_) => tracing::info!("the default template has another shape than the limits' defaults; booting"),
+                Err(e) => tracing::info!("booting instead of restoring: {e}"),
+            }
+        }
+        Ok((VmSource::Boot, vcpus, memory_mib))
+    }
+
+    async fn create_inner(self: Arc<Self>, spec: SandboxSpec) -> Result<SandboxInfo, SandboxError> {
+        let limits = &self.config.limits;
+        let idle_timeout = limits.idle_timeout(spec.idle_timeout_secs)?;
+        limits.check_labels(&spec.labels)?;
+        if self.shutting_down.load(Ordering::SeqCst) {
+            return Err(SandboxError::ShuttingDown);
+        }
+        let (source, vcpus, memory_mib) = self.origin(&spec).await?;
+        let template = match &source {
+            VmSource::Template(t) => Some(t.meta.name.clone()),
+            VmSource::Boot | VmSource::Branch(_) => None,
+        };
+        let mut labels = Some(spec.labels);
+        let sandbox = self
+            .reserve(1, |id, dir| {
+                let labels = labels.take().unwrap_or_default();
+                Sandbox::new(id, dir, vcpus, memory_mib, labels, template.clone(), idle_timeout)
+            })?
+            .swap_remove(0);
+        match self.start(&sandbox, source).await {
+            Ok(()) => Ok(sandbox.info(None)),
+            Err(e) => {
+                tracing::warn!(sandbox = %sandbox.id, "creation failed: {e}");
+                self.teardown(&sandbox, Some(format!("creation failed: {e}"))).await;
+                Err(e)
+            }
+        }
+    }
+
+    /// A new id, `<prefix>-<n>`, unique in this manager.
+    fn mint_id(&self, prefix: &str) -> SandboxId {
+        format!("{prefix}-{}", self.next_id.fetch_add(1, Ordering::Relaxed))
+    }
+
+    /// Reserves `n` sandboxes (ids `sb-<n>`, made by `make` from the id
+    /// and its directory) in the map, as `starting`, within the
+    /// live-sandbox cap: the one place live sandboxes are counted.
+    ///
+    /// Errors: [`SandboxError::ShuttingDown`], [`SandboxError::TooMany`]
+    /// (`n` is 0 or would pass the cap).
+    pub(super) fn reserve(
+        &self,
+        n: usize,
+        mut make: impl FnMut(SandboxId, PathBuf) -> Sandbox,
+    ) -> Result<Vec<Arc<Sandbox>>, SandboxError> {
+        let mut map = lock(&self.sandboxes);
+        if self.shutting_down.load(Ordering::SeqCst) {
+            return Err(SandboxError::ShuttingDown);
+        }
+        let live = map.values().filter(|s| s.state().is_live()).count();
+        let max = self.config.limits.max_sandboxes;
+        if n == 0 || live + n > max {
+            return Err(SandboxError::TooMany { live, max });
+        }
+        let mut made = Vec::with_capacity(n);
+        for _ in 0..n {
+            let id = self.mint_id("sb");
+            let sb = Arc::new(make(id.clone(), self.config.run_dir.join(&id)));
+            map.insert(id, sb.clone());
+            made.push(sb);
+        }
+        Ok(made)
+    }
+
+    /// Takes `sb` down: forgets it (if the map still holds it), ends it
+    /// (`stopped`, with `reason`), stops its VM off the async threads and
+    /// removes its files. The one teardown.
+    pub(super) async fn teardown(&self, sb: &Arc<Sandbox>, reason: Option<String>) {
+        {
+            let mut map = lock(&self.sandboxes);
+            if map.get(&sb.id).is_some_and(|s| Arc::ptr_eq(s, sb)) {
+                map.remove(&sb.id);
+            }
+        }
+        sb.end(SandboxState::Stopped, reason);
+        let s = sb.clone();
+        let _ = tokio::task::spawn_blocking(move || s.stop_vm()).await;
+        remove_dir(&sb.dir());
+    }
+
+    /// Starts `sb`'s VM from `source` and waits until its agent answers,
+    /// then reseeds the guest; `sb` is `running` after.
+    pub(super) async fn start(&self, sb: &Arc<Sandbox>, source: VmSource) -> Result<(), SandboxError> {
+        let io = |what: String| move |source| SandboxError::Io { what, source };
+        let dir = sb.dir();
+        std::fs::create_dir(&dir).map_err(io(format!("create {}", dir.display())))?;
+        let uds = dir.join("vsock.sock");
+        if uds.as_os_str().len() > MAX_UDS_PATH {
+            return Err(SandboxError::Io {
+                what: format!(
+                    "socket path {} is longer than {MAX_UDS_PATH} bytes; use a shorter data directory",
+                    uds.display()
+                ),
+                source: std::io::Error::from(std::io::ErrorKind::InvalidInput),
+            });
+        }
+        // Wait for a boot or restore slot; the boot timeout starts once
+        // the VM does.
+        let slots = match source {
+            VmSource::Boot => &self.boot_slots,
+            VmSource::Template(_) | VmSource::Branch(_) => &self.restore_slots,
+        };
+        let _slot = slots.acquire().await.map_err(|_| SandboxError::ShuttingDown)?;
+        if self.shutting_down.load(Ordering::SeqCst) {
+            return Err(SandboxError::ShuttingDown);
+        }
+        let spec = VmSpec {
+            name: sb.id.clone(),
+            kernel: self.config.kernel.clone(),
+            rootfs: self.config.rootfs.clone(),
+            vcpus: sb.vcpus,
+            memory_mib: sb.memory_mib,
+            profile: self.config.profile,
+            memory_backing: self.config.memory_backing,
+            console_log: dir.join("console.log"),
+            agent_socket: uds,
+        };
+        let backend = self.backend.clone();
+        let vm = tokio::task::spawn_blocking(move || backend.start(&spec, &source))
+            .await
+            .map_err(task_failed("VM start task"))?
+            .map_err(SandboxError::Start)?;
+        let started = vm.started();
+        let uds = vm.agent_socket().to_path_buf();
+        let watch = vm.exit_watch();
+        sb.attach_vm(vm).map_err(io("spawn the monitor thread".into()))?;
+
+        let agent = self.wait_for_agent(sb, &*watch, &uds).await?;
+        reseed(sb, &agent).await?;
+        let boot_ms = started.elapsed().as_millis() as u64;
+        sb.transition(Transition::Ready { agent: Arc::new(agent), boot_ms }).map_err(|r| SandboxError::NotRunning {
+            id: sb.id.clone(),
+            state: r.state,
+            reason: r.error.unwrap_or_default(),
+        })?;
+        sb.touch();
+        tracing::info!(sandbox = %sb.id, vcpus = sb.vcpus, memory_mib = sb.memory_mib, template = ?sb.template,
+            "sandbox ready in {boot_ms} ms");
+        Ok(())
+    }
+
+    /// Connects to the agent of `sb`'s new VM through `uds`, retrying until
+    /// it answers a ping, the VM ends or the boot timeout passes.
+    async fn wait_for_agent(
+        &self,
+        sb: &Arc<Sandbox>,
+        watch: &dyn ExitWatch,
+        uds: &std::path::Path,
+    ) -> Result<AgentClient, SandboxError> {
+        let deadline = Instant::now() + Duration::from_secs(self.config.limits.boot_timeout_secs);
+        let mut last_error = String::from("no attempt yet");
+        loop {
+            if watch.is_stopped() {
+                // The monitor records the reason; give it a moment.
+                let m = lock(&sb.vm).monitor.take();
+                if let Some(m) = m {
+                    let _ = tokio::task::spawn_blocking(move || m.join()).await;
+                }
+                let reason = lock(&sb.status).error.clone().unwrap_or_else(|| "the VM stopped during boot".into());
+                return Err(SandboxError::NotRunning { id: sb.id.clone(), state: SandboxState::Failed, reason });
+            }
+            if Instant::now() >= deadline || self.shutting_down.load(Ordering::SeqCst) {
+                let console =
+                    lock(&sb.vm).vm.as_ref().map(|vm| vm.console_tail(CONSOLE_TAIL_LINES)).unwrap_or_default();
+                return Err(SandboxError::Boot {
+                    secs: self.config.limits.boot_timeout_secs,
+                    reason: last_error,
+                    console,
+                });
+            }
+            match AgentClient::connect(uds, AGENT_PORT).await {
+                Ok(client) => match client.ping(PING_TIMEOUT).await {
+                    Ok(_) => return Ok(client),
+                    Err(e) => last_error = e.to_string(),
+                },
+                Err(e) => last_error = e.to_string(),
+            }
+            tokio::time::sleep(AGENT_RETRY).await;
+        }
+    }
+
+    /// Stops a sandbox's VM, removes its files and forgets it.
+    ///
+    /// Errors: [`SandboxError::NotFound`].
+    pub async fn kill(&self, id: &str) -> Result<(), SandboxError> {
+        let sb = {
+            let mut map = lock(&self.sandboxes);
+            let sb = map.remove(id).ok_or_else(|| SandboxError::NotFound(id.to_string()))?;
+            self.dying.fetch_add(1, Ordering::SeqCst);
+            sb
+        };
+        let _dying = Dying(self);
+        self.leave_parent(&sb);
+        self.teardown(&sb, Some("killed".into())).await;
+        tracing::info!(sandbox = %id, "sandbox killed");
+        Ok(())
+    }
+
+    /// Makes sure the default template exists and is usable: unless
+    /// `rebuild` is false and it loads (checksums, image identities), boots
+    /// a sandbox of the default shape, waits for its agent, snapshots it as
+    /// [`DEFAULT_TEMPLATE`] and stops it. Meanwhile `create` calls that
+    /// would use it wait.
+    ///
+    /// Errors: those of `create` and [`Manager::snapshot`].
+    pub async fn ensure_default_template(self: &Arc<Self>, rebuild: bool) -> Result<TemplateInfo, SandboxError> {
+        if !rebuild {
+            match self.load_template(DEFAULT_TEMPLATE.into()).await {
+                Ok(_) => return self.template_info(DEFAULT_TEMPLATE),
+                Err(SandboxError::Template(TemplateError::NotFound(_))) => {}
+                Err(e) => tracing::warn!("rebuilding the default template: {e}"),
+            }
+        }
+        let _building = BuildFlag::set(&self.default_building);
+        let limits = &self.config.limits;
+        let id = self.mint_id("template");
+        let dir = self.config.run_dir.join(&id);
+        let (vcpus, memory_mib) = (limits.vcpus(None)?, limits.memory_mib(None)?);
+        let sb = Arc::new(Sandbox::new(id, dir, vcpus, memory_mib, BTreeMap::new(), None, Duration::MAX));
+        tracing::info!("building the default template (a cold boot)");
+        let r = match self.start(&sb, VmSource::Boot).await {
+            Ok(()) => self.snapshot_sandbox(&sb, DEFAULT_TEMPLATE, true).await,
+            Err(e) => Err(e),
+        };
+        self.teardown(&sb, None).await;
+        match r {
+            Ok(()) => {
+                tracing::info!("the default template is ready");
+                self.template_info(DEFAULT_TEMPLATE)
+            }
+            Err(e) => {
+                tracing::error!("cannot build the default template: {e}; sandboxes will boot instead");
+                Err(e)
+            }
+        }
+    }
+}
+
+/// Hands a new guest host entropy and the host's clock: a restored one
+/// must not go on with its template's RNG state and old clock.
+async fn reseed(sb: &Sandbox, agent: &AgentClient) -> Result<(), SandboxError> {
+    let mut entropy = vec![0u8; SEED_BYTES];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut entropy))
+        .map_err(|source| SandboxError::Io { what: "read /dev/urandom".into(), source })?;
+    let unix_time_ns = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
+    agent
+        .reseed(Reseed { entropy, unix_time_ns }, RESEED_TIMEOUT)
+        .await
+        .map_err(|e| SandboxError::Connection { id: sb.id.clone(), reason: format!("reseed: {e}") })
+}

@@ -1,0 +1,267 @@
+//! The sandbox manager: the [`Manager`] itself (configuration, the map of
+//! sandboxes, lookup, list, info, shutdown and the idle reaper).
+//!
+//! The rest is split by concern, one `impl Manager` per file:
+//! [`lifecycle`] (create, kill, the default template), [`control`] (pause,
+//! resume, snapshot), [`calls`] (agent calls), [`branch`] (branch and
+//! merge), [`diff`] (file-system diffs). A sandbox and its state machine
+//! are in [`sandbox`], the VM seam in [`backend`] (real: [`kvm`]), the
+//! errors in [`error`].
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use vmm::{HostProfile, MemoryBacking};
+
+use crate::limits::Limits;
+use crate::lock;
+use crate::templates::TemplateStore;
+
+mod backend;
+mod branch;
+mod calls;
+mod control;
+mod diff;
+mod error;
+mod kvm;
+mod lifecycle;
+mod sandbox;
+
+pub use backend::BackendError;
+use backend::VmBackend;
+pub use branch::BranchResult;
+pub use calls::ExecRequest;
+pub use error::SandboxError;
+pub use lifecycle::SandboxSpec;
+use sandbox::Sandbox;
+pub use sandbox::{Lineage, SandboxInfo, SandboxState, Usage};
+
+/// A sandbox's id, `sb-<n>`.
+pub type SandboxId = String;
+
+/// Restores allowed at once per boot slot ([`Limits::concurrent_boots`]).
+const RESTORES_PER_BOOT_SLOT: usize = 2;
+
+/// Where the manager finds images and keeps its files.
+#[derive(Clone, Debug)]
+pub struct ManagerConfig {
+    /// Guest kernel (ELF vmlinux or bzImage).
+    pub kernel: PathBuf,
+    /// Root filesystem image (ext4), attached read-only to every sandbox.
+    pub rootfs: PathBuf,
+    /// Directory for per-sandbox files; created if missing, and emptied of
+    /// a previous run's leftovers at start.
+    pub run_dir: PathBuf,
+    /// Directory of templates (see [`crate::templates`]); created if missing.
+    pub templates_dir: PathBuf,
+    /// How restored sandboxes get their memory from a template's file.
+    pub memory_backing: MemoryBacking,
+    /// The host profile.
+    pub profile: HostProfile,
+    /// Defaults and caps.
+    pub limits: Limits,
+}
+
+/// The sandbox manager. Cheap to share: hold it in an `Arc`.
+pub struct Manager {
+    config: ManagerConfig,
+    backend: Arc<dyn VmBackend>,
+    sandboxes: Mutex<BTreeMap<SandboxId, Arc<Sandbox>>>,
+    next_id: AtomicU64,
+    shutting_down: AtomicBool,
+    /// Kills in progress (their sandboxes have already left the map);
+    /// [`Manager::shutdown`] waits for them.
+    dying: AtomicU64,
+    dying_done: tokio::sync::Notify,
+    /// One permit per boot allowed at once ([`Limits::concurrent_boots`]).
+    boot_slots: tokio::sync::Semaphore,
+    /// Restores (from a template or a branch point) allowed at once, until
+    /// the agent answers: [`RESTORES_PER_BOOT_SLOT`] per boot slot.
+    /// Restored guests all handle their device resets and reconnect at
+    /// once; 32 at a time on 2 host CPUs starved each other for minutes.
+    restore_slots: tokio::sync::Semaphore,
+    templates: TemplateStore,
+    /// Whether the default template is being built.
+    default_building: tokio::sync::watch::Sender<bool>,
+}
+
+/// Milliseconds since the Unix epoch, now.
+fn unix_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+}
+
+/// The error for a task that panicked or was cancelled (`what`: "branch
+/// task", ...).
+fn task_failed(what: &'static str) -> impl FnOnce(tokio::task::JoinError) -> SandboxError {
+    move |e| SandboxError::Io { what: what.into(), source: std::io::Error::other(e) }
+}
+
+/// Removes `dir` and everything in it; a missing directory is fine.
+fn remove_dir(dir: &std::path::Path) {
+    match std::fs::remove_dir_all(dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => tracing::warn!("cannot remove {}: {e}", dir.display()),
+    }
+}
+
+impl Manager {
+    /// Checks the images and limits, prepares `run_dir` (removing what a
+    /// previous run left there) and returns the manager, which runs its
+    /// sandboxes on KVM.
+    ///
+    /// Errors: [`SandboxError::Limits`], [`SandboxError::Io`] naming the
+    /// missing image or the directory that cannot be made.
+    pub fn new(config: ManagerConfig) -> Result<Arc<Self>, SandboxError> {
+        Self::with_backend(config, Arc::new(kvm::KvmBackend))
+    }
+
+    /// As [`Manager::new`], with VMs from `backend`.
+    fn with_backend(config: ManagerConfig, backend: Arc<dyn VmBackend>) -> Result<Arc<Self>, SandboxError> {
+        config.limits.validate()?;
+        for (what, p) in [("guest kernel", &config.kernel), ("root filesystem image", &config.rootfs)] {
+            std::fs::metadata(p)
+                .map_err(|source| SandboxError::Io { what: format!("{what} {}", p.display()), source })?;
+        }
+        let io = |what: String| move |source| SandboxError::Io { what, source };
+        std::fs::create_dir_all(&config.run_dir).map_err(io(format!("create {}", config.run_dir.display())))?;
+        let entries = std::fs::read_dir(&config.run_dir).map_err(io(format!("read {}", config.run_dir.display())))?;
+        for e in entries.flatten() {
+            tracing::info!("removing {} left by an earlier run", e.path().display());
+            remove_dir(&e.path());
+        }
+        let templates = TemplateStore::new(config.templates_dir.clone(), config.kernel.clone(), config.rootfs.clone())?;
+        Ok(Arc::new(Manager {
+            templates,
+            backend,
+            default_building: tokio::sync::watch::Sender::new(false),
+            sandboxes: Mutex::new(BTreeMap::new()),
+            next_id: AtomicU64::new(1),
+            shutting_down: AtomicBool::new(false),
+            dying: AtomicU64::new(0),
+            dying_done: tokio::sync::Notify::new(),
+            boot_slots: tokio::sync::Semaphore::new(config.limits.concurrent_boots()),
+            restore_slots: tokio::sync::Semaphore::new(config.limits.concurrent_boots() * RESTORES_PER_BOOT_SLOT),
+            config,
+        }))
+    }
+
+    /// The limits in force.
+    pub fn limits(&self) -> &Limits {
+        &self.config.limits
+    }
+
+    fn get(&self, id: &str) -> Result<Arc<Sandbox>, SandboxError> {
+        lock(&self.sandboxes).get(id).cloned().ok_or_else(|| SandboxError::NotFound(id.to_string()))
+    }
+
+    /// Whether a sandbox with this id exists (in any state).
+    pub fn contains(&self, id: &str) -> bool {
+        lock(&self.sandboxes).contains_key(id)
+    }
+
+    /// How many sandboxes exist (in any state).
+    pub fn len(&self) -> usize {
+        lock(&self.sandboxes).len()
+    }
+
+    /// Whether there are no sandboxes.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Every sandbox whose labels include all of `labels`, by id.
+    pub fn list(&self, labels: &BTreeMap<String, String>) -> Vec<SandboxInfo> {
+        let all: Vec<Arc<Sandbox>> = lock(&self.sandboxes).values().cloned().collect();
+        all.iter().filter(|s| labels.iter().all(|(k, v)| s.labels.get(k) == Some(v))).map(|s| s.info(None)).collect()
+    }
+
+    /// One sandbox, with its resource use if it is running.
+    ///
+    /// Errors: [`SandboxError::NotFound`].
+    pub async fn info(&self, id: &str) -> Result<SandboxInfo, SandboxError> {
+        let sb = self.get(id)?;
+        let state = sb.state();
+        if !matches!(state, SandboxState::Running | SandboxState::Paused) {
+            return Ok(sb.info(None));
+        }
+        let (cpu, host_mem) = match lock(&sb.vm).vm.as_ref() {
+            Some(vm) => (vm.cpu_time(), vm.resident_memory_bytes()),
+            None => (Duration::ZERO, 0),
+        };
+        // A paused guest cannot answer; its memory figures wait for resume.
+        let guest = match sb.agent() {
+            Some(a) => a.info(Duration::from_secs(10)).await.ok(),
+            None => None,
+        };
+        Ok(sb.info(Some(Usage {
+            cpu_time_ms: cpu.as_millis() as u64,
+            host_memory_bytes: host_mem,
+            guest_memory_used_bytes: guest.as_ref().map(|g| g.mem_total.saturating_sub(g.mem_available)),
+            guest_memory_total_bytes: guest.as_ref().map(|g| g.mem_total),
+            disk_free_bytes: guest.as_ref().map(|g| g.disk_free),
+        })))
+    }
+
+    /// Kills every sandbox, concurrently, and refuses new ones (for
+    /// SIGTERM/SIGINT).
+    pub async fn shutdown(self: &Arc<Self>) {
+        self.shutting_down.store(true, Ordering::SeqCst);
+        // Boots waiting for a slot give up at once.
+        self.boot_slots.close();
+        self.restore_slots.close();
+        let ids: Vec<SandboxId> = lock(&self.sandboxes).keys().cloned().collect();
+        let mut kills = tokio::task::JoinSet::new();
+        for id in ids {
+            let me = self.clone();
+            kills.spawn(async move { me.kill(&id).await });
+        }
+        while kills.join_next().await.is_some() {}
+        // Kills started elsewhere (an MCP session that ended) finish too.
+        loop {
+            let done = self.dying_done.notified();
+            if self.dying.load(Ordering::SeqCst) == 0 {
+                break;
+            }
+            done.await;
+        }
+        // A default-template build gives up at its next check; wait for it.
+        let mut building = self.default_building.subscribe();
+        let _ = tokio::time::timeout(Duration::from_secs(30), building.wait_for(|b| !*b)).await;
+        // A boot still starting its VM when its sandbox was killed may have
+        // made files after the kill removed its directory.
+        if let Ok(entries) = std::fs::read_dir(&self.config.run_dir) {
+            for e in entries.flatten() {
+                tracing::warn!("removing {} left after shutdown", e.path().display());
+                remove_dir(&e.path());
+            }
+        }
+    }
+
+    /// Starts the task that kills sandboxes idle past their timeout; it
+    /// checks every `period` and ends when the manager is dropped.
+    pub fn spawn_reaper(self: &Arc<Self>, period: Duration) -> tokio::task::JoinHandle<()> {
+        let weak = Arc::downgrade(self);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(period);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                let Some(me) = weak.upgrade() else { return };
+                let idle: Vec<SandboxId> = lock(&me.sandboxes)
+                    .values()
+                    .filter(|s| s.state() != SandboxState::Starting && s.busy.load(Ordering::SeqCst) == 0)
+                    .filter(|s| s.idle() >= s.idle_timeout)
+                    .map(|s| s.id.clone())
+                    .collect();
+                for id in idle {
+                    tracing::info!(sandbox = %id, "idle timeout: killing");
+                    let _ = me.kill(&id).await;
+                }
+            }
+        })
+    }
+}

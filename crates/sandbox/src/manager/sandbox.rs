@@ -1,0 +1,404 @@
+//! One sandbox: its fixed shape, its state ([`SandboxState`]) and the one
+//! function that changes it ([`Sandbox::transition`]), its VM and agent,
+//! its lineage, and what it reports ([`SandboxInfo`]).
+//!
+//! # Lock order
+//!
+//! A sandbox has four mutexes. Whoever holds more than one takes them in
+//! this order, and takes none of them before the manager's map except
+//! `control`:
+//!
+//! 1. `control` (pause, resume, snapshot, branch, merge; held for the
+//!    whole operation; a merge takes the ancestor's before the
+//!    descendant's),
+//! 2. the manager's map of sandboxes,
+//! 3. `status` (state, error, boot time, agent),
+//! 4. `vm` (the VM handle and its monitor thread),
+//! 5. `lineage`, then `dir`.
+//!
+//! No lock is held across an `.await`; `vm` is not held while joining the
+//! monitor thread (which takes `vm` and `status` itself).
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+#[cfg(feature = "schema")]
+use schemars::JsonSchema;
+use serde::Serialize;
+use tine_agent_client::AgentClient;
+
+use super::backend::{ExitWatch, VmEnd, VmHandle};
+use super::{unix_ms, SandboxId};
+use crate::lock;
+
+/// Guest console lines kept in a failed sandbox's error.
+pub(super) const CONSOLE_TAIL_LINES: usize = 25;
+
+/// A sandbox's lifecycle.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "schema", derive(JsonSchema))]
+#[serde(rename_all = "lowercase")]
+pub enum SandboxState {
+    /// The VM is booting; the agent has not answered yet.
+    Starting,
+    /// The agent answers; tools work.
+    Running,
+    /// The vCPUs are parked; memory and files are kept. Tools that need
+    /// the guest resume it by themselves.
+    Paused,
+    /// The guest powered off or rebooted by itself.
+    Stopped,
+    /// The guest crashed or could not start; `error` says why.
+    Failed,
+}
+
+impl SandboxState {
+    /// Whether the sandbox counts as live (against the live-sandbox cap).
+    pub fn is_live(self) -> bool {
+        matches!(self, SandboxState::Starting | SandboxState::Running | SandboxState::Paused)
+    }
+}
+
+/// Resource use of a running sandbox.
+#[derive(Clone, Debug, Serialize)]
+#[cfg_attr(feature = "schema", derive(JsonSchema))]
+pub struct Usage {
+    /// CPU time the vCPUs used since start (ms).
+    pub cpu_time_ms: u64,
+    /// Host memory backing guest RAM now (bytes): the pages the guest touched.
+    pub host_memory_bytes: u64,
+    /// Guest RAM the guest kernel reports in use (bytes), if the agent answered.
+    pub guest_memory_used_bytes: Option<u64>,
+    /// Guest RAM (bytes) as the guest kernel sees it, if the agent answered.
+    pub guest_memory_total_bytes: Option<u64>,
+    /// Free space on the guest's writable root (bytes), if the agent answered.
+    pub disk_free_bytes: Option<u64>,
+}
+
+/// What a sandbox is and how it is doing.
+#[derive(Clone, Debug, Serialize)]
+#[cfg_attr(feature = "schema", derive(JsonSchema))]
+pub struct SandboxInfo {
+    /// The id.
+    pub sandbox_id: SandboxId,
+    /// The state.
+    pub state: SandboxState,
+    /// Why it failed or stopped (with the guest console's last lines).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    /// vCPUs.
+    pub vcpus: u8,
+    /// Guest memory (MiB).
+    pub memory_mib: u64,
+    /// Labels.
+    pub labels: BTreeMap<String, String>,
+    /// The template it was restored from (`None`: booted).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub template: Option<String>,
+    /// Branch parent and children.
+    #[serde(skip_serializing_if = "Lineage::is_empty")]
+    pub lineage: Lineage,
+    /// Creation time, ms since the Unix epoch.
+    pub created_at_ms: u64,
+    /// Time since creation (ms).
+    pub uptime_ms: u64,
+    /// VM start (boot or restore) to agent ready (ms), once running.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub boot_ms: Option<u64>,
+    /// Idle timeout (s).
+    pub idle_timeout_secs: u64,
+    /// Time since the last tool call on it (ms).
+    pub idle_ms: u64,
+    /// Resource use, from `info` on a running sandbox.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
+}
+
+/// A sandbox's place in a branch tree.
+#[derive(Clone, Debug, Default, Serialize)]
+#[cfg_attr(feature = "schema", derive(JsonSchema))]
+pub struct Lineage {
+    /// The sandbox it was branched from (which may be gone since).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub parent: Option<SandboxId>,
+    /// When it was branched, ms since the Unix epoch.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub branched_at_ms: Option<u64>,
+    /// Live sandboxes branched from it, oldest first.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub children: Vec<SandboxId>,
+    /// The last sandbox merged into it, whose VM it now runs.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub merged_from: Option<SandboxId>,
+    /// When that merge happened, ms since the Unix epoch.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub merged_at_ms: Option<u64>,
+}
+
+impl Lineage {
+    /// Whether there is nothing to say.
+    pub fn is_empty(&self) -> bool {
+        self.parent.is_none() && self.children.is_empty() && self.merged_from.is_none()
+    }
+}
+
+/// The state and what goes with it; changed only by [`Sandbox::transition`].
+pub(super) struct Status {
+    pub state: SandboxState,
+    pub error: Option<String>,
+    pub boot_ms: Option<u64>,
+    /// The agent's connection, while running or paused.
+    pub agent: Option<Arc<AgentClient>>,
+}
+
+/// A state change ([`Sandbox::transition`]).
+pub(super) enum Transition {
+    /// `starting` -> `running`: the agent answered.
+    Ready { agent: Arc<AgentClient>, boot_ms: u64 },
+    /// `running` -> `paused`.
+    Pause,
+    /// `paused` -> `running`.
+    Resume,
+    /// `starting`/`running`/`paused` -> `to` (`stopped` or `failed`),
+    /// with the reason; the agent connection is dropped.
+    End { to: SandboxState, error: Option<String> },
+    /// Any state -> the state of the sandbox whose VM this one takes over
+    /// (a merge).
+    TakeOver { to: SandboxState, boot_ms: Option<u64>, agent: Option<Arc<AgentClient>> },
+}
+
+/// A transition that does not apply to the current state.
+#[derive(Debug)]
+pub(super) struct Refused {
+    /// The current state.
+    pub state: SandboxState,
+    /// Its error, if it ended.
+    pub error: Option<String>,
+}
+
+/// The VM and the thread that notices its end.
+#[derive(Default)]
+pub(super) struct VmSlot {
+    /// `None` once stopped; whoever takes it stops it.
+    pub vm: Option<Box<dyn VmHandle>>,
+    pub monitor: Option<JoinHandle<()>>,
+}
+
+/// One sandbox. See the module doc for the lock order.
+pub(super) struct Sandbox {
+    pub id: SandboxId,
+    pub vcpus: u8,
+    pub memory_mib: u64,
+    pub labels: BTreeMap<String, String>,
+    pub template: Option<String>,
+    pub idle_timeout: Duration,
+    pub created: Instant,
+    pub created_at_ms: u64,
+    /// Held by pause, resume, snapshot, branch and merge, one at a time.
+    pub control: Mutex<()>,
+    pub status: Mutex<Status>,
+    pub vm: Mutex<VmSlot>,
+    /// Where it came from and what came from it.
+    pub lineage: Mutex<Lineage>,
+    /// The VM's files (vsock socket, console log). A merge gives a sandbox
+    /// its winner's VM, and with it the winner's directory.
+    pub dir: Mutex<PathBuf>,
+    /// The last use, in ms after `created`.
+    last_used_ms: AtomicU64,
+    /// Calls in flight; the reaper leaves busy sandboxes alone.
+    pub busy: AtomicU64,
+}
+
+impl Sandbox {
+    /// A sandbox in state `starting`, created now, with no VM yet.
+    pub fn new(
+        id: SandboxId,
+        dir: PathBuf,
+        vcpus: u8,
+        memory_mib: u64,
+        labels: BTreeMap<String, String>,
+        template: Option<String>,
+        idle_timeout: Duration,
+    ) -> Self {
+        Sandbox {
+            id,
+            vcpus,
+            memory_mib,
+            labels,
+            template,
+            idle_timeout,
+            created: Instant::now(),
+            created_at_ms: unix_ms(),
+            control: Mutex::new(()),
+            status: Mutex::new(Status { state: SandboxState::Starting, error: None, boot_ms: None, agent: None }),
+            vm: Mutex::new(VmSlot::default()),
+            lineage: Mutex::new(Lineage::default()),
+            dir: Mutex::new(dir),
+            last_used_ms: AtomicU64::new(0),
+            busy: AtomicU64::new(0),
+        }
+    }
+
+    pub fn state(&self) -> SandboxState {
+        lock(&self.status).state
+    }
+
+    pub fn dir(&self) -> PathBuf {
+        lock(&self.dir).clone()
+    }
+
+    /// Records a use now (resets the idle clock).
+    pub fn touch(&self) {
+        self.last_used_ms.store(self.created.elapsed().as_millis() as u64, Ordering::SeqCst);
+    }
+
+    /// Time since the last use.
+    pub fn idle(&self) -> Duration {
+        self.created.elapsed().saturating_sub(Duration::from_millis(self.last_used_ms.load(Ordering::SeqCst)))
+    }
+
+    /// The agent connection, while running.
+    pub fn agent(&self) -> Option<Arc<AgentClient>> {
+        let st = lock(&self.status);
+        if st.state == SandboxState::Running {
+            st.agent.clone()
+        } else {
+            None
+        }
+    }
+
+    /// The one place the state changes; see [`Transition`] for which
+    /// changes apply. Returns the state it left.
+    ///
+    /// Errors: [`Refused`] with the current state if `t` does not apply.
+    pub fn transition(&self, t: Transition) -> Result<SandboxState, Refused> {
+        let mut st = lock(&self.status);
+        let from = st.state;
+        let refused = |st: &Status| Err(Refused { state: st.state, error: st.error.clone() });
+        match t {
+            Transition::Ready { agent, boot_ms } => {
+                if from != SandboxState::Starting {
+                    return refused(&st);
+                }
+                st.state = SandboxState::Running;
+                st.boot_ms = Some(boot_ms);
+                st.agent = Some(agent);
+            }
+            Transition::Pause => {
+                if from != SandboxState::Running {
+                    return refused(&st);
+                }
+                st.state = SandboxState::Paused;
+            }
+            Transition::Resume => {
+                if from != SandboxState::Paused {
+                    return refused(&st);
+                }
+                st.state = SandboxState::Running;
+            }
+            Transition::End { to, error } => {
+                // The agent goes whatever the state; the first end's reason stays.
+                st.agent = None;
+                if !from.is_live() {
+                    return refused(&st);
+                }
+                st.state = to;
+                st.error = error;
+            }
+            Transition::TakeOver { to, boot_ms, agent } => {
+                st.state = to;
+                st.error = None;
+                st.boot_ms = boot_ms;
+                st.agent = agent;
+            }
+        }
+        Ok(from)
+    }
+
+    pub fn info(&self, usage: Option<Usage>) -> SandboxInfo {
+        let st = lock(&self.status);
+        SandboxInfo {
+            sandbox_id: self.id.clone(),
+            state: st.state,
+            error: st.error.clone(),
+            vcpus: self.vcpus,
+            memory_mib: self.memory_mib,
+            labels: self.labels.clone(),
+            template: self.template.clone(),
+            lineage: lock(&self.lineage).clone(),
+            created_at_ms: self.created_at_ms,
+            uptime_ms: self.created.elapsed().as_millis() as u64,
+            boot_ms: st.boot_ms,
+            idle_timeout_secs: self.idle_timeout.as_secs(),
+            idle_ms: self.idle().as_millis() as u64,
+            usage,
+        }
+    }
+
+    /// Marks the sandbox ended (unless it already is) and drops the agent.
+    pub fn end(&self, to: SandboxState, error: Option<String>) {
+        let _ = self.transition(Transition::End { to, error });
+    }
+
+    /// A watcher of the VM's end, if there is a VM.
+    pub fn exit_watch(&self) -> Option<Box<dyn ExitWatch>> {
+        lock(&self.vm).vm.as_ref().map(|vm| vm.exit_watch())
+    }
+
+    /// Stops the VM and joins its threads (blocking).
+    pub fn stop_vm(&self) {
+        let slot = std::mem::take(&mut *lock(&self.vm));
+        if let Some(mut vm) = slot.vm {
+            vm.stop();
+        }
+        lock(&self.status).agent = None;
+        if let Some(m) = slot.monitor {
+            let _ = m.join();
+        }
+    }
+
+    /// Called by the monitor thread when the VM has stopped on its own.
+    fn on_vm_exit(&self) {
+        let Some(mut vm) = lock(&self.vm).vm.take() else { return };
+        let console = vm.console_tail(CONSOLE_TAIL_LINES);
+        let end = vm.stop();
+        drop(vm);
+        let (state, error) = match end {
+            VmEnd::PowerOff => (SandboxState::Stopped, "the guest powered off".to_string()),
+            VmEnd::Reset => (SandboxState::Stopped, "the guest rebooted".to_string()),
+            VmEnd::Stopped => return,
+            VmEnd::GuestFault(e) => (SandboxState::Failed, e),
+            VmEnd::Error(e) => (SandboxState::Failed, format!("{e}\nlast console lines:\n{console}")),
+        };
+        tracing::warn!(sandbox = %self.id, ?state, "sandbox ended: {}", error.lines().next().unwrap_or(""));
+        self.end(state, Some(error));
+    }
+
+    /// Puts `vm` in the sandbox and starts the thread that waits for it to
+    /// end by itself and records why.
+    ///
+    /// Errors: the thread could not be spawned (the VM is kept; stopping
+    /// the sandbox stops it).
+    pub fn attach_vm(self: &Arc<Self>, vm: Box<dyn VmHandle>) -> std::io::Result<()> {
+        let watch = vm.exit_watch();
+        lock(&self.vm).vm = Some(vm);
+        self.spawn_monitor(watch)
+    }
+
+    /// Starts the monitor thread for the VM `watch` watches.
+    pub fn spawn_monitor(self: &Arc<Self>, watch: Box<dyn ExitWatch>) -> std::io::Result<()> {
+        let weak: Weak<Sandbox> = Arc::downgrade(self);
+        let monitor = std::thread::Builder::new().name(format!("mon-{}", self.id)).spawn(move || {
+            watch.wait(None);
+            if let Some(sb) = weak.upgrade() {
+                sb.on_vm_exit();
+            }
+        })?;
+        lock(&self.vm).monitor = Some(monitor);
+        Ok(())
+    }
+}
