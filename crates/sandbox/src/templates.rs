@@ -29,7 +29,8 @@ const META_FILE: &str = "template.json";
 /// Longest template name (bytes).
 const MAX_NAME: usize = 63;
 
-/// Errors of the template store. Messages say what to do next.
+/// Errors of the template store. Messages say what happened (callers add
+/// what to do next).
 #[derive(Debug, thiserror::Error)]
 pub enum TemplateError {
     /// The name is not usable.
@@ -38,13 +39,13 @@ pub enum TemplateError {
     )]
     BadName(String),
     /// No template has this name.
-    #[error("no template {0:?}; call template_list to see them, or sandbox_snapshot to make one")]
+    #[error("no template {0:?}")]
     NotFound(String),
     /// The name is taken.
-    #[error("a template named {0:?} exists already; choose another name")]
+    #[error("a template named {0:?} exists already")]
     Exists(String),
     /// The template was made from another kernel or root filesystem.
-    #[error("template {name:?} was made from another {what} than the server uses now; make it again (sandbox_snapshot, or `tine template build` for the default)")]
+    #[error("template {name:?} was made from another {what} than the server uses now")]
     Stale {
         /// The template.
         name: String,
@@ -62,7 +63,7 @@ pub enum TemplateError {
         source: SnapshotError,
     },
     /// `template.json` is missing or damaged.
-    #[error("template {name:?} is damaged: {reason}; delete {dir} and make it again")]
+    #[error("template {name:?} is damaged: {reason}")]
     Meta {
         /// The template.
         name: String,

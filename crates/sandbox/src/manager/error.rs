@@ -7,15 +7,16 @@ use super::{SandboxId, SandboxState};
 use crate::limits::LimitsError;
 use crate::templates::TemplateError;
 
-/// Errors of the manager. Messages are meant for the person or model that
-/// made the call: each says what to do next.
+/// Errors of the manager. Messages say what happened, in the domain's
+/// terms; what to do next depends on the caller (the MCP layer adds its
+/// hints, naming its tools).
 #[derive(Debug, thiserror::Error)]
 pub enum SandboxError {
     /// No sandbox has this id.
-    #[error("no sandbox {0}; call sandbox_list to see the live ones, or sandbox_create for a new one")]
+    #[error("no sandbox {0}")]
     NotFound(SandboxId),
     /// The live-sandbox cap is reached.
-    #[error("{live} sandboxes are live, the limit is {max}; kill one with sandbox_kill first")]
+    #[error("{live} sandboxes are live, the limit is {max}")]
     TooMany {
         /// Live sandboxes.
         live: usize,
@@ -26,7 +27,7 @@ pub enum SandboxError {
     #[error(transparent)]
     Limits(#[from] LimitsError),
     /// The sandbox is still booting.
-    #[error("sandbox {0} is still starting; try again in a few seconds")]
+    #[error("sandbox {0} is still starting")]
     Starting(SandboxId),
     /// Pause or resume does not apply in this state.
     #[error("sandbox {id} is {state:?}; {what} needs a running or paused sandbox")]
@@ -48,7 +49,7 @@ pub enum SandboxError {
         source: BackendError,
     },
     /// The sandbox is not running any more.
-    #[error("sandbox {id} is {state:?} and cannot run anything: {reason}. Kill it and create a new one")]
+    #[error("sandbox {id} is {state:?} and cannot run anything: {reason}")]
     NotRunning {
         /// The id.
         id: SandboxId,
@@ -96,7 +97,7 @@ pub enum SandboxError {
     #[error(transparent)]
     Template(#[from] TemplateError),
     /// The requested shape differs from the template's.
-    #[error("template {name:?} makes sandboxes of {vcpus} vCPUs and {memory_mib} MiB; leave out vcpus and memory_mib, or make a template of the shape you need")]
+    #[error("template {name:?} makes sandboxes of {vcpus} vCPUs and {memory_mib} MiB")]
     TemplateShape {
         /// The template.
         name: String,
@@ -144,7 +145,7 @@ pub enum SandboxError {
         max: usize,
     },
     /// A merge between sandboxes that are not parent and descendant.
-    #[error("sandbox {winner} was not branched from {parent} (its lineage: {lineage}); merge a sandbox into the one it was branched from, or an ancestor of it")]
+    #[error("sandbox {winner} was not branched from {parent} (its lineage: {lineage})")]
     NotDescendant {
         /// The would-be winner.
         winner: SandboxId,
