@@ -277,3 +277,34 @@ impl Manager {
 fn ms(d: Duration) -> f64 {
     (d.as_secs_f64() * 1e6).round() / 1e3
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `mode` serializes as the strings it was before it became
+    /// [`BranchMode`] (and its schema, with feature `schema`, is a string).
+    #[test]
+    fn branch_mode_serializes_as_before() {
+        let result = |mode| BranchResult {
+            sandbox_id: "sb-1".into(),
+            children: Vec::new(),
+            mode,
+            fallback_reason: None,
+            pause_ms: 0.0,
+            copy_ms: 0.0,
+            memory_copied_bytes: 0,
+            pages_copied_before_write: 0,
+            ready_ms: 0,
+        };
+        let v = serde_json::to_value(result(BranchMode::WriteProtect)).unwrap();
+        assert_eq!(v["mode"], "write_protect");
+        let v = serde_json::to_value(result(BranchMode::CopyWhilePaused)).unwrap();
+        assert_eq!(v["mode"], "copy_while_paused");
+        #[cfg(feature = "schema")]
+        {
+            let schema = serde_json::to_value(schemars::schema_for!(BranchResult)).unwrap();
+            assert_eq!(schema["properties"]["mode"]["type"], "string");
+        }
+    }
+}
