@@ -26,9 +26,13 @@ mod calls;
 mod control;
 mod diff;
 mod error;
+#[cfg(test)]
+mod fake;
 mod kvm;
 mod lifecycle;
 mod sandbox;
+#[cfg(test)]
+mod tests;
 
 pub use backend::BackendError;
 use backend::VmBackend;

@@ -1,0 +1,282 @@
+//! A fake VM backend for unit tests: no KVM, no kernel, no guest. A fake
+//! VM's "agent" is a thread answering the agent protocol (`tine_protocol`
+//! framing, after the hybrid-vsock `CONNECT <port>` handshake) on the Unix
+//! socket the manager connects to. Its guest has a tiny in-memory file
+//! system, which a branch point copies and a snapshot leaves alone; tests
+//! can make a start fail or a guest crash.
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use tine_protocol::{
+    read_message, write_message, AgentError, AgentInfo, ExecReply, ExitStatus, FileData, Op, Output, PythonReply,
+    Reply, Request, Response,
+};
+use vmm::BranchMode;
+
+use super::backend::{BackendError, BranchPoint, ExitWatch, VmBackend, VmEnd, VmHandle, VmSource, VmSpec};
+use crate::lock;
+
+/// A fake guest's files: path -> contents.
+type Files = BTreeMap<String, Vec<u8>>;
+
+/// Starts fake VMs; tests reach them by name (the sandbox id).
+#[derive(Default)]
+pub(crate) struct FakeBackend {
+    /// Starts still to fail.
+    fail_starts: AtomicUsize,
+    /// Every VM started, by name.
+    vms: Mutex<BTreeMap<String, Arc<Shared>>>,
+}
+
+impl FakeBackend {
+    /// Makes the next `n` starts fail.
+    pub fn fail_next_starts(&self, n: usize) {
+        self.fail_starts.store(n, Ordering::SeqCst);
+    }
+
+    /// Makes VM `name`'s guest crash (a guest fault), as a kernel panic would.
+    pub fn crash(&self, name: &str) {
+        let vm = lock(&self.vms).get(name).cloned().expect("a fake VM of that name");
+        vm.end(Some(VmEnd::GuestFault("the fake guest crashed".into())));
+    }
+
+    /// Whether VM `name`'s vCPUs are parked.
+    pub fn is_paused(&self, name: &str) -> bool {
+        lock(&self.vms).get(name).is_some_and(|vm| vm.paused.load(Ordering::SeqCst))
+    }
+}
+
+impl VmBackend for FakeBackend {
+    fn start(&self, spec: &VmSpec, source: &VmSource) -> Result<Box<dyn VmHandle>, BackendError> {
+        let failing = self.fail_starts.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+        if failing.is_ok() {
+            return Err(BackendError::new(std::io::Error::other("the fake VM refused to start")));
+        }
+        let files = match source {
+            VmSource::Boot | VmSource::Template(_) => Files::new(),
+            VmSource::Branch(image) => image
+                .downcast_ref::<Files>()
+                .cloned()
+                .ok_or_else(|| BackendError::new(std::io::Error::other("not a fake branch point")))?,
+        };
+        let listener = UnixListener::bind(&spec.agent_socket).map_err(BackendError::new)?;
+        let shared =
+            Arc::new(Shared { memory_bytes: spec.memory_mib << 20, files: Mutex::new(files), ..Shared::default() });
+        let agent = shared.clone();
+        std::thread::Builder::new()
+            .name(format!("fake-agent-{}", spec.name))
+            .spawn(move || agent.serve(listener))
+            .map_err(BackendError::new)?;
+        lock(&self.vms).insert(spec.name.clone(), shared.clone());
+        Ok(Box::new(FakeVm { shared, started: Instant::now(), agent_socket: spec.agent_socket.clone() }))
+    }
+}
+
+/// What a fake VM and its agent share.
+#[derive(Default)]
+struct Shared {
+    /// How it ended, once it did.
+    end: Mutex<Option<VmEnd>>,
+    ended: Condvar,
+    paused: AtomicBool,
+    memory_bytes: u64,
+    files: Mutex<Files>,
+    /// The agent's connections, shut down when the VM ends.
+    connections: Mutex<Vec<UnixStream>>,
+}
+
+impl Shared {
+    /// Ends the VM (if it has not ended): records `end`, wakes the
+    /// watchers and cuts the agent's connections.
+    fn end(&self, end: Option<VmEnd>) {
+        let mut e = lock(&self.end);
+        if e.is_none() {
+            *e = Some(end.unwrap_or(VmEnd::Stopped));
+        }
+        self.ended.notify_all();
+        drop(e);
+        for c in lock(&self.connections).drain(..) {
+            let _ = c.shutdown(std::net::Shutdown::Both);
+        }
+    }
+
+    fn is_ended(&self) -> bool {
+        lock(&self.end).is_some()
+    }
+
+    /// Accepts connections until the VM ends.
+    fn serve(self: Arc<Self>, listener: UnixListener) {
+        for stream in listener.incoming() {
+            if self.is_ended() {
+                return;
+            }
+            let Ok(stream) = stream else { return };
+            if let Ok(c) = stream.try_clone() {
+                lock(&self.connections).push(c);
+            }
+            let me = self.clone();
+            std::thread::spawn(move || me.connection(stream));
+        }
+    }
+
+    /// One connection: the handshake, then requests until it closes.
+    fn connection(&self, stream: UnixStream) {
+        let Ok(mut writer) = stream.try_clone() else { return };
+        let mut reader = BufReader::new(stream);
+        let mut line = String::new();
+        if reader.read_line(&mut line).is_err() || !line.starts_with("CONNECT ") {
+            return;
+        }
+        if writer.write_all(b"OK 1073741824\n").is_err() {
+            return;
+        }
+        while let Ok(Request { id, op }) = read_message::<_, Request>(&mut reader) {
+            let response = Response { id, result: self.answer(op) };
+            if write_message(&mut writer, &response).is_err() {
+                return;
+            }
+        }
+    }
+
+    /// The fake guest's answer to `op`.
+    fn answer(&self, op: Op) -> Result<Reply, AgentError> {
+        let output = |data: Vec<u8>| Output { total_bytes: data.len() as u64, data, truncated: false };
+        Ok(match op {
+            Op::Ping => Reply::Pong { agent_version: "fake".into() },
+            Op::Reseed(_) => Reply::Done,
+            Op::Info => Reply::Info(AgentInfo {
+                agent_version: "fake".into(),
+                protocol_version: tine_protocol::PROTOCOL_VERSION,
+                uptime_ms: 0,
+                mem_total: self.memory_bytes,
+                mem_available: self.memory_bytes / 2,
+                disk_total: 1 << 30,
+                disk_free: 1 << 29,
+                load: [0.0; 3],
+            }),
+            Op::Exec(e) => Reply::Exec(ExecReply {
+                status: ExitStatus::Code(0),
+                stdout: output(format!("{:?}", e.command).into_bytes()),
+                stderr: output(Vec::new()),
+                duration_ms: 0,
+            }),
+            Op::Python(p) => Reply::Python(PythonReply {
+                value: Some(p.code),
+                stdout: output(Vec::new()),
+                stderr: output(Vec::new()),
+                exception: None,
+                timed_out: false,
+            }),
+            Op::WriteFile(w) => {
+                let bytes = w.data.len() as u64;
+                let mut files = lock(&self.files);
+                let f = files.entry(w.path).or_default();
+                if !w.append {
+                    f.clear();
+                }
+                f.extend_from_slice(&w.data);
+                Reply::Written { bytes }
+            }
+            Op::ReadFile(r) => match lock(&self.files).get(&r.path) {
+                Some(data) => Reply::File(FileData { data: data.clone(), size: data.len() as u64 }),
+                None => return Err(AgentError::NotFound { path: r.path }),
+            },
+            other => {
+                return Err(AgentError::InvalidRequest { reason: format!("the fake agent does not serve {other:?}") })
+            }
+        })
+    }
+}
+
+impl ExitWatch for Arc<Shared> {
+    fn wait(&self, timeout: Option<Duration>) -> bool {
+        let end = lock(&self.end);
+        match timeout {
+            None => self.ended.wait_while(end, |e| e.is_none()).map(|e| e.is_some()).unwrap_or(true),
+            Some(t) => self.ended.wait_timeout_while(end, t, |e| e.is_none()).map(|(e, _)| e.is_some()).unwrap_or(true),
+        }
+    }
+
+    fn is_stopped(&self) -> bool {
+        self.is_ended()
+    }
+}
+
+/// A fake running VM.
+struct FakeVm {
+    shared: Arc<Shared>,
+    started: Instant,
+    agent_socket: PathBuf,
+}
+
+impl VmHandle for FakeVm {
+    fn started(&self) -> Instant {
+        self.started
+    }
+
+    fn agent_socket(&self) -> &Path {
+        &self.agent_socket
+    }
+
+    fn exit_watch(&self) -> Box<dyn ExitWatch> {
+        Box::new(self.shared.clone())
+    }
+
+    fn console_tail(&self, _lines: usize) -> String {
+        "fake console".into()
+    }
+
+    fn cpu_time(&self) -> Duration {
+        self.started.elapsed() / 100
+    }
+
+    fn resident_memory_bytes(&self) -> u64 {
+        self.shared.memory_bytes / 4
+    }
+
+    fn pause(&self, _timeout: Duration) -> Result<Duration, BackendError> {
+        if self.shared.is_ended() {
+            return Err(BackendError::new(std::io::Error::other("the fake VM has ended")));
+        }
+        self.shared.paused.store(true, Ordering::SeqCst);
+        Ok(Duration::from_micros(1))
+    }
+
+    fn resume(&self) {
+        self.shared.paused.store(false, Ordering::SeqCst);
+    }
+
+    fn is_paused(&self) -> bool {
+        self.shared.paused.load(Ordering::SeqCst)
+    }
+
+    fn snapshot(&self, dir: &Path) -> Result<(), BackendError> {
+        std::fs::write(dir.join("fake-snapshot"), b"").map_err(BackendError::new)
+    }
+
+    fn branch(&self, _pause_timeout: Duration) -> Result<BranchPoint, BackendError> {
+        let files = lock(&self.shared.files).clone();
+        Ok(BranchPoint {
+            image: Arc::new(files),
+            mode: BranchMode::CopyWhilePaused,
+            fallback_reason: Some("a fake VM".into()),
+            pause: Duration::from_micros(1),
+            total: Duration::from_micros(2),
+            bytes_written: 0,
+            pages_copied_before_write: 0,
+        })
+    }
+
+    fn stop(&mut self) -> VmEnd {
+        self.shared.end(None);
+        // Wake the accept loop so it sees the end.
+        let _ = UnixStream::connect(&self.agent_socket);
+        lock(&self.shared.end).replace(VmEnd::Stopped).unwrap_or(VmEnd::Stopped)
+    }
+}

@@ -1,0 +1,256 @@
+//! Unit tests of the manager over the fake VM backend ([`super::fake`]):
+//! lifecycle, limits and the reservation, pause and resume, crashes,
+//! branch lineage and merge, the idle reaper and shutdown. No `/dev/kvm`,
+//! kernel or root filesystem is needed; each test takes milliseconds.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::fake::FakeBackend;
+use super::{Manager, ManagerConfig, SandboxError, SandboxSpec, SandboxState};
+use crate::limits::Limits;
+
+/// A manager over the fake backend, on empty image files in a temporary
+/// directory.
+struct Setup {
+    dir: tempfile::TempDir,
+    backend: Arc<FakeBackend>,
+    manager: Arc<Manager>,
+}
+
+fn setup(limits: Limits) -> Setup {
+    let dir = tempfile::tempdir().unwrap();
+    let (kernel, rootfs) = (dir.path().join("vmlinux"), dir.path().join("rootfs.ext4"));
+    std::fs::write(&kernel, b"").unwrap();
+    std::fs::write(&rootfs, b"").unwrap();
+    let backend = Arc::new(FakeBackend::default());
+    let config = ManagerConfig {
+        kernel,
+        rootfs,
+        run_dir: dir.path().join("run"),
+        templates_dir: dir.path().join("templates"),
+        memory_backing: vmm::MemoryBacking::Private,
+        profile: vmm::HostProfile::BareMetal,
+        limits,
+    };
+    let manager = Manager::with_backend(config, backend.clone()).expect("a manager");
+    Setup { dir, backend, manager }
+}
+
+fn limits(max_sandboxes: usize) -> Limits {
+    Limits { max_sandboxes, boot_timeout_secs: 10, ..Limits::default() }
+}
+
+fn labeled(k: &str, v: &str) -> SandboxSpec {
+    SandboxSpec { labels: BTreeMap::from([(k.to_string(), v.to_string())]), ..SandboxSpec::default() }
+}
+
+/// The entries of the run directory (one per sandbox with files).
+fn run_entries(s: &Setup) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(s.dir.path().join("run"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    v.sort();
+    v
+}
+
+/// Waits up to 5 s for `cond`.
+async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !cond() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn create_list_info_call_and_kill() {
+    let s = setup(limits(4));
+    let a = s.manager.create(labeled("team", "a")).await.expect("create");
+    assert_eq!(a.sandbox_id, "sb-1");
+    assert_eq!(a.state, SandboxState::Running);
+    assert!(a.boot_ms.is_some());
+    assert_eq!((a.vcpus, a.memory_mib), (s.manager.limits().default_vcpus, s.manager.limits().default_memory_mib));
+    let b = s.manager.create(labeled("team", "b")).await.expect("create");
+    assert_eq!(b.sandbox_id, "sb-2");
+    assert_eq!(run_entries(&s), ["sb-1", "sb-2"]);
+
+    assert_eq!(s.manager.list(&BTreeMap::new()).len(), 2);
+    let only_a = s.manager.list(&labeled("team", "a").labels);
+    assert_eq!(only_a.iter().map(|i| i.sandbox_id.as_str()).collect::<Vec<_>>(), ["sb-1"]);
+
+    let info = s.manager.info("sb-1").await.unwrap();
+    let usage = info.usage.expect("a running sandbox reports its use");
+    assert_eq!(usage.guest_memory_total_bytes, Some(a.memory_mib << 20));
+    assert!(usage.disk_free_bytes.is_some());
+
+    // Agent calls go through the typed client to the fake agent.
+    let written = s.manager.write_file("sb-1", "/tmp/x".into(), b"hello".to_vec(), None, false).await.unwrap();
+    assert_eq!(written, 5);
+    assert_eq!(s.manager.read_file("sb-1", "/tmp/x".into(), 0, None).await.unwrap().data, b"hello");
+    let missing = s.manager.read_file("sb-1", "/nope".into(), 0, None).await.unwrap_err();
+    assert!(matches!(missing, SandboxError::Agent(tine_protocol::AgentError::NotFound { .. })), "{missing}");
+    let r = s.manager.exec("sb-1", super::ExecRequest { command: "true".into(), ..Default::default() }).await;
+    assert_eq!(r.unwrap().status, tine_protocol::ExitStatus::Code(0));
+
+    s.manager.kill("sb-1").await.unwrap();
+    assert!(matches!(s.manager.info("sb-1").await, Err(SandboxError::NotFound(_))));
+    assert!(matches!(s.manager.kill("sb-1").await, Err(SandboxError::NotFound(_))));
+    assert_eq!(run_entries(&s), ["sb-2"]);
+    assert!(s.manager.contains("sb-2") && s.manager.len() == 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_live_sandbox_cap_holds_and_a_failed_start_gives_its_slot_back() {
+    let s = setup(limits(2));
+    s.manager.create(SandboxSpec::default()).await.unwrap();
+    s.manager.create(SandboxSpec::default()).await.unwrap();
+    let e = s.manager.create(SandboxSpec::default()).await.unwrap_err();
+    assert!(matches!(e, SandboxError::TooMany { live: 2, max: 2 }), "{e}");
+    s.manager.kill("sb-1").await.unwrap();
+
+    // The VM does not start: no sandbox, no files, the slot is free again.
+    s.backend.fail_next_starts(1);
+    let e = s.manager.create(SandboxSpec::default()).await.unwrap_err();
+    assert!(matches!(e, SandboxError::Start(_)), "{e}");
+    assert_eq!(s.manager.len(), 1);
+    assert_eq!(run_entries(&s), ["sb-2"]);
+    let c = s.manager.create(SandboxSpec::default()).await.expect("the failed create's slot is free");
+    assert_eq!(c.sandbox_id, "sb-4", "ids are not reused");
+
+    // Requests outside the limits are refused before any reservation.
+    let e = s.manager.create(SandboxSpec { vcpus: Some(99), ..SandboxSpec::default() }).await.unwrap_err();
+    assert!(matches!(e, SandboxError::Limits(_)), "{e}");
+    assert_eq!(s.manager.len(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pause_and_resume_move_between_running_and_paused() {
+    let s = setup(limits(4));
+    let id = s.manager.create(SandboxSpec::default()).await.unwrap().sandbox_id;
+    assert_eq!(s.manager.pause(&id).await.unwrap().state, SandboxState::Paused);
+    assert!(s.backend.is_paused(&id));
+    assert_eq!(s.manager.pause(&id).await.unwrap().state, SandboxState::Paused, "pausing twice does nothing");
+    // A paused guest reports no guest figures, but its host use.
+    let info = s.manager.info(&id).await.unwrap();
+    assert_eq!(info.state, SandboxState::Paused);
+    assert_eq!(info.usage.unwrap().guest_memory_total_bytes, None);
+
+    assert_eq!(s.manager.resume(&id).await.unwrap().state, SandboxState::Running);
+    assert!(!s.backend.is_paused(&id));
+    assert_eq!(s.manager.resume(&id).await.unwrap().state, SandboxState::Running, "resuming twice does nothing");
+
+    // A call on a paused sandbox resumes it.
+    s.manager.pause(&id).await.unwrap();
+    s.manager.write_file(&id, "/f".into(), Vec::new(), None, false).await.unwrap();
+    assert_eq!(s.manager.info(&id).await.unwrap().state, SandboxState::Running);
+    assert!(!s.backend.is_paused(&id));
+
+    // A snapshot of a paused sandbox leaves it paused, and makes a template.
+    s.manager.pause(&id).await.unwrap();
+    let t = s.manager.snapshot(&id, "t1").await.expect("snapshot");
+    assert_eq!(t.name, "t1");
+    assert!(s.backend.is_paused(&id));
+    assert!(s.manager.templates().iter().any(|t| t.name == "t1"));
+
+    assert!(matches!(s.manager.pause("sb-9").await, Err(SandboxError::NotFound(_))));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crashed_guest_leaves_a_failed_sandbox() {
+    let s = setup(limits(4));
+    let id = s.manager.create(SandboxSpec::default()).await.unwrap().sandbox_id;
+    s.backend.crash(&id);
+    let m = s.manager.clone();
+    eventually("the failed state", || m.list(&BTreeMap::new())[0].state == SandboxState::Failed).await;
+    let info = s.manager.info(&id).await.unwrap();
+    assert_eq!(info.error.as_deref(), Some("the fake guest crashed"));
+    let e = s.manager.exec(&id, super::ExecRequest { command: "true".into(), ..Default::default() }).await;
+    assert!(matches!(e, Err(SandboxError::NotRunning { state: SandboxState::Failed, .. })), "{e:?}");
+    let e = s.manager.pause(&id).await.unwrap_err();
+    assert!(matches!(e, SandboxError::BadState { state: SandboxState::Failed, what: "pause", .. }), "{e}");
+    // A failed sandbox no longer counts as live, but stays until killed.
+    assert_eq!(s.manager.len(), 1);
+    s.manager.kill(&id).await.unwrap();
+    assert!(run_entries(&s).is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn branch_children_record_their_parent_and_merge_takes_the_childs_vm() {
+    let s = setup(limits(4));
+    let parent = s.manager.create(labeled("k", "v")).await.unwrap().sandbox_id;
+    s.manager.write_file(&parent, "/state".into(), b"before".to_vec(), None, false).await.unwrap();
+
+    let r = s.manager.branch(&parent, 2).await.expect("branch");
+    assert_eq!(r.sandbox_id, parent);
+    assert_eq!(r.mode, vmm::BranchMode::CopyWhilePaused);
+    let kids: Vec<String> = r.children.iter().map(|c| c.sandbox_id.clone()).collect();
+    assert_eq!(kids, ["sb-2", "sb-3"]);
+    for c in &r.children {
+        assert_eq!(c.state, SandboxState::Running);
+        assert_eq!(c.lineage.parent.as_deref(), Some(parent.as_str()));
+        assert!(c.lineage.branched_at_ms.is_some());
+        assert_eq!(c.labels, labeled("k", "v").labels, "children keep the source's labels");
+        // Each child starts from the source's files at the branch.
+        assert_eq!(s.manager.read_file(&c.sandbox_id, "/state".into(), 0, None).await.unwrap().data, b"before");
+    }
+    assert_eq!(s.manager.info(&parent).await.unwrap().lineage.children, kids);
+
+    // Too many children for the cap, or none: refused, nothing reserved.
+    let e = s.manager.branch(&parent, 2).await.unwrap_err();
+    assert!(matches!(e, SandboxError::BranchCount { n: 2, max: 1 }), "{e}");
+    let e = s.manager.branch(&parent, 0).await.unwrap_err();
+    assert!(matches!(e, SandboxError::BranchCount { n: 0, .. }), "{e}");
+    // Children that fail to start are all discarded.
+    s.backend.fail_next_starts(1);
+    let e = s.manager.branch("sb-2", 1).await.unwrap_err();
+    assert!(matches!(e, SandboxError::BranchChildren { failed: 1, n: 1, .. }), "{e}");
+    assert_eq!(s.manager.len(), 3);
+    assert!(s.manager.info("sb-2").await.unwrap().lineage.children.is_empty());
+
+    // A killed child leaves its parent's list.
+    s.manager.kill("sb-3").await.unwrap();
+    assert_eq!(s.manager.info(&parent).await.unwrap().lineage.children, ["sb-2"]);
+
+    // Merge: the parent now runs the child's VM; the child is gone.
+    s.manager.write_file("sb-2", "/state".into(), b"after".to_vec(), None, false).await.unwrap();
+    let e = s.manager.merge_into(&parent, "sb-2").await.unwrap_err();
+    assert!(matches!(e, SandboxError::NotDescendant { .. }), "{e}");
+    let merged = s.manager.merge_into("sb-2", &parent).await.expect("merge");
+    assert_eq!(merged.state, SandboxState::Running);
+    assert_eq!(merged.lineage.merged_from.as_deref(), Some("sb-2"));
+    assert!(merged.lineage.children.is_empty());
+    assert!(!s.manager.contains("sb-2"));
+    assert_eq!(s.manager.read_file(&parent, "/state".into(), 0, None).await.unwrap().data, b"after");
+    assert_eq!(run_entries(&s), ["sb-2"], "the parent keeps the winner's directory");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_reaper_kills_sandboxes_idle_past_their_timeout() {
+    let s = setup(limits(4));
+    let short = SandboxSpec { idle_timeout_secs: Some(1), ..SandboxSpec::default() };
+    let idle = s.manager.create(short).await.unwrap().sandbox_id;
+    let kept = s.manager.create(SandboxSpec::default()).await.unwrap().sandbox_id;
+    let _reaper = s.manager.spawn_reaper(Duration::from_millis(50));
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert!(s.manager.contains(&idle), "not idle long enough yet");
+    let m = s.manager.clone();
+    eventually("the idle sandbox's end", || !m.contains(&idle)).await;
+    assert!(s.manager.contains(&kept));
+    assert_eq!(run_entries(&s), [kept]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_kills_everything_and_refuses_new_sandboxes() {
+    let s = setup(limits(4));
+    s.manager.create(SandboxSpec::default()).await.unwrap();
+    s.manager.create(SandboxSpec::default()).await.unwrap();
+    s.manager.shutdown().await;
+    assert!(s.manager.is_empty());
+    assert!(run_entries(&s).is_empty());
+    let e = s.manager.create(SandboxSpec::default()).await.unwrap_err();
+    assert!(matches!(e, SandboxError::ShuttingDown), "{e}");
+}
