@@ -4,7 +4,7 @@
 //!
 //! # Lock order
 //!
-//! A sandbox has four mutexes. Whoever holds more than one takes them in
+//! A sandbox has five mutexes. Whoever holds more than one takes them in
 //! this order, and takes none of them before the manager's map except
 //! `control`:
 //!
