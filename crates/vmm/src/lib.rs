@@ -14,6 +14,7 @@ pub mod event_loop;
 pub mod host;
 pub mod memory;
 pub mod snapshot;
+pub mod sync;
 pub mod uffd;
 pub mod vcpu;
 pub mod vcpu_state;

@@ -12,6 +12,7 @@ use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
 use crate::devices::virtio::mmio::MmioTransport;
 use crate::devices::{LegacyDevices, PioEvent};
+use crate::sync::{lock, wait, wait_timeout};
 use crate::vcpu_state::{self, VcpuState, VcpuStateError};
 use crate::x86_64::paging::{translate, PagingState};
 
@@ -202,7 +203,7 @@ impl VcpuShared {
     /// Records `why` unless a reason was recorded already, and asks every
     /// vCPU to stop.
     pub fn finish(&self, why: GuestStop) {
-        let mut o = self.outcome.lock().unwrap_or_else(|e| e.into_inner());
+        let mut o = lock(&self.outcome);
         if o.is_none() {
             *o = Some(why);
         }
@@ -210,7 +211,7 @@ impl VcpuShared {
         drop(o);
         self.stopped.notify_all();
         // Parked vCPUs wake up and leave their run loops.
-        let _p = self.pause.lock().unwrap_or_else(|e| e.into_inner());
+        let _p = lock(&self.pause);
         self.pause_changed.notify_all();
     }
 
@@ -222,16 +223,16 @@ impl VcpuShared {
     /// Blocks until `stop` is set or `deadline` passes; returns whether
     /// the VM stopped.
     pub fn wait_stopped(&self, deadline: Option<Instant>) -> bool {
-        let mut o = self.outcome.lock().unwrap_or_else(|e| e.into_inner());
+        let mut o = lock(&self.outcome);
         while !self.stop.load(Ordering::SeqCst) {
             match deadline {
-                None => o = self.stopped.wait(o).unwrap_or_else(|e| e.into_inner()),
+                None => o = wait(&self.stopped, o),
                 Some(d) => {
                     let now = Instant::now();
                     if now >= d {
                         return false;
                     }
-                    o = self.stopped.wait_timeout(o, d - now).unwrap_or_else(|e| e.into_inner()).0;
+                    o = wait_timeout(&self.stopped, o, d - now);
                 }
             }
         }
@@ -263,8 +264,8 @@ impl Vcpu {
     /// left for it meanwhile.
     fn park_while_paused(&self) {
         let shared = &self.shared;
-        let lock = || shared.pause.lock().unwrap_or_else(|e| e.into_inner());
-        let mut p = lock();
+
+        let mut p = lock(&shared.pause);
         if !p.requested {
             return;
         }
@@ -278,14 +279,14 @@ impl Vcpu {
                     VcpuWork::Save => vcpu_state::save(&self.fd, self.index, &shared.msr_indices).map(Some),
                     VcpuWork::Restore(state) => vcpu_state::restore(&self.fd, &state).map(|()| None),
                 };
-                p = lock();
+                p = lock(&shared.pause);
                 if let Some(slot) = p.done.get_mut(i) {
                     *slot = Some(answer);
                 }
                 shared.pause_changed.notify_all();
                 continue;
             }
-            p = shared.pause_changed.wait(p).unwrap_or_else(|e| e.into_inner());
+            p = wait(&shared.pause_changed, p);
         }
         p.parked -= 1;
         shared.pause_changed.notify_all();
@@ -334,11 +335,11 @@ impl Vcpu {
             }
             let next = match self.fd.run() {
                 Ok(VcpuExit::IoIn(port, data)) => {
-                    self.shared.devices.lock().unwrap_or_else(|e| e.into_inner()).pio_read(port, data);
+                    lock(&self.shared.devices).pio_read(port, data);
                     Next::Continue
                 }
                 Ok(VcpuExit::IoOut(port, data)) => {
-                    let ev = self.shared.devices.lock().unwrap_or_else(|e| e.into_inner()).pio_write(port, data);
+                    let ev = lock(&self.shared.devices).pio_write(port, data);
                     match ev {
                         Some(PioEvent::PowerOff) => Next::Stop(GuestStop::PowerOff),
                         Some(PioEvent::Reset) => Next::Stop(GuestStop::Reset),
@@ -347,7 +348,7 @@ impl Vcpu {
                 }
                 Ok(VcpuExit::MmioRead(addr, data)) => {
                     match self.shared.mmio_device(addr) {
-                        Some((base, dev)) => dev.lock().unwrap_or_else(|e| e.into_inner()).read(addr - base, data),
+                        Some((base, dev)) => lock(dev).read(addr - base, data),
                         None => {
                             tracing::debug!(
                                 vcpu = self.index,
@@ -361,7 +362,7 @@ impl Vcpu {
                 }
                 Ok(VcpuExit::MmioWrite(addr, data)) => {
                     match self.shared.mmio_device(addr) {
-                        Some((base, dev)) => dev.lock().unwrap_or_else(|e| e.into_inner()).write(addr - base, data),
+                        Some((base, dev)) => lock(dev).write(addr - base, data),
                         None => tracing::debug!(
                             vcpu = self.index,
                             "MMIO write of {} bytes to unmapped GPA {addr:#x}",
@@ -418,7 +419,7 @@ impl Vcpu {
             }
         }
         if let Ok(regs) = self.fd.get_regs() {
-            let mut rips = self.shared.final_rips.lock().unwrap_or_else(|e| e.into_inner());
+            let mut rips = lock(&self.shared.final_rips);
             if let Some(slot) = rips.get_mut(self.index as usize) {
                 *slot = Some(regs.rip);
             }

@@ -23,6 +23,7 @@ use crate::event_loop::{EventLoop, EventLoopError};
 use crate::host::HostProfile;
 use crate::memory::{GuestRam, MemoryBacking, MemoryError, PageCopier, MMIO_GAP_START};
 use crate::snapshot::{file_crc32, CpuidLeaf, Snapshot, SnapshotError, SnapshotMemory, MEMORY_FILE};
+use crate::sync::{lock, wait_timeout};
 use crate::vcpu::{install_kick_handler, kick_signal, GuestFault, GuestStop, PauseState, Vcpu, VcpuShared, VcpuWork};
 use crate::vcpu_state::{VcpuState, VcpuStateError};
 use crate::x86_64::boot::{load_kernel, BootError};
@@ -408,7 +409,7 @@ impl Vm {
             // which can drop them (seen: a guest that never looked at the
             // vsock event queue until other traffic arrived). Again, now.
             for (_, _, t) in &mmio {
-                t.lock().unwrap_or_else(|e| e.into_inner()).reassert_interrupt();
+                lock(t).reassert_interrupt();
             }
         }
         let event_loop = EventLoop::spawn(&config.name, mmio.into_iter().map(|(_, _, d)| d).collect())?;
@@ -500,7 +501,7 @@ impl RunningVm {
     /// if its registers could not be read), by vCPU index. Filled once the
     /// VM has ended; for a VM stopped by timeout it says where the guest was.
     pub fn final_rips(&self) -> Vec<Option<u64>> {
-        self.shared.final_rips.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        lock(&self.shared.final_rips).clone()
     }
 
     /// Whether the VM has stopped (a vCPU recorded an outcome).
@@ -566,15 +567,15 @@ impl RunningVm {
     /// (the pause is then withdrawn).
     pub fn pause(&self, timeout: Duration) -> Result<Duration, VmError> {
         let start = Instant::now();
-        let lock = || self.shared.pause.lock().unwrap_or_else(|e| e.into_inner());
-        lock().requested = true;
+
+        lock(&self.shared.pause).requested = true;
         loop {
             if self.is_stopped() {
                 self.resume();
                 return Err(VmError::Stopped);
             }
             let running: Vec<_> = self.threads.iter().filter(|t| !t.is_finished()).collect();
-            let p = lock();
+            let p = lock(&self.shared.pause);
             if p.parked >= running.len() {
                 return Ok(start.elapsed());
             }
@@ -611,7 +612,7 @@ impl RunningVm {
                 p.work.iter_mut().for_each(|w| *w = None);
                 return Err(VcpuStateError::NoAnswer(missing as u8).into());
             }
-            p = self.shared.pause_changed.wait_timeout(p, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
+            p = wait_timeout(&self.shared.pause_changed, p, deadline - now);
         }
         p.done.iter_mut().map(|d| d.take().unwrap_or(Ok(None)).map_err(VmError::from)).collect()
     }
@@ -638,7 +639,7 @@ impl RunningVm {
 
     /// The pause state, locked, if every vCPU is parked (none has ended).
     fn paused_state(&self) -> Result<std::sync::MutexGuard<'_, PauseState>, VmError> {
-        let p = self.shared.pause.lock().unwrap_or_else(|e| e.into_inner());
+        let p = lock(&self.shared.pause);
         if !p.requested || p.parked < self.threads.len() || self.threads.iter().any(|t| t.is_finished()) {
             return Err(VmError::NotPaused);
         }
@@ -677,8 +678,7 @@ impl RunningVm {
     /// [`VmError::VmState`], [`VmError::Memory`], [`VmError::Snapshot`].
     pub fn snapshot(&self, dir: &std::path::Path) -> Result<Snapshot, VmError> {
         self.require_paused()?;
-        let guards: Vec<_> =
-            self.shared.mmio.iter().map(|(_, _, t)| t.lock().unwrap_or_else(|e| e.into_inner())).collect();
+        let guards: Vec<_> = self.shared.mmio.iter().map(|(_, _, t)| lock(t)).collect();
         let transports = guards.iter().map(|t| t.save_state()).collect();
         let vcpus = self.save_vcpu_states()?.into_iter().map(Arc::new).collect();
         let vm = crate::vm_state::save(&self.vm)?;
@@ -726,8 +726,7 @@ impl RunningVm {
         let taken = (|| {
             let memfd = crate::memory::new_memfd(&format!("tine-branch-{}", self.name), ram.size)
                 .map_err(MemoryError::Memfd)?;
-            let guards: Vec<_> =
-                self.shared.mmio.iter().map(|(_, _, t)| t.lock().unwrap_or_else(|e| e.into_inner())).collect();
+            let guards: Vec<_> = self.shared.mmio.iter().map(|(_, _, t)| lock(t)).collect();
             let transports: Vec<_> = guards.iter().map(|t| t.save_state()).collect();
             let vcpus: Vec<_> = self.save_vcpu_states()?.into_iter().map(Arc::new).collect();
             let vm = crate::vm_state::save(&self.vm)?;
@@ -798,14 +797,14 @@ impl RunningVm {
 
     /// Lets paused vCPUs run again (nothing happens if none is paused).
     pub fn resume(&self) {
-        let mut p = self.shared.pause.lock().unwrap_or_else(|e| e.into_inner());
+        let mut p = lock(&self.shared.pause);
         p.requested = false;
         self.shared.pause_changed.notify_all();
     }
 
     /// Whether a pause is in force.
     pub fn is_paused(&self) -> bool {
-        self.shared.pause.lock().unwrap_or_else(|e| e.into_inner()).requested
+        lock(&self.shared.pause).requested
     }
 
     fn kick_and_join(&mut self) {
@@ -824,7 +823,7 @@ impl RunningVm {
 
     fn outcome(&mut self) -> Result<VmExit, VmError> {
         self.kick_and_join();
-        let why = self.shared.outcome.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let why = lock(&self.shared.outcome).take();
         let console = || self.console_tail.last_lines(CONSOLE_LINES_IN_ERRORS);
         match why {
             Some(GuestStop::PowerOff) => Ok(VmExit::PowerOff),
