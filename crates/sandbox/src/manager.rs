@@ -16,7 +16,7 @@ use tine_protocol::{
     AgentError, Command, DirEntry, Exec, ExecReply, FileData, FileStat, Op, Python, PythonReply, ReadFile, Reply,
     Reseed, WriteFile,
 };
-use vmm::{DiskConfig, HostProfile, MemoryBacking, RunningVm, Vm, VmConfig, VmError, VmExit, VsockConfig};
+use vmm::{DiskConfig, HostProfile, MemoryBacking, RunningVm, VmConfig, VmError, VmExit, VsockConfig};
 
 use crate::limits::{Limits, LimitsError};
 
@@ -770,11 +770,11 @@ impl Manager {
 
         let backing = self.config.memory_backing;
         let vm = tokio::task::spawn_blocking(move || match origin {
-            Origin::Boot => Vm::start(&config),
-            Origin::Template(t) => Vm::restore(&config, &t.snapshot, backing),
+            Origin::Boot => vmm::build_for_boot(&config),
+            Origin::Template(t) => vmm::build_from_snapshot(&config, &t.snapshot, backing),
             // Children share the branch point's pages (MAP_PRIVATE of its
             // memfd) whatever the templates' backing.
-            Origin::Branch(s) => Vm::restore(&config, &s, MemoryBacking::Private),
+            Origin::Branch(s) => vmm::build_from_snapshot(&config, &s, MemoryBacking::Private),
         })
         .await
         .map_err(task_failed("VM start task"))?
@@ -948,7 +948,7 @@ impl Manager {
         // A default-template build gives up at its next check; wait for it.
         let mut building = self.default_building.subscribe();
         let _ = tokio::time::timeout(Duration::from_secs(30), building.wait_for(|b| !*b)).await;
-        // A boot still inside Vm::start when its sandbox was killed may have
+        // A boot still inside vmm::build_for_boot when its sandbox was killed may have
         // made files after the kill removed its directory.
         if let Ok(entries) = std::fs::read_dir(&self.config.run_dir) {
             for e in entries.flatten() {

@@ -17,7 +17,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
-use vmm::{HostProfile, Vm, VmConfig, VmExit};
+use vmm::{HostProfile, VmConfig, VmExit};
 
 #[derive(Parser)]
 #[command(name = "tine", version, about = "KVM microVM sandboxes for AI agents")]
@@ -325,7 +325,7 @@ fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         config.profile = p;
     }
     tracing::info!("host profile {}, command line: {}", config.profile, config.full_cmdline());
-    let mut vm = Vm::start(&config)?;
+    let mut vm = vmm::build_for_boot(&config)?;
     let started = vm.started();
     let exit =
         if args.timeout_secs > 0 { vm.wait_timeout(Duration::from_secs(args.timeout_secs))? } else { vm.wait()? };

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use vmm::vcpu::GuestFault;
-use vmm::{Vm, VmConfig, VmError};
+use vmm::{VmConfig, VmError};
 
 const LOAD_ADDR: u64 = 0x100_0000;
 
@@ -18,7 +18,7 @@ fn run_code(name: &str, code: &[u8]) -> Option<Result<vmm::VmExit, VmError>> {
     std::fs::write(&kernel, testkit::raw_code_elf(code, LOAD_ADDR)).unwrap();
     let mut config = VmConfig::new(name, &kernel);
     config.mem_mib = 64;
-    let mut vm = Vm::start(&config).expect("VM starts");
+    let mut vm = vmm::build_for_boot(&config).expect("VM starts");
     Some(vm.wait_timeout(Duration::from_secs(120)))
 }
 

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use vmm::{Vm, VmConfig, VmError, VmExit};
+use vmm::{VmConfig, VmError, VmExit};
 
 /// Generous: a boot takes ~22 s where the host emulates kernel mode.
 const BOOT_TIMEOUT: Duration = Duration::from_secs(600);
@@ -25,7 +25,7 @@ fn boot(name: &str, vcpus: u8, action: &str) -> Option<(Result<VmExit, VmError>,
     config.cmdline = format!("tine_init_action={action}");
     config.console_log = Some(dir.path().join("console.log"));
 
-    let mut vm = Vm::start(&config).expect("VM starts");
+    let mut vm = vmm::build_for_boot(&config).expect("VM starts");
     let console = vm.console().clone();
     let exit = vm.wait_timeout(BOOT_TIMEOUT);
     let text = console.text();
@@ -75,7 +75,7 @@ fn boots_a_bzimage() {
     let initrd = testkit::build_test_initramfs(dir.path());
     let mut config = VmConfig::new("boot-bzimage", testkit::bzimage());
     config.initrd = Some(initrd);
-    let mut vm = Vm::start(&config).expect("VM starts");
+    let mut vm = vmm::build_for_boot(&config).expect("VM starts");
     let console = vm.console().clone();
     let exit = vm.wait_timeout(BOOT_TIMEOUT);
     let text = console.text();
@@ -99,7 +99,7 @@ fn boots_from_a_virtio_blk_root_and_writes_a_data_disk() {
         vmm::DiskConfig { path: data.clone(), read_only: false, id: "tine-data-serial".into() },
     ];
     config.cmdline = "root=/dev/vda ro rootfstype=ext4 tine_init_disk=/dev/vdb".into();
-    let mut vm = Vm::start(&config).expect("VM starts");
+    let mut vm = vmm::build_for_boot(&config).expect("VM starts");
     let console = vm.console().clone();
     let exit = vm.wait_timeout(BOOT_TIMEOUT);
     let text = console.text();
