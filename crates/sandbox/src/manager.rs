@@ -16,7 +16,7 @@ use tine_protocol::{
     AgentError, Command, DirEntry, Exec, ExecReply, FileData, FileStat, Op, Python, PythonReply, ReadFile, Reply,
     Reseed, WriteFile,
 };
-use vmm::{DiskConfig, HostProfile, MemoryBacking, RunningVm, VmConfig, VmError, VmExit, VsockConfig};
+use vmm::{BuildError, ControlError, DiskConfig, HostProfile, MemoryBacking, RunningVm, VmConfig, VmExit, VsockConfig};
 
 use crate::limits::{Limits, LimitsError};
 
@@ -207,7 +207,7 @@ pub enum SandboxError {
         id: SandboxId,
         /// Why.
         #[source]
-        source: VmError,
+        source: ControlError,
     },
     /// The sandbox is not running any more.
     #[error("sandbox {id} is {state:?} and cannot run anything: {reason}. Kill it and create a new one")]
@@ -221,7 +221,7 @@ pub enum SandboxError {
     },
     /// The VM could not be started.
     #[error("could not start the VM: {0}")]
-    Start(#[source] VmError),
+    Start(#[source] BuildError),
     /// The guest booted but its agent never answered.
     #[error("the guest agent did not answer within {secs} s of boot ({reason}); last console lines:\n{console}")]
     Boot {
@@ -274,7 +274,7 @@ pub enum SandboxError {
         id: SandboxId,
         /// Why.
         #[source]
-        source: VmError,
+        source: ControlError,
     },
     /// Taking the branch point failed.
     #[error("cannot branch sandbox {id}: {source}")]
@@ -283,7 +283,7 @@ pub enum SandboxError {
         id: SandboxId,
         /// Why.
         #[source]
-        source: VmError,
+        source: ControlError,
     },
     /// Children of a branch did not start; none were kept.
     #[error("{failed} of {n} children of sandbox {id} did not start, so none were kept (first error: {first}); the source is unchanged")]
@@ -485,15 +485,13 @@ impl Sandbox {
     /// Called by the monitor thread when the VM has stopped on its own.
     fn on_vm_exit(&self) {
         let Some(mut vm) = lock(&self.vm).take() else { return };
-        let console = vm.console().last_lines(CONSOLE_TAIL_LINES);
         let outcome = vm.stop();
         drop(vm);
         let (state, error) = match outcome {
             Ok(VmExit::PowerOff) => (SandboxState::Stopped, "the guest powered off".to_string()),
             Ok(VmExit::Reset) => (SandboxState::Stopped, "the guest rebooted".to_string()),
             Ok(VmExit::Stopped) => return,
-            Err(e @ (VmError::Guest { .. } | VmError::GuestPanic { .. })) => (SandboxState::Failed, e.to_string()),
-            Err(e) => (SandboxState::Failed, format!("{e}\nlast console lines:\n{console}")),
+            Err(e) => (SandboxState::Failed, e.to_string()),
         };
         tracing::warn!(sandbox = %self.id, ?state, "sandbox ended: {}", error.lines().next().unwrap_or(""));
         self.end(state, Some(error));

@@ -27,5 +27,6 @@ pub use host::HostProfile;
 pub use memory::MemoryBacking;
 pub use snapshot::{Snapshot, SnapshotError, SnapshotMemory};
 pub use vm::{
-    build_for_boot, build_from_snapshot, DiskConfig, ExitWatcher, RunningVm, VmConfig, VmError, VmExit, VsockConfig,
+    build_for_boot, build_from_snapshot, BuildError, ControlError, DiskConfig, ExitWatcher, GuestError, RunningVm,
+    VmConfig, VmExit, VsockConfig,
 };

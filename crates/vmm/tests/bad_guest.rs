@@ -5,11 +5,11 @@
 use std::time::Duration;
 
 use vmm::vcpu::GuestFault;
-use vmm::{VmConfig, VmError};
+use vmm::{GuestError, VmConfig};
 
 const LOAD_ADDR: u64 = 0x100_0000;
 
-fn run_code(name: &str, code: &[u8]) -> Option<Result<vmm::VmExit, VmError>> {
+fn run_code(name: &str, code: &[u8]) -> Option<Result<vmm::VmExit, GuestError>> {
     if !testkit::kvm_available(name) {
         return None;
     }
@@ -22,9 +22,9 @@ fn run_code(name: &str, code: &[u8]) -> Option<Result<vmm::VmExit, VmError>> {
     Some(vm.wait_timeout(Duration::from_secs(120)))
 }
 
-fn fault_of(r: Result<vmm::VmExit, VmError>) -> GuestFault {
+fn fault_of(r: Result<vmm::VmExit, GuestError>) -> GuestFault {
     match r {
-        Err(VmError::Guest { fault, .. }) => *fault,
+        Err(GuestError::Fault { fault, .. }) => *fault,
         other => panic!("expected a guest fault, got {other:?}"),
     }
 }

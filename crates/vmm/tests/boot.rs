@@ -5,14 +5,14 @@
 
 use std::time::Duration;
 
-use vmm::{VmConfig, VmError, VmExit};
+use vmm::{GuestError, VmConfig, VmExit};
 
 /// Generous: a boot takes ~22 s where the host emulates kernel mode.
 const BOOT_TIMEOUT: Duration = Duration::from_secs(600);
 
 /// Boots with `vcpus` vCPUs and init action `action`; checks the marker
 /// and the cpuinfo line; returns the VM's end and the console text.
-fn boot(name: &str, vcpus: u8, action: &str) -> Option<(Result<VmExit, VmError>, String)> {
+fn boot(name: &str, vcpus: u8, action: &str) -> Option<(Result<VmExit, GuestError>, String)> {
     if !testkit::kvm_available(name) {
         return None;
     }
@@ -58,7 +58,7 @@ fn a_guest_kernel_panic_ends_the_vm_with_an_error() {
     let Some((exit, text)) = boot("boot-panic", 1, "exit") else { return };
     assert!(text.contains("TINE-INIT-EXIT"), "{text}");
     match exit {
-        Err(VmError::GuestPanic { line, console }) => {
+        Err(GuestError::Panic { line, console }) => {
             assert!(line.contains("Attempted to kill init"), "{line}");
             assert!(console.contains("Kernel panic"), "{console}");
         }

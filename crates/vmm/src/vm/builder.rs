@@ -12,33 +12,102 @@ use kvm_ioctls::{IoEventAddress, Kvm, VcpuFd, VmFd};
 use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
 
-use crate::devices::virtio::block::Block;
+use crate::devices::virtio::block::{Block, BlockError};
 use crate::devices::virtio::mmio::{reg, MmioTransport, MMIO_WINDOW};
+use crate::devices::virtio::vsock::muxer::MuxerError;
 use crate::devices::virtio::vsock::Vsock;
-use crate::devices::virtio::{Interrupt, VirtioDevice};
+use crate::devices::virtio::{Interrupt, VirtioDevice, VirtioError};
 use crate::devices::{self, Console, LegacyDevices};
-use crate::event_loop::EventLoop;
-use crate::memory::{GuestRam, MemoryBacking, MMIO_GAP_START};
-use crate::snapshot::{CpuidLeaf, Snapshot};
+use crate::event_loop::{EventLoop, EventLoopError};
+use crate::memory::{GuestRam, MemoryBacking, MemoryError, MMIO_GAP_START};
+use crate::snapshot::{CpuidLeaf, Snapshot, SnapshotError};
 use crate::sync::lock;
 use crate::vcpu::{install_kick_handler, PauseState, Vcpu, VcpuShared};
+use crate::vcpu_state::VcpuStateError;
 use crate::vm::config::VIRTIO_FIRST_IRQ;
 use crate::vm::running::{MmioSlot, RunningVm};
-use crate::vm::{VmConfig, VmError};
-use crate::x86_64::boot::load_kernel;
+use crate::vm::VmConfig;
+use crate::x86_64::boot::{load_kernel, BootError};
 use crate::x86_64::cpuid::{filter_cpuid, VcpuTopology};
-use crate::x86_64::mptable;
-use crate::x86_64::regs;
+use crate::x86_64::mptable::{self, MptableError};
+use crate::x86_64::regs::{self, RegsError};
 use crate::x86_64::{KVM_IDENTITY_MAP_ADDRESS, KVM_TSS_ADDRESS};
 
-fn setup(what: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> VmError {
-    move |source| VmError::KvmSetup { what, source }
+/// Errors of building a VM ([`build_for_boot`], [`build_from_snapshot`]);
+/// nothing is left running after one.
+#[derive(Debug, thiserror::Error)]
+pub enum BuildError {
+    /// The configuration is invalid.
+    #[error("invalid VM configuration: {0}")]
+    Config(String),
+    /// /dev/kvm cannot be opened.
+    #[error("cannot open /dev/kvm ({0}); is KVM available and are you in the kvm group (or root)?")]
+    Kvm(#[source] kvm_ioctls::Error),
+    /// A KVM set-up ioctl failed.
+    #[error("{what} failed: {source}")]
+    KvmSetup {
+        /// The ioctl.
+        what: &'static str,
+        /// The KVM error.
+        source: kvm_ioctls::Error,
+    },
+    /// Guest memory set-up failed.
+    #[error(transparent)]
+    Memory(#[from] MemoryError),
+    /// Kernel loading failed.
+    #[error(transparent)]
+    Boot(#[from] BootError),
+    /// The MP table cannot be written.
+    #[error(transparent)]
+    Mptable(#[from] MptableError),
+    /// vCPU register set-up failed.
+    #[error("vCPU {vcpu}: {source}")]
+    Regs {
+        /// The vCPU.
+        vcpu: u8,
+        /// What failed.
+        source: RegsError,
+    },
+    /// A device could not be created.
+    #[error(transparent)]
+    Device(#[from] devices::DeviceError),
+    /// A disk could not be opened.
+    #[error(transparent)]
+    Disk(#[from] BlockError),
+    /// The vsock device could not be set up.
+    #[error(transparent)]
+    Vsock(#[from] MuxerError),
+    /// A virtio device could not be set up.
+    #[error(transparent)]
+    Virtio(#[from] VirtioError),
+    /// The device event loop could not start.
+    #[error(transparent)]
+    EventLoop(#[from] EventLoopError),
+    /// A vCPU thread could not be started.
+    #[error("cannot start a vCPU thread: {0}")]
+    Thread(#[source] std::io::Error),
+    /// Saving or restoring a vCPU failed.
+    #[error(transparent)]
+    VcpuState(#[from] VcpuStateError),
+    /// Saving or restoring the VM-wide state failed.
+    #[error(transparent)]
+    VmState(#[from] crate::vm_state::VmStateError),
+    /// A snapshot could not be written, read, or does not fit this host.
+    #[error(transparent)]
+    Snapshot(#[from] SnapshotError),
+    /// A device's saved state does not fit it.
+    #[error(transparent)]
+    Restore(#[from] crate::devices::virtio::mmio::RestoreError),
+}
+
+fn setup(what: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> BuildError {
+    move |source| BuildError::KvmSetup { what, source }
 }
 
 /// Creates the VM, loads the kernel and starts every vCPU thread.
 ///
-/// Errors: any [`VmError`] set-up variant; nothing is left running on error.
-pub fn build_for_boot(config: &VmConfig) -> Result<RunningVm, VmError> {
+/// Errors: any [`BuildError`] set-up variant; nothing is left running on error.
+pub fn build_for_boot(config: &VmConfig) -> Result<RunningVm, BuildError> {
     let b = Builder::new(config)?;
     let ram = GuestRam::new(&config.name, config.memory_bytes()?)?;
     ram.register(&b.vm)?;
@@ -49,7 +118,7 @@ pub fn build_for_boot(config: &VmConfig) -> Result<RunningVm, VmError> {
     let kernel = load_kernel(&ram.memory, ram.size, &config.kernel, config.initrd.as_deref(), &cmdline)?;
     mptable::write(&ram.memory, config.vcpus)?;
     let vcpus = b.create_vcpus(&ram, &mmio, |index, fd, _| {
-        let regs_err = |source| VmError::Regs { vcpu: index, source };
+        let regs_err = |source| BuildError::Regs { vcpu: index, source };
         regs::setup_msrs(fd).map_err(regs_err)?;
         regs::setup_fpu(fd).map_err(regs_err)?;
         regs::setup_lapic(fd).map_err(regs_err)?;
@@ -71,13 +140,13 @@ pub fn build_for_boot(config: &VmConfig) -> Result<RunningVm, VmError> {
 /// of the new VM; its vCPU count and memory size must match the
 /// snapshot's. The kernel is not loaded.
 ///
-/// Errors: as [`build_for_boot`], plus [`VmError::Config`] for a snapshot
-/// that does not fit the configuration and [`VmError::Restore`].
+/// Errors: as [`build_for_boot`], plus [`BuildError::Config`] for a snapshot
+/// that does not fit the configuration and [`BuildError::Restore`].
 pub fn build_from_snapshot(
     config: &VmConfig,
     snapshot: &Snapshot,
     backing: MemoryBacking,
-) -> Result<RunningVm, VmError> {
+) -> Result<RunningVm, BuildError> {
     let b = Builder::new(config)?;
     config.check_fits(snapshot)?;
     let ram = GuestRam::from_snapshot(&config.name, &snapshot.memory, config.memory_bytes()?, backing)?;
@@ -112,10 +181,10 @@ struct Builder<'a> {
 impl<'a> Builder<'a> {
     /// Checks `config` and creates the KVM VM with its in-kernel
     /// interrupt controllers and PIT.
-    fn new(config: &'a VmConfig) -> Result<Self, VmError> {
+    fn new(config: &'a VmConfig) -> Result<Self, BuildError> {
         config.validate()?;
         let started = Instant::now();
-        let kvm = Kvm::new().map_err(VmError::Kvm)?;
+        let kvm = Kvm::new().map_err(BuildError::Kvm)?;
         let vm = kvm.create_vm().map_err(setup("KVM_CREATE_VM"))?;
         vm.set_tss_address(KVM_TSS_ADDRESS as usize).map_err(setup("KVM_SET_TSS_ADDR"))?;
         vm.set_identity_map_address(KVM_IDENTITY_MAP_ADDRESS).map_err(setup("KVM_SET_IDENTITY_MAP_ADDR"))?;
@@ -139,8 +208,8 @@ impl<'a> Builder<'a> {
             Box<dyn VirtioDevice>,
             GuestMemoryMmap,
             Arc<Interrupt>,
-        ) -> Result<MmioTransport, VmError>,
-    ) -> Result<Vec<MmioSlot>, VmError> {
+        ) -> Result<MmioTransport, BuildError>,
+    ) -> Result<Vec<MmioSlot>, BuildError> {
         let mut virtio: Vec<Box<dyn VirtioDevice>> = Vec::new();
         for d in &self.config.disks {
             virtio.push(Box::new(Block::open(&d.path, d.read_only, &d.id)?));
@@ -153,7 +222,7 @@ impl<'a> Builder<'a> {
             let base = MMIO_GAP_START + i as u64 * MMIO_WINDOW;
             let irq = VIRTIO_FIRST_IRQ + i as u32;
             let irqfd =
-                EventFd::new(libc::EFD_NONBLOCK).map_err(|e| VmError::Device(devices::DeviceError::EventFd(e)))?;
+                EventFd::new(libc::EFD_NONBLOCK).map_err(|e| BuildError::Device(devices::DeviceError::EventFd(e)))?;
             self.vm.register_irqfd(&irqfd, irq).map_err(setup("KVM_IRQFD"))?;
             let interrupt = Arc::new(Interrupt::new(irqfd));
             let t = transport(i, dev, ram.memory.clone(), interrupt)?;
@@ -175,11 +244,11 @@ impl<'a> Builder<'a> {
         &self,
         ram: &GuestRam,
         mmio: &[MmioSlot],
-        mut setup_vcpu: impl FnMut(u8, &VcpuFd, &CpuId) -> Result<(), VmError>,
-    ) -> Result<Vcpus, VmError> {
+        mut setup_vcpu: impl FnMut(u8, &VcpuFd, &CpuId) -> Result<(), BuildError>,
+    ) -> Result<Vcpus, BuildError> {
         let config = self.config;
         let serial_irq =
-            EventFd::new(libc::EFD_NONBLOCK).map_err(|e| VmError::Device(devices::DeviceError::EventFd(e)))?;
+            EventFd::new(libc::EFD_NONBLOCK).map_err(|e| BuildError::Device(devices::DeviceError::EventFd(e)))?;
         self.vm.register_irqfd(&serial_irq, devices::COM1_IRQ).map_err(setup("KVM_IRQFD"))?;
         let console = Console::new(config.console_log.as_deref(), config.console_stdout)?;
         let devices = LegacyDevices::new(serial_irq, console);
@@ -214,10 +283,10 @@ impl<'a> Builder<'a> {
     }
 
     /// Starts the device event loop and one thread per vCPU.
-    fn start(self, ram: GuestRam, mmio: Vec<MmioSlot>, vcpus: Vcpus) -> Result<RunningVm, VmError> {
+    fn start(self, ram: GuestRam, mmio: Vec<MmioSlot>, vcpus: Vcpus) -> Result<RunningVm, BuildError> {
         let config = self.config;
         let event_loop = EventLoop::spawn(&config.name, mmio.into_iter().map(|(_, _, d)| d).collect())?;
-        install_kick_handler().map_err(|e| VmError::Thread(std::io::Error::from_raw_os_error(e.errno())))?;
+        install_kick_handler().map_err(|e| BuildError::Thread(std::io::Error::from_raw_os_error(e.errno())))?;
         let Vcpus { vcpus, cpuids, shared } = vcpus;
         let console_tail = lock(&shared.devices).console_tail();
         let mut running = RunningVm {
@@ -237,7 +306,7 @@ impl<'a> Builder<'a> {
                 Ok(t) => running.threads.push(t),
                 Err(e) => {
                     let _ = running.stop();
-                    return Err(VmError::Thread(e));
+                    return Err(BuildError::Thread(e));
                 }
             }
         }

@@ -13,7 +13,7 @@ use crate::memory::{MemoryError, PageCopier};
 use crate::snapshot::{file_crc32, Snapshot, SnapshotError, SnapshotMemory, MEMORY_FILE};
 use crate::sync::lock;
 use crate::vcpu_state::VcpuState;
-use crate::vm::{RunningVm, VmError};
+use crate::vm::{ControlError, RunningVm};
 use crate::vm_state::VmState;
 
 /// A paused VM's state apart from guest RAM, taken at one instant.
@@ -37,9 +37,9 @@ impl RunningVm {
     /// it with every virtio transport still locked, so the caller can take
     /// guest RAM at the same instant.
     ///
-    /// Errors: [`VmError::NotPaused`], [`VmError::VcpuState`],
-    /// [`VmError::VmState`].
-    pub(crate) fn capture_state(&self) -> Result<(DeviceLocks<'_>, CapturedState), VmError> {
+    /// Errors: [`ControlError::NotPaused`], [`ControlError::VcpuState`],
+    /// [`ControlError::VmState`].
+    pub(crate) fn capture_state(&self) -> Result<(DeviceLocks<'_>, CapturedState), ControlError> {
         self.require_paused()?;
         let guards: Vec<_> = self.shared.mmio.iter().map(|(_, _, t)| lock(t)).collect();
         let transports = guards.iter().map(|t| t.save_state()).collect();
@@ -68,9 +68,9 @@ impl RunningVm {
     /// virtqueues meanwhile. The VM stays paused; resume or stop it
     /// afterwards.
     ///
-    /// Errors: [`VmError::NotPaused`], [`VmError::VcpuState`],
-    /// [`VmError::VmState`], [`VmError::Memory`], [`VmError::Snapshot`].
-    pub fn snapshot(&self, dir: &std::path::Path) -> Result<Snapshot, VmError> {
+    /// Errors: [`ControlError::NotPaused`], [`ControlError::VcpuState`],
+    /// [`ControlError::VmState`], [`ControlError::Memory`], [`ControlError::Snapshot`].
+    pub fn snapshot(&self, dir: &std::path::Path) -> Result<Snapshot, ControlError> {
         let (locks, state) = self.capture_state()?;
         let memory_file = dir.join(MEMORY_FILE);
         self.ram.write_to(&memory_file)?;
@@ -96,9 +96,9 @@ impl RunningVm {
     /// paused before the call stays paused. Blocks until the copy is
     /// complete.
     ///
-    /// Errors: [`VmError::Stopped`], [`VmError::PauseTimeout`],
-    /// [`VmError::VcpuState`], [`VmError::VmState`], [`VmError::Memory`].
-    pub fn branch(&self, pause_timeout: Duration) -> Result<(Snapshot, BranchReport), VmError> {
+    /// Errors: [`ControlError::Stopped`], [`ControlError::PauseTimeout`],
+    /// [`ControlError::VcpuState`], [`ControlError::VmState`], [`ControlError::Memory`].
+    pub fn branch(&self, pause_timeout: Duration) -> Result<(Snapshot, BranchReport), ControlError> {
         let start = Instant::now();
         let was_paused = self.is_paused();
         if !was_paused {
@@ -127,7 +127,7 @@ impl RunningVm {
             }
             let bytes_written = copier.bytes_written;
             drop(locks);
-            Ok::<_, VmError>((memfd, state, ranges, protection, bytes_written))
+            Ok::<_, ControlError>((memfd, state, ranges, protection, bytes_written))
         })();
         if !was_paused {
             self.resume();

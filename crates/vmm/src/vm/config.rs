@@ -9,7 +9,7 @@ use crate::devices;
 use crate::devices::virtio::vsock::MIN_GUEST_CID;
 use crate::host::HostProfile;
 use crate::snapshot::Snapshot;
-use crate::vm::VmError;
+use crate::vm::BuildError;
 use crate::x86_64::mptable::MAX_VCPUS;
 
 /// The command line every guest gets before the profile's and the user's:
@@ -105,9 +105,9 @@ impl VmConfig {
 
     /// Guest RAM in bytes.
     ///
-    /// Errors: [`VmError::Config`] if `mem_mib` overflows.
-    pub fn memory_bytes(&self) -> Result<u64, VmError> {
-        self.mem_mib.checked_mul(1 << 20).ok_or_else(|| VmError::Config("mem_mib overflows".into()))
+    /// Errors: [`BuildError::Config`] if `mem_mib` overflows.
+    pub fn memory_bytes(&self) -> Result<u64, BuildError> {
+        self.mem_mib.checked_mul(1 << 20).ok_or_else(|| BuildError::Config("mem_mib overflows".into()))
     }
 
     /// How many virtio devices the configuration asks for.
@@ -119,19 +119,19 @@ impl VmConfig {
     /// count, the memory size, the number of virtio devices and the vsock
     /// CID.
     ///
-    /// Errors: [`VmError::Config`] saying which limit is broken.
-    pub fn validate(&self) -> Result<(), VmError> {
+    /// Errors: [`BuildError::Config`] saying which limit is broken.
+    pub fn validate(&self) -> Result<(), BuildError> {
         if self.vcpus == 0 || self.vcpus > MAX_VCPUS {
-            return Err(VmError::Config(format!("vcpus must be 1..={MAX_VCPUS}, got {}", self.vcpus)));
+            return Err(BuildError::Config(format!("vcpus must be 1..={MAX_VCPUS}, got {}", self.vcpus)));
         }
         self.memory_bytes()?;
         let ndev = self.virtio_device_count();
         if ndev > MAX_VIRTIO_DEVICES {
-            return Err(VmError::Config(format!("at most {MAX_VIRTIO_DEVICES} virtio devices, got {ndev}")));
+            return Err(BuildError::Config(format!("at most {MAX_VIRTIO_DEVICES} virtio devices, got {ndev}")));
         }
         if let Some(v) = &self.vsock {
             if v.cid < MIN_GUEST_CID || v.cid > u64::from(u32::MAX) {
-                return Err(VmError::Config(format!(
+                return Err(BuildError::Config(format!(
                     "vsock CID {} is reserved or too large: use 3..=4294967295",
                     v.cid
                 )));
@@ -143,11 +143,11 @@ impl VmConfig {
     /// Checks that `snapshot` was taken of a VM of this shape: the same
     /// vCPU count, memory size and number of virtio devices.
     ///
-    /// Errors: [`VmError::Config`] naming both shapes.
-    pub fn check_fits(&self, snapshot: &Snapshot) -> Result<(), VmError> {
+    /// Errors: [`BuildError::Config`] naming both shapes.
+    pub fn check_fits(&self, snapshot: &Snapshot) -> Result<(), BuildError> {
         let mem_bytes = self.memory_bytes()?;
         if snapshot.mem_bytes != mem_bytes || snapshot.vcpus.len() != usize::from(self.vcpus) {
-            return Err(VmError::Config(format!(
+            return Err(BuildError::Config(format!(
                 "the snapshot has {} vCPUs and {} MiB; the configuration asks for {} and {} MiB",
                 snapshot.vcpus.len(),
                 snapshot.mem_bytes >> 20,
@@ -157,13 +157,13 @@ impl VmConfig {
         }
         let ndev = self.virtio_device_count();
         if snapshot.transports.len() < ndev {
-            return Err(VmError::Config(format!(
+            return Err(BuildError::Config(format!(
                 "the snapshot has {} virtio devices, fewer than configured",
                 snapshot.transports.len()
             )));
         }
         if snapshot.transports.len() != ndev {
-            return Err(VmError::Config(format!(
+            return Err(BuildError::Config(format!(
                 "the snapshot has {} virtio devices, the configuration {}",
                 snapshot.transports.len(),
                 ndev

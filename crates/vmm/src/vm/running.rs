@@ -15,18 +15,48 @@ use crate::devices::virtio::mmio::MmioTransport;
 use crate::devices::ConsoleTail;
 use crate::event_loop::EventLoop;
 use crate::memory::GuestRam;
+use crate::memory::MemoryError;
 use crate::snapshot::CpuidLeaf;
+use crate::snapshot::SnapshotError;
 use crate::sync::{lock, wait_timeout};
 use crate::vcpu::{kick_signal, GuestStop, PauseState, VcpuShared, VcpuWork};
 use crate::vcpu_state::{VcpuState, VcpuStateError};
-use crate::vm::{VmError, VmExit};
-
-/// Lines of console kept in error reports.
-const CONSOLE_LINES_IN_ERRORS: usize = 30;
+use crate::vm::outcome::outcome_of;
+use crate::vm::{GuestError, VmExit};
 
 /// A virtio-mmio device as the vCPUs see it: (base GPA, window size,
 /// transport).
 pub(crate) type MmioSlot = (u64, u64, Arc<Mutex<MmioTransport>>);
+
+/// Errors of controlling a running VM: pause, vCPU and VM state, snapshot,
+/// branch.
+#[derive(Debug, thiserror::Error)]
+pub enum ControlError {
+    /// The vCPUs did not all leave `KVM_RUN` in time for a pause.
+    #[error("the vCPUs did not stop within {0:?} for a pause")]
+    PauseTimeout(Duration),
+    /// The VM has stopped.
+    #[error("the VM has stopped")]
+    Stopped,
+    /// The operation needs a paused VM.
+    #[error("the VM must be paused first")]
+    NotPaused,
+    /// Saving or restoring a vCPU failed.
+    #[error(transparent)]
+    VcpuState(#[from] VcpuStateError),
+    /// Saving or restoring the VM-wide state failed.
+    #[error(transparent)]
+    VmState(#[from] crate::vm_state::VmStateError),
+    /// Guest memory set-up failed.
+    #[error(transparent)]
+    Memory(#[from] MemoryError),
+    /// A snapshot could not be written, read, or does not fit this host.
+    #[error(transparent)]
+    Snapshot(#[from] SnapshotError),
+    /// An argument does not fit the VM (e.g. a vCPU state count).
+    #[error("invalid VM configuration: {0}")]
+    Config(String),
+}
 
 /// Waits for a VM's end from any thread (see [`RunningVm::exit_watcher`]).
 #[derive(Clone)]
@@ -139,17 +169,17 @@ impl RunningVm {
     /// serving the host side (a paused guest simply does not run); the
     /// guest's clock goes on, so it sees the pause as lost time.
     ///
-    /// Errors: [`VmError::Stopped`] if the VM has ended,
-    /// [`VmError::PauseTimeout`] if a vCPU did not park within `timeout`
+    /// Errors: [`ControlError::Stopped`] if the VM has ended,
+    /// [`ControlError::PauseTimeout`] if a vCPU did not park within `timeout`
     /// (the pause is then withdrawn).
-    pub fn pause(&self, timeout: Duration) -> Result<Duration, VmError> {
+    pub fn pause(&self, timeout: Duration) -> Result<Duration, ControlError> {
         let start = Instant::now();
 
         lock(&self.shared.pause).requested = true;
         loop {
             if self.is_stopped() {
                 self.resume();
-                return Err(VmError::Stopped);
+                return Err(ControlError::Stopped);
             }
             let running: Vec<_> = self.threads.iter().filter(|t| !t.is_finished()).collect();
             let p = lock(&self.shared.pause);
@@ -159,7 +189,7 @@ impl RunningVm {
             if start.elapsed() >= timeout {
                 drop(p);
                 self.resume();
-                return Err(VmError::PauseTimeout(timeout));
+                return Err(ControlError::PauseTimeout(timeout));
             }
             // A kick can land just before a vCPU enters KVM_RUN and be
             // lost, so kick again until every vCPU is parked.
@@ -172,7 +202,7 @@ impl RunningVm {
 
     /// Has every parked vCPU do `work(index)` on its own thread and
     /// returns the answers by vCPU index.
-    fn on_parked_vcpus(&self, work: impl Fn(usize) -> VcpuWork) -> Result<Vec<Option<VcpuState>>, VmError> {
+    fn on_parked_vcpus(&self, work: impl Fn(usize) -> VcpuWork) -> Result<Vec<Option<VcpuState>>, ControlError> {
         const ANSWER_TIMEOUT: Duration = Duration::from_secs(10);
         let n = self.threads.len();
         let mut p = self.paused_state()?;
@@ -191,55 +221,55 @@ impl RunningVm {
             }
             p = wait_timeout(&self.shared.pause_changed, p, deadline - now);
         }
-        p.done.iter_mut().map(|d| d.take().unwrap_or(Ok(None)).map_err(VmError::from)).collect()
+        p.done.iter_mut().map(|d| d.take().unwrap_or(Ok(None)).map_err(ControlError::from)).collect()
     }
 
     /// Saves every vCPU's state (the VM must be paused), by vCPU index.
     ///
-    /// Errors: [`VmError::NotPaused`], [`VmError::VcpuState`].
-    pub fn save_vcpu_states(&self) -> Result<Vec<VcpuState>, VmError> {
+    /// Errors: [`ControlError::NotPaused`], [`ControlError::VcpuState`].
+    pub fn save_vcpu_states(&self) -> Result<Vec<VcpuState>, ControlError> {
         let answers = self.on_parked_vcpus(|_| VcpuWork::Save)?;
         answers.into_iter().enumerate().map(|(i, a)| a.ok_or(VcpuStateError::NoAnswer(i as u8).into())).collect()
     }
 
     /// Loads `states` (one per vCPU, by index) into the paused vCPUs.
     ///
-    /// Errors: [`VmError::NotPaused`], [`VmError::VcpuState`],
-    /// [`VmError::Config`] if the count differs from the vCPU count.
-    pub fn restore_vcpu_states(&self, states: &[Arc<VcpuState>]) -> Result<(), VmError> {
+    /// Errors: [`ControlError::NotPaused`], [`ControlError::VcpuState`],
+    /// [`ControlError::Config`] if the count differs from the vCPU count.
+    pub fn restore_vcpu_states(&self, states: &[Arc<VcpuState>]) -> Result<(), ControlError> {
         if states.len() != self.threads.len() {
-            return Err(VmError::Config(format!("{} vCPU states for {} vCPUs", states.len(), self.threads.len())));
+            return Err(ControlError::Config(format!("{} vCPU states for {} vCPUs", states.len(), self.threads.len())));
         }
         self.on_parked_vcpus(|i| VcpuWork::Restore(states[i].clone()))?;
         Ok(())
     }
 
     /// The pause state, locked, if every vCPU is parked (none has ended).
-    fn paused_state(&self) -> Result<std::sync::MutexGuard<'_, PauseState>, VmError> {
+    fn paused_state(&self) -> Result<std::sync::MutexGuard<'_, PauseState>, ControlError> {
         let p = lock(&self.shared.pause);
         if !p.requested || p.parked < self.threads.len() || self.threads.iter().any(|t| t.is_finished()) {
-            return Err(VmError::NotPaused);
+            return Err(ControlError::NotPaused);
         }
         Ok(p)
     }
 
-    pub(crate) fn require_paused(&self) -> Result<(), VmError> {
+    pub(crate) fn require_paused(&self) -> Result<(), ControlError> {
         self.paused_state().map(drop)
     }
 
     /// Saves the VM-wide state: interrupt controllers, PIT, clock (the VM
     /// must be paused).
     ///
-    /// Errors: [`VmError::NotPaused`], [`VmError::VmState`].
-    pub fn save_vm_state(&self) -> Result<crate::vm_state::VmState, VmError> {
+    /// Errors: [`ControlError::NotPaused`], [`ControlError::VmState`].
+    pub fn save_vm_state(&self) -> Result<crate::vm_state::VmState, ControlError> {
         self.require_paused()?;
         Ok(crate::vm_state::save(&self.vm)?)
     }
 
     /// Loads VM-wide state into the paused VM.
     ///
-    /// Errors: [`VmError::NotPaused`], [`VmError::VmState`].
-    pub fn restore_vm_state(&self, state: &crate::vm_state::VmState) -> Result<(), VmError> {
+    /// Errors: [`ControlError::NotPaused`], [`ControlError::VmState`].
+    pub fn restore_vm_state(&self, state: &crate::vm_state::VmState) -> Result<(), ControlError> {
         self.require_paused()?;
         Ok(crate::vm_state::restore(&self.vm, state)?)
     }
@@ -276,40 +306,28 @@ impl RunningVm {
         }
     }
 
-    fn outcome(&mut self) -> Result<VmExit, VmError> {
+    fn outcome(&mut self) -> Result<VmExit, GuestError> {
         self.kick_and_join();
         let why = lock(&self.shared.outcome).take();
-        let console = || self.console_tail.last_lines(CONSOLE_LINES_IN_ERRORS);
-        match why {
-            Some(GuestStop::PowerOff) => Ok(VmExit::PowerOff),
-            Some(GuestStop::Reset) => {
-                let text = self.console_tail.text();
-                match text.lines().rev().find(|l| l.contains("Kernel panic - not syncing")) {
-                    Some(line) => Err(VmError::GuestPanic { line: line.trim().to_string(), console: console() }),
-                    None => Ok(VmExit::Reset),
-                }
-            }
-            Some(GuestStop::Requested) | None => Ok(VmExit::Stopped),
-            Some(GuestStop::Fault(fault)) => Err(VmError::Guest { fault: Box::new(fault), console: console() }),
-        }
+        outcome_of(why, &self.console_tail)
     }
 
     /// Waits until the guest ends the VM.
-    pub fn wait(&mut self) -> Result<VmExit, VmError> {
+    pub fn wait(&mut self) -> Result<VmExit, GuestError> {
         self.shared.wait_stopped(None);
         self.outcome()
     }
 
     /// Waits up to `timeout` for the guest to end the VM; on timeout the
     /// VM is stopped and `Ok(VmExit::Stopped)` returned.
-    pub fn wait_timeout(&mut self, timeout: Duration) -> Result<VmExit, VmError> {
+    pub fn wait_timeout(&mut self, timeout: Duration) -> Result<VmExit, GuestError> {
         self.shared.wait_stopped(Some(Instant::now() + timeout));
         self.shared.finish(GuestStop::Requested);
         self.outcome()
     }
 
     /// Stops the VM now and waits for its vCPU threads.
-    pub fn stop(&mut self) -> Result<VmExit, VmError> {
+    pub fn stop(&mut self) -> Result<VmExit, GuestError> {
         self.shared.finish(GuestStop::Requested);
         self.outcome()
     }
