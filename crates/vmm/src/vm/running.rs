@@ -24,6 +24,10 @@ use crate::vcpu_state::{VcpuState, VcpuStateError};
 use crate::vm::outcome::outcome_of;
 use crate::vm::{GuestError, VmExit};
 
+/// How long stopping waits for the vCPU threads before it reports them
+/// and kicks them again.
+const VCPU_STOP_WAIT: Duration = Duration::from_secs(1);
+
 /// A virtio-mmio device as the vCPUs see it: (base GPA, window size,
 /// transport).
 pub(crate) type MmioSlot = (u64, u64, Arc<Mutex<MmioTransport>>);
@@ -174,29 +178,37 @@ impl RunningVm {
     /// (the pause is then withdrawn).
     pub fn pause(&self, timeout: Duration) -> Result<Duration, ControlError> {
         let start = Instant::now();
-
+        let deadline = start + timeout;
         lock(&self.shared.pause).requested = true;
+        // One kick per vCPU is enough: `immediate_exit` makes a vCPU about to
+        // enter `KVM_RUN` return at once (see `crate::vcpu`).
+        self.kick_all();
+        let mut p = lock(&self.shared.pause);
         loop {
             if self.is_stopped() {
+                drop(p);
                 self.resume();
                 return Err(ControlError::Stopped);
             }
-            let running: Vec<_> = self.threads.iter().filter(|t| !t.is_finished()).collect();
-            let p = lock(&self.shared.pause);
-            if p.parked >= running.len() {
+            if p.parked + p.exited >= self.threads.len() {
                 return Ok(start.elapsed());
             }
-            if start.elapsed() >= timeout {
+            let now = Instant::now();
+            if now >= deadline {
                 drop(p);
                 self.resume();
                 return Err(ControlError::PauseTimeout(timeout));
             }
-            // A kick can land just before a vCPU enters KVM_RUN and be
-            // lost, so kick again until every vCPU is parked.
-            for t in &running {
-                let _ = t.kill(kick_signal());
-            }
-            let _ = self.shared.pause_changed.wait_timeout(p, Duration::from_millis(2));
+            // Parking vCPUs, exiting vCPUs and `VcpuShared::finish` all
+            // notify `pause_changed` while holding `pause`.
+            p = wait_timeout(&self.shared.pause_changed, p, deadline - now);
+        }
+    }
+
+    /// Sends the kick signal to every vCPU thread that is still running.
+    fn kick_all(&self) {
+        for t in self.threads.iter().filter(|t| !t.is_finished()) {
+            let _ = t.kill(kick_signal());
         }
     }
 
@@ -292,15 +304,28 @@ impl RunningVm {
         lock(&self.shared.pause).requested
     }
 
+    /// Kicks every vCPU out of `KVM_RUN` (the stop flag is set already),
+    /// waits for their run loops to end and joins their threads. A vCPU
+    /// that has not ended after [`VCPU_STOP_WAIT`] (a device call that
+    /// blocks, not a lost kick) is reported and kicked again.
     fn kick_and_join(&mut self) {
-        // A kick can land just before a vCPU enters KVM_RUN and be lost, so
-        // keep kicking until every thread has seen the stop flag.
-        while self.threads.iter().any(|t| !t.is_finished()) {
-            for t in self.threads.iter().filter(|t| !t.is_finished()) {
-                let _ = t.kill(kick_signal());
+        self.kick_all();
+        let mut deadline = Instant::now() + VCPU_STOP_WAIT;
+        let mut p = lock(&self.shared.pause);
+        while p.exited < self.threads.len() {
+            let now = Instant::now();
+            if now >= deadline {
+                tracing::warn!(name = %self.name, "{} of {} vCPU threads have not stopped within {:?}; kicking them again",
+                    self.threads.len() - p.exited, self.threads.len(), VCPU_STOP_WAIT);
+                drop(p);
+                self.kick_all();
+                deadline = Instant::now() + VCPU_STOP_WAIT;
+                p = lock(&self.shared.pause);
+                continue;
             }
-            std::thread::sleep(Duration::from_millis(2));
+            p = wait_timeout(&self.shared.pause_changed, p, deadline - now);
         }
+        drop(p);
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
