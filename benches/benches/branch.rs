@@ -73,7 +73,7 @@ fn main() {
     for &mib in &sizes {
         let uds = dir.path().join(format!("b{mib}.vsock"));
         let mut config = testkit::agent_vm_config(&format!("bench-branch-{mib}"), &uds);
-        config.mem_mib = mib;
+        config.memory_mib = mib;
         let vm = vmm::build_for_boot(&config).expect("the VM starts");
         assert!(
             vm.console().wait_for("listening on vsock port 1024", Duration::from_secs(1800)),

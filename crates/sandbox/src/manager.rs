@@ -16,7 +16,9 @@ use tine_protocol::{
     AgentError, Command, DirEntry, Exec, ExecReply, FileData, FileStat, Op, Python, PythonReply, ReadFile, Reply,
     Reseed, WriteFile,
 };
-use vmm::{BuildError, ControlError, DiskConfig, HostProfile, MemoryBacking, RunningVm, VmConfig, VmExit, VsockConfig};
+use vmm::{
+    BuildError, ControlError, DiskConfig, HostProfile, MemoryBacking, RunningVm, VmConfig, VmOutcome, VsockConfig,
+};
 
 use crate::limits::{Limits, LimitsError};
 
@@ -488,9 +490,9 @@ impl Sandbox {
         let outcome = vm.stop();
         drop(vm);
         let (state, error) = match outcome {
-            Ok(VmExit::PowerOff) => (SandboxState::Stopped, "the guest powered off".to_string()),
-            Ok(VmExit::Reset) => (SandboxState::Stopped, "the guest rebooted".to_string()),
-            Ok(VmExit::Stopped) => return,
+            Ok(VmOutcome::PowerOff) => (SandboxState::Stopped, "the guest powered off".to_string()),
+            Ok(VmOutcome::Reset) => (SandboxState::Stopped, "the guest rebooted".to_string()),
+            Ok(VmOutcome::Stopped) => return,
             Err(e) => (SandboxState::Failed, e.to_string()),
         };
         tracing::warn!(sandbox = %self.id, ?state, "sandbox ended: {}", error.lines().next().unwrap_or(""));
@@ -760,7 +762,7 @@ impl Manager {
         let mut config = VmConfig::new(sb.id.clone(), &self.config.kernel);
         config.profile = self.config.profile;
         config.vcpus = sb.vcpus;
-        config.mem_mib = sb.memory_mib;
+        config.memory_mib = sb.memory_mib;
         config.console_log = Some(dir.join("console.log"));
         config.disks = vec![DiskConfig { path: self.config.rootfs.clone(), read_only: true, id: "root".into() }];
         config.vsock = Some(VsockConfig { cid: GUEST_CID, uds_path: uds.clone() });

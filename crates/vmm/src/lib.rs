@@ -28,5 +28,5 @@ pub use memory::MemoryBacking;
 pub use snapshot::{Snapshot, SnapshotError, SnapshotMemory};
 pub use vm::{
     build_for_boot, build_from_snapshot, BuildError, ControlError, DiskConfig, ExitWatcher, GuestError, RunningVm,
-    VmConfig, VmExit, VsockConfig,
+    VmConfig, VmOutcome, VsockConfig,
 };

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use tine_protocol::{AgentError, Command, Exec, ExitStatus, Op, Python, ReadFile, Reply, Reseed, WriteFile};
-use vmm::{DiskConfig, VmConfig, VmExit, VsockConfig};
+use vmm::{DiskConfig, VmConfig, VmOutcome, VsockConfig};
 
 fn shell(script: &str, timeout_ms: u32, output_limit: u32) -> Op {
     Op::Exec(Exec {
@@ -129,7 +129,7 @@ fn agent_serves_exec_files_and_info_over_vsock() {
         output_limit: 0,
     }));
     let exit = vm.wait_timeout(Duration::from_secs(120));
-    assert!(matches!(exit, Ok(VmExit::PowerOff)), "{exit:?}\n{}", console.last_lines(20));
+    assert!(matches!(exit, Ok(VmOutcome::PowerOff)), "{exit:?}\n{}", console.last_lines(20));
 }
 
 #[test]

@@ -9,7 +9,7 @@ use vmm::{GuestError, VmConfig};
 
 const LOAD_ADDR: u64 = 0x100_0000;
 
-fn run_code(name: &str, code: &[u8]) -> Option<Result<vmm::VmExit, GuestError>> {
+fn run_code(name: &str, code: &[u8]) -> Option<Result<vmm::VmOutcome, GuestError>> {
     if !testkit::kvm_available(name) {
         return None;
     }
@@ -17,12 +17,12 @@ fn run_code(name: &str, code: &[u8]) -> Option<Result<vmm::VmExit, GuestError>> 
     let kernel = dir.path().join("garbage.elf");
     std::fs::write(&kernel, testkit::raw_code_elf(code, LOAD_ADDR)).unwrap();
     let mut config = VmConfig::new(name, &kernel);
-    config.mem_mib = 64;
+    config.memory_mib = 64;
     let mut vm = vmm::build_for_boot(&config).expect("VM starts");
     Some(vm.wait_timeout(Duration::from_secs(120)))
 }
 
-fn fault_of(r: Result<vmm::VmExit, GuestError>) -> GuestFault {
+fn fault_of(r: Result<vmm::VmOutcome, GuestError>) -> GuestFault {
     match r {
         Err(GuestError::Fault { fault, .. }) => *fault,
         other => panic!("expected a guest fault, got {other:?}"),

@@ -7,7 +7,7 @@
 
 use std::time::Duration;
 
-use vmm::VmExit;
+use vmm::VmOutcome;
 
 const PORT: u32 = 5000;
 const PINGS: u64 = 200;
@@ -44,5 +44,5 @@ fn guest_listener_exchanges_bytes_both_ways_over_vsock() {
     let text = console.text();
     assert!(text.contains("EXT4-fs (vda): mounted filesystem"), "root not on virtio-blk:\n{text}");
     assert!(text.contains(&format!("TINE-INIT-VSOCK ok bytes={n} pings={PINGS}")), "{text}");
-    assert!(matches!(exit, Ok(VmExit::PowerOff)), "{exit:?}\n{text}");
+    assert!(matches!(exit, Ok(VmOutcome::PowerOff)), "{exit:?}\n{text}");
 }

@@ -310,7 +310,7 @@ impl<'a> Builder<'a> {
                 }
             }
         }
-        tracing::info!(name = %config.name, vcpus = config.vcpus, mem_mib = config.mem_mib, profile = %config.profile,
+        tracing::info!(name = %config.name, vcpus = config.vcpus, memory_mib = config.memory_mib, profile = %config.profile,
             "VM started in {:?}", self.started.elapsed());
         Ok(running)
     }

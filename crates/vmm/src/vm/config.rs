@@ -59,7 +59,7 @@ pub struct VmConfig {
     /// profile's parameters.
     pub cmdline: String,
     /// Guest RAM in MiB.
-    pub mem_mib: u64,
+    pub memory_mib: u64,
     /// vCPUs, 1..=[`MAX_VCPUS`].
     pub vcpus: u8,
     /// Where the serial console is logged.
@@ -83,7 +83,7 @@ impl VmConfig {
             kernel: kernel.into(),
             initrd: None,
             cmdline: String::new(),
-            mem_mib: 256,
+            memory_mib: 256,
             vcpus: 1,
             console_log: None,
             console_stdout: false,
@@ -105,9 +105,9 @@ impl VmConfig {
 
     /// Guest RAM in bytes.
     ///
-    /// Errors: [`BuildError::Config`] if `mem_mib` overflows.
+    /// Errors: [`BuildError::Config`] if `memory_mib` overflows.
     pub fn memory_bytes(&self) -> Result<u64, BuildError> {
-        self.mem_mib.checked_mul(1 << 20).ok_or_else(|| BuildError::Config("mem_mib overflows".into()))
+        self.memory_mib.checked_mul(1 << 20).ok_or_else(|| BuildError::Config("memory_mib overflows".into()))
     }
 
     /// How many virtio devices the configuration asks for.
@@ -152,7 +152,7 @@ impl VmConfig {
                 snapshot.vcpus.len(),
                 snapshot.mem_bytes >> 20,
                 self.vcpus,
-                self.mem_mib
+                self.memory_mib
             )));
         }
         let ndev = self.virtio_device_count();
@@ -198,9 +198,9 @@ mod tests {
         c.vcpus = 0;
         assert!(c.validate().unwrap_err().to_string().contains("vcpus must be 1..="));
         c.vcpus = 1;
-        c.mem_mib = u64::MAX;
-        assert!(c.validate().unwrap_err().to_string().contains("mem_mib overflows"));
-        c.mem_mib = 256;
+        c.memory_mib = u64::MAX;
+        assert!(c.validate().unwrap_err().to_string().contains("memory_mib overflows"));
+        c.memory_mib = 256;
         c.vsock = Some(VsockConfig { cid: 2, uds_path: "/nonexistent".into() });
         assert!(c.validate().unwrap_err().to_string().contains("vsock CID 2 is reserved"));
     }

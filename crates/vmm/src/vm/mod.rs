@@ -13,5 +13,5 @@ pub mod running;
 
 pub use builder::{build_for_boot, build_from_snapshot, BuildError};
 pub use config::{base_cmdline, DiskConfig, VmConfig, VsockConfig, MAX_VIRTIO_DEVICES, VIRTIO_FIRST_IRQ};
-pub use outcome::{GuestError, VmExit};
+pub use outcome::{GuestError, VmOutcome};
 pub use running::{ControlError, ExitWatcher, RunningVm};

@@ -1,4 +1,4 @@
-//! How a VM ended: [`VmExit`] when the guest (or the VMM) ended it
+//! How a VM ended: [`VmOutcome`] when the guest (or the VMM) ended it
 //! cleanly, [`GuestError`] when the guest failed (a fault KVM reported, or
 //! a kernel panic read from the console before the guest's reset).
 
@@ -10,7 +10,7 @@ const CONSOLE_LINES_IN_ERRORS: usize = 30;
 
 /// How a VM ended without error.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum VmExit {
+pub enum VmOutcome {
     /// The guest powered off.
     PowerOff,
     /// The guest reset itself (a microVM does not reboot; the VM ends).
@@ -43,18 +43,18 @@ pub enum GuestError {
 /// The outcome of a VM whose vCPUs stopped for `why` (`None`: nothing was
 /// recorded, i.e. the VMM stopped it), reading `console_tail` for a kernel
 /// panic before a reset.
-pub(crate) fn outcome_of(why: Option<GuestStop>, console_tail: &ConsoleTail) -> Result<VmExit, GuestError> {
+pub(crate) fn outcome_of(why: Option<GuestStop>, console_tail: &ConsoleTail) -> Result<VmOutcome, GuestError> {
     let console = || console_tail.last_lines(CONSOLE_LINES_IN_ERRORS);
     match why {
-        Some(GuestStop::PowerOff) => Ok(VmExit::PowerOff),
+        Some(GuestStop::PowerOff) => Ok(VmOutcome::PowerOff),
         Some(GuestStop::Reset) => {
             let text = console_tail.text();
             match text.lines().rev().find(|l| l.contains("Kernel panic - not syncing")) {
                 Some(line) => Err(GuestError::Panic { line: line.trim().to_string(), console: console() }),
-                None => Ok(VmExit::Reset),
+                None => Ok(VmOutcome::Reset),
             }
         }
-        Some(GuestStop::Requested) | None => Ok(VmExit::Stopped),
+        Some(GuestStop::Requested) | None => Ok(VmOutcome::Stopped),
         Some(GuestStop::Fault(fault)) => Err(GuestError::Fault { fault: Box::new(fault), console: console() }),
     }
 }

@@ -1,6 +1,6 @@
 //! A started VM's control: [`RunningVm`] pauses and resumes its vCPUs,
 //! runs work on parked vCPUs (save or load their state), stops it, waits
-//! for its end and turns that end into a [`VmExit`] or a guest error; and
+//! for its end and turns that end into a [`VmOutcome`] or a guest error; and
 //! [`ExitWatcher`] waits for the end from another thread.
 
 use std::sync::atomic::Ordering;
@@ -22,7 +22,7 @@ use crate::sync::{lock, wait_timeout};
 use crate::vcpu::{kick_signal, GuestStop, PauseState, VcpuShared, VcpuWork};
 use crate::vcpu_state::{VcpuState, VcpuStateError};
 use crate::vm::outcome::outcome_of;
-use crate::vm::{GuestError, VmExit};
+use crate::vm::{GuestError, VmOutcome};
 
 /// How long stopping waits for the vCPU threads before it reports them
 /// and kicks them again.
@@ -331,28 +331,28 @@ impl RunningVm {
         }
     }
 
-    fn outcome(&mut self) -> Result<VmExit, GuestError> {
+    fn outcome(&mut self) -> Result<VmOutcome, GuestError> {
         self.kick_and_join();
         let why = lock(&self.shared.outcome).take();
         outcome_of(why, &self.console_tail)
     }
 
     /// Waits until the guest ends the VM.
-    pub fn wait(&mut self) -> Result<VmExit, GuestError> {
+    pub fn wait(&mut self) -> Result<VmOutcome, GuestError> {
         self.shared.wait_stopped(None);
         self.outcome()
     }
 
     /// Waits up to `timeout` for the guest to end the VM; on timeout the
-    /// VM is stopped and `Ok(VmExit::Stopped)` returned.
-    pub fn wait_timeout(&mut self, timeout: Duration) -> Result<VmExit, GuestError> {
+    /// VM is stopped and `Ok(VmOutcome::Stopped)` returned.
+    pub fn wait_timeout(&mut self, timeout: Duration) -> Result<VmOutcome, GuestError> {
         self.shared.wait_stopped(Some(Instant::now() + timeout));
         self.shared.finish(GuestStop::Requested);
         self.outcome()
     }
 
     /// Stops the VM now and waits for its vCPU threads.
-    pub fn stop(&mut self) -> Result<VmExit, GuestError> {
+    pub fn stop(&mut self) -> Result<VmOutcome, GuestError> {
         self.shared.finish(GuestStop::Requested);
         self.outcome()
     }
