@@ -41,7 +41,7 @@ fn main() {
 
     let tine_cmd = |k: &Path, i: &Path| {
         let mut c = Command::new(&tine);
-        c.args(["vm", "run", "--mem-mib", "256", "--vcpus", "1", "--kernel"]).arg(k).arg("--initrd").arg(i);
+        c.args(["vm", "run", "--memory-mib", "256", "--vcpus", "1", "--kernel"]).arg(k).arg("--initrd").arg(i);
         c
     };
     let qemu_cmd = |q: &Path, k: &Path, i: &Path| {

@@ -22,7 +22,7 @@ use std::time::Duration;
 
 use tine_benches::median;
 use vm_memory::{Bytes, GuestAddress};
-use vmm::{BranchMode, Vm};
+use vmm::BranchMode;
 
 fn env_list(var: &str, default: &str) -> Vec<u64> {
     std::env::var(var).unwrap_or_else(|_| default.into()).split(',').filter_map(|v| v.trim().parse().ok()).collect()
@@ -73,8 +73,8 @@ fn main() {
     for &mib in &sizes {
         let uds = dir.path().join(format!("b{mib}.vsock"));
         let mut config = testkit::agent_vm_config(&format!("bench-branch-{mib}"), &uds);
-        config.mem_mib = mib;
-        let vm = Vm::start(&config).expect("the VM starts");
+        config.memory_mib = mib;
+        let vm = vmm::build_for_boot(&config).expect("the VM starts");
         assert!(
             vm.console().wait_for("listening on vsock port 1024", Duration::from_secs(1800)),
             "the agent never started"

@@ -1,4 +1,4 @@
-//! Restoring VMs from a snapshot, in the VMM: how long `Vm::restore` takes
+//! Restoring VMs from a snapshot, in the VMM: how long `vmm::build_from_snapshot` takes
 //! and how long until the restored guest's agent answers, with guest RAM
 //! mapped `MAP_PRIVATE` from the memory file and filled by userfaultfd; and
 //! the extra host memory (RSS, PSS, private) each restored idle VM costs,
@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use tine_agent_client::{AgentClient, AGENT_PORT};
 use tine_benches::{median, mib, process_pss};
 use tine_protocol::Op;
-use vmm::{MemoryBacking, RunningVm, Snapshot, Vm};
+use vmm::{MemoryBacking, RunningVm, Snapshot};
 
 fn env_or<T: std::str::FromStr>(var: &str, default: T) -> T {
     std::env::var(var).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
@@ -53,7 +53,7 @@ async fn main() {
 
     // The template: a booted guest with a ready agent and a warm Python.
     let uds = dir.path().join("src.vsock");
-    let src = Vm::start(&testkit::agent_vm_config("bench-src", &uds)).expect("boot");
+    let src = vmm::build_for_boot(&testkit::agent_vm_config("bench-src", &uds)).expect("boot");
     let t = Instant::now();
     let agent = ready(&uds, Duration::from_secs(900)).await;
     eprintln!("source booted, agent ready after {:.1} s", t.elapsed().as_secs_f64());
@@ -83,7 +83,7 @@ async fn main() {
             let (name, uds) = next("r");
             let config = testkit::agent_vm_config(&name, &uds);
             let t = Instant::now();
-            let vm = Vm::restore(&config, &snapshot, backing).expect("restore");
+            let vm = vmm::build_from_snapshot(&config, &snapshot, backing).expect("restore");
             restore.push(t.elapsed());
             let a = ready(&uds, Duration::from_secs(300)).await;
             answer.push(t.elapsed());
@@ -92,7 +92,7 @@ async fn main() {
         }
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
         println!(
-            "{backing:?}: Vm::restore median {:.1} ms (min {:.1}, max {:.1}); restore to agent answering median {:.0} ms (min {:.0}, max {:.0}); {runs} runs",
+            "{backing:?}: build_from_snapshot median {:.1} ms (min {:.1}, max {:.1}); restore to agent answering median {:.0} ms (min {:.0}, max {:.0}); {runs} runs",
             ms(median(&restore)),
             ms(*restore.iter().min().unwrap()),
             ms(*restore.iter().max().unwrap()),
@@ -110,7 +110,8 @@ async fn main() {
             let t = Instant::now();
             for _ in 0..count {
                 let (name, uds) = next("m");
-                let vm = Vm::restore(&testkit::agent_vm_config(&name, &uds), &snapshot, backing).expect("restore");
+                let vm = vmm::build_from_snapshot(&testkit::agent_vm_config(&name, &uds), &snapshot, backing)
+                    .expect("restore");
                 let a = ready(&uds, Duration::from_secs(600)).await;
                 vms.push((vm, a));
             }

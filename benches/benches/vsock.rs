@@ -9,8 +9,6 @@
 use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
-use vmm::Vm;
-
 fn report(what: &str, s: &testkit::ExchangeStats) {
     println!(
         "{what:<24} host->peer {:>9.1} MB/s   peer->host {:>9.1} MB/s   1-byte RTT median {:>8} us   ({} bytes each way, {} pings)",
@@ -38,7 +36,7 @@ fn main() {
     }
     let dir = tempfile::tempdir().unwrap();
     let (config, uds) = testkit::vsock_exchange_guest(dir.path(), "vsock-bench", 5000);
-    let mut vm = Vm::start(&config).expect("VM starts");
+    let mut vm = vmm::build_for_boot(&config).expect("VM starts");
     assert!(vm.console().wait_for("TINE-INIT-VSOCK listening", Duration::from_secs(600)), "guest never listened");
     let (mut s, _) = testkit::vsock_connect(&uds, 5000).expect("vsock handshake");
     let guest = testkit::exchange(&mut s, bytes, pings);

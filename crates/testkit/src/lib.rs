@@ -162,7 +162,7 @@ pub fn rootfs() -> PathBuf {
 /// socket at `uds`.
 pub fn agent_vm_config(name: &str, uds: &Path) -> vmm::VmConfig {
     let mut config = vmm::VmConfig::new(name, kernel());
-    config.mem_mib = 512;
+    config.memory_mib = 512;
     config.disks = vec![vmm::DiskConfig { path: rootfs(), read_only: true, id: "root".into() }];
     config.vsock = Some(vmm::VsockConfig { cid: 3, uds_path: uds.to_path_buf() });
     config.cmdline = "root=/dev/vda ro rootfstype=ext4".into();

@@ -17,7 +17,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
-use vmm::{HostProfile, Vm, VmConfig, VmExit};
+use vmm::{HostProfile, VmConfig, VmOutcome};
 
 #[derive(Parser)]
 #[command(name = "tine", version, about = "KVM microVM sandboxes for AI agents")]
@@ -305,7 +305,7 @@ fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     let mut config = VmConfig::new("cli", args.kernel);
     config.initrd = args.initrd;
     config.cmdline = args.cmdline;
-    config.mem_mib = args.memory_mib;
+    config.memory_mib = args.memory_mib;
     config.vcpus = args.vcpus;
     config.console_log = args.console_log;
     config.console_stdout = true;
@@ -325,12 +325,12 @@ fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         config.profile = p;
     }
     tracing::info!("host profile {}, command line: {}", config.profile, config.full_cmdline());
-    let mut vm = Vm::start(&config)?;
+    let mut vm = vmm::build_for_boot(&config)?;
     let started = vm.started();
     let exit =
         if args.timeout_secs > 0 { vm.wait_timeout(Duration::from_secs(args.timeout_secs))? } else { vm.wait()? };
     eprintln!("tine: VM ended ({exit:?}) after {:.1} s", started.elapsed().as_secs_f64());
-    if exit == VmExit::Stopped {
+    if exit == VmOutcome::Stopped {
         for (i, rip) in vm.final_rips().iter().enumerate() {
             match rip {
                 Some(rip) => eprintln!("tine: vCPU {i} was at RIP {rip:#x}"),
@@ -339,8 +339,8 @@ fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         }
     }
     Ok(match exit {
-        VmExit::PowerOff | VmExit::Reset => ExitCode::SUCCESS,
-        VmExit::Stopped => ExitCode::from(124),
+        VmOutcome::PowerOff | VmOutcome::Reset => ExitCode::SUCCESS,
+        VmOutcome::Stopped => ExitCode::from(124),
     })
 }
 

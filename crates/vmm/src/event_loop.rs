@@ -10,6 +10,7 @@ use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::devices::virtio::mmio::MmioTransport;
+use crate::sync::lock;
 
 /// Token of the stop eventfd.
 const STOP_TOKEN: u64 = u64::MAX;
@@ -53,7 +54,7 @@ impl EventLoop {
         // one does not need the device lock.
         let mut evts: Vec<Vec<EventFd>> = Vec::new();
         for (d, dev) in devices.iter().enumerate() {
-            let dev = dev.lock().unwrap_or_else(|e| e.into_inner());
+            let dev = lock(dev);
             let mut mine = Vec::new();
             for (q, evt) in dev.queue_evts().iter().enumerate() {
                 let dup = evt.try_clone().map_err(EventLoopError::Setup)?;
@@ -97,7 +98,7 @@ fn run(epoll: Epoll, _stop: EventFd, devices: Vec<Arc<Mutex<MmioTransport>>>, ev
             let (d, q) = ((t >> 16) as usize, (t & 0xffff) as usize);
             if q == DEVICE_FD {
                 if let Some(dev) = devices.get(d) {
-                    dev.lock().unwrap_or_else(|e| e.into_inner()).process_events();
+                    lock(dev).process_events();
                 }
                 continue;
             }
@@ -105,7 +106,7 @@ fn run(epoll: Epoll, _stop: EventFd, devices: Vec<Arc<Mutex<MmioTransport>>>, ev
             // Drain the notification count; a spurious wake-up is harmless.
             let _ = evt.read();
             tracing::trace!(device = d, queue = q, "queue notification");
-            dev.lock().unwrap_or_else(|e| e.into_inner()).process_queue(q);
+            lock(dev).process_queue(q);
         }
     }
 }

@@ -3,7 +3,7 @@
 //!
 //! A VM is guest memory in one memfd ([`memory`]), vCPUs set up for the
 //! Linux 64-bit boot protocol ([`x86_64`]), each on its own thread
-//! ([`vcpu`]), and legacy port I/O devices ([`devices`]). [`vm::Vm::start`]
+//! ([`vcpu`]), and legacy port I/O devices ([`devices`]). [`vm::build_for_boot`]
 //! boots one; [`host::HostProfile`] adapts the guest to the host's KVM.
 
 #![deny(missing_docs)]
@@ -14,6 +14,7 @@ pub mod event_loop;
 pub mod host;
 pub mod memory;
 pub mod snapshot;
+pub mod sync;
 pub mod uffd;
 pub mod vcpu;
 pub mod vcpu_state;
@@ -25,4 +26,7 @@ pub use branch::{BranchMode, BranchReport};
 pub use host::HostProfile;
 pub use memory::MemoryBacking;
 pub use snapshot::{Snapshot, SnapshotError, SnapshotMemory};
-pub use vm::{DiskConfig, ExitWatcher, RunningVm, Vm, VmConfig, VmError, VmExit, VsockConfig};
+pub use vm::{
+    build_for_boot, build_from_snapshot, BuildError, ControlError, DiskConfig, ExitWatcher, GuestError, RunningVm,
+    VmConfig, VmOutcome, VsockConfig,
+};

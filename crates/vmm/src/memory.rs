@@ -158,7 +158,7 @@ impl GuestRam {
             };
             // SAFETY: the host virtual address range [as_ptr, as_ptr + len)
             // is a live mapping owned by `self.memory`, which the caller
-            // keeps alive for as long as the VM exists (the `Vm` owns both).
+            // keeps alive for as long as the VM exists (the `RunningVm` owns both).
             unsafe { vm.set_user_memory_region(mem_region) }
                 .map_err(|source| MemoryError::RegisterSlot { slot, source })?;
         }

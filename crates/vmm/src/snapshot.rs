@@ -181,7 +181,7 @@ impl SnapshotMemory {
     }
 }
 
-/// A VM's saved state: what [`crate::Vm::restore`] starts from. Guest RAM
+/// A VM's saved state: what [`crate::build_from_snapshot`] starts from. Guest RAM
 /// is in `memory`; the rest is here.
 pub struct Snapshot {
     /// Each vCPU's state, by index.

@@ -20,6 +20,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
+use crate::sync::lock;
 use userfaultfd::{Event, EventBuffer, FeatureFlags, Uffd, UffdBuilder};
 use vmm_sys_util::eventfd::EventFd;
 
@@ -180,7 +181,7 @@ impl Handler {
     /// an error (it is also logged). Faults on pages not yet filled then
     /// wait until the VM is stopped.
     pub fn error(&self) -> Option<String> {
-        self.shared.error.lock().map(|e| e.clone()).unwrap_or_else(|p| p.into_inner().clone())
+        lock(&self.shared.error).clone()
     }
 }
 
@@ -387,10 +388,7 @@ impl Worker {
             tracing::error!(
                 "userfaultfd handler stopped: {e}; guest RAM pages not yet restored can no longer be filled"
             );
-            match self.shared.error.lock() {
-                Ok(mut slot) => *slot = Some(e),
-                Err(p) => *p.into_inner() = Some(e),
-            }
+            *lock(&self.shared.error) = Some(e);
         }
         let s = (self.shared.pages_copied.load(Ordering::Relaxed), self.shared.pages_zeroed.load(Ordering::Relaxed));
         tracing::debug!(pages_copied = s.0, pages_zeroed = s.1, "userfaultfd handler done");

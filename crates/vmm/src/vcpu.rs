@@ -2,16 +2,18 @@
 //! legacy devices and turns every exit that ends the VM into a
 //! [`GuestStop`].
 
+use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::Instant;
 
-use kvm_bindings::{KVM_SYSTEM_EVENT_CRASH, KVM_SYSTEM_EVENT_RESET, KVM_SYSTEM_EVENT_SHUTDOWN};
+use kvm_bindings::{kvm_run, KVM_SYSTEM_EVENT_CRASH, KVM_SYSTEM_EVENT_RESET, KVM_SYSTEM_EVENT_SHUTDOWN};
 use kvm_ioctls::{VcpuExit, VcpuFd};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
 use crate::devices::virtio::mmio::MmioTransport;
 use crate::devices::{LegacyDevices, PioEvent};
+use crate::sync::{lock, wait, wait_timeout};
 use crate::vcpu_state::{self, VcpuState, VcpuStateError};
 use crate::x86_64::paging::{translate, PagingState};
 
@@ -20,14 +22,51 @@ pub fn kick_signal() -> i32 {
     vmm_sys_util::signal::SIGRTMIN()
 }
 
-extern "C" fn noop_signal_handler(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {}
+thread_local! {
+    /// The `kvm_run` structure of the vCPU this thread runs (null on other
+    /// threads and once the vCPU's run loop has ended). Const-initialized
+    /// and without a destructor, so reading it from a signal handler
+    /// neither allocates nor can find it destroyed.
+    static KVM_RUN: Cell<*mut kvm_run> = const { Cell::new(std::ptr::null_mut()) };
+}
 
-/// Installs the (empty) handler for [`kick_signal`] once per process, so the
-/// signal interrupts `KVM_RUN` with `EINTR` instead of killing the process.
+/// The kick: runs on the vCPU thread the signal was sent to and sets its
+/// `kvm_run.immediate_exit`, so a vCPU about to enter `KVM_RUN` returns
+/// with `EINTR` at once instead of running the guest (a vCPU already
+/// inside it leaves with `EINTR` because of the signal itself). The flag is
+/// cleared after that `EINTR`. One signal per kick is thus enough: it
+/// cannot land between the run loop's check of its flags and `KVM_RUN`
+/// and be lost (see the kernel's `Documentation/virt/kvm/api.rst`,
+/// `immediate_exit`).
+extern "C" fn kick_handler(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {
+    let run = KVM_RUN.try_with(Cell::get).unwrap_or(std::ptr::null_mut());
+    if !run.is_null() {
+        // SAFETY: a non-null `KVM_RUN` is the mmap'ed `kvm_run` of the vCPU
+        // owned by this very thread, set by its run loop and cleared (by
+        // `KvmRunGuard`) before the vCPU fd and its mapping are dropped; the
+        // handler runs on this thread, so nothing else writes the byte
+        // meanwhile. The write is volatile because KVM reads the byte.
+        unsafe { std::ptr::addr_of_mut!((*run).immediate_exit).write_volatile(1) };
+    }
+}
+
+/// Clears the thread's [`KVM_RUN`] pointer when the run loop ends (also on
+/// unwinding), before the vCPU fd that owns the mapping is dropped.
+struct KvmRunGuard;
+
+impl Drop for KvmRunGuard {
+    fn drop(&mut self) {
+        let _ = KVM_RUN.try_with(|r| r.set(std::ptr::null_mut()));
+    }
+}
+
+/// Installs the handler for [`kick_signal`] once per process, so the signal
+/// interrupts `KVM_RUN` with `EINTR` (and sets `immediate_exit`) instead of
+/// killing the process.
 pub fn install_kick_handler() -> Result<(), vmm_sys_util::errno::Error> {
     // Every caller gets the outcome of the one attempt, not only the first.
     static INSTALLED: OnceLock<Result<(), vmm_sys_util::errno::Error>> = OnceLock::new();
-    *INSTALLED.get_or_init(|| vmm_sys_util::signal::register_signal_handler(kick_signal(), noop_signal_handler))
+    *INSTALLED.get_or_init(|| vmm_sys_util::signal::register_signal_handler(kick_signal(), kick_handler))
 }
 
 /// Registers and instruction bytes at the point a guest failed.
@@ -171,6 +210,8 @@ pub struct PauseState {
     pub requested: bool,
     /// vCPUs parked now.
     pub parked: usize,
+    /// vCPUs whose run loop has ended (signalled on `pause_changed`).
+    pub exited: usize,
     /// Work for each parked vCPU, by index.
     pub work: Vec<Option<VcpuWork>>,
     /// Each vCPU's answer to its last work, by index.
@@ -183,6 +224,7 @@ impl PauseState {
         PauseState {
             requested: false,
             parked: 0,
+            exited: 0,
             work: (0..vcpus).map(|_| None).collect(),
             done: (0..vcpus).map(|_| None).collect(),
         }
@@ -202,7 +244,7 @@ impl VcpuShared {
     /// Records `why` unless a reason was recorded already, and asks every
     /// vCPU to stop.
     pub fn finish(&self, why: GuestStop) {
-        let mut o = self.outcome.lock().unwrap_or_else(|e| e.into_inner());
+        let mut o = lock(&self.outcome);
         if o.is_none() {
             *o = Some(why);
         }
@@ -210,7 +252,7 @@ impl VcpuShared {
         drop(o);
         self.stopped.notify_all();
         // Parked vCPUs wake up and leave their run loops.
-        let _p = self.pause.lock().unwrap_or_else(|e| e.into_inner());
+        let _p = lock(&self.pause);
         self.pause_changed.notify_all();
     }
 
@@ -222,16 +264,16 @@ impl VcpuShared {
     /// Blocks until `stop` is set or `deadline` passes; returns whether
     /// the VM stopped.
     pub fn wait_stopped(&self, deadline: Option<Instant>) -> bool {
-        let mut o = self.outcome.lock().unwrap_or_else(|e| e.into_inner());
+        let mut o = lock(&self.outcome);
         while !self.stop.load(Ordering::SeqCst) {
             match deadline {
-                None => o = self.stopped.wait(o).unwrap_or_else(|e| e.into_inner()),
+                None => o = wait(&self.stopped, o),
                 Some(d) => {
                     let now = Instant::now();
                     if now >= d {
                         return false;
                     }
-                    o = self.stopped.wait_timeout(o, d - now).unwrap_or_else(|e| e.into_inner()).0;
+                    o = wait_timeout(&self.stopped, o, d - now);
                 }
             }
         }
@@ -263,8 +305,8 @@ impl Vcpu {
     /// left for it meanwhile.
     fn park_while_paused(&self) {
         let shared = &self.shared;
-        let lock = || shared.pause.lock().unwrap_or_else(|e| e.into_inner());
-        let mut p = lock();
+
+        let mut p = lock(&shared.pause);
         if !p.requested {
             return;
         }
@@ -278,14 +320,14 @@ impl Vcpu {
                     VcpuWork::Save => vcpu_state::save(&self.fd, self.index, &shared.msr_indices).map(Some),
                     VcpuWork::Restore(state) => vcpu_state::restore(&self.fd, &state).map(|()| None),
                 };
-                p = lock();
+                p = lock(&shared.pause);
                 if let Some(slot) = p.done.get_mut(i) {
                     *slot = Some(answer);
                 }
                 shared.pause_changed.notify_all();
                 continue;
             }
-            p = shared.pause_changed.wait(p).unwrap_or_else(|e| e.into_inner());
+            p = wait(&shared.pause_changed, p);
         }
         p.parked -= 1;
         shared.pause_changed.notify_all();
@@ -327,6 +369,8 @@ impl Vcpu {
     /// Runs the vCPU until the VM stops. Never panics on guest behaviour:
     /// every exit either continues or records a [`GuestStop`].
     pub fn run(mut self) {
+        KVM_RUN.with(|r| r.set(self.fd.get_kvm_run()));
+        let kvm_run_guard = KvmRunGuard;
         while !self.shared.stop.load(Ordering::SeqCst) {
             self.park_while_paused();
             if self.shared.stop.load(Ordering::SeqCst) {
@@ -334,11 +378,11 @@ impl Vcpu {
             }
             let next = match self.fd.run() {
                 Ok(VcpuExit::IoIn(port, data)) => {
-                    self.shared.devices.lock().unwrap_or_else(|e| e.into_inner()).pio_read(port, data);
+                    lock(&self.shared.devices).pio_read(port, data);
                     Next::Continue
                 }
                 Ok(VcpuExit::IoOut(port, data)) => {
-                    let ev = self.shared.devices.lock().unwrap_or_else(|e| e.into_inner()).pio_write(port, data);
+                    let ev = lock(&self.shared.devices).pio_write(port, data);
                     match ev {
                         Some(PioEvent::PowerOff) => Next::Stop(GuestStop::PowerOff),
                         Some(PioEvent::Reset) => Next::Stop(GuestStop::Reset),
@@ -347,7 +391,7 @@ impl Vcpu {
                 }
                 Ok(VcpuExit::MmioRead(addr, data)) => {
                     match self.shared.mmio_device(addr) {
-                        Some((base, dev)) => dev.lock().unwrap_or_else(|e| e.into_inner()).read(addr - base, data),
+                        Some((base, dev)) => lock(dev).read(addr - base, data),
                         None => {
                             tracing::debug!(
                                 vcpu = self.index,
@@ -361,7 +405,7 @@ impl Vcpu {
                 }
                 Ok(VcpuExit::MmioWrite(addr, data)) => {
                     match self.shared.mmio_device(addr) {
-                        Some((base, dev)) => dev.lock().unwrap_or_else(|e| e.into_inner()).write(addr - base, data),
+                        Some((base, dev)) => lock(dev).write(addr - base, data),
                         None => tracing::debug!(
                             vcpu = self.index,
                             "MMIO write of {} bytes to unmapped GPA {addr:#x}",
@@ -384,7 +428,12 @@ impl Vcpu {
                 Ok(VcpuExit::Hlt) => Next::Stop(GuestStop::PowerOff),
                 Ok(VcpuExit::Intr) => Next::Continue,
                 Ok(other) => Next::Unhandled(format!("{other:?}")),
-                Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => Next::Continue,
+                Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
+                    // A kick: clear `immediate_exit` (set by `kick_handler`)
+                    // so the next `KVM_RUN` runs the guest again.
+                    self.fd.set_kvm_immediate_exit(0);
+                    Next::Continue
+                }
                 Err(source) => Next::Stop(GuestStop::Fault(GuestFault::Run { vcpu: self.index, source })),
             };
             match next {
@@ -418,11 +467,15 @@ impl Vcpu {
             }
         }
         if let Ok(regs) = self.fd.get_regs() {
-            let mut rips = self.shared.final_rips.lock().unwrap_or_else(|e| e.into_inner());
+            let mut rips = lock(&self.shared.final_rips);
             if let Some(slot) = rips.get_mut(self.index as usize) {
                 *slot = Some(regs.rip);
             }
         }
+        drop(kvm_run_guard);
+        let mut p = lock(&self.shared.pause);
+        p.exited += 1;
+        self.shared.pause_changed.notify_all();
     }
 }
 

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use tine_protocol::{AgentError, Command, Exec, ExitStatus, Op, Python, ReadFile, Reply, Reseed, WriteFile};
-use vmm::{DiskConfig, Vm, VmConfig, VmExit, VsockConfig};
+use vmm::{DiskConfig, VmConfig, VmOutcome, VsockConfig};
 
 fn shell(script: &str, timeout_ms: u32, output_limit: u32) -> Op {
     Op::Exec(Exec {
@@ -37,7 +37,7 @@ fn agent_serves_exec_files_and_info_over_vsock() {
         vec![DiskConfig { path: testkit::build_agent_rootfs(dir.path(), 64), read_only: true, id: "root".into() }];
     config.vsock = Some(VsockConfig { cid: 3, uds_path: uds.clone() });
     config.cmdline = "root=/dev/vda ro rootfstype=ext4".into();
-    let mut vm = Vm::start(&config).expect("VM starts");
+    let mut vm = vmm::build_for_boot(&config).expect("VM starts");
     let console = vm.console().clone();
     assert!(
         console.wait_for("listening on vsock port 1024", Duration::from_secs(600)),
@@ -127,7 +127,7 @@ fn agent_serves_exec_files_and_info_over_vsock() {
         output_limit: 0,
     }));
     let exit = vm.wait_timeout(Duration::from_secs(120));
-    assert!(matches!(exit, Ok(VmExit::PowerOff)), "{exit:?}\n{}", console.last_lines(20));
+    assert!(matches!(exit, Ok(VmOutcome::PowerOff)), "{exit:?}\n{}", console.last_lines(20));
 }
 
 #[test]
@@ -138,7 +138,7 @@ fn debian_rootfs_serves_bash_python_and_an_overlay() {
     let dir = tempfile::tempdir().unwrap();
     let uds = dir.path().join("vm.vsock");
     let config = testkit::agent_vm_config("agent-debian", &uds);
-    let mut vm = Vm::start(&config).expect("VM starts");
+    let mut vm = vmm::build_for_boot(&config).expect("VM starts");
     let started = vm.started();
     let console = vm.console().clone();
     assert!(

@@ -5,11 +5,11 @@
 use std::time::Duration;
 
 use vmm::vcpu::GuestFault;
-use vmm::{Vm, VmConfig, VmError};
+use vmm::{GuestError, VmConfig};
 
 const LOAD_ADDR: u64 = 0x100_0000;
 
-fn run_code(name: &str, code: &[u8]) -> Option<Result<vmm::VmExit, VmError>> {
+fn run_code(name: &str, code: &[u8]) -> Option<Result<vmm::VmOutcome, GuestError>> {
     if !testkit::kvm_available(name) {
         return None;
     }
@@ -17,14 +17,14 @@ fn run_code(name: &str, code: &[u8]) -> Option<Result<vmm::VmExit, VmError>> {
     let kernel = dir.path().join("garbage.elf");
     std::fs::write(&kernel, testkit::raw_code_elf(code, LOAD_ADDR)).unwrap();
     let mut config = VmConfig::new(name, &kernel);
-    config.mem_mib = 64;
-    let mut vm = Vm::start(&config).expect("VM starts");
+    config.memory_mib = 64;
+    let mut vm = vmm::build_for_boot(&config).expect("VM starts");
     Some(vm.wait_timeout(Duration::from_secs(120)))
 }
 
-fn fault_of(r: Result<vmm::VmExit, VmError>) -> GuestFault {
+fn fault_of(r: Result<vmm::VmOutcome, GuestError>) -> GuestFault {
     match r {
-        Err(VmError::Guest { fault, .. }) => *fault,
+        Err(GuestError::Fault { fault, .. }) => *fault,
         other => panic!("expected a guest fault, got {other:?}"),
     }
 }

@@ -5,14 +5,14 @@
 
 use std::time::Duration;
 
-use vmm::{Vm, VmConfig, VmError, VmExit};
+use vmm::{GuestError, VmConfig, VmOutcome};
 
 /// Generous: a boot takes ~22 s where the host emulates kernel mode.
 const BOOT_TIMEOUT: Duration = Duration::from_secs(600);
 
 /// Boots with `vcpus` vCPUs and init action `action`; checks the marker
 /// and the cpuinfo line; returns the VM's end and the console text.
-fn boot(name: &str, vcpus: u8, action: &str) -> Option<(Result<VmExit, VmError>, String)> {
+fn boot(name: &str, vcpus: u8, action: &str) -> Option<(Result<VmOutcome, GuestError>, String)> {
     if !testkit::kvm_available(name) {
         return None;
     }
@@ -21,11 +21,11 @@ fn boot(name: &str, vcpus: u8, action: &str) -> Option<(Result<VmExit, VmError>,
     let mut config = VmConfig::new(name, testkit::kernel());
     config.initrd = Some(initrd);
     config.vcpus = vcpus;
-    config.mem_mib = 256;
+    config.memory_mib = 256;
     config.cmdline = format!("tine_init_action={action}");
     config.console_log = Some(dir.path().join("console.log"));
 
-    let mut vm = Vm::start(&config).expect("VM starts");
+    let mut vm = vmm::build_for_boot(&config).expect("VM starts");
     let console = vm.console().clone();
     let exit = vm.wait_timeout(BOOT_TIMEOUT);
     let text = console.text();
@@ -43,14 +43,14 @@ fn boot(name: &str, vcpus: u8, action: &str) -> Option<(Result<VmExit, VmError>,
 fn boots_to_init_reads_cpuinfo_and_powers_off() {
     let Some((exit, text)) = boot("boot-poweroff", 1, "poweroff") else { return };
     let exit = exit.unwrap_or_else(|e| panic!("guest failed: {e}"));
-    assert_eq!(exit, VmExit::PowerOff, "the guest must power off by itself; console:\n{text}");
+    assert_eq!(exit, VmOutcome::PowerOff, "the guest must power off by itself; console:\n{text}");
 }
 
 #[test]
 fn boots_two_vcpus_and_resets_through_the_i8042() {
     let Some((exit, text)) = boot("boot-smp-reset", 2, "reset") else { return };
     let exit = exit.unwrap_or_else(|e| panic!("guest failed: {e}"));
-    assert_eq!(exit, VmExit::Reset, "the guest must reset itself; console:\n{text}");
+    assert_eq!(exit, VmOutcome::Reset, "the guest must reset itself; console:\n{text}");
 }
 
 #[test]
@@ -58,7 +58,7 @@ fn a_guest_kernel_panic_ends_the_vm_with_an_error() {
     let Some((exit, text)) = boot("boot-panic", 1, "exit") else { return };
     assert!(text.contains("TINE-INIT-EXIT"), "{text}");
     match exit {
-        Err(VmError::GuestPanic { line, console }) => {
+        Err(GuestError::Panic { line, console }) => {
             assert!(line.contains("Attempted to kill init"), "{line}");
             assert!(console.contains("Kernel panic"), "{console}");
         }
@@ -75,11 +75,11 @@ fn boots_a_bzimage() {
     let initrd = testkit::build_test_initramfs(dir.path());
     let mut config = VmConfig::new("boot-bzimage", testkit::bzimage());
     config.initrd = Some(initrd);
-    let mut vm = Vm::start(&config).expect("VM starts");
+    let mut vm = vmm::build_for_boot(&config).expect("VM starts");
     let console = vm.console().clone();
     let exit = vm.wait_timeout(BOOT_TIMEOUT);
     let text = console.text();
-    assert!(matches!(exit, Ok(VmExit::PowerOff)), "{exit:?}; console:\n{text}");
+    assert!(matches!(exit, Ok(VmOutcome::PowerOff)), "{exit:?}; console:\n{text}");
     assert!(text.contains(testkit::INIT_MARKER), "no marker on the console:\n{text}");
 }
 
@@ -99,11 +99,11 @@ fn boots_from_a_virtio_blk_root_and_writes_a_data_disk() {
         vmm::DiskConfig { path: data.clone(), read_only: false, id: "tine-data-serial".into() },
     ];
     config.cmdline = "root=/dev/vda ro rootfstype=ext4 tine_init_disk=/dev/vdb".into();
-    let mut vm = Vm::start(&config).expect("VM starts");
+    let mut vm = vmm::build_for_boot(&config).expect("VM starts");
     let console = vm.console().clone();
     let exit = vm.wait_timeout(BOOT_TIMEOUT);
     let text = console.text();
-    assert!(matches!(exit, Ok(VmExit::PowerOff)), "{exit:?}; console:\n{text}");
+    assert!(matches!(exit, Ok(VmOutcome::PowerOff)), "{exit:?}; console:\n{text}");
     assert!(text.contains("EXT4-fs (vda): mounted filesystem"), "root not mounted from virtio-blk:\n{text}");
     assert!(text.contains(testkit::INIT_MARKER), "{text}");
     assert!(text.contains(&format!("{}tine-data-serial", testkit::INIT_DISK_OK)), "disk check failed:\n{text}");

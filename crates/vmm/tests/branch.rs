@@ -13,7 +13,7 @@ mod agent;
 
 use agent::connect;
 use tine_agent_client::AgentClient;
-use vmm::{BranchMode, MemoryBacking, Vm};
+use vmm::{BranchMode, MemoryBacking};
 
 /// The writer: `GENERATIONS` passes over the buffer, one 8-byte word per
 /// 4 KiB page, each a step of a 64-bit LCG chained through the whole pass
@@ -54,7 +54,7 @@ fn children_of_a_busy_source_see_one_instant() {
     }
     let dir = tempfile::tempdir().unwrap();
     let uds = dir.path().join("src.vsock");
-    let source = Vm::start(&testkit::agent_vm_config("br-src", &uds)).expect("the source starts");
+    let source = vmm::build_for_boot(&testkit::agent_vm_config("br-src", &uds)).expect("the source starts");
     let console = source.console().clone();
     assert!(console.wait_for("listening on vsock port 1024", Duration::from_secs(600)), "agent never started");
     let rt = tokio::runtime::Runtime::new().unwrap();
@@ -85,7 +85,7 @@ fn children_of_a_busy_source_see_one_instant() {
         let name = format!("br-child{i}");
         let uds = dir.path().join(format!("{name}.vsock"));
         let t = Instant::now();
-        let vm = Vm::restore(&testkit::agent_vm_config(&name, &uds), &branch, MemoryBacking::Private)
+        let vm = vmm::build_from_snapshot(&testkit::agent_vm_config(&name, &uds), &branch, MemoryBacking::Private)
             .expect("a child restores");
         let console = vm.console().clone();
         let sum = testkit::with_console_on_panic(&console, || {
@@ -114,9 +114,12 @@ fn children_of_a_busy_source_see_one_instant() {
     eprintln!("branch of a child: {report:?}");
     assert_eq!(report.mode, BranchMode::WriteProtect, "{:?}", report.fallback_reason);
     let uds = dir.path().join("br-grandchild.vsock");
-    let grandchild =
-        Vm::restore(&testkit::agent_vm_config("br-grandchild", &uds), &grandchild_point, MemoryBacking::Private)
-            .expect("a grandchild restores");
+    let grandchild = vmm::build_from_snapshot(
+        &testkit::agent_vm_config("br-grandchild", &uds),
+        &grandchild_point,
+        MemoryBacking::Private,
+    )
+    .expect("a grandchild restores");
     let gc_console = grandchild.console().clone();
     testkit::with_console_on_panic(&gc_console, || {
         rt.block_on(async {

@@ -11,7 +11,7 @@ mod agent;
 
 use agent::connect;
 use tine_agent_client::AgentClient;
-use vmm::{MemoryBacking, Snapshot, Vm};
+use vmm::{MemoryBacking, Snapshot};
 
 fn config(name: &str, uds: &std::path::Path) -> vmm::VmConfig {
     testkit::agent_vm_config(name, uds)
@@ -29,7 +29,7 @@ fn a_restored_clone_has_the_state_and_diverges() {
     }
     let dir = tempfile::tempdir().unwrap();
     let uds_a = dir.path().join("a.vsock");
-    let vm_a = Vm::start(&config("snap-a", &uds_a)).expect("VM A starts");
+    let vm_a = vmm::build_for_boot(&config("snap-a", &uds_a)).expect("VM A starts");
     let console_a = vm_a.console().clone();
     assert!(console_a.wait_for("listening on vsock port 1024", Duration::from_secs(600)), "agent never started");
     let rt = tokio::runtime::Runtime::new().unwrap();
@@ -62,7 +62,7 @@ fn a_restored_clone_has_the_state_and_diverges() {
     for (name, backing) in [("snap-b", MemoryBacking::Private), ("snap-c", MemoryBacking::Userfaultfd)] {
         let uds = dir.path().join(format!("{name}.vsock"));
         let t = Instant::now();
-        let vm = Vm::restore(&config(name, &uds), &snapshot, backing).expect("the clone restores");
+        let vm = vmm::build_from_snapshot(&config(name, &uds), &snapshot, backing).expect("the clone restores");
         eprintln!("{backing:?}: VM restored in {:?}", t.elapsed());
         let console = vm.console().clone();
         testkit::with_console_on_panic(&console, || {
@@ -99,7 +99,7 @@ fn a_restored_clone_has_the_state_and_diverges() {
         drop(vm);
         let snap2 = Snapshot::load(&again).expect("the clone's snapshot loads");
         let uds2 = dir.path().join(format!("{name}-2.vsock"));
-        let vm2 = Vm::restore(&config(&format!("{name}-2"), &uds2), &snap2, backing)
+        let vm2 = vmm::build_from_snapshot(&config(&format!("{name}-2"), &uds2), &snap2, backing)
             .expect("restore of the clone's snapshot");
         let console2 = vm2.console().clone();
         testkit::with_console_on_panic(&console2, || {

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use tine_protocol::ExitStatus;
 use vmm::vcpu_state::VcpuState;
-use vmm::{Vm, VmError};
+use vmm::ControlError;
 
 /// MSR_LSTAR: the 64-bit system-call entry, set by every Linux guest.
 const MSR_LSTAR: u32 = 0xc000_0082;
@@ -22,11 +22,11 @@ fn machine_state_saves_and_restores_on_a_running_guest() {
     let uds = dir.path().join("vm.vsock");
     let mut config = testkit::agent_vm_config("vcpu-state", &uds);
     config.vcpus = 2;
-    let mut vm = Vm::start(&config).expect("VM starts");
+    let mut vm = vmm::build_for_boot(&config).expect("VM starts");
     let console = vm.console().clone();
     assert!(console.wait_for("listening on vsock port 1024", Duration::from_secs(600)), "agent never started");
 
-    assert!(matches!(vm.save_vcpu_states(), Err(VmError::NotPaused)), "saving needs a pause");
+    assert!(matches!(vm.save_vcpu_states(), Err(ControlError::NotPaused)), "saving needs a pause");
     let took = vm.pause(Duration::from_secs(5)).expect("pause");
     eprintln!("paused in {took:?}");
     let states = vm.save_vcpu_states().expect("save");

@@ -7,7 +7,7 @@
 
 use std::time::Duration;
 
-use vmm::{Vm, VmExit};
+use vmm::VmOutcome;
 
 const PORT: u32 = 5000;
 const PINGS: u64 = 200;
@@ -20,7 +20,7 @@ fn guest_listener_exchanges_bytes_both_ways_over_vsock() {
     let n: u64 = std::env::var("TINE_VSOCK_BYTES").ok().and_then(|s| s.parse().ok()).unwrap_or(64 << 20);
     let dir = tempfile::tempdir().unwrap();
     let (config, uds) = testkit::vsock_exchange_guest(dir.path(), "vsock-test", PORT);
-    let mut vm = Vm::start(&config).expect("VM starts");
+    let mut vm = vmm::build_for_boot(&config).expect("VM starts");
     let console = vm.console().clone();
     assert!(
         console.wait_for("TINE-INIT-VSOCK listening", Duration::from_secs(600)),
@@ -44,5 +44,5 @@ fn guest_listener_exchanges_bytes_both_ways_over_vsock() {
     let text = console.text();
     assert!(text.contains("EXT4-fs (vda): mounted filesystem"), "root not on virtio-blk:\n{text}");
     assert!(text.contains(&format!("TINE-INIT-VSOCK ok bytes={n} pings={PINGS}")), "{text}");
-    assert!(matches!(exit, Ok(VmExit::PowerOff)), "{exit:?}\n{text}");
+    assert!(matches!(exit, Ok(VmOutcome::PowerOff)), "{exit:?}\n{text}");
 }

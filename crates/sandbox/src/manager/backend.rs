@@ -93,10 +93,9 @@ pub(crate) enum VmEnd {
     PowerOff,
     /// The guest rebooted.
     Reset,
-    /// The guest faulted; the message says it all (with the console).
+    /// The guest faulted or its kernel panicked; the message says it all
+    /// (with the console's last lines).
     GuestFault(String),
-    /// The VMM failed; the message lacks the console's last lines.
-    Error(String),
 }
 
 /// Waits for a VM to end, without holding the VM.

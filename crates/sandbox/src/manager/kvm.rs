@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use vmm::{DiskConfig, MemoryBacking, RunningVm, Vm, VmConfig, VmError, VmExit, VsockConfig};
+use vmm::{DiskConfig, MemoryBacking, RunningVm, VmConfig, VmOutcome, VsockConfig};
 
 use super::backend::{BackendError, BranchPoint, ExitWatch, VmBackend, VmEnd, VmHandle, VmSource, VmSpec};
 
@@ -22,21 +22,21 @@ impl VmBackend for KvmBackend {
         let mut config = VmConfig::new(spec.name.clone(), &spec.kernel);
         config.profile = spec.profile;
         config.vcpus = spec.vcpus;
-        config.mem_mib = spec.memory_mib;
+        config.memory_mib = spec.memory_mib;
         config.console_log = Some(spec.console_log.clone());
         config.disks = vec![DiskConfig { path: spec.rootfs.clone(), read_only: true, id: "root".into() }];
         config.vsock = Some(VsockConfig { cid: GUEST_CID, uds_path: spec.agent_socket.clone() });
         config.cmdline = CMDLINE.into();
         let vm = match source {
-            VmSource::Boot => Vm::start(&config),
-            VmSource::Template(t) => Vm::restore(&config, &t.snapshot, spec.memory_backing),
+            VmSource::Boot => vmm::build_for_boot(&config),
+            VmSource::Template(t) => vmm::build_from_snapshot(&config, &t.snapshot, spec.memory_backing),
             // Children share the branch point's pages (MAP_PRIVATE of its
             // memfd) whatever the templates' backing.
             VmSource::Branch(image) => {
                 let snapshot = image.downcast_ref::<vmm::Snapshot>().ok_or_else(|| {
                     BackendError::new(std::io::Error::other("the branch point was not made by this backend"))
                 })?;
-                Vm::restore(&config, snapshot, MemoryBacking::Private)
+                vmm::build_from_snapshot(&config, snapshot, MemoryBacking::Private)
             }
         }
         .map_err(BackendError::new)?;
@@ -116,11 +116,10 @@ impl VmHandle for KvmVm {
 
     fn stop(&mut self) -> VmEnd {
         match self.vm.stop() {
-            Ok(VmExit::PowerOff) => VmEnd::PowerOff,
-            Ok(VmExit::Reset) => VmEnd::Reset,
-            Ok(VmExit::Stopped) => VmEnd::Stopped,
-            Err(e @ (VmError::Guest { .. } | VmError::GuestPanic { .. })) => VmEnd::GuestFault(e.to_string()),
-            Err(e) => VmEnd::Error(e.to_string()),
+            Ok(VmOutcome::PowerOff) => VmEnd::PowerOff,
+            Ok(VmOutcome::Reset) => VmEnd::Reset,
+            Ok(VmOutcome::Stopped) => VmEnd::Stopped,
+            Err(e) => VmEnd::GuestFault(e.to_string()),
         }
     }
 }

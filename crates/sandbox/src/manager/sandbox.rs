@@ -364,7 +364,6 @@ impl Sandbox {
     /// Called by the monitor thread when the VM has stopped on its own.
     fn on_vm_exit(&self) {
         let Some(mut vm) = lock(&self.vm).vm.take() else { return };
-        let console = vm.console_tail(CONSOLE_TAIL_LINES);
         let end = vm.stop();
         drop(vm);
         let (state, error) = match end {
@@ -372,7 +371,6 @@ impl Sandbox {
             VmEnd::Reset => (SandboxState::Stopped, "the guest rebooted".to_string()),
             VmEnd::Stopped => return,
             VmEnd::GuestFault(e) => (SandboxState::Failed, e),
-            VmEnd::Error(e) => (SandboxState::Failed, format!("{e}\nlast console lines:\n{console}")),
         };
         tracing::warn!(sandbox = %self.id, ?state, "sandbox ended: {}", error.lines().next().unwrap_or(""));
         self.end(state, Some(error));

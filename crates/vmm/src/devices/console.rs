@@ -10,6 +10,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use super::DeviceError;
+use crate::sync::{lock, wait_timeout};
 
 /// Bytes of console output kept in memory.
 pub const TAIL_BYTES: usize = 64 * 1024;
@@ -28,8 +29,8 @@ pub struct ConsoleTail(Arc<(Mutex<TailInner>, Condvar)>);
 
 impl ConsoleTail {
     fn push(&self, buf: &[u8]) {
-        let (lock, cv) = &*self.0;
-        let mut t = lock.lock().unwrap_or_else(|e| e.into_inner());
+        let (tail, cv) = &*self.0;
+        let mut t = lock(tail);
         t.bytes.extend(buf);
         let excess = t.bytes.len().saturating_sub(TAIL_BYTES);
         t.bytes.drain(..excess);
@@ -39,7 +40,7 @@ impl ConsoleTail {
 
     /// A copy of the tail.
     pub fn contents(&self) -> Vec<u8> {
-        let t = self.0 .0.lock().unwrap_or_else(|e| e.into_inner());
+        let t = lock(&self.0 .0);
         t.bytes.iter().copied().collect()
     }
 
@@ -59,8 +60,8 @@ impl ConsoleTail {
     /// whether it was found.
     pub fn wait_for(&self, needle: &str, timeout: Duration) -> bool {
         let deadline = Instant::now() + timeout;
-        let (lock, cv) = &*self.0;
-        let mut t = lock.lock().unwrap_or_else(|e| e.into_inner());
+        let (tail, cv) = &*self.0;
+        let mut t = lock(tail);
         loop {
             let (a, b) = t.bytes.as_slices();
             let hay = [a, b].concat();
@@ -71,7 +72,7 @@ impl ConsoleTail {
             if now >= deadline {
                 return false;
             }
-            t = cv.wait_timeout(t, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
+            t = wait_timeout(cv, t, deadline - now);
         }
     }
 }

@@ -9,7 +9,9 @@ use super::{PDE_START, PDPTE_START, PML4_START};
 
 const PRESENT: u64 = 1 << 0;
 const WRITABLE: u64 = 1 << 1;
-const PAGE_SIZE: u64 = 1 << 7;
+/// The PS ("page size") flag of a PDPTE or PDE: the entry maps a 1 GiB or
+/// 2 MiB page instead of pointing to a table.
+const LARGE_PAGE: u64 = 1 << 7;
 const ADDR_MASK: u64 = 0x000f_ffff_ffff_f000;
 
 /// CR0.PE: protected mode.
@@ -56,7 +58,7 @@ pub fn write_identity_map<M: GuestMemoryBackend>(mem: &M) -> Result<u64, PagingE
     mem.write_obj(PDPTE_START | PRESENT | WRITABLE, GuestAddress(PML4_START)).map_err(PagingError::Write)?;
     mem.write_obj(PDE_START | PRESENT | WRITABLE, GuestAddress(PDPTE_START)).map_err(PagingError::Write)?;
     for i in 0..512u64 {
-        mem.write_obj((i << 21) | PRESENT | WRITABLE | PAGE_SIZE, GuestAddress(PDE_START + i * 8))
+        mem.write_obj((i << 21) | PRESENT | WRITABLE | LARGE_PAGE, GuestAddress(PDE_START + i * 8))
             .map_err(PagingError::Write)?;
     }
     Ok(PML4_START)
@@ -97,7 +99,7 @@ pub fn translate<M: GuestMemoryBackend>(mem: &M, state: &PagingState, gva: u64) 
         if entry & PRESENT == 0 {
             return Err(PagingError::NotMapped { gva, level });
         }
-        let large = entry & PAGE_SIZE != 0 && (level == 2 || level == 3);
+        let large = entry & LARGE_PAGE != 0 && (level == 2 || level == 3);
         if large || level == 1 {
             let offset_mask = (1u64 << shift) - 1;
             return Ok((entry & ADDR_MASK & !offset_mask) | (gva & offset_mask));

@@ -1,0 +1,207 @@
+//! What a VM is made of ([`VmConfig`], [`DiskConfig`], [`VsockConfig`]), the
+//! guest command line, and the checks a configuration must pass before
+//! anything is created: vCPU count, memory size, device count, vsock CID,
+//! and whether a snapshot fits it.
+
+use std::path::PathBuf;
+
+use crate::devices;
+use crate::devices::virtio::vsock::MIN_GUEST_CID;
+use crate::host::HostProfile;
+use crate::snapshot::Snapshot;
+use crate::vm::BuildError;
+use crate::x86_64::mptable::MAX_VCPUS;
+
+/// The command line every guest gets before the profile's and the user's:
+/// serial console, reset through the i8042 (`reboot=k`), reboot at once on
+/// panic (the VMM sees the reset and reports the panic from the console),
+/// and the power-off port.
+pub fn base_cmdline() -> String {
+    format!("console=ttyS0 reboot=k panic=-1 tine_poweroff={:#x}", devices::POWER_OFF_PORT)
+}
+
+/// First GSI given to virtio-mmio devices (below: legacy ISA lines).
+pub const VIRTIO_FIRST_IRQ: u32 = 5;
+/// Most virtio-mmio devices per VM (GSIs 5..=23 of the IOAPIC).
+pub const MAX_VIRTIO_DEVICES: usize = 19;
+
+/// A disk: a raw image attached as virtio-blk.
+#[derive(Clone, Debug)]
+pub struct DiskConfig {
+    /// The image file.
+    pub path: PathBuf,
+    /// Attach read-only (shared images must be).
+    pub read_only: bool,
+    /// Serial the guest reads with GET_ID (at most 20 bytes are used).
+    pub id: String,
+}
+
+/// A virtio-vsock device: the guest's CID and the host's Unix socket.
+#[derive(Clone, Debug)]
+pub struct VsockConfig {
+    /// The guest's context ID (3 or more).
+    pub cid: u64,
+    /// The Unix socket host clients connect to (`CONNECT <port>\n`);
+    /// guest connections to host port P go to `<uds_path>_P`.
+    pub uds_path: PathBuf,
+}
+
+/// What a VM is made of.
+#[derive(Clone, Debug)]
+pub struct VmConfig {
+    /// A name for logs and the memfd.
+    pub name: String,
+    /// The kernel: ELF vmlinux or bzImage.
+    pub kernel: PathBuf,
+    /// An optional initramfs (uncompressed cpio).
+    pub initrd: Option<PathBuf>,
+    /// Extra kernel command line, after [`base_cmdline`] and the host
+    /// profile's parameters.
+    pub cmdline: String,
+    /// Guest RAM in MiB.
+    pub memory_mib: u64,
+    /// vCPUs, 1..=[`MAX_VCPUS`].
+    pub vcpus: u8,
+    /// Where the serial console is logged.
+    pub console_log: Option<PathBuf>,
+    /// Also copy the console to this process's stdout.
+    pub console_stdout: bool,
+    /// The host profile (see [`HostProfile::detect`]).
+    pub profile: HostProfile,
+    /// Disks, in order: the first is `/dev/vda` in the guest.
+    pub disks: Vec<DiskConfig>,
+    /// An optional vsock device.
+    pub vsock: Option<VsockConfig>,
+}
+
+impl VmConfig {
+    /// A configuration with 1 vCPU, 256 MiB, no initramfs, no log, and the
+    /// detected host profile.
+    pub fn new(name: impl Into<String>, kernel: impl Into<PathBuf>) -> Self {
+        VmConfig {
+            name: name.into(),
+            kernel: kernel.into(),
+            initrd: None,
+            cmdline: String::new(),
+            memory_mib: 256,
+            vcpus: 1,
+            console_log: None,
+            console_stdout: false,
+            profile: HostProfile::detect(),
+            disks: Vec::new(),
+            vsock: None,
+        }
+    }
+
+    /// The full guest command line.
+    pub fn full_cmdline(&self) -> String {
+        [base_cmdline().as_str(), self.profile.guest_cmdline(), self.cmdline.as_str()]
+            .iter()
+            .filter(|s| !s.is_empty())
+            .copied()
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+
+    /// Guest RAM in bytes.
+    ///
+    /// Errors: [`BuildError::Config`] if `memory_mib` overflows.
+    pub fn memory_bytes(&self) -> Result<u64, BuildError> {
+        self.memory_mib.checked_mul(1 << 20).ok_or_else(|| BuildError::Config("memory_mib overflows".into()))
+    }
+
+    /// How many virtio devices the configuration asks for.
+    pub fn virtio_device_count(&self) -> usize {
+        self.disks.len() + usize::from(self.vsock.is_some())
+    }
+
+    /// Checks what can be checked before creating anything: the vCPU
+    /// count, the memory size, the number of virtio devices and the vsock
+    /// CID.
+    ///
+    /// Errors: [`BuildError::Config`] saying which limit is broken.
+    pub fn validate(&self) -> Result<(), BuildError> {
+        if self.vcpus == 0 || self.vcpus > MAX_VCPUS {
+            return Err(BuildError::Config(format!("vcpus must be 1..={MAX_VCPUS}, got {}", self.vcpus)));
+        }
+        self.memory_bytes()?;
+        let ndev = self.virtio_device_count();
+        if ndev > MAX_VIRTIO_DEVICES {
+            return Err(BuildError::Config(format!("at most {MAX_VIRTIO_DEVICES} virtio devices, got {ndev}")));
+        }
+        if let Some(v) = &self.vsock {
+            if v.cid < MIN_GUEST_CID || v.cid > u64::from(u32::MAX) {
+                return Err(BuildError::Config(format!(
+                    "vsock CID {} is reserved or too large: use 3..=4294967295",
+                    v.cid
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks that `snapshot` was taken of a VM of this shape: the same
+    /// vCPU count, memory size and number of virtio devices.
+    ///
+    /// Errors: [`BuildError::Config`] naming both shapes.
+    pub fn check_fits(&self, snapshot: &Snapshot) -> Result<(), BuildError> {
+        let mem_bytes = self.memory_bytes()?;
+        if snapshot.mem_bytes != mem_bytes || snapshot.vcpus.len() != usize::from(self.vcpus) {
+            return Err(BuildError::Config(format!(
+                "the snapshot has {} vCPUs and {} MiB; the configuration asks for {} and {} MiB",
+                snapshot.vcpus.len(),
+                snapshot.mem_bytes >> 20,
+                self.vcpus,
+                self.memory_mib
+            )));
+        }
+        let ndev = self.virtio_device_count();
+        if snapshot.transports.len() < ndev {
+            return Err(BuildError::Config(format!(
+                "the snapshot has {} virtio devices, fewer than configured",
+                snapshot.transports.len()
+            )));
+        }
+        if snapshot.transports.len() != ndev {
+            return Err(BuildError::Config(format!(
+                "the snapshot has {} virtio devices, the configuration {}",
+                snapshot.transports.len(),
+                ndev
+            )));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn command_line_order() {
+        let mut c = VmConfig::new("t", "/nonexistent");
+        c.profile = HostProfile::Pvm;
+        c.cmdline = "quiet".into();
+        let full = c.full_cmdline();
+        assert!(full.starts_with("console=ttyS0 reboot=k panic=-1 tine_poweroff=0xf4 tine_pvm "), "{full}");
+        assert!(full.ends_with(" quiet"));
+        c.profile = HostProfile::BareMetal;
+        c.cmdline.clear();
+        assert_eq!(c.full_cmdline(), base_cmdline());
+    }
+
+    #[test]
+    fn validation_names_the_limit() {
+        let mut c = VmConfig::new("t", "/nonexistent");
+        c.profile = HostProfile::BareMetal;
+        assert!(c.validate().is_ok());
+        c.vcpus = 0;
+        assert!(c.validate().unwrap_err().to_string().contains("vcpus must be 1..="));
+        c.vcpus = 1;
+        c.memory_mib = u64::MAX;
+        assert!(c.validate().unwrap_err().to_string().contains("memory_mib overflows"));
+        c.memory_mib = 256;
+        c.vsock = Some(VsockConfig { cid: 2, uds_path: "/nonexistent".into() });
+        assert!(c.validate().unwrap_err().to_string().contains("vsock CID 2 is reserved"));
+    }
+}
