@@ -14,11 +14,11 @@ use vmm_sys_util::signal::Killable;
 
 use crate::branch::{BranchMode, BranchReport, WriteProtection};
 use crate::devices::virtio::block::{Block, BlockError};
-use crate::devices::virtio::mmio::{reg, MmioTransport, MMIO_WINDOW};
+use crate::devices::virtio::mmio::{reg, MmioTransport, TransportArgs, MMIO_WINDOW};
 use crate::devices::virtio::vsock::muxer::MuxerError;
 use crate::devices::virtio::vsock::{Vsock, MIN_GUEST_CID};
 use crate::devices::virtio::{Interrupt, VirtioDevice, VirtioError};
-use crate::devices::{self, Console, ConsoleTail, LegacyDevices};
+use crate::devices::{self, Console, ConsoleTail, LegacyDevices, Persist};
 use crate::event_loop::{EventLoop, EventLoopError};
 use crate::host::HostProfile;
 use crate::memory::{GuestRam, MemoryBacking, MemoryError, PageCopier, MMIO_GAP_START};
@@ -325,7 +325,7 @@ impl Vm {
                             sn.transports.len()
                         ))
                     })?;
-                    MmioTransport::restore(dev, ram.memory.clone(), interrupt, state)?
+                    MmioTransport::restore(TransportArgs { device: dev, mem: ram.memory.clone(), interrupt }, state)?
                 }
             };
             for (q, evt) in transport.queue_evts().iter().enumerate() {
@@ -679,7 +679,7 @@ impl RunningVm {
         self.require_paused()?;
         let guards: Vec<_> =
             self.shared.mmio.iter().map(|(_, _, t)| t.lock().unwrap_or_else(|e| e.into_inner())).collect();
-        let transports = guards.iter().map(|t| t.save_state()).collect();
+        let transports = guards.iter().map(|t| t.save()).collect();
         let vcpus = self.save_vcpu_states()?.into_iter().map(Arc::new).collect();
         let vm = crate::vm_state::save(&self.vm)?;
         let memory_file = dir.join(MEMORY_FILE);
@@ -728,7 +728,7 @@ impl RunningVm {
                 .map_err(MemoryError::Memfd)?;
             let guards: Vec<_> =
                 self.shared.mmio.iter().map(|(_, _, t)| t.lock().unwrap_or_else(|e| e.into_inner())).collect();
-            let transports: Vec<_> = guards.iter().map(|t| t.save_state()).collect();
+            let transports: Vec<_> = guards.iter().map(|t| t.save()).collect();
             let vcpus: Vec<_> = self.save_vcpu_states()?.into_iter().map(Arc::new).collect();
             let vm = crate::vm_state::save(&self.vm)?;
             let ranges = ram.content_ranges()?;

@@ -7,6 +7,7 @@
 //! unconnected ISA bus does; writes to them are dropped.
 
 pub mod console;
+pub mod persist;
 pub mod virtio;
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -16,6 +17,7 @@ use vm_superio::{I8042Device, Serial, Trigger};
 use vmm_sys_util::eventfd::EventFd;
 
 pub use console::{Console, ConsoleTail};
+pub use persist::Persist;
 
 /// COM1's base port.
 pub const COM1_PORT: u16 = 0x3f8;
