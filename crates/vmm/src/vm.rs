@@ -358,7 +358,10 @@ impl Vm {
             EventFd::new(libc::EFD_NONBLOCK).map_err(|e| VmError::Device(devices::DeviceError::EventFd(e)))?;
         vm.register_irqfd(&serial_irq, devices::COM1_IRQ).map_err(setup("KVM_IRQFD"))?;
         let console = Console::new(config.console_log.as_deref(), config.console_stdout)?;
-        let devices = LegacyDevices::new(serial_irq, console);
+        let devices = match snap {
+            None => LegacyDevices::new(serial_irq, console),
+            Some((sn, _)) => LegacyDevices::restore(devices::SerialArgs { irq: serial_irq, console }, &sn.legacy)?,
+        };
         let console_tail = devices.console_tail();
 
         let shared = Arc::new(VcpuShared {
@@ -680,6 +683,7 @@ impl RunningVm {
         let guards: Vec<_> =
             self.shared.mmio.iter().map(|(_, _, t)| t.lock().unwrap_or_else(|e| e.into_inner())).collect();
         let transports = guards.iter().map(|t| t.save()).collect();
+        let legacy = self.shared.devices.lock().unwrap_or_else(|e| e.into_inner()).save();
         let vcpus = self.save_vcpu_states()?.into_iter().map(Arc::new).collect();
         let vm = crate::vm_state::save(&self.vm)?;
         let memory_file = dir.join(MEMORY_FILE);
@@ -691,6 +695,7 @@ impl RunningVm {
             vcpus,
             vm,
             transports,
+            legacy,
             cpuid: self.cpuid.clone(),
             mem_bytes: self._ram.size,
             memory_crc32,
@@ -729,6 +734,7 @@ impl RunningVm {
             let guards: Vec<_> =
                 self.shared.mmio.iter().map(|(_, _, t)| t.lock().unwrap_or_else(|e| e.into_inner())).collect();
             let transports: Vec<_> = guards.iter().map(|t| t.save()).collect();
+            let legacy = self.shared.devices.lock().unwrap_or_else(|e| e.into_inner()).save();
             let vcpus: Vec<_> = self.save_vcpu_states()?.into_iter().map(Arc::new).collect();
             let vm = crate::vm_state::save(&self.vm)?;
             let ranges = ram.content_ranges()?;
@@ -749,13 +755,13 @@ impl RunningVm {
             }
             let bytes_written = copier.bytes_written;
             drop(guards);
-            Ok::<_, VmError>((memfd, transports, vcpus, vm, ranges, protection, bytes_written))
+            Ok::<_, VmError>((memfd, transports, legacy, vcpus, vm, ranges, protection, bytes_written))
         })();
         if !was_paused {
             self.resume();
         }
         let pause = start.elapsed();
-        let (memfd, transports, vcpus, vm, ranges, protection, mut bytes_written) = taken?;
+        let (memfd, transports, legacy, vcpus, vm, ranges, protection, mut bytes_written) = taken?;
         let bytes_examined = ranges.iter().map(|(s, e)| e - s).sum();
         let (mode, fallback_reason, pages_copied_before_write, write_faults) = match protection {
             Ok(wp) => {
@@ -782,6 +788,7 @@ impl RunningVm {
             vcpus,
             vm,
             transports,
+            legacy,
             cpuid: self.cpuid.clone(),
             mem_bytes: ram.size,
             memory_crc32: 0,
