@@ -32,6 +32,7 @@ use kvm_bindings::kvm_cpuid_entry2;
 use serde::{Deserialize, Serialize};
 
 use crate::devices::virtio::mmio::TransportState;
+use crate::devices::LegacyState;
 use crate::vcpu_state::VcpuState;
 use crate::vm_state::VmState;
 
@@ -39,7 +40,10 @@ use crate::vm_state::VmState;
 pub const MAGIC: [u8; 8] = *b"TINESNAP";
 /// The format this code writes and reads. Bump it on any change to the
 /// header or the payload's meaning.
-pub const FORMAT_VERSION: u32 = 1;
+///
+/// History: 1, the first; 2, the payload gained `legacy` (the serial
+/// port's and the i8042's state, [`LegacyState`]).
+pub const FORMAT_VERSION: u32 = 2;
 /// The state file's name in a snapshot directory.
 pub const STATE_FILE: &str = "state";
 /// The memory file's name in a snapshot directory.
@@ -64,7 +68,17 @@ pub enum SnapshotError {
     /// The state file does not start with [`MAGIC`].
     #[error("{0} is not a Tine snapshot (bad magic number)")]
     NotASnapshot(PathBuf),
-    /// The state file has another format version.
+    /// The state file was written by an older tine, in a format version
+    /// this one no longer reads.
+    #[error("{path} has snapshot format version {found}, older than the version {FORMAT_VERSION} this tine reads: rebuild the template (`tine template build` for the default template) or take the snapshot again")]
+    OldVersion {
+        /// The file.
+        path: PathBuf,
+        /// The version found.
+        found: u32,
+    },
+    /// The state file has a format version newer than this tine's (or not
+    /// one any tine wrote).
     #[error("{path} has snapshot format version {found}; this tine reads version {FORMAT_VERSION}: take the snapshot (or build the template) again")]
     Version {
         /// The file.
@@ -190,6 +204,8 @@ pub struct Snapshot {
     pub vm: VmState,
     /// Each virtio-mmio transport's state, in device order.
     pub transports: Vec<TransportState>,
+    /// The port I/O devices' state (serial port, i8042).
+    pub legacy: LegacyState,
     /// The CPUID each vCPU was given, by vCPU index.
     pub cpuid: Vec<Vec<CpuidLeaf>>,
     /// Guest RAM size (bytes).
@@ -206,6 +222,7 @@ struct PayloadOut<'a> {
     vcpus: Vec<&'a VcpuState>,
     vm: &'a VmState,
     transports: &'a [TransportState],
+    legacy: &'a LegacyState,
     cpuid: &'a [Vec<CpuidLeaf>],
     mem_bytes: u64,
     memory_crc32: u32,
@@ -217,6 +234,7 @@ struct PayloadIn {
     vcpus: Vec<VcpuState>,
     vm: VmState,
     transports: Vec<TransportState>,
+    legacy: LegacyState,
     cpuid: Vec<Vec<CpuidLeaf>>,
     mem_bytes: u64,
     memory_crc32: u32,
@@ -232,6 +250,7 @@ impl Snapshot {
             vcpus: self.vcpus.iter().map(|v| v.as_ref()).collect(),
             vm: &self.vm,
             transports: &self.transports,
+            legacy: &self.legacy,
             cpuid: &self.cpuid,
             mem_bytes: self.mem_bytes,
             memory_crc32: self.memory_crc32,
@@ -273,6 +292,9 @@ impl Snapshot {
         }
         let word = |at: usize| u32::from_le_bytes(header[at..at + 4].try_into().unwrap_or_default());
         let version = word(8);
+        if version < FORMAT_VERSION {
+            return Err(SnapshotError::OldVersion { path, found: version });
+        }
         if version != FORMAT_VERSION {
             return Err(SnapshotError::Version { path, found: version });
         }
@@ -309,6 +331,7 @@ impl Snapshot {
             vcpus: p.vcpus.into_iter().map(Arc::new).collect(),
             vm: p.vm,
             transports: p.transports,
+            legacy: p.legacy,
             cpuid: p.cpuid,
             mem_bytes: p.mem_bytes,
             memory_crc32: p.memory_crc32,
@@ -477,6 +500,7 @@ mod tests {
             vcpus: vec![Arc::new(vcpu)],
             vm,
             transports: vec![],
+            legacy: LegacyState::default(),
             cpuid: vec![vec![leaf]],
             mem_bytes: MEM,
             memory_crc32: file_crc32(&mem, MEM).unwrap(),
@@ -534,11 +558,11 @@ mod tests {
         assert!(matches!(e, SnapshotError::NotASnapshot(_)), "{e}");
 
         let mut version = good.clone();
-        version[8..12].copy_from_slice(&2u32.to_le_bytes());
+        version[8..12].copy_from_slice(&(FORMAT_VERSION + 1).to_le_bytes());
         std::fs::write(&path, &version).unwrap();
         let e = Snapshot::load(dir.path()).err().unwrap();
-        assert!(matches!(e, SnapshotError::Version { found: 2, .. }), "{e}");
-        assert!(e.to_string().contains("version 2"), "{e}");
+        assert!(matches!(e, SnapshotError::Version { found, .. } if found == FORMAT_VERSION + 1), "{e}");
+        assert!(e.to_string().contains(&format!("version {}", FORMAT_VERSION + 1)), "{e}");
 
         // A payload that checks out but is not a snapshot's.
         let junk = b"{\"vcpus\": 3}";
@@ -551,6 +575,35 @@ mod tests {
 
         std::fs::remove_file(&path).unwrap();
         assert!(matches!(Snapshot::load(dir.path()), Err(SnapshotError::Io { .. })));
+    }
+
+    #[test]
+    fn older_format_versions_ask_for_a_rebuilt_template() {
+        let (dir, _) = write_sample();
+        let path = dir.path().join(STATE_FILE);
+        assert_eq!(FORMAT_VERSION, 2);
+        for old in [0, 1] {
+            let mut bytes = state_bytes(dir.path());
+            bytes[8..12].copy_from_slice(&u32::to_le_bytes(old));
+            std::fs::write(&path, &bytes).unwrap();
+            let e = Snapshot::load(dir.path()).err().unwrap();
+            assert!(matches!(&e, SnapshotError::OldVersion { found, path: p } if *found == old && *p == path), "{e}");
+            let text = e.to_string();
+            assert!(text.contains(&format!("format version {old}, older than the version 2")), "{e}");
+            assert!(text.contains("rebuild the template (`tine template build`"), "{e}");
+        }
+    }
+
+    #[test]
+    fn legacy_device_state_round_trips_through_the_state_file() {
+        let (dir, mut snap) = write_sample();
+        snap.legacy.serial.0.line_control = 0x03;
+        snap.legacy.serial.0.interrupt_enable = 0x05;
+        snap.legacy.serial.0.scratch = 0x5a;
+        snap.legacy.serial.0.in_buffer = b"typed".to_vec();
+        snap.write_state(dir.path()).unwrap();
+        let back = Snapshot::load(dir.path()).unwrap();
+        assert_eq!(back.legacy, snap.legacy);
     }
 
     #[test]

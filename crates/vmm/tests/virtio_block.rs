@@ -10,6 +10,7 @@ use std::os::unix::fs::FileExt;
 
 use common::driver::{Driver, DATA_BASE, INDIRECT, WRITE};
 use vmm::devices::virtio::block::{req, status, Block, VIRTIO_BLK_F_FLUSH};
+use vmm::devices::Persist;
 
 const DISK_BYTES: u64 = 1 << 20;
 const HDR: u64 = DATA_BASE;
@@ -197,14 +198,14 @@ fn queue_state_survives_save_and_restore() {
     for _ in 0..3 {
         assert_eq!(request(&mut d, req::OUT, 1, 512, 0).0, status::OK);
     }
-    let saved = d.transport.save_state();
+    let saved = d.transport.save();
     assert!(saved.activated);
     assert_eq!((saved.queues[0].next_avail, saved.queues[0].next_used), (3, 3));
     // A new device on the same image, restored: the driver's rings go on.
     let block = Block::open(f.path(), false, "test-serial-0123456789").unwrap();
     d.save_and_restore(Box::new(block));
     assert!(d.transport.is_active());
-    assert_eq!(d.transport.save_state(), saved, "virtio-blk restores to exactly the saved state");
+    assert_eq!(d.transport.save(), saved, "virtio-blk restores to exactly the saved state");
     d.write_bytes(DATA, &[0u8; 512]);
     let (st, used) = request(&mut d, req::IN, 1, 512, WRITE);
     assert_eq!(st, status::OK);
@@ -213,6 +214,9 @@ fn queue_state_survives_save_and_restore() {
     // A state for another device shape is refused.
     let other = vmm::devices::virtio::vsock::Vsock::new(3, &f.path().with_extension("sock")).unwrap();
     let interrupt = std::sync::Arc::new(vmm::devices::virtio::Interrupt::new(d.irq.try_clone().unwrap()));
-    let err = vmm::devices::virtio::mmio::MmioTransport::restore(Box::new(other), d.mem.clone(), interrupt, &saved);
+    let err = vmm::devices::virtio::mmio::MmioTransport::restore(
+        vmm::devices::virtio::mmio::TransportArgs { device: Box::new(other), mem: d.mem.clone(), interrupt },
+        &saved,
+    );
     assert!(err.is_err());
 }

@@ -1,21 +1,25 @@
 //! Devices. Here: the legacy port I/O devices (the 16550 serial console (COM1), the i8042
-//! controller's reset line, and Tine's power-off port); in [`virtio`]:
-//! virtio-mmio devices.
+//! controller's reset line, and Tine's power-off port) and their snapshot
+//! state ([`LegacyState`]); in [`virtio`]: virtio-mmio devices; in
+//! [`persist`]: the [`Persist`] trait every device saves and restores through.
 //!
 //! Ports: COM1 0x3f8..0x400 (IRQ 4), i8042 0x60..0x65, power-off
 //! [`POWER_OFF_PORT`]. Reads of any other port return all ones, as an
 //! unconnected ISA bus does; writes to them are dropped.
 
 pub mod console;
+pub mod persist;
 pub mod virtio;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
+use vm_superio::serial::{NoEvents, SerialState};
 use vm_superio::{I8042Device, Serial, Trigger};
 use vmm_sys_util::eventfd::EventFd;
 
 pub use console::{Console, ConsoleTail};
+pub use persist::Persist;
 
 /// COM1's base port.
 pub const COM1_PORT: u16 = 0x3f8;
@@ -41,6 +45,10 @@ pub enum DeviceError {
         /// The I/O error.
         source: std::io::Error,
     },
+    /// The saved serial port state does not restore (more buffered input
+    /// than its FIFO holds, or its interrupt cannot be raised).
+    #[error("cannot restore the serial port from the snapshot: {0}")]
+    SerialRestore(String),
 }
 
 /// An interrupt line: writing the eventfd injects the IRQ through KVM irqfd.
@@ -76,9 +84,111 @@ pub enum PioEvent {
     PowerOff,
 }
 
+/// The COM1 UART: vm-superio's 16550 with its interrupt on an irqfd and
+/// its output to the [`Console`].
+pub type SerialPort = Serial<IrqTrigger, NoEvents, Console>;
+
+/// The persisted state of the serial port: vm-superio's [`SerialState`]
+/// (its registers, LCR, IER, scratch and the rest, and the input bytes
+/// the guest has not read yet).
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct SerialPortState(#[serde(with = "saved_serial")] pub SerialState);
+
+/// Serde for vm-superio's `SerialState` (which has no serde support): the
+/// same fields, by name, through serde's remote derive.
+mod saved_serial {
+    #![allow(missing_docs)]
+    use serde::{Deserialize, Serialize};
+    use vm_superio::serial::SerialState;
+
+    #[derive(Serialize, Deserialize)]
+    #[serde(remote = "SerialState", deny_unknown_fields)]
+    struct Saved {
+        baud_divisor_low: u8,
+        baud_divisor_high: u8,
+        interrupt_enable: u8,
+        interrupt_identification: u8,
+        line_control: u8,
+        line_status: u8,
+        modem_control: u8,
+        modem_status: u8,
+        scratch: u8,
+        in_buffer: Vec<u8>,
+    }
+
+    pub fn serialize<S: serde::Serializer>(v: &SerialState, s: S) -> Result<S::Ok, S::Error> {
+        Saved::serialize(v, s)
+    }
+    pub fn deserialize<'de, D: serde::Deserializer<'de>>(d: D) -> Result<SerialState, D::Error> {
+        Saved::deserialize(d)
+    }
+}
+
+/// What restoring the serial port needs: its interrupt eventfd (COM1's
+/// irqfd) and where its output goes.
+pub struct SerialArgs {
+    /// The eventfd registered as COM1's irqfd.
+    pub irq: EventFd,
+    /// Where the guest's serial output goes.
+    pub console: Console,
+}
+
+impl Persist<'_> for SerialPort {
+    type State = SerialPortState;
+    type ConstructorArgs = SerialArgs;
+    type Error = DeviceError;
+
+    fn save(&self) -> SerialPortState {
+        SerialPortState(self.state())
+    }
+
+    /// Rebuilds the UART with the saved registers and unread input; raises
+    /// its interrupt if the saved state has one pending and enabled.
+    ///
+    /// Errors: [`DeviceError::SerialRestore`].
+    fn restore(args: SerialArgs, state: &SerialPortState) -> Result<Self, DeviceError> {
+        Serial::from_state(&state.0, IrqTrigger(args.irq), NoEvents, args.console)
+            .map_err(|e| DeviceError::SerialRestore(e.to_string()))
+    }
+}
+
+/// The persisted state of the i8042 controller. vm-superio's i8042 (0.8)
+/// keeps no registers: reads return 0 and only the CPU-reset command acts,
+/// and a reset is reported at once (never pending at a save). So there is
+/// nothing to keep; the type holds the place in the snapshot format.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct I8042State {}
+
+impl Persist<'_> for I8042Device<ResetLatch> {
+    type State = I8042State;
+    type ConstructorArgs = ResetLatch;
+    type Error = std::convert::Infallible;
+
+    fn save(&self) -> I8042State {
+        I8042State {}
+    }
+
+    /// A controller that reports resets on `args`.
+    fn restore(args: ResetLatch, _state: &I8042State) -> Result<Self, Self::Error> {
+        Ok(I8042Device::new(args))
+    }
+}
+
+/// The persisted state of the port I/O devices (the power-off port has
+/// none).
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LegacyState {
+    /// COM1.
+    pub serial: SerialPortState,
+    /// The i8042 controller.
+    pub i8042: I8042State,
+}
+
 /// The port I/O devices of one VM.
 pub struct LegacyDevices {
-    serial: Serial<IrqTrigger, vm_superio::serial::NoEvents, Console>,
+    serial: SerialPort,
     i8042: I8042Device<ResetLatch>,
     reset: ResetLatch,
 }
@@ -130,6 +240,30 @@ impl LegacyDevices {
     /// The console's shared tail buffer.
     pub fn console_tail(&self) -> ConsoleTail {
         self.serial.writer().tail()
+    }
+}
+
+impl Persist<'_> for LegacyDevices {
+    type State = LegacyState;
+    /// COM1's irqfd and console, as for [`LegacyDevices::new`].
+    type ConstructorArgs = SerialArgs;
+    type Error = DeviceError;
+
+    fn save(&self) -> LegacyState {
+        LegacyState { serial: self.serial.save(), i8042: self.i8042.save() }
+    }
+
+    /// The devices as saved: the serial port's registers and unread input,
+    /// the i8042's (empty) state.
+    ///
+    /// Errors: [`DeviceError::SerialRestore`].
+    fn restore(args: SerialArgs, state: &LegacyState) -> Result<Self, DeviceError> {
+        let reset = ResetLatch::default();
+        let i8042 = match I8042Device::restore(reset.clone(), &state.i8042) {
+            Ok(d) => d,
+            Err(never) => match never {},
+        };
+        Ok(LegacyDevices { serial: SerialPort::restore(args, &state.serial)?, i8042, reset })
     }
 }
 

@@ -13,11 +13,11 @@ use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::devices::virtio::block::{Block, BlockError};
-use crate::devices::virtio::mmio::{reg, MmioTransport, MMIO_WINDOW};
+use crate::devices::virtio::mmio::{reg, MmioTransport, TransportArgs, MMIO_WINDOW};
 use crate::devices::virtio::vsock::muxer::MuxerError;
 use crate::devices::virtio::vsock::Vsock;
 use crate::devices::virtio::{Interrupt, VirtioDevice, VirtioError};
-use crate::devices::{self, Console, LegacyDevices};
+use crate::devices::{self, Console, LegacyDevices, LegacyState, Persist, SerialArgs};
 use crate::event_loop::{EventLoop, EventLoopError};
 use crate::memory::{GuestRam, MemoryBacking, MemoryError, MMIO_GAP_START};
 use crate::snapshot::{CpuidLeaf, Snapshot, SnapshotError};
@@ -117,7 +117,7 @@ pub fn build_for_boot(config: &VmConfig) -> Result<RunningVm, BuildError> {
     })?;
     let kernel = load_kernel(&ram.memory, ram.size, &config.kernel, config.initrd.as_deref(), &cmdline)?;
     mptable::write(&ram.memory, config.vcpus)?;
-    let vcpus = b.create_vcpus(&ram, &mmio, |index, fd, _| {
+    let vcpus = b.create_vcpus(&ram, &mmio, None, |index, fd, _| {
         let regs_err = |source| BuildError::Regs { vcpu: index, source };
         regs::setup_msrs(fd).map_err(regs_err)?;
         regs::setup_fpu(fd).map_err(regs_err)?;
@@ -153,10 +153,10 @@ pub fn build_from_snapshot(
     ram.register(&b.vm)?;
     let mut cmdline = config.full_cmdline();
     let mmio = b.attach_virtio(&ram, &mut cmdline, |i, dev, memory, interrupt| {
-        Ok(MmioTransport::restore(dev, memory, interrupt, &snapshot.transports[i])?)
+        Ok(MmioTransport::restore(TransportArgs { device: dev, mem: memory, interrupt }, &snapshot.transports[i])?)
     })?;
     crate::vm_state::restore(&b.vm, &snapshot.vm)?;
-    let vcpus = b.create_vcpus(&ram, &mmio, |index, fd, cpuid| {
+    let vcpus = b.create_vcpus(&ram, &mmio, Some(&snapshot.legacy), |index, fd, cpuid| {
         snapshot.check_cpuid(usize::from(index), cpuid.as_slice())?;
         Ok(crate::vcpu_state::restore(fd, &snapshot.vcpus[usize::from(index)])?)
     })?;
@@ -238,12 +238,14 @@ impl<'a> Builder<'a> {
     }
 
     /// Attaches the legacy devices (serial console on COM1, i8042, power
-    /// off port) and creates every vCPU with its CPUID, then has
-    /// `setup_vcpu(index, fd, cpuid)` load its registers.
+    /// off port; restored from `legacy` if given, else fresh) and creates
+    /// every vCPU with its CPUID, then has `setup_vcpu(index, fd, cpuid)`
+    /// load its registers.
     fn create_vcpus(
         &self,
         ram: &GuestRam,
         mmio: &[MmioSlot],
+        legacy: Option<&LegacyState>,
         mut setup_vcpu: impl FnMut(u8, &VcpuFd, &CpuId) -> Result<(), BuildError>,
     ) -> Result<Vcpus, BuildError> {
         let config = self.config;
@@ -251,7 +253,10 @@ impl<'a> Builder<'a> {
             EventFd::new(libc::EFD_NONBLOCK).map_err(|e| BuildError::Device(devices::DeviceError::EventFd(e)))?;
         self.vm.register_irqfd(&serial_irq, devices::COM1_IRQ).map_err(setup("KVM_IRQFD"))?;
         let console = Console::new(config.console_log.as_deref(), config.console_stdout)?;
-        let devices = LegacyDevices::new(serial_irq, console);
+        let devices = match legacy {
+            None => LegacyDevices::new(serial_irq, console),
+            Some(state) => LegacyDevices::restore(SerialArgs { irq: serial_irq, console }, state)?,
+        };
 
         let shared = Arc::new(VcpuShared {
             stop: Default::default(),

@@ -1,7 +1,7 @@
 //! Capturing a VM's state: [`RunningVm::capture_state`] saves every
-//! vCPU, the VM-wide state and every virtio transport of a paused VM, with
-//! the transports locked; [`RunningVm::snapshot`] writes it with guest RAM
-//! to a directory, [`RunningVm::branch`] keeps it in memory as a branch
+//! vCPU, the VM-wide state, every virtio transport and the legacy devices
+//! of a paused VM, with the transports locked; [`RunningVm::snapshot`]
+//! writes it with guest RAM to a directory, [`RunningVm::branch`] keeps it in memory as a branch
 //! point.
 
 use std::sync::{Arc, MutexGuard};
@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use crate::branch::{BranchMode, BranchReport, WriteProtection};
 use crate::devices::virtio::mmio::{MmioTransport, TransportState};
+use crate::devices::{LegacyState, Persist};
 use crate::memory::{MemoryError, PageCopier};
 use crate::snapshot::{file_crc32, Snapshot, SnapshotError, SnapshotMemory, MEMORY_FILE};
 use crate::sync::lock;
@@ -24,6 +25,8 @@ pub(crate) struct CapturedState {
     pub vm: VmState,
     /// Each virtio-mmio transport's state, by device index.
     pub transports: Vec<TransportState>,
+    /// The serial port and the i8042.
+    pub legacy: LegacyState,
 }
 
 /// Every virtio transport of a VM, locked: while held, no device touches
@@ -42,10 +45,11 @@ impl RunningVm {
     pub(crate) fn capture_state(&self) -> Result<(DeviceLocks<'_>, CapturedState), ControlError> {
         self.require_paused()?;
         let guards: Vec<_> = self.shared.mmio.iter().map(|(_, _, t)| lock(t)).collect();
-        let transports = guards.iter().map(|t| t.save_state()).collect();
+        let transports = guards.iter().map(|t| t.save()).collect();
+        let legacy = lock(&self.shared.devices).save();
         let vcpus = self.save_vcpu_states()?.into_iter().map(Arc::new).collect();
         let vm = crate::vm_state::save(&self.vm)?;
-        Ok((DeviceLocks { _guards: guards }, CapturedState { vcpus, vm, transports }))
+        Ok((DeviceLocks { _guards: guards }, CapturedState { vcpus, vm, transports, legacy }))
     }
 
     /// A snapshot of `state` with guest RAM in `memory`.
@@ -54,6 +58,7 @@ impl RunningVm {
             vcpus: state.vcpus,
             vm: state.vm,
             transports: state.transports,
+            legacy: state.legacy,
             cpuid: self.cpuid.clone(),
             mem_bytes: self.ram.size,
             memory_crc32,

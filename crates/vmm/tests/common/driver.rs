@@ -8,8 +8,9 @@
 use std::sync::Arc;
 
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
-use vmm::devices::virtio::mmio::{reg, status, MmioTransport};
+use vmm::devices::virtio::mmio::{reg, status, MmioTransport, TransportArgs};
 use vmm::devices::virtio::{Interrupt, VirtioDevice, VIRTIO_F_VERSION_1};
+use vmm::devices::Persist;
 use vmm_sys_util::eventfd::EventFd;
 
 /// VIRTQ_DESC_F_NEXT.
@@ -99,9 +100,10 @@ impl Driver {
     /// Saves the transport's state and replaces it with `device` restored
     /// from that state, on the same guest memory and interrupt line.
     pub fn save_and_restore(&mut self, device: Box<dyn VirtioDevice>) {
-        let state = self.transport.save_state();
+        let state = self.transport.save();
         let interrupt = Arc::new(Interrupt::new(self.irq.try_clone().unwrap()));
-        self.transport = MmioTransport::restore(device, self.mem.clone(), interrupt, &state).unwrap();
+        self.transport =
+            MmioTransport::restore(TransportArgs { device, mem: self.mem.clone(), interrupt }, &state).unwrap();
     }
 
     pub fn w(&mut self, offset: u64, v: u32) {

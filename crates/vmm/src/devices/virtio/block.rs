@@ -16,6 +16,7 @@ use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
 use super::chain::{parse_chain, ParsedChain, Segment};
 use super::{Activation, Interrupt, VirtioDevice, VirtioError, VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX};
+use crate::devices::persist::Persist;
 
 /// virtio device ID of a block device.
 pub const VIRTIO_ID_BLOCK: u32 = 2;
@@ -234,6 +235,42 @@ impl Block {
             done += n;
         }
         Ok(())
+    }
+}
+
+/// The persisted state of a virtio-blk device: empty. Its virtqueue (the
+/// only state it has while running) is saved by its transport
+/// ([`super::mmio::TransportState`], through [`VirtioDevice::queue_states`]),
+/// and the disk image is a host resource, reopened from [`BlockArgs`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BlockState {}
+
+/// What restoring a virtio-blk device needs: the arguments of [`Block::open`].
+pub struct BlockArgs<'a> {
+    /// The disk image.
+    pub path: &'a Path,
+    /// Whether the disk is read-only.
+    pub read_only: bool,
+    /// The serial the guest reads with GET_ID.
+    pub id: &'a str,
+}
+
+impl<'a> Persist<'a> for Block {
+    type State = BlockState;
+    type ConstructorArgs = BlockArgs<'a>;
+    type Error = BlockError;
+
+    fn save(&self) -> BlockState {
+        BlockState {}
+    }
+
+    /// Opens the disk again ([`Block::open`]); the transport's restore
+    /// then activates it on the saved virtqueue.
+    ///
+    /// Errors: [`BlockError`].
+    fn restore(args: BlockArgs<'a>, _state: &BlockState) -> Result<Self, BlockError> {
+        Block::open(args.path, args.read_only, args.id)
     }
 }
 

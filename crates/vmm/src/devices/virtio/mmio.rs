@@ -14,6 +14,7 @@ use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
 
 use super::{Activation, Interrupt, VirtioDevice, VirtioError, VIRTIO_F_VERSION_1, VIRTIO_MMIO_INT_CONFIG};
+use crate::devices::persist::Persist;
 
 /// Size of each device's MMIO window (bytes).
 pub const MMIO_WINDOW: u64 = 0x1000;
@@ -144,6 +145,98 @@ pub enum RestoreError {
     Virtio(#[from] VirtioError),
 }
 
+/// What restoring a transport needs besides its [`TransportState`]: the
+/// device (opened anew, host resources included), guest memory (with the
+/// same contents as at the save) and the device's interrupt line.
+pub struct TransportArgs {
+    /// The device behind the transport.
+    pub device: Box<dyn VirtioDevice>,
+    /// Guest memory.
+    pub mem: GuestMemoryMmap,
+    /// The device's interrupt line.
+    pub interrupt: Arc<Interrupt>,
+}
+
+impl Persist<'_> for MmioTransport {
+    type State = TransportState;
+    type ConstructorArgs = TransportArgs;
+    type Error = RestoreError;
+
+    /// The transport's persisted state (see [`TransportState`]); the
+    /// queues of a running device are the device's live ones
+    /// ([`VirtioDevice::queue_states`]).
+    fn save(&self) -> TransportState {
+        let queues = match (self.activated, self.device.queue_states()) {
+            (true, Some(live)) => live,
+            _ => self.queues.iter().map(|q| q.state()).collect(),
+        };
+        TransportState {
+            status: self.status,
+            driver_features: self.driver_features,
+            device_features_select: self.device_features_select,
+            driver_features_select: self.driver_features_select,
+            queue_select: self.queue_select,
+            config_generation: self.config_generation,
+            interrupt_status: self.interrupt.status(),
+            activated: self.activated,
+            queues,
+        }
+    }
+
+    /// Rebuilds a transport for `args.device` from `state` (same guest
+    /// memory contents as when it was saved). An activated device is
+    /// activated again on the saved queues (indices included), told it was
+    /// restored ([`VirtioDevice::after_restore`]), and every queue is marked
+    /// notified.
+    ///
+    /// Errors: [`RestoreError`].
+    fn restore(args: TransportArgs, state: &TransportState) -> Result<Self, RestoreError> {
+        let TransportArgs { device, mem, interrupt } = args;
+        let name = device.name();
+        let sizes = device.queue_max_sizes().to_vec();
+        if sizes.len() != state.queues.len() || sizes.iter().zip(&state.queues).any(|(m, q)| *m != q.max_size) {
+            return Err(RestoreError::Mismatch {
+                device: name,
+                reason: format!(
+                    "queues {sizes:?} vs saved {:?}",
+                    state.queues.iter().map(|q| q.max_size).collect::<Vec<_>>()
+                ),
+            });
+        }
+        let mut t = MmioTransport::new(device, mem, interrupt)?;
+        let mut queues = Vec::with_capacity(state.queues.len());
+        for (i, qs) in state.queues.iter().enumerate() {
+            queues.push(
+                Queue::try_from(*qs)
+                    .map_err(|e| RestoreError::Mismatch { device: name, reason: format!("queue {i}: {e}") })?,
+            );
+        }
+        t.queues = queues;
+        t.status = state.status;
+        t.driver_features = state.driver_features;
+        t.device_features_select = state.device_features_select;
+        t.driver_features_select = state.driver_features_select;
+        t.queue_select = state.queue_select;
+        t.config_generation = state.config_generation;
+        if state.interrupt_status != 0 {
+            t.interrupt.trigger(state.interrupt_status);
+        }
+        if state.activated && state.status & status::DEVICE_NEEDS_RESET == 0 {
+            t.activate();
+            t.after_restore();
+            // Notifications the driver sent to the old eventfds just before
+            // the save were never seen, and with EVENT_IDX it will not send
+            // them again: have every queue processed once, and have the
+            // driver look at its used rings.
+            for evt in &t.queue_evts {
+                let _ = evt.write(1);
+            }
+            t.interrupt.trigger(super::VIRTIO_MMIO_INT_VRING);
+        }
+        Ok(t)
+    }
+}
+
 /// A virtio device and its transport state.
 pub struct MmioTransport {
     device: Box<dyn VirtioDevice>,
@@ -195,81 +288,6 @@ impl MmioTransport {
             config_generation: 0,
             activated: false,
         })
-    }
-
-    /// The transport's persisted state (see [`TransportState`]).
-    pub fn save_state(&self) -> TransportState {
-        let queues = match (self.activated, self.device.queue_states()) {
-            (true, Some(live)) => live,
-            _ => self.queues.iter().map(|q| q.state()).collect(),
-        };
-        TransportState {
-            status: self.status,
-            driver_features: self.driver_features,
-            device_features_select: self.device_features_select,
-            driver_features_select: self.driver_features_select,
-            queue_select: self.queue_select,
-            config_generation: self.config_generation,
-            interrupt_status: self.interrupt.status(),
-            activated: self.activated,
-            queues,
-        }
-    }
-
-    /// Rebuilds a transport for `device` from `state` (same guest memory
-    /// contents as when it was saved). An activated device is activated
-    /// again on the saved queues (indices included), told it was restored
-    /// ([`VirtioDevice::after_restore`]), and every queue is marked notified.
-    ///
-    /// Errors: [`RestoreError`].
-    pub fn restore(
-        device: Box<dyn VirtioDevice>,
-        mem: GuestMemoryMmap,
-        interrupt: Arc<Interrupt>,
-        state: &TransportState,
-    ) -> Result<Self, RestoreError> {
-        let name = device.name();
-        let sizes = device.queue_max_sizes().to_vec();
-        if sizes.len() != state.queues.len() || sizes.iter().zip(&state.queues).any(|(m, q)| *m != q.max_size) {
-            return Err(RestoreError::Mismatch {
-                device: name,
-                reason: format!(
-                    "queues {sizes:?} vs saved {:?}",
-                    state.queues.iter().map(|q| q.max_size).collect::<Vec<_>>()
-                ),
-            });
-        }
-        let mut t = MmioTransport::new(device, mem, interrupt)?;
-        let mut queues = Vec::with_capacity(state.queues.len());
-        for (i, qs) in state.queues.iter().enumerate() {
-            queues.push(
-                Queue::try_from(*qs)
-                    .map_err(|e| RestoreError::Mismatch { device: name, reason: format!("queue {i}: {e}") })?,
-            );
-        }
-        t.queues = queues;
-        t.status = state.status;
-        t.driver_features = state.driver_features;
-        t.device_features_select = state.device_features_select;
-        t.driver_features_select = state.driver_features_select;
-        t.queue_select = state.queue_select;
-        t.config_generation = state.config_generation;
-        if state.interrupt_status != 0 {
-            t.interrupt.trigger(state.interrupt_status);
-        }
-        if state.activated && state.status & status::DEVICE_NEEDS_RESET == 0 {
-            t.activate();
-            t.after_restore();
-            // Notifications the driver sent to the old eventfds just before
-            // the save were never seen, and with EVENT_IDX it will not send
-            // them again: have every queue processed once, and have the
-            // driver look at its used rings.
-            for evt in &t.queue_evts {
-                let _ = evt.write(1);
-            }
-            t.interrupt.trigger(super::VIRTIO_MMIO_INT_VRING);
-        }
-        Ok(t)
     }
 
     /// Raises the device's interrupt again if the driver has anything to

@@ -20,6 +20,7 @@ use super::{
     Activation, Interrupt, VirtioDevice, VirtioError, VIRTIO_F_VERSION_1, VIRTIO_MMIO_INT_VRING,
     VIRTIO_RING_F_EVENT_IDX,
 };
+use crate::devices::persist::Persist;
 use muxer::{Muxer, MuxerError};
 use packet::{Header, HDR_LEN, MAX_PAYLOAD};
 
@@ -130,7 +131,46 @@ impl Vsock {
     pub fn cid(&self) -> u64 {
         self.cid
     }
+}
 
+/// The persisted state of a virtio-vsock device: empty. Its virtqueues
+/// are saved by its transport ([`super::mmio::TransportState`], through
+/// [`VirtioDevice::queue_states`]); its connections are host sockets,
+/// which do not survive a restore: a restored device drops them and
+/// tells the guest with `VIRTIO_VSOCK_EVENT_TRANSPORT_RESET`
+/// ([`VirtioDevice::after_restore`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VsockState {}
+
+/// What restoring a virtio-vsock device needs: the arguments of [`Vsock::new`].
+pub struct VsockArgs<'a> {
+    /// The guest's context ID.
+    pub cid: u64,
+    /// Where the host end listens.
+    pub uds_path: &'a Path,
+}
+
+impl<'a> Persist<'a> for Vsock {
+    type State = VsockState;
+    type ConstructorArgs = VsockArgs<'a>;
+    type Error = MuxerError;
+
+    fn save(&self) -> VsockState {
+        VsockState {}
+    }
+
+    /// A new device listening on `args.uds_path` ([`Vsock::new`]); the
+    /// transport's restore then activates it on the saved virtqueues and
+    /// resets its transport.
+    ///
+    /// Errors: [`MuxerError`].
+    fn restore(args: VsockArgs<'a>, _state: &VsockState) -> Result<Self, MuxerError> {
+        Vsock::new(args.cid, args.uds_path)
+    }
+}
+
+impl Vsock {
     /// Drops every connection and tells the guest with
     /// `VIRTIO_VSOCK_EVENT_TRANSPORT_RESET` (on its event queue, now or as
     /// soon as it has a buffer there). Used after a snapshot restore.
