@@ -1,8 +1,8 @@
 //! Capturing a VM's state: [`RunningVm::capture_state`] saves every
 //! vCPU, the VM-wide state, every virtio transport and the legacy devices
 //! of a paused VM, with the transports locked; [`RunningVm::snapshot`]
-//! writes it with guest RAM to a directory, [`RunningVm::branch`] keeps it in memory as a branch
-//! point.
+//! writes it with guest RAM to a directory, [`RunningVm::branch`] keeps
+//! it in memory as a branch point.
 
 use std::sync::{Arc, MutexGuard};
 use std::time::{Duration, Instant};
