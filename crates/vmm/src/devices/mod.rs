@@ -241,6 +241,19 @@ impl LegacyDevices {
     pub fn console_tail(&self) -> ConsoleTail {
         self.serial.writer().tail()
     }
+
+    /// Raises COM1's interrupt again if the serial port has one pending
+    /// (its IIR's "no interrupt" bit, bit 0, clear; 16550 datasheet,
+    /// register IIR). A restore calls this once the vCPUs' local APICs
+    /// have their saved state, which could have dropped the edge raised
+    /// while the port itself was restored.
+    pub fn reassert_interrupt(&self) {
+        if self.serial.state().interrupt_identification & 1 == 0 {
+            if let Err(e) = self.serial.interrupt_evt().trigger() {
+                tracing::warn!("cannot raise COM1's interrupt again: {e}");
+            }
+        }
+    }
 }
 
 impl Persist<'_> for LegacyDevices {
@@ -305,5 +318,17 @@ mod tests {
         }
         assert_eq!(d.console_tail().contents(), b"hi\n");
         assert!(evt.read().unwrap() >= 1);
+    }
+
+    #[test]
+    fn a_pending_serial_interrupt_is_raised_again() {
+        let (mut d, evt) = devices();
+        d.reassert_interrupt();
+        assert!(evt.read().is_err(), "no interrupt pending, none raised");
+        // THR-empty interrupt enabled: pending until the guest reads IIR.
+        d.pio_write(COM1_PORT + 1, &[0x02]);
+        assert!(evt.read().unwrap() >= 1);
+        d.reassert_interrupt();
+        assert_eq!(evt.read().unwrap(), 1, "raised again while pending");
     }
 }

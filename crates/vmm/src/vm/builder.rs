@@ -160,13 +160,14 @@ pub fn build_from_snapshot(
         snapshot.check_cpuid(usize::from(index), cpuid.as_slice())?;
         Ok(crate::vcpu_state::restore(fd, &snapshot.vcpus[usize::from(index)])?)
     })?;
-    // The transports raised their interrupts while being restored, before
-    // the IOAPIC and the LAPICs got their saved state back, which can drop
-    // them (seen: a guest that never looked at the vsock event queue until
-    // other traffic arrived). Again, now.
+    // The transports (and the serial port) raised their interrupts while
+    // being restored, before the IOAPIC and the LAPICs got their saved
+    // state back, which can drop them (seen: a guest that never looked at
+    // the vsock event queue until other traffic arrived). Again, now.
     for (_, _, t) in &mmio {
         lock(t).reassert_interrupt();
     }
+    lock(&vcpus.shared.devices).reassert_interrupt();
     b.start(ram, mmio, vcpus)
 }
 
