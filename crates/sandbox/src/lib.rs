@@ -37,8 +37,6 @@ pub use manager::{
 };
 pub use templates::{TemplateError, TemplateInfo, DEFAULT_TEMPLATE};
 
-/// Locks `m`, going on with the data of a holder that panicked (every
-/// lock here guards plain data that stays consistent).
-fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
+// Locks a mutex, going on with the data of a holder that panicked (every
+// lock here guards plain data that stays consistent): the VMM's helper.
+use vmm::sync::lock;
