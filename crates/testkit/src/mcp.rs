@@ -115,6 +115,24 @@ impl TineServer {
         self.child.as_ref().map(|c| c.id()).unwrap_or(0)
     }
 
+    /// Waits until the server's background build of the default template
+    /// (a cold boot, started with the server) has written the template and
+    /// removed its build VM's directory; panics after `timeout`. Tests that
+    /// count the server's VMs or files take their baseline after this.
+    pub fn wait_for_default_template(&self, timeout: Duration) {
+        let meta = self.data_dir.join("templates/default/template.json");
+        let building = || {
+            std::fs::read_dir(self.data_dir.join("sandboxes"))
+                .map(|d| d.flatten().any(|e| e.file_name().to_string_lossy().starts_with("template-")))
+                .unwrap_or(false)
+        };
+        let t = Instant::now();
+        while !meta.exists() || building() {
+            assert!(t.elapsed() < timeout, "no default template within {timeout:?} of the server's start");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
     /// Connects and initializes a new MCP session.
     pub async fn client(&self) -> McpClient {
         let mut config = StreamableHttpClientTransportConfig::with_uri(self.url.clone());

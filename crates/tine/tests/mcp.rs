@@ -283,6 +283,9 @@ async fn ten_concurrent_sessions() {
     let _serial = SERIAL.lock().await;
     let server = TineServer::start(binary(), None, CONFIG);
     let pid = server.pid();
+    // The server builds the default template in the background as it
+    // starts; the baseline is taken once that build VM is gone.
+    server.wait_for_default_template(Duration::from_secs(1200));
     let before = vm_leftovers(pid, &server.data_dir);
     assert!(before.is_empty(), "{before:?}");
 
