@@ -1,3 +1,7 @@
+//! Property tests of the wire format (every request and response round-trips;
+//! arbitrary bytes and bodies decode to an error, never a panic) and unit
+//! tests of its limits: frame length, vector lengths, version, wire tags.
+
 use proptest::prelude::*;
 
 use super::*;

@@ -12,9 +12,9 @@ use std::os::unix::net::UnixListener;
 use std::time::Duration;
 
 use common::driver::{Driver, DATA_BASE, WRITE};
+use common::vsock::{guest_header, GUEST_CID};
 use vmm::devices::virtio::block::{req, status, Block, BlockArgs, VIRTIO_BLK_F_FLUSH};
-use vmm::devices::virtio::vsock::muxer::HOST_CID;
-use vmm::devices::virtio::vsock::packet::{op, Header, HDR_LEN, TYPE_STREAM};
+use vmm::devices::virtio::vsock::packet::{op, Header, HDR_LEN};
 use vmm::devices::virtio::vsock::{Vsock, VsockArgs};
 use vmm::devices::{
     Console, LegacyDevices, Persist, PioEvent, SerialArgs, SerialPort, SerialPortState, COM1_PORT, I8042_PORT,
@@ -82,32 +82,19 @@ fn virtio_blk_round_trip_and_a_request_after() {
 
 #[test]
 fn vsock_round_trip_and_a_packet_after() {
-    const CID: u64 = 3;
     const RXQ: usize = 0;
     const TXQ: usize = 1;
     const EVQ: usize = 2;
     let dir = tempfile::tempdir().unwrap();
     let uds = dir.path().join("vm.vsock");
-    let args = || VsockArgs { cid: CID, uds_path: &uds };
-    let mut d = Driver::new(Box::new(Vsock::new(CID, &uds).unwrap()), 0, 16);
+    let args = || VsockArgs { cid: GUEST_CID, uds_path: &uds };
+    let mut d = Driver::new(Box::new(Vsock::new(GUEST_CID, &uds).unwrap()), 0, 16);
     let (rx_base, tx_base, ev_base) = (DATA_BASE, DATA_BASE + 0x10_0000, DATA_BASE + 0x20_0000);
     let give_rx = |d: &mut Driver| {
         for i in 0..16u16 {
             d.set_desc(RXQ, i, rx_base + u64::from(i) * 4096, 4096, WRITE, 0);
             d.publish(RXQ, i);
         }
-    };
-    let header = |op: u16, src_port: u32, dst_port: u32, len: u32| Header {
-        src_cid: CID,
-        dst_cid: HOST_CID,
-        src_port,
-        dst_port,
-        len,
-        type_: TYPE_STREAM,
-        op,
-        flags: 0,
-        buf_alloc: 1 << 20,
-        fwd_cnt: 0,
     };
     let tx = |d: &mut Driver, h: Header, payload: &[u8]| {
         let mut b = h.to_bytes().to_vec();
@@ -129,7 +116,7 @@ fn vsock_round_trip_and_a_packet_after() {
     };
     let connect = |d: &mut Driver, guest_port: u32, port: u32| {
         let l = UnixListener::bind(format!("{}_{port}", uds.display())).unwrap();
-        tx(d, header(op::REQUEST, guest_port, port, 0), &[]);
+        tx(d, guest_header(op::REQUEST, guest_port, port, 0), &[]);
         let (s, _) = l.accept().unwrap();
         assert_eq!(rx_ops(d), vec![op::RESPONSE]);
         s
@@ -137,7 +124,7 @@ fn vsock_round_trip_and_a_packet_after() {
     // A connection and some traffic: the queues move off zero.
     give_rx(&mut d);
     let mut s = connect(&mut d, 1234, 6000);
-    tx(&mut d, header(op::RW, 1234, 6000, 2), b"hi");
+    tx(&mut d, guest_header(op::RW, 1234, 6000, 2), b"hi");
     let mut got = [0u8; 2];
     s.read_exact(&mut got).unwrap();
     d.set_desc(EVQ, 0, ev_base, 8, WRITE, 0);
@@ -148,7 +135,7 @@ fn vsock_round_trip_and_a_packet_after() {
     // The transport owns the running device; its state is empty, as any
     // Vsock's is (the virtqueues are the transport's): round-trip a twin.
     let new = {
-        let old = Vsock::new(CID, &dir.path().join("other.vsock")).unwrap();
+        let old = Vsock::new(GUEST_CID, &dir.path().join("other.vsock")).unwrap();
         round_trip(&old, args())
     };
     d.save_and_restore(Box::new(new));
@@ -165,7 +152,7 @@ fn vsock_round_trip_and_a_packet_after() {
     d.publish(EVQ, 1);
     d.kick(EVQ);
     let mut s = connect(&mut d, 1235, 6001);
-    tx(&mut d, header(op::RW, 1235, 6001, 3), b"new");
+    tx(&mut d, guest_header(op::RW, 1235, 6001, 3), b"new");
     s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     let mut got = [0u8; 3];
     s.read_exact(&mut got).unwrap();

@@ -10,11 +10,11 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use common::driver::{Driver, DATA_BASE, WRITE};
+use common::vsock::{guest_header, GUEST_CID};
 use vmm::devices::virtio::vsock::muxer::{CONN_BUF, HOST_CID};
-use vmm::devices::virtio::vsock::packet::{op, Header, HDR_LEN, MAX_PAYLOAD, SHUTDOWN_RCV, SHUTDOWN_SEND, TYPE_STREAM};
+use vmm::devices::virtio::vsock::packet::{op, Header, HDR_LEN, MAX_PAYLOAD, SHUTDOWN_RCV, SHUTDOWN_SEND};
 use vmm::devices::virtio::vsock::{Vsock, VIRTIO_VSOCK_EVENT_TRANSPORT_RESET};
 
-const CID: u64 = 3;
 const RXQ: usize = 0;
 const TXQ: usize = 1;
 const EVQ: usize = 2;
@@ -35,24 +35,9 @@ struct Harness {
 fn harness() -> Harness {
     let dir = tempfile::tempdir().unwrap();
     let uds = dir.path().join("vm.vsock");
-    let vsock = Vsock::new(CID, &uds).unwrap();
+    let vsock = Vsock::new(GUEST_CID, &uds).unwrap();
     let d = Driver::new(Box::new(vsock), 0, QSIZE);
     Harness { _dir: dir, uds, d, refill: true }
-}
-
-fn hdr(op: u16, src_port: u32, dst_port: u32, len: u32) -> Header {
-    Header {
-        src_cid: CID,
-        dst_cid: HOST_CID,
-        src_port,
-        dst_port,
-        len,
-        type_: TYPE_STREAM,
-        op,
-        flags: 0,
-        buf_alloc: 1 << 20,
-        fwd_cnt: 0,
-    }
 }
 
 impl Harness {
@@ -108,7 +93,7 @@ impl Harness {
     /// returns the host end.
     fn guest_connect(&mut self, guest_port: u32, port: u32) -> UnixStream {
         let l = UnixListener::bind(format!("{}_{port}", self.uds.display())).unwrap();
-        self.tx(hdr(op::REQUEST, guest_port, port, 0), &[]);
+        self.tx(guest_header(op::REQUEST, guest_port, port, 0), &[]);
         let (s, _) = l.accept().unwrap();
         let rx = self.rx();
         assert_eq!(rx.len(), 1);
@@ -122,7 +107,7 @@ fn guest_initiated_connection_carries_data_both_ways() {
     let mut h = harness();
     h.rx_buffers(QSIZE);
     let mut s = h.guest_connect(1234, 6000);
-    h.tx(hdr(op::RW, 1234, 6000, 5), b"hello");
+    h.tx(guest_header(op::RW, 1234, 6000, 5), b"hello");
     let mut got = [0u8; 5];
     s.read_exact(&mut got).unwrap();
     assert_eq!(&got, b"hello");
@@ -147,7 +132,7 @@ fn guest_initiated_connection_carries_data_both_ways() {
 fn a_refused_guest_connection_gets_rst() {
     let mut h = harness();
     h.rx_buffers(4);
-    h.tx(hdr(op::REQUEST, 1, 7777, 0), &[]); // nobody listens on <uds>_7777
+    h.tx(guest_header(op::REQUEST, 1, 7777, 0), &[]); // nobody listens on <uds>_7777
     let rx = h.rx();
     assert_eq!(rx.len(), 1);
     assert_eq!(rx[0].0.op, op::RST);
@@ -163,10 +148,10 @@ fn host_initiated_connection_uses_the_connect_handshake() {
     let rx = h.rx();
     assert_eq!(rx.len(), 1);
     let req = rx[0].0;
-    assert_eq!((req.op, req.src_cid, req.dst_cid, req.dst_port), (op::REQUEST, HOST_CID, CID, 7000));
+    assert_eq!((req.op, req.src_cid, req.dst_cid, req.dst_port), (op::REQUEST, HOST_CID, GUEST_CID, 7000));
     assert!(req.src_port >= 1 << 30);
     // The guest accepts.
-    let mut resp = hdr(op::RESPONSE, 7000, req.src_port, 0);
+    let mut resp = guest_header(op::RESPONSE, 7000, req.src_port, 0);
     resp.dst_port = req.src_port;
     h.tx(resp, &[]);
     let mut line = [0u8; 64];
@@ -204,19 +189,19 @@ fn malformed_packets_are_dropped_and_the_device_goes_on() {
     let mut b = [0u8; 64];
 
     // A payload length past the maximum.
-    h.tx(hdr(op::RW, 1234, 6000, MAX_PAYLOAD + 1), b"xx");
+    h.tx(guest_header(op::RW, 1234, 6000, MAX_PAYLOAD + 1), b"xx");
     // A payload length larger than the packet carries.
-    h.tx(hdr(op::RW, 1234, 6000, 1000), b"only ten b");
+    h.tx(guest_header(op::RW, 1234, 6000, 1000), b"only ten b");
     // Shorter than a header.
     h.tx_raw(&[0u8; 20]);
-    // From another CID.
-    let mut foreign = hdr(op::RW, 1234, 6000, 3);
+    // From another GUEST_CID.
+    let mut foreign = guest_header(op::RW, 1234, 6000, 3);
     foreign.src_cid = 99;
     h.tx(foreign, b"bad");
     assert_eq!(s.read(&mut b).unwrap_err().kind(), ErrorKind::WouldBlock, "nothing may reach the host");
 
     // Datagram type: answered with RST.
-    let mut dgram = hdr(op::RW, 5, 6001, 0);
+    let mut dgram = guest_header(op::RW, 5, 6001, 0);
     dgram.type_ = 2;
     h.tx(dgram, &[]);
     let rx = h.rx();
@@ -224,12 +209,12 @@ fn malformed_packets_are_dropped_and_the_device_goes_on() {
     assert_eq!((rx[0].0.op, rx[0].0.dst_port), (op::RST, 5));
 
     // The connection still works.
-    h.tx(hdr(op::RW, 1234, 6000, 2), b"ok");
+    h.tx(guest_header(op::RW, 1234, 6000, 2), b"ok");
     std::thread::sleep(Duration::from_millis(20));
     assert_eq!(s.read(&mut b).unwrap(), 2);
 
     // An unknown op resets the connection.
-    h.tx(hdr(99, 1234, 6000, 0), &[]);
+    h.tx(guest_header(99, 1234, 6000, 0), &[]);
     let rx = h.rx();
     assert_eq!(rx.len(), 1);
     assert_eq!(rx[0].0.op, op::RST);
@@ -250,7 +235,7 @@ fn a_guest_sending_past_its_credit_is_reset() {
     // The kernel's socket buffer takes some; then the muxer holds at most
     // CONN_BUF; past that the connection must be reset.
     for _ in 0..200 {
-        h.tx(hdr(op::RW, 1234, 6000, MAX_PAYLOAD), &payload);
+        h.tx(guest_header(op::RW, 1234, 6000, MAX_PAYLOAD), &payload);
         sent += payload.len();
         if h.rx().iter().any(|(p, _)| p.op == op::RST) {
             reset = true;
@@ -319,7 +304,7 @@ fn a_restored_device_resets_the_transport_and_takes_new_connections() {
     h.d.set_desc(EVQ, 0, EV_BASE, 8, WRITE, 0);
     h.d.publish(EVQ, 0);
     // Restore into a new device (the muxer listens on the same path).
-    let vsock = Vsock::new(CID, &h.uds).unwrap();
+    let vsock = Vsock::new(GUEST_CID, &h.uds).unwrap();
     h.d.save_and_restore(Box::new(vsock));
     assert_eq!(h.d.used(EVQ), vec![(0, 4)], "TRANSPORT_RESET after restore");
     // Connections of before are gone.
@@ -342,7 +327,7 @@ fn a_restored_device_resets_the_transport_and_takes_new_connections() {
     assert!(h.rx().iter().any(|(p, _)| p.op == op::REQUEST && p.dst_port == 7000));
     // New connections work, on the restored rings.
     let mut s = h.guest_connect(1235, 6002);
-    h.tx(hdr(op::RW, 1235, 6002, 3), b"new");
+    h.tx(guest_header(op::RW, 1235, 6002, 3), b"new");
     let mut got = [0u8; 3];
     s.read_exact(&mut got).unwrap();
     assert_eq!(&got, b"new");

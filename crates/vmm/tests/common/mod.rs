@@ -1,1 +1,2 @@
 pub mod driver;
+pub mod vsock;
