@@ -43,20 +43,43 @@ extern "C" fn kick_handler(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc
     if !run.is_null() {
         // SAFETY: a non-null `KVM_RUN` is the mmap'ed `kvm_run` of the vCPU
         // owned by this very thread, set by its run loop and cleared (by
-        // `KvmRunGuard`) before the vCPU fd and its mapping are dropped; the
-        // handler runs on this thread, so nothing else writes the byte
-        // meanwhile. The write is volatile because KVM reads the byte.
+        // `KvmRunGuard`) before the vCPU fd and its mapping are dropped, so
+        // the pointer is valid. The handler interrupts this thread only, and
+        // the run loop touches `immediate_exit` only through this raw pointer
+        // with volatile writes (`set_immediate_exit`), never through a
+        // reference, so no `&mut` to the byte is live across the write. The
+        // interrupted code may hold a reference into other fields of
+        // `kvm_run` (an exit's data); writing one `u8` through a raw pointer
+        // does not touch them. The write is volatile because KVM reads the
+        // byte.
         unsafe { std::ptr::addr_of_mut!((*run).immediate_exit).write_volatile(1) };
     }
 }
 
-/// Clears the thread's [`KVM_RUN`] pointer when the run loop ends (also on
-/// unwinding), before the vCPU fd that owns the mapping is dropped.
-struct KvmRunGuard;
+/// Sets this thread's vCPU's `kvm_run.immediate_exit` to `value` through the
+/// same raw pointer the kick handler writes through (a no-op on a thread
+/// that runs no vCPU).
+fn set_immediate_exit(value: u8) {
+    let run = KVM_RUN.with(Cell::get);
+    if !run.is_null() {
+        // SAFETY: as in `kick_handler`: the pointer is this thread's live
+        // `kvm_run` mapping, and the byte is only ever written through it.
+        unsafe { std::ptr::addr_of_mut!((*run).immediate_exit).write_volatile(value) };
+    }
+}
+
+/// Ends a vCPU's run loop, also on unwinding: clears the thread's
+/// [`KVM_RUN`] pointer before the vCPU fd that owns the mapping is dropped,
+/// then counts the vCPU as exited, so `pause` and `stop` never wait for a
+/// vCPU whose thread panicked.
+struct KvmRunGuard(Arc<VcpuShared>);
 
 impl Drop for KvmRunGuard {
     fn drop(&mut self) {
         let _ = KVM_RUN.try_with(|r| r.set(std::ptr::null_mut()));
+        let mut p = lock(&self.0.pause);
+        p.exited += 1;
+        self.0.pause_changed.notify_all();
     }
 }
 
@@ -344,7 +367,7 @@ impl Vcpu {
                 let mem = &self.shared.memory;
                 let mut read = 0;
                 while read < 15 {
-                    let gpa = match translate(mem, &ctx.paging, linear + read as u64) {
+                    let gpa = match translate(mem, &ctx.paging, linear.wrapping_add(read as u64)) {
                         Ok(g) => g,
                         Err(e) => {
                             ctx.insn_error = Some(e.to_string());
@@ -370,13 +393,31 @@ impl Vcpu {
     /// every exit either continues or records a [`GuestStop`].
     pub fn run(mut self) {
         KVM_RUN.with(|r| r.set(self.fd.get_kvm_run()));
-        let kvm_run_guard = KvmRunGuard;
+        let kvm_run_guard = KvmRunGuard(self.shared.clone());
+        // Whether the last exit was port I/O or MMIO. KVM completes such an
+        // instruction (advances RIP; for a read, loads the value) only when
+        // `KVM_RUN` is entered again, so a vCPU parked right after one would
+        // be saved halfway through it and every VM restored from that state
+        // would do the access twice. So the vCPU re-enters `KVM_RUN` first:
+        // if a pause is pending, the kick has set `immediate_exit`, and KVM
+        // completes the access and returns `EINTR` without running the guest
+        // further (kernel `Documentation/virt/kvm/api.rst`, `KVM_EXIT_IO`'s
+        // note, and `immediate_exit`). (A kick that comes once the vCPU is
+        // in the guest again interrupts it as usual.)
+        let mut io_pending = false;
         while !self.shared.stop.load(Ordering::SeqCst) {
-            self.park_while_paused();
+            if !io_pending {
+                self.park_while_paused();
+            }
             if self.shared.stop.load(Ordering::SeqCst) {
                 break;
             }
-            let next = match self.fd.run() {
+            let exit = self.fd.run();
+            io_pending = matches!(
+                exit,
+                Ok(VcpuExit::IoIn(..) | VcpuExit::IoOut(..) | VcpuExit::MmioRead(..) | VcpuExit::MmioWrite(..))
+            );
+            let next = match exit {
                 Ok(VcpuExit::IoIn(port, data)) => {
                     lock(&self.shared.devices).pio_read(port, data);
                     Next::Continue
@@ -431,7 +472,7 @@ impl Vcpu {
                 Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
                     // A kick: clear `immediate_exit` (set by `kick_handler`)
                     // so the next `KVM_RUN` runs the guest again.
-                    self.fd.set_kvm_immediate_exit(0);
+                    set_immediate_exit(0);
                     Next::Continue
                 }
                 Err(source) => Next::Stop(GuestStop::Fault(GuestFault::Run { vcpu: self.index, source })),
@@ -473,9 +514,6 @@ impl Vcpu {
             }
         }
         drop(kvm_run_guard);
-        let mut p = lock(&self.shared.pause);
-        p.exited += 1;
-        self.shared.pause_changed.notify_all();
     }
 }
 

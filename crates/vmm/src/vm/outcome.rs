@@ -15,7 +15,9 @@ pub enum VmOutcome {
     PowerOff,
     /// The guest reset itself (a microVM does not reboot; the VM ends).
     Reset,
-    /// [`RunningVm::stop`] ended it.
+    /// The VMM ended it ([`crate::vm::RunningVm::stop`],
+    /// [`crate::vm::RunningVm::wait_timeout`] running out, or the
+    /// `RunningVm` dropped) before the guest did.
     Stopped,
 }
 

@@ -103,7 +103,8 @@ impl RunningVm {
         &self.console_tail
     }
 
-    /// When [`crate::vm::build_for_boot`] began.
+    /// When the VM's build began ([`crate::vm::build_for_boot`] or
+    /// [`crate::vm::build_from_snapshot`]).
     pub fn started(&self) -> Instant {
         self.started
     }
@@ -181,8 +182,13 @@ impl RunningVm {
         let deadline = start + timeout;
         lock(&self.shared.pause).requested = true;
         // One kick per vCPU is enough: `immediate_exit` makes a vCPU about to
-        // enter `KVM_RUN` return at once (see `crate::vcpu`).
+        // enter `KVM_RUN` return at once (see `crate::vcpu`). Still, a signal
+        // can fail to be queued (`EAGAIN` at `RLIMIT_SIGPENDING`), so a slow
+        // pause kicks again every `KICK_AGAIN`; a parked vCPU that gets a
+        // second kick leaves its next `KVM_RUN` at once and runs on.
+        const KICK_AGAIN: Duration = Duration::from_millis(100);
         self.kick_all();
+        let mut next_kick = start + KICK_AGAIN;
         let mut p = lock(&self.shared.pause);
         loop {
             if self.is_stopped() {
@@ -199,9 +205,16 @@ impl RunningVm {
                 self.resume();
                 return Err(ControlError::PauseTimeout(timeout));
             }
+            if now >= next_kick {
+                drop(p);
+                self.kick_all();
+                next_kick = now + KICK_AGAIN;
+                p = lock(&self.shared.pause);
+                continue;
+            }
             // Parking vCPUs, exiting vCPUs and `VcpuShared::finish` all
             // notify `pause_changed` while holding `pause`.
-            p = wait_timeout(&self.shared.pause_changed, p, deadline - now);
+            p = wait_timeout(&self.shared.pause_changed, p, deadline.min(next_kick) - now);
         }
     }
 
@@ -305,9 +318,10 @@ impl RunningVm {
     }
 
     /// Kicks every vCPU out of `KVM_RUN` (the stop flag is set already),
-    /// waits for their run loops to end and joins their threads. A vCPU
-    /// that has not ended after [`VCPU_STOP_WAIT`] (a device call that
-    /// blocks, not a lost kick) is reported and kicked again.
+    /// waits for their run loops to end (a run loop that panicked counts as
+    /// ended: `vcpu::KvmRunGuard`) and joins their threads. A vCPU that has
+    /// not ended after [`VCPU_STOP_WAIT`] (a device call that blocks, or a
+    /// kick that could not be queued) is reported and kicked again.
     fn kick_and_join(&mut self) {
         self.kick_all();
         let mut deadline = Instant::now() + VCPU_STOP_WAIT;
