@@ -6,8 +6,9 @@
 //! tracks their [`SandboxState`], enforces [`Limits`] (vCPUs, memory, how
 //! many live at once), reaps sandboxes left idle past their idle timeout,
 //! turns a crashed guest into a `failed` sandbox that carries the console's
-//! last lines, and on [`Manager::shutdown`] stops every VM and removes
-//! every file it made.
+//! last lines, and on [`Manager::shutdown`] kills every sandbox, waits for
+//! kills in progress and the default template's build, and empties its run
+//! directory (a create still starting its VM then is not waited for).
 //!
 //! Templates ([`templates`]) are snapshots of a ready sandbox; a sandbox
 //! restored from one is ready in a fraction of a boot's time. The manager

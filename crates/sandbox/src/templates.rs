@@ -63,7 +63,7 @@ pub enum TemplateError {
         source: SnapshotError,
     },
     /// `template.json` is missing or damaged.
-    #[error("template {name:?} is damaged: {reason}")]
+    #[error("template {name:?} is damaged ({}): {reason}", dir.display())]
     Meta {
         /// The template.
         name: String,

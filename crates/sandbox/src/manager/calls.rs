@@ -4,7 +4,6 @@
 //! turns client errors into [`SandboxError`]s.
 
 use std::future::Future;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -71,11 +70,10 @@ impl Manager {
         let Some(agent) = agent else {
             return Err(SandboxError::Connection { id: sb.id.clone(), reason: "the agent connection is gone".into() });
         };
-        sb.busy.fetch_add(1, Ordering::SeqCst);
-        sb.touch();
-        let r = call(agent).await;
-        sb.touch();
-        sb.busy.fetch_sub(1, Ordering::SeqCst);
+        let r = {
+            let _busy = sb.mark_busy();
+            call(agent).await
+        };
         match r {
             Ok(reply) => Ok(reply),
             Err(ClientError::Agent(e)) => Err(SandboxError::Agent(e)),

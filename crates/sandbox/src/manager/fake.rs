@@ -160,12 +160,22 @@ impl Shared {
                 disk_free: 1 << 29,
                 load: [0.0; 3],
             }),
-            Op::Exec(e) => Reply::Exec(ExecReply {
-                status: ExitStatus::Code(0),
-                stdout: output(format!("{:?}", e.command).into_bytes()),
-                stderr: output(Vec::new()),
-                duration_ms: 0,
-            }),
+            Op::Exec(e) => {
+                // `sleep <secs>` takes that long, for tests of calls in flight.
+                let sleep = match &e.command {
+                    tine_protocol::Command::Shell(script) => script.strip_prefix("sleep "),
+                    tine_protocol::Command::Argv(_) => None,
+                };
+                if let Some(secs) = sleep.and_then(|s| s.parse::<u64>().ok()) {
+                    std::thread::sleep(Duration::from_secs(secs));
+                }
+                Reply::Exec(ExecReply {
+                    status: ExitStatus::Code(0),
+                    stdout: output(format!("{:?}", e.command).into_bytes()),
+                    stderr: output(Vec::new()),
+                    duration_ms: 0,
+                })
+            }
             Op::Python(p) => Reply::Python(PythonReply {
                 value: Some(p.code),
                 stdout: output(Vec::new()),

@@ -192,10 +192,14 @@ impl Manager {
         if !matches!(state, SandboxState::Running | SandboxState::Paused) {
             return Ok(sb.info(None));
         }
-        let (cpu, host_mem) = match lock(&sb.vm).vm.as_ref() {
+        // Both read /proc (smaps grows with every mapping of the process).
+        let vm_of = sb.clone();
+        let (cpu, host_mem) = tokio::task::spawn_blocking(move || match lock(&vm_of.vm).vm.as_ref() {
             Some(vm) => (vm.cpu_time(), vm.resident_memory_bytes()),
             None => (Duration::ZERO, 0),
-        };
+        })
+        .await
+        .unwrap_or((Duration::ZERO, 0));
         // A paused guest cannot answer; its memory figures wait for resume.
         let guest = match sb.agent() {
             Some(a) => a.info(Duration::from_secs(10)).await.ok(),

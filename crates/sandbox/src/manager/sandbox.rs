@@ -8,9 +8,9 @@
 //! this order, and takes none of them before the manager's map except
 //! `control`:
 //!
-//! 1. `control` (pause, resume, snapshot, branch, merge; held for the
-//!    whole operation; a merge takes the ancestor's before the
-//!    descendant's),
+//! 1. `control` (pause, resume, snapshot, branch, merge; held for the VM
+//!    operation, for a branch while its branch point is taken; a merge
+//!    takes the ancestor's before the descendant's),
 //! 2. the manager's map of sandboxes,
 //! 3. `status` (state, error, boot time, agent),
 //! 4. `vm` (the VM handle and its monitor thread),
@@ -35,7 +35,7 @@ use super::backend::{ExitWatch, VmEnd, VmHandle};
 use super::{unix_ms, SandboxId};
 use crate::lock;
 
-/// Guest console lines kept in a failed sandbox's error.
+/// Guest console lines kept in a boot timeout's error.
 pub(super) const CONSOLE_TAIL_LINES: usize = 25;
 
 /// A sandbox's lifecycle.
@@ -146,7 +146,18 @@ impl Lineage {
     }
 }
 
-/// The state and what goes with it; changed only by [`Sandbox::transition`].
+/// A call in flight on a sandbox ([`Sandbox::mark_busy`]).
+pub(super) struct BusyGuard<'a>(&'a Sandbox);
+
+impl Drop for BusyGuard<'_> {
+    fn drop(&mut self) {
+        self.0.touch();
+        self.0.busy.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// The state and what goes with it; changed only by [`Sandbox::transition`]
+/// (except `agent`, which stopping a VM and a merge also take away).
 pub(super) struct Status {
     pub state: SandboxState,
     pub error: Option<String>,
@@ -209,7 +220,8 @@ pub(super) struct Sandbox {
     pub dir: Mutex<PathBuf>,
     /// The last use, in ms after `created`.
     last_used_ms: AtomicU64,
-    /// Calls in flight; the reaper leaves busy sandboxes alone.
+    /// Calls in flight ([`Sandbox::mark_busy`]); the reaper leaves busy
+    /// sandboxes alone.
     pub busy: AtomicU64,
 }
 
@@ -249,6 +261,15 @@ impl Sandbox {
 
     pub fn dir(&self) -> PathBuf {
         lock(&self.dir).clone()
+    }
+
+    /// Counts a call in flight until the guard is dropped, which also
+    /// happens when the call's future is dropped midway (a cancelled MCP
+    /// request); touches the sandbox at both ends.
+    pub fn mark_busy(&self) -> BusyGuard<'_> {
+        self.busy.fetch_add(1, Ordering::SeqCst);
+        self.touch();
+        BusyGuard(self)
     }
 
     /// Records a use now (resets the idle clock).

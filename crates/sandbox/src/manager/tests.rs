@@ -245,6 +245,20 @@ async fn the_reaper_kills_sandboxes_idle_past_their_timeout() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_call_does_not_keep_its_sandbox_busy() {
+    let s = setup(limits(4));
+    let short = SandboxSpec { idle_timeout_secs: Some(1), ..SandboxSpec::default() };
+    let id = s.manager.create(short).await.unwrap().sandbox_id;
+    // The caller gives up (an MCP request cancelled): the call's future is
+    // dropped while the fake guest still sleeps.
+    let call = s.manager.exec(&id, super::ExecRequest { command: "sleep 30".into(), ..Default::default() });
+    assert!(tokio::time::timeout(Duration::from_millis(200), call).await.is_err());
+    let _reaper = s.manager.spawn_reaper(Duration::from_millis(50));
+    let m = s.manager.clone();
+    eventually("the idle sandbox's end", || !m.contains(&id)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_kills_everything_and_refuses_new_sandboxes() {
     let s = setup(limits(4));
     s.manager.create(SandboxSpec::default()).await.unwrap();

@@ -92,7 +92,7 @@ pub fn template_hint(e: &TemplateError) -> Option<String> {
         TemplateError::Stale { .. } => {
             "; make it again (sandbox_snapshot, or `tine template build` for the default)".into()
         }
-        TemplateError::Meta { dir, .. } => format!("; delete {} and make it again", dir.display()),
+        TemplateError::Meta { .. } => "; delete that directory and make it again".into(),
         _ => return None,
     })
 }
@@ -155,7 +155,8 @@ mod tests {
                     dir: PathBuf::from("/data/templates/py"),
                     reason: "missing template.json".into(),
                 }),
-                "template \"py\" is damaged: missing template.json; delete /data/templates/py and make it again",
+                "template \"py\" is damaged (/data/templates/py): missing template.json; delete that directory and make it \
+                 again",
             ),
             // Nothing to add: the message says it all.
             (SandboxError::Limits(LimitsError::Vcpus { got: 99, max: 8 }), "vcpus must be 1..=8, got 99"),
