@@ -230,9 +230,25 @@ impl Manager {
         if p.state() == SandboxState::Starting {
             return Err(SandboxError::Starting(p.id.clone()));
         }
-        // The winner leaves the map; its VM, agent and files move over.
-        if lock(&self.sandboxes).remove(&w.id).is_none() {
-            return Err(SandboxError::NotFound(w.id.clone()));
+        // Both must still be the sandboxes of the map (a kill does not take
+        // `control`), and the winner must still have its VM, before the
+        // winner leaves the map and its VM, agent and files move over.
+        {
+            let mut map = lock(&self.sandboxes);
+            for sb in [p, w] {
+                if !map.get(&sb.id).is_some_and(|s| Arc::ptr_eq(s, sb)) {
+                    return Err(SandboxError::NotFound(sb.id.clone()));
+                }
+            }
+            if lock(&w.vm).vm.is_none() {
+                drop(map);
+                return Err(SandboxError::BadState {
+                    id: w.id.clone(),
+                    state: w.state(),
+                    what: "a merge (as the winner)",
+                });
+            }
+            map.remove(&w.id);
         }
         let slot = std::mem::take(&mut *lock(&w.vm));
         let agent = lock(&w.status).agent.take();
@@ -240,6 +256,9 @@ impl Manager {
         // winner gone; the parent gets a monitor of its own below.
         drop(slot.monitor);
         let Some(vm) = slot.vm else {
+            // Its VM ended since the check: the winner is out of the map
+            // already, so its files go now.
+            remove_dir(&w.dir());
             return Err(SandboxError::BadState { id: w.id.clone(), state: w.state(), what: "a merge (as the winner)" });
         };
         let watch = vm.exit_watch();
