@@ -343,9 +343,15 @@ impl MmioTransport {
 
     /// Marks the device broken: DEVICE_NEEDS_RESET and a config interrupt
     /// (section 2.1.2); it processes nothing until the driver resets it.
+    /// A running device is reset at once ([`VirtioDevice::reset`]), so its
+    /// host side lets go too (vsock closes its host connections: their
+    /// clients see EOF instead of waiting on a device that will not move).
     pub fn mark_broken(&mut self, err: &VirtioError) {
         tracing::warn!("{err}");
         self.status |= status::DEVICE_NEEDS_RESET;
+        if self.activated {
+            self.device.reset();
+        }
         self.interrupt.trigger(VIRTIO_MMIO_INT_CONFIG);
     }
 
@@ -463,7 +469,15 @@ impl MmioTransport {
         }
         let activation = Activation { mem: self.mem.clone(), queues, acked_features: self.driver_features };
         match self.device.activate(activation, self.interrupt.clone()) {
-            Ok(()) => self.activated = true,
+            Ok(()) => {
+                self.activated = true;
+                // Wake the event loop so that it waits on the device's
+                // host-side fd from now on (see crate::event_loop); the
+                // extra queue processing is harmless.
+                if let Some(evt) = self.queue_evts.first() {
+                    let _ = evt.write(1);
+                }
+            }
             Err(e) => self.mark_broken(&e),
         }
     }
