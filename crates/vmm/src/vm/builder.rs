@@ -253,7 +253,8 @@ impl<'a> Builder<'a> {
         let serial_irq =
             EventFd::new(libc::EFD_NONBLOCK).map_err(|e| BuildError::Device(devices::DeviceError::EventFd(e)))?;
         self.vm.register_irqfd(&serial_irq, devices::COM1_IRQ).map_err(setup("KVM_IRQFD"))?;
-        let console = Console::new(config.console_log.as_deref(), config.console_stdout)?;
+        let console =
+            Console::with_limit(config.console_log.as_deref(), config.console_stdout, config.console_log_max_bytes)?;
         let devices = match legacy {
             None => LegacyDevices::new(serial_irq, console),
             Some(state) => LegacyDevices::restore(SerialArgs { irq: serial_irq, console }, state)?,
