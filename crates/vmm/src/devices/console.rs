@@ -58,11 +58,18 @@ impl ConsoleTail {
         String::from_utf8_lossy(&self.contents()).into_owned()
     }
 
-    /// The last `n` lines of the tail.
+    /// The last `n` lines of the tail, for error messages and logs: each
+    /// line prefixed with `"  | "` and its control characters escaped
+    /// ([`crate::log_limit::escape`]), so guest text cannot pass for a
+    /// log line of the host's or move a terminal's cursor.
     pub fn last_lines(&self, n: usize) -> String {
         let text = self.text();
         let lines: Vec<&str> = text.lines().collect();
-        lines[lines.len().saturating_sub(n)..].join("\n")
+        lines[lines.len().saturating_sub(n)..]
+            .iter()
+            .map(|l| format!("  | {}", crate::log_limit::escape(l)))
+            .collect::<Vec<_>>()
+            .join("\n")
     }
 
     /// Waits until the tail contains `needle` or `timeout` passes; returns
@@ -209,8 +216,10 @@ mod tests {
         let tail = c.tail();
         assert_eq!(tail.contents().len(), TAIL_BYTES);
         assert!(tail.text().ends_with("\nEND\n"));
-        assert_eq!(tail.last_lines(1), "END");
+        assert_eq!(tail.last_lines(1), "  | END");
         assert_eq!(std::fs::metadata(&path).unwrap().len(), 100_005);
+        c.write_all(b"evil\x1b[2K\r2025-01-01 WARN forged\n").unwrap();
+        assert_eq!(c.tail().last_lines(1), "  | evil\\u{1b}[2K\\r2025-01-01 WARN forged");
     }
 
     #[test]

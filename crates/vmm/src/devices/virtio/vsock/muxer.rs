@@ -34,6 +34,9 @@ use std::time::{Duration, Instant};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::timerfd::TimerFd;
 
+use crate::guest_warn;
+use crate::log_limit::LogLimiter;
+
 use super::packet::{op, Header, SHUTDOWN_RCV, SHUTDOWN_SEND, TYPE_STREAM};
 
 /// The host's context ID.
@@ -213,6 +216,8 @@ pub struct Muxer {
     timer: TimerFd,
     /// Whether `timer` ticks.
     ticking: bool,
+    /// Guest-triggered log lines (shared per VM).
+    log: std::sync::Arc<LogLimiter>,
 }
 
 impl Muxer {
@@ -257,7 +262,13 @@ impl Muxer {
             held: None,
             timer,
             ticking: false,
+            log: Default::default(),
         })
+    }
+
+    /// Shares the VM's limiter of guest-triggered log lines.
+    pub fn set_log_limiter(&mut self, log: std::sync::Arc<LogLimiter>) {
+        self.log = log;
     }
 
     /// The fd that is readable when a Unix socket needs attention.
@@ -288,7 +299,8 @@ impl Muxer {
 
     fn push_control(&mut self, h: Header) {
         if self.control.len() >= MAX_PENDING_CONTROL {
-            tracing::warn!(
+            guest_warn!(
+                self.log,
                 "virtio-vsock: {} control packets wait for RX buffers; dropping op {} to port {}",
                 self.control.len(),
                 h.op,
@@ -449,7 +461,8 @@ impl Muxer {
     /// `hdr.len` bytes.
     pub fn from_guest(&mut self, hdr: &Header, payload: &[u8]) {
         if hdr.src_cid != self.guest_cid || hdr.dst_cid != HOST_CID {
-            tracing::warn!(
+            guest_warn!(
+                self.log,
                 "virtio-vsock: packet from CID {} to CID {} dropped (guest is {})",
                 hdr.src_cid,
                 hdr.dst_cid,
@@ -496,7 +509,7 @@ impl Muxer {
             op::SHUTDOWN => self.guest_shutdown(key, hdr.flags),
             op::RST => self.remove_conn(key, "RST from the guest"),
             other => {
-                tracing::warn!("virtio-vsock: unknown op {other} from the guest; connection reset");
+                guest_warn!(self.log, "virtio-vsock: unknown op {other} from the guest; connection reset");
                 self.reset_conn(key, "unknown op");
             }
         }
@@ -518,7 +531,8 @@ impl Muxer {
 
     fn guest_connect(&mut self, key: Key) {
         if self.conns.contains_key(&key) || self.conns.len() >= MAX_CONNECTIONS {
-            tracing::warn!(
+            guest_warn!(
+                self.log,
                 "virtio-vsock: guest connection to port {} refused (duplicate or {} connections)",
                 key.0,
                 self.conns.len()
@@ -549,7 +563,7 @@ impl Muxer {
             return;
         }
         if c.pending.len() + payload.len() > CONN_BUF as usize {
-            tracing::warn!("virtio-vsock: guest port {} sent past its credit; connection reset", key.1);
+            guest_warn!(self.log, "virtio-vsock: guest port {} sent past its credit; connection reset", key.1);
             self.reset_conn(key, "credit exceeded");
             return;
         }
