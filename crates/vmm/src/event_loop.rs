@@ -1,6 +1,16 @@
 //! The device event loop: one thread per VM that waits (epoll) on every
 //! virtio queue's notification eventfd and runs the device's queue
 //! processing, so device work never runs on a vCPU thread.
+//!
+//! The thread sleeps unless a queue is notified or a device's host-side fd
+//! ([`MmioTransport::epoll_fd`], e.g. the vsock muxer's sockets) has work
+//! the device can do. A device's host-side fd is waited on only while the
+//! device runs ([`MmioTransport::is_active`]): while the guest has not
+//! activated it, or after it broke the protocol (DEVICE_NEEDS_RESET), that
+//! fd may stay readable (epoll is level-triggered) and would wake the
+//! thread for nothing, for ever. The loop re-checks after every event for
+//! the device, and a device's activation notifies its first queue
+//! ([`MmioTransport`]), so the fd is waited on again from then on.
 
 use std::os::fd::AsRawFd;
 use std::sync::{Arc, Mutex};
@@ -79,8 +89,30 @@ impl EventLoop {
     }
 }
 
+/// Waits on device `d`'s host-side fd only while the device runs (see the
+/// module documentation); `armed[d]` is what is registered now.
+fn arm_host_fd(epoll: &Epoll, armed: &mut [bool], d: usize, dev: &MmioTransport) {
+    let Some(fd) = dev.epoll_fd() else { return };
+    let want = dev.is_active();
+    if armed.get(d).copied() == Some(want) {
+        return;
+    }
+    let set = if want { EventSet::IN } else { EventSet::empty() };
+    match epoll.ctl(ControlOperation::Modify, fd, EpollEvent::new(set, token(d, DEVICE_FD))) {
+        Ok(()) => armed[d] = want,
+        Err(e) => {
+            tracing::error!("device event loop: cannot {} a device's host fd: {e}", if want { "arm" } else { "disarm" })
+        }
+    }
+}
+
 fn run(epoll: Epoll, _stop: EventFd, devices: Vec<Arc<Mutex<MmioTransport>>>, evts: Vec<Vec<EventFd>>) {
     let mut events = vec![EpollEvent::default(); EVENTS_PER_WAIT];
+    // Registered with EPOLLIN at spawn.
+    let mut armed = vec![true; devices.len()];
+    for (d, dev) in devices.iter().enumerate() {
+        arm_host_fd(&epoll, &mut armed, d, &lock(dev));
+    }
     loop {
         let n = match epoll.wait(-1, &mut events) {
             Ok(n) => n,
@@ -98,7 +130,9 @@ fn run(epoll: Epoll, _stop: EventFd, devices: Vec<Arc<Mutex<MmioTransport>>>, ev
             let (d, q) = ((t >> 16) as usize, (t & 0xffff) as usize);
             if q == DEVICE_FD {
                 if let Some(dev) = devices.get(d) {
-                    lock(dev).process_events();
+                    let mut dev = lock(dev);
+                    dev.process_events();
+                    arm_host_fd(&epoll, &mut armed, d, &dev);
                 }
                 continue;
             }
@@ -106,7 +140,9 @@ fn run(epoll: Epoll, _stop: EventFd, devices: Vec<Arc<Mutex<MmioTransport>>>, ev
             // Drain the notification count; a spurious wake-up is harmless.
             let _ = evt.read();
             tracing::trace!(device = d, queue = q, "queue notification");
-            lock(dev).process_queue(q);
+            let mut dev = lock(dev);
+            dev.process_queue(q);
+            arm_host_fd(&epoll, &mut armed, d, &dev);
         }
     }
 }

@@ -12,6 +12,7 @@ pub mod branch;
 pub mod devices;
 pub mod event_loop;
 pub mod host;
+pub mod log_limit;
 pub mod memory;
 pub mod snapshot;
 pub mod sync;

@@ -191,6 +191,8 @@ pub struct LegacyDevices {
     serial: SerialPort,
     i8042: I8042Device<ResetLatch>,
     reset: ResetLatch,
+    /// Guest-triggered log lines (shared per VM).
+    log: Arc<crate::log_limit::LogLimiter>,
 }
 
 impl LegacyDevices {
@@ -202,6 +204,7 @@ impl LegacyDevices {
             serial: Serial::new(IrqTrigger(serial_irq), console),
             i8042: I8042Device::new(reset.clone()),
             reset,
+            log: Default::default(),
         }
     }
 
@@ -220,7 +223,7 @@ impl LegacyDevices {
         match port {
             COM1_PORT..=0x3ff if data.len() == 1 => {
                 if let Err(e) = self.serial.write((port - COM1_PORT) as u8, data[0]) {
-                    tracing::warn!("serial write failed: {e:?}");
+                    crate::guest_warn!(self.log, "serial write failed: {e:?}");
                 }
                 None
             }
@@ -235,6 +238,11 @@ impl LegacyDevices {
             POWER_OFF_PORT => Some(PioEvent::PowerOff),
             _ => None,
         }
+    }
+
+    /// Shares the VM's limiter of guest-triggered log lines.
+    pub fn set_log_limiter(&mut self, log: Arc<crate::log_limit::LogLimiter>) {
+        self.log = log;
     }
 
     /// The console's shared tail buffer.
@@ -276,7 +284,7 @@ impl Persist<'_> for LegacyDevices {
             Ok(d) => d,
             Err(never) => match never {},
         };
-        Ok(LegacyDevices { serial: SerialPort::restore(args, &state.serial)?, i8042, reset })
+        Ok(LegacyDevices { serial: SerialPort::restore(args, &state.serial)?, i8042, reset, log: Default::default() })
     }
 }
 

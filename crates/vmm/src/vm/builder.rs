@@ -19,6 +19,7 @@ use crate::devices::virtio::vsock::Vsock;
 use crate::devices::virtio::{Interrupt, VirtioDevice, VirtioError};
 use crate::devices::{self, Console, LegacyDevices, LegacyState, Persist, SerialArgs};
 use crate::event_loop::{EventLoop, EventLoopError};
+use crate::log_limit::LogLimiter;
 use crate::memory::{GuestRam, MemoryBacking, MemoryError, MMIO_GAP_START};
 use crate::snapshot::{CpuidLeaf, Snapshot, SnapshotError};
 use crate::sync::lock;
@@ -177,6 +178,8 @@ struct Builder<'a> {
     kvm: Kvm,
     vm: VmFd,
     started: Instant,
+    /// The VM's limiter of guest-triggered log lines, shared by its devices.
+    log: Arc<LogLimiter>,
 }
 
 impl<'a> Builder<'a> {
@@ -192,7 +195,7 @@ impl<'a> Builder<'a> {
         vm.create_irq_chip().map_err(setup("KVM_CREATE_IRQCHIP"))?;
         vm.create_pit2(kvm_pit_config { flags: KVM_PIT_SPEAKER_DUMMY, ..Default::default() })
             .map_err(setup("KVM_CREATE_PIT2"))?;
-        Ok(Builder { config, kvm, vm, started })
+        Ok(Builder { config, kvm, vm, started, log: Arc::new(LogLimiter::new(config.name.clone())) })
     }
 
     /// Opens the configured disks and vsock device and puts each behind a
@@ -226,7 +229,8 @@ impl<'a> Builder<'a> {
                 EventFd::new(libc::EFD_NONBLOCK).map_err(|e| BuildError::Device(devices::DeviceError::EventFd(e)))?;
             self.vm.register_irqfd(&irqfd, irq).map_err(setup("KVM_IRQFD"))?;
             let interrupt = Arc::new(Interrupt::new(irqfd));
-            let t = transport(i, dev, ram.memory.clone(), interrupt)?;
+            let mut t = transport(i, dev, ram.memory.clone(), interrupt)?;
+            t.set_log_limiter(self.log.clone());
             for (q, evt) in t.queue_evts().iter().enumerate() {
                 self.vm
                     .register_ioevent(evt, &IoEventAddress::Mmio(base + reg::QUEUE_NOTIFY), q as u32)
@@ -253,11 +257,13 @@ impl<'a> Builder<'a> {
         let serial_irq =
             EventFd::new(libc::EFD_NONBLOCK).map_err(|e| BuildError::Device(devices::DeviceError::EventFd(e)))?;
         self.vm.register_irqfd(&serial_irq, devices::COM1_IRQ).map_err(setup("KVM_IRQFD"))?;
-        let console = Console::new(config.console_log.as_deref(), config.console_stdout)?;
-        let devices = match legacy {
+        let console =
+            Console::with_limit(config.console_log.as_deref(), config.console_stdout, config.console_log_max_bytes)?;
+        let mut devices = match legacy {
             None => LegacyDevices::new(serial_irq, console),
             Some(state) => LegacyDevices::restore(SerialArgs { irq: serial_irq, console }, state)?,
         };
+        devices.set_log_limiter(self.log.clone());
 
         let shared = Arc::new(VcpuShared {
             stop: Default::default(),

@@ -64,6 +64,10 @@ pub struct VmConfig {
     pub vcpus: u8,
     /// Where the serial console is logged.
     pub console_log: Option<PathBuf>,
+    /// Size limit of the console log (bytes; default
+    /// [`devices::console::CONSOLE_LOG_MAX_BYTES`], 4 MiB): past it the log
+    /// is rotated once to `<console_log>.1`, so at most twice this on disk.
+    pub console_log_max_bytes: u64,
     /// Also copy the console to this process's stdout.
     pub console_stdout: bool,
     /// The host profile (see [`HostProfile::detect`]).
@@ -86,6 +90,7 @@ impl VmConfig {
             memory_mib: 256,
             vcpus: 1,
             console_log: None,
+            console_log_max_bytes: devices::console::CONSOLE_LOG_MAX_BYTES,
             console_stdout: false,
             profile: HostProfile::detect(),
             disks: Vec::new(),

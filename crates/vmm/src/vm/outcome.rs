@@ -29,15 +29,15 @@ pub enum GuestError {
     Fault {
         /// What KVM reported (boxed: it carries instruction bytes).
         fault: Box<GuestFault>,
-        /// The last console lines.
+        /// The last console lines (see [`crate::devices::ConsoleTail::last_lines`]).
         console: String,
     },
     /// The guest kernel panicked (seen on the console before its reset).
     #[error("guest kernel panic: {line}\nlast console lines:\n{console}")]
     Panic {
-        /// The panic line.
+        /// The panic line (control characters escaped).
         line: String,
-        /// The last console lines.
+        /// The last console lines (see [`crate::devices::ConsoleTail::last_lines`]).
         console: String,
     },
 }
@@ -52,7 +52,9 @@ pub(crate) fn outcome_of(why: Option<GuestStop>, console_tail: &ConsoleTail) -> 
         Some(GuestStop::Reset) => {
             let text = console_tail.text();
             match text.lines().rev().find(|l| l.contains("Kernel panic - not syncing")) {
-                Some(line) => Err(GuestError::Panic { line: line.trim().to_string(), console: console() }),
+                Some(line) => {
+                    Err(GuestError::Panic { line: crate::log_limit::escape(line.trim()), console: console() })
+                }
                 None => Ok(VmOutcome::Reset),
             }
         }

@@ -17,6 +17,8 @@ use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 use super::chain::{parse_chain, ParsedChain, Segment};
 use super::{Activation, Interrupt, VirtioDevice, VirtioError, VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX};
 use crate::devices::persist::Persist;
+use crate::guest_warn;
+use crate::log_limit::LogLimiter;
 
 /// virtio device ID of a block device.
 pub const VIRTIO_ID_BLOCK: u32 = 2;
@@ -83,6 +85,8 @@ pub struct Block {
     queue_sizes: [u16; 1],
     running: Option<Running>,
     bounce: Vec<u8>,
+    /// Guest-triggered log lines (shared per VM).
+    log: Arc<LogLimiter>,
 }
 
 struct Running {
@@ -125,6 +129,7 @@ impl Block {
             queue_sizes: [QUEUE_SIZE],
             running: None,
             bounce: vec![0; BOUNCE_BYTES],
+            log: Arc::new(LogLimiter::default()),
         })
     }
 
@@ -139,7 +144,7 @@ impl Block {
         let segs = &chain.segments;
         // The status byte: the last byte of the last, device-writable, segment.
         let Some(last) = segs.last().filter(|s| s.writable && s.len >= 1) else {
-            tracing::warn!("virtio-blk: request {} has no writable status byte; dropped", chain.head);
+            guest_warn!(self.log, "virtio-blk: request {} has no writable status byte; dropped", chain.head);
             return 0;
         };
         let status_addr = GuestAddress(last.addr.0 + u64::from(last.len) - 1);
@@ -156,7 +161,7 @@ impl Block {
     fn run_request(&mut self, mem: &GuestMemoryMmap, segs: &[Segment]) -> Result<u32, RequestError> {
         let head = segs[0];
         if head.writable || head.len < 16 {
-            tracing::warn!("virtio-blk: request header is not a readable 16-byte buffer");
+            guest_warn!(self.log, "virtio-blk: request header is not a readable 16-byte buffer");
             return Err(RequestError::Status(status::IOERR));
         }
         let kind: u32 = mem.read_obj(head.addr).map_err(|_| RequestError::Status(status::IOERR))?;
@@ -177,7 +182,8 @@ impl Block {
                     return Err(RequestError::Status(status::IOERR));
                 }
                 if data.iter().any(|s| s.writable == writing) {
-                    tracing::warn!(
+                    guest_warn!(
+                        self.log,
                         "virtio-blk: {} request with a data buffer of the wrong direction",
                         if writing { "OUT" } else { "IN" }
                     );
@@ -193,7 +199,7 @@ impl Block {
                 let mut offset = sector * SECTOR_SIZE;
                 for seg in &data {
                     self.transfer(mem, *seg, offset, writing).map_err(|e| {
-                        tracing::warn!("virtio-blk: I/O at byte {offset}: {e}");
+                        guest_warn!(self.log, "virtio-blk: I/O at byte {offset}: {e}");
                         RequestError::Status(status::IOERR)
                     })?;
                     offset += u64::from(seg.len);
@@ -317,6 +323,10 @@ impl VirtioDevice for Block {
         self.running = None;
     }
 
+    fn set_log_limiter(&mut self, log: Arc<LogLimiter>) {
+        self.log = log;
+    }
+
     fn queue_states(&self) -> Option<Vec<virtio_queue::QueueState>> {
         self.running.as_ref().map(|r| vec![r.queue.state()])
     }
@@ -326,11 +336,12 @@ impl VirtioDevice for Block {
             return Ok(());
         }
         let Some(mut run) = self.running.take() else { return Ok(()) };
+        let log = self.log.clone();
         let result = super::drain_queue("virtio-blk", &mut run.queue, &run.mem, &run.interrupt, |chain| {
             match parse_chain(&run.mem, chain, MAX_SEGMENTS) {
                 Ok(parsed) => self.execute(&run.mem, &parsed),
                 Err(e) => {
-                    tracing::warn!("virtio-blk: {e}; request dropped");
+                    guest_warn!(log, "virtio-blk: {e}; request dropped");
                     0
                 }
             }

@@ -15,6 +15,8 @@ use vmm_sys_util::eventfd::EventFd;
 
 use super::{Activation, Interrupt, VirtioDevice, VirtioError, VIRTIO_F_VERSION_1, VIRTIO_MMIO_INT_CONFIG};
 use crate::devices::persist::Persist;
+use crate::guest_warn;
+use crate::log_limit::LogLimiter;
 
 /// Size of each device's MMIO window (bytes).
 pub const MMIO_WINDOW: u64 = 0x1000;
@@ -251,6 +253,8 @@ pub struct MmioTransport {
     status: u32,
     config_generation: u32,
     activated: bool,
+    /// Guest-triggered log lines (shared per VM).
+    log: Arc<LogLimiter>,
 }
 
 impl MmioTransport {
@@ -287,6 +291,7 @@ impl MmioTransport {
             status: 0,
             config_generation: 0,
             activated: false,
+            log: Arc::new(LogLimiter::default()),
         })
     }
 
@@ -305,6 +310,13 @@ impl MmioTransport {
         if bits != 0 {
             self.interrupt.trigger(bits);
         }
+    }
+
+    /// Shares the VM's limiter of guest-triggered log lines with the
+    /// transport and its device.
+    pub fn set_log_limiter(&mut self, log: Arc<LogLimiter>) {
+        self.device.set_log_limiter(log.clone());
+        self.log = log;
     }
 
     /// The per-queue notification eventfds, to register as KVM ioeventfds
@@ -343,9 +355,15 @@ impl MmioTransport {
 
     /// Marks the device broken: DEVICE_NEEDS_RESET and a config interrupt
     /// (section 2.1.2); it processes nothing until the driver resets it.
+    /// A running device is reset at once ([`VirtioDevice::reset`]), so its
+    /// host side lets go too (vsock closes its host connections: their
+    /// clients see EOF instead of waiting on a device that will not move).
     pub fn mark_broken(&mut self, err: &VirtioError) {
-        tracing::warn!("{err}");
+        guest_warn!(self.log, "{err}");
         self.status |= status::DEVICE_NEEDS_RESET;
+        if self.activated {
+            self.device.reset();
+        }
         self.interrupt.trigger(VIRTIO_MMIO_INT_CONFIG);
     }
 
@@ -408,14 +426,20 @@ impl MmioTransport {
         }
         // The driver only adds bits (section 3.1.1); refuse anything else.
         if value & self.status != self.status {
-            tracing::warn!("{}: driver cleared status bits ({:#x} -> {value:#x}); ignored", self.name(), self.status);
+            guest_warn!(
+                self.log,
+                "{}: driver cleared status bits ({:#x} -> {value:#x}); ignored",
+                self.name(),
+                self.status
+            );
             return;
         }
         let new = value & !self.status;
         if new & FEATURES_OK != 0 {
             let avail = self.device.avail_features();
             if self.driver_features & !avail != 0 || self.driver_features & VIRTIO_F_VERSION_1 == 0 {
-                tracing::warn!(
+                guest_warn!(
+                    self.log,
                     "{}: driver accepted features {:#x} of {avail:#x} (VERSION_1 is required); FEATURES_OK refused",
                     self.name(),
                     self.driver_features
@@ -426,7 +450,7 @@ impl MmioTransport {
         }
         if new & DRIVER_OK != 0 {
             if value & FEATURES_OK == 0 {
-                tracing::warn!("{}: DRIVER_OK before FEATURES_OK; ignored", self.name());
+                guest_warn!(self.log, "{}: DRIVER_OK before FEATURES_OK; ignored", self.name());
                 return;
             }
             self.status = value;
@@ -463,7 +487,15 @@ impl MmioTransport {
         }
         let activation = Activation { mem: self.mem.clone(), queues, acked_features: self.driver_features };
         match self.device.activate(activation, self.interrupt.clone()) {
-            Ok(()) => self.activated = true,
+            Ok(()) => {
+                self.activated = true;
+                // Wake the event loop so that it waits on the device's
+                // host-side fd from now on (see crate::event_loop); the
+                // extra queue processing is harmless.
+                if let Some(evt) = self.queue_evts.first() {
+                    let _ = evt.write(1);
+                }
+            }
             Err(e) => self.mark_broken(&e),
         }
     }
@@ -475,7 +507,7 @@ impl MmioTransport {
             return;
         }
         if data.len() != 4 || !offset.is_multiple_of(4) {
-            tracing::warn!("{}: {}-byte read at register offset {offset:#x} ignored", self.name(), data.len());
+            guest_warn!(self.log, "{}: {}-byte read at register offset {offset:#x} ignored", self.name(), data.len());
             data.fill(0);
             return;
         }
@@ -512,7 +544,7 @@ impl MmioTransport {
             return;
         }
         if data.len() != 4 || !offset.is_multiple_of(4) {
-            tracing::warn!("{}: {}-byte write at register offset {offset:#x} ignored", self.name(), data.len());
+            guest_warn!(self.log, "{}: {}-byte write at register offset {offset:#x} ignored", self.name(), data.len());
             return;
         }
         let v = u32::from_le_bytes([data[0], data[1], data[2], data[3]]);

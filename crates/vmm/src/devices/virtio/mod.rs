@@ -144,6 +144,9 @@ pub trait VirtioDevice: Send {
     /// The live state of the queues of a running device (`None` before
     /// activation), for [`mmio::TransportState`].
     fn queue_states(&self) -> Option<Vec<virtio_queue::QueueState>>;
+    /// Shares the VM's limiter of guest-triggered log lines with the
+    /// device (see [`crate::log_limit`]); a device starts with one of its own.
+    fn set_log_limiter(&mut self, _log: std::sync::Arc<crate::log_limit::LogLimiter>) {}
     /// Called after the VM was restored from a snapshot: host-side state
     /// did not survive (vsock resets its transport).
     ///

@@ -21,6 +21,8 @@ use super::{
     VIRTIO_RING_F_EVENT_IDX,
 };
 use crate::devices::persist::Persist;
+use crate::guest_warn;
+use crate::log_limit::LogLimiter;
 use muxer::{Muxer, MuxerError};
 use packet::{Header, HDR_LEN, MAX_PAYLOAD};
 
@@ -55,6 +57,8 @@ pub struct Vsock {
     /// After a reset event was delivered: the event queue's available
     /// index then, and when (see `check_reset_ack`).
     reset_ack: Option<(std::num::Wrapping<u16>, std::time::Instant)>,
+    /// Guest-triggered log lines (shared per VM).
+    log: Arc<LogLimiter>,
 }
 
 struct Running {
@@ -124,6 +128,7 @@ impl Vsock {
             buf: vec![0; MAX_PAYLOAD as usize],
             pending_reset_event: false,
             reset_ack: None,
+            log: Arc::new(LogLimiter::default()),
         })
     }
 
@@ -198,7 +203,7 @@ impl Vsock {
             if acked {
                 tracing::debug!("virtio-vsock: the guest handled the transport reset after {:?}", since.elapsed());
             } else {
-                tracing::warn!("virtio-vsock: the guest did not acknowledge the transport reset in {RESET_ACK_TIMEOUT:?}; releasing host connections");
+                guest_warn!(self.log, "virtio-vsock: the guest did not acknowledge the transport reset in {RESET_ACK_TIMEOUT:?}; releasing host connections");
             }
             self.reset_ack = None;
             self.muxer.release_host_connections();
@@ -211,6 +216,7 @@ impl Vsock {
             return Ok(());
         }
         let delivered = std::cell::Cell::new(false);
+        let log = &self.log;
         super::drain_queue_while(
             "virtio-vsock",
             &mut queues[EVQ],
@@ -221,7 +227,7 @@ impl Vsock {
                 let len = match parse_chain(mem, chain, MAX_SEGMENTS) {
                     Ok(p) => scatter(mem, &p.segments, 0, &VIRTIO_VSOCK_EVENT_TRANSPORT_RESET.to_le_bytes()),
                     Err(e) => {
-                        tracing::warn!("virtio-vsock: event queue: {e}");
+                        guest_warn!(log, "virtio-vsock: event queue: {e}");
                         0
                     }
                 };
@@ -252,22 +258,24 @@ impl Vsock {
         let mem = &*mem;
         let muxer = &mut self.muxer;
         let buf = &mut self.buf;
+        let log = &self.log;
         super::drain_queue("virtio-vsock", &mut queues[TXQ], mem, interrupt, |chain| {
             let parsed = match parse_chain(mem, chain, MAX_SEGMENTS) {
                 Ok(p) => p,
                 Err(e) => {
-                    tracing::warn!("virtio-vsock: TX {e}; packet dropped");
+                    guest_warn!(log, "virtio-vsock: TX {e}; packet dropped");
                     return 0;
                 }
             };
             let mut raw = [0u8; HDR_LEN];
             if gather(mem, &parsed.segments, 0, &mut raw) != HDR_LEN {
-                tracing::warn!("virtio-vsock: TX packet shorter than its header; dropped");
+                guest_warn!(log, "virtio-vsock: TX packet shorter than its header; dropped");
                 return 0;
             }
             let hdr = Header::from_bytes(&raw);
             if hdr.len > MAX_PAYLOAD {
-                tracing::warn!(
+                guest_warn!(
+                    log,
                     "virtio-vsock: TX packet claims {} bytes of payload (max {MAX_PAYLOAD}); dropped",
                     hdr.len
                 );
@@ -275,7 +283,8 @@ impl Vsock {
             }
             let payload = &mut buf[..hdr.len as usize];
             if gather(mem, &parsed.segments, HDR_LEN, payload) != payload.len() {
-                tracing::warn!(
+                guest_warn!(
+                    log,
                     "virtio-vsock: TX packet claims {} bytes of payload but carries fewer; dropped",
                     hdr.len
                 );
@@ -291,6 +300,7 @@ impl Vsock {
         let mem = &*mem;
         let muxer = &mut self.muxer;
         let buf = &mut self.buf;
+        let log = &self.log;
         let broken = |reason: String| VirtioError::Broken { device: "virtio-vsock", reason };
         let q = &mut queues[RXQ];
         let mut used_any = false;
@@ -309,7 +319,7 @@ impl Vsock {
                 Ok(p) => {
                     let room: usize = p.segments.iter().filter(|s| s.writable).map(|s| s.len as usize).sum();
                     if room < HDR_LEN {
-                        tracing::warn!("virtio-vsock: RX buffer of {room} bytes cannot hold a header; dropped");
+                        guest_warn!(log, "virtio-vsock: RX buffer of {room} bytes cannot hold a header; dropped");
                         0
                     } else {
                         let cap = (room - HDR_LEN).min(buf.len());
@@ -328,7 +338,7 @@ impl Vsock {
                     }
                 }
                 Err(e) => {
-                    tracing::warn!("virtio-vsock: RX {e}; buffer dropped");
+                    guest_warn!(log, "virtio-vsock: RX {e}; buffer dropped");
                     0
                 }
             };
@@ -405,6 +415,11 @@ impl VirtioDevice for Vsock {
 
     fn epoll_fd(&self) -> Option<RawFd> {
         Some(self.muxer.epoll_fd())
+    }
+
+    fn set_log_limiter(&mut self, log: Arc<LogLimiter>) {
+        self.muxer.set_log_limiter(log.clone());
+        self.log = log;
     }
 
     fn process_events(&mut self) -> Result<(), VirtioError> {

@@ -13,6 +13,15 @@
 //! Unix stream only as much as the guest has credit for and only when the
 //! device has an RX buffer to put it in. So neither a flooding guest nor a
 //! guest that never reads makes host memory grow.
+//!
+//! Nor does any guest make the device thread spin: a Unix stream is in the
+//! epoll set only for what the muxer can act on now (readability while it
+//! has no unread data flagged, writability while guest data waits), and it
+//! leaves the set when it hangs up or errs (`EPOLLHUP`/`EPOLLERR` are
+//! reported whatever the interest, so a closed stream left registered would
+//! wake the thread for ever). Connections that wait on the guest time out
+//! ([`CONNECT_TIMEOUT`], [`HALF_CLOSED_TIMEOUT`]), checked by a timer that
+//! ticks ([`TICK`]) only while such a connection exists.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::io::{ErrorKind, Read, Write};
@@ -20,8 +29,13 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::MetadataExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
+use vmm_sys_util::timerfd::TimerFd;
+
+use crate::guest_warn;
+use crate::log_limit::LogLimiter;
 
 use super::packet::{op, Header, SHUTDOWN_RCV, SHUTDOWN_SEND, TYPE_STREAM};
 
@@ -51,7 +65,27 @@ fn first_local_port() -> u32 {
     let random = std::collections::hash_map::RandomState::new().build_hasher().finish();
     FIRST_LOCAL_PORT + (random % u64::from(u32::MAX - FIRST_LOCAL_PORT)) as u32
 }
+/// How long a host-initiated connection waits for the guest's RESPONSE
+/// (or RST) to its REQUEST before the muxer gives up: it closes the host
+/// stream and sends the guest an RST (virtio 1.2, section 5.10.6.4 leaves
+/// the wait to the implementation; Linux's own connect timeout is 2 s,
+/// `VSOCK_DEFAULT_CONNECT_TIMEOUT`). Generous, for slow nested guests.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a connection one side of which has shut down (the host stream
+/// reached EOF and the guest was sent SHUTDOWN, or the guest sent SHUTDOWN
+/// for one direction) may go without any packet or byte moving on it
+/// before the muxer resets it (RST to the guest, host stream closed).
+/// Virtio 1.2, section 5.10.6.6: "If no VIRTIO_VSOCK_OP_RST response is
+/// received within an implementation-specific amount of time, a
+/// VIRTIO_VSOCK_OP_RST packet is sent to forcibly disconnect the socket"
+/// (Linux waits 8 s, `VSOCK_CLOSE_TIMEOUT`).
+pub const HALF_CLOSED_TIMEOUT: Duration = Duration::from_secs(30);
+/// Period of the timeout timer while a connection can time out (or host
+/// connections are held); the timer is off otherwise. Timeouts fire up to
+/// one tick late.
+pub const TICK: Duration = Duration::from_secs(1);
 const LISTENER_TOKEN: u64 = u64::MAX;
+const TIMER_TOKEN: u64 = u64::MAX - 1;
 const EVENTS_PER_WAIT: usize = 64;
 
 /// (host port, guest port).
@@ -86,6 +120,11 @@ struct Conn {
     peer_shutdown: u32,
     /// Epoll interest currently registered.
     interest: u32,
+    /// Whether the stream is in the epoll set (it leaves on hang-up or error).
+    registered: bool,
+    /// When the connection last changed state or moved a packet or byte
+    /// (the timeouts count from here).
+    active_at: Instant,
 }
 
 impl Conn {
@@ -103,6 +142,19 @@ impl Conn {
             local_eof: false,
             peer_shutdown: 0,
             interest: 0,
+            registered: false,
+            active_at: Instant::now(),
+        }
+    }
+
+    /// When the connection times out if nothing moves, if it can.
+    fn deadline(&self) -> Option<Instant> {
+        if self.state == State::Connecting {
+            Some(self.active_at + CONNECT_TIMEOUT)
+        } else if self.local_eof || self.peer_shutdown != 0 {
+            Some(self.active_at + HALF_CLOSED_TIMEOUT)
+        } else {
+            None
         }
     }
 
@@ -137,6 +189,9 @@ pub enum MuxerError {
     /// epoll set-up failed.
     #[error("vsock epoll set-up failed: {0}")]
     Epoll(#[source] std::io::Error),
+    /// The timeout timer cannot be created.
+    #[error("vsock timer set-up failed: {0}")]
+    Timer(#[source] std::io::Error),
 }
 
 /// The host end of one VM's vsock device.
@@ -157,6 +212,12 @@ pub struct Muxer {
     /// While the guest has not yet handled a transport reset: host
     /// connections whose handshake is done, waiting to be requested.
     held: Option<Vec<(UnixStream, u32)>>,
+    /// The timeout timer (non-blocking, in `epoll`).
+    timer: TimerFd,
+    /// Whether `timer` ticks.
+    ticking: bool,
+    /// Guest-triggered log lines (shared per VM).
+    log: std::sync::Arc<LogLimiter>,
 }
 
 impl Muxer {
@@ -178,6 +239,14 @@ impl Muxer {
         epoll
             .ctl(ControlOperation::Add, listener.as_raw_fd(), EpollEvent::new(EventSet::IN, LISTENER_TOKEN))
             .map_err(MuxerError::Epoll)?;
+        let timer = TimerFd::new().map_err(|e| MuxerError::Timer(std::io::Error::from_raw_os_error(e.errno())))?;
+        // Non-blocking: re-arming clears a pending expiry that epoll may
+        // already have reported, and the read must not then block.
+        nix::fcntl::fcntl(timer.as_raw_fd(), nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK))
+            .map_err(|e| MuxerError::Timer(e.into()))?;
+        epoll
+            .ctl(ControlOperation::Add, timer.as_raw_fd(), EpollEvent::new(EventSet::IN, TIMER_TOKEN))
+            .map_err(MuxerError::Epoll)?;
         Ok(Muxer {
             guest_cid,
             uds_path: uds_path.to_path_buf(),
@@ -191,7 +260,15 @@ impl Muxer {
             rr_cursor: None,
             socket_id,
             held: None,
+            timer,
+            ticking: false,
+            log: Default::default(),
         })
+    }
+
+    /// Shares the VM's limiter of guest-triggered log lines.
+    pub fn set_log_limiter(&mut self, log: std::sync::Arc<LogLimiter>) {
+        self.log = log;
     }
 
     /// The fd that is readable when a Unix socket needs attention.
@@ -222,7 +299,8 @@ impl Muxer {
 
     fn push_control(&mut self, h: Header) {
         if self.control.len() >= MAX_PENDING_CONTROL {
-            tracing::warn!(
+            guest_warn!(
+                self.log,
                 "virtio-vsock: {} control packets wait for RX buffers; dropping op {} to port {}",
                 self.control.len(),
                 h.op,
@@ -233,8 +311,77 @@ impl Muxer {
         self.control.push_back(h);
     }
 
+    /// Whether the stream of connection (host port, guest port) is in the
+    /// epoll set.
+    pub fn is_registered(&self, key: (u32, u32)) -> bool {
+        self.conns.get(&key).is_some_and(|c| c.registered)
+    }
+
+    /// The (host port, guest port) of every open connection.
+    pub fn connection_keys(&self) -> Vec<(u32, u32)> {
+        self.conns.keys().copied().collect()
+    }
+
+    /// Whether the timeout timer ticks.
+    pub fn timer_ticking(&self) -> bool {
+        self.ticking
+    }
+
+    /// Starts the timeout timer if it is off.
+    fn start_tick(&mut self) {
+        if !self.ticking {
+            match self.timer.reset(TICK, Some(TICK)) {
+                Ok(()) => self.ticking = true,
+                Err(e) => tracing::warn!("virtio-vsock: cannot arm the timeout timer: {e}"),
+            }
+        }
+    }
+
+    /// Marks connection `key` active now; starts the timer if it can time out.
+    fn touch(&mut self, key: Key) {
+        let Some(c) = self.conns.get_mut(&key) else { return };
+        c.active_at = Instant::now();
+        if c.deadline().is_some() {
+            self.start_tick();
+        }
+    }
+
+    /// Resets every connection whose timeout ([`CONNECT_TIMEOUT`],
+    /// [`HALF_CLOSED_TIMEOUT`]) passed by `now` (RST to the guest, host
+    /// stream closed), and stops the timer when nothing can time out any
+    /// more (no such connection, no held host connections). The timer
+    /// calls this with the current time.
+    pub fn expire(&mut self, now: Instant) {
+        let mut timed = false;
+        let mut expired = Vec::new();
+        for (k, c) in &self.conns {
+            match c.deadline() {
+                Some(d) if d <= now => expired.push((*k, c.state)),
+                Some(_) => timed = true,
+                None => {}
+            }
+        }
+        for (key, state) in expired {
+            let why = if state == State::Connecting {
+                "the guest did not answer the REQUEST in time"
+            } else {
+                "half-closed for too long"
+            };
+            self.reset_conn(key, why);
+        }
+        if !timed && self.held.is_none() && self.ticking {
+            match self.timer.clear() {
+                Ok(()) => self.ticking = false,
+                Err(e) => tracing::warn!("virtio-vsock: cannot stop the timeout timer: {e}"),
+            }
+        }
+    }
+
     fn update_interest(&mut self, key: Key) {
         let Some(c) = self.conns.get_mut(&key) else { return };
+        if !c.registered {
+            return;
+        }
         let want = c.wanted_interest();
         if want != c.interest {
             let fd = c.stream.as_raw_fd();
@@ -246,14 +393,28 @@ impl Muxer {
         }
     }
 
-    fn add_conn(&mut self, key: Key, conn: Conn) {
+    fn add_conn(&mut self, key: Key, mut conn: Conn) {
         let fd = conn.stream.as_raw_fd();
-        if let Err(e) = self.epoll.ctl(ControlOperation::Add, fd, EpollEvent::new(EventSet::empty(), fd as u64)) {
-            tracing::warn!("virtio-vsock: epoll add: {e}");
+        match self.epoll.ctl(ControlOperation::Add, fd, EpollEvent::new(EventSet::empty(), fd as u64)) {
+            Ok(()) => conn.registered = true,
+            Err(e) => tracing::warn!("virtio-vsock: epoll add: {e}"),
         }
         self.by_fd.insert(fd, key);
         self.conns.insert(key, conn);
         self.update_interest(key);
+        self.touch(key);
+    }
+
+    /// Takes connection `key`'s stream out of the epoll set for good (it
+    /// hung up or erred: epoll would report that on every wait).
+    fn deregister(&mut self, key: Key) {
+        let Some(c) = self.conns.get_mut(&key) else { return };
+        if c.registered {
+            let fd = c.stream.as_raw_fd();
+            let _ = self.epoll.ctl(ControlOperation::Delete, fd, EpollEvent::default());
+            c.registered = false;
+            c.interest = 0;
+        }
     }
 
     fn remove_conn(&mut self, key: Key, why: &str) {
@@ -265,7 +426,9 @@ impl Muxer {
                 "virtio-vsock: connection closed: {why}"
             );
             let fd = c.stream.as_raw_fd();
-            let _ = self.epoll.ctl(ControlOperation::Delete, fd, EpollEvent::default());
+            if c.registered {
+                let _ = self.epoll.ctl(ControlOperation::Delete, fd, EpollEvent::default());
+            }
             self.by_fd.remove(&fd);
         }
     }
@@ -288,13 +451,18 @@ impl Muxer {
             let _ = self.epoll.ctl(ControlOperation::Delete, fd, EpollEvent::default());
         }
         self.control.clear();
+        if let Some(held) = self.held.as_mut() {
+            held.clear();
+        }
+        self.expire(Instant::now());
     }
 
     /// Handles a packet the guest sent (TX queue); `payload` holds
     /// `hdr.len` bytes.
     pub fn from_guest(&mut self, hdr: &Header, payload: &[u8]) {
         if hdr.src_cid != self.guest_cid || hdr.dst_cid != HOST_CID {
-            tracing::warn!(
+            guest_warn!(
+                self.log,
                 "virtio-vsock: packet from CID {} to CID {} dropped (guest is {})",
                 hdr.src_cid,
                 hdr.dst_cid,
@@ -305,6 +473,9 @@ impl Muxer {
         let key = (hdr.dst_port, hdr.src_port);
         if hdr.op != op::RW {
             tracing::debug!(?hdr, "virtio-vsock: from guest");
+        }
+        if let Some(c) = self.conns.get_mut(&key) {
+            c.active_at = Instant::now();
         }
         if hdr.type_ != TYPE_STREAM {
             if hdr.op != op::RST {
@@ -338,7 +509,7 @@ impl Muxer {
             op::SHUTDOWN => self.guest_shutdown(key, hdr.flags),
             op::RST => self.remove_conn(key, "RST from the guest"),
             other => {
-                tracing::warn!("virtio-vsock: unknown op {other} from the guest; connection reset");
+                guest_warn!(self.log, "virtio-vsock: unknown op {other} from the guest; connection reset");
                 self.reset_conn(key, "unknown op");
             }
         }
@@ -360,7 +531,8 @@ impl Muxer {
 
     fn guest_connect(&mut self, key: Key) {
         if self.conns.contains_key(&key) || self.conns.len() >= MAX_CONNECTIONS {
-            tracing::warn!(
+            guest_warn!(
+                self.log,
                 "virtio-vsock: guest connection to port {} refused (duplicate or {} connections)",
                 key.0,
                 self.conns.len()
@@ -391,7 +563,7 @@ impl Muxer {
             return;
         }
         if c.pending.len() + payload.len() > CONN_BUF as usize {
-            tracing::warn!("virtio-vsock: guest port {} sent past its credit; connection reset", key.1);
+            guest_warn!(self.log, "virtio-vsock: guest port {} sent past its credit; connection reset", key.1);
             self.reset_conn(key, "credit exceeded");
             return;
         }
@@ -430,6 +602,8 @@ impl Muxer {
         if c.peer_shutdown == SHUTDOWN_RCV | SHUTDOWN_SEND {
             // Both directions closed: finish with RST (section 5.10.6.6).
             self.reset_conn(key, "guest shut down both directions");
+        } else {
+            self.touch(key);
         }
     }
 
@@ -449,6 +623,12 @@ impl Muxer {
                 self.accept();
                 continue;
             }
+            if token == TIMER_TOKEN {
+                // Non-blocking: nothing to read if a re-arm cleared it.
+                let _ = self.timer.wait();
+                self.expire(Instant::now());
+                continue;
+            }
             let fd = token as RawFd;
             if self.handshakes.contains_key(&fd) {
                 self.handshake(fd);
@@ -456,8 +636,18 @@ impl Muxer {
             }
             let Some(&key) = self.by_fd.get(&fd) else { continue };
             let set = ev.event_set();
-            if set.intersects(EventSet::OUT) {
+            let gone = set.intersects(EventSet::HANG_UP | EventSet::ERROR);
+            if set.intersects(EventSet::OUT) || (gone && self.conns.get(&key).is_some_and(|c| !c.pending.is_empty())) {
                 self.flush_pending(key);
+            }
+            if gone {
+                // Reported whatever the interest: out of the set for good;
+                // reading the stream (EOF or the error) finishes it.
+                self.deregister(key);
+                if self.conns.get(&key).is_some_and(|c| c.state == State::Connecting) {
+                    self.reset_conn(key, "the host end hung up before the guest answered");
+                    continue;
+                }
             }
             if set.intersects(EventSet::IN | EventSet::HANG_UP | EventSet::READ_HANG_UP | EventSet::ERROR) {
                 if let Some(c) = self.conns.get_mut(&key) {
@@ -544,6 +734,9 @@ impl Muxer {
     /// `TRANSPORT_RESET` yet would reset them with its old connections.
     pub fn hold_host_connections(&mut self) {
         self.held.get_or_insert_with(Vec::new);
+        // The device checks for the guest's acknowledgement (or its
+        // timeout) on every host event: the timer provides them.
+        self.start_tick();
     }
 
     /// Whether host connections are being held.
@@ -577,6 +770,7 @@ impl Muxer {
                 Ok(n) => {
                     c.pending.drain(..n);
                     c.fwd_cnt = c.fwd_cnt.wrapping_add(n as u32);
+                    c.active_at = Instant::now();
                 }
                 Err(e) if e.kind() == ErrorKind::WouldBlock => break,
                 Err(e) => {
@@ -630,11 +824,13 @@ impl Muxer {
                     let mut h = self.header(key, op::SHUTDOWN);
                     h.flags = SHUTDOWN_RCV | SHUTDOWN_SEND;
                     self.update_interest(key);
+                    self.touch(key);
                     self.rr_cursor = Some(key);
                     return Some((h, 0));
                 }
                 Ok(n) => {
                     c.rx_cnt = c.rx_cnt.wrapping_add(n as u32);
+                    c.active_at = Instant::now();
                     let mut h = self.header(key, op::RW);
                     h.len = n as u32;
                     self.rr_cursor = Some(key);
@@ -663,5 +859,182 @@ impl Drop for Muxer {
         if current.is_some() && current == self.socket_id {
             let _ = std::fs::remove_file(&self.uds_path);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GUEST_CID: u64 = 3;
+
+    fn guest(op: u16, src_port: u32, dst_port: u32) -> Header {
+        Header {
+            src_cid: GUEST_CID,
+            dst_cid: HOST_CID,
+            src_port,
+            dst_port,
+            len: 0,
+            type_: TYPE_STREAM,
+            op,
+            flags: 0,
+            buf_alloc: 1 << 20,
+            fwd_cnt: 0,
+        }
+    }
+
+    /// Whether the muxer's epoll fd would wake the device thread now.
+    fn wakes(m: &Muxer) -> bool {
+        let outer = Epoll::new().unwrap();
+        outer.ctl(ControlOperation::Add, m.epoll_fd(), EpollEvent::new(EventSet::IN, 1)).unwrap();
+        let mut ev = [EpollEvent::default(); 1];
+        outer.wait(0, &mut ev).unwrap() > 0
+    }
+
+    /// Every packet the muxer has for the guest now.
+    fn drain(m: &mut Muxer) -> Vec<Header> {
+        let mut buf = vec![0u8; 4096];
+        std::iter::from_fn(|| m.next_rx(&mut buf).map(|(h, _)| h)).collect()
+    }
+
+    /// A muxer with a guest connection from guest port 1234 to host port
+    /// 6000; returns the host end.
+    fn connected(dir: &Path) -> (Muxer, UnixStream) {
+        let uds = dir.join("vm.vsock");
+        let mut m = Muxer::new(&uds, GUEST_CID).unwrap();
+        let l = UnixListener::bind(format!("{}_6000", uds.display())).unwrap();
+        m.from_guest(&guest(op::REQUEST, 1234, 6000), &[]);
+        let (s, _) = l.accept().unwrap();
+        assert_eq!(drain(&mut m).iter().map(|h| h.op).collect::<Vec<_>>(), vec![op::RESPONSE]);
+        (m, s)
+    }
+
+    #[test]
+    fn a_closed_host_stream_leaves_the_epoll_set() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut m, s) = connected(dir.path());
+        let key = (6000, 1234);
+        assert!(m.is_registered(key));
+        assert!(!wakes(&m), "an idle connection must not wake the device thread");
+        drop(s);
+        assert!(wakes(&m));
+        m.process_host_events();
+        assert!(!m.is_registered(key), "a hung-up stream stays in the epoll set");
+        assert!(!wakes(&m), "EPOLLHUP keeps waking the device thread");
+        // The guest learns of it; the connection waits for its RST.
+        let rx = drain(&mut m);
+        assert_eq!((rx.len(), rx[0].op, rx[0].flags), (1, op::SHUTDOWN, SHUTDOWN_RCV | SHUTDOWN_SEND));
+        assert_eq!(m.connections(), 1);
+        m.from_guest(&guest(op::RST, 1234, 6000), &[]);
+        assert_eq!(m.connections(), 0);
+        assert!(!wakes(&m));
+    }
+
+    #[test]
+    fn a_closed_host_stream_with_a_guest_that_takes_nothing_stays_quiet() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut m, s) = connected(dir.path());
+        // The guest grants no credit and never reads.
+        let mut h = guest(op::CREDIT_UPDATE, 1234, 6000);
+        h.buf_alloc = 0;
+        m.from_guest(&h, &[]);
+        (&s).write_all(b"data the guest cannot take").unwrap();
+        drop(s);
+        m.process_host_events();
+        assert!(!m.has_rx());
+        assert!(!wakes(&m), "a stream the guest cannot be sent from must not wake the device thread");
+    }
+
+    #[test]
+    fn an_unanswered_host_connection_times_out() {
+        let dir = tempfile::tempdir().unwrap();
+        let uds = dir.path().join("vm.vsock");
+        let mut m = Muxer::new(&uds, GUEST_CID).unwrap();
+        let mut c = UnixStream::connect(&uds).unwrap();
+        c.write_all(b"CONNECT 7000\n").unwrap();
+        m.process_host_events();
+        let rx = drain(&mut m);
+        assert_eq!((rx.len(), rx[0].op, rx[0].dst_port), (1, op::REQUEST, 7000));
+        let key = (rx[0].src_port, 7000);
+        assert!(m.timer_ticking(), "a connecting connection needs the timer");
+        let start = Instant::now();
+        m.expire(start + CONNECT_TIMEOUT - Duration::from_secs(1));
+        assert_eq!(m.connection_keys(), vec![key], "timed out early");
+        m.expire(start + CONNECT_TIMEOUT + TICK);
+        assert_eq!(m.connections(), 0);
+        let rx = drain(&mut m);
+        assert_eq!((rx.len(), rx[0].op, rx[0].src_port, rx[0].dst_port), (1, op::RST, key.0, 7000));
+        c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        assert_eq!(c.read(&mut [0u8; 8]).unwrap(), 0, "the host client sees EOF");
+        assert!(!m.timer_ticking(), "nothing left to time out: the timer stops");
+        // A late RESPONSE gets an RST.
+        let mut late = guest(op::RESPONSE, 7000, key.0);
+        late.dst_port = key.0;
+        m.from_guest(&late, &[]);
+        assert_eq!(drain(&mut m).iter().map(|h| h.op).collect::<Vec<_>>(), vec![op::RST]);
+    }
+
+    #[test]
+    fn a_host_client_that_gives_up_before_the_answer_is_dropped() {
+        let dir = tempfile::tempdir().unwrap();
+        let uds = dir.path().join("vm.vsock");
+        let mut m = Muxer::new(&uds, GUEST_CID).unwrap();
+        let mut c = UnixStream::connect(&uds).unwrap();
+        c.write_all(b"CONNECT 7000\n").unwrap();
+        m.process_host_events();
+        assert_eq!(drain(&mut m)[0].op, op::REQUEST);
+        drop(c);
+        m.process_host_events();
+        assert_eq!(m.connections(), 0);
+        assert_eq!(drain(&mut m).iter().map(|h| h.op).collect::<Vec<_>>(), vec![op::RST]);
+        assert!(!wakes(&m));
+    }
+
+    #[test]
+    fn half_closed_connections_time_out() {
+        let dir = tempfile::tempdir().unwrap();
+        // The guest shuts down its sending side and then goes silent.
+        let (mut m, mut s) = connected(dir.path());
+        assert!(!m.timer_ticking(), "an open connection needs no timer");
+        let mut h = guest(op::SHUTDOWN, 1234, 6000);
+        h.flags = SHUTDOWN_SEND;
+        m.from_guest(&h, &[]);
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        assert_eq!(s.read(&mut [0u8; 8]).unwrap(), 0, "the host end sees the guest's EOF");
+        assert!(m.timer_ticking());
+        let start = Instant::now();
+        m.expire(start + HALF_CLOSED_TIMEOUT - Duration::from_secs(1));
+        assert_eq!(m.connections(), 1, "timed out early");
+        m.expire(start + HALF_CLOSED_TIMEOUT + TICK);
+        assert_eq!(m.connections(), 0);
+        assert_eq!(drain(&mut m).iter().map(|h| h.op).collect::<Vec<_>>(), vec![op::RST]);
+        assert!(!m.timer_ticking());
+
+        // The host closes and the guest never answers the SHUTDOWN with RST.
+        let dir = tempfile::tempdir().unwrap();
+        let (mut m, s) = connected(dir.path());
+        drop(s);
+        m.process_host_events();
+        assert_eq!(drain(&mut m)[0].op, op::SHUTDOWN);
+        m.expire(Instant::now() + HALF_CLOSED_TIMEOUT + TICK);
+        assert_eq!(m.connections(), 0);
+        assert_eq!(drain(&mut m).iter().map(|h| h.op).collect::<Vec<_>>(), vec![op::RST]);
+    }
+
+    #[test]
+    fn traffic_keeps_a_half_closed_connection() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut m, s) = connected(dir.path());
+        let mut h = guest(op::SHUTDOWN, 1234, 6000);
+        h.flags = SHUTDOWN_SEND;
+        m.from_guest(&h, &[]);
+        // The host still sends: each byte that moves restarts the clock.
+        (&s).write_all(b"reply").unwrap();
+        m.process_host_events();
+        let before = Instant::now();
+        let mut buf = [0u8; 64];
+        assert_eq!(m.next_rx(&mut buf).map(|(h, n)| (h.op, n)), Some((op::RW, 5)));
+        m.expire(before + HALF_CLOSED_TIMEOUT - Duration::from_millis(500));
+        assert_eq!(m.connections(), 1);
     }
 }
