@@ -90,6 +90,9 @@ pub enum SandboxError {
         /// Why.
         reason: String,
     },
+    /// Guest memory beyond the server's budget ([`crate::memory`]).
+    #[error(transparent)]
+    OverBudget(#[from] crate::memory::OverBudget),
     /// The server is shutting down.
     #[error("the server is shutting down")]
     ShuttingDown,

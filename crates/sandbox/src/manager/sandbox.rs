@@ -14,7 +14,7 @@
 //! 2. the manager's map of sandboxes,
 //! 3. `status` (state, error, boot time, agent),
 //! 4. `vm` (the VM handle and its monitor thread),
-//! 5. `lineage`, then `dir`.
+//! 5. `lineage`, then `dir`, then `memory`.
 //!
 //! No lock is held across an `.await`; `vm` is not held while joining the
 //! monitor thread (which takes `vm` and `status` itself).
@@ -34,6 +34,7 @@ use tine_agent_client::AgentClient;
 use super::backend::{ExitWatch, VmEnd, VmHandle};
 use super::{unix_ms, SandboxId};
 use crate::lock;
+use crate::memory::Reservation;
 
 /// Guest console lines kept in a boot timeout's error.
 pub(super) const CONSOLE_TAIL_LINES: usize = 25;
@@ -199,6 +200,17 @@ pub(super) struct VmSlot {
     pub monitor: Option<JoinHandle<()>>,
 }
 
+/// The sandbox's shares of the memory budget ([`crate::memory`]), held
+/// while its VM runs: given back when the VM stops (teardown, a VM that
+/// ended by itself) and handed over by a merge.
+#[derive(Default)]
+pub(super) struct MemoryHeld {
+    /// Its guest memory.
+    pub own: Option<Reservation>,
+    /// The branch point it was restored from, shared with its siblings.
+    pub branch_point: Option<Arc<Reservation>>,
+}
+
 /// One sandbox. See the module doc for the lock order.
 pub(super) struct Sandbox {
     pub id: SandboxId,
@@ -218,6 +230,8 @@ pub(super) struct Sandbox {
     /// The VM's files (vsock socket, console log). A merge gives a sandbox
     /// its winner's VM, and with it the winner's directory.
     pub dir: Mutex<PathBuf>,
+    /// Its shares of the memory budget.
+    pub memory: Mutex<MemoryHeld>,
     /// The last use, in ms after `created`.
     last_used_ms: AtomicU64,
     /// Calls in flight ([`Sandbox::mark_busy`]); the reaper leaves busy
@@ -250,6 +264,7 @@ impl Sandbox {
             vm: Mutex::new(VmSlot::default()),
             lineage: Mutex::new(Lineage::default()),
             dir: Mutex::new(dir),
+            memory: Mutex::new(MemoryHeld::default()),
             last_used_ms: AtomicU64::new(0),
             busy: AtomicU64::new(0),
         }
@@ -380,6 +395,7 @@ impl Sandbox {
         if let Some(m) = slot.monitor {
             let _ = m.join();
         }
+        drop(std::mem::take(&mut *lock(&self.memory)));
     }
 
     /// Called by the monitor thread when the VM has stopped on its own.
@@ -387,6 +403,7 @@ impl Sandbox {
         let Some(mut vm) = lock(&self.vm).vm.take() else { return };
         let end = vm.stop();
         drop(vm);
+        drop(std::mem::take(&mut *lock(&self.memory)));
         let (state, error) = match end {
             VmEnd::PowerOff => (SandboxState::Stopped, "the guest powered off".to_string()),
             VmEnd::Reset => (SandboxState::Stopped, "the guest rebooted".to_string()),

@@ -269,3 +269,58 @@ async fn shutdown_kills_everything_and_refuses_new_sandboxes() {
     let e = s.manager.create(SandboxSpec::default()).await.unwrap_err();
     assert!(matches!(e, SandboxError::ShuttingDown), "{e}");
 }
+
+/// The memory budget counts running sandboxes, branch points and loaded
+/// templates; what does not fit fails at once, naming the budget and its
+/// use, and every teardown path gives its share back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_admission_counts_sandboxes_and_branch_points_and_releases_on_every_teardown() {
+    use crate::memory::BudgetUse;
+    // Room for three 512 MiB sandboxes and a 128 MiB branch point.
+    let s = setup(Limits { memory_budget_mib: 1664, ..limits(8) });
+    let used = |s: &Setup| s.manager.memory_use().1;
+    let a = s.manager.create(SandboxSpec::default()).await.unwrap().sandbox_id;
+    let b = s.manager.create(SandboxSpec::default()).await.unwrap().sandbox_id;
+    assert_eq!(used(&s), BudgetUse { sandboxes: (2, 1024), ..BudgetUse::default() });
+
+    // A branch of one child needs 512 MiB and a branch point of up to
+    // 512 MiB: 2048 > 1664, refused before anything is copied.
+    let e = s.manager.branch(&a, 1).await.unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "memory budget 1664 MiB: 2 sandboxes use 1024 MiB, 0 templates 0 MiB, 0 branch points 0 MiB; \
+         this branch needs 1024 MiB"
+    );
+    assert_eq!(s.manager.len(), 2, "no child was reserved");
+    assert_eq!(used(&s).total_mib(), 1024, "nothing was kept of the refused branch");
+
+    // Make room: a create that fails to start gives its share back.
+    s.manager.kill(&b).await.unwrap();
+    s.backend.fail_next_starts(1);
+    assert!(matches!(s.manager.create(SandboxSpec::default()).await, Err(SandboxError::Start(_))));
+    assert_eq!(used(&s), BudgetUse { sandboxes: (1, 512), ..BudgetUse::default() });
+
+    // Now the branch fits; its point keeps what was copied (the fake
+    // copies a quarter: 128 MiB) while the child runs.
+    let child = s.manager.branch(&a, 1).await.unwrap().children[0].sandbox_id.clone();
+    assert_eq!(used(&s), BudgetUse { sandboxes: (2, 1024), branch_points: (1, 128), ..BudgetUse::default() });
+    // 1152 + 512 = 1664 fits exactly; one more does not.
+    let c = s.manager.create(SandboxSpec::default()).await.unwrap().sandbox_id;
+    let e = s.manager.create(SandboxSpec::default()).await.unwrap_err();
+    assert!(matches!(e, SandboxError::OverBudget(_)), "{e}");
+    assert!(e.to_string().contains("3 sandboxes use 1536 MiB"), "{e}");
+    assert!(e.to_string().contains("1 branch points 128 MiB; this create needs 512 MiB"), "{e}");
+
+    // A guest that ends by itself gives its memory back at once.
+    s.backend.crash(&c);
+    let m = s.manager.clone();
+    eventually("the crashed guest's memory to be released", || m.memory_use().1.sandboxes == (2, 1024)).await;
+
+    // A merge: the parent's share goes with its VM, the winner's stays;
+    // the branch point stays while the merged VM (restored from it) runs.
+    s.manager.merge_into(&child, &a).await.unwrap();
+    assert_eq!(used(&s), BudgetUse { sandboxes: (1, 512), branch_points: (1, 128), ..BudgetUse::default() });
+    s.manager.kill(&a).await.unwrap();
+    s.manager.kill(&c).await.unwrap();
+    assert_eq!(used(&s), BudgetUse::default());
+}

@@ -78,6 +78,9 @@ pub fn sandbox_hint(e: &SandboxError) -> Option<String> {
         SandboxError::NotDescendant { .. } => {
             "; merge a sandbox into the one it was branched from, or an ancestor of it"
         }
+        SandboxError::OverBudget(_) => {
+            "; kill sandboxes you no longer need (sandbox_kill), ask for less memory_mib, or try again later"
+        }
         SandboxError::Template(t) => return template_hint(t),
         _ => return None,
     };
@@ -93,6 +96,10 @@ pub fn template_hint(e: &TemplateError) -> Option<String> {
             "; make it again (sandbox_snapshot, or `tine template build` for the default)".into()
         }
         TemplateError::Meta { .. } => "; delete that directory and make it again".into(),
+        TemplateError::Reserved(_) => {
+            "; choose a name that is not \"default\" and does not start with \"tine-\"".into()
+        }
+        TemplateError::OverBudget(_) => "; kill sandboxes you no longer need (sandbox_kill), or try again later".into(),
         _ => return None,
     })
 }
