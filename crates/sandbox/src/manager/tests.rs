@@ -324,3 +324,31 @@ async fn memory_admission_counts_sandboxes_and_branch_points_and_releases_on_eve
     s.manager.kill(&c).await.unwrap();
     assert_eq!(used(&s), BudgetUse::default());
 }
+
+/// Clients cannot write or delete the server's templates (`default`,
+/// `tine-*`); the count quota holds; template_delete removes a template.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reserved_template_names_quota_and_delete() {
+    use crate::templates::TemplateError;
+    let s = setup(Limits { max_templates: 2, ..limits(4) });
+    let id = s.manager.create(SandboxSpec::default()).await.unwrap().sandbox_id;
+    for name in ["default", "tine-warm"] {
+        let e = s.manager.snapshot(&id, name).await.unwrap_err();
+        assert!(matches!(e, SandboxError::Template(TemplateError::Reserved(_))), "{e}");
+        assert!(e.to_string().contains("reserved for the server"), "{e}");
+        let e = s.manager.template_delete(name).await.unwrap_err();
+        assert!(matches!(e, SandboxError::Template(TemplateError::Reserved(_))), "{e}");
+    }
+    assert!(s.manager.templates().is_empty(), "nothing was written");
+    s.manager.snapshot(&id, "t1").await.unwrap();
+    s.manager.snapshot(&id, "t2").await.unwrap();
+    let e = s.manager.snapshot(&id, "t3").await.unwrap_err();
+    assert!(matches!(e, SandboxError::Template(TemplateError::Quota(_))), "{e}");
+    assert!(e.to_string().contains("2 templates exist, the limit is 2"), "{e}");
+    s.manager.template_delete("t1").await.unwrap();
+    let e = s.manager.template_delete("t1").await.unwrap_err();
+    assert!(matches!(e, SandboxError::Template(TemplateError::NotFound(_))), "{e}");
+    s.manager.snapshot(&id, "t3").await.unwrap();
+    let names: Vec<String> = s.manager.templates().into_iter().map(|t| t.name).collect();
+    assert_eq!(names, ["t2", "t3"]);
+}
