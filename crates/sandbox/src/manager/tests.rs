@@ -352,3 +352,30 @@ async fn reserved_template_names_quota_and_delete() {
     let names: Vec<String> = s.manager.templates().into_iter().map(|t| t.name).collect();
     assert_eq!(names, ["t2", "t3"]);
 }
+
+/// A guest that stops reading its vsock connection (the fake agent's
+/// connection thread sleeps in `sleep <secs>`): a call whose request
+/// cannot be written fails with a clear timeout instead of wedging, the
+/// next call works on a new connection, and the reaper still takes the
+/// sandbox once it is idle.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guest_that_stops_reading_fails_one_call_and_the_next_call_and_the_reaper_still_work() {
+    let s = setup(limits(4));
+    let short = SandboxSpec { idle_timeout_secs: Some(2), ..SandboxSpec::default() };
+    let id = s.manager.create(short).await.unwrap().sandbox_id;
+    // The guest's connection thread stops reading (the caller gives up).
+    let stall = s.manager.exec(&id, super::ExecRequest { command: "sleep 3600".into(), ..Default::default() });
+    assert!(tokio::time::timeout(Duration::from_millis(200), stall).await.is_err());
+    // 8 MiB cannot be written to a guest that does not read.
+    let e = s.manager.write_file(&id, "/big".into(), vec![0; 8 << 20], None, false).await.unwrap_err();
+    assert!(matches!(e, SandboxError::Timeout { .. }), "{e}");
+    assert!(e.to_string().contains("did not answer within 3 s"), "{e}");
+    // The next call connects again and works.
+    s.manager.write_file(&id, "/small".into(), b"ok".to_vec(), None, false).await.expect("the next call");
+    assert_eq!(s.manager.read_file(&id, "/small".into(), 0, None).await.unwrap().data, b"ok");
+    // Nothing is left busy: the reaper takes it once idle.
+    let _reaper = s.manager.spawn_reaper(Duration::from_millis(50));
+    let m = s.manager.clone();
+    eventually("the stalled sandbox to be reaped", || !m.contains(&id)).await;
+    assert_eq!(s.manager.memory_use().1.total_mib(), 0);
+}
