@@ -89,7 +89,7 @@ impl Manager {
         }
         let src = source.clone();
         let taken = tokio::task::spawn_blocking(move || {
-            let _control = lock(&src.control);
+            let _control = src.control.blocking_lock();
             let taken = lock(&src.vm).vm.as_ref().map(|vm| vm.branch(PAUSE_TIMEOUT));
             match taken {
                 Some(r) => r.map_err(|source| SandboxError::Branch { id: src.id.clone(), source }),
@@ -243,8 +243,8 @@ impl Manager {
 
     fn merge_blocking(&self, w: &Arc<Sandbox>, p: &Arc<Sandbox>) -> Result<(), SandboxError> {
         // Ancestor before descendant, as every merge takes them.
-        let _pc = lock(&p.control);
-        let _wc = lock(&w.control);
+        let _pc = p.control.blocking_lock();
+        let _wc = w.control.blocking_lock();
         let (w_state, w_boot_ms) = {
             let st = lock(&w.status);
             (st.state, st.boot_ms)
@@ -255,14 +255,15 @@ impl Manager {
         if p.state() == SandboxState::Starting {
             return Err(SandboxError::Starting(p.id.clone()));
         }
-        // Both must still be the sandboxes of the map (a kill does not take
-        // `control`), and the winner must still have its VM, before the
+        // Both must still be the sandboxes of the map (a kill of either
+        // may have had `control` first), and the winner must still have its VM, before the
         // winner leaves the map and its VM, agent and files move over.
         {
             let mut map = lock(&self.sandboxes);
             for sb in [p, w] {
                 if !map.get(&sb.id).is_some_and(|s| Arc::ptr_eq(s, sb)) {
-                    return Err(SandboxError::NotFound(sb.id.clone()));
+                    drop(map);
+                    return Err(sb.gone());
                 }
             }
             if lock(&w.vm).vm.is_none() {

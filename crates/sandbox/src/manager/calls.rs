@@ -94,9 +94,14 @@ impl Manager {
             Err(e) => {
                 // A dead connection usually means a dead guest: let the
                 // monitor record why before answering.
-                if let Some(w) = sb.exit_watch() {
-                    let _ = tokio::task::spawn_blocking(move || w.wait(Some(Duration::from_secs(2)))).await;
-                }
+                // (Off the async threads: a snapshot holds `vm` for its copy.)
+                let s = sb.clone();
+                let _ = tokio::task::spawn_blocking(move || {
+                    if let Some(w) = s.exit_watch() {
+                        w.wait(Some(Duration::from_secs(2)));
+                    }
+                })
+                .await;
                 let st = lock(&sb.status);
                 match st.state {
                     SandboxState::Running => Err(SandboxError::Connection { id: sb.id.clone(), reason: e.to_string() }),

@@ -109,7 +109,7 @@ impl Manager {
     }
 
     fn snapshot_blocking(&self, sb: &Sandbox, name: &str, replace: bool) -> Result<(), SandboxError> {
-        let _control = lock(&sb.control);
+        let _control = sb.control.blocking_lock();
         let state = sb.state();
         if !matches!(state, SandboxState::Running | SandboxState::Paused) {
             return Err(SandboxError::BadState { id: sb.id.clone(), state, what: "a snapshot" });
@@ -164,7 +164,7 @@ impl Manager {
 
 /// Pauses `sb` (see [`Manager::pause`]). Blocking.
 fn pause_blocking(sb: &Sandbox) -> Result<SandboxInfo, SandboxError> {
-    let _control = lock(&sb.control);
+    let _control = sb.control.blocking_lock();
     match sb.state() {
         SandboxState::Paused => return Ok(sb.info(None)),
         SandboxState::Running => {}
@@ -189,7 +189,7 @@ fn pause_blocking(sb: &Sandbox) -> Result<SandboxInfo, SandboxError> {
 
 /// Resumes `sb` (see [`Manager::resume`]). Blocking.
 fn resume_blocking(sb: &Sandbox) -> Result<SandboxInfo, SandboxError> {
-    let _control = lock(&sb.control);
+    let _control = sb.control.blocking_lock();
     match sb.state() {
         SandboxState::Running => {}
         SandboxState::Paused => {

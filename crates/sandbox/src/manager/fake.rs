@@ -46,6 +46,11 @@ impl FakeBackend {
         vm.end(Some(VmEnd::GuestFault("the fake guest crashed".into())));
     }
 
+    /// How many fake VMs have not ended.
+    pub fn live_vms(&self) -> usize {
+        lock(&self.vms).values().filter(|vm| !vm.is_ended()).count()
+    }
+
     /// Whether VM `name`'s vCPUs are parked.
     pub fn is_paused(&self, name: &str) -> bool {
         lock(&self.vms).get(name).is_some_and(|vm| vm.paused.load(Ordering::SeqCst))

@@ -316,16 +316,24 @@ impl Manager {
         }
     }
 
-    /// Stops a sandbox's VM, removes its files and forgets it.
+    /// Stops a sandbox's VM, removes its files and forgets it. Waits for a
+    /// pause, resume, snapshot, branch point or merge of it in progress
+    /// (its `control` lock), so those finish first.
     ///
-    /// Errors: [`SandboxError::NotFound`].
+    /// Errors: [`SandboxError::NotFound`], [`SandboxError::Gone`] (killed
+    /// or merged away while this kill waited).
     pub async fn kill(&self, id: &str) -> Result<(), SandboxError> {
-        let sb = {
+        let sb = self.get(id)?;
+        let _control = sb.control.lock().await;
+        {
             let mut map = lock(&self.sandboxes);
-            let sb = map.remove(id).ok_or_else(|| SandboxError::NotFound(id.to_string()))?;
+            if !map.get(id).is_some_and(|s| Arc::ptr_eq(s, &sb)) {
+                drop(map);
+                return Err(sb.gone());
+            }
+            map.remove(id);
             self.dying.fetch_add(1, Ordering::SeqCst);
-            sb
-        };
+        }
         let _dying = Dying(self);
         self.leave_parent(&sb);
         self.teardown(&sb, Some("killed".into())).await;

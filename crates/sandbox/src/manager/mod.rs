@@ -291,6 +291,8 @@ impl Manager {
                 let idle: Vec<SandboxId> = lock(&me.sandboxes)
                     .values()
                     .filter(|s| s.state() != SandboxState::Starting && s.busy.load(Ordering::SeqCst) == 0)
+                    // Not while a pause, snapshot, branch or merge runs.
+                    .filter(|s| s.control.try_lock().is_ok())
                     .filter(|s| s.idle() >= s.idle_timeout)
                     .map(|s| s.id.clone())
                     .collect();

@@ -8,9 +8,12 @@
 //! this order, and takes none of them before the manager's map except
 //! `control`:
 //!
-//! 1. `control` (pause, resume, snapshot, branch, merge; held for the VM
-//!    operation, for a branch while its branch point is taken; a merge
-//!    takes the ancestor's before the descendant's),
+//! 1. `control` (kill, pause, resume, snapshot, branch, merge; held for
+//!    the VM operation, for a branch while its branch point is taken; a
+//!    merge takes the ancestor's before the descendant's). A tokio mutex:
+//!    the blocking operations take it on the blocking pool
+//!    (`blocking_lock`), a kill awaits it, so no tokio worker waits for a
+//!    snapshot's copy,
 //! 2. the manager's map of sandboxes,
 //! 3. `status` (state, error, boot time, agent),
 //! 4. `vm` (the VM handle and its monitor thread),
@@ -221,8 +224,10 @@ pub(super) struct Sandbox {
     pub idle_timeout: Duration,
     pub created: Instant,
     pub created_at_ms: u64,
-    /// Held by pause, resume, snapshot, branch and merge, one at a time.
-    pub control: Mutex<()>,
+    /// Held by kill, pause, resume, snapshot, branch and merge, one at a
+    /// time: the later one finds what the earlier one left (a sandbox
+    /// killed or merged away is gone).
+    pub control: tokio::sync::Mutex<()>,
     pub status: Mutex<Status>,
     pub vm: Mutex<VmSlot>,
     /// Where it came from and what came from it.
@@ -259,7 +264,7 @@ impl Sandbox {
             idle_timeout,
             created: Instant::now(),
             created_at_ms: unix_ms(),
-            control: Mutex::new(()),
+            control: tokio::sync::Mutex::new(()),
             status: Mutex::new(Status { state: SandboxState::Starting, error: None, boot_ms: None, agent: None }),
             vm: Mutex::new(VmSlot::default()),
             lineage: Mutex::new(Lineage::default()),
@@ -373,6 +378,13 @@ impl Sandbox {
             idle_ms: self.idle().as_millis() as u64,
             usage,
         }
+    }
+
+    /// [`SandboxError::Gone`] for a sandbox that left the map: why, from
+    /// its end's reason.
+    pub fn gone(&self) -> super::SandboxError {
+        let reason = lock(&self.status).error.clone().unwrap_or_else(|| "killed".into());
+        super::SandboxError::Gone { id: self.id.clone(), reason }
     }
 
     /// Marks the sandbox ended (unless it already is) and drops the agent.

@@ -379,3 +379,72 @@ async fn a_guest_that_stops_reading_fails_one_call_and_the_next_call_and_the_rea
     eventually("the stalled sandbox to be reaped", || !m.contains(&id)).await;
     assert_eq!(s.manager.memory_use().1.total_mib(), 0);
 }
+
+/// `kill` and `merge_into` on the same sandboxes are serialized: whichever
+/// runs first, the other finds what it left, and no VM or directory is
+/// lost or leaked. Run many times, both orders occur.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn kill_racing_merge_never_loses_the_winner() {
+    let (mut merged_first, mut killed_first) = (0, 0);
+    for round in 0..30 {
+        let s = setup(limits(4));
+        let parent = s.manager.create(SandboxSpec::default()).await.unwrap().sandbox_id;
+        let winner = s.manager.branch(&parent, 1).await.unwrap().children[0].sandbox_id.clone();
+        s.manager.write_file(&winner, "/won".into(), b"yes".to_vec(), None, false).await.unwrap();
+        let (m1, m2) = (s.manager.clone(), s.manager.clone());
+        let (p1, w1, p2) = (parent.clone(), winner.clone(), parent.clone());
+        let merge = tokio::spawn(async move { m1.merge_into(&w1, &p1).await });
+        let kill = tokio::spawn(async move { m2.kill(&p2).await });
+        let (merge, kill) = (merge.await.unwrap(), kill.await.unwrap());
+        match merge {
+            // The merge went first; the kill then killed the merged parent
+            // (or found it being killed by nobody else: it must succeed).
+            Ok(_) => {
+                merged_first += 1;
+                kill.expect("the kill after the merge");
+                assert!(s.manager.is_empty(), "round {round}");
+            }
+            // The kill went first: the merge says the parent is gone, and
+            // the winner is untouched.
+            Err(e) => {
+                killed_first += 1;
+                kill.expect("the kill");
+                // Gone while it waited, or gone before it looked.
+                let said = e.to_string();
+                let ok = [format!("sandbox {parent} no longer exists: killed"), format!("no sandbox {parent}")];
+                assert!(ok.contains(&said), "{said}");
+                assert_eq!(s.manager.read_file(&winner, "/won".into(), 0, None).await.unwrap().data, b"yes");
+                s.manager.kill(&winner).await.unwrap();
+            }
+        }
+        assert_eq!(s.backend.live_vms(), 0, "round {round}: a VM outlived its sandbox");
+        assert!(run_entries(&s).is_empty(), "round {round}");
+        assert_eq!(s.manager.memory_use().1.total_mib(), 0, "round {round}");
+    }
+    eprintln!("merge first {merged_first} times, kill first {killed_first} times");
+}
+
+/// A kill waits for a snapshot of the same sandbox in progress (its
+/// `control` lock) instead of tearing the VM down under it; a snapshot
+/// that waited behind a kill finds the sandbox gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_waits_for_the_sandboxs_control_operations() {
+    let s = setup(limits(4));
+    let id = s.manager.create(SandboxSpec::default()).await.unwrap().sandbox_id;
+    let sb = s.manager.get(&id).unwrap();
+    // As a snapshot or branch in progress would.
+    let held = sb.control.lock().await;
+    let m = s.manager.clone();
+    let id2 = id.clone();
+    let kill = tokio::spawn(async move { m.kill(&id2).await });
+    // The kill cannot finish while control is held; info still answers.
+    tokio::task::yield_now().await;
+    assert!(!kill.is_finished());
+    assert!(s.manager.contains(&id));
+    assert_eq!(s.manager.info(&id).await.unwrap().state, SandboxState::Running);
+    drop(held);
+    kill.await.unwrap().unwrap();
+    assert!(!s.manager.contains(&id));
+    let e = s.manager.kill(&id).await.unwrap_err();
+    assert!(matches!(e, SandboxError::NotFound(_)), "{e}");
+}
