@@ -4,19 +4,30 @@
 //! answered `OK <host port>\n`), then speaks `tine-protocol`. One task
 //! reads responses and hands each to the caller waiting on its request id,
 //! so calls from many tasks run concurrently on one connection.
+//!
+//! A call's request write and its reply share one deadline: a guest that
+//! stops reading its vsock connection (grants no credit) makes the call
+//! time out instead of holding the writer for ever. A request cut off
+//! mid-write leaves the stream without frame boundaries, so the
+//! connection is then abandoned ([`ClientError::Abandoned`]) and the
+//! caller connects anew. Replies are checked against what was asked
+//! ([`ClientError::Oversized`]): no more bytes than a read asked for, no
+//! more output than the limit, no more than
+//! [`tine_protocol::MAX_MANIFEST_ENTRIES`] manifest entries. Replies are
+//! never formatted into logs or errors, only their kinds and sizes.
 
 #![deny(missing_docs)]
 
 use std::collections::HashMap;
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tine_protocol::{
     body_len, decode_body, encode, AgentError, AgentInfo, Command, DirEntry, Exec, ExecReply, FileData, FileStat,
     Manifest, Op, ProtocolError, Python, PythonReply, ReadFile, Reply, Request, Reseed, Response, WriteFile,
-    LENGTH_BYTES,
+    LENGTH_BYTES, MAX_FILE_CHUNK, MAX_MANIFEST_ENTRIES,
 };
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
@@ -51,9 +62,25 @@ pub enum ClientError {
     /// The agent answered with an error.
     #[error(transparent)]
     Agent(#[from] AgentError),
-    /// The agent answered with a reply of another kind.
+    /// The agent answered with a reply of another kind (named by its kind).
     #[error("unexpected reply: {0}")]
     Unexpected(String),
+    /// The agent answered with more than was asked for; the reply is
+    /// dropped.
+    #[error("the agent's {what} reply is too large: {got}, at most {max} was asked for")]
+    Oversized {
+        /// The reply's kind and part ("read data (bytes)", ...).
+        what: &'static str,
+        /// Its size.
+        got: u64,
+        /// What was asked for.
+        max: u64,
+    },
+    /// The connection was abandoned: an earlier request's write ran out of
+    /// time midway (the guest stopped reading), so the stream has lost its
+    /// frame boundaries. Connect again.
+    #[error("the connection to the agent was abandoned after a request could not be written in time (the guest stopped reading it)")]
+    Abandoned,
 }
 
 type Waiters = Arc<Mutex<HashMap<u64, oneshot::Sender<Result<Reply, AgentError>>>>>;
@@ -64,6 +91,50 @@ pub struct AgentClient {
     waiters: Waiters,
     next_id: AtomicU64,
     reader: tokio::task::JoinHandle<()>,
+    /// Set when a request write was cut off midway ([`ClientError::Abandoned`]).
+    abandoned: AtomicBool,
+}
+
+/// Marks the connection abandoned if dropped before the write it guards
+/// completed (a deadline or a cancelled caller cut it off).
+struct WriteGuard<'a> {
+    abandoned: &'a AtomicBool,
+    done: bool,
+}
+
+impl Drop for WriteGuard<'_> {
+    fn drop(&mut self) {
+        if !self.done {
+            self.abandoned.store(true, Ordering::SeqCst);
+        }
+    }
+}
+
+/// A reply's kind, for errors and logs (never its contents).
+fn reply_kind(r: &Reply) -> &'static str {
+    match r {
+        Reply::Pong { .. } => "pong",
+        Reply::Exec(_) => "exec",
+        Reply::Python(_) => "python",
+        Reply::File(_) => "file",
+        Reply::Written { .. } => "written",
+        Reply::Entries(_) => "entries",
+        Reply::Stat(_) => "stat",
+        Reply::Info(_) => "info",
+        Reply::Done => "done",
+        Reply::Manifest(_) => "manifest",
+        #[allow(unreachable_patterns)]
+        _ => "other",
+    }
+}
+
+/// [`ClientError::Oversized`] unless `got <= max`.
+fn at_most(what: &'static str, got: u64, max: u64) -> Result<(), ClientError> {
+    if got <= max {
+        Ok(())
+    } else {
+        Err(ClientError::Oversized { what, got, max })
+    }
 }
 
 async fn read_frame(r: &mut BufReader<OwnedReadHalf>) -> Result<Vec<u8>, ProtocolError> {
@@ -94,7 +165,7 @@ async fn read_loop(mut r: BufReader<OwnedReadHalf>, waiters: Waiters) {
             Some(tx) => {
                 let _ = tx.send(resp.result);
             }
-            None => tracing::warn!("agent answered unknown request {}", resp.id),
+            None => tracing::debug!("agent answered request {} after its caller stopped waiting", resp.id),
         }
     }
     // Wake every waiter: their senders drop here.
@@ -122,33 +193,77 @@ impl AgentClient {
         }
         let waiters: Waiters = Arc::default();
         let reader = tokio::spawn(read_loop(r, waiters.clone()));
-        Ok(AgentClient { writer: tokio::sync::Mutex::new(w), waiters, next_id: AtomicU64::new(1), reader })
+        Ok(AgentClient {
+            writer: tokio::sync::Mutex::new(w),
+            waiters,
+            next_id: AtomicU64::new(1),
+            reader,
+            abandoned: AtomicBool::new(false),
+        })
     }
 
-    /// Sends `op` and waits up to `timeout` for its answer.
+    /// Whether the connection can take no more calls (closed, or
+    /// abandoned after a write ran out of time): connect again.
+    pub fn is_broken(&self) -> bool {
+        self.abandoned.load(Ordering::SeqCst) || self.reader.is_finished()
+    }
+
+    /// Sends `op` and waits for its answer; waiting for the writer, writing
+    /// the request and waiting for the reply share one deadline, `timeout`
+    /// from now.
     ///
     /// Errors: [`ClientError::Agent`] for the agent's typed errors,
     /// [`ClientError::Timeout`], [`ClientError::Closed`],
-    /// [`ClientError::Protocol`].
+    /// [`ClientError::Abandoned`], [`ClientError::Protocol`].
     pub async fn call(&self, op: Op, timeout: Duration) -> Result<Reply, ClientError> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        if self.abandoned.load(Ordering::SeqCst) {
+            return Err(ClientError::Abandoned);
+        }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let frame = encode(&Request { id, op })?;
         let (tx, rx) = oneshot::channel();
         self.waiters.lock().unwrap_or_else(|p| p.into_inner()).insert(id, tx);
+        let forget = || {
+            self.waiters.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
+        };
         if self.reader.is_finished() {
-            self.waiters.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
+            forget();
             return Err(ClientError::Closed);
         }
-        let sent = self.writer.lock().await.write_all(&frame).await;
-        if sent.is_err() {
-            self.waiters.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
-            return Err(ClientError::Closed);
+        let write = async {
+            let mut w = self.writer.lock().await;
+            // A call that timed out mid-write while we waited for the lock.
+            if self.abandoned.load(Ordering::SeqCst) {
+                return Err(ClientError::Abandoned);
+            }
+            let mut guard = WriteGuard { abandoned: &self.abandoned, done: false };
+            let r = w.write_all(&frame).await;
+            guard.done = r.is_ok();
+            r.map_err(|_| ClientError::Closed)
+        };
+        match tokio::time::timeout_at(deadline, write).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                forget();
+                return Err(e);
+            }
+            Err(_) => {
+                forget();
+                if self.abandoned.load(Ordering::SeqCst) {
+                    tracing::warn!(
+                        request_bytes = frame.len(),
+                        "a request to the agent could not be written within {timeout:?}; abandoning the connection"
+                    );
+                }
+                return Err(ClientError::Timeout(timeout));
+            }
         }
-        match tokio::time::timeout(timeout, rx).await {
+        match tokio::time::timeout_at(deadline, rx).await {
             Ok(Ok(result)) => Ok(result?),
             Ok(Err(_)) => Err(ClientError::Closed),
             Err(_) => {
-                self.waiters.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
+                forget();
                 Err(ClientError::Timeout(timeout))
             }
         }
@@ -163,7 +278,7 @@ impl AgentClient {
         timeout: Duration,
         pick: impl FnOnce(Reply) -> Result<T, Box<Reply>>,
     ) -> Result<T, ClientError> {
-        pick(self.call(op, timeout).await?).map_err(|other| ClientError::Unexpected(format!("{other:?}")))
+        pick(self.call(op, timeout).await?).map_err(|other| ClientError::Unexpected(reply_kind(&other).to_string()))
     }
 
     /// Asks whether the agent is up; returns its version string.
@@ -205,11 +320,16 @@ impl AgentClient {
     ///
     /// Errors: as [`AgentClient::ping`].
     pub async fn run(&self, exec: Exec, timeout: Duration) -> Result<ExecReply, ClientError> {
-        self.call_for(Op::Exec(exec), timeout, |r| match r {
-            Reply::Exec(r) => Ok(r),
-            other => Err(Box::new(other)),
-        })
-        .await
+        let limit = output_limit(exec.timeout_ms, exec.output_limit);
+        let r = self
+            .call_for(Op::Exec(exec), timeout, |r| match r {
+                Reply::Exec(r) => Ok(r),
+                other => Err(Box::new(other)),
+            })
+            .await?;
+        at_most("exec stdout (bytes)", r.stdout.data.len() as u64, limit)?;
+        at_most("exec stderr (bytes)", r.stderr.data.len() as u64, limit)?;
+        Ok(r)
     }
 
     /// Runs a cell in the persistent Python interpreter, waiting up to
@@ -217,22 +337,31 @@ impl AgentClient {
     ///
     /// Errors: as [`AgentClient::ping`].
     pub async fn run_python(&self, python: Python, timeout: Duration) -> Result<PythonReply, ClientError> {
-        self.call_for(Op::Python(python), timeout, |r| match r {
-            Reply::Python(r) => Ok(r),
-            other => Err(Box::new(other)),
-        })
-        .await
+        let limit = output_limit(python.timeout_ms, python.output_limit);
+        let r = self
+            .call_for(Op::Python(python), timeout, |r| match r {
+                Reply::Python(r) => Ok(r),
+                other => Err(Box::new(other)),
+            })
+            .await?;
+        at_most("python stdout (bytes)", r.stdout.data.len() as u64, limit)?;
+        at_most("python stderr (bytes)", r.stderr.data.len() as u64, limit)?;
+        Ok(r)
     }
 
     /// Reads part of a file (at most one chunk, [`tine_protocol::MAX_FILE_CHUNK`]).
     ///
     /// Errors: as [`AgentClient::ping`].
     pub async fn read(&self, read: ReadFile, timeout: Duration) -> Result<FileData, ClientError> {
-        self.call_for(Op::ReadFile(read), timeout, |r| match r {
-            Reply::File(f) => Ok(f),
-            other => Err(Box::new(other)),
-        })
-        .await
+        let max = read.length.unwrap_or(MAX_FILE_CHUNK).min(MAX_FILE_CHUNK);
+        let f = self
+            .call_for(Op::ReadFile(read), timeout, |r| match r {
+                Reply::File(f) => Ok(f),
+                other => Err(Box::new(other)),
+            })
+            .await?;
+        at_most("read data (bytes)", f.data.len() as u64, max)?;
+        Ok(f)
     }
 
     /// Writes (or appends to) a file; returns the bytes written.
@@ -273,11 +402,16 @@ impl AgentClient {
     ///
     /// Errors: as [`AgentClient::ping`].
     pub async fn manifest(&self, paths: Option<Vec<String>>, timeout: Duration) -> Result<Manifest, ClientError> {
-        self.call_for(Op::Manifest { paths }, timeout, |r| match r {
-            Reply::Manifest(m) => Ok(m),
-            other => Err(Box::new(other)),
-        })
-        .await
+        // The agent answers for each path asked, or lists at most the limit.
+        let max = paths.as_ref().map_or(MAX_MANIFEST_ENTRIES, |p| p.len().min(MAX_MANIFEST_ENTRIES));
+        let m = self
+            .call_for(Op::Manifest { paths }, timeout, |r| match r {
+                Reply::Manifest(m) => Ok(m),
+                other => Err(Box::new(other)),
+            })
+            .await?;
+        at_most("manifest entries", m.entries.len() as u64, max as u64)?;
+        Ok(m)
     }
 
     /// Runs `bash -c script` with the given limits (0: defaults).
@@ -320,6 +454,16 @@ impl AgentClient {
     }
 }
 
+/// The output limit (bytes per stream) the agent applies to a call with
+/// these limits (see [`tine_protocol::effective_limits`]; out-of-range
+/// limits are refused by the agent, so the largest is allowed here).
+fn output_limit(timeout_ms: u32, output_limit: u32) -> u64 {
+    let limit = tine_protocol::effective_limits(timeout_ms, output_limit)
+        .map(|l| l.1)
+        .unwrap_or(tine_protocol::MAX_OUTPUT_LIMIT);
+    u64::from(limit)
+}
+
 /// How long a file call may take (bytes cross an emulated guest kernel
 /// slowly on some hosts).
 const FILE_TIMEOUT: Duration = Duration::from_secs(300);
@@ -334,5 +478,83 @@ fn call_timeout(timeout_ms: u32) -> Duration {
 impl Drop for AgentClient {
     fn drop(&mut self) {
         self.reader.abort();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::{BufRead, Write};
+    use std::os::unix::net::UnixListener;
+
+    use tine_protocol::{write_message, FileData};
+
+    use super::*;
+
+    /// A peer that does the handshake, answers each request in `answers`
+    /// (by request id, in order) without reading further, and then stops
+    /// reading: as a guest that grants no more vsock credit.
+    fn peer(dir: &Path, answers: Vec<Reply>) -> std::path::PathBuf {
+        let path = dir.join("vsock.sock");
+        let listener = UnixListener::bind(&path).unwrap();
+        std::thread::spawn(move || {
+            let (stream, _) = listener.accept().unwrap();
+            let mut w = stream.try_clone().unwrap();
+            let mut r = std::io::BufReader::new(stream);
+            let mut line = String::new();
+            r.read_line(&mut line).unwrap();
+            w.write_all(b"OK 1\n").unwrap();
+            for (i, reply) in answers.into_iter().enumerate() {
+                let _: Request = tine_protocol::read_message(&mut r).unwrap();
+                write_message(&mut w, &Response { id: i as u64 + 1, result: Ok(reply) }).unwrap();
+            }
+            // Never read again; keep the socket open.
+            std::thread::sleep(Duration::from_secs(600));
+            drop(r);
+        });
+        path
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_guest_that_stops_reading_times_out_the_write_and_the_connection_is_abandoned() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = AgentClient::connect(&peer(dir.path(), Vec::new()), AGENT_PORT).await.unwrap();
+        // 8 MiB cannot fit the socket buffers of a peer that does not read.
+        let write =
+            WriteFile { path: "/x".into(), data: vec![0; 8 << 20], mode: None, append: false, create_parents: false };
+        let e = c.write(write, Duration::from_millis(500)).await.unwrap_err();
+        assert!(matches!(e, ClientError::Timeout(_)), "{e}");
+        assert!(c.is_broken());
+        // The next call fails at once, saying why.
+        let e = c.ping(Duration::from_secs(5)).await.unwrap_err();
+        assert!(matches!(e, ClientError::Abandoned), "{e}");
+        assert!(e.to_string().contains("the guest stopped reading"), "{e}");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn replies_larger_than_asked_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let big = Reply::File(FileData { data: vec![1; 16 << 10], size: 16 << 10 });
+        let manifest = Reply::Manifest(Manifest {
+            entries: vec![
+                tine_protocol::ManifestEntry {
+                    path: "/a".into(),
+                    kind: tine_protocol::EntryKind::File,
+                    size: 0,
+                    mode: 0,
+                    sha256: None
+                };
+                3
+            ],
+            truncated: false,
+        });
+        let c = AgentClient::connect(&peer(dir.path(), vec![big, manifest, Reply::Done]), AGENT_PORT).await.unwrap();
+        let read = ReadFile { path: "/f".into(), offset: 0, length: Some(1024) };
+        let e = c.read(read, Duration::from_secs(5)).await.unwrap_err();
+        assert!(matches!(e, ClientError::Oversized { what: "read data (bytes)", got: 16384, max: 1024 }), "{e}");
+        let e = c.manifest(Some(vec!["/a".into()]), Duration::from_secs(5)).await.unwrap_err();
+        assert!(matches!(e, ClientError::Oversized { what: "manifest entries", got: 3, max: 1 }), "{e}");
+        // A reply of another kind is named by its kind, not its contents.
+        let e = c.ping(Duration::from_secs(5)).await.unwrap_err();
+        assert_eq!(e.to_string(), "unexpected reply: done");
     }
 }

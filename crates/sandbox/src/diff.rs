@@ -23,6 +23,12 @@ pub const DEFAULT_MAX_TEXT_BYTES: u64 = 64 << 10;
 /// Most files that get a unified diff in one report; the others' `unified_diff`
 /// is `None` (each costs a read in both sandboxes).
 pub const MAX_UNIFIED_FILES: usize = 256;
+/// Longest unified diff (bytes) kept for one file; a longer one is left
+/// out (`unified_diff: None`) and the report marked `truncated`.
+pub const MAX_UNIFIED_DIFF_BYTES: usize = 1 << 20;
+/// Most bytes of unified diffs in one report; past it the remaining
+/// files get none and the report is marked `truncated`.
+pub const MAX_UNIFIED_TOTAL_BYTES: usize = 4 << 20;
 /// Longest time spent computing one file's line diff; past it the diff is
 /// coarser (still correct).
 const LINE_DIFF_TIMEOUT: Duration = Duration::from_secs(1);

@@ -28,14 +28,16 @@
 pub mod diff;
 mod limits;
 mod manager;
+pub mod memory;
 pub mod templates;
 
 pub use diff::{DiffOptions, DiffReport};
-pub use limits::{Limits, LimitsError};
+pub use limits::{derived_memory_budget_mib, Limits, LimitsError};
 pub use manager::{
     BackendError, BranchResult, ExecRequest, Lineage, Manager, ManagerConfig, SandboxError, SandboxId, SandboxInfo,
     SandboxSpec, SandboxState, Usage,
 };
+pub use memory::{BudgetUse, OverBudget};
 pub use templates::{TemplateError, TemplateInfo, DEFAULT_TEMPLATE};
 
 // Locks a mutex, going on with the data of a holder that panicked (every

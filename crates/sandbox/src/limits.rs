@@ -34,6 +34,46 @@ pub struct Limits {
     /// CPU-bound; more at once only slows every one of them (and on hosts
     /// that emulate the guest kernel, starves their timers).
     pub max_concurrent_boots: usize,
+    /// Guest memory (MiB) that running sandboxes, branch points and loaded
+    /// templates may take together; a create, restore, branch or template
+    /// load beyond it fails at once. 0: derived from the host's memory
+    /// ([`derived_memory_budget_mib`]).
+    pub memory_budget_mib: u64,
+    /// Templates at most (the server's own, such as `default`, included).
+    pub max_templates: usize,
+    /// Disk space (MiB) the templates' files may take together.
+    pub max_template_disk_mib: u64,
+}
+
+/// Overcommit of guest memory over the host's usable memory, as
+/// numerator/denominator: 3/2. A guest's memory is only backed as it
+/// touches pages, and restored guests share their template's pages until
+/// they write them, so sandboxes measured here use a fraction of their
+/// size (an idle 512 MiB restored guest: 60-120 MiB resident); 1.5x lets
+/// the host run half again as many sandboxes as a strict sum would, while
+/// a server full of guests that touch all their memory still fits in RAM
+/// plus the page cache it can drop.
+pub const MEMORY_OVERCOMMIT: (u64, u64) = (3, 2);
+/// Host memory (MiB) kept out of the budget at least: the daemon, the
+/// host's own services and its page cache.
+pub const MIN_HOST_RESERVE_MIB: u64 = 1024;
+
+/// The default memory budget for a host of `mem_total_mib` MiB: the host
+/// keeps a reserve of 1/8 of its memory (at least [`MIN_HOST_RESERVE_MIB`]),
+/// and the rest is overcommitted by [`MEMORY_OVERCOMMIT`]. A 24 GiB host:
+/// (24576 - 3072) * 1.5 = 32256 MiB; a 4 GiB host: (4096 - 1024) * 1.5 =
+/// 4608 MiB.
+pub fn derived_memory_budget_mib(mem_total_mib: u64) -> u64 {
+    let reserve = (mem_total_mib / 8).max(MIN_HOST_RESERVE_MIB);
+    mem_total_mib.saturating_sub(reserve) * MEMORY_OVERCOMMIT.0 / MEMORY_OVERCOMMIT.1
+}
+
+/// The host's `MemTotal` (MiB) from `/proc/meminfo` (proc(5)).
+fn host_mem_total_mib() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib / 1024)
 }
 
 /// Guest memory below this (MiB) cannot run the agent and Python.
@@ -56,6 +96,9 @@ impl Default for Limits {
             boot_timeout_secs: 300,
             max_labels: 16,
             max_concurrent_boots: 0,
+            memory_budget_mib: 0,
+            max_templates: 32,
+            max_template_disk_mib: 32 * 1024,
         }
     }
 }
@@ -121,10 +164,26 @@ impl Limits {
         if self.default_idle_timeout_secs == 0 || self.default_idle_timeout_secs > self.max_idle_timeout_secs {
             return bad("default_idle_timeout_secs must be 1..=max_idle_timeout_secs".into());
         }
+        if self.memory_budget_mib != 0 && self.memory_budget_mib < MIN_MEMORY_MIB {
+            return bad(format!("memory_budget_mib must be 0 (derived from the host) or at least {MIN_MEMORY_MIB}"));
+        }
+        if self.max_templates == 0 {
+            return bad("max_templates must be at least 1 (the default template)".into());
+        }
         if self.boot_timeout_secs == 0 {
             return bad("boot_timeout_secs must be at least 1".into());
         }
         Ok(())
+    }
+
+    /// The memory budget (MiB): `memory_budget_mib`, or when it is 0 the
+    /// [`derived_memory_budget_mib`] of the host's `MemTotal` (a host whose
+    /// `/proc/meminfo` cannot be read gets no limit).
+    pub fn memory_budget_mib(&self) -> u64 {
+        match self.memory_budget_mib {
+            0 => host_mem_total_mib().map(derived_memory_budget_mib).unwrap_or(u64::MAX),
+            n => n,
+        }
     }
 
     /// Boots allowed at once: `max_concurrent_boots`, or the host's CPU
@@ -205,6 +264,17 @@ mod tests {
         assert_eq!(l.vcpus(None), Ok(1));
         assert_eq!(l.memory_mib(None), Ok(512));
         assert_eq!(l.idle_timeout(None), Ok(Duration::from_secs(900)));
+    }
+
+    #[test]
+    fn memory_budget_is_derived_from_the_host() {
+        assert_eq!(derived_memory_budget_mib(24 * 1024), 32256);
+        assert_eq!(derived_memory_budget_mib(4096), 4608);
+        assert_eq!(derived_memory_budget_mib(512), 0);
+        assert_eq!(Limits { memory_budget_mib: 2048, ..Limits::default() }.memory_budget_mib(), 2048);
+        let derived = Limits::default().memory_budget_mib();
+        assert_eq!(derived, derived_memory_budget_mib(host_mem_total_mib().unwrap()));
+        assert!(Limits { memory_budget_mib: 64, ..Limits::default() }.validate().is_err());
     }
 
     #[test]

@@ -14,6 +14,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use crate::lock;
+use crate::memory::{MemoryBudget, MemoryUse, OverBudget, Reservation};
 
 #[cfg(feature = "schema")]
 use schemars::JsonSchema;
@@ -24,6 +25,8 @@ use vmm::{Snapshot, SnapshotError};
 /// The template the server builds at first start and `sandbox_create`
 /// uses when no other is named.
 pub const DEFAULT_TEMPLATE: &str = "default";
+/// Names with this prefix are the server's own, as [`DEFAULT_TEMPLATE`] is.
+pub const RESERVED_PREFIX: &str = "tine-";
 /// The metadata file's name in a template directory.
 const META_FILE: &str = "template.json";
 /// Longest template name (bytes).
@@ -72,6 +75,17 @@ pub enum TemplateError {
         /// Why.
         reason: String,
     },
+    /// The name is the server's own ([`DEFAULT_TEMPLATE`] or
+    /// [`RESERVED_PREFIX`]`*`): clients can neither write nor delete it.
+    #[error("template name {0:?} is reserved for the server (\"default\" and names starting with \"tine-\")")]
+    Reserved(String),
+    /// The template quota (count or disk space) is used up.
+    #[error("template quota reached: {0}")]
+    Quota(String),
+    /// Loading the template's memory does not fit the memory budget, even
+    /// after unloading the templates no sandbox is being made from.
+    #[error(transparent)]
+    OverBudget(#[from] OverBudget),
     /// A file operation failed.
     #[error("{what}: {source}")]
     Io {
@@ -163,12 +177,25 @@ pub struct Template {
     files: (FileIdentity, FileIdentity),
 }
 
+/// A loaded template and its share of the memory budget.
+struct Cached {
+    template: Arc<Template>,
+    _memory: Option<Reservation>,
+}
+
 /// The templates directory and a cache of loaded templates.
 pub struct TemplateStore {
     dir: PathBuf,
     kernel: PathBuf,
     rootfs: PathBuf,
-    cache: Mutex<BTreeMap<String, Arc<Template>>>,
+    cache: Mutex<BTreeMap<String, Cached>>,
+    budget: Option<Arc<MemoryBudget>>,
+}
+
+/// Whether `name` is one only the server may write or delete:
+/// [`DEFAULT_TEMPLATE`] and names starting with [`RESERVED_PREFIX`].
+pub fn is_reserved(name: &str) -> bool {
+    name == DEFAULT_TEMPLATE || name.starts_with(RESERVED_PREFIX)
 }
 
 /// Checks a template name: `[a-z0-9][a-z0-9_-]{0,62}`.
@@ -204,7 +231,81 @@ impl TemplateStore {
                 let _ = std::fs::remove_dir_all(e.path());
             }
         }
-        Ok(TemplateStore { dir, kernel, rootfs, cache: Mutex::new(BTreeMap::new()) })
+        Ok(TemplateStore { dir, kernel, rootfs, cache: Mutex::new(BTreeMap::new()), budget: None })
+    }
+
+    /// The store, with every loaded template's memory counted against
+    /// `budget` ([`crate::memory`]).
+    pub fn with_budget(mut self, budget: Arc<MemoryBudget>) -> Self {
+        self.budget = Some(budget);
+        self
+    }
+
+    /// Unloads every loaded template that nothing uses now (no restore is
+    /// being made from it), except `keep`; returns how many went. Their
+    /// memory leaves the budget; sandboxes restored from them keep the
+    /// pages they mapped.
+    pub fn evict_unused(&self, keep: Option<&str>) -> usize {
+        let mut cache = lock(&self.cache);
+        let before = cache.len();
+        cache.retain(|name, c| Some(name.as_str()) == keep || Arc::strong_count(&c.template) > 1);
+        let evicted = before - cache.len();
+        if evicted > 0 {
+            tracing::info!("unloaded {evicted} unused templates to free memory");
+        }
+        evicted
+    }
+
+    /// Names of the loaded templates.
+    pub fn loaded(&self) -> Vec<String> {
+        lock(&self.cache).keys().cloned().collect()
+    }
+
+    /// Checks that one more template (of the server's, `replace`-ing an
+    /// existing one, or not) fits the quotas `max_templates` and
+    /// `max_disk_bytes`.
+    ///
+    /// Errors: [`TemplateError::Quota`].
+    pub fn check_quota(&self, name: &str, max_templates: usize, max_disk_bytes: u64) -> Result<(), TemplateError> {
+        let all = self.list();
+        let count = all.iter().filter(|t| t.name != name).count();
+        if count + 1 > max_templates {
+            return Err(TemplateError::Quota(format!(
+                "{count} templates exist, the limit is {max_templates}; delete one with template_delete"
+            )));
+        }
+        let disk: u64 = all.iter().map(|t| t.disk_bytes).sum();
+        if disk >= max_disk_bytes {
+            return Err(TemplateError::Quota(format!(
+                "templates take {} MiB of disk, the limit is {} MiB; delete one with template_delete",
+                disk >> 20,
+                max_disk_bytes >> 20
+            )));
+        }
+        Ok(())
+    }
+
+    /// Deletes template `name`: its directory goes and it is unloaded;
+    /// sandboxes restored from it keep running on the files they opened.
+    /// Blocking (removes files).
+    ///
+    /// Errors: [`TemplateError::BadName`], [`TemplateError::NotFound`],
+    /// [`TemplateError::Io`].
+    pub fn delete(&self, name: &str) -> Result<(), TemplateError> {
+        check_name(name)?;
+        let dir = self.path(name);
+        if !dir.exists() {
+            return Err(TemplateError::NotFound(name.to_string()));
+        }
+        // Renamed out of the way first, so a concurrent load sees it gone
+        // rather than half-removed.
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let gone = self.dir.join(format!(".{name}.{}-{n}.deleted", std::process::id()));
+        std::fs::rename(&dir, &gone).map_err(io(format!("rename {} to {}", dir.display(), gone.display())))?;
+        lock(&self.cache).remove(name);
+        std::fs::remove_dir_all(&gone).map_err(io(format!("remove {}", gone.display())))?;
+        Ok(())
     }
 
     /// The directory of template `name`.
@@ -305,15 +406,32 @@ impl TemplateStore {
             },
             e => e,
         })?;
-        if let Some(t) = lock(&self.cache).get(name) {
-            if t.files == files {
-                return Ok(t.clone());
+        {
+            let mut cache = lock(&self.cache);
+            match cache.get(name) {
+                Some(c) if c.template.files == files => return Ok(c.template.clone()),
+                // Replaced since: the old one's memory leaves the budget.
+                Some(_) => {
+                    cache.remove(name);
+                }
+                None => {}
             }
         }
         let meta = self.read_meta(name)?;
         if let Some(e) = stale(&meta, &self.images()?) {
             return Err(e);
         }
+        let memory = match &self.budget {
+            None => None,
+            Some(b) => {
+                let parts = [(MemoryUse::Template, meta.memory_mib)];
+                let r = b.reserve("template load", &parts).or_else(|_| {
+                    self.evict_unused(Some(name));
+                    b.reserve("template load", &parts)
+                })?;
+                r.into_iter().next()
+            }
+        };
         // Held in a memfd, the memory is shmem: sandboxes restored from it
         // map that, which userfaultfd can write-protect, so they branch
         // without a copy while paused (see `vmm::branch`).
@@ -321,7 +439,7 @@ impl TemplateStore {
             .and_then(|s| s.into_memory(name))
             .map_err(|source| TemplateError::Snapshot { name: name.to_string(), source })?;
         let t = Arc::new(Template { meta, snapshot, files });
-        lock(&self.cache).insert(name.to_string(), t.clone());
+        lock(&self.cache).insert(name.to_string(), Cached { template: t.clone(), _memory: memory });
         Ok(t)
     }
 

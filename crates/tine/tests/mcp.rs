@@ -108,6 +108,7 @@ async fn mcp_end_to_end() {
         "sandbox_resume",
         "sandbox_snapshot",
         "template_list",
+        "template_delete",
     ] {
         assert!(names.contains(want), "missing tool {want}: {names:?}");
     }
@@ -429,6 +430,13 @@ async fn templates_end_to_end() {
     let list = call(&client, "template_list", json!({})).await.unwrap();
     let names: Vec<&str> = list["templates"].as_array().unwrap().iter().map(|t| t["name"].as_str().unwrap()).collect();
     assert_eq!(names, ["default", "with-state"], "{list}");
+    // The server's template names are not the clients' to write or delete.
+    for name in ["default", "tine-x"] {
+        let e = call(&client, "sandbox_snapshot", json!({"sandbox_id": src, "name": name})).await.unwrap_err();
+        assert!(e.contains("reserved for the server"), "{e}");
+        let e = call(&client, "template_delete", json!({"name": name})).await.unwrap_err();
+        assert!(e.contains("reserved for the server"), "{e}");
+    }
 
     // Three sandboxes from the template, at once.
     let t = Instant::now();

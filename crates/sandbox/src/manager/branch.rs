@@ -15,6 +15,7 @@ use super::control::PAUSE_TIMEOUT;
 use super::sandbox::{Sandbox, Transition};
 use super::{remove_dir, task_failed, unix_ms, Manager, SandboxError, SandboxId, SandboxInfo, SandboxState};
 use crate::lock;
+use crate::memory::MemoryUse;
 
 /// What a branch made and what it cost.
 #[derive(Clone, Debug, Serialize)]
@@ -71,10 +72,24 @@ impl Manager {
             SandboxState::Running | SandboxState::Paused => {}
             state => return Err(SandboxError::BadState { id: source.id.clone(), state, what: "a branch" }),
         }
+        // Admission: the children and the branch point are reserved before
+        // anything is copied (a count out of range is refused below).
+        let mib = source.memory_mib;
+        let mut memory = if (1..=self.config.limits.max_sandboxes).contains(&n) {
+            let mut parts = vec![(MemoryUse::Sandbox, mib); n];
+            parts.push((MemoryUse::BranchPoint, mib));
+            self.admit("branch", &parts)?
+        } else {
+            Vec::new()
+        };
+        let mut point_memory = memory.pop();
         let children = self.reserve_children(&source, n)?;
+        for (child, r) in children.iter().zip(memory) {
+            lock(&child.memory).own = Some(r);
+        }
         let src = source.clone();
         let taken = tokio::task::spawn_blocking(move || {
-            let _control = lock(&src.control);
+            let _control = src.control.blocking_lock();
             let taken = lock(&src.vm).vm.as_ref().map(|vm| vm.branch(PAUSE_TIMEOUT));
             match taken {
                 Some(r) => r.map_err(|source| SandboxError::Branch { id: src.id.clone(), source }),
@@ -91,6 +106,16 @@ impl Manager {
             }
         };
         let image = point.image;
+        // The branch point holds what was copied (zero pages left out), for
+        // as long as a child runs from it.
+        if let Some(r) = point_memory.as_mut() {
+            r.shrink_to(point.bytes_written.div_ceil(1 << 20));
+        }
+        let point_memory = point_memory.map(Arc::new);
+        for child in &children {
+            lock(&child.memory).branch_point = point_memory.clone();
+        }
+        drop(point_memory);
         let mut boots = tokio::task::JoinSet::new();
         for child in &children {
             let (me, child, image) = (self.clone(), child.clone(), image.clone());
@@ -218,8 +243,8 @@ impl Manager {
 
     fn merge_blocking(&self, w: &Arc<Sandbox>, p: &Arc<Sandbox>) -> Result<(), SandboxError> {
         // Ancestor before descendant, as every merge takes them.
-        let _pc = lock(&p.control);
-        let _wc = lock(&w.control);
+        let _pc = p.control.blocking_lock();
+        let _wc = w.control.blocking_lock();
         let (w_state, w_boot_ms) = {
             let st = lock(&w.status);
             (st.state, st.boot_ms)
@@ -230,14 +255,15 @@ impl Manager {
         if p.state() == SandboxState::Starting {
             return Err(SandboxError::Starting(p.id.clone()));
         }
-        // Both must still be the sandboxes of the map (a kill does not take
-        // `control`), and the winner must still have its VM, before the
+        // Both must still be the sandboxes of the map (a kill of either
+        // may have had `control` first), and the winner must still have its VM, before the
         // winner leaves the map and its VM, agent and files move over.
         {
             let mut map = lock(&self.sandboxes);
             for sb in [p, w] {
                 if !map.get(&sb.id).is_some_and(|s| Arc::ptr_eq(s, sb)) {
-                    return Err(SandboxError::NotFound(sb.id.clone()));
+                    drop(map);
+                    return Err(sb.gone());
                 }
             }
             if lock(&w.vm).vm.is_none() {
@@ -264,6 +290,9 @@ impl Manager {
         let watch = vm.exit_watch();
 
         p.stop_vm();
+        // The parent's share went with its VM; the winner's comes along.
+        let held = std::mem::take(&mut *lock(&w.memory));
+        *lock(&p.memory) = held;
         let old_dir = p.dir();
         *lock(&p.dir) = w.dir();
         remove_dir(&old_dir);

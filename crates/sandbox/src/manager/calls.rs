@@ -7,17 +7,19 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tine_agent_client::{AgentClient, ClientError};
+use tine_agent_client::{AgentClient, ClientError, AGENT_PORT};
 use tine_protocol::{Command, DirEntry, Exec, ExecReply, FileData, FileStat, Python, PythonReply, ReadFile, WriteFile};
 
-use super::{Manager, SandboxError, SandboxState};
+use super::{Manager, Sandbox, SandboxError, SandboxState};
 use crate::lock;
 
 /// Extra time a call gets beyond the timeout the agent enforces itself
 /// (the agent's answer has to travel back; guests on slow hosts are slow).
 const CALL_GRACE: Duration = Duration::from_secs(30);
-/// Timeout of short agent calls (files, stat).
-pub(super) const SHORT_CALL: Duration = Duration::from_secs(60);
+/// Timeout of short agent calls (files, stat): the request's write and the
+/// reply share it. Unit tests (over the fake VM) use 3 s to see a stalled
+/// guest's call fail quickly.
+pub(super) const SHORT_CALL: Duration = Duration::from_secs(if cfg!(test) { 3 } else { 60 });
 
 /// A command to run.
 #[derive(Clone, Debug, Default)]
@@ -72,7 +74,10 @@ impl Manager {
         };
         let r = {
             let _busy = sb.mark_busy();
-            call(agent).await
+            match self.usable_agent(&sb, agent).await {
+                Ok(agent) => call(agent).await,
+                Err(e) => Err(e),
+            }
         };
         match r {
             Ok(reply) => Ok(reply),
@@ -82,12 +87,21 @@ impl Manager {
                 id: sb.id.clone(),
                 reason: format!("the agent answered with an unexpected {reply}"),
             }),
+            Err(e @ ClientError::Oversized { .. }) => {
+                tracing::warn!(sandbox = %sb.id, "refused a guest reply: {e}");
+                Err(SandboxError::Connection { id: sb.id.clone(), reason: e.to_string() })
+            }
             Err(e) => {
                 // A dead connection usually means a dead guest: let the
                 // monitor record why before answering.
-                if let Some(w) = sb.exit_watch() {
-                    let _ = tokio::task::spawn_blocking(move || w.wait(Some(Duration::from_secs(2)))).await;
-                }
+                // (Off the async threads: a snapshot holds `vm` for its copy.)
+                let s = sb.clone();
+                let _ = tokio::task::spawn_blocking(move || {
+                    if let Some(w) = s.exit_watch() {
+                        w.wait(Some(Duration::from_secs(2)));
+                    }
+                })
+                .await;
                 let st = lock(&sb.status);
                 match st.state {
                     SandboxState::Running => Err(SandboxError::Connection { id: sb.id.clone(), reason: e.to_string() }),
@@ -99,6 +113,27 @@ impl Manager {
                 }
             }
         }
+    }
+
+    /// `agent`, or when its connection is broken (closed, or abandoned
+    /// after a request write ran out of time) a new connection to the
+    /// same guest, which replaces it in the sandbox.
+    ///
+    /// Errors: the new connection's ([`ClientError::Connect`]).
+    async fn usable_agent(&self, sb: &Sandbox, agent: Arc<AgentClient>) -> Result<Arc<AgentClient>, ClientError> {
+        if !agent.is_broken() {
+            return Ok(agent);
+        }
+        tracing::info!(sandbox = %sb.id, "the agent connection is broken; connecting again");
+        let fresh = Arc::new(AgentClient::connect(&sb.dir().join("vsock.sock"), AGENT_PORT).await?);
+        let mut st = lock(&sb.status);
+        match &st.agent {
+            // Replace it unless the sandbox changed meanwhile (ended, merged).
+            Some(a) if Arc::ptr_eq(a, &agent) => st.agent = Some(fresh.clone()),
+            Some(a) if !a.is_broken() => return Ok(a.clone()),
+            _ => {}
+        }
+        Ok(fresh)
     }
 
     /// Runs a `bash -c` command.

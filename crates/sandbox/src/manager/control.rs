@@ -38,6 +38,26 @@ impl Manager {
         self.templates.list()
     }
 
+    /// Deletes template `name` (see [`crate::templates::TemplateStore::delete`]):
+    /// sandboxes restored from it keep running. The server's own templates
+    /// (`default`, `tine-*`) cannot be deleted here; `tine template build`
+    /// remakes the default.
+    ///
+    /// Errors: [`SandboxError::Template`] ([`TemplateError::Reserved`],
+    /// [`TemplateError::BadName`], [`TemplateError::NotFound`],
+    /// [`TemplateError::Io`]).
+    pub async fn template_delete(self: &Arc<Self>, name: &str) -> Result<(), SandboxError> {
+        crate::templates::check_name(name)?;
+        if crate::templates::is_reserved(name) {
+            return Err(TemplateError::Reserved(name.to_string()).into());
+        }
+        let (me, name) = (self.clone(), name.to_string());
+        tokio::task::spawn_blocking(move || me.templates.delete(&name))
+            .await
+            .map_err(task_failed("template delete task"))??;
+        Ok(())
+    }
+
     /// Template `name`'s listing.
     pub(super) fn template_info(&self, name: &str) -> Result<TemplateInfo, SandboxError> {
         self.templates
@@ -52,11 +72,19 @@ impl Manager {
     /// paused while its memory is copied (about 0.1 s per 40 MiB the guest
     /// has touched here), then goes on.
     ///
+    /// Names reserved for the server ([`crate::templates::is_reserved`]:
+    /// `default`, `tine-*`) are refused; the template quotas
+    /// ([`crate::Limits::max_templates`], [`crate::Limits::max_template_disk_mib`])
+    /// are checked before the copy.
+    ///
     /// Errors: [`SandboxError::NotFound`], [`SandboxError::BadState`],
-    /// [`SandboxError::Template`] (bad or taken name),
+    /// [`SandboxError::Template`] (bad, reserved or taken name, quota),
     /// [`SandboxError::Snapshot`], [`SandboxError::Io`].
     pub async fn snapshot(self: &Arc<Self>, id: &str, name: &str) -> Result<TemplateInfo, SandboxError> {
         crate::templates::check_name(name)?;
+        if crate::templates::is_reserved(name) {
+            return Err(TemplateError::Reserved(name.to_string()).into());
+        }
         let sb = self.get(id)?;
         if sb.state() == SandboxState::Starting {
             return Err(SandboxError::Starting(sb.id.clone()));
@@ -81,11 +109,13 @@ impl Manager {
     }
 
     fn snapshot_blocking(&self, sb: &Sandbox, name: &str, replace: bool) -> Result<(), SandboxError> {
-        let _control = lock(&sb.control);
+        let _control = sb.control.blocking_lock();
         let state = sb.state();
         if !matches!(state, SandboxState::Running | SandboxState::Paused) {
             return Err(SandboxError::BadState { id: sb.id.clone(), state, what: "a snapshot" });
         }
+        let limits = &self.config.limits;
+        self.templates.check_quota(name, limits.max_templates, limits.max_template_disk_mib << 20)?;
         let tmp = self.templates.begin(name, replace)?;
         let (kernel, rootfs) = self.templates.images()?;
         let taken = {
@@ -134,7 +164,7 @@ impl Manager {
 
 /// Pauses `sb` (see [`Manager::pause`]). Blocking.
 fn pause_blocking(sb: &Sandbox) -> Result<SandboxInfo, SandboxError> {
-    let _control = lock(&sb.control);
+    let _control = sb.control.blocking_lock();
     match sb.state() {
         SandboxState::Paused => return Ok(sb.info(None)),
         SandboxState::Running => {}
@@ -159,7 +189,7 @@ fn pause_blocking(sb: &Sandbox) -> Result<SandboxInfo, SandboxError> {
 
 /// Resumes `sb` (see [`Manager::resume`]). Blocking.
 fn resume_blocking(sb: &Sandbox) -> Result<SandboxInfo, SandboxError> {
-    let _control = lock(&sb.control);
+    let _control = sb.control.blocking_lock();
     match sb.state() {
         SandboxState::Running => {}
         SandboxState::Paused => {

@@ -6,9 +6,10 @@ use std::collections::BTreeSet;
 
 use tine_protocol::{Manifest, MAX_FILE_CHUNK};
 
-use super::{Manager, SandboxError};
+use super::{task_failed, Manager, SandboxError};
 use crate::diff::{
-    batches, compare, unified_diff, wants_text, DiffOptions, DiffReport, MANIFEST_CALL, MAX_UNIFIED_FILES,
+    batches, compare, unified_diff, wants_text, DiffOptions, DiffReport, MANIFEST_CALL, MAX_UNIFIED_DIFF_BYTES,
+    MAX_UNIFIED_FILES, MAX_UNIFIED_TOTAL_BYTES,
 };
 
 impl Manager {
@@ -22,7 +23,13 @@ impl Manager {
     /// read just get none).
     ///
     /// Takes up to [`MANIFEST_CALL`] per manifest call (a guest hashes
-    /// every changed file).
+    /// every changed file). The host enforces the limits whatever the
+    /// guests answer: manifests of at most
+    /// [`tine_protocol::MAX_MANIFEST_ENTRIES`] entries per call (larger
+    /// ones are refused), unified diffs of at most [`MAX_UNIFIED_DIFF_BYTES`]
+    /// each and [`MAX_UNIFIED_TOTAL_BYTES`] in all (the rest left out,
+    /// `truncated` set); the comparison and the line diffs run on the
+    /// blocking pool, off the async threads.
     ///
     /// Errors: those of agent calls ([`SandboxError::NotFound`],
     /// [`SandboxError::Starting`], [`SandboxError::NotRunning`],
@@ -43,23 +50,41 @@ impl Manager {
         truncated |= xa.truncated || xb.truncated;
         ma.entries.extend(xa.entries);
         mb.entries.extend(xb.entries);
-        let mut changes = compare(&ma.entries, &mb.entries);
+        let mut changes = tokio::task::spawn_blocking(move || compare(&ma.entries, &mb.entries))
+            .await
+            .map_err(task_failed("diff task"))?;
         truncated |= changes.skipped > 0;
         if opts.unified {
             let max = opts.max_text_bytes.min(MAX_FILE_CHUNK - 1);
             let mut budget = MAX_UNIFIED_FILES;
+            let mut bytes_left = MAX_UNIFIED_TOTAL_BYTES;
             for c in changes.added.iter_mut().chain(&mut changes.removed).chain(&mut changes.modified) {
                 if budget == 0 {
                     break;
                 }
                 if wants_text(c, max) {
+                    if bytes_left == 0 {
+                        truncated = true;
+                        break;
+                    }
                     budget -= 1;
                     let (old, new) = tokio::join!(
                         self.text(a, &c.path, c.a.is_some(), max),
                         self.text(b, &c.path, c.b.is_some(), max)
                     );
                     if let (Some(old), Some(new)) = (old, new) {
-                        c.unified_diff = unified_diff(&c.path, &old, &new);
+                        let path = c.path.clone();
+                        let diff = tokio::task::spawn_blocking(move || unified_diff(&path, &old, &new))
+                            .await
+                            .map_err(task_failed("diff task"))?;
+                        match diff {
+                            Some(d) if d.len() > MAX_UNIFIED_DIFF_BYTES.min(bytes_left) => truncated = true,
+                            Some(d) => {
+                                bytes_left -= d.len();
+                                c.unified_diff = Some(d);
+                            }
+                            None => {}
+                        }
                     }
                 }
             }

@@ -15,6 +15,15 @@ pub enum SandboxError {
     /// No sandbox has this id.
     #[error("no sandbox {0}")]
     NotFound(SandboxId),
+    /// The sandbox went away (killed, or merged into its parent) while
+    /// this operation waited for the one before it.
+    #[error("sandbox {id} no longer exists: {reason}")]
+    Gone {
+        /// The id.
+        id: SandboxId,
+        /// What happened to it ("killed", "merged into sb-1").
+        reason: String,
+    },
     /// The live-sandbox cap is reached.
     #[error("{live} sandboxes are live, the limit is {max}")]
     TooMany {
@@ -90,6 +99,9 @@ pub enum SandboxError {
         /// Why.
         reason: String,
     },
+    /// Guest memory beyond the server's budget ([`crate::memory`]).
+    #[error(transparent)]
+    OverBudget(#[from] crate::memory::OverBudget),
     /// The server is shutting down.
     #[error("the server is shutting down")]
     ShuttingDown,

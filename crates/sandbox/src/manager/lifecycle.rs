@@ -18,6 +18,7 @@ use super::backend::{ExitWatch, VmSource, VmSpec};
 use super::sandbox::{Transition, CONSOLE_TAIL_LINES};
 use super::{remove_dir, task_failed, Manager, Sandbox, SandboxError, SandboxId, SandboxInfo, SandboxState};
 use crate::lock;
+use crate::memory::MemoryUse;
 use crate::templates::{Template, TemplateError, TemplateInfo, DEFAULT_TEMPLATE};
 
 /// Pause between attempts to reach a booting guest's agent.
@@ -143,6 +144,8 @@ impl Manager {
             VmSource::Template(t) => Some(t.meta.name.clone()),
             VmSource::Boot | VmSource::Branch(_) => None,
         };
+        // Admission: its memory is reserved before anything starts.
+        let memory = self.admit("create", &[(MemoryUse::Sandbox, memory_mib)])?.pop();
         let mut labels = Some(spec.labels);
         let sandbox = self
             .reserve(1, |id, dir| {
@@ -150,6 +153,7 @@ impl Manager {
                 Sandbox::new(id, dir, vcpus, memory_mib, labels, template.clone(), idle_timeout)
             })?
             .swap_remove(0);
+        lock(&sandbox.memory).own = memory;
         match self.start(&sandbox, source).await {
             Ok(()) => Ok(sandbox.info(None)),
             Err(e) => {
@@ -312,16 +316,24 @@ impl Manager {
         }
     }
 
-    /// Stops a sandbox's VM, removes its files and forgets it.
+    /// Stops a sandbox's VM, removes its files and forgets it. Waits for a
+    /// pause, resume, snapshot, branch point or merge of it in progress
+    /// (its `control` lock), so those finish first.
     ///
-    /// Errors: [`SandboxError::NotFound`].
+    /// Errors: [`SandboxError::NotFound`], [`SandboxError::Gone`] (killed
+    /// or merged away while this kill waited).
     pub async fn kill(&self, id: &str) -> Result<(), SandboxError> {
-        let sb = {
+        let sb = self.get(id)?;
+        let _control = sb.control.lock().await;
+        {
             let mut map = lock(&self.sandboxes);
-            let sb = map.remove(id).ok_or_else(|| SandboxError::NotFound(id.to_string()))?;
+            if !map.get(id).is_some_and(|s| Arc::ptr_eq(s, &sb)) {
+                drop(map);
+                return Err(sb.gone());
+            }
+            map.remove(id);
             self.dying.fetch_add(1, Ordering::SeqCst);
-            sb
-        };
+        }
         let _dying = Dying(self);
         self.leave_parent(&sb);
         self.teardown(&sb, Some("killed".into())).await;

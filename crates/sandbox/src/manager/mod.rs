@@ -18,6 +18,7 @@ use vmm::{HostProfile, MemoryBacking};
 
 use crate::limits::Limits;
 use crate::lock;
+use crate::memory::{MemoryBudget, MemoryUse, Reservation};
 use crate::templates::TemplateStore;
 
 mod backend;
@@ -88,6 +89,9 @@ pub struct Manager {
     /// once; 32 at a time on 2 host CPUs starved each other for minutes.
     restore_slots: tokio::sync::Semaphore,
     templates: TemplateStore,
+    /// Guest memory of running sandboxes, branch points and loaded
+    /// templates ([`Limits::memory_budget_mib`]).
+    memory: Arc<MemoryBudget>,
     /// Whether the default template is being built.
     default_building: tokio::sync::watch::Sender<bool>,
 }
@@ -137,9 +141,13 @@ impl Manager {
             tracing::info!("removing {} left by an earlier run", e.path().display());
             remove_dir(&e.path());
         }
-        let templates = TemplateStore::new(config.templates_dir.clone(), config.kernel.clone(), config.rootfs.clone())?;
+        let memory = MemoryBudget::new(config.limits.memory_budget_mib());
+        tracing::info!("guest memory budget: {} MiB", memory.budget_mib());
+        let templates = TemplateStore::new(config.templates_dir.clone(), config.kernel.clone(), config.rootfs.clone())?
+            .with_budget(memory.clone());
         Ok(Arc::new(Manager {
             templates,
+            memory,
             backend,
             default_building: tokio::sync::watch::Sender::new(false),
             sandboxes: Mutex::new(BTreeMap::new()),
@@ -156,6 +164,27 @@ impl Manager {
     /// The limits in force.
     pub fn limits(&self) -> &Limits {
         &self.config.limits
+    }
+
+    /// The memory budget's size and use now.
+    pub fn memory_use(&self) -> (u64, crate::memory::BudgetUse) {
+        (self.memory.budget_mib(), self.memory.used())
+    }
+
+    /// Reserves `parts` of the memory budget for `what`, unloading
+    /// templates nothing uses when they do not fit at first.
+    ///
+    /// Errors: [`SandboxError::OverBudget`], naming the budget and its use.
+    fn admit(&self, what: &'static str, parts: &[(MemoryUse, u64)]) -> Result<Vec<Reservation>, SandboxError> {
+        match self.memory.reserve(what, parts) {
+            Ok(r) => Ok(r),
+            Err(e) => {
+                if self.templates.evict_unused(None) == 0 {
+                    return Err(e.into());
+                }
+                Ok(self.memory.reserve(what, parts)?)
+            }
+        }
     }
 
     fn get(&self, id: &str) -> Result<Arc<Sandbox>, SandboxError> {
@@ -262,6 +291,8 @@ impl Manager {
                 let idle: Vec<SandboxId> = lock(&me.sandboxes)
                     .values()
                     .filter(|s| s.state() != SandboxState::Starting && s.busy.load(Ordering::SeqCst) == 0)
+                    // Not while a pause, snapshot, branch or merge runs.
+                    .filter(|s| s.control.try_lock().is_ok())
                     .filter(|s| s.idle() >= s.idle_timeout)
                     .map(|s| s.id.clone())
                     .collect();

@@ -8,13 +8,16 @@
 //! this order, and takes none of them before the manager's map except
 //! `control`:
 //!
-//! 1. `control` (pause, resume, snapshot, branch, merge; held for the VM
-//!    operation, for a branch while its branch point is taken; a merge
-//!    takes the ancestor's before the descendant's),
+//! 1. `control` (kill, pause, resume, snapshot, branch, merge; held for
+//!    the VM operation, for a branch while its branch point is taken; a
+//!    merge takes the ancestor's before the descendant's). A tokio mutex:
+//!    the blocking operations take it on the blocking pool
+//!    (`blocking_lock`), a kill awaits it, so no tokio worker waits for a
+//!    snapshot's copy,
 //! 2. the manager's map of sandboxes,
 //! 3. `status` (state, error, boot time, agent),
 //! 4. `vm` (the VM handle and its monitor thread),
-//! 5. `lineage`, then `dir`.
+//! 5. `lineage`, then `dir`, then `memory`.
 //!
 //! No lock is held across an `.await`; `vm` is not held while joining the
 //! monitor thread (which takes `vm` and `status` itself).
@@ -34,6 +37,7 @@ use tine_agent_client::AgentClient;
 use super::backend::{ExitWatch, VmEnd, VmHandle};
 use super::{unix_ms, SandboxId};
 use crate::lock;
+use crate::memory::Reservation;
 
 /// Guest console lines kept in a boot timeout's error.
 pub(super) const CONSOLE_TAIL_LINES: usize = 25;
@@ -199,6 +203,17 @@ pub(super) struct VmSlot {
     pub monitor: Option<JoinHandle<()>>,
 }
 
+/// The sandbox's shares of the memory budget ([`crate::memory`]), held
+/// while its VM runs: given back when the VM stops (teardown, a VM that
+/// ended by itself) and handed over by a merge.
+#[derive(Default)]
+pub(super) struct MemoryHeld {
+    /// Its guest memory.
+    pub own: Option<Reservation>,
+    /// The branch point it was restored from, shared with its siblings.
+    pub branch_point: Option<Arc<Reservation>>,
+}
+
 /// One sandbox. See the module doc for the lock order.
 pub(super) struct Sandbox {
     pub id: SandboxId,
@@ -209,8 +224,10 @@ pub(super) struct Sandbox {
     pub idle_timeout: Duration,
     pub created: Instant,
     pub created_at_ms: u64,
-    /// Held by pause, resume, snapshot, branch and merge, one at a time.
-    pub control: Mutex<()>,
+    /// Held by kill, pause, resume, snapshot, branch and merge, one at a
+    /// time: the later one finds what the earlier one left (a sandbox
+    /// killed or merged away is gone).
+    pub control: tokio::sync::Mutex<()>,
     pub status: Mutex<Status>,
     pub vm: Mutex<VmSlot>,
     /// Where it came from and what came from it.
@@ -218,6 +235,8 @@ pub(super) struct Sandbox {
     /// The VM's files (vsock socket, console log). A merge gives a sandbox
     /// its winner's VM, and with it the winner's directory.
     pub dir: Mutex<PathBuf>,
+    /// Its shares of the memory budget.
+    pub memory: Mutex<MemoryHeld>,
     /// The last use, in ms after `created`.
     last_used_ms: AtomicU64,
     /// Calls in flight ([`Sandbox::mark_busy`]); the reaper leaves busy
@@ -245,11 +264,12 @@ impl Sandbox {
             idle_timeout,
             created: Instant::now(),
             created_at_ms: unix_ms(),
-            control: Mutex::new(()),
+            control: tokio::sync::Mutex::new(()),
             status: Mutex::new(Status { state: SandboxState::Starting, error: None, boot_ms: None, agent: None }),
             vm: Mutex::new(VmSlot::default()),
             lineage: Mutex::new(Lineage::default()),
             dir: Mutex::new(dir),
+            memory: Mutex::new(MemoryHeld::default()),
             last_used_ms: AtomicU64::new(0),
             busy: AtomicU64::new(0),
         }
@@ -360,6 +380,13 @@ impl Sandbox {
         }
     }
 
+    /// [`SandboxError::Gone`] for a sandbox that left the map: why, from
+    /// its end's reason.
+    pub fn gone(&self) -> super::SandboxError {
+        let reason = lock(&self.status).error.clone().unwrap_or_else(|| "killed".into());
+        super::SandboxError::Gone { id: self.id.clone(), reason }
+    }
+
     /// Marks the sandbox ended (unless it already is) and drops the agent.
     pub fn end(&self, to: SandboxState, error: Option<String>) {
         let _ = self.transition(Transition::End { to, error });
@@ -380,6 +407,7 @@ impl Sandbox {
         if let Some(m) = slot.monitor {
             let _ = m.join();
         }
+        drop(std::mem::take(&mut *lock(&self.memory)));
     }
 
     /// Called by the monitor thread when the VM has stopped on its own.
@@ -387,6 +415,7 @@ impl Sandbox {
         let Some(mut vm) = lock(&self.vm).vm.take() else { return };
         let end = vm.stop();
         drop(vm);
+        drop(std::mem::take(&mut *lock(&self.memory)));
         let (state, error) = match end {
             VmEnd::PowerOff => (SandboxState::Stopped, "the guest powered off".to_string()),
             VmEnd::Reset => (SandboxState::Stopped, "the guest rebooted".to_string()),

@@ -269,3 +269,182 @@ async fn shutdown_kills_everything_and_refuses_new_sandboxes() {
     let e = s.manager.create(SandboxSpec::default()).await.unwrap_err();
     assert!(matches!(e, SandboxError::ShuttingDown), "{e}");
 }
+
+/// The memory budget counts running sandboxes, branch points and loaded
+/// templates; what does not fit fails at once, naming the budget and its
+/// use, and every teardown path gives its share back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_admission_counts_sandboxes_and_branch_points_and_releases_on_every_teardown() {
+    use crate::memory::BudgetUse;
+    // Room for three 512 MiB sandboxes and a 128 MiB branch point.
+    let s = setup(Limits { memory_budget_mib: 1664, ..limits(8) });
+    let used = |s: &Setup| s.manager.memory_use().1;
+    let a = s.manager.create(SandboxSpec::default()).await.unwrap().sandbox_id;
+    let b = s.manager.create(SandboxSpec::default()).await.unwrap().sandbox_id;
+    assert_eq!(used(&s), BudgetUse { sandboxes: (2, 1024), ..BudgetUse::default() });
+
+    // A branch of one child needs 512 MiB and a branch point of up to
+    // 512 MiB: 2048 > 1664, refused before anything is copied.
+    let e = s.manager.branch(&a, 1).await.unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "memory budget 1664 MiB: 2 sandboxes use 1024 MiB, 0 templates 0 MiB, 0 branch points 0 MiB; \
+         this branch needs 1024 MiB"
+    );
+    assert_eq!(s.manager.len(), 2, "no child was reserved");
+    assert_eq!(used(&s).total_mib(), 1024, "nothing was kept of the refused branch");
+
+    // Make room: a create that fails to start gives its share back.
+    s.manager.kill(&b).await.unwrap();
+    s.backend.fail_next_starts(1);
+    assert!(matches!(s.manager.create(SandboxSpec::default()).await, Err(SandboxError::Start(_))));
+    assert_eq!(used(&s), BudgetUse { sandboxes: (1, 512), ..BudgetUse::default() });
+
+    // Now the branch fits; its point keeps what was copied (the fake
+    // copies a quarter: 128 MiB) while the child runs.
+    let child = s.manager.branch(&a, 1).await.unwrap().children[0].sandbox_id.clone();
+    assert_eq!(used(&s), BudgetUse { sandboxes: (2, 1024), branch_points: (1, 128), ..BudgetUse::default() });
+    // 1152 + 512 = 1664 fits exactly; one more does not.
+    let c = s.manager.create(SandboxSpec::default()).await.unwrap().sandbox_id;
+    let e = s.manager.create(SandboxSpec::default()).await.unwrap_err();
+    assert!(matches!(e, SandboxError::OverBudget(_)), "{e}");
+    assert!(e.to_string().contains("3 sandboxes use 1536 MiB"), "{e}");
+    assert!(e.to_string().contains("1 branch points 128 MiB; this create needs 512 MiB"), "{e}");
+
+    // A guest that ends by itself gives its memory back at once.
+    s.backend.crash(&c);
+    let m = s.manager.clone();
+    eventually("the crashed guest's memory to be released", || m.memory_use().1.sandboxes == (2, 1024)).await;
+
+    // A merge: the parent's share goes with its VM, the winner's stays;
+    // the branch point stays while the merged VM (restored from it) runs.
+    s.manager.merge_into(&child, &a).await.unwrap();
+    assert_eq!(used(&s), BudgetUse { sandboxes: (1, 512), branch_points: (1, 128), ..BudgetUse::default() });
+    s.manager.kill(&a).await.unwrap();
+    s.manager.kill(&c).await.unwrap();
+    assert_eq!(used(&s), BudgetUse::default());
+}
+
+/// Clients cannot write or delete the server's templates (`default`,
+/// `tine-*`); the count quota holds; template_delete removes a template.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reserved_template_names_quota_and_delete() {
+    use crate::templates::TemplateError;
+    let s = setup(Limits { max_templates: 2, ..limits(4) });
+    let id = s.manager.create(SandboxSpec::default()).await.unwrap().sandbox_id;
+    for name in ["default", "tine-warm"] {
+        let e = s.manager.snapshot(&id, name).await.unwrap_err();
+        assert!(matches!(e, SandboxError::Template(TemplateError::Reserved(_))), "{e}");
+        assert!(e.to_string().contains("reserved for the server"), "{e}");
+        let e = s.manager.template_delete(name).await.unwrap_err();
+        assert!(matches!(e, SandboxError::Template(TemplateError::Reserved(_))), "{e}");
+    }
+    assert!(s.manager.templates().is_empty(), "nothing was written");
+    s.manager.snapshot(&id, "t1").await.unwrap();
+    s.manager.snapshot(&id, "t2").await.unwrap();
+    let e = s.manager.snapshot(&id, "t3").await.unwrap_err();
+    assert!(matches!(e, SandboxError::Template(TemplateError::Quota(_))), "{e}");
+    assert!(e.to_string().contains("2 templates exist, the limit is 2"), "{e}");
+    s.manager.template_delete("t1").await.unwrap();
+    let e = s.manager.template_delete("t1").await.unwrap_err();
+    assert!(matches!(e, SandboxError::Template(TemplateError::NotFound(_))), "{e}");
+    s.manager.snapshot(&id, "t3").await.unwrap();
+    let names: Vec<String> = s.manager.templates().into_iter().map(|t| t.name).collect();
+    assert_eq!(names, ["t2", "t3"]);
+}
+
+/// A guest that stops reading its vsock connection (the fake agent's
+/// connection thread sleeps in `sleep <secs>`): a call whose request
+/// cannot be written fails with a clear timeout instead of wedging, the
+/// next call works on a new connection, and the reaper still takes the
+/// sandbox once it is idle.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guest_that_stops_reading_fails_one_call_and_the_next_call_and_the_reaper_still_work() {
+    let s = setup(limits(4));
+    let short = SandboxSpec { idle_timeout_secs: Some(2), ..SandboxSpec::default() };
+    let id = s.manager.create(short).await.unwrap().sandbox_id;
+    // The guest's connection thread stops reading (the caller gives up).
+    let stall = s.manager.exec(&id, super::ExecRequest { command: "sleep 3600".into(), ..Default::default() });
+    assert!(tokio::time::timeout(Duration::from_millis(200), stall).await.is_err());
+    // 8 MiB cannot be written to a guest that does not read.
+    let e = s.manager.write_file(&id, "/big".into(), vec![0; 8 << 20], None, false).await.unwrap_err();
+    assert!(matches!(e, SandboxError::Timeout { .. }), "{e}");
+    assert!(e.to_string().contains("did not answer within 3 s"), "{e}");
+    // The next call connects again and works.
+    s.manager.write_file(&id, "/small".into(), b"ok".to_vec(), None, false).await.expect("the next call");
+    assert_eq!(s.manager.read_file(&id, "/small".into(), 0, None).await.unwrap().data, b"ok");
+    // Nothing is left busy: the reaper takes it once idle.
+    let _reaper = s.manager.spawn_reaper(Duration::from_millis(50));
+    let m = s.manager.clone();
+    eventually("the stalled sandbox to be reaped", || !m.contains(&id)).await;
+    assert_eq!(s.manager.memory_use().1.total_mib(), 0);
+}
+
+/// `kill` and `merge_into` on the same sandboxes are serialized: whichever
+/// runs first, the other finds what it left, and no VM or directory is
+/// lost or leaked. Run many times, both orders occur.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn kill_racing_merge_never_loses_the_winner() {
+    let (mut merged_first, mut killed_first) = (0, 0);
+    for round in 0..30 {
+        let s = setup(limits(4));
+        let parent = s.manager.create(SandboxSpec::default()).await.unwrap().sandbox_id;
+        let winner = s.manager.branch(&parent, 1).await.unwrap().children[0].sandbox_id.clone();
+        s.manager.write_file(&winner, "/won".into(), b"yes".to_vec(), None, false).await.unwrap();
+        let (m1, m2) = (s.manager.clone(), s.manager.clone());
+        let (p1, w1, p2) = (parent.clone(), winner.clone(), parent.clone());
+        let merge = tokio::spawn(async move { m1.merge_into(&w1, &p1).await });
+        let kill = tokio::spawn(async move { m2.kill(&p2).await });
+        let (merge, kill) = (merge.await.unwrap(), kill.await.unwrap());
+        match merge {
+            // The merge went first; the kill then killed the merged parent
+            // (or found it being killed by nobody else: it must succeed).
+            Ok(_) => {
+                merged_first += 1;
+                kill.expect("the kill after the merge");
+                assert!(s.manager.is_empty(), "round {round}");
+            }
+            // The kill went first: the merge says the parent is gone, and
+            // the winner is untouched.
+            Err(e) => {
+                killed_first += 1;
+                kill.expect("the kill");
+                // Gone while it waited, or gone before it looked.
+                let said = e.to_string();
+                let ok = [format!("sandbox {parent} no longer exists: killed"), format!("no sandbox {parent}")];
+                assert!(ok.contains(&said), "{said}");
+                assert_eq!(s.manager.read_file(&winner, "/won".into(), 0, None).await.unwrap().data, b"yes");
+                s.manager.kill(&winner).await.unwrap();
+            }
+        }
+        assert_eq!(s.backend.live_vms(), 0, "round {round}: a VM outlived its sandbox");
+        assert!(run_entries(&s).is_empty(), "round {round}");
+        assert_eq!(s.manager.memory_use().1.total_mib(), 0, "round {round}");
+    }
+    eprintln!("merge first {merged_first} times, kill first {killed_first} times");
+}
+
+/// A kill waits for a snapshot of the same sandbox in progress (its
+/// `control` lock) instead of tearing the VM down under it; a snapshot
+/// that waited behind a kill finds the sandbox gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_waits_for_the_sandboxs_control_operations() {
+    let s = setup(limits(4));
+    let id = s.manager.create(SandboxSpec::default()).await.unwrap().sandbox_id;
+    let sb = s.manager.get(&id).unwrap();
+    // As a snapshot or branch in progress would.
+    let held = sb.control.lock().await;
+    let m = s.manager.clone();
+    let id2 = id.clone();
+    let kill = tokio::spawn(async move { m.kill(&id2).await });
+    // The kill cannot finish while control is held; info still answers.
+    tokio::task::yield_now().await;
+    assert!(!kill.is_finished());
+    assert!(s.manager.contains(&id));
+    assert_eq!(s.manager.info(&id).await.unwrap().state, SandboxState::Running);
+    drop(held);
+    kill.await.unwrap().unwrap();
+    assert!(!s.manager.contains(&id));
+    let e = s.manager.kill(&id).await.unwrap_err();
+    assert!(matches!(e, SandboxError::NotFound(_)), "{e}");
+}

@@ -78,6 +78,10 @@ pub fn sandbox_hint(e: &SandboxError) -> Option<String> {
         SandboxError::NotDescendant { .. } => {
             "; merge a sandbox into the one it was branched from, or an ancestor of it"
         }
+        SandboxError::Gone { .. } => "; call sandbox_list to see the live ones",
+        SandboxError::OverBudget(_) => {
+            "; kill sandboxes you no longer need (sandbox_kill), ask for less memory_mib, or try again later"
+        }
         SandboxError::Template(t) => return template_hint(t),
         _ => return None,
     };
@@ -93,6 +97,10 @@ pub fn template_hint(e: &TemplateError) -> Option<String> {
             "; make it again (sandbox_snapshot, or `tine template build` for the default)".into()
         }
         TemplateError::Meta { .. } => "; delete that directory and make it again".into(),
+        TemplateError::Reserved(_) => {
+            "; choose a name that is not \"default\" and does not start with \"tine-\"".into()
+        }
+        TemplateError::OverBudget(_) => "; kill sandboxes you no longer need (sandbox_kill), or try again later".into(),
         _ => return None,
     })
 }
@@ -157,6 +165,26 @@ mod tests {
                 }),
                 "template \"py\" is damaged (/data/templates/py): missing template.json; delete that directory and make it \
                  again",
+            ),
+            (
+                template(TemplateError::Reserved("default".into())),
+                "template name \"default\" is reserved for the server (\"default\" and names starting with \"tine-\"); \
+                 choose a name that is not \"default\" and does not start with \"tine-\"",
+            ),
+            (
+                SandboxError::OverBudget(tine_sandbox::OverBudget {
+                    budget_mib: 1024,
+                    used: tine_sandbox::BudgetUse { sandboxes: (2, 1024), ..Default::default() },
+                    what: "create",
+                    needed_mib: 512,
+                }),
+                "memory budget 1024 MiB: 2 sandboxes use 1024 MiB, 0 templates 0 MiB, 0 branch points 0 MiB; this \
+                 create needs 512 MiB; kill sandboxes you no longer need (sandbox_kill), ask for less memory_mib, or \
+                 try again later",
+            ),
+            (
+                SandboxError::Gone { id: "sb-2".into(), reason: "merged into sb-1".into() },
+                "sandbox sb-2 no longer exists: merged into sb-1; call sandbox_list to see the live ones",
             ),
             // Nothing to add: the message says it all.
             (SandboxError::Limits(LimitsError::Vcpus { got: 99, max: 8 }), "vcpus must be 1..=8, got 99"),

@@ -29,10 +29,12 @@ use tine_sandbox::{
 };
 
 use errors::ToolError;
+use params::TemplateDeleteParams;
 use params::{
     secs_to_ms, BranchParams, CreateParams, DiffParams, ExecParams, ListDirParams, ListParams, MergeParams,
     PythonParams, ReadParams, SandboxParams, SnapshotParams, UploadParams, WriteParams,
 };
+use results::TemplateDeleteResult;
 use results::{
     DownloadResult, Entry, ExecResult, KillResult, ListDirResult, ListResult, PythonResult, ReadResult,
     TemplateListResult, WriteResult,
@@ -92,6 +94,25 @@ impl TineMcp {
     )]
     async fn template_list(&self) -> Result<Json<TemplateListResult>, ToolError> {
         Ok(Json(TemplateListResult { templates: self.manager.templates() }))
+    }
+
+    #[tool(
+        description = "Delete a template made with sandbox_snapshot. Sandboxes made from it keep running. \
+                       'default' and names starting with 'tine-' are the server's and cannot be deleted.",
+        annotations(
+            title = "Delete template",
+            read_only_hint = false,
+            destructive_hint = true,
+            idempotent_hint = false,
+            open_world_hint = false
+        )
+    )]
+    async fn template_delete(
+        &self,
+        Parameters(p): Parameters<TemplateDeleteParams>,
+    ) -> Result<Json<TemplateDeleteResult>, ToolError> {
+        self.manager.template_delete(&p.name).await.map_err(ToolError::from)?;
+        Ok(Json(TemplateDeleteResult { name: p.name, deleted: true }))
     }
 
     #[tool(

@@ -197,3 +197,10 @@ mod tests {
         assert!(secs_to_ms(Some(u32::MAX)).is_err());
     }
 }
+
+/// `template_delete`.
+#[derive(Debug, Deserialize, JsonSchema)]
+pub struct TemplateDeleteParams {
+    /// The template to delete (not `default` or `tine-*`: the server's own).
+    pub name: String,
+}

@@ -209,3 +209,12 @@ impl From<DirEntry> for Entry {
         }
     }
 }
+
+/// `template_delete`'s result.
+#[derive(Debug, Serialize, JsonSchema)]
+pub struct TemplateDeleteResult {
+    /// The template that is gone.
+    pub name: String,
+    /// Always true.
+    pub deleted: bool,
+}

@@ -1,0 +1,60 @@
+//! Memory admission against the real server: `tine server start` with a
+//! small guest-memory budget, a real microVM, a real MCP client. Creates
+//! and branches beyond the budget fail at once with an error that names
+//! the budget and what uses it; the server and the running sandbox go on;
+//! a kill gives the memory back.
+
+use std::path::Path;
+use std::time::Instant;
+
+use serde_json::json;
+use testkit::mcp::{call, TineServer};
+
+const TOKEN: &str = "budget-test-token-0123456789abcdef0123456789abcdef";
+/// Room for one 512 MiB sandbox, not two; no default template (its build
+/// would be a second guest): sandboxes boot.
+const CONFIG: &str =
+    "[limits]\nboot_timeout_secs = 1200\nmemory_budget_mib = 768\n[templates]\nbuild_default = false\n";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn creates_beyond_the_memory_budget_fail_at_once_and_the_server_stays_up() {
+    if !testkit::kvm_available("creates_beyond_the_memory_budget_fail_at_once_and_the_server_stays_up") {
+        return;
+    }
+    let server = TineServer::start(Path::new(env!("CARGO_BIN_EXE_tine")), Some(TOKEN), CONFIG);
+    let client = server.client().await;
+    let t = Instant::now();
+    let a = call(&client, "sandbox_create", json!({})).await.expect("the first create fits");
+    let a = a["sandbox_id"].as_str().unwrap().to_string();
+    eprintln!("first create (a cold boot): {:.1} s", t.elapsed().as_secs_f64());
+
+    let t = Instant::now();
+    let e = call(&client, "sandbox_create", json!({})).await.unwrap_err();
+    let refused_in = t.elapsed();
+    eprintln!("over-budget create refused in {refused_in:?}: {e}");
+    assert!(
+        e.contains(
+            "memory budget 768 MiB: 1 sandboxes use 512 MiB, 0 templates 0 MiB, 0 branch points 0 MiB; \
+             this create needs 512 MiB"
+        ),
+        "{e}"
+    );
+    assert!(e.contains("sandbox_kill"), "the error says what to do: {e}");
+    let e = call(&client, "sandbox_branch", json!({"sandbox_id": a, "n": 1})).await.unwrap_err();
+    assert!(e.contains("memory budget 768 MiB") && e.contains("this branch needs 1024 MiB"), "{e}");
+
+    // The server and the sandbox go on; nothing was left half-made.
+    let health = reqwest::get(format!("{}/healthz", server.base)).await.unwrap();
+    assert_eq!(health.status(), 200);
+    let list = call(&client, "sandbox_list", json!({})).await.unwrap();
+    assert_eq!(list["sandboxes"].as_array().unwrap().len(), 1, "{list}");
+    let r = call(&client, "sandbox_exec", json!({"sandbox_id": a, "command": "echo still here"})).await.unwrap();
+    assert!(r.to_string().contains("still here"), "{r}");
+    let entries = std::fs::read_dir(server.data_dir.join("sandboxes")).unwrap().count();
+    assert_eq!(entries, 1, "only the running sandbox has files");
+
+    // A kill gives its 512 MiB back: the budget's use is now empty.
+    call(&client, "sandbox_kill", json!({"sandbox_id": a})).await.unwrap();
+    let e = call(&client, "sandbox_create", json!({"memory_mib": 1024})).await.unwrap_err();
+    assert!(e.contains("memory budget 768 MiB: 0 sandboxes use 0 MiB") && e.contains("needs 1024 MiB"), "{e}");
+}
