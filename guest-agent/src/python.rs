@@ -237,14 +237,20 @@ fn discard(slot: &mut Option<Interpreter>) {
 /// start or answer.
 pub fn warm_up() -> Result<Option<u64>, AgentError> {
     let mut guard = INTERPRETER.lock().unwrap_or_else(|p| p.into_inner());
-    let (interp, started_ms) = ensure(&mut guard)?;
-    match exchange(interp, "{\"warm\": true}\n", Some(START_TIMEOUT)) {
-        Ok(Some(line)) if serde_json::from_str::<serde_json::Value>(&line).is_ok_and(|v| v["warm"] == true) => {
-            Ok(started_ms)
-        }
-        other => {
-            discard(&mut guard);
-            Err(AgentError::Io { message: format!("the Python warm-up failed: {other:?}") })
+    // Twice at most: an interpreter that was exiting (killed) when it was
+    // looked at is replaced once.
+    loop {
+        let (interp, started_ms) = ensure(&mut guard)?;
+        match exchange(interp, "{\"warm\": true}\n", Some(START_TIMEOUT)) {
+            Ok(Some(line)) if serde_json::from_str::<serde_json::Value>(&line).is_ok_and(|v| v["warm"] == true) => {
+                return Ok(started_ms)
+            }
+            other => {
+                discard(&mut guard);
+                if started_ms.is_some() {
+                    return Err(AgentError::Io { message: format!("the Python warm-up failed: {other:?}") });
+                }
+            }
         }
     }
 }
