@@ -81,6 +81,34 @@ async fn restored_sandboxes_have_a_warm_python_with_an_empty_namespace() {
     assert!(!r.timed_out && r.exception.is_none(), "{:?}", r.exception);
     assert_eq!(r.value.as_deref(), Some("45"));
 
+    // A cell whose SIGINT stays pending past the grace period (the
+    // interpreter is stopped, as a guest starved of CPU would be) is not
+    // killed: once it runs again it gets its KeyboardInterrupt and keeps
+    // its state.
+    manager.python(&b.sandbox_id, "z = 7".into(), 0).await.expect("set z");
+    let stopped = manager.python(
+        &b.sandbox_id,
+        "import os, signal, time\nos.kill(os.getpid(), signal.SIGSTOP)\ntime.sleep(600)".into(),
+        1_000,
+    );
+    let resume = manager.exec(
+        &b.sandbox_id,
+        ExecRequest {
+            command: "for i in $(seq 600); do ps -o stat= -C python3 | grep -q T && break; sleep 0.1; done; \
+                      sleep 8; kill -CONT $(pgrep -x python3)"
+                .into(),
+            timeout_ms: 120_000,
+            ..ExecRequest::default()
+        },
+    );
+    let (r, resumed) = tokio::join!(stopped, resume);
+    resumed.expect("resume python3");
+    let r = r.expect("the stopped cell");
+    assert!(r.timed_out);
+    assert_eq!(r.exception.map(|e| e.name).as_deref(), Some("KeyboardInterrupt"));
+    let r = manager.python(&b.sandbox_id, "z".into(), 0).await.expect("z");
+    assert_eq!(r.value.as_deref(), Some("7"), "the interpreter was killed while its SIGINT was pending");
+
     for s in [id, b.sandbox_id] {
         manager.kill(&s).await.unwrap();
     }
