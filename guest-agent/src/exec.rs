@@ -6,7 +6,7 @@ use std::io::{Read, Write};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::Path;
 use std::process::{Command as Process, Stdio};
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tine_protocol::{effective_limits, AgentError, Command, Exec, ExecReply, ExitStatus, Output};
@@ -20,14 +20,19 @@ fn shell() -> &'static str {
     }
 }
 
-/// Reads `r` to EOF, keeping the first `limit` bytes.
-fn capture<R: Read>(mut r: R, limit: usize) -> Output {
-    let mut out = Output::default();
+/// After a timeout's kill, how long the output streams may take to close
+/// (a process that left the group, e.g. with setsid, may hold them open).
+const DRAIN_AFTER_KILL: Duration = Duration::from_secs(1);
+
+/// Reads `r` to EOF into `out`, keeping the first `limit` bytes and
+/// counting all of them (`total_bytes`).
+fn capture<R: Read>(mut r: R, limit: usize, out: &Mutex<Output>) {
     let mut buf = [0u8; 16 * 1024];
     loop {
         match r.read(&mut buf) {
             Ok(0) => break,
             Ok(n) => {
+                let mut out = out.lock().unwrap_or_else(|p| p.into_inner());
                 let keep = n.min(limit.saturating_sub(out.data.len()));
                 out.data.extend_from_slice(&buf[..keep]);
                 out.truncated |= keep < n;
@@ -37,7 +42,6 @@ fn capture<R: Read>(mut r: R, limit: usize) -> Output {
             Err(_) => break,
         }
     }
-    out
 }
 
 fn kill_group(pgid: u32) {
@@ -79,15 +83,17 @@ pub fn run(req: Exec) -> Result<ExecReply, AgentError> {
         })?;
     let pgid = child.id();
 
-    let (tx, rx) = mpsc::channel::<(u8, Output)>();
-    for (which, stream) in [
-        (1u8, child.stdout.take().map(|s| Box::new(s) as Box<dyn Read + Send>)),
-        (2, child.stderr.take().map(|s| Box::new(s) as Box<dyn Read + Send>)),
+    let (tx, rx) = mpsc::channel::<()>();
+    let outputs = [Arc::new(Mutex::new(Output::default())), Arc::new(Mutex::new(Output::default()))];
+    for (out, stream) in [
+        (outputs[0].clone(), child.stdout.take().map(|s| Box::new(s) as Box<dyn Read + Send>)),
+        (outputs[1].clone(), child.stderr.take().map(|s| Box::new(s) as Box<dyn Read + Send>)),
     ] {
         if let Some(s) = stream {
             let tx = tx.clone();
             std::thread::spawn(move || {
-                let _ = tx.send((which, capture(s, limit)));
+                capture(s, limit, &out);
+                let _ = tx.send(());
             });
         }
     }
@@ -116,24 +122,24 @@ pub fn run(req: Exec) -> Result<ExecReply, AgentError> {
             wrx.recv().unwrap_or_else(|_| Err(std::io::Error::other("wait thread died")))
         }
     };
-    let mut stdout = Output::default();
-    let mut stderr = Output::default();
-    for _ in 0..2 {
-        let got = match rx.recv_timeout(remaining(deadline)) {
-            Ok(v) => Some(v),
-            Err(mpsc::RecvTimeoutError::Timeout) => {
+    // Wait for both streams to close: until the deadline, and after a
+    // timeout's kill at most DRAIN_AFTER_KILL more; then take what they
+    // produced (a process that left the group may hold them open).
+    let mut closed = 0;
+    let mut until = if timed_out { Instant::now() + DRAIN_AFTER_KILL } else { deadline };
+    while closed < 2 {
+        match rx.recv_timeout(remaining(until)) {
+            Ok(()) => closed += 1,
+            Err(mpsc::RecvTimeoutError::Timeout) if !timed_out => {
                 timed_out = true;
                 kill_group(pgid);
-                rx.recv().ok()
+                until = Instant::now() + DRAIN_AFTER_KILL;
             }
-            Err(mpsc::RecvTimeoutError::Disconnected) => None,
-        };
-        match got {
-            Some((1, o)) => stdout = o,
-            Some((_, o)) => stderr = o,
-            None => break,
+            Err(_) => break,
         }
     }
+    let take = |o: &Arc<Mutex<Output>>| std::mem::take(&mut *o.lock().unwrap_or_else(|p| p.into_inner()));
+    let (stdout, stderr) = (take(&outputs[0]), take(&outputs[1]));
     let status = match (timed_out, status) {
         (true, _) => ExitStatus::TimedOut,
         (false, Ok(s)) => match (s.code(), s.signal()) {
@@ -144,4 +150,44 @@ pub fn run(req: Exec) -> Result<ExecReply, AgentError> {
         (false, Err(e)) => return Err(AgentError::Io { message: format!("waiting for {}: {e}", argv[0]) }),
     };
     Ok(ExecReply { status, stdout, stderr, duration_ms: started.elapsed().as_millis() as u64 })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shell(script: &str, timeout_ms: u32, output_limit: u32) -> Exec {
+        Exec {
+            command: Command::Shell(script.into()),
+            cwd: None,
+            env: Vec::new(),
+            stdin: Vec::new(),
+            timeout_ms,
+            output_limit,
+        }
+    }
+
+    /// A process that left the command's group (setsid) and holds stdout
+    /// open does not keep the call from answering at its timeout, and the
+    /// output written before is kept.
+    #[test]
+    fn a_timeout_answers_while_an_escaped_process_holds_stdout() {
+        let r = run(shell("echo before; setsid sleep 60 & echo $!; sleep 60", 1000, 0)).unwrap();
+        let out = String::from_utf8_lossy(&r.stdout.data).into_owned();
+        // The escaped sleep, by its pid.
+        if let Some(pid) = out.lines().nth(1).and_then(|p| p.parse::<i32>().ok()) {
+            // SAFETY: kill(2) of the process this test started.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+        assert_eq!(r.status, ExitStatus::TimedOut);
+        assert!(out.starts_with("before\n"), "{out}");
+    }
+
+    /// The per-stream totals count every byte, past the cap too.
+    #[test]
+    fn totals_count_past_the_cap() {
+        let r = run(shell("head -c 100000 /dev/zero; head -c 7 /dev/zero >&2", 0, 1000)).unwrap();
+        assert_eq!((r.stdout.data.len(), r.stdout.truncated, r.stdout.total_bytes), (1000, true, 100_000));
+        assert_eq!((r.stderr.data.len(), r.stderr.truncated, r.stderr.total_bytes), (7, false, 7));
+    }
 }

@@ -42,6 +42,7 @@ fn handle(op: Op, started: Instant) -> Result<Reply, AgentError> {
         Op::Info => Ok(Reply::Info(sys::info(started))),
         Op::Reseed(r) => sys::reseed(&r).map(|()| Reply::Done),
         Op::Manifest { paths } => manifest::handle(paths).map(Reply::Manifest),
+        Op::PythonWarmUp => python::warm_up().map(|interpreter_start_ms| Reply::PythonWarm { interpreter_start_ms }),
     }
 }
 

@@ -1,22 +1,43 @@
 //! The sandbox's persistent Python interpreter: one `python3` process
 //! running `repl.py`, fed one cell at a time (JSON lines). Variables,
-//! imports and open files live in it between calls. At a cell's timeout
-//! the agent sends SIGINT (the cell gets KeyboardInterrupt and the state
-//! is kept); a cell that does not stop within [`KILL_GRACE`] after that
-//! is killed with the interpreter, which restarts empty on the next call.
+//! imports and open files live in it between calls.
+//!
+//! The interpreter starts on the first call, or before a template's
+//! snapshot ([`warm_up`]: a sandbox restored from it has a ready one). Its
+//! start has its own deadline ([`START_TIMEOUT`]); a cell's timeout starts
+//! once it is ready. At a cell's timeout the agent sends SIGINT (the cell
+//! gets KeyboardInterrupt and the state is kept); a cell that does not stop
+//! within [`KILL_GRACE`] after that is killed with the interpreter, which
+//! restarts empty on the next call, unless the SIGINT is still pending
+//! then: the interpreter has not run at all since (host load), so the
+//! agent waits for it to run, up to [`PENDING_SIGINT_MAX`] more, and gives
+//! it a new grace once the signal is delivered.
+//!
+//! A restored sandbox's interpreter carries the template's state: its
+//! hash randomization secret is the template's (the RNG modules a cell
+//! imports are seeded after the restore's reseed).
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::process::CommandExt;
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::sync::mpsc;
 use std::sync::Mutex;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde::Deserialize;
-use tine_protocol::{effective_limits, AgentError, Output, Python, PythonException, PythonReply, PYTHON_KILL_GRACE_MS};
+use tine_protocol::{
+    effective_limits, AgentError, Output, Python, PythonException, PythonReply, PYTHON_KILL_GRACE_MS,
+    PYTHON_PENDING_SIGINT_MAX_MS, PYTHON_START_TIMEOUT_MS, PYTHON_VALUE_LIMIT,
+};
 
 /// How long a cell has to stop after SIGINT before the interpreter is killed.
 pub const KILL_GRACE: Duration = Duration::from_millis(PYTHON_KILL_GRACE_MS as u64);
+/// The longest extra wait while a cell's SIGINT is still pending.
+pub const PENDING_SIGINT_MAX: Duration = Duration::from_millis(PYTHON_PENDING_SIGINT_MAX_MS as u64);
+/// Deadline of the interpreter's start (until `repl.py` says it is ready).
+pub const START_TIMEOUT: Duration = Duration::from_millis(PYTHON_START_TIMEOUT_MS as u64);
+/// How often a pending SIGINT is looked at.
+const PENDING_POLL: Duration = Duration::from_millis(250);
 const REPL: &str = include_str!("repl.py");
 
 struct Interpreter {
@@ -44,6 +65,10 @@ struct WireException {
 #[derive(Deserialize)]
 struct WireReply {
     value: Option<String>,
+    #[serde(default)]
+    value_bytes: u64,
+    #[serde(default)]
+    value_truncated: bool,
     stdout: WireOutput,
     stderr: WireOutput,
     exception: Option<WireException>,
@@ -56,10 +81,10 @@ impl From<WireOutput> for Output {
     }
 }
 
-fn start() -> Result<Interpreter, AgentError> {
+fn spawn() -> Result<Child, AgentError> {
     // Minimal images may have no /root: run from / there.
     let cwd = if std::path::Path::new("/root").is_dir() { "/root" } else { "/" };
-    let mut child = Command::new("python3")
+    Command::new("python3")
         .args(["-u", "-c", REPL])
         .current_dir(cwd)
         .env("PYTHONIOENCODING", "utf-8")
@@ -73,11 +98,38 @@ fn start() -> Result<Interpreter, AgentError> {
                 AgentError::Unsupported { reason: "python3 is not installed in this sandbox's image".into() }
             }
             _ => AgentError::Io { message: format!("cannot start python3: {e}") },
-        })?;
+        })
+}
+
+/// Starts the interpreter and waits (at most [`START_TIMEOUT`]) until
+/// `repl.py` says it is ready.
+fn start() -> Result<Interpreter, AgentError> {
+    let mut child = spawn()?;
     let stdin = child.stdin.take().ok_or_else(|| AgentError::Io { message: "python3 has no stdin".into() })?;
     let stdout =
         BufReader::new(child.stdout.take().ok_or_else(|| AgentError::Io { message: "python3 has no stdout".into() })?);
-    Ok(Interpreter { child, stdin, stdout })
+    let mut interp = Interpreter { child, stdin, stdout };
+    let pid = interp.child.id();
+    let (done_tx, done_rx) = mpsc::channel::<()>();
+    let watchdog = std::thread::spawn(move || {
+        if done_rx.recv_timeout(START_TIMEOUT).is_err() {
+            signal(pid, libc::SIGKILL);
+        }
+    });
+    let mut line = String::new();
+    let read = interp.stdout.read_line(&mut line);
+    let _ = done_tx.send(());
+    let _ = watchdog.join();
+    let ready = matches!(read, Ok(n) if n > 0)
+        && serde_json::from_str::<serde_json::Value>(&line).is_ok_and(|v| v["ready"] == true);
+    if !ready {
+        let _ = interp.child.kill();
+        let _ = interp.child.wait();
+        return Err(AgentError::Io {
+            message: format!("python3 did not start within {} s (or exited at start)", START_TIMEOUT.as_secs()),
+        });
+    }
+    Ok(interp)
 }
 
 fn signal(pid: u32, sig: i32) {
@@ -87,34 +139,75 @@ fn signal(pid: u32, sig: i32) {
     }
 }
 
-/// Runs one cell.
-///
-/// Errors: `InvalidRequest` for limits out of range; `Unsupported` without
-/// python3; `Io` if the interpreter cannot be reached.
-pub fn run(req: Python) -> Result<PythonReply, AgentError> {
-    let (timeout_ms, limit) = effective_limits(req.timeout_ms, req.output_limit)?;
-    let mut guard = INTERPRETER.lock().unwrap_or_else(|p| p.into_inner());
-    let interp = match &mut *guard {
-        Some(interp) => interp,
-        slot @ None => slot.insert(start()?),
-    };
-    let line = serde_json::json!({ "code": req.code, "limit": limit }).to_string() + "\n";
-    if let Err(e) = interp.stdin.write_all(line.as_bytes()).and_then(|()| interp.stdin.flush()) {
-        let _ = interp.child.kill();
-        *guard = None;
-        return Err(AgentError::Io {
-            message: format!("the Python interpreter is gone ({e}); the next call starts a new one"),
-        });
-    }
+/// Whether `sig` is pending for process `pid` (process-wide or for its
+/// main thread: `ShdPnd`/`SigPnd` in /proc/<pid>/status, see proc(5)): it
+/// was sent but the process has not run since to take it.
+fn signal_pending(pid: u32, sig: i32) -> bool {
+    let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else { return false };
+    let bit = 1u64 << (sig - 1);
+    status.lines().any(|l| {
+        let mask = l.strip_prefix("SigPnd:").or_else(|| l.strip_prefix("ShdPnd:"));
+        mask.and_then(|m| u64::from_str_radix(m.trim(), 16).ok()).is_some_and(|m| m & bit != 0)
+    })
+}
 
-    // The watchdog: SIGINT at the timeout, SIGKILL after the grace period.
+/// The interpreter in `slot`, started if there is none (or it has
+/// exited), and how long a start took (ms).
+fn ensure(slot: &mut Option<Interpreter>) -> Result<(&mut Interpreter, Option<u64>), AgentError> {
+    if let Some(interp) = slot {
+        if !matches!(interp.child.try_wait(), Ok(None)) {
+            // It exited while idle (killed by the OOM killer, ...): start anew.
+            let _ = interp.child.wait();
+            *slot = None;
+        }
+    }
+    match slot {
+        Some(interp) => Ok((interp, None)),
+        None => {
+            let t = Instant::now();
+            let interp = slot.insert(start()?);
+            Ok((interp, Some(t.elapsed().as_millis() as u64)))
+        }
+    }
+}
+
+/// Sends one request line and reads the reply line. With `timeout`, the
+/// watchdog sends SIGINT at it and kills the interpreter [`KILL_GRACE`]
+/// later, unless the SIGINT is still pending (see the module doc).
+fn exchange(interp: &mut Interpreter, line: &str, timeout: Option<Duration>) -> Result<Option<String>, std::io::Error> {
+    interp.stdin.write_all(line.as_bytes()).and_then(|()| interp.stdin.flush())?;
     let pid = interp.child.id();
     let (done_tx, done_rx) = mpsc::channel::<()>();
     let watchdog = std::thread::spawn(move || {
-        if done_rx.recv_timeout(Duration::from_millis(u64::from(timeout_ms))).is_err() {
-            signal(pid, libc::SIGINT);
-            if done_rx.recv_timeout(KILL_GRACE).is_err() {
+        let Some(timeout) = timeout else { return };
+        if done_rx.recv_timeout(timeout).is_ok() {
+            return;
+        }
+        signal(pid, libc::SIGINT);
+        let sent = Instant::now();
+        let mut kill_at = sent + KILL_GRACE;
+        let mut was_pending = false;
+        loop {
+            match done_rx.recv_timeout(kill_at.saturating_duration_since(Instant::now())) {
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+                _ => return,
+            }
+            let now = Instant::now();
+            if signal_pending(pid, libc::SIGINT) && now < sent + KILL_GRACE + PENDING_SIGINT_MAX {
+                // The interpreter has not run since the SIGINT: load, not
+                // a stuck cell. Wait for it.
+                if !was_pending {
+                    eprintln!("tine-agent: python SIGINT still pending after the grace period; waiting");
+                }
+                was_pending = true;
+                kill_at = now + PENDING_POLL;
+            } else if was_pending {
+                // Delivered at last: the cell gets its grace from now.
+                was_pending = false;
+                kill_at = now + KILL_GRACE;
+            } else {
                 signal(pid, libc::SIGKILL);
+                return;
             }
         }
     });
@@ -122,29 +215,62 @@ pub fn run(req: Python) -> Result<PythonReply, AgentError> {
     let read = interp.stdout.read_line(&mut reply_line);
     let _ = done_tx.send(());
     let _ = watchdog.join();
-
     match read {
-        Ok(n) if n > 0 => {
-            let w: WireReply = serde_json::from_str(&reply_line)
-                .map_err(|e| AgentError::Io { message: format!("bad reply from the Python interpreter: {e}") })?;
-            Ok(PythonReply {
-                value: w.value,
-                stdout: w.stdout.into(),
-                stderr: w.stderr.into(),
-                exception: w.exception.map(|x| PythonException {
-                    name: x.name,
-                    message: x.message,
-                    traceback: x.traceback,
-                }),
-                timed_out: w.timed_out,
-            })
+        Ok(n) if n > 0 => Ok(Some(reply_line)),
+        Ok(_) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// Forgets a dead or unusable interpreter.
+fn discard(slot: &mut Option<Interpreter>) {
+    if let Some(mut interp) = slot.take() {
+        let _ = interp.child.kill();
+        let _ = interp.child.wait();
+    }
+}
+
+/// Starts the interpreter if it is not running and runs the warm-up in it
+/// (the cells' namespace stays empty). Returns how long a start took (ms).
+///
+/// Errors: `Unsupported` without python3; `Io` if the interpreter does not
+/// start or answer.
+pub fn warm_up() -> Result<Option<u64>, AgentError> {
+    let mut guard = INTERPRETER.lock().unwrap_or_else(|p| p.into_inner());
+    // Twice at most: an interpreter that was exiting (killed) when it was
+    // looked at is replaced once.
+    loop {
+        let (interp, started_ms) = ensure(&mut guard)?;
+        match exchange(interp, "{\"warm\": true}\n", Some(START_TIMEOUT)) {
+            Ok(Some(line)) if serde_json::from_str::<serde_json::Value>(&line).is_ok_and(|v| v["warm"] == true) => {
+                return Ok(started_ms)
+            }
+            other => {
+                discard(&mut guard);
+                if started_ms.is_some() {
+                    return Err(AgentError::Io { message: format!("the Python warm-up failed: {other:?}") });
+                }
+            }
         }
-        _ => {
+    }
+}
+
+/// Runs one cell.
+///
+/// Errors: `InvalidRequest` for limits out of range; `Unsupported` without
+/// python3; `Io` if the interpreter cannot be started or reached.
+pub fn run(req: Python) -> Result<PythonReply, AgentError> {
+    let (timeout_ms, limit) = effective_limits(req.timeout_ms, req.output_limit)?;
+    let mut guard = INTERPRETER.lock().unwrap_or_else(|p| p.into_inner());
+    let (interp, interpreter_start_ms) = ensure(&mut guard)?;
+    let line =
+        serde_json::json!({ "code": req.code, "limit": limit, "value_limit": PYTHON_VALUE_LIMIT }).to_string() + "\n";
+    let reply = match exchange(interp, &line, Some(Duration::from_millis(u64::from(timeout_ms)))) {
+        Ok(Some(reply)) => reply,
+        Ok(None) => {
             // The interpreter died (killed after the grace period, or crashed).
-            let _ = interp.child.kill();
-            let _ = interp.child.wait();
-            *guard = None;
-            Ok(PythonReply {
+            discard(&mut guard);
+            return Ok(PythonReply {
                 value: None,
                 stdout: Output::default(),
                 stderr: Output::default(),
@@ -154,7 +280,28 @@ pub fn run(req: Python) -> Result<PythonReply, AgentError> {
                     traceback: String::new(),
                 }),
                 timed_out: true,
-            })
+                value_truncated: false,
+                value_bytes: 0,
+                interpreter_start_ms,
+            });
         }
-    }
+        Err(e) => {
+            discard(&mut guard);
+            return Err(AgentError::Io {
+                message: format!("the Python interpreter is gone ({e}); the next call starts a new one"),
+            });
+        }
+    };
+    let w: WireReply = serde_json::from_str(&reply)
+        .map_err(|e| AgentError::Io { message: format!("bad reply from the Python interpreter: {e}") })?;
+    Ok(PythonReply {
+        value: w.value,
+        stdout: w.stdout.into(),
+        stderr: w.stderr.into(),
+        exception: w.exception.map(|x| PythonException { name: x.name, message: x.message, traceback: x.traceback }),
+        timed_out: w.timed_out,
+        value_truncated: w.value_truncated,
+        value_bytes: w.value_bytes,
+        interpreter_start_ms,
+    })
 }

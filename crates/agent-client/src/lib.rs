@@ -349,6 +349,21 @@ impl AgentClient {
         Ok(r)
     }
 
+    /// Starts the guest's persistent Python interpreter if it is not
+    /// running and warms it up (its cells' namespace stays empty); returns
+    /// how long a start took (ms), `None` if it was running. Done before a
+    /// template's snapshot, so restored sandboxes have a ready interpreter.
+    ///
+    /// Errors: as [`AgentClient::ping`]; [`ClientError::Agent`] with
+    /// `Unsupported` when the image has no python3.
+    pub async fn warm_up_python(&self, timeout: Duration) -> Result<Option<u64>, ClientError> {
+        self.call_for(Op::PythonWarmUp, timeout, |r| match r {
+            Reply::PythonWarm { interpreter_start_ms } => Ok(interpreter_start_ms),
+            other => Err(Box::new(other)),
+        })
+        .await
+    }
+
     /// Reads part of a file (at most one chunk, [`tine_protocol::MAX_FILE_CHUNK`]).
     ///
     /// Errors: as [`AgentClient::ping`].
@@ -434,8 +449,8 @@ impl AgentClient {
     /// Errors: as [`AgentClient::ping`].
     pub async fn python(&self, code: &str, timeout_ms: u32) -> Result<PythonReply, ClientError> {
         let python = Python { code: code.to_string(), timeout_ms, output_limit: 0 };
-        let grace = Duration::from_millis(u64::from(tine_protocol::PYTHON_KILL_GRACE_MS));
-        self.run_python(python, call_timeout(timeout_ms) + grace).await
+        let budget = Duration::from_millis(tine_protocol::python_agent_budget_ms(timeout_ms));
+        self.run_python(python, budget + Duration::from_secs(60)).await
     }
 
     /// Writes a whole file (at most one chunk, 8 MiB), making parents.

@@ -24,8 +24,11 @@ use serde::Serialize;
 
 pub use messages::*;
 
-/// The protocol version this crate speaks.
-pub const PROTOCOL_VERSION: u16 = 1;
+/// The protocol version this crate speaks. 2: `Op::PythonWarmUp`,
+/// `Reply::PythonWarm` and `PythonReply`'s `value_truncated`, `value_bytes`
+/// and `interpreter_start_ms` (postcard is positional, so a new field is a
+/// new version).
+pub const PROTOCOL_VERSION: u16 = 2;
 /// The guest vsock port the agent listens on (the host connects to it
 /// through the VM's hybrid-vsock socket with `CONNECT <port>\n`).
 pub const AGENT_PORT: u32 = 1024;

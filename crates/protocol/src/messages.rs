@@ -16,6 +16,19 @@ pub const MAX_FILE_CHUNK: u64 = 8 << 20;
 /// After a Python cell's timeout the agent interrupts it (SIGINT); a cell
 /// still running this long after that is killed with its interpreter (ms).
 pub const PYTHON_KILL_GRACE_MS: u32 = 5_000;
+/// A Python cell whose SIGINT is still pending at the end of
+/// [`PYTHON_KILL_GRACE_MS`] (the interpreter has not run since: the host or
+/// guest is too loaded to schedule it, see `SigPnd`/`ShdPnd` in proc(5)) is
+/// not killed: the agent keeps waiting for it to run, at most this much
+/// longer (ms), before it kills the interpreter after all.
+pub const PYTHON_PENDING_SIGINT_MAX_MS: u32 = 60_000;
+/// Deadline of starting the Python interpreter (ms), counted apart from the
+/// cell's timeout: a cell's timeout starts once the interpreter is ready.
+pub const PYTHON_START_TIMEOUT_MS: u32 = 120_000;
+/// Most bytes (UTF-8) of a cell's `repr` value, and of an exception's
+/// message and traceback, that the agent sends (64 KiB); longer ones are
+/// cut on a character boundary (see [`PythonReply::value_truncated`]).
+pub const PYTHON_VALUE_LIMIT: u32 = 64 * 1024;
 /// Bytes of entropy a reseed carries at most.
 pub const MAX_ENTROPY_BYTES: usize = 512;
 /// Most entries one [`Manifest`] holds; past it the agent sets
@@ -45,6 +58,20 @@ pub fn effective_limits(timeout_ms: u32, output_limit: u32) -> Result<(u32, u32)
         l => l,
     };
     Ok((timeout, limit))
+}
+
+/// The longest a `python` call with cell timeout `timeout_ms` (0: the
+/// default) can take in the agent (ms): the interpreter's start
+/// ([`PYTHON_START_TIMEOUT_MS`]), the cell's timeout, the grace after SIGINT
+/// ([`PYTHON_KILL_GRACE_MS`]) and the wait while that SIGINT is pending
+/// ([`PYTHON_PENDING_SIGINT_MAX_MS`]). A host waits this long plus the
+/// round trip.
+pub fn python_agent_budget_ms(timeout_ms: u32) -> u64 {
+    let timeout = if timeout_ms == 0 { DEFAULT_TIMEOUT_MS } else { timeout_ms };
+    u64::from(PYTHON_START_TIMEOUT_MS)
+        + u64::from(timeout)
+        + u64::from(PYTHON_KILL_GRACE_MS)
+        + u64::from(PYTHON_PENDING_SIGINT_MAX_MS)
 }
 
 /// A request from the host; answered by a [`Response`] with the same `id`.
@@ -126,6 +153,12 @@ pub enum Op {
         /// The paths to report, or `None` for the changed ones.
         paths: Option<Vec<String>>,
     },
+    /// Start the persistent Python interpreter (if it is not running) and
+    /// run a warm-up in it that leaves the cells' namespace empty, so that
+    /// a snapshot taken next holds a ready interpreter with its pages
+    /// faulted in. Answered [`Reply::PythonWarm`]; errors as `Python`
+    /// ([`AgentError::Unsupported`] without python3).
+    PythonWarmUp,
 }
 
 /// What `exec` runs.
@@ -233,6 +266,12 @@ pub enum Reply {
     Done,
     /// To `Manifest`.
     Manifest(Manifest),
+    /// To `PythonWarmUp`.
+    PythonWarm {
+        /// How long starting the interpreter took (ms), or `None` when it
+        /// was running already.
+        interpreter_start_ms: Option<u64>,
+    },
 }
 
 /// Captured output of one stream.
@@ -296,6 +335,15 @@ pub struct PythonReply {
     pub exception: Option<PythonException>,
     /// The cell was interrupted at its timeout.
     pub timed_out: bool,
+    /// `value` was cut to [`PYTHON_VALUE_LIMIT`] bytes (on a UTF-8
+    /// character boundary).
+    pub value_truncated: bool,
+    /// The whole `repr` value's length in bytes (UTF-8); 0 without a value.
+    pub value_bytes: u64,
+    /// How long this call spent starting the interpreter (ms; not counted
+    /// in the cell's timeout), or `None` when it was running already (a
+    /// sandbox restored from a template made by Tine gets a started one).
+    pub interpreter_start_ms: Option<u64>,
 }
 
 /// File bytes.

@@ -15,6 +15,7 @@ fn arb_op() -> impl Strategy<Value = Op> {
     prop_oneof![
         Just(Op::Ping),
         Just(Op::Info),
+        Just(Op::PythonWarmUp),
         (".{0,40}", proptest::collection::vec(any::<u8>(), 0..64), any::<u32>(), any::<u32>()).prop_map(
             |(s, stdin, t, l)| {
                 Op::Exec(Exec {
@@ -73,13 +74,27 @@ fn arb_result() -> impl Strategy<Value = Result<Reply, AgentError>> {
             stderr,
             duration_ms: 3
         }))),
-        (proptest::option::of(".{0,10}"), arb_output()).prop_map(|(value, stdout)| Ok(Reply::Python(PythonReply {
-            value,
-            stdout,
-            stderr: Output::default(),
-            exception: Some(PythonException { name: "E".into(), message: "m".into(), traceback: "t".into() }),
-            timed_out: false
-        }))),
+        (
+            proptest::option::of(".{0,10}"),
+            arb_output(),
+            any::<bool>(),
+            any::<u64>(),
+            proptest::option::of(any::<u64>())
+        )
+            .prop_map(|(value, stdout, value_truncated, value_bytes, interpreter_start_ms)| Ok(Reply::Python(
+                PythonReply {
+                    value,
+                    stdout,
+                    stderr: Output::default(),
+                    exception: Some(PythonException { name: "E".into(), message: "m".into(), traceback: "t".into() }),
+                    timed_out: false,
+                    value_truncated,
+                    value_bytes,
+                    interpreter_start_ms,
+                }
+            ))),
+        proptest::option::of(any::<u64>())
+            .prop_map(|interpreter_start_ms| Ok(Reply::PythonWarm { interpreter_start_ms })),
         Just(Ok(Reply::Done)),
         arb_manifest().prop_map(|m| Ok(Reply::Manifest(m))),
         ".{0,20}".prop_map(|reason| Err(AgentError::Unsupported { reason })),

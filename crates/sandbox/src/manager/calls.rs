@@ -4,8 +4,9 @@
 //! turns client errors into [`SandboxError`]s.
 
 use std::future::Future;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tine_agent_client::{AgentClient, ClientError, AGENT_PORT};
 use tine_protocol::{Command, DirEntry, Exec, ExecReply, FileData, FileStat, Python, PythonReply, ReadFile, WriteFile};
@@ -20,6 +21,9 @@ const CALL_GRACE: Duration = Duration::from_secs(30);
 /// reply share it. Unit tests (over the fake VM) use 3 s to see a stalled
 /// guest's call fail quickly.
 pub(super) const SHORT_CALL: Duration = Duration::from_secs(if cfg!(test) { 3 } else { 60 });
+/// Longest a sandbox's first call holds its first-call slot: a long first
+/// cell lets the next sandbox in after this.
+const FIRST_CALL_HOLD: Duration = Duration::from_secs(10);
 
 /// A command to run.
 #[derive(Clone, Debug, Default)]
@@ -75,8 +79,46 @@ impl Manager {
         let r = {
             let _busy = sb.mark_busy();
             match self.usable_agent(&sb, agent).await {
-                Ok(agent) => call(agent).await,
                 Err(e) => Err(e),
+                Ok(agent) => {
+                    // A new sandbox's first call waits for a first-call slot before
+                    // its timeout starts (the call's future is made after).
+                    let slot = if sb.first_call_pending.load(Ordering::SeqCst) {
+                        let slot = match self.first_call_slots.try_acquire() {
+                            Ok(slot) => slot,
+                            Err(_) => {
+                                let waited = Instant::now();
+                                tracing::info!(sandbox = %sb.id, "first call waits for admission: new sandboxes' first calls \
+                                    are admitted one per host CPU at a time");
+                                let slot =
+                                    self.first_call_slots.acquire().await.map_err(|_| SandboxError::ShuttingDown)?;
+                                tracing::info!(sandbox = %sb.id, "first call admitted after {} ms", waited.elapsed().as_millis());
+                                slot
+                            }
+                        };
+                        Some(slot)
+                    } else {
+                        None
+                    };
+                    let fut = call(agent);
+                    tokio::pin!(fut);
+                    let r = match slot {
+                        Some(slot) => {
+                            let r = tokio::select! {
+                                r = &mut fut => Some(r),
+                                () = tokio::time::sleep(FIRST_CALL_HOLD) => None,
+                            };
+                            drop(slot);
+                            match r {
+                                Some(r) => r,
+                                None => fut.await,
+                            }
+                        }
+                        None => fut.await,
+                    };
+                    sb.first_call_pending.store(false, Ordering::SeqCst);
+                    r
+                }
             }
         };
         match r {
@@ -160,9 +202,11 @@ impl Manager {
     ///
     /// Errors: as [`Manager::exec`].
     pub async fn python(&self, id: &str, code: String, timeout_ms: u32) -> Result<PythonReply, SandboxError> {
-        let limits = tine_protocol::effective_limits(timeout_ms, 0)?;
+        tine_protocol::effective_limits(timeout_ms, 0)?;
         let python = Python { code, timeout_ms, output_limit: 0 };
-        let timeout = Duration::from_millis(u64::from(limits.0)) + CALL_GRACE;
+        // The agent may start the interpreter (own deadline) and wait out a
+        // SIGINT pending under load before it answers.
+        let timeout = Duration::from_millis(tine_protocol::python_agent_budget_ms(timeout_ms)) + CALL_GRACE;
         self.with_agent(id, |a| async move { a.run_python(python, timeout).await }).await
     }
 

@@ -95,13 +95,17 @@ impl Manager {
     }
 
     /// Snapshots `sb`'s VM as template `name` (paused for the copy, then
-    /// resumed unless it was paused already), off the async threads.
+    /// resumed unless it was paused already), off the async threads. A
+    /// running sandbox's Python interpreter is started and warmed up first
+    /// ([`warm_up_python`]), so sandboxes restored from the template have
+    /// a ready one.
     pub(super) async fn snapshot_sandbox(
         self: &Arc<Self>,
         sb: &Arc<Sandbox>,
         name: &str,
         replace: bool,
     ) -> Result<(), SandboxError> {
+        warm_up_python(sb).await;
         let (me, sb, name) = (self.clone(), sb.clone(), name.to_string());
         tokio::task::spawn_blocking(move || me.snapshot_blocking(&sb, &name, replace))
             .await
@@ -207,4 +211,31 @@ fn resume_blocking(sb: &Sandbox) -> Result<SandboxInfo, SandboxError> {
     }
     sb.touch();
     Ok(sb.info(None))
+}
+
+/// Longest wait for the Python warm-up before a snapshot: the interpreter's
+/// start deadline plus the warm-up cell.
+const WARM_UP_TIMEOUT: Duration = Duration::from_millis(tine_protocol::PYTHON_START_TIMEOUT_MS as u64 * 2 + 30_000);
+
+/// Starts `sb`'s Python interpreter if it is not running and runs the
+/// agent's warm-up in it (the cells' namespace stays empty), when `sb` is
+/// running. A failure (no python3 in the image, ...) is logged: the
+/// snapshot is still good, its sandboxes start Python on their first cell.
+async fn warm_up_python(sb: &Sandbox) {
+    let agent = {
+        let st = lock(&sb.status);
+        match st.state {
+            SandboxState::Running => st.agent.clone(),
+            _ => None,
+        }
+    };
+    let Some(agent) = agent else { return };
+    let _busy = sb.mark_busy();
+    match agent.warm_up_python(WARM_UP_TIMEOUT).await {
+        Ok(Some(ms)) => {
+            tracing::info!(sandbox = %sb.id, "Python interpreter started ({ms} ms) and warmed up for a snapshot")
+        }
+        Ok(None) => tracing::info!(sandbox = %sb.id, "Python interpreter warmed up for a snapshot"),
+        Err(e) => tracing::warn!(sandbox = %sb.id, "no warmed-up Python interpreter in the snapshot: {e}"),
+    }
 }

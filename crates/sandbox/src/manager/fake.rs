@@ -187,7 +187,11 @@ impl Shared {
                 stderr: output(Vec::new()),
                 exception: None,
                 timed_out: false,
+                value_truncated: false,
+                value_bytes: 0,
+                interpreter_start_ms: None,
             }),
+            Op::PythonWarmUp => Reply::PythonWarm { interpreter_start_ms: Some(0) },
             Op::WriteFile(w) => {
                 let bytes = w.data.len() as u64;
                 let mut files = lock(&self.files);

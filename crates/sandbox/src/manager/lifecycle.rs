@@ -237,7 +237,16 @@ impl Manager {
             VmSource::Boot => &self.boot_slots,
             VmSource::Template(_) | VmSource::Branch(_) => &self.restore_slots,
         };
-        let _slot = slots.acquire().await.map_err(|_| SandboxError::ShuttingDown)?;
+        let _slot = match slots.try_acquire() {
+            Ok(slot) => slot,
+            Err(_) => {
+                let waited = Instant::now();
+                tracing::info!(sandbox = %sb.id, "waiting for a boot/restore slot (the host runs as many as it can serve)");
+                let slot = slots.acquire().await.map_err(|_| SandboxError::ShuttingDown)?;
+                tracing::info!(sandbox = %sb.id, "start admitted after {} ms", waited.elapsed().as_millis());
+                slot
+            }
+        };
         if self.shutting_down.load(Ordering::SeqCst) {
             return Err(SandboxError::ShuttingDown);
         }

@@ -24,7 +24,7 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -242,6 +242,9 @@ pub(super) struct Sandbox {
     /// Calls in flight ([`Sandbox::mark_busy`]); the reaper leaves busy
     /// sandboxes alone.
     pub busy: AtomicU64,
+    /// No agent call has completed yet: the next one is a first call,
+    /// admitted through the manager's first-call gate.
+    pub first_call_pending: AtomicBool,
 }
 
 impl Sandbox {
@@ -272,6 +275,7 @@ impl Sandbox {
             memory: Mutex::new(MemoryHeld::default()),
             last_used_ms: AtomicU64::new(0),
             busy: AtomicU64::new(0),
+            first_call_pending: AtomicBool::new(true),
         }
     }
 
