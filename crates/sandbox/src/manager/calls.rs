@@ -46,9 +46,14 @@ impl Manager {
     /// Runs `call` on the agent of running sandbox `id` (a paused one is
     /// resumed first), keeping the sandbox busy meanwhile.
     ///
+    /// A sandbox's first call waits for a first-call slot
+    /// (`first_call_slots`) before `call` starts (so before its timeout),
+    /// and holds it until the call ends or for `FIRST_CALL_HOLD`.
+    ///
     /// Errors: [`SandboxError::NotFound`], [`SandboxError::Starting`],
     /// [`SandboxError::NotRunning`], [`SandboxError::Agent`],
-    /// [`SandboxError::Timeout`], [`SandboxError::Connection`].
+    /// [`SandboxError::Timeout`], [`SandboxError::Connection`],
+    /// [`SandboxError::ShuttingDown`] (while waiting for a slot).
     pub(super) async fn with_agent<T, F, Fut>(&self, id: &str, call: F) -> Result<T, SandboxError>
     where
         F: FnOnce(Arc<AgentClient>) -> Fut,

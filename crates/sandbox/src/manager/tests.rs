@@ -258,6 +258,40 @@ async fn a_cancelled_call_does_not_keep_its_sandbox_busy() {
     eventually("the idle sandbox's end", || !m.contains(&id)).await;
 }
 
+/// New sandboxes' first calls go through the first-call gate (one slot
+/// here): a second sandbox's first call runs only once the first one's has
+/// given its slot back (here: it was cancelled); later calls take no slot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn first_calls_wait_for_a_first_call_slot() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let s = setup(Limits { max_concurrent_boots: 1, ..limits(4) });
+    let a = s.manager.create(SandboxSpec::default()).await.unwrap().sandbox_id;
+    let b = s.manager.create(SandboxSpec::default()).await.unwrap().sandbox_id;
+    let exec = |command: &str| super::ExecRequest { command: command.into(), ..Default::default() };
+
+    let (m, id, req) = (s.manager.clone(), a.clone(), exec("sleep 5"));
+    let slow = tokio::spawn(async move { m.exec(&id, req).await });
+    let m = s.manager.clone();
+    eventually("a's first call holds the slot", || m.first_call_slots.available_permits() == 0).await;
+    let released = Arc::new(AtomicBool::new(false));
+    let (m, id, req, rel) = (s.manager.clone(), b.clone(), exec("true"), released.clone());
+    let quick = tokio::spawn(async move {
+        let r = m.exec(&id, req).await;
+        (r, rel.load(Ordering::SeqCst))
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    released.store(true, Ordering::SeqCst);
+    slow.abort();
+    let (r, after_release) = quick.await.unwrap();
+    r.expect("b's first call");
+    assert!(after_release, "b's first call ran while a's held the only slot");
+    assert_eq!(s.manager.first_call_slots.available_permits(), 1);
+    // b's next call takes no slot; a's next call is still its first.
+    assert!(!s.manager.get(&b).unwrap().first_call_pending.load(Ordering::SeqCst));
+    s.manager.exec(&b, exec("true")).await.unwrap();
+    assert_eq!(s.manager.first_call_slots.available_permits(), 1);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_kills_everything_and_refuses_new_sandboxes() {
     let s = setup(limits(4));
