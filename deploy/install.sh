@@ -4,7 +4,9 @@
 #   /var/lib/tine/images/{vmlinux,rootfs.ext4}   guest kernel and root filesystem
 #   /etc/tine/tine.toml                  configuration (kept if present)
 #   /etc/tine/token                      bearer token, mode 0600 (kept if present)
-#   /etc/systemd/system/tine.service     the unit
+#   /etc/systemd/system/tine.service     the unit (runs as user tine)
+#   /etc/udev/rules.d/70-tine-userfaultfd.rules  /dev/userfaultfd for group tine
+# creates the system user `tine` (group tine, in group kvm) if missing,
 # then enables and starts the service (unless --no-start).
 #
 # Builds everything first with scripts/setup.sh. Run as root.
@@ -35,7 +37,25 @@ install -D -m 0644 "$kernel" "$dest/var/lib/tine/images/vmlinux"
 install -D -m 0644 "$rootfs" "$dest/var/lib/tine/images/rootfs.ext4"
 install -D -m 0644 "$root/README.md" "$dest/usr/local/share/doc/tine/README.md"
 install -D -m 0644 "$root/deploy/tine.service" "$dest/etc/systemd/system/tine.service"
+install -D -m 0644 /dev/stdin "$dest/etc/udev/rules.d/70-tine-userfaultfd.rules" <<'RULE'
+# Tine: the server (user tine) uses /dev/userfaultfd for lazy restores and
+# live branches (kernel faults included, which the unprivileged
+# userfaultfd(2) system call cannot handle). Linux 6.1+.
+KERNEL=="userfaultfd", GROUP="tine", MODE="0660"
+RULE
 chmod 0700 "$dest/var/lib/tine"
+if [ -z "$dest" ]; then
+  getent group tine >/dev/null || groupadd --system tine
+  id -u tine >/dev/null 2>&1 || useradd --system --gid tine --home-dir /var/lib/tine --no-create-home \
+    --shell /usr/sbin/nologin --comment "Tine sandbox server" tine
+  getent group kvm >/dev/null || groupadd --system kvm
+  usermod -a -G kvm tine
+  chown -R tine:tine /var/lib/tine
+  if [ -e /dev/userfaultfd ]; then
+    chgrp tine /dev/userfaultfd && chmod 0660 /dev/userfaultfd
+  fi
+  command -v udevadm >/dev/null && udevadm control --reload-rules || true
+fi
 if [ ! -e "$dest/etc/tine/tine.toml" ]; then
   install -D -m 0644 "$root/deploy/tine.toml" "$dest/etc/tine/tine.toml"
 fi

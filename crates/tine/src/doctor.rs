@@ -12,6 +12,8 @@ use crate::config::{self, ConfigError};
 struct Check {
     name: &'static str,
     ok: bool,
+    /// A failed advisory check prints `warn` and does not fail the run.
+    advisory: bool,
     detail: String,
     fix: &'static str,
 }
@@ -24,8 +26,9 @@ fn check_kvm() -> Check {
     Check {
         name: "KVM",
         ok,
+        advisory: false,
         detail,
-        fix: "enable virtualization in the firmware, load kvm_intel or kvm_amd, and run as root or in the kvm group",
+        fix: "enable virtualization in the firmware, load kvm_intel or kvm_amd, and add the server's user to the kvm group",
     }
 }
 
@@ -36,12 +39,49 @@ fn check_userfaultfd() -> Check {
     Check {
         name: "userfaultfd",
         ok,
+        advisory: false,
         detail: if ok {
             "/dev/userfaultfd opens".into()
         } else {
             format!("/dev/userfaultfd cannot be opened (vm.unprivileged_userfaultfd = {})", sysctl.trim())
         },
-        fix: "run the server as root, or give its user access to /dev/userfaultfd (Linux 6.1+); snapshots and branches need it",
+        fix: "give the server's user access to /dev/userfaultfd (Linux 6.1+; deploy/install.sh writes a udev rule for group \
+              tine); lazy restores and live branches need it",
+    }
+}
+
+/// The server needs no privileges: a dedicated user in the `kvm` group
+/// (deploy/tine.service). Root works but is a failure here, so that a
+/// service running as root gets noticed.
+fn check_user() -> Check {
+    // SAFETY: geteuid(2) has no arguments and cannot fail.
+    let uid = unsafe { libc::geteuid() };
+    Check {
+        name: "user",
+        ok: uid != 0,
+        advisory: true,
+        detail: if uid == 0 { "running as root".into() } else { format!("running as uid {uid}, not root") },
+        fix: "run the server as a dedicated user in the kvm group with no capabilities (deploy/install.sh makes user \
+              tine; deploy/tine.service runs as it)",
+    }
+}
+
+/// Seccomp filters (`seccomp(2)`, filter mode) must be available: the VMM
+/// confines its vCPU, device and userfaultfd threads with them. The
+/// kernel shows support as the `Seccomp:` line of `/proc/self/status`
+/// (proc(5)).
+fn check_seccomp() -> Check {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let mode = status.lines().find_map(|l| l.strip_prefix("Seccomp:")).map(str::trim);
+    Check {
+        name: "seccomp",
+        ok: mode.is_some(),
+        advisory: false,
+        detail: match mode {
+            Some(m) => format!("seccomp available (this process: mode {m})"),
+            None => "the kernel has no seccomp (no Seccomp: line in /proc/self/status)".into(),
+        },
+        fix: "use a kernel built with CONFIG_SECCOMP_FILTER=y",
     }
 }
 
@@ -51,7 +91,7 @@ fn check_image(name: &'static str, what: &'static str, path: &Path) -> Check {
         Err(ConfigError::MissingImage { reason, .. }) => (false, format!("{}: {reason}", path.display())),
         Err(e) => (false, e.to_string()),
     };
-    Check { name, ok, detail, fix: config::IMAGE_FIX }
+    Check { name, ok, advisory: false, detail, fix: config::IMAGE_FIX }
 }
 
 fn check_memory() -> Check {
@@ -65,6 +105,7 @@ fn check_memory() -> Check {
     Check {
         name: "free memory",
         ok: mib >= 1024,
+        advisory: false,
         detail: format!("{mib} MiB available"),
         fix:
             "free memory or lower [limits] default_memory_mib and max_sandboxes; each sandbox uses up to its memory_mib",
@@ -75,8 +116,10 @@ fn check_memory() -> Check {
 /// returns failure if any check failed.
 pub fn run(kernel: &Path, rootfs: &Path) -> ExitCode {
     let checks = [
+        check_user(),
         check_kvm(),
         check_userfaultfd(),
+        check_seccomp(),
         check_image("guest kernel", config::KERNEL, kernel),
         check_image("root filesystem", config::ROOTFS, rootfs),
         check_memory(),
@@ -85,6 +128,8 @@ pub fn run(kernel: &Path, rootfs: &Path) -> ExitCode {
     for c in &checks {
         if c.ok {
             println!("ok    {:<16} {}", c.name, c.detail);
+        } else if c.advisory {
+            println!("warn  {:<16} {}\n      fix: {}", c.name, c.detail, c.fix);
         } else {
             failed += 1;
             println!("FAIL  {:<16} {}\n      fix: {}", c.name, c.detail, c.fix);
