@@ -27,7 +27,7 @@ const MEM: u64 = common::driver::MEM_SIZE as u64;
 /// One descriptor as a hostile driver may write it: any address (mostly
 /// inside guest memory, sometimes past it), any length, any flags, any
 /// next index.
-fn descriptor() -> impl Strategy<Value = (u64, u32, u16, u16)> {
+fn descriptor() -> impl Strategy<Value = Desc> {
     (
         prop_oneof![4 => DATA_BASE..MEM, 1 => any::<u64>()],
         prop_oneof![4 => 0u32..8192, 1 => any::<u32>()],
@@ -36,9 +36,15 @@ fn descriptor() -> impl Strategy<Value = (u64, u32, u16, u16)> {
     )
 }
 
+/// `(addr, len, flags, next)` of one descriptor.
+type Desc = (u64, u32, u16, u16);
+/// A generated ring: descriptor table, heads to offer, avail index to
+/// publish, bytes for the data area.
+type Ring = (Vec<Desc>, Vec<u16>, Option<u16>, Vec<u8>);
+
 /// A descriptor table, the heads to offer, the avail index to publish
 /// (sometimes far past the heads offered) and bytes to fill the data area.
-fn ring() -> impl Strategy<Value = (Vec<(u64, u32, u16, u16)>, Vec<u16>, Option<u16>, Vec<u8>)> {
+fn ring() -> impl Strategy<Value = Ring> {
     (
         prop::collection::vec(descriptor(), QSIZE as usize),
         prop::collection::vec(prop_oneof![4 => 0u16..QSIZE, 1 => any::<u16>()], 1..8),
@@ -50,11 +56,7 @@ fn ring() -> impl Strategy<Value = (Vec<(u64, u32, u16, u16)>, Vec<u16>, Option<
 /// Writes the generated ring into the driver's queue `q`, kicks it, and
 /// checks the used ring: only offered heads, at most as many entries as
 /// offered.
-fn drive(
-    d: &mut Driver,
-    q: usize,
-    (descs, heads, avail_idx, data): &(Vec<(u64, u32, u16, u16)>, Vec<u16>, Option<u16>, Vec<u8>),
-) {
+fn drive(d: &mut Driver, q: usize, (descs, heads, avail_idx, data): &Ring) {
     d.write_bytes(DATA_BASE, data);
     for (i, &(addr, len, flags, next)) in descs.iter().enumerate() {
         d.set_desc(q, i as u16, addr, len, flags, next);
