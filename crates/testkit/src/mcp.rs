@@ -79,6 +79,8 @@ impl TineServer {
             Some(t) => {
                 let f = dir.path().join("token");
                 std::fs::write(&f, t).expect("write token");
+                // The server refuses token files others can read.
+                std::fs::set_permissions(&f, std::os::unix::fs::PermissionsExt::from_mode(0o600)).expect("chmod");
                 cmd.arg("--token-file").arg(f);
             }
             None => {

@@ -8,6 +8,9 @@
 //! rootfs = "/var/lib/tine/images/rootfs.ext4"
 //! token_file = "/etc/tine/token"
 //! allowed_hosts = ["tine.example.com"]
+//! allowed_origins = []          # browser origins allowed; none by default
+//! max_connections = 256
+//! header_read_timeout_secs = 10
 //! session_timeout_secs = 900
 //!
 //! [limits]
@@ -47,6 +50,15 @@ pub struct FileConfig {
     pub token_file: Option<PathBuf>,
     /// `Host` header values accepted (DNS-rebinding protection).
     pub allowed_hosts: Option<Vec<String>>,
+    /// `Origin` header values accepted, e.g. `"https://app.example.com:443"`
+    /// (`:*` for any port). Default: none; a request carrying an `Origin`
+    /// (a browser page's) gets 403.
+    pub allowed_origins: Option<Vec<String>>,
+    /// Connections served at once (default 256); more wait in the listen
+    /// backlog.
+    pub max_connections: Option<usize>,
+    /// Seconds a client has to send a request's headers (default 10).
+    pub header_read_timeout_secs: Option<u64>,
     /// An MCP session idle this long (s) ends, and its own sandbox with it.
     pub session_timeout_secs: Option<u64>,
     /// Sandbox limits.
@@ -103,6 +115,17 @@ pub enum ConfigError {
          (make one with `tine server keygen --out FILE`); or use --dev for a loopback server without auth"
     )]
     NoToken,
+    /// The token file can be read or written by others than its owner.
+    #[error(
+        "the token file {path} has mode {mode:04o}: group or others can read or change it; run `chmod 600 {path}` \
+         (and make sure its owner is the user the server runs as)"
+    )]
+    TokenFileOpen {
+        /// The file.
+        path: PathBuf,
+        /// Its permission bits.
+        mode: u32,
+    },
     /// The token is too short or unreadable.
     #[error("bad token from {from}: {reason}")]
     BadToken {
@@ -178,9 +201,18 @@ pub fn check_image(what: &'static str, path: &Path) -> Result<u64, ConfigError> 
 /// systemd's credential `tine-token`. `None` if none is set.
 ///
 /// Errors: [`ConfigError::BadToken`] for an unreadable file or a token
-/// shorter than [`MIN_TOKEN_LEN`] bytes.
+/// shorter than [`MIN_TOKEN_LEN`] bytes; [`ConfigError::TokenFileOpen`]
+/// for a token file with any group or other permission bit.
 pub fn load_token(token_file: Option<&Path>) -> Result<Option<String>, ConfigError> {
     let (from, token) = if let Some(f) = token_file {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(f)
+            .map_err(|e| ConfigError::BadToken { from: f.display().to_string(), reason: e.to_string() })?
+            .permissions()
+            .mode();
+        if mode & 0o077 != 0 {
+            return Err(ConfigError::TokenFileOpen { path: f.into(), mode: mode & 0o7777 });
+        }
         let t = std::fs::read_to_string(f)
             .map_err(|e| ConfigError::BadToken { from: f.display().to_string(), reason: e.to_string() })?;
         (f.display().to_string(), t)
@@ -262,10 +294,20 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let f = dir.path().join("t");
         std::fs::write(&f, "short\n").unwrap();
+        std::fs::set_permissions(&f, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
         assert!(matches!(load_token(Some(&f)), Err(ConfigError::BadToken { .. })));
         let good = new_token().unwrap();
         assert_eq!(good.len(), 64);
+        use std::os::unix::fs::PermissionsExt;
         std::fs::write(&f, format!("{good}\n")).unwrap();
+        for mode in [0o644, 0o640, 0o604, 0o620] {
+            std::fs::set_permissions(&f, std::fs::Permissions::from_mode(mode)).unwrap();
+            let e = load_token(Some(&f)).unwrap_err().to_string();
+            assert!(e.contains(&format!("mode {mode:04o}")) && e.contains("chmod 600"), "{e}");
+        }
+        std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o600)).unwrap();
+        assert_eq!(load_token(Some(&f)).unwrap(), Some(good.clone()));
+        std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o400)).unwrap();
         assert_eq!(load_token(Some(&f)).unwrap(), Some(good));
         assert!(load_token(Some(&dir.path().join("missing"))).is_err());
     }

@@ -97,6 +97,10 @@ struct StartArgs {
     /// and the listen address].
     #[arg(long = "allowed-host")]
     allowed_hosts: Vec<String>,
+    /// Accepted Origin header (repeatable), e.g. https://app.example.com:443
+    /// [default: none; requests carrying an Origin get 403].
+    #[arg(long = "allowed-origin")]
+    allowed_origins: Vec<String>,
 }
 
 /// The configuration after file and flags are merged.
@@ -145,6 +149,11 @@ fn start(args: StartArgs) -> anyhow::Result<ExitCode> {
             allowed_hosts.push(listen.ip().to_string());
         }
     }
+    let allowed_origins = if !args.allowed_origins.is_empty() {
+        args.allowed_origins.clone()
+    } else {
+        r.file.allowed_origins.clone().unwrap_or_default()
+    };
     let session_timeout =
         Duration::from_secs(r.file.session_timeout_secs.unwrap_or(r.file.limits.default_idle_timeout_secs).max(1));
     let profile = HostProfile::detect();
@@ -160,6 +169,13 @@ fn start(args: StartArgs) -> anyhow::Result<ExitCode> {
         listen,
         token,
         allowed_hosts,
+        allowed_origins,
+        max_connections: r.file.max_connections.unwrap_or(server::DEFAULT_MAX_CONNECTIONS),
+        header_read_timeout: r
+            .file
+            .header_read_timeout_secs
+            .map(|s| Duration::from_secs(s.max(1)))
+            .unwrap_or(server::DEFAULT_HEADER_READ_TIMEOUT),
         session_timeout,
         build_default_template: r.file.templates.build_default,
     };
@@ -176,8 +192,8 @@ fn open_manager(
 ) -> anyhow::Result<(std::sync::Arc<tine_sandbox::Manager>, std::fs::File)> {
     config::check_image(config::KERNEL, &r.kernel)?;
     config::check_image(config::ROOTFS, &r.rootfs)?;
-    std::fs::create_dir_all(&r.data_dir)
-        .map_err(|e| anyhow::anyhow!("cannot create the data directory {}: {e}", r.data_dir.display()))?;
+    private_files();
+    make_private_dir(&r.data_dir)?;
     let lock = lock_data_dir(&r.data_dir)?;
     let manager = tine_sandbox::Manager::new(tine_sandbox::ManagerConfig {
         kernel: r.kernel.clone(),
@@ -189,6 +205,33 @@ fn open_manager(
         limits: r.file.limits.clone(),
     })?;
     Ok((manager, lock))
+}
+
+/// Sets the process umask to 0077: every file and directory the server
+/// makes (guest memory, snapshots, templates, sockets, logs) is its
+/// owner's only (0600 / 0700).
+fn private_files() {
+    // SAFETY: umask(2) only sets the process's file mode creation mask.
+    unsafe { libc::umask(0o077) };
+}
+
+/// Creates the data directory `dir` (and missing parents) with mode 0700,
+/// or narrows an existing one that group or others can use to 0700.
+fn make_private_dir(dir: &std::path::Path) -> anyhow::Result<()> {
+    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .map_err(|e| anyhow::anyhow!("cannot create the data directory {}: {e}", dir.display()))?;
+    let mode = std::fs::metadata(dir)?.permissions().mode() & 0o7777;
+    if mode & 0o077 != 0 {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)).map_err(|e| {
+            anyhow::anyhow!("the data directory {} has mode {mode:04o} and cannot be made 0700: {e}", dir.display())
+        })?;
+        tracing::info!("data directory {}: mode {mode:04o} narrowed to 0700", dir.display());
+    }
+    Ok(())
 }
 
 /// `tine template build` and `tine template list`.

@@ -1,6 +1,14 @@
 //! `tine server start`: the MCP endpoint (Streamable HTTP at `/mcp`, MCP
 //! 2025-06-18 / 2025-11-25 "Transports"), bearer authentication,
 //! `/healthz`, and shutdown that kills every sandbox on SIGTERM/SIGINT.
+//!
+//! HTTP hardening: `Host` and `Origin` are checked (the transport spec's
+//! "Security Warning": servers MUST validate `Origin`; a foreign one gets
+//! 403), at most [`ServeOptions::max_connections`] connections are served
+//! at once (more wait in the listen backlog), a client has
+//! [`ServeOptions::header_read_timeout`] to send a request's headers, and
+//! `DELETE /mcp` answers 200 (the official Python SDK takes only 200 or
+//! 204 as a clean close).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -12,6 +20,10 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::Router;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
+use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::service::TowerToHyperService;
 use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
 use rmcp::transport::streamable_http_server::{StreamableHttpServerConfig, StreamableHttpService};
 use subtle::ConstantTimeEq;
@@ -24,6 +36,12 @@ use crate::mcp::TineMcp;
 pub const MAX_REQUEST_BYTES: usize = 12 << 20;
 /// How often the idle reaper looks at sandboxes.
 const REAP_PERIOD: Duration = Duration::from_secs(1);
+/// Default for [`ServeOptions::max_connections`].
+pub const DEFAULT_MAX_CONNECTIONS: usize = 256;
+/// Default for [`ServeOptions::header_read_timeout`]: 10 s.
+pub const DEFAULT_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a shutdown waits for open connections to finish.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// What the HTTP server needs.
 pub struct ServeOptions {
@@ -33,6 +51,16 @@ pub struct ServeOptions {
     pub token: Option<String>,
     /// `Host` header values accepted.
     pub allowed_hosts: Vec<String>,
+    /// `Origin` header values accepted (RFC 6454 serializations such as
+    /// `https://app.example.com:443`; `:*` for any port). Empty: a request
+    /// that carries any `Origin` is refused with 403; requests without one
+    /// (non-browser clients) pass.
+    pub allowed_origins: Vec<String>,
+    /// Connections served at once; more wait in the listen backlog.
+    pub max_connections: usize,
+    /// A connection that has not sent a request's headers within this is
+    /// closed (HTTP/1).
+    pub header_read_timeout: Duration,
     /// An MCP session idle this long ends (and its own sandbox with it).
     pub session_timeout: Duration,
     /// Build the default template in the background if it is missing.
@@ -51,9 +79,6 @@ pub enum ServeError {
         #[source]
         source: std::io::Error,
     },
-    /// The HTTP server failed.
-    #[error("HTTP server: {0}")]
-    Http(#[source] std::io::Error),
 }
 
 /// Checks `Authorization: Bearer <token>` in constant time (RFC 6750 §2.1);
@@ -84,8 +109,38 @@ async fn require_bearer(State(token): State<Arc<String>>, req: Request, next: Ne
     resp
 }
 
-async fn healthz(State(manager): State<Arc<Manager>>) -> impl IntoResponse {
-    ([(header::CONTENT_TYPE, "application/json")], format!(r#"{{"status":"ok","sandboxes":{}}}"#, manager.len()))
+/// Whether `req` carries `Authorization: Bearer <token>` (RFC 6750 §2.1),
+/// compared in constant time.
+fn has_token(req: &Request, token: &str) -> bool {
+    req.headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
+        .map(str::trim)
+        .is_some_and(|g| bool::from(g.as_bytes().ct_eq(token.as_bytes())))
+}
+
+/// `/healthz`: `{"status":"ok"}` to anyone; with the bearer token (or
+/// under `--dev`) also how many sandboxes are live.
+async fn healthz(State((manager, token)): State<(Arc<Manager>, Option<Arc<String>>)>, req: Request) -> Response {
+    let body = match &token {
+        Some(t) if !has_token(&req, t) => r#"{"status":"ok"}"#.to_string(),
+        _ => format!(r#"{{"status":"ok","sandboxes":{}}}"#, manager.len()),
+    };
+    ([(header::CONTENT_TYPE, "application/json")], body).into_response()
+}
+
+/// `DELETE /mcp` that closed a session answers 200 instead of rmcp's 202:
+/// the official Python SDK (`mcp` 2.x, `terminate_session`) logs
+/// "Session termination failed: 202" for anything but 200 or 204; the
+/// TypeScript SDK takes any 2xx.
+async fn delete_answers_200(req: Request, next: Next) -> Response {
+    let delete = req.method() == axum::http::Method::DELETE;
+    let mut resp = next.run(req).await;
+    if delete && resp.status() == StatusCode::ACCEPTED {
+        *resp.status_mut() = StatusCode::OK;
+    }
+    resp
 }
 
 /// Resolves when SIGTERM or SIGINT arrives.
@@ -103,12 +158,15 @@ async fn shutdown_signal() {
 
 /// The HTTP routes: `/mcp` (Streamable HTTP, behind the bearer check
 /// unless `opts.token` is `None`; `Host` checked against
-/// `opts.allowed_hosts`, 403 otherwise; bodies over [`MAX_REQUEST_BYTES`]
-/// answered 413) and the open `/healthz`. Cancelling `cancel` ends every
+/// `opts.allowed_hosts` and `Origin` against `opts.allowed_origins`, 403
+/// otherwise; bodies over [`MAX_REQUEST_BYTES`] answered 413; `DELETE`
+/// answered 200) and the open `/healthz`. Cancelling `cancel` ends every
 /// MCP session and its streams.
 pub fn router(manager: Arc<Manager>, opts: &ServeOptions, cancel: &CancellationToken) -> Router {
     let mcp_config = StreamableHttpServerConfig::default()
         .with_allowed_hosts(opts.allowed_hosts.clone())
+        .with_allowed_origins(opts.allowed_origins.clone())
+        .enforce_origin_validation()
         .with_cancellation_token(cancel.child_token())
         .with_max_request_body_bytes(MAX_REQUEST_BYTES);
     let mut sessions = LocalSessionManager::default();
@@ -116,11 +174,12 @@ pub fn router(manager: Arc<Manager>, opts: &ServeOptions, cancel: &CancellationT
     let factory_manager = manager.clone();
     let mcp =
         StreamableHttpService::new(move || Ok(TineMcp::new(factory_manager.clone())), Arc::new(sessions), mcp_config);
-    let mut mcp_router = Router::new().nest_service("/mcp", mcp);
-    if let Some(token) = &opts.token {
-        mcp_router = mcp_router.layer(axum::middleware::from_fn_with_state(Arc::new(token.clone()), require_bearer));
+    let mut mcp_router = Router::new().nest_service("/mcp", mcp).layer(axum::middleware::from_fn(delete_answers_200));
+    let token = opts.token.clone().map(Arc::new);
+    if let Some(token) = &token {
+        mcp_router = mcp_router.layer(axum::middleware::from_fn_with_state(token.clone(), require_bearer));
     }
-    Router::new().route("/healthz", get(healthz)).with_state(manager).merge(mcp_router)
+    Router::new().route("/healthz", get(healthz)).with_state((manager, token)).merge(mcp_router)
 }
 
 /// Serves until SIGTERM/SIGINT, then ends every session and kills every
@@ -145,19 +204,66 @@ pub async fn serve(manager: Arc<Manager>, opts: ServeOptions) -> Result<(), Serv
     // Tests and scripts wait for this line on stdout.
     println!("tine: listening on http://{}/mcp", opts.listen);
 
-    let stop = cancel.clone();
-    let served = axum::serve(listener, app)
-        .with_graceful_shutdown(async move {
-            shutdown_signal().await;
-            // Ends SSE streams and sessions so the graceful shutdown can finish.
-            stop.cancel();
-        })
-        .await;
+    let graceful = accept_loop(listener, app, &opts, shutdown_signal()).await;
+    // Ends SSE streams and sessions so the connections can finish.
+    cancel.cancel();
+    tokio::select! {
+        _ = graceful.shutdown() => {}
+        _ = tokio::time::sleep(DRAIN_TIMEOUT) => tracing::warn!("connections still open after {DRAIN_TIMEOUT:?}"),
+    }
     reaper.abort();
     tracing::info!("killing every sandbox");
     manager.shutdown().await;
     tracing::info!("stopped");
-    served.map_err(ServeError::Http)
+    Ok(())
+}
+
+/// Serves `app` on `listener` until `shutdown` resolves: at most
+/// `opts.max_connections` connections at once (the next is accepted when
+/// one closes), each HTTP/1 request's headers within
+/// `opts.header_read_timeout`. Returns the open connections' shutdown
+/// handle. Accept errors (such as `EMFILE`) are logged and retried.
+async fn accept_loop(
+    listener: tokio::net::TcpListener,
+    app: Router,
+    opts: &ServeOptions,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> GracefulShutdown {
+    let slots = Arc::new(tokio::sync::Semaphore::new(opts.max_connections.max(1)));
+    let graceful = GracefulShutdown::new();
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder.http1().timer(TokioTimer::new()).header_read_timeout(opts.header_read_timeout);
+    tokio::pin!(shutdown);
+    loop {
+        let slot = tokio::select! {
+            slot = slots.clone().acquire_owned() => match slot {
+                Ok(s) => s,
+                Err(_) => break, // never closed
+            },
+            _ = &mut shutdown => break,
+        };
+        let stream = tokio::select! {
+            r = listener.accept() => match r {
+                Ok((stream, _)) => stream,
+                Err(e) => {
+                    // EMFILE and the like: wait a moment rather than spin.
+                    tracing::warn!("accept: {e}");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            },
+            _ = &mut shutdown => break,
+        };
+        let service = TowerToHyperService::new(app.clone());
+        let conn = graceful.watch(builder.serve_connection(TokioIo::new(stream), service).into_owned());
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!("connection: {e}");
+            }
+            drop(slot);
+        });
+    }
+    graceful
 }
 
 #[cfg(test)]

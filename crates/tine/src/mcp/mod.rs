@@ -6,23 +6,32 @@
 //! submodules.
 //!
 //! Every tool that takes `sandbox_id` also works without it, on the
-//! session's own sandbox: created on first use, killed when the session
+//! session's sandbox ([`session`]): the one this session created last with
+//! `sandbox_create` (after a merge that removed it, the parent it was
+//! merged into), else one made on first use and killed when the session
 //! ends. Results are structured (`structuredContent`, with the same JSON
-//! as text); failures are tool results with `isError: true` and a short
-//! message that says what to do next.
+//! as text) and fit the result budget ([`budget`]); failures are tool
+//! results with `isError: true` and a short message that says what to do
+//! next. Schemas are standard JSON Schema ([`schema`]).
 
+pub mod budget;
 mod errors;
 mod params;
 mod results;
+pub mod schema;
 mod session;
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use base64::Engine as _;
 use rmcp::handler::server::router::tool::ToolRouter;
+use rmcp::handler::server::tool::ToolCallContext;
 use rmcp::handler::server::wrapper::Parameters;
-use rmcp::model::{Implementation, ServerCapabilities, ServerConfig};
-use rmcp::{tool, tool_handler, tool_router, Json, ServerHandler};
+use rmcp::model::{
+    CallToolRequestParams, CallToolResponse, Implementation, JsonObject, ServerCapabilities, ServerConfig,
+};
+use rmcp::service::RequestContext;
+use rmcp::{tool, tool_handler, tool_router, ErrorData, Json, RoleServer, ServerHandler};
 use tine_protocol::MAX_FILE_CHUNK;
 use tine_sandbox::{
     BranchResult, DiffOptions, DiffReport, ExecRequest, Manager, SandboxInfo, SandboxSpec, TemplateInfo,
@@ -36,13 +45,41 @@ use params::{
 };
 use results::TemplateDeleteResult;
 use results::{
-    DownloadResult, Entry, ExecResult, KillResult, ListDirResult, ListResult, PythonResult, ReadResult,
+    DiffResult, DownloadResult, Entry, ExecResult, KillResult, ListDirResult, ListResult, PythonResult, ReadResult,
     TemplateListResult, WriteResult,
 };
 use session::SessionSandbox;
 
-/// Largest text `sandbox_files_read` returns at once (bytes).
-pub const MAX_READ_BYTES: u64 = 1 << 20;
+/// Largest chunk `sandbox_files_read` reads at once (bytes): 160 KiB;
+/// less is returned when its JSON escape would not fit the content budget
+/// (control characters take up to 6 bytes each).
+pub const MAX_READ_BYTES: u64 = 160 << 10;
+/// Bytes of JSON the text of one `sandbox_files_read` may take: 160 KiB.
+const READ_TEXT_BUDGET: usize = 160 << 10;
+/// Largest chunk `sandbox_download` returns at once (bytes): 128 KiB, i.e.
+/// 171 KiB of base64, sent twice (structured and text), well within
+/// [`budget::RESULT_BUDGET`].
+pub const MAX_DOWNLOAD_BYTES: u64 = 128 << 10;
+
+/// The tool router with standard schemas, built once.
+fn router() -> ToolRouter<TineMcp> {
+    static ROUTER: OnceLock<ToolRouter<TineMcp>> = OnceLock::new();
+    ROUTER
+        .get_or_init(|| {
+            let mut router = TineMcp::tool_router();
+            fn standard(s: &Arc<JsonObject>) -> Arc<JsonObject> {
+                let mut s = JsonObject::clone(s);
+                schema::standardize(&mut s);
+                Arc::new(s)
+            }
+            for route in router.map.values_mut() {
+                route.attr.input_schema = standard(&route.attr.input_schema);
+                route.attr.output_schema = route.attr.output_schema.as_ref().map(standard);
+            }
+            router
+        })
+        .clone()
+}
 
 /// One MCP session's handler.
 #[derive(Clone)]
@@ -56,19 +93,19 @@ pub struct TineMcp {
 impl TineMcp {
     /// A handler for a new MCP session.
     pub fn new(manager: Arc<Manager>) -> Self {
-        TineMcp { session: Arc::new(SessionSandbox::new(manager.clone())), manager, tool_router: Self::tool_router() }
+        TineMcp { session: Arc::new(SessionSandbox::new(manager.clone())), manager, tool_router: router() }
     }
 
-    /// The sandbox a call is about: the given id, or the session's own
-    /// sandbox (created now if it has none, or if it was killed).
+    /// The sandbox a call is about: the given id, or the session's
+    /// sandbox (see [`session`]).
     async fn target(&self, id: Option<String>) -> Result<String, ToolError> {
         self.session.target(id).await
     }
 
     #[tool(
         description = "Create a new sandbox: an isolated Linux microVM (Debian, bash, Python 3) with its own \
-                       kernel. Returns its sandbox_id. Tools called without sandbox_id use this session's own \
-                       sandbox instead, created on first use.",
+                       kernel. Returns its sandbox_id. It becomes this session's sandbox: tools called without \
+                       sandbox_id use the sandbox this session created last.",
         annotations(
             title = "Create sandbox",
             read_only_hint = false,
@@ -84,7 +121,9 @@ impl TineMcp {
             idle_timeout_secs: p.idle_timeout_secs,
             template: p.template,
         };
-        self.manager.create(spec).await.map(Json).map_err(ToolError::from)
+        let info = self.manager.create(spec).await?;
+        self.session.created(&info.sandbox_id).await;
+        Ok(Json(info))
     }
 
     #[tool(
@@ -93,7 +132,9 @@ impl TineMcp {
         annotations(title = "List templates", read_only_hint = true, open_world_hint = false)
     )]
     async fn template_list(&self) -> Result<Json<TemplateListResult>, ToolError> {
-        Ok(Json(TemplateListResult { templates: self.manager.templates() }))
+        let mut templates = self.manager.templates();
+        let truncated = budget::fit_list(&mut templates, budget::CONTENT_BUDGET - 64) > 0;
+        Ok(Json(TemplateListResult { templates, truncated }))
     }
 
     #[tool(
@@ -156,22 +197,24 @@ impl TineMcp {
     #[tool(
         description = "Compare two sandboxes' filesystems (everything written since boot, and /tmp): the paths \
                        added, removed and modified from a to b, with size, mode and SHA-256, and on request a \
-                       unified diff of small text files.",
+                       unified diff of small text files. A report larger than the result budget is cut \
+                       (report_truncated, total_changes).",
         annotations(title = "Diff sandboxes", read_only_hint = true, open_world_hint = false)
     )]
-    async fn sandbox_diff(&self, Parameters(p): Parameters<DiffParams>) -> Result<Json<DiffReport>, ToolError> {
+    async fn sandbox_diff(&self, Parameters(p): Parameters<DiffParams>) -> Result<Json<DiffResult>, ToolError> {
         let mut opts = DiffOptions { unified: p.unified, ..DiffOptions::default() };
         if let Some(max) = p.max_text_bytes {
             opts.max_text_bytes = max;
         }
-        self.manager.diff(&p.a, &p.b, opts).await.map(Json).map_err(ToolError::from)
+        let report: DiffReport = self.manager.diff(&p.a, &p.b, opts).await?;
+        Ok(Json(DiffResult::new(report, budget::CONTENT_BUDGET)))
     }
 
     #[tool(
         description = "Merge a branched sandbox (winner) into the sandbox it was branched from (parent): the \
                        parent's VM is replaced by the winner's, so the parent's id now has the winner's memory, \
                        processes, Python state and files; the winner's id ceases to exist; other children are \
-                       untouched.",
+                       untouched. A session that used the winner as its sandbox now uses the parent.",
         annotations(
             title = "Merge sandbox into its parent",
             read_only_hint = false,
@@ -181,7 +224,7 @@ impl TineMcp {
     )]
     async fn sandbox_merge_into(&self, Parameters(p): Parameters<MergeParams>) -> Result<Json<SandboxInfo>, ToolError> {
         let info = self.manager.merge_into(&p.winner, &p.parent).await?;
-        self.session.forget(&p.winner).await;
+        self.session.merged(&p.winner, &p.parent).await;
         Ok(Json(info))
     }
 
@@ -190,7 +233,10 @@ impl TineMcp {
         annotations(title = "List sandboxes", read_only_hint = true, open_world_hint = false)
     )]
     async fn sandbox_list(&self, Parameters(p): Parameters<ListParams>) -> Result<Json<ListResult>, ToolError> {
-        Ok(Json(ListResult { sandboxes: self.manager.list(&p.labels) }))
+        let mut sandboxes = self.manager.list(&p.labels);
+        let total = sandboxes.len() as u64;
+        let truncated = budget::fit_list(&mut sandboxes, budget::CONTENT_BUDGET - 128) > 0;
+        Ok(Json(ListResult { sandboxes, total, truncated }))
     }
 
     #[tool(
@@ -205,7 +251,8 @@ impl TineMcp {
 
     #[tool(
         description = "Kill a sandbox: stop its VM and delete everything in it. Without sandbox_id, kills this \
-                       session's own sandbox (a new one is made on next use).",
+                       session's sandbox (the one it created last, or the one made on first use; a new one is \
+                       made on next use).",
         annotations(
             title = "Kill sandbox",
             read_only_hint = false,
@@ -217,7 +264,7 @@ impl TineMcp {
     async fn sandbox_kill(&self, Parameters(p): Parameters<SandboxParams>) -> Result<Json<KillResult>, ToolError> {
         let id = match p.sandbox_id {
             Some(id) => id,
-            None => self.session.own().await.ok_or(ToolError::NoOwnSandbox)?,
+            None => self.session.current().await.ok_or(ToolError::NoOwnSandbox)?,
         };
         self.manager.kill(&id).await?;
         self.session.forget(&id).await;
@@ -256,8 +303,10 @@ impl TineMcp {
     }
 
     #[tool(
-        description = "Run a bash command in a sandbox and return its exit code, stdout and stderr (each capped \
-                       at 32 KiB). The command and its children are killed at the timeout.",
+        description = "Run a bash command in a sandbox and return its exit code, stdout and stderr (each cut \
+                       at 32 KiB, and further to fit the result budget; truncated says so, stdout_bytes and \
+                       stderr_bytes give the full sizes). The command and its children are killed at the \
+                       timeout.",
         annotations(title = "Run command", read_only_hint = false, destructive_hint = true, open_world_hint = true)
     )]
     async fn sandbox_exec(&self, Parameters(p): Parameters<ExecParams>) -> Result<Json<ExecResult>, ToolError> {
@@ -277,7 +326,8 @@ impl TineMcp {
 
     #[tool(
         description = "Run Python code in the sandbox's persistent interpreter: variables, imports and functions \
-                       stay defined between calls. Returns the final expression's repr, printed output, and any \
+                       stay defined between calls. Returns the final expression's repr (cut at 64 KiB: \
+                       result_truncated, result_bytes), printed output (cut at 32 KiB per stream), and any \
                        exception with its traceback.",
         annotations(title = "Run Python", read_only_hint = false, destructive_hint = true, open_world_hint = true)
     )]
@@ -292,26 +342,38 @@ impl TineMcp {
     }
 
     #[tool(
-        description = "Read a text file from a sandbox (UTF-8, up to 1 MiB per call; use offset to read on). \
-                       For binary files use sandbox_download.",
+        description = "Read a text file from a sandbox (UTF-8, up to 160 KiB per call, less when the text \
+                       needs much JSON escaping; read on with offset: next_offset). For binary files use \
+                       sandbox_download.",
         annotations(title = "Read file", read_only_hint = true, open_world_hint = false)
     )]
     async fn sandbox_files_read(&self, Parameters(p): Parameters<ReadParams>) -> Result<Json<ReadResult>, ToolError> {
         let id = self.target(p.sandbox_id).await?;
         let length = p.length.unwrap_or(MAX_READ_BYTES).min(MAX_READ_BYTES);
         let f = self.manager.read_file(&id, p.path.clone(), p.offset, Some(length)).await?;
-        let n = f.data.len() as u64;
-        let content = String::from_utf8(f.data).map_err(|e| ToolError::NotUtf8 {
-            path: p.path.clone(),
-            offset: p.offset + e.utf8_error().valid_up_to() as u64,
-        })?;
+        let read = f.data.len();
+        let mut data = f.data;
+        if let Err(e) = std::str::from_utf8(&data) {
+            // A character cut by the chunk's end is read next time.
+            let cut_at_end = e.error_len().is_none() && read as u64 == length && e.valid_up_to() > 0;
+            if !cut_at_end {
+                return Err(ToolError::NotUtf8 { path: p.path, offset: p.offset + e.valid_up_to() as u64 });
+            }
+            data.truncate(e.valid_up_to());
+        }
+        let text = String::from_utf8(data).unwrap_or_default();
+        let content = budget::cut(text, READ_TEXT_BUDGET).text;
+        let n = content.len() as u64;
         Ok(Json(ReadResult {
             sandbox_id: id,
             path: p.path,
             content,
             offset: p.offset,
+            bytes: n,
+            next_offset: p.offset + n,
             size: f.size,
             remaining: f.size.saturating_sub(p.offset + n),
+            truncated: n < read as u64,
         }))
     }
 
@@ -330,7 +392,9 @@ impl TineMcp {
     }
 
     #[tool(
-        description = "List a directory in a sandbox: names, kinds, sizes, modes and modification times.",
+        description = "List a directory in a sandbox: names, kinds, sizes, modes and modification times. A \
+                       directory too large for the result budget lists its first entries (truncated, \
+                       total_entries).",
         annotations(title = "List directory", read_only_hint = true, open_world_hint = false)
     )]
     async fn sandbox_files_list(
@@ -340,8 +404,11 @@ impl TineMcp {
         let id = self.target(p.sandbox_id).await?;
         let path = p.path.unwrap_or_else(|| "/".into());
         let entries = self.manager.list_dir(&id, path.clone()).await?;
-        let entries = entries.into_iter().map(Entry::from).collect();
-        Ok(Json(ListDirResult { sandbox_id: id, path, entries }))
+        let mut entries: Vec<Entry> = entries.into_iter().map(Entry::from).collect();
+        let total_entries = entries.len() as u64;
+        let room = budget::CONTENT_BUDGET.saturating_sub(256 + budget::escaped_len(&path) + budget::escaped_len(&id));
+        let truncated = budget::fit_list(&mut entries, room) > 0;
+        Ok(Json(ListDirResult { sandbox_id: id, path, entries, total_entries, truncated }))
     }
 
     #[tool(
@@ -359,12 +426,13 @@ impl TineMcp {
     }
 
     #[tool(
-        description = "Download a file from a sandbox as base64, at most 8 MiB per call (use offset to read on).",
+        description = "Download a file from a sandbox as base64, at most 128 KiB (131072 bytes) per call: call \
+                       again with offset: next_offset until remaining is 0.",
         annotations(title = "Download file", read_only_hint = true, open_world_hint = false)
     )]
     async fn sandbox_download(&self, Parameters(p): Parameters<ReadParams>) -> Result<Json<DownloadResult>, ToolError> {
         let id = self.target(p.sandbox_id).await?;
-        let max = MAX_FILE_CHUNK;
+        let max = MAX_DOWNLOAD_BYTES;
         let length = p.length.unwrap_or(max).min(max);
         let f = self.manager.read_file(&id, p.path.clone(), p.offset, Some(length)).await?;
         let n = f.data.len() as u64;
@@ -374,6 +442,7 @@ impl TineMcp {
             data_base64: base64::engine::general_purpose::STANDARD.encode(&f.data),
             offset: p.offset,
             bytes: n,
+            next_offset: p.offset + n,
             size: f.size,
             remaining: f.size.saturating_sub(p.offset + n),
         }))
@@ -382,14 +451,60 @@ impl TineMcp {
 
 #[tool_handler(router = self.tool_router)]
 impl ServerHandler for TineMcp {
+    /// Runs the tool, then [`budget::guard`]: a result over the budget is
+    /// replaced by an error, never sent.
+    async fn call_tool(
+        &self,
+        request: CallToolRequestParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResponse, ErrorData> {
+        let tool = request.name.clone();
+        let tcc = ToolCallContext::new(self, request, context);
+        Ok(match self.tool_router.call(tcc).await? {
+            CallToolResponse::Complete(r) => CallToolResponse::Complete(budget::guard(&tool, r)),
+            other => other,
+        })
+    }
+
     fn get_info(&self) -> ServerConfig {
         ServerConfig::new(ServerCapabilities::builder().enable_tools().build())
             .with_server_info(Implementation::new("tine", env!("CARGO_PKG_VERSION")))
             .with_instructions(
-                "Tine gives you isolated Linux microVM sandboxes (Debian with bash and Python 3). Call \
-                 sandbox_exec or sandbox_run_python directly to work in this session's own sandbox (made on \
-                 first use, removed when the session ends), or sandbox_create for more sandboxes and pass \
-                 their sandbox_id. Python state persists between sandbox_run_python calls.",
+                "Tine gives you isolated Linux microVM sandboxes (Debian with bash and Python 3). Tools called \
+                 without sandbox_id use this session's sandbox: the one this session created last with \
+                 sandbox_create (after sandbox_merge_into removed it, the parent it was merged into), else one \
+                 made on first use (removed when the session ends). Pass sandbox_id to use another. Python \
+                 state persists between sandbox_run_python calls. Every result fits a 512 KiB budget: long \
+                 output is cut and marked truncated with its full size; read files in chunks with offset.",
             )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every tool's input and output schema, as `tools/list` sends them,
+    /// uses only standard JSON Schema keywords and formats.
+    #[test]
+    fn every_tool_schema_is_standard_json_schema() {
+        let tools = router().list_all();
+        assert!(tools.len() >= 15, "{} tools", tools.len());
+        let mut found = Vec::new();
+        for t in &tools {
+            found.extend(schema::nonstandard(&t.input_schema, &format!("{}: input #", t.name)));
+            let output = t.output_schema.as_ref().unwrap_or_else(|| panic!("{} has no output schema", t.name));
+            found.extend(schema::nonstandard(output, &format!("{}: output #", t.name)));
+        }
+        assert!(found.is_empty(), "non-standard JSON Schema:\n{}", found.join("\n"));
+        // The raw schemars output has them; the check would catch them.
+        let raw = TineMcp::tool_router().list_all();
+        let raw_found: usize =
+            raw.iter().filter_map(|t| t.output_schema.as_ref()).map(|s| schema::nonstandard(s, "#").len()).sum();
+        assert!(raw_found > 0, "schemars emits width formats; the check finds them");
+        // The bound a width format implied is kept.
+        let create = tools.iter().find(|t| t.name == "sandbox_create").unwrap();
+        let out = serde_json::Value::Object(JsonObject::clone(create.output_schema.as_ref().unwrap()));
+        assert!(out.to_string().contains("\"maximum\""), "{out}");
     }
 }

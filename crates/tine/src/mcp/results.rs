@@ -5,20 +5,29 @@
 use schemars::JsonSchema;
 use serde::Serialize;
 use tine_protocol::{DirEntry, ExecReply, ExitStatus, FileKind, Output, PythonReply};
-use tine_sandbox::{SandboxInfo, TemplateInfo};
+use tine_sandbox::{DiffReport, SandboxInfo, TemplateInfo};
+
+use super::budget;
 
 /// `template_list`'s result.
 #[derive(Debug, Serialize, JsonSchema)]
 pub struct TemplateListResult {
-    /// Every template, by name.
+    /// Every template, by name; the first ones only if `truncated`.
     pub templates: Vec<TemplateInfo>,
+    /// Templates were left out to fit the result budget.
+    pub truncated: bool,
 }
 
 /// `sandbox_list`'s result.
 #[derive(Debug, Serialize, JsonSchema)]
 pub struct ListResult {
-    /// The sandboxes, by id.
+    /// The sandboxes, by id; the first ones only if `truncated`.
     pub sandboxes: Vec<SandboxInfo>,
+    /// How many sandboxes matched.
+    pub total: u64,
+    /// Sandboxes were left out to fit the result budget (filter by labels
+    /// to see the others).
+    pub truncated: bool,
 }
 
 /// `sandbox_kill`'s result.
@@ -30,7 +39,9 @@ pub struct KillResult {
     pub killed: bool,
 }
 
-/// `sandbox_exec`'s result.
+/// `sandbox_exec`'s result. Each stream is cut to [`EXEC_STREAM_BUDGET`]
+/// bytes of JSON (after the agent's own 32 KiB cap per stream);
+/// `stdout_bytes` and `stderr_bytes` say how much the command wrote.
 #[derive(Debug, Serialize, JsonSchema)]
 pub struct ExecResult {
     /// The sandbox.
@@ -41,11 +52,17 @@ pub struct ExecResult {
     pub signal: Option<i32>,
     /// Killed at its timeout.
     pub timed_out: bool,
-    /// Standard output (invalid UTF-8 replaced).
+    /// Standard output (invalid UTF-8 replaced), possibly cut.
     pub stdout: String,
-    /// Standard error (invalid UTF-8 replaced).
+    /// Standard error (invalid UTF-8 replaced), possibly cut.
     pub stderr: String,
-    /// Output past the 32 KiB cap per stream was dropped.
+    /// Bytes the command wrote to stdout in all.
+    pub stdout_bytes: u64,
+    /// Bytes the command wrote to stderr in all.
+    pub stderr_bytes: u64,
+    /// Output was cut: past 32 KiB per stream, or to fit the result
+    /// budget. Redirect to a file and read it with sandbox_files_read for
+    /// all of it.
     pub truncated: bool,
     /// Wall time (ms).
     pub duration_ms: u64,
@@ -56,23 +73,36 @@ pub struct ExecResult {
 pub struct PythonError {
     /// Type name, e.g. `ZeroDivisionError`.
     pub name: String,
-    /// `str(exception)`.
+    /// `str(exception)`, possibly cut.
     pub message: String,
-    /// The traceback.
+    /// The traceback, possibly cut (its end, the innermost frames, is kept).
     pub traceback: String,
 }
 
-/// `sandbox_run_python`'s result.
+/// `sandbox_run_python`'s result. `result` is cut to
+/// [`PY_RESULT_BUDGET`] and each stream to [`PY_STREAM_BUDGET`] bytes of
+/// JSON.
 #[derive(Debug, Serialize, JsonSchema)]
 pub struct PythonResult {
     /// The sandbox.
     pub sandbox_id: String,
-    /// `repr()` of the final expression's value, if any.
+    /// `repr()` of the final expression's value, if any; possibly cut
+    /// (see result_truncated).
     pub result: Option<String>,
-    /// Printed output.
+    /// `result` was cut to fit the result budget.
+    pub result_truncated: bool,
+    /// The whole `repr()`'s length (bytes of UTF-8), if there was one.
+    pub result_bytes: Option<u64>,
+    /// Printed output, possibly cut.
     pub stdout: String,
-    /// Standard error.
+    /// Standard error, possibly cut.
     pub stderr: String,
+    /// Bytes the cell wrote to stdout in all.
+    pub stdout_bytes: u64,
+    /// Bytes the cell wrote to stderr in all.
+    pub stderr_bytes: u64,
+    /// stdout or stderr was cut.
+    pub truncated: bool,
     /// The exception raised, if any (the state is kept).
     pub error: Option<PythonError>,
     /// Interrupted at its timeout (the state is kept).
@@ -90,10 +120,19 @@ pub struct ReadResult {
     pub content: String,
     /// Where it started (bytes).
     pub offset: u64,
-    /// The file's whole size (bytes).
+    /// Bytes of the file in `content`.
+    pub bytes: u64,
+    /// Where to read on (offset + bytes).
+    pub next_offset: u64,
+    /// The file's whole size as the sandbox reports it (bytes; 0 for
+    /// devices and most /proc files).
     pub size: u64,
-    /// Bytes after what was returned; read on with `offset`.
+    /// Bytes after what was returned, by `size`; read on with
+    /// `offset: next_offset`.
     pub remaining: u64,
+    /// Fewer bytes than asked for were returned, to fit the result budget
+    /// or because the chunk ended inside a character.
+    pub truncated: bool,
 }
 
 /// `sandbox_download`'s result.
@@ -109,9 +148,11 @@ pub struct DownloadResult {
     pub offset: u64,
     /// How many bytes.
     pub bytes: u64,
+    /// Where to download on (offset + bytes).
+    pub next_offset: u64,
     /// The file's whole size (bytes).
     pub size: u64,
-    /// Bytes after these; download on with `offset`.
+    /// Bytes after these; download on with `offset: next_offset`.
     pub remaining: u64,
 }
 
@@ -148,13 +189,104 @@ pub struct ListDirResult {
     pub sandbox_id: String,
     /// The directory.
     pub path: String,
-    /// Its entries, by name.
+    /// Its entries, by name; the first ones only if `truncated`.
     pub entries: Vec<Entry>,
+    /// How many entries the directory has.
+    pub total_entries: u64,
+    /// Entries were left out to fit the result budget.
+    pub truncated: bool,
 }
 
-/// An output stream as text (invalid UTF-8 replaced).
-fn text(o: Output) -> String {
-    String::from_utf8_lossy(&o.data).into_owned()
+/// Bytes of JSON each of `sandbox_exec`'s streams may take: 80 KiB.
+pub const EXEC_STREAM_BUDGET: usize = 80 << 10;
+/// Bytes of JSON `sandbox_run_python`'s `result` may take: 64 KiB.
+pub const PY_RESULT_BUDGET: usize = 64 << 10;
+/// Bytes of JSON each of `sandbox_run_python`'s streams may take: 32 KiB.
+pub const PY_STREAM_BUDGET: usize = 32 << 10;
+/// Bytes of JSON a Python traceback may take (its end is kept): 24 KiB.
+pub const PY_TRACEBACK_BUDGET: usize = 24 << 10;
+/// Bytes of JSON a Python exception's message may take: 8 KiB.
+pub const PY_MESSAGE_BUDGET: usize = 8 << 10;
+/// Bytes of JSON a Python exception's type name may take.
+pub const PY_NAME_BUDGET: usize = 256;
+
+/// `sandbox_diff`'s result: the report, cut to the result budget.
+#[derive(Debug, Serialize, JsonSchema)]
+pub struct DiffResult {
+    /// The report; with `report_truncated`, the first paths of each list
+    /// only and unified diffs cut (each cut one ends in a line saying so).
+    #[serde(flatten)]
+    pub report: DiffReport,
+    /// Paths or unified-diff text were left out to fit the result budget.
+    /// Compare fewer files, leave out `unified`, or read files directly.
+    pub report_truncated: bool,
+    /// How many changed paths the report has (added + removed + modified),
+    /// listed or not.
+    pub total_changes: u64,
+}
+
+/// Bytes of JSON one unified diff may take in `sandbox_diff`: 32 KiB.
+pub const DIFF_TEXT_BUDGET: usize = 32 << 10;
+
+impl DiffResult {
+    /// `report`, cut to fit `max` bytes of JSON: each unified diff to
+    /// [`DIFF_TEXT_BUDGET`], then the lists to what fits, in the order
+    /// added, removed, modified.
+    pub fn new(mut report: DiffReport, max: usize) -> Self {
+        let total_changes = (report.added.len() + report.removed.len() + report.modified.len()) as u64;
+        let mut cut_any = false;
+        for change in report.added.iter_mut().chain(report.removed.iter_mut()).chain(report.modified.iter_mut()) {
+            if let Some(text) = change.unified_diff.take() {
+                let len = text.len();
+                let c = budget::cut(text, DIFF_TEXT_BUDGET);
+                cut_any |= c.truncated;
+                change.unified_diff = Some(if c.truncated {
+                    format!("{}\n[unified diff cut at {} of {len} bytes]\n", c.text, c.text.len())
+                } else {
+                    c.text
+                });
+            }
+        }
+        let fixed = budget::json_len(&DiffResult {
+            report: DiffReport { added: vec![], removed: vec![], modified: vec![], ..report.clone() },
+            report_truncated: true,
+            total_changes,
+        });
+        let mut room = max.saturating_sub(fixed);
+        for list in [&mut report.added, &mut report.removed, &mut report.modified] {
+            let dropped = budget::fit_list(list, room);
+            cut_any |= dropped > 0;
+            room = room.saturating_sub(budget::json_len(list));
+        }
+        DiffResult { report, report_truncated: cut_any, total_changes }
+    }
+}
+
+/// An output stream as text (invalid UTF-8 replaced), cut to `max` bytes
+/// of JSON; whether it was cut (here or by the agent).
+fn stream(o: Output, max: usize) -> (String, bool) {
+    let c = budget::cut(String::from_utf8_lossy(&o.data).into_owned(), max);
+    (c.text, c.truncated || o.truncated)
+}
+
+/// The end of `s` that fits `max` bytes of JSON, after a marker saying
+/// what was cut (tracebacks: the innermost frames are at the end).
+fn tail(s: String, max: usize) -> String {
+    if budget::escaped_len(&s) <= max {
+        return s;
+    }
+    let marker = format!("[{} bytes cut] ...", s.len());
+    let room = max.saturating_sub(budget::escaped_len(&marker));
+    let mut start = s.len();
+    let mut used = 0;
+    for (i, c) in s.char_indices().rev() {
+        used += budget::escaped_char_len(c);
+        if used > room {
+            break;
+        }
+        start = i;
+    }
+    marker + &s[start..]
 }
 
 impl ExecResult {
@@ -165,14 +297,19 @@ impl ExecResult {
             ExitStatus::Signal(s) => (None, Some(s), false),
             ExitStatus::TimedOut => (None, None, true),
         };
+        let (stdout_bytes, stderr_bytes) = (r.stdout.total_bytes, r.stderr.total_bytes);
+        let (stdout, out_cut) = stream(r.stdout, EXEC_STREAM_BUDGET);
+        let (stderr, err_cut) = stream(r.stderr, EXEC_STREAM_BUDGET);
         ExecResult {
             sandbox_id,
             exit_code,
             signal,
             timed_out,
-            truncated: r.stdout.truncated || r.stderr.truncated,
-            stdout: text(r.stdout),
-            stderr: text(r.stderr),
+            stdout,
+            stderr,
+            stdout_bytes,
+            stderr_bytes,
+            truncated: out_cut || err_cut,
             duration_ms: r.duration_ms,
         }
     }
@@ -181,12 +318,28 @@ impl ExecResult {
 impl PythonResult {
     /// The result of `sandbox_run_python` on `sandbox_id` that answered `r`.
     pub fn new(sandbox_id: String, r: PythonReply) -> Self {
+        // The guest cuts a repr over its own cap and reports the whole
+        // size; the host cuts again to its budget.
+        let result_bytes = r.value.as_ref().map(|v| if r.value_truncated { r.value_bytes } else { v.len() as u64 });
+        let value = r.value.map(|v| budget::cut(v, PY_RESULT_BUDGET));
+        let (stdout_bytes, stderr_bytes) = (r.stdout.total_bytes, r.stderr.total_bytes);
+        let (stdout, out_cut) = stream(r.stdout, PY_STREAM_BUDGET);
+        let (stderr, err_cut) = stream(r.stderr, PY_STREAM_BUDGET);
         PythonResult {
             sandbox_id,
-            result: r.value,
-            stdout: text(r.stdout),
-            stderr: text(r.stderr),
-            error: r.exception.map(|e| PythonError { name: e.name, message: e.message, traceback: e.traceback }),
+            result_truncated: r.value_truncated || value.as_ref().is_some_and(|c| c.truncated),
+            result: value.map(|c| c.text),
+            result_bytes,
+            stdout,
+            stderr,
+            stdout_bytes,
+            stderr_bytes,
+            truncated: out_cut || err_cut,
+            error: r.exception.map(|e| PythonError {
+                name: budget::cut(e.name, PY_NAME_BUDGET).text,
+                message: budget::cut(e.message, PY_MESSAGE_BUDGET).text,
+                traceback: tail(e.traceback, PY_TRACEBACK_BUDGET),
+            }),
             timed_out: r.timed_out,
         }
     }
@@ -217,4 +370,116 @@ pub struct TemplateDeleteResult {
     pub name: String,
     /// Always true.
     pub deleted: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use tine_protocol::PythonException;
+    use tine_sandbox::diff::{Kind, PathChange};
+
+    use super::*;
+    use crate::mcp::budget::{json_len, CONTENT_BUDGET};
+
+    fn output(data: Vec<u8>, truncated: bool) -> Output {
+        let total_bytes = data.len() as u64 * if truncated { 10 } else { 1 };
+        Output { data, truncated, total_bytes }
+    }
+
+    #[test]
+    fn a_5_mb_repr_and_nul_floods_fit_the_budget() {
+        let r = PythonReply {
+            value: Some(format!("'{}'", "x".repeat(5_000_000))),
+            stdout: output(vec![0; 32 << 10], true),
+            stderr: output(vec![b'"'; 32 << 10], true),
+            exception: Some(PythonException {
+                name: "E".repeat(10_000),
+                message: "\0".repeat(100_000),
+                traceback: "\u{1}".repeat(100_000) + "innermost",
+            }),
+            timed_out: false,
+            value_truncated: false,
+            value_bytes: 0,
+            interpreter_start_ms: None,
+        };
+        let p = PythonResult::new("sb-1".into(), r);
+        assert!(json_len(&p) <= CONTENT_BUDGET, "{}", json_len(&p));
+        assert!(p.result_truncated && p.truncated);
+        assert_eq!(p.result_bytes, Some(5_000_002));
+        assert!(p.result.as_ref().unwrap().starts_with("'xxx"));
+        assert_eq!(p.stdout_bytes, 10 * (32 << 10));
+        let e = p.error.unwrap();
+        assert!(e.traceback.starts_with("[100009 bytes cut] ...") && e.traceback.ends_with("innermost"), "{e:?}");
+
+        let small = PythonResult::new(
+            "sb-1".into(),
+            PythonReply {
+                value: Some("42".into()),
+                stdout: output(b"hi\n".to_vec(), false),
+                stderr: output(vec![], false),
+                exception: None,
+                timed_out: false,
+                value_truncated: false,
+                value_bytes: 0,
+                interpreter_start_ms: None,
+            },
+        );
+        assert_eq!((small.result.as_deref(), small.result_truncated, small.truncated), (Some("42"), false, false));
+        assert_eq!((small.stdout.as_str(), small.stdout_bytes), ("hi\n", 3));
+    }
+
+    #[test]
+    fn a_repr_the_guest_cut_keeps_its_whole_size() {
+        let r = PythonReply {
+            value: Some("x".repeat(64 << 10)),
+            stdout: output(vec![], false),
+            stderr: output(vec![], false),
+            exception: None,
+            timed_out: false,
+            value_truncated: true,
+            value_bytes: 5_000_002,
+            interpreter_start_ms: None,
+        };
+        let p = PythonResult::new("sb-1".into(), r);
+        assert!(p.result_truncated);
+        assert_eq!(p.result_bytes, Some(5_000_002));
+    }
+
+    #[test]
+    fn exec_streams_of_control_bytes_fit_the_budget() {
+        let r = ExecReply {
+            status: ExitStatus::Code(0),
+            stdout: output(vec![1; 32 << 10], true),
+            stderr: output(vec![0xff; 32 << 10], false),
+            duration_ms: 1,
+        };
+        let x = ExecResult::new("sb-1".into(), r);
+        assert!(json_len(&x) <= CONTENT_BUDGET, "{}", json_len(&x));
+        assert!(x.truncated);
+        assert_eq!((x.stdout_bytes, x.stderr_bytes), (10 * (32 << 10), 32 << 10));
+    }
+
+    #[test]
+    fn a_large_diff_report_is_cut_to_the_budget() {
+        let change = |i: usize| PathChange {
+            path: format!("/work/file-{i:06}-{}", "\0".repeat(50)),
+            kind: Kind::File,
+            a: None,
+            b: None,
+            unified_diff: Some("+\"line\"\n".repeat(20_000)),
+        };
+        let report = DiffReport {
+            a: "sb-1".into(),
+            b: "sb-2".into(),
+            added: (0..5000).map(change).collect(),
+            removed: vec![],
+            modified: (0..5000).map(change).collect(),
+            truncated: false,
+        };
+        let d = DiffResult::new(report, CONTENT_BUDGET);
+        assert!(json_len(&d) <= CONTENT_BUDGET, "{}", json_len(&d));
+        assert!(d.report_truncated);
+        assert_eq!(d.total_changes, 10_000);
+        let first = d.report.added[0].unified_diff.as_ref().unwrap();
+        assert!(first.ends_with(&format!("of {} bytes]\n", 20_000 * 8)), "{}", &first[first.len() - 80..]);
+    }
 }
