@@ -83,13 +83,7 @@ fn is_limit_error(e: &str) -> bool {
 /// The load test: 24 sessions at once, each a create, a one-line
 /// Python cell, an exec and a kill, against default limits (16 live
 /// sandboxes).
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn twenty_four_sessions_at_once() {
-    if !testkit::kvm_available("twenty_four_sessions_at_once") {
-        return;
-    }
-    let _serial = SERIAL.lock().await;
-    let server = server();
+async fn twenty_four_sessions_at_once(server: &TineServer) {
     let pid = server.pid();
     let before = settles_to(pid, usage(pid), "the default template's build").await;
 
@@ -152,9 +146,7 @@ async fn twenty_four_sessions_at_once() {
 /// Runs `creates` create/exec/kill cycles (template restores) and
 /// `branches` branch/kill cycles on one server; checks that its threads and
 /// fds come back to the start and its RSS grows by less than `rss_noise_kib`.
-async fn soak(creates: usize, branches: usize, rss_noise_kib: u64) {
-    let _serial = SERIAL.lock().await;
-    let server = server();
+async fn soak(server: &TineServer, creates: usize, branches: usize, rss_noise_kib: u64) {
     let pid = server.pid();
     let client = server.client().await;
     // One warm-up cycle first: the first restore maps the template and
@@ -203,16 +195,20 @@ async fn soak(creates: usize, branches: usize, rss_noise_kib: u64) {
     assert!(grew < rss_noise_kib, "RSS grew {grew} KiB over {creates}+{branches} cycles (bound {rss_noise_kib} KiB)");
 }
 
-/// The soak's short version, in CI: 50 create cycles and 5 branch cycles.
-/// RSS noise bound: 32 MiB (allocator arenas and the tokio pools settle
-/// into it; a per-cycle leak of a guest's memory or a VM's threads would
-/// not fit).
+/// In CI, on one server (one default-template build): the 24-session load
+/// test, then the soak's short version (50 create cycles, 5 branch
+/// cycles). RSS noise bound: 32 MiB (allocator arenas and the tokio pools
+/// settle into it; a per-cycle leak of a guest's memory or a VM's threads
+/// would not fit).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn soak_short() {
-    if !testkit::kvm_available("soak_short") {
+async fn load_then_short_soak() {
+    if !testkit::kvm_available("load_then_short_soak") {
         return;
     }
-    soak(50, 5, 32 << 10).await;
+    let _serial = SERIAL.lock().await;
+    let server = server();
+    twenty_four_sessions_at_once(&server).await;
+    soak(&server, 50, 5, 32 << 10).await;
 }
 
 /// The full soak (500 create cycles, 50 branch cycles); on demand.
@@ -222,5 +218,7 @@ async fn soak_full() {
     if !testkit::kvm_available("soak_full") {
         return;
     }
-    soak(500, 50, 64 << 10).await;
+    let _serial = SERIAL.lock().await;
+    let server = server();
+    soak(&server, 500, 50, 64 << 10).await;
 }
