@@ -238,4 +238,11 @@ async fn warm_up_python(sb: &Sandbox) {
         Ok(None) => tracing::info!(sandbox = %sb.id, "Python interpreter warmed up for a snapshot"),
         Err(e) => tracing::warn!(sandbox = %sb.id, "no warmed-up Python interpreter in the snapshot: {e}"),
     }
+    // The shell too: a command run through `bash -c` once pages bash and
+    // the C library into the guest's page cache, which the snapshot keeps,
+    // so restored sandboxes' first commands do not read them from disk.
+    match agent.exec("ls / >/dev/null", 60_000, 1024).await {
+        Ok(_) => tracing::info!(sandbox = %sb.id, "shell warmed up for a snapshot"),
+        Err(e) => tracing::warn!(sandbox = %sb.id, "shell warm-up before a snapshot failed: {e}"),
+    }
 }
