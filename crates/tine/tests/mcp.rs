@@ -66,6 +66,10 @@ async fn mcp_end_to_end() {
     // socket: /healthz is open, and a foreign Host is refused.
     let health = http.get(format!("{}/healthz", server.base)).send().await.unwrap();
     assert_eq!(health.status(), 200);
+    // Without the token it says only that the server is up.
+    assert_eq!(health.json::<Value>().await.unwrap(), json!({"status": "ok"}));
+    let health = http.get(format!("{}/healthz", server.base)).bearer_auth(TOKEN).send().await.unwrap();
+    assert_eq!(health.json::<Value>().await.unwrap()["sandboxes"], 0);
     // A Host header outside the allowed list is refused (DNS rebinding).
     let r = http
         .post(&server.url)
