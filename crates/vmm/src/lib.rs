@@ -13,6 +13,7 @@ pub mod devices;
 pub mod event_loop;
 pub mod host;
 pub mod memory;
+pub mod seccomp;
 pub mod snapshot;
 pub mod sync;
 pub mod uffd;
