@@ -1,97 +1,261 @@
 //! `tine doctor`: checks what the server needs on this host and says how to
-//! fix each missing piece.
+//! fix each missing piece: KVM, userfaultfd, seccomp, least privilege (not
+//! root, `/dev/kvm` through a group), the images, the token file's and the
+//! data directory's modes, free memory. Run it as the user the server runs
+//! as (`sudo -u tine tine doctor --config /etc/tine/tine.toml` for the
+//! systemd service).
 
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::Path;
 use std::process::ExitCode;
 
+use vmm::seccomp::{self, Mode, ThreadKind};
 use vmm::HostProfile;
 
 use crate::config::{self, ConfigError};
 
+/// How a check came out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Level {
+    /// Fine.
+    Ok,
+    /// Works, but weaker or slower than it should be.
+    Warn,
+    /// The server cannot work (or not safely) until this is fixed.
+    Fail,
+}
+
 /// One check's outcome.
 struct Check {
     name: &'static str,
-    ok: bool,
-    /// A failed advisory check prints `warn` and does not fail the run.
-    advisory: bool,
+    level: Level,
     detail: String,
-    fix: &'static str,
+    fix: String,
+}
+
+impl Check {
+    fn new(name: &'static str, level: Level, detail: impl Into<String>, fix: impl Into<String>) -> Self {
+        Check { name, level, detail: detail.into(), fix: fix.into() }
+    }
+}
+
+/// The service's user (deploy/install.sh creates it).
+const SERVICE_USER: &str = "tine";
+
+fn euid() -> u32 {
+    // SAFETY: geteuid(2) takes nothing and cannot fail.
+    unsafe { libc::geteuid() }
+}
+
+/// The name of group `gid` from /etc/group, if listed.
+fn group_name(gid: u32) -> Option<String> {
+    let groups = std::fs::read_to_string("/etc/group").ok()?;
+    groups.lines().find_map(|l| {
+        let mut f = l.split(':');
+        let name = f.next()?;
+        let _ = f.next();
+        (f.next()?.parse::<u32>().ok()? == gid).then(|| name.to_string())
+    })
+}
+
+fn check_user() -> Check {
+    if euid() == 0 {
+        Check::new(
+            "least privilege",
+            Level::Warn,
+            "running as root: a guest that escaped the VMM would own the host",
+            format!(
+                "run the server as the unprivileged user '{SERVICE_USER}' in the kvm group (deploy/install.sh \
+                 creates it; deploy/tine.service runs it with no capabilities); check it with \
+                 'sudo -u {SERVICE_USER} tine doctor'"
+            ),
+        )
+    } else {
+        Check::new("least privilege", Level::Ok, format!("not root (uid {})", euid()), "")
+    }
 }
 
 fn check_kvm() -> Check {
-    let (ok, detail) = match kvm_ioctls::Kvm::new() {
-        Ok(kvm) => (true, format!("API version {}, host profile {}", kvm.get_api_version(), HostProfile::detect())),
-        Err(e) => (false, format!("cannot open /dev/kvm: {e}")),
-    };
-    Check {
-        name: "KVM",
-        ok,
-        advisory: false,
-        detail,
-        fix: "enable virtualization in the firmware, load kvm_intel or kvm_amd, and add the server's user to the kvm group",
+    let dev = Path::new("/dev/kvm");
+    let owner = std::fs::metadata(dev).ok().map(|m| {
+        let group = group_name(m.gid()).unwrap_or_else(|| m.gid().to_string());
+        (group, m.permissions().mode() & 0o777)
+    });
+    let shape = owner.as_ref().map(|(g, m)| format!("group {g}, mode {m:04o}")).unwrap_or_else(|| "missing".into());
+    match kvm_ioctls::Kvm::new() {
+        Ok(kvm) => {
+            let detail = format!(
+                "API version {}, host profile {}, /dev/kvm {shape}",
+                kvm.get_api_version(),
+                HostProfile::detect()
+            );
+            // Root opens it anyway; the service user needs group access.
+            let group_rw = owner.as_ref().is_some_and(|(_, m)| m & 0o060 == 0o060);
+            if euid() == 0 && !group_rw {
+                return Check::new(
+                    "KVM",
+                    Level::Warn,
+                    format!("{detail}: only root can open it, not the service user"),
+                    "give the kvm group read-write access: a udev rule KERNEL==\"kvm\", GROUP=\"kvm\", MODE=\"0660\" \
+                     (deploy/install.sh installs one), then 'udevadm trigger /dev/kvm'",
+                );
+            }
+            Check::new("KVM", Level::Ok, detail, "")
+        }
+        Err(e) if e.errno() == libc::EACCES || e.errno() == libc::EPERM => Check::new(
+            "KVM",
+            Level::Fail,
+            format!("cannot open /dev/kvm ({shape}): {e}"),
+            format!(
+                "add this user to the group that owns /dev/kvm ('usermod -aG {} {SERVICE_USER}', then log in again), \
+                 with that group given read-write access (udev rule KERNEL==\"kvm\", GROUP=\"kvm\", MODE=\"0660\")",
+                owner.map(|(g, _)| g).unwrap_or_else(|| "kvm".into())
+            ),
+        ),
+        Err(e) => Check::new(
+            "KVM",
+            Level::Fail,
+            format!("cannot open /dev/kvm: {e}"),
+            "enable virtualization in the firmware and load kvm_intel or kvm_amd",
+        ),
     }
 }
 
 fn check_userfaultfd() -> Check {
-    let dev = Path::new("/dev/userfaultfd");
     let sysctl = std::fs::read_to_string("/proc/sys/vm/unprivileged_userfaultfd").unwrap_or_default();
-    let ok = std::fs::OpenOptions::new().read(true).write(true).open(dev).is_ok();
-    Check {
-        name: "userfaultfd",
-        ok,
-        advisory: false,
-        detail: if ok {
-            "/dev/userfaultfd opens".into()
-        } else {
-            format!("/dev/userfaultfd cannot be opened (vm.unprivileged_userfaultfd = {})", sysctl.trim())
-        },
-        fix: "give the server's user access to /dev/userfaultfd (Linux 6.1+; deploy/install.sh writes a udev rule for group \
-              tine); lazy restores and live branches need it",
+    // What the VMM itself asks for: a userfaultfd that also sees the
+    // kernel's (KVM's) faults, which UFFD_USER_MODE_ONLY would not.
+    match vmm::uffd::create_wp_uffd() {
+        Ok(_) => Check::new("userfaultfd", Level::Ok, "available, kernel faults included", ""),
+        Err(e) => Check::new(
+            "userfaultfd",
+            Level::Warn,
+            format!("{e} (vm.unprivileged_userfaultfd = {})", sysctl.trim()),
+            format!(
+                "optional: without it branches copy guest memory while the VM is paused and memory_backing = \
+                 \"userfaultfd\" falls back to \"private\". Give the service user /dev/userfaultfd (Linux 6.1+): a \
+                 udev rule KERNEL==\"userfaultfd\", GROUP=\"{SERVICE_USER}\", MODE=\"0660\" (deploy/install.sh \
+                 installs it). User-mode-only userfaultfds do not see KVM's faults, so they cannot \
+                 serve guest memory"
+            ),
+        ),
     }
 }
 
-/// The server needs no privileges: a dedicated user in the `kvm` group
-/// (deploy/tine.service). Root works but is a failure here, so that a
-/// service running as root gets noticed.
-fn check_user() -> Check {
-    // SAFETY: geteuid(2) has no arguments and cannot fail.
-    let uid = unsafe { libc::geteuid() };
-    Check {
-        name: "user",
-        ok: uid != 0,
-        advisory: true,
-        detail: if uid == 0 { "running as root".into() } else { format!("running as uid {uid}, not root") },
-        fix: "run the server as a dedicated user in the kvm group with no capabilities (deploy/install.sh makes user \
-              tine; deploy/tine.service runs as it)",
-    }
-}
-
-/// Seccomp filters (`seccomp(2)`, filter mode) must be available: the VMM
-/// confines its vCPU, device and userfaultfd threads with them. The
-/// kernel shows support as the `Seccomp:` line of `/proc/self/status`
-/// (proc(5)).
 fn check_seccomp() -> Check {
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    let mode = status.lines().find_map(|l| l.strip_prefix("Seccomp:")).map(str::trim);
-    Check {
-        name: "seccomp",
-        ok: mode.is_some(),
-        advisory: false,
-        detail: match mode {
-            Some(m) => format!("seccomp available (this process: mode {m})"),
-            None => "the kernel has no seccomp (no Seccomp: line in /proc/self/status)".into(),
-        },
-        fix: "use a kernel built with CONFIG_SECCOMP_FILTER=y",
+    if !status.lines().any(|l| l.starts_with("Seccomp:")) {
+        return Check::new(
+            "seccomp",
+            Level::Fail,
+            "this kernel has no seccomp (no Seccomp: line in /proc/self/status)",
+            "use a kernel built with CONFIG_SECCOMP and CONFIG_SECCOMP_FILTER; the VMM threads' filters need it",
+        );
+    }
+    // Install a VMM thread's filter on a throwaway thread: the real test of
+    // filter support. The thread ends; no other thread is filtered.
+    let installed = std::thread::spawn(|| seccomp::install_with(ThreadKind::Devices, Mode::Enforce))
+        .join()
+        .unwrap_or_else(|_| Err(seccomp::SeccompError::Install { kind: ThreadKind::Devices, reason: "panic".into() }));
+    match (installed, seccomp::mode()) {
+        (Err(e), _) => Check::new(
+            "seccomp",
+            Level::Fail,
+            e.to_string(),
+            "use a kernel built with CONFIG_SECCOMP_FILTER; the VMM threads' filters need it",
+        ),
+        (Ok(()), Mode::Enforce) => Check::new(
+            "seccomp",
+            Level::Ok,
+            format!(
+                "filters install; {} / {} / {} system calls allowed on vCPU / device / userfaultfd threads",
+                seccomp::allowlist_len(ThreadKind::Vcpu),
+                seccomp::allowlist_len(ThreadKind::Devices),
+                seccomp::allowlist_len(ThreadKind::Uffd)
+            ),
+            "",
+        ),
+        (Ok(()), mode) => Check::new(
+            "seccomp",
+            Level::Warn,
+            format!("{}={mode:?}: VMM threads are not held to their allowlists", seccomp::ENV_VAR),
+            format!("unset {} (it is for debugging only)", seccomp::ENV_VAR),
+        ),
+    }
+}
+
+/// A token file must be its owner's only: the token lets anyone run code
+/// in every sandbox.
+fn check_token_file(path: &Path) -> Check {
+    match std::fs::metadata(path) {
+        Err(e) => Check::new(
+            "token file",
+            Level::Fail,
+            format!("{}: {e}", path.display()),
+            "create it with 'tine server keygen --out FILE' (mode 0600)",
+        ),
+        Ok(m) if m.permissions().mode() & 0o077 != 0 => Check::new(
+            "token file",
+            Level::Fail,
+            format!(
+                "{} has mode {:04o}: group or others can read the token",
+                path.display(),
+                m.permissions().mode() & 0o7777
+            ),
+            format!("chmod 600 {}", path.display()),
+        ),
+        Ok(m) => Check::new(
+            "token file",
+            Level::Ok,
+            format!("{} (mode {:04o})", path.display(), m.permissions().mode() & 0o7777),
+            "",
+        ),
+    }
+}
+
+/// The data directory (guest memory, snapshots, templates, sockets) must
+/// be the server's only.
+fn check_data_dir(dir: &Path) -> Check {
+    match std::fs::metadata(dir) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            Check::new("data directory", Level::Ok, format!("{} (made with mode 0700 at start)", dir.display()), "")
+        }
+        Err(e) => Check::new(
+            "data directory",
+            Level::Fail,
+            format!("{}: {e}", dir.display()),
+            format!(
+                "make it reachable for the server's user, e.g. 'install -d -m 0700 -o {SERVICE_USER} {}'",
+                dir.display()
+            ),
+        ),
+        Ok(m) if m.uid() != euid() => Check::new(
+            "data directory",
+            Level::Fail,
+            format!("{} belongs to uid {}, not to this user (uid {})", dir.display(), m.uid(), euid()),
+            format!("chown -R {SERVICE_USER}: {} (or run doctor as the server's user)", dir.display()),
+        ),
+        Ok(m) if m.permissions().mode() & 0o077 != 0 => Check::new(
+            "data directory",
+            Level::Fail,
+            format!(
+                "{} has mode {:04o}: others can reach guest memory and sockets",
+                dir.display(),
+                m.permissions().mode() & 0o7777
+            ),
+            format!("chmod 700 {}", dir.display()),
+        ),
+        Ok(_) => Check::new("data directory", Level::Ok, format!("{} (mode 0700)", dir.display()), ""),
     }
 }
 
 fn check_image(name: &'static str, what: &'static str, path: &Path) -> Check {
-    let (ok, detail) = match config::check_image(what, path) {
-        Ok(len) => (true, format!("{} ({} MiB)", path.display(), len >> 20)),
-        Err(ConfigError::MissingImage { reason, .. }) => (false, format!("{}: {reason}", path.display())),
-        Err(e) => (false, e.to_string()),
+    let (level, detail) = match config::check_image(what, path) {
+        Ok(len) => (Level::Ok, format!("{} ({} MiB)", path.display(), len >> 20)),
+        Err(ConfigError::MissingImage { reason, .. }) => (Level::Fail, format!("{}: {reason}", path.display())),
+        Err(e) => (Level::Fail, e.to_string()),
     };
-    Check { name, ok, advisory: false, detail, fix: config::IMAGE_FIX }
+    Check::new(name, level, detail, config::IMAGE_FIX)
 }
 
 fn check_memory() -> Check {
@@ -102,37 +266,34 @@ fn check_memory() -> Check {
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
         .unwrap_or(0);
     let mib = avail_kib / 1024;
-    Check {
-        name: "free memory",
-        ok: mib >= 1024,
-        advisory: false,
-        detail: format!("{mib} MiB available"),
-        fix:
-            "free memory or lower [limits] default_memory_mib and max_sandboxes; each sandbox uses up to its memory_mib",
-    }
+    Check::new(
+        "free memory",
+        if mib >= 1024 { Level::Ok } else { Level::Fail },
+        format!("{mib} MiB available"),
+        "free memory or lower [limits] default_memory_mib and max_sandboxes; each sandbox uses up to its memory_mib",
+    )
 }
 
-/// Runs every check, prints one line each (with the fix for failures) and
-/// returns failure if any check failed.
-pub fn run(kernel: &Path, rootfs: &Path) -> ExitCode {
-    let checks = [
-        check_user(),
-        check_kvm(),
-        check_userfaultfd(),
-        check_seccomp(),
-        check_image("guest kernel", config::KERNEL, kernel),
-        check_image("root filesystem", config::ROOTFS, rootfs),
-        check_memory(),
-    ];
+/// Runs every check, prints one line each (with the fix for warnings and
+/// failures) and returns failure if any check failed.
+pub(crate) fn run(r: &crate::Resolved) -> ExitCode {
+    let mut checks = vec![check_user(), check_kvm(), check_userfaultfd(), check_seccomp()];
+    checks.push(check_image("guest kernel", config::KERNEL, &r.kernel));
+    checks.push(check_image("root filesystem", config::ROOTFS, &r.rootfs));
+    checks.push(check_data_dir(&r.data_dir));
+    if let Some(token) = &r.file.token_file {
+        checks.push(check_token_file(token));
+    }
+    checks.push(check_memory());
     let mut failed = 0;
     for c in &checks {
-        if c.ok {
-            println!("ok    {:<16} {}", c.name, c.detail);
-        } else if c.advisory {
-            println!("warn  {:<16} {}\n      fix: {}", c.name, c.detail, c.fix);
-        } else {
-            failed += 1;
-            println!("FAIL  {:<16} {}\n      fix: {}", c.name, c.detail, c.fix);
+        match c.level {
+            Level::Ok => println!("ok    {:<16} {}", c.name, c.detail),
+            Level::Warn => println!("warn  {:<16} {}\n      fix: {}", c.name, c.detail, c.fix),
+            Level::Fail => {
+                failed += 1;
+                println!("FAIL  {:<16} {}\n      fix: {}", c.name, c.detail, c.fix);
+            }
         }
     }
     if failed == 0 {
@@ -141,5 +302,63 @@ pub fn run(kernel: &Path, rootfs: &Path) -> ExitCode {
     } else {
         println!("{failed} check(s) failed");
         ExitCode::FAILURE
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn set_mode(p: &Path, mode: u32) {
+        std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).unwrap();
+    }
+
+    #[test]
+    fn a_token_file_others_can_read_fails_with_the_chmod() {
+        let dir = tempfile::tempdir().unwrap();
+        let token = dir.path().join("token");
+        std::fs::write(&token, "secret").unwrap();
+        set_mode(&token, 0o644);
+        let c = check_token_file(&token);
+        assert_eq!(c.level, Level::Fail);
+        assert!(c.detail.contains("mode 0644"), "{}", c.detail);
+        assert_eq!(c.fix, format!("chmod 600 {}", token.display()));
+        set_mode(&token, 0o600);
+        assert_eq!(check_token_file(&token).level, Level::Ok);
+        assert_eq!(check_token_file(&dir.path().join("missing")).level, Level::Fail);
+    }
+
+    #[test]
+    fn a_data_dir_others_can_enter_fails_with_the_chmod() {
+        let dir = tempfile::tempdir().unwrap();
+        let data = dir.path().join("data");
+        assert_eq!(check_data_dir(&data).level, Level::Ok, "a missing one is made 0700");
+        std::fs::create_dir(&data).unwrap();
+        set_mode(&data, 0o755);
+        let c = check_data_dir(&data);
+        assert_eq!(c.level, Level::Fail);
+        assert_eq!(c.fix, format!("chmod 700 {}", data.display()));
+        set_mode(&data, 0o700);
+        assert_eq!(check_data_dir(&data).level, Level::Ok);
+    }
+
+    #[test]
+    fn seccomp_filters_install_here() {
+        let c = check_seccomp();
+        assert_eq!(c.level, Level::Ok, "{}: {}", c.detail, c.fix);
+        // The check's thread ended; this one is not filtered.
+        assert_eq!(seccomp::installed(), None);
+        assert!(std::fs::read_to_string("/proc/self/status").unwrap().contains("Seccomp:\t0"));
+    }
+
+    #[test]
+    fn root_is_warned_about() {
+        let c = check_user();
+        if euid() == 0 {
+            assert_eq!(c.level, Level::Warn);
+            assert!(c.fix.contains("sudo -u tine tine doctor"));
+        } else {
+            assert_eq!(c.level, Level::Ok);
+        }
     }
 }

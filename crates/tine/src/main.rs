@@ -400,7 +400,7 @@ fn main() -> ExitCode {
         Command::Server(ServerCommand::Start(args)) => start(args),
         Command::Server(ServerCommand::Keygen { out }) => keygen(out),
         Command::Template(cmd) => template(cmd),
-        Command::Doctor(args) => resolve(&args).map(|r| doctor::run(&r.kernel, &r.rootfs)),
+        Command::Doctor(args) => resolve(&args).map(|r| doctor::run(&r)),
     };
     match result {
         Ok(code) => code,

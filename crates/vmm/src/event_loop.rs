@@ -83,7 +83,10 @@ impl EventLoop {
         let stop_dup = stop.try_clone().map_err(EventLoopError::Setup)?;
         let thread = std::thread::Builder::new()
             .name(format!("devices-{name}"))
-            .spawn(move || run(epoll, stop_dup, devices, evts))
+            .spawn(move || {
+                crate::seccomp::install_or_log(crate::seccomp::ThreadKind::Devices);
+                run(epoll, stop_dup, devices, evts)
+            })
             .map_err(EventLoopError::Thread)?;
         Ok(EventLoop { stop, thread: Some(thread) })
     }

@@ -162,7 +162,10 @@ impl Handler {
         };
         let thread = std::thread::Builder::new()
             .name(format!("uffd-{name}"))
-            .spawn(move || worker.run())
+            .spawn(move || {
+                crate::seccomp::install_or_log(crate::seccomp::ThreadKind::Uffd);
+                worker.run()
+            })
             .map_err(UffdError::Setup)?;
         Ok(Handler { uffd, stop, thread: Some(thread), shared })
     }

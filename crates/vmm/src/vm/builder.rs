@@ -314,7 +314,10 @@ impl<'a> Builder<'a> {
         };
         for vcpu in vcpus {
             let name = format!("vcpu{}-{}", vcpu.index, config.name);
-            match std::thread::Builder::new().name(name).spawn(move || vcpu.run()) {
+            match std::thread::Builder::new().name(name).spawn(move || {
+                crate::seccomp::install_or_log(crate::seccomp::ThreadKind::Vcpu);
+                vcpu.run()
+            }) {
                 Ok(t) => running.threads.push(t),
                 Err(e) => {
                     let _ = running.stop();

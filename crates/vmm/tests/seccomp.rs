@@ -1,0 +1,332 @@
+//! The VMM threads' seccomp filters (`vmm::seccomp`): a thread with a
+//! filter installed that makes a call outside its allowlist takes the whole
+//! process down with SIGSYS, while the calls the thread kind needs (a real
+//! vCPU's ioctls, allocation, locks, logging, the thread's own end) go
+//! through. Each case runs in a child process: this test binary re-executed
+//! with [`CASE_ENV`] naming the case, running only the `child` test.
+//!
+//! The KVM test suites (snapshot, branch, agent, virtio_vsock, ...) run
+//! with the filters on, which is what shows the allowlists are complete.
+
+use std::os::fd::AsRawFd;
+use std::os::unix::process::ExitStatusExt;
+use std::process::{Command, Output};
+
+use vmm::seccomp::{self, Mode, ThreadKind};
+
+/// The variable that makes this binary's `child` test run a case.
+const CASE_ENV: &str = "TINE_SECCOMP_TEST_CASE";
+/// What a child prints once the allowed calls went through.
+const ALLOWED_OK: &str = "allowed calls ok";
+
+/// Runs `case` in a child process and returns its output.
+fn run_child(case: &str) -> Output {
+    Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "child", "--nocapture", "--test-threads=1"])
+        .env(CASE_ENV, case)
+        .env_remove(seccomp::ENV_VAR)
+        .output()
+        .expect("the test binary re-executes")
+}
+
+fn assert_killed_by_sigsys(case: &str) {
+    let out = run_child(case);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.signal(), Some(libc::SIGSYS), "{case}: {:?}; stderr:\n{stderr}", out.status);
+    assert!(stderr.contains(ALLOWED_OK), "{case}: the allowed calls did not all go through; stderr:\n{stderr}");
+    assert!(!stderr.contains("survived"), "{case}: stderr:\n{stderr}");
+}
+
+/// Runs `f` on a new thread that installs `kind`'s filter first (as the VMM
+/// threads do) and waits for it.
+fn on_filtered_thread(kind: ThreadKind, mode: Mode, f: impl FnOnce() + Send + 'static) {
+    std::thread::Builder::new()
+        .name(format!("{kind:?}-test"))
+        .spawn(move || {
+            EVENTFD.with(|_| ());
+            seccomp::install_with(kind, mode).expect("the filter installs");
+            assert_eq!(seccomp::installed(), Some(kind));
+            f()
+        })
+        .unwrap()
+        .join()
+        .unwrap();
+}
+
+/// What every VMM thread does: allocate and free (large and small, so both
+/// brk/arenas and mmap), take locks, read the clock, sleep, signal an
+/// eventfd.
+fn everyday_calls() {
+    let big = vec![7u8; 64 << 20];
+    assert_eq!(big.iter().step_by(4096).map(|&b| u64::from(b)).sum::<u64>(), 7 * (64 << 20) / 4096);
+    drop(big);
+    let small: Vec<String> = (0..10_000).map(|i| i.to_string()).collect();
+    let m = std::sync::Mutex::new(small.len());
+    *m.lock().unwrap() += 1;
+    let t = std::time::Instant::now();
+    std::thread::sleep(std::time::Duration::from_millis(1));
+    assert!(t.elapsed().as_nanos() > 0);
+    let map: std::collections::HashMap<u32, u32> = (0..100).map(|i| (i, i)).collect();
+    assert_eq!(map.len(), 100);
+    // An eventfd made before the filter (as the VMM's are): read, written,
+    // closed.
+    EVENTFD.with(|e| {
+        e.write(1).unwrap();
+        assert_eq!(e.read().unwrap(), 1);
+    });
+}
+
+thread_local! {
+    static EVENTFD: vmm_sys_util::eventfd::EventFd = vmm_sys_util::eventfd::EventFd::new(libc::EFD_NONBLOCK).unwrap();
+}
+
+/// A real VM and vCPU (no guest: nothing runs), made before any filter.
+fn kvm_vcpu() -> (kvm_ioctls::VmFd, kvm_ioctls::VcpuFd) {
+    let kvm = kvm_ioctls::Kvm::new().expect("/dev/kvm");
+    let vm = kvm.create_vm().expect("KVM_CREATE_VM");
+    let vcpu = vm.create_vcpu(0).expect("KVM_CREATE_VCPU");
+    (vm, vcpu)
+}
+
+/// The child side: runs the case [`CASE_ENV`] names, then exits; does
+/// nothing in a normal test run.
+#[test]
+fn child() {
+    let Ok(case) = std::env::var(CASE_ENV) else { return };
+    match case.as_str() {
+        // A vCPU thread reads its vCPU's registers and state, then opens a
+        // network socket: no vCPU thread ever does.
+        "vcpu-socket" => {
+            let (_vm, vcpu) = kvm_vcpu();
+            on_filtered_thread(ThreadKind::Vcpu, Mode::Enforce, move || {
+                everyday_calls();
+                vcpu.get_regs().expect("KVM_GET_REGS is allowed");
+                vcpu.get_sregs().expect("KVM_GET_SREGS is allowed");
+                eprintln!("{ALLOWED_OK}");
+                // SAFETY: a plain socket(2) call; the fd is closed if it
+                // (wrongly) is made.
+                let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0) };
+                eprintln!("survived socket(): {fd}");
+            });
+        }
+        // A vCPU thread makes a KVM ioctl it has no business making (a new
+        // vCPU on the VM fd): ioctl is allowed only for the vCPU requests.
+        "vcpu-ioctl" => {
+            let (vm, vcpu) = kvm_vcpu();
+            on_filtered_thread(ThreadKind::Vcpu, Mode::Enforce, move || {
+                vcpu.get_regs().expect("KVM_GET_REGS is allowed");
+                eprintln!("{ALLOWED_OK}");
+                let r = vm.create_vcpu(1);
+                eprintln!("survived KVM_CREATE_VCPU: {:?}", r.is_ok());
+            });
+        }
+        // A vCPU thread tries to run a program.
+        "vcpu-execve" => {
+            on_filtered_thread(ThreadKind::Vcpu, Mode::Enforce, || {
+                everyday_calls();
+                eprintln!("{ALLOWED_OK}");
+                let err = std::os::unix::process::CommandExt::exec(&mut Command::new("/bin/true"));
+                eprintln!("survived exec: {err}");
+            });
+        }
+        // The device thread may make Unix sockets (vsock's host side) but
+        // not network sockets.
+        "devices-inet" => {
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("host.sock_1024");
+            let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+            on_filtered_thread(ThreadKind::Devices, Mode::Enforce, move || {
+                everyday_calls();
+                let a = std::os::unix::net::UnixStream::connect(&path).expect("AF_UNIX is allowed");
+                let (b, _) = listener.accept().expect("accept4 is allowed");
+                a.set_nonblocking(true).expect("FIONBIO is allowed");
+                drop((a, b));
+                std::fs::remove_file(&path).expect("unlink is allowed");
+                eprintln!("{ALLOWED_OK}");
+                let r = std::net::TcpListener::bind("127.0.0.1:0");
+                eprintln!("survived a TCP socket: {:?}", r.is_ok());
+            });
+        }
+        // The userfaultfd thread reads its memory file; it opens nothing
+        // (a read-only open fails, a write open kills).
+        "uffd-open" => {
+            let file = tempfile::tempfile().unwrap();
+            file.set_len(4096).unwrap();
+            on_filtered_thread(ThreadKind::Uffd, Mode::Enforce, move || {
+                everyday_calls();
+                let mut page = [1u8; 4096];
+                std::os::unix::fs::FileExt::read_exact_at(&file, &mut page, 0).expect("pread is allowed");
+                assert!(page.iter().all(|&b| b == 0));
+                let e = std::fs::File::open("/etc/hostname").expect_err("a read-only open fails");
+                assert_eq!(e.raw_os_error(), Some(libc::EACCES));
+                eprintln!("{ALLOWED_OK}");
+                let r = std::fs::OpenOptions::new().append(true).open("/tmp/tine-seccomp-test");
+                eprintln!("survived an open for writing: {:?}", r.is_ok());
+            });
+        }
+        // Every filter lets its thread do the everyday calls and end: the
+        // process exits normally.
+        "all-allowed" => {
+            for kind in ThreadKind::ALL {
+                on_filtered_thread(kind, Mode::Enforce, everyday_calls);
+            }
+            let (_vm, vcpu) = kvm_vcpu();
+            let fd = vcpu.as_raw_fd();
+            on_filtered_thread(ThreadKind::Vcpu, Mode::Enforce, move || {
+                assert!(fd >= 0);
+                vcpu.get_regs().unwrap();
+                vcpu.get_mp_state().unwrap();
+                vcpu.get_vcpu_events().unwrap();
+                // The thread ends here: its fd is closed and its stack freed
+                // under the filter.
+            });
+            eprintln!("{ALLOWED_OK}");
+        }
+        // Trap mode (debugging): the forbidden call fails with ENOSYS and
+        // is reported; the process goes on.
+        "vcpu-trap" => {
+            on_filtered_thread(ThreadKind::Vcpu, Mode::Trap, || {
+                // SAFETY: a plain socket(2) call.
+                let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0) };
+                let errno = std::io::Error::last_os_error().raw_os_error();
+                assert_eq!((fd, errno), (-1, Some(libc::ENOSYS)));
+                eprintln!("{ALLOWED_OK}");
+            });
+        }
+        other => panic!("unknown case {other}"),
+    }
+    std::process::exit(0);
+}
+
+#[test]
+fn a_vcpu_thread_opening_a_socket_kills_the_process() {
+    if !testkit::kvm_available("seccomp") {
+        return;
+    }
+    assert_killed_by_sigsys("vcpu-socket");
+}
+
+#[test]
+fn a_vcpu_thread_making_a_vm_ioctl_kills_the_process() {
+    if !testkit::kvm_available("seccomp") {
+        return;
+    }
+    assert_killed_by_sigsys("vcpu-ioctl");
+}
+
+#[test]
+fn a_vcpu_thread_running_a_program_kills_the_process() {
+    assert_killed_by_sigsys("vcpu-execve");
+}
+
+#[test]
+fn the_device_thread_opening_a_network_socket_kills_the_process() {
+    assert_killed_by_sigsys("devices-inet");
+}
+
+#[test]
+fn the_userfaultfd_thread_opening_a_file_kills_the_process() {
+    assert_killed_by_sigsys("uffd-open");
+}
+
+#[test]
+fn the_allowed_calls_and_a_thread_end_go_through() {
+    if !testkit::kvm_available("seccomp") {
+        return;
+    }
+    let out = run_child("all-allowed");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{:?}; stderr:\n{stderr}", out.status);
+    assert!(stderr.contains(ALLOWED_OK), "stderr:\n{stderr}");
+}
+
+#[test]
+fn trap_mode_reports_the_call_and_goes_on() {
+    let out = run_child("vcpu-trap");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{:?}; stderr:\n{stderr}", out.status);
+    assert!(stderr.contains(&format!("blocked syscall {} on a vCPU thread", libc::SYS_socket)), "stderr:\n{stderr}");
+    assert!(stderr.contains(ALLOWED_OK), "stderr:\n{stderr}");
+}
+
+#[test]
+fn each_thread_kind_has_a_documented_allowlist() {
+    for kind in ThreadKind::ALL {
+        let n = seccomp::allowlist_len(kind);
+        eprintln!("{kind:?}: {n} system calls allowed");
+        assert!((20..80).contains(&n), "{kind:?}: {n}");
+    }
+}
+
+/// The `Seccomp:` mode (0 none, 1 strict, 2 filter) of this process's
+/// threads whose name (`comm`) is `name`.
+fn seccomp_of_threads(name: &str) -> Vec<u32> {
+    let mut modes = Vec::new();
+    for task in std::fs::read_dir("/proc/self/task").unwrap().flatten() {
+        let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
+        if comm.trim_end() != name {
+            continue;
+        }
+        let status = std::fs::read_to_string(task.path().join("status")).unwrap_or_default();
+        if let Some(m) = status.lines().find_map(|l| l.strip_prefix("Seccomp:")) {
+            modes.push(m.trim().parse().unwrap());
+        }
+    }
+    modes
+}
+
+/// Waits until the threads named `name` exist and installed a filter (a
+/// thread installs it as its first step, just after it starts).
+fn wait_filtered(name: &str) -> Vec<u32> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let modes = seccomp_of_threads(name);
+        if (!modes.is_empty() && modes.iter().all(|&m| m == 2)) || std::time::Instant::now() > deadline {
+            return modes;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+}
+
+/// A real VM (a guest booted with a virtio-blk root and vsock, waiting on
+/// its vsock port) and a real userfaultfd restore: every vCPU thread, the
+/// device thread and the userfaultfd handler run with a filter, the rest
+/// of the process without.
+#[test]
+fn a_real_vms_threads_run_filtered() {
+    if !testkit::kvm_available("seccomp") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (mut config, _uds) = testkit::vsock_exchange_guest(dir.path(), "sc-vm", 5000);
+    config.vcpus = 2;
+    let mut vm = vmm::build_for_boot(&config).expect("the VM starts");
+    assert!(
+        vm.console().wait_for("TINE-INIT-VSOCK listening", std::time::Duration::from_secs(300)),
+        "the guest did not boot to its vsock listener:\n{}",
+        vm.console().text()
+    );
+    for name in ["vcpu0-sc-vm", "vcpu1-sc-vm", "devices-sc-vm"] {
+        assert_eq!(wait_filtered(name), vec![2], "{name}");
+    }
+
+    // Lazy restore of a 2 MiB memory file through userfaultfd.
+    let mem = dir.path().join("memory");
+    std::fs::write(&mem, vec![0u8; 2 << 20]).unwrap();
+    match vmm::memory::GuestRam::from_snapshot(
+        "sc-uffd",
+        &vmm::SnapshotMemory::File(mem),
+        2 << 20,
+        vmm::MemoryBacking::Userfaultfd,
+    ) {
+        Ok(ram) => {
+            assert_eq!(wait_filtered("uffd-sc-uffd"), vec![2]);
+            drop(ram);
+        }
+        Err(e) => eprintln!("SKIP the userfaultfd part: {e}"),
+    }
+
+    let me = std::fs::read_to_string("/proc/thread-self/status").unwrap();
+    assert!(me.contains("Seccomp:\t0"), "the test's own thread is not filtered");
+    vm.stop().expect("the VM stops");
+}
