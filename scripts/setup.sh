@@ -5,7 +5,7 @@
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
-packages=(linux-source-6.1 build-essential bc flex bison libelf-dev libssl-dev cpio xz-utils patch e2fsprogs busybox-static mmdebstrap libclang-dev)
+packages=(linux-source-6.1 build-essential bc flex bison libelf-dev libssl-dev cpio xz-utils patch e2fsprogs busybox-static mmdebstrap libclang-dev python3-venv)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -24,6 +24,16 @@ kernel=$("$root/kernel-config/build-kernel.sh" | tail -n 1)
 (cd "$root" && RUSTFLAGS="-C target-feature=+crt-static" cargo build --release -q -p tine-agent \
   --target x86_64-unknown-linux-gnu --target-dir "$root/target/guest")
 rootfs=$("$root/rootfs/build-rootfs.sh" | tail -n 1)
+# The official MCP Python SDK, pinned, in a venv for the client tests
+# (crates/tine/tests/python_sdk.rs finds it at $TINE_PY_VENV or here).
+venv="${TINE_PY_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/tine/venv}"
+mcp_pin='mcp==2.3.*'
+if ! "$venv/bin/python" -c 'import importlib.metadata as m, sys; sys.exit(not m.version("mcp").startswith("2.3."))' 2>/dev/null; then
+  echo "setup: making the Python venv $venv ($mcp_pin)" >&2
+  python3 -m venv "$venv"
+  "$venv/bin/pip" install -q --disable-pip-version-check "$mcp_pin"
+fi
+echo "setup: python venv $venv" >&2
 echo "setup: rootfs $rootfs" >&2
 echo "setup: kernel $kernel" >&2
 echo "setup: binary $root/target/release/tine" >&2

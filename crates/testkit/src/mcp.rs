@@ -203,3 +203,33 @@ pub fn tool_value(tool: &str, r: CallToolResult) -> Result<Value, String> {
     }
     Ok(r.structured_content.unwrap_or_else(|| panic!("{tool}: no structuredContent in {text}")))
 }
+
+/// The Python interpreter of the venv with the official MCP Python SDK
+/// (`mcp` 2.3, made by `scripts/setup.sh`): `$TINE_PY_VENV/bin/python`,
+/// else `~/.cache/tine/venv/bin/python` (`$XDG_CACHE_HOME` honoured).
+///
+/// `None` with a loud SKIPPED line naming `test` when there is none,
+/// unless `$TINE_REQUIRE_PY_SDK` or `$CI` is set (scripts/test.sh sets
+/// the first): then it panics, so the test cannot silently pass there.
+pub fn python_sdk(test: &str) -> Option<PathBuf> {
+    let venv = std::env::var_os("TINE_PY_VENV").filter(|v| !v.is_empty()).map(PathBuf::from).unwrap_or_else(|| {
+        let cache = std::env::var_os("XDG_CACHE_HOME")
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache"));
+        cache.join("tine/venv")
+    });
+    let python = venv.join("bin/python");
+    let has_sdk = Command::new(&python)
+        .args(["-c", "import importlib.metadata as m, sys; sys.exit(not m.version('mcp').startswith('2.3.'))"])
+        .status()
+        .is_ok_and(|s| s.success());
+    if has_sdk {
+        return Some(python);
+    }
+    let why = format!("no venv with the MCP Python SDK 2.3 at {} (run scripts/setup.sh)", venv.display());
+    let required = ["TINE_REQUIRE_PY_SDK", "CI"].iter().any(|v| std::env::var_os(v).is_some_and(|v| !v.is_empty()));
+    assert!(!required, "{test}: {why}");
+    eprintln!("\n!!!!!!!! SKIPPED {test}: {why} !!!!!!!!\n");
+    None
+}
