@@ -21,9 +21,13 @@ const CALL_GRACE: Duration = Duration::from_secs(30);
 /// reply share it. Unit tests (over the fake VM) use 3 s to see a stalled
 /// guest's call fail quickly.
 pub(super) const SHORT_CALL: Duration = Duration::from_secs(if cfg!(test) { 3 } else { 60 });
-/// Longest a sandbox's first call holds its first-call slot: a long first
-/// cell lets the next sandbox in after this.
+/// Longest a sandbox's first call holds its call slot: a new guest faults
+/// in what its first work touches; a long first cell lets the next call in
+/// after this.
 const FIRST_CALL_HOLD: Duration = Duration::from_secs(10);
+/// Longest any later call holds its call slot: a long command lets the
+/// next call in after this and goes on outside the gate.
+const CALL_HOLD: Duration = Duration::from_secs(2);
 
 /// A command to run.
 #[derive(Clone, Debug, Default)]
@@ -46,9 +50,12 @@ impl Manager {
     /// Runs `call` on the agent of running sandbox `id` (a paused one is
     /// resumed first), keeping the sandbox busy meanwhile.
     ///
-    /// A sandbox's first call waits for a first-call slot
-    /// (`first_call_slots`) before `call` starts (so before its timeout),
-    /// and holds it until the call ends or for `FIRST_CALL_HOLD`.
+    /// Every call waits for a call slot (`call_slots`, one per host CPU,
+    /// first come first served) before `call` starts, so before its
+    /// timeout, and holds it until the call ends or for `CALL_HOLD`
+    /// (`FIRST_CALL_HOLD` for a sandbox's first call). On an idle host a
+    /// slot is free at once; under load, calls start a few at a time
+    /// instead of all guests competing for the CPUs inside their timeouts.
     ///
     /// Errors: [`SandboxError::NotFound`], [`SandboxError::Starting`],
     /// [`SandboxError::NotRunning`], [`SandboxError::Agent`],
@@ -86,39 +93,30 @@ impl Manager {
             match self.usable_agent(&sb, agent).await {
                 Err(e) => Err(e),
                 Ok(agent) => {
-                    // A new sandbox's first call waits for a first-call slot before
-                    // its timeout starts (the call's future is made after).
-                    let slot = if sb.first_call_pending.load(Ordering::SeqCst) {
-                        let slot = match self.first_call_slots.try_acquire() {
-                            Ok(slot) => slot,
-                            Err(_) => {
-                                let waited = Instant::now();
-                                tracing::info!(sandbox = %sb.id, "first call waits for admission: new sandboxes' first calls \
-                                    are admitted one per host CPU at a time");
-                                let slot =
-                                    self.first_call_slots.acquire().await.map_err(|_| SandboxError::ShuttingDown)?;
-                                tracing::info!(sandbox = %sb.id, "first call admitted after {} ms", waited.elapsed().as_millis());
-                                slot
-                            }
-                        };
-                        Some(slot)
-                    } else {
-                        None
+                    // Every call waits for a call slot before its timeout
+                    // starts (the call's future is made after).
+                    let first = sb.first_call_pending.load(Ordering::SeqCst);
+                    let slot = match self.call_slots.try_acquire() {
+                        Ok(slot) => slot,
+                        Err(_) => {
+                            let waited = Instant::now();
+                            tracing::info!(sandbox = %sb.id, first, "call waits for admission: calls start at most one \
+                                per host CPU at a time");
+                            let slot = self.call_slots.acquire().await.map_err(|_| SandboxError::ShuttingDown)?;
+                            tracing::info!(sandbox = %sb.id, "call admitted after {} ms", waited.elapsed().as_millis());
+                            slot
+                        }
                     };
+                    let hold = if first { FIRST_CALL_HOLD } else { CALL_HOLD };
                     let fut = call(agent);
                     tokio::pin!(fut);
-                    let r = match slot {
-                        Some(slot) => {
-                            let r = tokio::select! {
-                                r = &mut fut => Some(r),
-                                () = tokio::time::sleep(FIRST_CALL_HOLD) => None,
-                            };
-                            drop(slot);
-                            match r {
-                                Some(r) => r,
-                                None => fut.await,
-                            }
-                        }
+                    let r = tokio::select! {
+                        r = &mut fut => Some(r),
+                        () = tokio::time::sleep(hold) => None,
+                    };
+                    drop(slot);
+                    let r = match r {
+                        Some(r) => r,
                         None => fut.await,
                     };
                     sb.first_call_pending.store(false, Ordering::SeqCst);

@@ -88,11 +88,12 @@ pub struct Manager {
     /// Restored guests all handle their device resets and reconnect at
     /// once; 32 at a time on 2 host CPUs starved each other for minutes.
     restore_slots: tokio::sync::Semaphore,
-    /// First agent calls on new sandboxes allowed at once, one per host CPU
-    /// ([`Limits::concurrent_boots`]): a new guest faults in the pages its
-    /// first work touches, and many at once on a few CPUs time out on
+    /// Agent calls starting at once, one per host CPU
+    /// ([`Limits::concurrent_boots`]), each held until its call ends or for
+    /// a few seconds: a new guest faults in the pages its first work
+    /// touches, and many guests working at once on a few CPUs time out on
     /// trivial work. A caller waits here before its call's timeout starts.
-    first_call_slots: tokio::sync::Semaphore,
+    call_slots: tokio::sync::Semaphore,
     templates: TemplateStore,
     /// Guest memory of running sandboxes, branch points and loaded
     /// templates ([`Limits::memory_budget_mib`]).
@@ -162,7 +163,7 @@ impl Manager {
             dying_done: tokio::sync::Notify::new(),
             boot_slots: tokio::sync::Semaphore::new(config.limits.concurrent_boots()),
             restore_slots: tokio::sync::Semaphore::new(config.limits.concurrent_boots() * RESTORES_PER_BOOT_SLOT),
-            first_call_slots: tokio::sync::Semaphore::new(config.limits.concurrent_boots()),
+            call_slots: tokio::sync::Semaphore::new(config.limits.concurrent_boots()),
             config,
         }))
     }
@@ -256,7 +257,7 @@ impl Manager {
         // Boots waiting for a slot give up at once.
         self.boot_slots.close();
         self.restore_slots.close();
-        self.first_call_slots.close();
+        self.call_slots.close();
         let ids: Vec<SandboxId> = lock(&self.sandboxes).keys().cloned().collect();
         let mut kills = tokio::task::JoinSet::new();
         for id in ids {

@@ -242,8 +242,8 @@ pub(super) struct Sandbox {
     /// Calls in flight ([`Sandbox::mark_busy`]); the reaper leaves busy
     /// sandboxes alone.
     pub busy: AtomicU64,
-    /// No agent call has completed yet: the next one is a first call,
-    /// admitted through the manager's first-call gate.
+    /// No agent call has completed yet: the next one is a first call, which
+    /// holds its call slot longer (the guest faults in what it touches).
     pub first_call_pending: AtomicBool,
 }
 

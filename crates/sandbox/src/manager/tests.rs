@@ -258,11 +258,11 @@ async fn a_cancelled_call_does_not_keep_its_sandbox_busy() {
     eventually("the idle sandbox's end", || !m.contains(&id)).await;
 }
 
-/// New sandboxes' first calls go through the first-call gate (one slot
-/// here): a second sandbox's first call runs only once the first one's has
-/// given its slot back (here: it was cancelled); later calls take no slot.
+/// Every call goes through the call gate (one slot here): a second
+/// sandbox's call runs only once the first one's has given its slot back
+/// (here: it was cancelled); a quick call gives its slot back when it ends.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn first_calls_wait_for_a_first_call_slot() {
+async fn calls_wait_for_a_call_slot() {
     use std::sync::atomic::{AtomicBool, Ordering};
     let s = setup(Limits { max_concurrent_boots: 1, ..limits(4) });
     let a = s.manager.create(SandboxSpec::default()).await.unwrap().sandbox_id;
@@ -272,7 +272,7 @@ async fn first_calls_wait_for_a_first_call_slot() {
     let (m, id, req) = (s.manager.clone(), a.clone(), exec("sleep 5"));
     let slow = tokio::spawn(async move { m.exec(&id, req).await });
     let m = s.manager.clone();
-    eventually("a's first call holds the slot", || m.first_call_slots.available_permits() == 0).await;
+    eventually("a's first call holds the slot", || m.call_slots.available_permits() == 0).await;
     let released = Arc::new(AtomicBool::new(false));
     let (m, id, req, rel) = (s.manager.clone(), b.clone(), exec("true"), released.clone());
     let quick = tokio::spawn(async move {
@@ -285,11 +285,21 @@ async fn first_calls_wait_for_a_first_call_slot() {
     let (r, after_release) = quick.await.unwrap();
     r.expect("b's first call");
     assert!(after_release, "b's first call ran while a's held the only slot");
-    assert_eq!(s.manager.first_call_slots.available_permits(), 1);
-    // b's next call takes no slot; a's next call is still its first.
+    assert_eq!(s.manager.call_slots.available_permits(), 1);
     assert!(!s.manager.get(&b).unwrap().first_call_pending.load(Ordering::SeqCst));
-    s.manager.exec(&b, exec("true")).await.unwrap();
-    assert_eq!(s.manager.first_call_slots.available_permits(), 1);
+
+    // A later call waits for the slot too, and gives it back when it ends.
+    let (m, id, req) = (s.manager.clone(), a.clone(), exec("sleep 5"));
+    let slow = tokio::spawn(async move { m.exec(&id, req).await });
+    let m = s.manager.clone();
+    eventually("a's call holds the slot", || m.call_slots.available_permits() == 0).await;
+    let (m, id, req) = (s.manager.clone(), b.clone(), exec("true"));
+    let later = tokio::spawn(async move { m.exec(&id, req).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!later.is_finished(), "b's later call ran while a's held the only slot");
+    slow.abort();
+    later.await.unwrap().expect("b's later call");
+    assert_eq!(s.manager.call_slots.available_permits(), 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
