@@ -370,7 +370,10 @@ impl Manager {
         let id = self.mint_id("template");
         let dir = self.config.run_dir.join(&id);
         let (vcpus, memory_mib) = (limits.vcpus(None)?, limits.memory_mib(None)?);
+        // Its VM counts in the memory budget like any sandbox's.
+        let memory = self.admit("default template build", &[(MemoryUse::Sandbox, memory_mib)])?.pop();
         let sb = Arc::new(Sandbox::new(id, dir, vcpus, memory_mib, BTreeMap::new(), None, Duration::MAX));
+        lock(&sb.memory).own = memory;
         tracing::info!("building the default template (a cold boot)");
         let r = match self.start(&sb, VmSource::Boot).await {
             Ok(()) => self.snapshot_sandbox(&sb, DEFAULT_TEMPLATE, true).await,

@@ -369,6 +369,22 @@ async fn memory_admission_counts_sandboxes_and_branch_points_and_releases_on_eve
     assert_eq!(used(&s), BudgetUse::default());
 }
 
+/// The default template's build VM counts in the memory budget like any
+/// sandbox, and gives its share back when the build ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn default_template_build_counts_in_the_memory_budget() {
+    use crate::memory::BudgetUse;
+    let s = setup(Limits { memory_budget_mib: 256, ..limits(8) });
+    let e = s.manager.ensure_default_template(true).await.unwrap_err();
+    assert!(matches!(e, SandboxError::OverBudget(_)), "{e}");
+    assert!(e.to_string().contains("this default template build needs 512 MiB"), "{e}");
+    assert_eq!(s.manager.memory_use().1, BudgetUse::default());
+
+    let s = setup(Limits { memory_budget_mib: 4096, ..limits(8) });
+    s.manager.ensure_default_template(true).await.unwrap();
+    assert_eq!(s.manager.memory_use().1.sandboxes, (0, 0), "the build VM's share is back");
+}
+
 /// Clients cannot write or delete the server's templates (`default`,
 /// `tine-*`); the count quota holds; template_delete removes a template.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
