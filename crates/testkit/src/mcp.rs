@@ -57,8 +57,49 @@ impl TineServer {
     /// `token`: bearer auth with that token, else `--dev`. Returns once the
     /// server says it listens.
     pub fn start(binary: &Path, token: Option<&str>, config: &str) -> TineServer {
+        Self::start_seeded(binary, token, config, None)
+    }
+
+    /// Like [`TineServer::start`], then waits for the default template;
+    /// but when an earlier server of this test run (same `binary`, kernel
+    /// and rootfs, by file identity) built one, its copy is put in the new
+    /// data directory first, so the server loads it (checking its
+    /// checksums and image identities, and rebuilding it if they do not
+    /// match) instead of a cold boot of a minute or more. Tests that are
+    /// about the default template's build use [`TineServer::start`].
+    pub fn start_with_default_template(binary: &Path, token: Option<&str>, config: &str) -> TineServer {
+        let seed = default_template_seed(binary);
+        let seeded = seed.join("template.json").exists();
+        let server = Self::start_seeded(binary, token, config, seeded.then_some(seed.as_path()));
+        server.wait_for_default_template(Duration::from_secs(1200));
+        if !seeded {
+            // Keep a copy for the next server; only the newest key is kept.
+            let parent = seed.parent().expect("seed parent");
+            if let Ok(d) = std::fs::read_dir(parent) {
+                for e in d.flatten() {
+                    let _ = std::fs::remove_dir_all(e.path());
+                }
+            }
+            let tmp = parent.join(format!(".tmp-{}", std::process::id()));
+            let _ = std::fs::create_dir_all(parent);
+            if copy_dir(&server.data_dir.join("templates/default"), &tmp) {
+                let _ = std::fs::rename(&tmp, &seed);
+            }
+            let _ = std::fs::remove_dir_all(&tmp);
+        }
+        server
+    }
+
+    /// [`TineServer::start`], with `default_template` (a template
+    /// directory) copied in as the data directory's default template.
+    fn start_seeded(binary: &Path, token: Option<&str>, config: &str, default_template: Option<&Path>) -> TineServer {
         let dir = tempfile::Builder::new().prefix("tine-srv").tempdir_in("/tmp").expect("temp dir");
         let data_dir = dir.path().join("data");
+        if let Some(seed) = default_template {
+            let templates = data_dir.join("templates");
+            std::fs::create_dir_all(&templates).expect("make the templates directory");
+            assert!(copy_dir(seed, &templates.join("default")), "copy the default template from {}", seed.display());
+        }
         let config_path = dir.path().join("tine.toml");
         std::fs::write(&config_path, config).expect("write config");
         let port = free_port();
@@ -151,6 +192,29 @@ impl TineServer {
         sigterm_and_wait(child, Duration::from_secs(120))
             .unwrap_or_else(|| panic!("the server did not exit within 120 s of SIGTERM"))
     }
+}
+
+/// Where this test run keeps a copy of the default template built by
+/// `binary` from the test kernel and rootfs: next to the binary, under a
+/// key made of the three files' identities (size, mtime, inode).
+fn default_template_seed(binary: &Path) -> PathBuf {
+    use std::hash::{Hash, Hasher};
+    use std::os::unix::fs::MetadataExt;
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    for f in [binary.to_path_buf(), crate::kernel(), crate::rootfs()] {
+        f.hash(&mut h);
+        if let Ok(m) = std::fs::metadata(&f) {
+            (m.len(), m.mtime(), m.mtime_nsec(), m.ino()).hash(&mut h);
+        }
+    }
+    let dir = binary.parent().unwrap_or(Path::new("/tmp")).join("tine-test-templates");
+    dir.join(format!("{:016x}", h.finish()))
+}
+
+/// Copies directory `from` to `to` (which must not exist), keeping sparse
+/// files sparse (`cp -a --sparse=always`); whether it worked.
+fn copy_dir(from: &Path, to: &Path) -> bool {
+    Command::new("cp").arg("-a").arg("--sparse=always").arg(from).arg(to).status().is_ok_and(|s| s.success())
 }
 
 /// Sends SIGTERM to `child` and waits up to `timeout` for it; kills it

@@ -58,7 +58,7 @@ async fn mcp_end_to_end() {
         return;
     }
     let _serial = SERIAL.lock().await;
-    let mut server = TineServer::start(binary(), Some(TOKEN), CONFIG);
+    let mut server = TineServer::start_with_default_template(binary(), Some(TOKEN), CONFIG);
     let http = reqwest::Client::new();
 
     // The 401 Bearer challenge, the Host check and the body limit are tested
@@ -287,11 +287,10 @@ async fn ten_concurrent_sessions() {
         return;
     }
     let _serial = SERIAL.lock().await;
-    let server = TineServer::start(binary(), None, CONFIG);
+    // The baseline is taken once the default template is there (and any
+    // build VM gone).
+    let server = TineServer::start_with_default_template(binary(), None, CONFIG);
     let pid = server.pid();
-    // The server builds the default template in the background as it
-    // starts; the baseline is taken once that build VM is gone.
-    server.wait_for_default_template(Duration::from_secs(1200));
     let before = vm_leftovers(pid, &server.data_dir);
     assert!(before.is_empty(), "{before:?}");
 
@@ -548,7 +547,7 @@ async fn branch_diff_merge_end_to_end() {
         return;
     }
     let _serial = SERIAL.lock().await;
-    let server = TineServer::start(binary(), None, CONFIG);
+    let server = TineServer::start_with_default_template(binary(), None, CONFIG);
     let client = server.client().await;
     let py = |id: &str, code: &str| json!({"sandbox_id": id, "code": code, "timeout_secs": 600});
     let write = |id: &str, path: &str, content: &str| json!({"sandbox_id": id, "path": path, "content": content});

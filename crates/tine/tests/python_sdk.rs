@@ -6,7 +6,7 @@
 //! `scripts/setup.sh` makes. One server serves every check here.
 
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use testkit::mcp::{python_sdk, TineServer};
 
@@ -20,9 +20,8 @@ fn official_python_sdk_gets_every_worst_case() {
     let Some(python) = python_sdk("official_python_sdk_gets_every_worst_case") else {
         return;
     };
-    let server = TineServer::start(Path::new(env!("CARGO_BIN_EXE_tine")), None, CONFIG);
-    // Creates wait for the default template; build it before timing anything.
-    server.wait_for_default_template(Duration::from_secs(1200));
+    // Creates wait for the default template; have it before timing anything.
+    let server = TineServer::start_with_default_template(Path::new(env!("CARGO_BIN_EXE_tine")), None, CONFIG);
 
     // A foreign Origin is refused (MCP transport spec, Streamable HTTP,
     // "Security Warning"), also under --dev; no Origin passes.
