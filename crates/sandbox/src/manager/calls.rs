@@ -4,7 +4,6 @@
 //! turns client errors into [`SandboxError`]s.
 
 use std::future::Future;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -21,13 +20,12 @@ const CALL_GRACE: Duration = Duration::from_secs(30);
 /// reply share it. Unit tests (over the fake VM) use 3 s to see a stalled
 /// guest's call fail quickly.
 pub(super) const SHORT_CALL: Duration = Duration::from_secs(if cfg!(test) { 3 } else { 60 });
-/// Longest a sandbox's first call holds its call slot: a new guest faults
-/// in what its first work touches; a long first cell lets the next call in
-/// after this.
-const FIRST_CALL_HOLD: Duration = Duration::from_secs(10);
-/// Longest any later call holds its call slot: a long command lets the
-/// next call in after this and goes on outside the gate.
-const CALL_HOLD: Duration = Duration::from_secs(2);
+/// Longest a call holds its call slot: a long command lets the next call
+/// in after this and goes on outside the gate. Trivial calls end well
+/// within it, so under load they run a few at a time and finish; 2 s let
+/// calls of 16 freshly restored guests pile up past their 60 s timeouts on
+/// a 2-CPU nested host.
+const CALL_HOLD: Duration = Duration::from_secs(10);
 
 /// A command to run.
 #[derive(Clone, Debug, Default)]
@@ -53,7 +51,7 @@ impl Manager {
     /// Every call waits for a call slot (`call_slots`, one per host CPU,
     /// first come first served) before `call` starts, so before its
     /// timeout, and holds it until the call ends or for `CALL_HOLD`
-    /// (`FIRST_CALL_HOLD` for a sandbox's first call). On an idle host a
+    /// (10 s). On an idle host a
     /// slot is free at once; under load, calls start a few at a time
     /// instead of all guests competing for the CPUs inside their timeouts.
     ///
@@ -95,31 +93,28 @@ impl Manager {
                 Ok(agent) => {
                     // Every call waits for a call slot before its timeout
                     // starts (the call's future is made after).
-                    let first = sb.first_call_pending.load(Ordering::SeqCst);
                     let slot = match self.call_slots.try_acquire() {
                         Ok(slot) => slot,
                         Err(_) => {
                             let waited = Instant::now();
-                            tracing::info!(sandbox = %sb.id, first, "call waits for admission: calls start at most one \
+                            tracing::info!(sandbox = %sb.id, "call waits for admission: calls start at most one \
                                 per host CPU at a time");
                             let slot = self.call_slots.acquire().await.map_err(|_| SandboxError::ShuttingDown)?;
                             tracing::info!(sandbox = %sb.id, "call admitted after {} ms", waited.elapsed().as_millis());
                             slot
                         }
                     };
-                    let hold = if first { FIRST_CALL_HOLD } else { CALL_HOLD };
                     let fut = call(agent);
                     tokio::pin!(fut);
                     let r = tokio::select! {
                         r = &mut fut => Some(r),
-                        () = tokio::time::sleep(hold) => None,
+                        () = tokio::time::sleep(CALL_HOLD) => None,
                     };
                     drop(slot);
                     let r = match r {
                         Some(r) => r,
                         None => fut.await,
                     };
-                    sb.first_call_pending.store(false, Ordering::SeqCst);
                     r
                 }
             }

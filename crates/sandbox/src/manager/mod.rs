@@ -90,7 +90,7 @@ pub struct Manager {
     restore_slots: tokio::sync::Semaphore,
     /// Agent calls starting at once, one per host CPU
     /// ([`Limits::concurrent_boots`]), each held until its call ends or for
-    /// a few seconds: a new guest faults in the pages its first work
+    /// 10 s: a new guest faults in the pages its first work
     /// touches, and many guests working at once on a few CPUs time out on
     /// trivial work. A caller waits here before its call's timeout starts.
     call_slots: tokio::sync::Semaphore,

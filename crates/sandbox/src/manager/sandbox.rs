@@ -24,7 +24,7 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -242,9 +242,6 @@ pub(super) struct Sandbox {
     /// Calls in flight ([`Sandbox::mark_busy`]); the reaper leaves busy
     /// sandboxes alone.
     pub busy: AtomicU64,
-    /// No agent call has completed yet: the next one is a first call, which
-    /// holds its call slot longer (the guest faults in what it touches).
-    pub first_call_pending: AtomicBool,
 }
 
 impl Sandbox {
@@ -275,7 +272,6 @@ impl Sandbox {
             memory: Mutex::new(MemoryHeld::default()),
             last_used_ms: AtomicU64::new(0),
             busy: AtomicU64::new(0),
-            first_call_pending: AtomicBool::new(true),
         }
     }
 
