@@ -208,9 +208,11 @@ impl Manager {
     /// kept; `winner` no longer exists; the winner's children become the
     /// parent's; other children of the parent are untouched.
     ///
-    /// Errors: [`SandboxError::NotFound`], [`SandboxError::NotDescendant`],
-    /// [`SandboxError::BadState`] (a winner that is not running or paused,
-    /// or a parent still starting), [`SandboxError::Io`].
+    /// Errors: [`SandboxError::NotFound`], [`SandboxError::Gone`] (either
+    /// was killed or merged away while this merge waited for it),
+    /// [`SandboxError::NotDescendant`], [`SandboxError::BadState`] (a
+    /// winner that is not running or paused, or a parent still starting),
+    /// [`SandboxError::Io`].
     pub async fn merge_into(self: &Arc<Self>, winner: &str, parent: &str) -> Result<SandboxInfo, SandboxError> {
         let (w, p) = (self.get(winner)?, self.get(parent)?);
         self.check_descendant(&w, &p)?;
@@ -245,6 +247,13 @@ impl Manager {
         // Ancestor before descendant, as every merge takes them.
         let _pc = p.control.blocking_lock();
         let _wc = w.control.blocking_lock();
+        // A kill of either that had `control` first: it is gone, whatever
+        // state the kill left it in.
+        for sb in [p, w] {
+            if !lock(&self.sandboxes).get(&sb.id).is_some_and(|s| Arc::ptr_eq(s, sb)) {
+                return Err(sb.gone());
+            }
+        }
         let (w_state, w_boot_ms) = {
             let st = lock(&w.status);
             (st.state, st.boot_ms)
