@@ -20,7 +20,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{entries, eventually, manager_with_default_template, vm_threads};
-use tine_sandbox::{ExecRequest, Limits, Manager, SandboxError, SandboxSpec};
+use tine_sandbox::{ExecRequest, Limits, Manager, SandboxError, SandboxSpec, SandboxState};
 
 /// One test at a time: each counts the process's VM threads.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -201,8 +201,11 @@ async fn kill_racing_merge_on_real_guests_loses_nothing_and_leaks_nothing() {
 
         match (victim, &merge) {
             // The merge first: the kill then killed the merged parent.
-            (Victim::Parent, Ok(_)) => {
+            (Victim::Parent, Ok(info)) => {
                 merged_first += 1;
+                // What the merge made, not what the kill left.
+                assert_eq!(info.state, SandboxState::Running, "{what}");
+                assert_eq!(info.lineage.merged_from.as_deref(), Some(child.as_str()), "{what}");
                 assert!(kill.is_ok(), "{what}");
                 assert!(m.is_empty(), "{what}: {:?}", m.list(&Default::default()));
             }
@@ -218,6 +221,7 @@ async fn kill_racing_merge_on_real_guests_loses_nothing_and_leaks_nothing() {
             // parent runs the child's VM.
             (Victim::Child, Ok(info)) => {
                 merged_first += 1;
+                assert_eq!(info.state, SandboxState::Running, "{what}");
                 assert!(kill.as_ref().is_err_and(|e| is_gone(e, &child)), "{what}");
                 assert_eq!(info.lineage.merged_from.as_deref(), Some(child.as_str()), "{what}");
                 assert_eq!(stdout(&m, &parent, "cat /root/won").await, "yes", "{what}");

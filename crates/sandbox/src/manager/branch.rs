@@ -218,9 +218,11 @@ impl Manager {
         self.check_descendant(&w, &p)?;
         let me = self.clone();
         let (w2, p2) = (w.clone(), p.clone());
-        tokio::task::spawn_blocking(move || me.merge_blocking(&w2, &p2)).await.map_err(task_failed("merge task"))??;
+        let merged = tokio::task::spawn_blocking(move || me.merge_blocking(&w2, &p2))
+            .await
+            .map_err(task_failed("merge task"))??;
         tracing::info!(winner = %w.id, parent = %p.id, "merged: {} now runs {}'s VM", p.id, w.id);
-        Ok(p.info(None))
+        Ok(merged)
     }
 
     /// Whether `parent` is among `w`'s ancestors (followed through live
@@ -243,7 +245,10 @@ impl Manager {
         Err(SandboxError::NotDescendant { winner: w.id.clone(), parent: parent.id.clone(), lineage })
     }
 
-    fn merge_blocking(&self, w: &Arc<Sandbox>, p: &Arc<Sandbox>) -> Result<(), SandboxError> {
+    /// The merge itself, under both sandboxes' `control`; returns the
+    /// parent as the merge left it (a kill waiting for `control` may end
+    /// it right after).
+    fn merge_blocking(&self, w: &Arc<Sandbox>, p: &Arc<Sandbox>) -> Result<SandboxInfo, SandboxError> {
         // Ancestor before descendant, as every merge takes them.
         let _pc = p.control.blocking_lock();
         let _wc = w.control.blocking_lock();
@@ -327,7 +332,7 @@ impl Manager {
         self.leave_parent(w);
         w.end(SandboxState::Stopped, Some(format!("merged into {}", p.id)));
         p.touch();
-        Ok(())
+        Ok(p.info(None))
     }
 }
 

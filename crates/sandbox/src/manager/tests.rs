@@ -459,8 +459,11 @@ async fn kill_racing_merge_never_loses_the_winner() {
         match merge {
             // The merge went first; the kill then killed the merged parent
             // (or found it being killed by nobody else: it must succeed).
-            Ok(_) => {
+            Ok(info) => {
                 merged_first += 1;
+                // The merge reports what it made, not what the kill left.
+                assert_eq!(info.state, SandboxState::Running, "round {round}");
+                assert_eq!(info.lineage.merged_from.as_deref(), Some(winner.as_str()), "round {round}");
                 kill.expect("the kill after the merge");
                 assert!(s.manager.is_empty(), "round {round}");
             }
