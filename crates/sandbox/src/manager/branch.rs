@@ -208,17 +208,21 @@ impl Manager {
     /// kept; `winner` no longer exists; the winner's children become the
     /// parent's; other children of the parent are untouched.
     ///
-    /// Errors: [`SandboxError::NotFound`], [`SandboxError::NotDescendant`],
-    /// [`SandboxError::BadState`] (a winner that is not running or paused,
-    /// or a parent still starting), [`SandboxError::Io`].
+    /// Errors: [`SandboxError::NotFound`], [`SandboxError::Gone`] (either
+    /// was killed or merged away while this merge waited for it),
+    /// [`SandboxError::NotDescendant`], [`SandboxError::BadState`] (a
+    /// winner that is not running or paused, or a parent still starting),
+    /// [`SandboxError::Io`].
     pub async fn merge_into(self: &Arc<Self>, winner: &str, parent: &str) -> Result<SandboxInfo, SandboxError> {
         let (w, p) = (self.get(winner)?, self.get(parent)?);
         self.check_descendant(&w, &p)?;
         let me = self.clone();
         let (w2, p2) = (w.clone(), p.clone());
-        tokio::task::spawn_blocking(move || me.merge_blocking(&w2, &p2)).await.map_err(task_failed("merge task"))??;
+        let merged = tokio::task::spawn_blocking(move || me.merge_blocking(&w2, &p2))
+            .await
+            .map_err(task_failed("merge task"))??;
         tracing::info!(winner = %w.id, parent = %p.id, "merged: {} now runs {}'s VM", p.id, w.id);
-        Ok(p.info(None))
+        Ok(merged)
     }
 
     /// Whether `parent` is among `w`'s ancestors (followed through live
@@ -241,10 +245,20 @@ impl Manager {
         Err(SandboxError::NotDescendant { winner: w.id.clone(), parent: parent.id.clone(), lineage })
     }
 
-    fn merge_blocking(&self, w: &Arc<Sandbox>, p: &Arc<Sandbox>) -> Result<(), SandboxError> {
+    /// The merge itself, under both sandboxes' `control`; returns the
+    /// parent as the merge left it (a kill waiting for `control` may end
+    /// it right after).
+    fn merge_blocking(&self, w: &Arc<Sandbox>, p: &Arc<Sandbox>) -> Result<SandboxInfo, SandboxError> {
         // Ancestor before descendant, as every merge takes them.
         let _pc = p.control.blocking_lock();
         let _wc = w.control.blocking_lock();
+        // A kill of either that had `control` first: it is gone, whatever
+        // state the kill left it in.
+        for sb in [p, w] {
+            if !lock(&self.sandboxes).get(&sb.id).is_some_and(|s| Arc::ptr_eq(s, sb)) {
+                return Err(sb.gone());
+            }
+        }
         let (w_state, w_boot_ms) = {
             let st = lock(&w.status);
             (st.state, st.boot_ms)
@@ -318,7 +332,7 @@ impl Manager {
         self.leave_parent(w);
         w.end(SandboxState::Stopped, Some(format!("merged into {}", p.id)));
         p.touch();
-        Ok(())
+        Ok(p.info(None))
     }
 }
 

@@ -458,8 +458,11 @@ async fn kill_racing_merge_never_loses_the_winner() {
         match merge {
             // The merge went first; the kill then killed the merged parent
             // (or found it being killed by nobody else: it must succeed).
-            Ok(_) => {
+            Ok(info) => {
                 merged_first += 1;
+                // The merge reports what it made, not what the kill left.
+                assert_eq!(info.state, SandboxState::Running, "round {round}");
+                assert_eq!(info.lineage.merged_from.as_deref(), Some(winner.as_str()), "round {round}");
                 kill.expect("the kill after the merge");
                 assert!(s.manager.is_empty(), "round {round}");
             }
@@ -481,6 +484,36 @@ async fn kill_racing_merge_never_loses_the_winner() {
         assert_eq!(s.manager.memory_use().1.total_mib(), 0, "round {round}");
     }
     eprintln!("merge first {merged_first} times, kill first {killed_first} times");
+}
+
+/// A merge that waited while a kill of its winner ran finds the winner
+/// gone ([`SandboxError::Gone`]), not in a bad state; the parent is
+/// untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_merge_whose_winner_was_killed_while_it_waited_says_it_is_gone() {
+    let s = setup(limits(4));
+    let parent = s.manager.create(SandboxSpec::default()).await.unwrap().sandbox_id;
+    let winner = s.manager.branch(&parent, 1).await.unwrap().children[0].sandbox_id.clone();
+    // As a pause or snapshot of the parent in progress would.
+    let p = s.manager.get(&parent).unwrap();
+    let held = p.control.lock().await;
+    let merge = s.manager.merge_into(&winner, &parent);
+    tokio::pin!(merge);
+    // Polled once: it has looked both up and waits for the parent's control.
+    tokio::select! {
+        biased;
+        r = &mut merge => panic!("the merge ended while the parent's control was held: {r:?}"),
+        () = std::future::ready(()) => {}
+    }
+    s.manager.kill(&winner).await.expect("kill the winner");
+    drop(held);
+    let e = merge.await.unwrap_err();
+    assert!(matches!(&e, SandboxError::Gone { id, .. } if *id == winner), "{e}");
+    assert_eq!(s.manager.info(&parent).await.unwrap().state, SandboxState::Running);
+    s.manager.kill(&parent).await.unwrap();
+    assert_eq!(s.backend.live_vms(), 0);
+    assert!(run_entries(&s).is_empty());
+    assert_eq!(s.manager.memory_use().1.total_mib(), 0);
 }
 
 /// A kill waits for a snapshot of the same sandbox in progress (its
