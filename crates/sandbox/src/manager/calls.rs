@@ -50,10 +50,10 @@ impl Manager {
     ///
     /// Every call waits for a call slot (`call_slots`, one per host CPU,
     /// first come first served) before `call` starts, so before its
-    /// timeout, and holds it until the call ends or for `CALL_HOLD`
-    /// (10 s). On an idle host a
-    /// slot is free at once; under load, calls start a few at a time
-    /// instead of all guests competing for the CPUs inside their timeouts.
+    /// timeout, and holds it until the call ends or for `CALL_HOLD` (10 s).
+    /// On an idle host a slot is free at once; under load, calls start a
+    /// few at a time instead of all guests competing for the CPUs inside
+    /// their timeouts.
     ///
     /// Errors: [`SandboxError::NotFound`], [`SandboxError::Starting`],
     /// [`SandboxError::NotRunning`], [`SandboxError::Agent`],

@@ -90,9 +90,9 @@ pub struct Manager {
     restore_slots: tokio::sync::Semaphore,
     /// Agent calls starting at once, one per host CPU
     /// ([`Limits::concurrent_boots`]), each held until its call ends or for
-    /// 10 s: a new guest faults in the pages its first work
-    /// touches, and many guests working at once on a few CPUs time out on
-    /// trivial work. A caller waits here before its call's timeout starts.
+    /// 10 s: a new guest faults in the pages its first work touches, and
+    /// many guests working at once on a few CPUs time out on trivial work.
+    /// A caller waits here before its call's timeout starts.
     call_slots: tokio::sync::Semaphore,
     templates: TemplateStore,
     /// Guest memory of running sandboxes, branch points and loaded
