@@ -1,0 +1,1 @@
+//! The resolver at [`crate::DNS_ADDR`]. STUB: the stack helper writes it.

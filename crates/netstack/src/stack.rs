@@ -1,0 +1,1 @@
+//! The NAT on smoltcp. STUB: the stack helper writes it.
