@@ -46,6 +46,15 @@ pub struct VsockConfig {
     pub uds_path: PathBuf,
 }
 
+/// A virtio-net device backed by the user-space NAT ([`netstack`]).
+#[derive(Clone, Debug)]
+pub struct NetConfig {
+    /// Server-level stack settings (DNS, limits).
+    pub stack: netstack::stack::StackConfig,
+    /// The sandbox's live policy and network log, shared with the manager.
+    pub control: std::sync::Arc<netstack::control::NetControl>,
+}
+
 /// What a VM is made of.
 #[derive(Clone, Debug)]
 pub struct VmConfig {
@@ -76,6 +85,8 @@ pub struct VmConfig {
     pub disks: Vec<DiskConfig>,
     /// An optional vsock device.
     pub vsock: Option<VsockConfig>,
+    /// An optional virtio-net device (attached after the vsock device).
+    pub net: Option<NetConfig>,
 }
 
 impl VmConfig {
@@ -95,6 +106,7 @@ impl VmConfig {
             profile: HostProfile::detect(),
             disks: Vec::new(),
             vsock: None,
+            net: None,
         }
     }
 
@@ -117,7 +129,7 @@ impl VmConfig {
 
     /// How many virtio devices the configuration asks for.
     pub fn virtio_device_count(&self) -> usize {
-        self.disks.len() + usize::from(self.vsock.is_some())
+        self.disks.len() + usize::from(self.vsock.is_some()) + usize::from(self.net.is_some())
     }
 
     /// Checks what can be checked before creating anything: the vCPU
