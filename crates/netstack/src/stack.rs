@@ -88,3 +88,10 @@ impl NetStack {
         todo!("stack helper")
     }
 }
+
+// LEAD-TEMP: replaced by the stack helper's.
+impl Default for StackConfig {
+    fn default() -> Self {
+        todo!("stack helper")
+    }
+}

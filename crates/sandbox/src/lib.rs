@@ -29,13 +29,14 @@ pub mod diff;
 mod limits;
 mod manager;
 pub mod memory;
+pub mod network;
 pub mod templates;
 
 pub use diff::{DiffOptions, DiffReport};
 pub use limits::{derived_memory_budget_mib, Limits, LimitsError};
 pub use manager::{
-    BackendError, BranchResult, ExecRequest, Lineage, Manager, ManagerConfig, SandboxError, SandboxId, SandboxInfo,
-    SandboxSpec, SandboxState, Usage,
+    BackendError, BranchResult, ExecRequest, Lineage, Manager, ManagerConfig, NetworkLog, SandboxError, SandboxId,
+    SandboxInfo, SandboxSpec, SandboxState, Usage,
 };
 pub use memory::{BudgetUse, OverBudget};
 pub use templates::{TemplateError, TemplateInfo, DEFAULT_TEMPLATE};

@@ -142,6 +142,11 @@ pub struct TemplateMeta {
     pub kernel: FileIdentity,
     /// The root filesystem image it runs on.
     pub rootfs: FileIdentity,
+    /// The guest set-up it was made with beyond the images (network
+    /// device, extra CA certificates; see [`TemplateStore::with_guest_setup`]);
+    /// empty for none.
+    #[serde(default)]
+    pub guest_setup: String,
 }
 
 /// What `template_list` shows of a template.
@@ -190,6 +195,8 @@ pub struct TemplateStore {
     rootfs: PathBuf,
     cache: Mutex<BTreeMap<String, Cached>>,
     budget: Option<Arc<MemoryBudget>>,
+    /// See [`TemplateStore::with_guest_setup`].
+    guest_setup: String,
 }
 
 /// Whether `name` is one only the server may write or delete:
@@ -231,7 +238,28 @@ impl TemplateStore {
                 let _ = std::fs::remove_dir_all(e.path());
             }
         }
-        Ok(TemplateStore { dir, kernel, rootfs, cache: Mutex::new(BTreeMap::new()), budget: None })
+        Ok(TemplateStore {
+            dir,
+            kernel,
+            rootfs,
+            cache: Mutex::new(BTreeMap::new()),
+            budget: None,
+            guest_setup: String::new(),
+        })
+    }
+
+    /// The store, for templates made with `guest_setup` (a fingerprint of
+    /// the server's guest set-up beyond the images: whether sandboxes have
+    /// a network device, which CA certificates they trust); templates made
+    /// with another are stale.
+    pub fn with_guest_setup(mut self, guest_setup: String) -> Self {
+        self.guest_setup = guest_setup;
+        self
+    }
+
+    /// The guest set-up fingerprint of templates made now.
+    pub fn guest_setup(&self) -> &str {
+        &self.guest_setup
     }
 
     /// The store, with every loaded template's memory counted against
@@ -421,6 +449,12 @@ impl TemplateStore {
         if let Some(e) = stale(&meta, &self.images()?) {
             return Err(e);
         }
+        if meta.guest_setup != self.guest_setup {
+            return Err(TemplateError::Stale {
+                name: meta.name.clone(),
+                what: "guest set-up (network device or CA certificates)",
+            });
+        }
         let memory = match &self.budget {
             None => None,
             Some(b) => {
@@ -532,6 +566,7 @@ mod tests {
             source_sandbox: None,
             kernel,
             rootfs,
+            guest_setup: String::new(),
         }
     }
 

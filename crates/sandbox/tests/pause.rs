@@ -25,6 +25,7 @@ async fn a_paused_guest_stops_and_goes_on_after_resume() {
         memory_backing: vmm::MemoryBacking::Private,
         profile: vmm::HostProfile::detect(),
         limits: Limits { boot_timeout_secs: 900, ..Limits::default() },
+        network: None,
     })
     .unwrap();
     let id = manager.create(SandboxSpec::default()).await.expect("create").sandbox_id;

@@ -65,6 +65,8 @@ pub struct FileConfig {
     pub limits: Limits,
     /// Templates.
     pub templates: TemplatesConfig,
+    /// Sandbox networking (see [`tine_sandbox::network`]).
+    pub network: tine_sandbox::network::NetworkConfig,
 }
 
 /// `[templates]`.
@@ -272,6 +274,11 @@ mod tests {
         let c: FileConfig = toml::from_str(include_str!("../../../deploy/tine.toml")).unwrap();
         assert_eq!(c.limits, Limits::default(), "deploy/tine.toml shows the defaults");
         assert_eq!(c.templates, TemplatesConfig::default(), "deploy/tine.toml shows the template defaults");
+        assert_eq!(
+            c.network,
+            tine_sandbox::network::NetworkConfig::default(),
+            "deploy/tine.toml shows the network defaults"
+        );
         assert_eq!(c.listen, Some(DEFAULT_LISTEN.parse().unwrap()));
     }
 

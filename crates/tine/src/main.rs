@@ -203,6 +203,10 @@ fn open_manager(
         memory_backing: r.file.templates.memory_backing,
         profile,
         limits: r.file.limits.clone(),
+        network: match r.file.network.enabled {
+            true => Some(tine_sandbox::network::NetworkSetup::new(r.file.network.clone())?),
+            false => None,
+        },
     })?;
     Ok((manager, lock))
 }

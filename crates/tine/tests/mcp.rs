@@ -114,6 +114,8 @@ async fn mcp_end_to_end() {
         "sandbox_snapshot",
         "template_list",
         "template_delete",
+        "sandbox_update",
+        "sandbox_network_log",
     ] {
         assert!(names.contains(want), "missing tool {want}: {names:?}");
     }
@@ -121,6 +123,10 @@ async fn mcp_end_to_end() {
     assert_eq!(tool("sandbox_list").annotations.unwrap().read_only_hint, Some(true));
     assert_eq!(tool("sandbox_kill").annotations.unwrap().destructive_hint, Some(true));
     assert!(tool("sandbox_exec").output_schema.is_some(), "structured output has a schema");
+    for code_tool in ["sandbox_create", "sandbox_exec", "sandbox_run_python"] {
+        let d = tool(code_tool).description.unwrap_or_default();
+        assert!(d.contains("Network: "), "{code_tool}'s description says what network sandboxes have: {d}");
+    }
 
     // Bad input: a tool error that says what to do, or a protocol error; the
     // server stays up.

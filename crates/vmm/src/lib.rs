@@ -29,6 +29,6 @@ pub use host::HostProfile;
 pub use memory::MemoryBacking;
 pub use snapshot::{Snapshot, SnapshotError, SnapshotMemory};
 pub use vm::{
-    build_for_boot, build_from_snapshot, BuildError, ControlError, DiskConfig, ExitWatcher, GuestError, RunningVm,
-    VmConfig, VmOutcome, VsockConfig,
+    build_for_boot, build_from_snapshot, BuildError, ControlError, DiskConfig, ExitWatcher, GuestError, NetConfig,
+    RunningVm, VmConfig, VmOutcome, VsockConfig,
 };

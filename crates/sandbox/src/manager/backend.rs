@@ -50,6 +50,8 @@ pub(crate) struct VmSpec {
     pub console_log: PathBuf,
     /// The hybrid-vsock socket the host reaches the agent through.
     pub agent_socket: PathBuf,
+    /// Its network device's NAT settings and control (`None`: no device).
+    pub net: Option<vmm::NetConfig>,
 }
 
 /// A branch point: one instant of a VM that children are restored from.

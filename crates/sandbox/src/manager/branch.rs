@@ -161,6 +161,7 @@ impl Manager {
     /// live-sandbox cap.
     fn reserve_children(&self, source: &Sandbox, n: usize) -> Result<Vec<Arc<Sandbox>>, SandboxError> {
         let branched_at = unix_ms();
+        let mut nets = (0..n).map(|_| self.inherit_net(source)).collect::<Result<Vec<_>, _>>()?;
         let made = self.reserve(n, |id, dir| {
             let child = Sandbox::new(
                 id,
@@ -171,6 +172,7 @@ impl Manager {
                 source.template.clone(),
                 source.idle_timeout,
             );
+            *lock(&child.net) = nets.pop().flatten();
             {
                 let mut l = lock(&child.lineage);
                 l.parent = Some(source.id.clone());
@@ -311,6 +313,9 @@ impl Manager {
         *lock(&p.dir) = w.dir();
         remove_dir(&old_dir);
         lock(&p.vm).vm = Some(vm);
+        // The winner's NAT runs in its VM, with the winner's control.
+        let net = lock(&w.net).take();
+        *lock(&p.net) = net;
         let _ = p.transition(Transition::TakeOver { to: w_state, boot_ms: w_boot_ms, agent });
         if let Err(e) = p.spawn_monitor(watch) {
             tracing::error!(sandbox = %p.id, "cannot start a monitor thread after the merge: {e}; a crash will not be noticed")

@@ -156,6 +156,7 @@ impl Manager {
             source_sandbox: (!sb.id.starts_with("template-")).then(|| sb.id.clone()),
             kernel,
             rootfs,
+            guest_setup: self.templates.guest_setup().to_string(),
         };
         if let Err(e) = self.templates.commit(&tmp, &meta, replace) {
             let _ = std::fs::remove_dir_all(&tmp);

@@ -166,6 +166,12 @@ pub enum SandboxError {
         /// The winner's ancestors, nearest first.
         lineage: String,
     },
+    /// A network rule is bad.
+    #[error("bad network policy: {0}")]
+    Network(#[from] netstack::policy::PolicyError),
+    /// The server gives sandboxes no network.
+    #[error("this server gives sandboxes no network ([network] enabled = false in its configuration)")]
+    NoNetwork,
     /// A host file or directory operation failed.
     #[error("{what}: {source}")]
     Io {

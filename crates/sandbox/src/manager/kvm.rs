@@ -26,6 +26,7 @@ impl VmBackend for KvmBackend {
         config.console_log = Some(spec.console_log.clone());
         config.disks = vec![DiskConfig { path: spec.rootfs.clone(), read_only: true, id: "root".into() }];
         config.vsock = Some(VsockConfig { cid: GUEST_CID, uds_path: spec.agent_socket.clone() });
+        config.net = spec.net.clone();
         config.cmdline = CMDLINE.into();
         let vm = match source {
             VmSource::Boot => vmm::build_for_boot(&config),

@@ -46,6 +46,8 @@ pub struct SandboxSpec {
     /// Restore from this template instead of booting (`None`: the default
     /// template, when it exists and has the requested shape).
     pub template: Option<String>,
+    /// The egress policy (`None`: the server's default).
+    pub network: Option<netstack::policy::NetworkPolicy>,
 }
 
 /// Marks the default template as being built for as long as it lives.
@@ -139,6 +141,7 @@ impl Manager {
         if self.shutting_down.load(Ordering::SeqCst) {
             return Err(SandboxError::ShuttingDown);
         }
+        let net = self.net_control(spec.network.as_ref())?;
         let (source, vcpus, memory_mib) = self.origin(&spec).await?;
         let template = match &source {
             VmSource::Template(t) => Some(t.meta.name.clone()),
@@ -150,7 +153,9 @@ impl Manager {
         let sandbox = self
             .reserve(1, |id, dir| {
                 let labels = labels.take().unwrap_or_default();
-                Sandbox::new(id, dir, vcpus, memory_mib, labels, template.clone(), idle_timeout)
+                let sb = Sandbox::new(id, dir, vcpus, memory_mib, labels, template.clone(), idle_timeout);
+                *lock(&sb.net) = net.clone();
+                sb
             })?
             .swap_remove(0);
         lock(&sandbox.memory).own = memory;
@@ -260,7 +265,14 @@ impl Manager {
             memory_backing: self.config.memory_backing,
             console_log: dir.join("console.log"),
             agent_socket: uds,
+            net: self
+                .config
+                .network
+                .as_ref()
+                .zip(lock(&sb.net).clone())
+                .map(|(n, control)| vmm::NetConfig { stack: n.stack.clone(), control }),
         };
+        let booted = matches!(source, VmSource::Boot);
         let backend = self.backend.clone();
         let vm = tokio::task::spawn_blocking(move || backend.start(&spec, &source))
             .await
@@ -273,6 +285,9 @@ impl Manager {
 
         let agent = self.wait_for_agent(sb, &*watch, &uds).await?;
         reseed(sb, &agent).await?;
+        if booted {
+            self.install_ca_certificates(sb, &agent).await?;
+        }
         let boot_ms = started.elapsed().as_millis() as u64;
         sb.transition(Transition::Ready { agent: Arc::new(agent), boot_ms }).map_err(|r| SandboxError::NotRunning {
             id: sb.id.clone(),
@@ -374,6 +389,7 @@ impl Manager {
         let memory = self.admit("default template build", &[(MemoryUse::Sandbox, memory_mib)])?.pop();
         let sb = Arc::new(Sandbox::new(id, dir, vcpus, memory_mib, BTreeMap::new(), None, Duration::MAX));
         lock(&sb.memory).own = memory;
+        *lock(&sb.net) = self.net_control(None)?;
         tracing::info!("building the default template (a cold boot)");
         let r = match self.start(&sb, VmSource::Boot).await {
             Ok(()) => self.snapshot_sandbox(&sb, DEFAULT_TEMPLATE, true).await,

@@ -31,6 +31,7 @@ mod error;
 mod fake;
 mod kvm;
 mod lifecycle;
+mod network;
 mod sandbox;
 #[cfg(test)]
 mod tests;
@@ -41,6 +42,7 @@ pub use branch::BranchResult;
 pub use calls::ExecRequest;
 pub use error::SandboxError;
 pub use lifecycle::SandboxSpec;
+pub use network::NetworkLog;
 use sandbox::Sandbox;
 pub use sandbox::{Lineage, SandboxInfo, SandboxState, Usage};
 
@@ -68,6 +70,8 @@ pub struct ManagerConfig {
     pub profile: HostProfile,
     /// Defaults and caps.
     pub limits: Limits,
+    /// Sandbox networking (`None`: sandboxes have no network device).
+    pub network: Option<crate::network::NetworkSetup>,
 }
 
 /// The sandbox manager. Cheap to share: hold it in an `Arc`.
@@ -150,7 +154,8 @@ impl Manager {
         let memory = MemoryBudget::new(config.limits.memory_budget_mib());
         tracing::info!("guest memory budget: {} MiB", memory.budget_mib());
         let templates = TemplateStore::new(config.templates_dir.clone(), config.kernel.clone(), config.rootfs.clone())?
-            .with_budget(memory.clone());
+            .with_budget(memory.clone())
+            .with_guest_setup(config.network.as_ref().map(|n| n.fingerprint()).unwrap_or_default());
         Ok(Arc::new(Manager {
             templates,
             memory,

@@ -117,6 +117,10 @@ pub struct SandboxInfo {
     pub idle_timeout_secs: u64,
     /// Time since the last tool call on it (ms).
     pub idle_ms: u64,
+    /// The egress policy (`None`: no network device).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "schema", schemars(with = "Option<serde_json::Value>"))]
+    pub network: Option<netstack::policy::NetworkPolicy>,
     /// Resource use, from `info` on a running sandbox.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub usage: Option<Usage>,
@@ -242,6 +246,10 @@ pub(super) struct Sandbox {
     /// Calls in flight ([`Sandbox::mark_busy`]); the reaper leaves busy
     /// sandboxes alone.
     pub busy: AtomicU64,
+    /// Its network's policy and log, shared with its VM's NAT (`None`:
+    /// no network). A merge gives a sandbox its winner's VM, and with it
+    /// the winner's.
+    pub net: Mutex<Option<Arc<netstack::control::NetControl>>>,
 }
 
 impl Sandbox {
@@ -272,6 +280,7 @@ impl Sandbox {
             memory: Mutex::new(MemoryHeld::default()),
             last_used_ms: AtomicU64::new(0),
             busy: AtomicU64::new(0),
+            net: Mutex::new(None),
         }
     }
 
@@ -376,6 +385,7 @@ impl Sandbox {
             boot_ms: st.boot_ms,
             idle_timeout_secs: self.idle_timeout.as_secs(),
             idle_ms: self.idle().as_millis() as u64,
+            network: lock(&self.net).as_ref().map(|c| c.policy().policy().clone()),
             usage,
         }
     }

@@ -33,6 +33,7 @@ fn setup(limits: Limits) -> Setup {
         memory_backing: vmm::MemoryBacking::Private,
         profile: vmm::HostProfile::BareMetal,
         limits,
+        network: None,
     };
     let manager = Manager::with_backend(config, backend.clone()).expect("a manager");
     Setup { dir, backend, manager }

@@ -28,6 +28,7 @@ pub async fn manager_with_default_template(dir: &Path, limits: Limits) -> Arc<Ma
         memory_backing: vmm::MemoryBacking::Private,
         profile: vmm::HostProfile::detect(),
         limits: Limits { boot_timeout_secs: 900, ..limits },
+        network: None,
     })
     .expect("a manager");
     let t = Instant::now();

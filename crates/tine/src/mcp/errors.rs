@@ -79,6 +79,10 @@ pub fn sandbox_hint(e: &SandboxError) -> Option<String> {
             "; merge a sandbox into the one it was branched from, or an ancestor of it"
         }
         SandboxError::Gone { .. } => "; call sandbox_list to see the live ones",
+        SandboxError::Network(_) => {
+            "; each allow/deny entry is a domain (example.com), a wildcard (*.example.com), an IP address or a CIDR \
+             (203.0.113.0/24)"
+        }
         SandboxError::OverBudget(_) => {
             "; kill sandboxes you no longer need (sandbox_kill), ask for less memory_mib, or try again later"
         }

@@ -41,12 +41,12 @@ use errors::ToolError;
 use params::TemplateDeleteParams;
 use params::{
     secs_to_ms, BranchParams, CreateParams, DiffParams, ExecParams, ListDirParams, ListParams, MergeParams,
-    PythonParams, ReadParams, SandboxParams, SnapshotParams, UploadParams, WriteParams,
+    NetworkLogParams, PythonParams, ReadParams, SandboxParams, SnapshotParams, UpdateParams, UploadParams, WriteParams,
 };
 use results::TemplateDeleteResult;
 use results::{
-    DiffResult, DownloadResult, Entry, ExecResult, KillResult, ListDirResult, ListResult, PythonResult, ReadResult,
-    TemplateListResult, WriteResult,
+    DiffResult, DownloadResult, Entry, ExecResult, KillResult, ListDirResult, ListResult, NetworkLogResult,
+    PythonResult, ReadResult, TemplateListResult, WriteResult, NETWORK_LOG_MAX,
 };
 use session::SessionSandbox;
 
@@ -81,6 +81,23 @@ fn router() -> ToolRouter<TineMcp> {
         .clone()
 }
 
+/// Tools whose description ends with what network the sandbox has.
+const CODE_TOOLS: [&str; 3] = ["sandbox_create", "sandbox_exec", "sandbox_run_python"];
+
+/// The router with the server's network stated in the descriptions of the
+/// tools that run code ([`CODE_TOOLS`]).
+fn router_for(manager: &Manager) -> ToolRouter<TineMcp> {
+    let mut router = router();
+    let network = manager.network_summary();
+    for name in CODE_TOOLS {
+        if let Some(route) = router.map.get_mut(name) {
+            let d = route.attr.description.as_deref().unwrap_or_default();
+            route.attr.description = Some(format!("{d} {network}").into());
+        }
+    }
+    router
+}
+
 /// One MCP session's handler.
 #[derive(Clone)]
 pub struct TineMcp {
@@ -93,7 +110,8 @@ pub struct TineMcp {
 impl TineMcp {
     /// A handler for a new MCP session.
     pub fn new(manager: Arc<Manager>) -> Self {
-        TineMcp { session: Arc::new(SessionSandbox::new(manager.clone())), manager, tool_router: router() }
+        let tool_router = router_for(&manager);
+        TineMcp { session: Arc::new(SessionSandbox::new(manager.clone())), manager, tool_router }
     }
 
     /// The sandbox a call is about: the given id, or the session's
@@ -120,6 +138,7 @@ impl TineMcp {
             labels: p.labels,
             idle_timeout_secs: p.idle_timeout_secs,
             template: p.template,
+            network: p.network.map(|n| n.into_policy()),
         };
         let info = self.manager.create(spec).await?;
         self.session.created(&info.sandbox_id).await;
@@ -241,12 +260,48 @@ impl TineMcp {
 
     #[tool(
         description = "A sandbox's state (starting, running, paused, stopped, failed), vCPUs, memory, uptime, labels, \
-                       and CPU and memory use.",
+                       outbound network policy, and CPU and memory use.",
         annotations(title = "Sandbox info", read_only_hint = true, open_world_hint = false)
     )]
     async fn sandbox_info(&self, Parameters(p): Parameters<SandboxParams>) -> Result<Json<SandboxInfo>, ToolError> {
         let id = self.target(p.sandbox_id).await?;
         self.manager.info(&id).await.map(Json).map_err(ToolError::from)
+    }
+
+    #[tool(
+        description = "Change a running sandbox's settings: network replaces its outbound network policy \
+                       (egress \"allow\" or \"deny\", allow and deny lists of domains, *.domains, addresses and \
+                       CIDRs); connections opened from then on follow it. Returns the sandbox's info.",
+        annotations(
+            title = "Update sandbox",
+            read_only_hint = false,
+            destructive_hint = false,
+            idempotent_hint = true,
+            open_world_hint = false
+        )
+    )]
+    async fn sandbox_update(&self, Parameters(p): Parameters<UpdateParams>) -> Result<Json<SandboxInfo>, ToolError> {
+        let id = self.target(p.sandbox_id).await?;
+        if let Some(n) = p.network {
+            self.manager.set_network_policy(&id, &n.into_policy())?;
+        }
+        self.manager.info(&id).await.map(Json).map_err(ToolError::from)
+    }
+
+    #[tool(
+        description = "A sandbox's network log: its outbound connections, UDP flows and DNS queries, oldest \
+                       first, each with time, protocol, destination, domain, verdict and the rule that decided, \
+                       bytes each way and duration. Page with since_ms and limit (at most 200).",
+        annotations(title = "Network log", read_only_hint = true, open_world_hint = false)
+    )]
+    async fn sandbox_network_log(
+        &self,
+        Parameters(p): Parameters<NetworkLogParams>,
+    ) -> Result<Json<NetworkLogResult>, ToolError> {
+        let id = self.target(p.sandbox_id).await?;
+        let limit = p.limit.unwrap_or(NETWORK_LOG_MAX).clamp(1, NETWORK_LOG_MAX);
+        let log = self.manager.network_log(&id, p.since_ms.unwrap_or(0), limit)?;
+        Ok(Json(NetworkLogResult::new(id, log, limit)))
     }
 
     #[tool(

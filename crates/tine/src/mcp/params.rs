@@ -25,6 +25,72 @@ pub struct CreateParams {
     /// one: its memory, processes, files and Python state. vcpus and
     /// memory_mib come from the template.
     pub template: Option<String>,
+    /// Outbound network policy (default: the server's, usually public
+    /// internet; see sandbox_info.network).
+    pub network: Option<NetworkParams>,
+}
+
+/// The default verdict of a network policy.
+#[derive(Clone, Copy, Debug, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum EgressParam {
+    /// Destinations no rule matches are allowed (public internet).
+    Allow,
+    /// Destinations no rule matches are refused: only `allow` is reachable.
+    Deny,
+}
+
+/// A sandbox's outbound network policy. Loopback, private (RFC 1918),
+/// link-local (cloud metadata), CGNAT and multicast addresses are always
+/// refused unless the server's configuration allows them.
+#[derive(Clone, Debug, Default, Deserialize, JsonSchema)]
+pub struct NetworkParams {
+    /// "allow" (default): public internet; "deny": nothing but `allow`.
+    pub egress: Option<EgressParam>,
+    /// Reachable destinations: domains ("pypi.org"), wildcards
+    /// ("*.pythonhosted.org": names below it), IP addresses or CIDRs.
+    #[serde(default)]
+    pub allow: Vec<String>,
+    /// Refused destinations, same syntax; a deny beats an allow.
+    #[serde(default)]
+    pub deny: Vec<String>,
+}
+
+impl NetworkParams {
+    /// The policy the sandbox manager takes.
+    pub fn into_policy(self) -> tine_sandbox::network::NetworkPolicy {
+        use tine_sandbox::network::Egress;
+        tine_sandbox::network::NetworkPolicy {
+            egress: match self.egress {
+                Some(EgressParam::Deny) => Egress::Deny,
+                Some(EgressParam::Allow) | None => Egress::Allow,
+            },
+            allow: self.allow,
+            deny: self.deny,
+        }
+    }
+}
+
+/// `sandbox_update`.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+pub struct UpdateParams {
+    /// The sandbox (default: this session's own sandbox).
+    pub sandbox_id: Option<String>,
+    /// A new outbound network policy; connections opened from now on
+    /// follow it.
+    pub network: Option<NetworkParams>,
+}
+
+/// `sandbox_network_log`.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+pub struct NetworkLogParams {
+    /// The sandbox (default: this session's own sandbox).
+    pub sandbox_id: Option<String>,
+    /// Only records that started at or after this time (ms since the Unix
+    /// epoch; default 0).
+    pub since_ms: Option<u64>,
+    /// At most this many records, oldest first (default and maximum 200).
+    pub limit: Option<usize>,
 }
 
 /// `sandbox_snapshot`.

@@ -39,6 +39,86 @@ pub struct KillResult {
     pub killed: bool,
 }
 
+/// Most network log records one `sandbox_network_log` call returns (each
+/// is at most about 400 bytes of JSON, sent twice: well under the 1 MiB
+/// client limit).
+pub const NETWORK_LOG_MAX: usize = 200;
+
+/// One record of a sandbox's network log.
+#[derive(Debug, Serialize, JsonSchema)]
+pub struct NetworkRecord {
+    /// Sequence number in the sandbox's log (from 1).
+    pub id: u64,
+    /// Start, ms since the Unix epoch.
+    pub time_ms: u64,
+    /// "tcp", "udp", "dns" or "icmp".
+    pub protocol: String,
+    /// Destination address (the host loopback for the gateway 10.0.2.2).
+    pub addr: String,
+    /// Destination port (0 for ICMP).
+    pub port: u16,
+    /// The DNS name asked or resolved, or the TLS SNI / HTTP Host seen.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub domain: Option<String>,
+    /// Whether the policy allowed it.
+    pub allowed: bool,
+    /// The deciding rule: "allow:<entry>", "deny:<entry>",
+    /// "blocked-range:<cidr>", "egress:allow", "egress:deny",
+    /// "limit:connections", ...
+    pub rule: String,
+    /// Bytes from the sandbox to the destination.
+    pub bytes_out: u64,
+    /// Bytes from the destination to the sandbox.
+    pub bytes_in: u64,
+    /// How long it lasted (ms); absent while open.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub duration_ms: Option<u64>,
+}
+
+/// `sandbox_network_log`'s result.
+#[derive(Debug, Serialize, JsonSchema)]
+pub struct NetworkLogResult {
+    /// The sandbox.
+    pub sandbox_id: String,
+    /// Records, oldest first.
+    pub records: Vec<NetworkRecord>,
+    /// Records that fell out of the sandbox's bounded log so far.
+    pub dropped: u64,
+    /// Call again with since_ms = this to page on (the last record's
+    /// time), when `records` was cut at the limit.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub next_since_ms: Option<u64>,
+}
+
+impl NetworkLogResult {
+    /// The result for `log`, asked with `limit`.
+    pub fn new(sandbox_id: String, log: tine_sandbox::NetworkLog, limit: usize) -> Self {
+        let full = log.records.len() >= limit;
+        let records: Vec<NetworkRecord> = log
+            .records
+            .into_iter()
+            .map(|r| NetworkRecord {
+                id: r.id,
+                time_ms: r.time_ms,
+                protocol: serde_json::to_value(r.protocol)
+                    .ok()
+                    .and_then(|v| v.as_str().map(str::to_string))
+                    .unwrap_or_default(),
+                addr: r.addr.to_string(),
+                port: r.port,
+                domain: r.domain,
+                allowed: r.allowed,
+                rule: r.rule,
+                bytes_out: r.bytes_out,
+                bytes_in: r.bytes_in,
+                duration_ms: r.duration_ms,
+            })
+            .collect();
+        let next_since_ms = if full { records.last().map(|r| r.time_ms) } else { None };
+        NetworkLogResult { sandbox_id, records, dropped: log.dropped, next_since_ms }
+    }
+}
+
 /// `sandbox_exec`'s result. Each stream is cut to [`EXEC_STREAM_BUDGET`]
 /// bytes of JSON (after the agent's own 32 KiB cap per stream);
 /// `stdout_bytes` and `stderr_bytes` say how much the command wrote.

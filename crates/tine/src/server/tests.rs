@@ -51,6 +51,7 @@ fn manager(dir: &tempfile::TempDir) -> std::sync::Arc<Manager> {
         memory_backing: vmm::MemoryBacking::Private,
         profile: vmm::HostProfile::BareMetal,
         limits: tine_sandbox::Limits::default(),
+        network: None,
     })
     .expect("a manager on empty images")
 }

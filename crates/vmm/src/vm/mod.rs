@@ -12,6 +12,6 @@ pub mod outcome;
 pub mod running;
 
 pub use builder::{build_for_boot, build_from_snapshot, BuildError};
-pub use config::{base_cmdline, DiskConfig, VmConfig, VsockConfig, MAX_VIRTIO_DEVICES, VIRTIO_FIRST_IRQ};
+pub use config::{base_cmdline, DiskConfig, NetConfig, VmConfig, VsockConfig, MAX_VIRTIO_DEVICES, VIRTIO_FIRST_IRQ};
 pub use outcome::{GuestError, VmOutcome};
 pub use running::{ControlError, ExitWatcher, RunningVm};

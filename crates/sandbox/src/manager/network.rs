@@ -1,0 +1,128 @@
+//! A sandbox's network as the manager sees it: each sandbox's
+//! [`NetControl`] (made at create, inherited by branch children, taken over
+//! by a merge), changing the policy of a running sandbox, reading its
+//! network log, and the extra CA certificates put into a booted guest's
+//! trust store.
+
+use std::sync::Arc;
+
+use netstack::control::NetControl;
+use netstack::log::NetRecord;
+use netstack::policy::NetworkPolicy;
+use tine_agent_client::AgentClient;
+use tine_protocol::ExitStatus;
+
+use super::{Manager, Sandbox, SandboxError};
+use crate::lock;
+
+/// Where the extra CA certificates go in the guest (Debian's
+/// `update-ca-certificates` picks up `*.crt` there).
+const GUEST_CA_FILE: &str = "/usr/local/share/ca-certificates/tine-extra.crt";
+/// Deadline of the trust-store update in the guest.
+const CA_UPDATE_TIMEOUT_MS: u32 = 120_000;
+
+/// A page of a sandbox's network log.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct NetworkLog {
+    /// Records, oldest first.
+    pub records: Vec<NetRecord>,
+    /// Records that fell out of the bounded log since the sandbox started.
+    pub dropped: u64,
+}
+
+impl Manager {
+    /// A new sandbox's network control with `policy` (`None`: the
+    /// server's default); `None` when the server gives no network.
+    ///
+    /// Errors: [`SandboxError::Network`] for a bad rule;
+    /// [`SandboxError::NoNetwork`] for a policy on a server without network.
+    pub(super) fn net_control(&self, policy: Option<&NetworkPolicy>) -> Result<Option<Arc<NetControl>>, SandboxError> {
+        match &self.config.network {
+            Some(n) => Ok(Some(n.control(policy)?)),
+            None if policy.is_some() => Err(SandboxError::NoNetwork),
+            None => Ok(None),
+        }
+    }
+
+    /// One sentence for tool descriptions: what network sandboxes of
+    /// this server have by default.
+    pub fn network_summary(&self) -> String {
+        let Some(n) = &self.config.network else {
+            return "Network: none (this server gives sandboxes no network device).".into();
+        };
+        let default = match (n.default_policy.egress, n.default_policy.allow.is_empty()) {
+            (netstack::policy::Egress::Allow, _) => "outbound TCP, UDP and DNS to the public internet".to_string(),
+            (netstack::policy::Egress::Deny, true) => "no outbound connections by default".to_string(),
+            (netstack::policy::Egress::Deny, false) => {
+                format!("outbound connections only to {}", n.default_policy.allow.join(", "))
+            }
+        };
+        format!(
+            "Network: {default}, through a NAT (no inbound connections); loopback, private, link-local (cloud \
+             metadata) and CGNAT addresses are refused; curl, git and pip are installed. The policy is in \
+             sandbox_info.network; change it with sandbox_create {{ network }} or sandbox_update; see \
+             sandbox_network_log."
+        )
+    }
+
+    /// A branch child's control: its parent's policy as it is now, a log
+    /// of its own.
+    pub(super) fn inherit_net(&self, parent: &Sandbox) -> Result<Option<Arc<NetControl>>, SandboxError> {
+        let policy = lock(&parent.net).as_ref().map(|c| c.policy().policy().clone());
+        self.net_control(policy.as_ref())
+    }
+
+    /// Replaces the egress policy of sandbox `id`; connections opened from
+    /// now on follow it (open ones are not cut). Returns the new policy.
+    ///
+    /// Errors: [`SandboxError::NotFound`], [`SandboxError::NoNetwork`],
+    /// [`SandboxError::Network`] (the old policy stays).
+    pub fn set_network_policy(&self, id: &str, policy: &NetworkPolicy) -> Result<NetworkPolicy, SandboxError> {
+        let sb = self.get(id)?;
+        let control = lock(&sb.net).clone().ok_or(SandboxError::NoNetwork)?;
+        control.set_policy(policy)?;
+        sb.touch();
+        tracing::info!(sandbox = %id, policy = %control.policy().summary(), "network policy changed");
+        Ok(control.policy().policy().clone())
+    }
+
+    /// Sandbox `id`'s network log: records that started at or after
+    /// `since_ms` (ms since the Unix epoch), oldest first, at most `limit`.
+    ///
+    /// Errors: [`SandboxError::NotFound`], [`SandboxError::NoNetwork`].
+    pub fn network_log(&self, id: &str, since_ms: u64, limit: usize) -> Result<NetworkLog, SandboxError> {
+        let sb = self.get(id)?;
+        let control = lock(&sb.net).clone().ok_or(SandboxError::NoNetwork)?;
+        let (records, dropped) = control.query(since_ms, limit);
+        Ok(NetworkLog { records, dropped })
+    }
+
+    /// Adds the server's extra CA certificates to a freshly booted guest's
+    /// trust store (restored guests have them from their template).
+    ///
+    /// Errors: [`SandboxError::Connection`] when the agent fails or the
+    /// update exits non-zero.
+    pub(super) async fn install_ca_certificates(&self, sb: &Sandbox, agent: &AgentClient) -> Result<(), SandboxError> {
+        let Some(pem) = self.config.network.as_ref().map(|n| n.ca_pem.clone()).filter(|p| !p.is_empty()) else {
+            return Ok(());
+        };
+        let fail = |reason: String| SandboxError::Connection { id: sb.id.clone(), reason };
+        agent
+            .write_file(GUEST_CA_FILE, pem.into_bytes(), Some(0o644))
+            .await
+            .map_err(|e| fail(format!("write the CA certificates: {e}")))?;
+        let reply = agent
+            .exec("update-ca-certificates >/dev/null", CA_UPDATE_TIMEOUT_MS, 4096)
+            .await
+            .map_err(|e| fail(format!("update-ca-certificates: {e}")))?;
+        if reply.status != ExitStatus::Code(0) {
+            return Err(fail(format!(
+                "update-ca-certificates ended with {:?}: {}",
+                reply.status,
+                String::from_utf8_lossy(&reply.stderr.data)
+            )));
+        }
+        tracing::info!(sandbox = %sb.id, "extra CA certificates installed");
+        Ok(())
+    }
+}

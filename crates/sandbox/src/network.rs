@@ -1,0 +1,178 @@
+//! Sandbox networking as the server configures it (`[network]` in the
+//! configuration file) and as the manager applies it: every sandbox gets a
+//! virtio-net device behind its own user-space NAT ([`netstack`]), with a
+//! per-sandbox egress policy that can change while it runs, and a network
+//! log.
+//!
+//! ```toml
+//! [network]
+//! enabled = true
+//! egress = "allow"            # default policy of new sandboxes: "allow" | "deny"
+//! allow = []                  # domains, *.domains, addresses, CIDRs
+//! deny = []
+//! permit_ranges = []          # always-denied ranges this server allows, e.g. ["127.0.0.0/8"]
+//! dns_upstreams = []          # default: the nameservers of /etc/resolv.conf
+//! max_connections = 256       # open TCP connections + UDP flows per sandbox
+//! log_records = 1024          # network log records kept per sandbox
+//! ca_certificates = []        # PEM files added to every guest's trust store
+//! [network.hosts]             # names the gateway's DNS answers itself
+//! # "files.internal" = "10.0.2.2"
+//! ```
+
+use std::collections::BTreeMap;
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use netstack::control::NetControl;
+pub use netstack::log::{NetRecord, Protocol};
+use netstack::policy::{CompiledPolicy, PolicyError, ServerNetPolicy};
+pub use netstack::policy::{Egress, NetworkPolicy};
+use netstack::stack::StackConfig;
+use serde::Deserialize;
+
+/// `[network]` of the server configuration.
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(default, deny_unknown_fields)]
+pub struct NetworkConfig {
+    /// Give sandboxes a network device (default true). Off: no device, no
+    /// egress; templates made with the other setting are rebuilt.
+    pub enabled: bool,
+    /// The default verdict of new sandboxes' policies.
+    pub egress: Egress,
+    /// Default allow list of new sandboxes.
+    pub allow: Vec<String>,
+    /// Default deny list of new sandboxes.
+    pub deny: Vec<String>,
+    /// Always-denied ranges (loopback, RFC 1918, link-local, CGNAT,
+    /// multicast, the host's own addresses...) that this server lets
+    /// sandboxes reach anyway, as CIDRs. Empty by default.
+    pub permit_ranges: Vec<ipnet::IpNet>,
+    /// Where the gateway's DNS forwards queries (default: the nameservers
+    /// of `/etc/resolv.conf`, port 53).
+    pub dns_upstreams: Vec<SocketAddr>,
+    /// Names the gateway's DNS answers itself (A records).
+    pub hosts: BTreeMap<String, IpAddr>,
+    /// Open TCP connections plus UDP flows per sandbox, at most.
+    pub max_connections: usize,
+    /// Network log records kept per sandbox (older ones fall out, counted).
+    pub log_records: usize,
+    /// PEM files of CA certificates added to every guest's trust store at
+    /// start (for TLS-inspecting proxies).
+    pub ca_certificates: Vec<PathBuf>,
+}
+
+impl Default for NetworkConfig {
+    fn default() -> Self {
+        NetworkConfig {
+            enabled: true,
+            egress: Egress::Allow,
+            allow: Vec::new(),
+            deny: Vec::new(),
+            permit_ranges: Vec::new(),
+            dns_upstreams: Vec::new(),
+            hosts: BTreeMap::new(),
+            max_connections: 256,
+            log_records: 1024,
+            ca_certificates: Vec::new(),
+        }
+    }
+}
+
+/// Errors of the network configuration.
+#[derive(Debug, thiserror::Error)]
+pub enum NetworkError {
+    /// A rule of the default policy is bad.
+    #[error("[network] default policy: {0}")]
+    Policy(#[from] PolicyError),
+    /// A limit is out of range.
+    #[error("[network] {0}")]
+    Limit(String),
+    /// A CA certificate file cannot be read or is not PEM.
+    #[error("[network] ca_certificates: {path}: {reason}")]
+    CaCertificate {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+}
+
+/// The network settings in force: what every sandbox's stack and policy
+/// start from.
+#[derive(Clone, Debug)]
+pub struct NetworkSetup {
+    /// The configuration as given.
+    pub config: NetworkConfig,
+    /// The default policy of new sandboxes.
+    pub default_policy: NetworkPolicy,
+    /// Server-wide policy inputs (permitted ranges, host addresses).
+    pub server_policy: Arc<ServerNetPolicy>,
+    /// Every stack's settings.
+    pub stack: StackConfig,
+    /// The CA certificates (PEM text, concatenated) for guests' trust store.
+    pub ca_pem: String,
+}
+
+impl NetworkSetup {
+    /// Checks `config` (the default policy compiles, limits in range, CA
+    /// files readable) and reads the host's addresses and resolvers.
+    ///
+    /// Errors: [`NetworkError`].
+    pub fn new(config: NetworkConfig) -> Result<Self, NetworkError> {
+        if config.max_connections == 0 || config.max_connections > 65_536 {
+            return Err(NetworkError::Limit(format!(
+                "max_connections must be 1..=65536, got {}",
+                config.max_connections
+            )));
+        }
+        if config.log_records == 0 || config.log_records > 1_000_000 {
+            return Err(NetworkError::Limit(format!("log_records must be 1..=1000000, got {}", config.log_records)));
+        }
+        let server_policy = Arc::new(ServerNetPolicy {
+            permit_ranges: config.permit_ranges.clone(),
+            host_addrs: netstack::policy::host_addresses(),
+        });
+        let default_policy =
+            NetworkPolicy { egress: config.egress, allow: config.allow.clone(), deny: config.deny.clone() };
+        CompiledPolicy::new(&default_policy, &server_policy)?;
+        let mut stack = StackConfig::default();
+        if !config.dns_upstreams.is_empty() {
+            stack.dns_upstreams = config.dns_upstreams.clone();
+        }
+        stack.static_hosts = config.hosts.clone();
+        stack.max_connections = config.max_connections;
+        let mut ca_pem = String::new();
+        for path in &config.ca_certificates {
+            let bad = |reason: String| NetworkError::CaCertificate { path: path.clone(), reason };
+            let text = std::fs::read_to_string(path).map_err(|e| bad(e.to_string()))?;
+            if !text.contains("-----BEGIN CERTIFICATE-----") {
+                return Err(bad("no PEM certificate (-----BEGIN CERTIFICATE-----) in it".into()));
+            }
+            ca_pem.push_str(text.trim_end());
+            ca_pem.push('\n');
+        }
+        Ok(NetworkSetup { config, default_policy, server_policy, stack, ca_pem })
+    }
+
+    /// What templates made under this set-up depend on: the network device
+    /// and the CA certificates (FNV-1a of their PEM text).
+    pub fn fingerprint(&self) -> String {
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for b in self.ca_pem.bytes() {
+            h = (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+        if self.ca_pem.is_empty() {
+            "virtio-net".into()
+        } else {
+            format!("virtio-net; ca {h:016x}")
+        }
+    }
+
+    /// A new sandbox's control with `policy` (`None`: the default policy).
+    ///
+    /// Errors: [`PolicyError`] for a bad rule.
+    pub fn control(&self, policy: Option<&NetworkPolicy>) -> Result<Arc<NetControl>, PolicyError> {
+        NetControl::new(policy.unwrap_or(&self.default_policy), self.server_policy.clone(), self.config.log_records)
+    }
+}
