@@ -1,0 +1,303 @@
+//! Sandbox networking end to end: a real `tine` server, real guests, a real
+//! MCP client, and an HTTP server this test runs on the host's loopback
+//! (the only address test traffic goes to; the server's config permits
+//! 127.0.0.0/8 and names two hosts for its DNS).
+//!
+//! One server for every case (a default template restore is ~1 s here).
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+use testkit::mcp::{call, TineServer};
+
+/// The download's size (bytes).
+const BLOB_BYTES: usize = 16 << 20;
+
+fn binary() -> &'static Path {
+    Path::new(env!("CARGO_BIN_EXE_tine"))
+}
+
+/// The test's deterministic 16 MiB body.
+fn blob() -> Vec<u8> {
+    let mut v = Vec::with_capacity(BLOB_BYTES);
+    let mut x: u32 = 0x1234_5678;
+    while v.len() < BLOB_BYTES {
+        x ^= x << 13;
+        x ^= x >> 17;
+        x ^= x << 5;
+        v.extend_from_slice(&x.to_le_bytes());
+    }
+    v
+}
+
+fn hex(d: &[u8]) -> String {
+    d.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// A minimal HTTP/1.1 server on 127.0.0.1 for the guests: `GET /blob` (16
+/// MiB), `GET /slow` (the blob at about 2 MiB/s), `GET /small`, `GET
+/// /hold` (keeps the connection open), `PUT /upload` (answers the body's
+/// SHA-256). Counts held connections.
+struct HostHttp {
+    port: u16,
+    held: Arc<AtomicUsize>,
+}
+
+impl HostHttp {
+    fn start() -> HostHttp {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1");
+        let port = listener.local_addr().unwrap().port();
+        let held = Arc::new(AtomicUsize::new(0));
+        let body = Arc::new(blob());
+        let h = held.clone();
+        std::thread::spawn(move || {
+            for conn in listener.incoming().flatten() {
+                let body = body.clone();
+                let held = h.clone();
+                std::thread::spawn(move || {
+                    let _ = serve(conn, &body, &held);
+                });
+            }
+        });
+        HostHttp { port, held }
+    }
+}
+
+fn serve(conn: TcpStream, body: &[u8], held: &AtomicUsize) -> std::io::Result<()> {
+    let mut r = BufReader::new(conn.try_clone()?);
+    let mut w = conn;
+    let mut line = String::new();
+    r.read_line(&mut line)?;
+    let mut len = 0usize;
+    loop {
+        let mut h = String::new();
+        if r.read_line(&mut h)? == 0 || h == "\r\n" {
+            break;
+        }
+        if let Some(v) = h.to_ascii_lowercase().strip_prefix("content-length:") {
+            len = v.trim().parse().unwrap_or(0);
+        }
+    }
+    let path = line.split_whitespace().nth(1).unwrap_or("/").to_string();
+    let ok = |w: &mut TcpStream, b: &[u8]| -> std::io::Result<()> {
+        write!(w, "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", b.len())?;
+        w.write_all(b)
+    };
+    match (line.split_whitespace().next(), path.as_str()) {
+        (Some("GET"), "/blob") => ok(&mut w, body),
+        (Some("GET"), "/slow") => {
+            write!(w, "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", body.len())?;
+            for chunk in body.chunks(64 << 10) {
+                w.write_all(chunk)?;
+                std::thread::sleep(Duration::from_millis(30));
+            }
+            Ok(())
+        }
+        (Some("GET"), "/small") => ok(&mut w, b"hello from the host\n"),
+        (Some("GET"), "/hold") => {
+            held.fetch_add(1, Ordering::SeqCst);
+            write!(w, "HTTP/1.1 200 OK\r\nContent-Length: 1000000\r\n\r\n")?;
+            let mut sink = [0u8; 64];
+            // Until the guest goes away.
+            let _ = r.read(&mut sink);
+            held.fetch_sub(1, Ordering::SeqCst);
+            Ok(())
+        }
+        (Some("PUT"), _) => {
+            let mut hasher = Sha256::new();
+            let mut left = len;
+            let mut buf = vec![0u8; 64 << 10];
+            while left > 0 {
+                let n = r.read(&mut buf[..left.min(64 << 10)])?;
+                if n == 0 {
+                    break;
+                }
+                hasher.update(&buf[..n]);
+                left -= n;
+            }
+            ok(&mut w, format!("{}\n", hex(&hasher.finalize())).as_bytes())
+        }
+        _ => {
+            write!(w, "HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+        }
+    }
+}
+
+async fn exec(client: &testkit::mcp::McpClient, id: &str, command: &str, timeout: u64) -> Value {
+    call(client, "sandbox_exec", json!({"sandbox_id": id, "command": command, "timeout_secs": timeout}))
+        .await
+        .unwrap_or_else(|e| panic!("exec {command:?}: {e}"))
+}
+
+fn stdout(v: &Value) -> String {
+    v["stdout"].as_str().unwrap_or_default().to_string()
+}
+
+fn exit_code(v: &Value) -> i64 {
+    v["exit_code"].as_i64().unwrap_or(-1)
+}
+
+async fn log_records(client: &testkit::mcp::McpClient, id: &str) -> Vec<Value> {
+    let v = call(client, "sandbox_network_log", json!({"sandbox_id": id})).await.expect("network log");
+    v["records"].as_array().cloned().unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn guests_reach_the_host_through_the_nat_under_their_policy() {
+    if !testkit::kvm_available("network") {
+        return;
+    }
+    let http = HostHttp::start();
+    let port = http.port;
+    let config = "[network]\npermit_ranges = [\"127.0.0.0/8\"]\nmax_connections = 32\n\
+                  [network.hosts]\n\"files.test\" = \"10.0.2.2\"\n\"other.test\" = \"10.0.2.2\"\n";
+    let server = TineServer::start_with_default_template(binary(), None, config);
+    let client = server.client().await;
+
+    let sb = call(&client, "sandbox_create", json!({})).await.expect("create");
+    let id = sb["sandbox_id"].as_str().unwrap().to_string();
+    assert_eq!(sb["network"]["egress"], "allow", "{sb}");
+
+    // 16 MiB down and back up, checksums on both ends.
+    let want = hex(&Sha256::digest(blob()));
+    let r = exec(
+        &client,
+        &id,
+        &format!("curl -sS --fail -o /tmp/blob http://10.0.2.2:{port}/blob && sha256sum /tmp/blob"),
+        300,
+    )
+    .await;
+    assert_eq!(exit_code(&r), 0, "{r}");
+    assert!(stdout(&r).starts_with(&want), "download checksum: {r}");
+    let r = exec(&client, &id, &format!("curl -sS --fail -T /tmp/blob http://10.0.2.2:{port}/upload"), 300).await;
+    assert_eq!(stdout(&r).trim(), want, "upload checksum: {r}");
+
+    // The gateway's DNS answers the server's names.
+    let r = exec(&client, &id, "getent hosts files.test", 60).await;
+    assert!(stdout(&r).starts_with("10.0.2.2"), "{r}");
+
+    // Always-denied ranges are refused even when dialled by address.
+    for addr in ["169.254.169.254", "10.1.2.3", "192.168.1.1", "100.64.0.1"] {
+        let r = exec(&client, &id, &format!("curl -sS --max-time 20 http://{addr}:80/"), 60).await;
+        assert_ne!(exit_code(&r), 0, "{addr} must be refused: {r}");
+    }
+    let records = log_records(&client, &id).await;
+    let blocked = records
+        .iter()
+        .filter(|r| r["allowed"] == false && r["rule"].as_str().unwrap_or("").starts_with("blocked-range:"))
+        .count();
+    assert!(blocked >= 4, "refusals logged with their range: {records:?}");
+    assert!(
+        records
+            .iter()
+            .any(|r| r["protocol"] == "tcp" && r["allowed"] == true && r["bytes_in"].as_u64() >= Some(16 << 20)),
+        "the download is logged with its bytes: {records:?}"
+    );
+
+    // An allowlist: files.test is reachable, other.test is not (same
+    // address; its DNS answer and its Host header are refused).
+    let upd = call(
+        &client,
+        "sandbox_update",
+        json!({"sandbox_id": id, "network": {"egress": "deny", "allow": ["files.test"]}}),
+    )
+    .await
+    .expect("update");
+    assert_eq!(upd["network"]["egress"], "deny", "{upd}");
+    let r = exec(&client, &id, &format!("curl -sS --fail --max-time 20 http://files.test:{port}/small"), 60).await;
+    assert_eq!(stdout(&r), "hello from the host\n", "{r}");
+    let r = exec(&client, &id, &format!("curl -sS --max-time 20 http://other.test:{port}/small"), 60).await;
+    assert_ne!(exit_code(&r), 0, "other.test must be refused: {r}");
+    let r = exec(
+        &client,
+        &id,
+        &format!("curl -sS --max-time 20 --resolve other.test:{port}:10.0.2.2 http://other.test:{port}/small"),
+        60,
+    )
+    .await;
+    assert_ne!(exit_code(&r), 0, "other.test by its Host header must be refused: {r}");
+    let records = log_records(&client, &id).await;
+    assert!(
+        records.iter().any(|r| r["allowed"] == false && r["domain"] == "other.test"),
+        "the refusal of other.test is logged: {records:?}"
+    );
+
+    // egress deny with no allow list: nothing.
+    call(&client, "sandbox_update", json!({"sandbox_id": id, "network": {"egress": "deny"}})).await.expect("update");
+    let r = exec(&client, &id, &format!("curl -sS --max-time 20 http://10.0.2.2:{port}/small"), 60).await;
+    assert_ne!(exit_code(&r), 0, "egress deny blocks everything: {r}");
+    call(&client, "sandbox_update", json!({"sandbox_id": id, "network": {"egress": "allow"}})).await.expect("update");
+
+    // A branch during a transfer: the source's completes intact, the
+    // child's sees a reset; both can connect again.
+    exec(
+        &client,
+        &id,
+        &format!(
+            "setsid sh -c 'curl -sS --fail -o /tmp/slow http://10.0.2.2:{port}/slow; echo $? > /tmp/slow.rc' \
+             </dev/null >/dev/null 2>&1 &"
+        ),
+        60,
+    )
+    .await;
+    let r = exec(
+        &client,
+        &id,
+        "for i in $(seq 100); do [ -s /tmp/slow ] && break; sleep 0.2; done; stat -c %s /tmp/slow",
+        60,
+    )
+    .await;
+    assert!(stdout(&r).trim().parse::<u64>().unwrap_or(0) > 0, "the transfer started: {r}");
+    let b = call(&client, "sandbox_branch", json!({"sandbox_id": id, "n": 1})).await.expect("branch");
+    let child = b["children"][0]["sandbox_id"].as_str().expect("child id").to_string();
+    let wait_rc = "for i in $(seq 600); do [ -f /tmp/slow.rc ] && break; sleep 0.5; done; cat /tmp/slow.rc; \
+                   sha256sum /tmp/slow";
+    let r = exec(&client, &id, wait_rc, 600).await;
+    let out = stdout(&r);
+    assert!(out.starts_with("0\n") && out.contains(&want), "the source's transfer completes intact: {r}");
+    let r = exec(&client, &child, wait_rc, 600).await;
+    assert!(!stdout(&r).starts_with("0\n"), "the child's copy of the transfer is reset: {r}");
+    for sandbox in [&id, &child] {
+        let r =
+            exec(&client, sandbox, &format!("curl -sS --fail --max-time 30 http://10.0.2.2:{port}/small"), 60).await;
+        assert_eq!(stdout(&r), "hello from the host\n", "{sandbox} connects after the branch: {r}");
+    }
+    assert_eq!(
+        call(&client, "sandbox_info", json!({"sandbox_id": child})).await.unwrap()["network"]["egress"],
+        "allow",
+        "the child inherits the policy"
+    );
+
+    // Connections without end hit the per-sandbox cap (32 here); the
+    // daemon and the other sandbox go on.
+    let flood = format!(
+        "python3 - <<'EOF'\nimport socket\nheld, refused = [], 0\nfor i in range(64):\n    s = socket.socket()\n    \
+         s.settimeout(10)\n    try:\n        s.connect(('10.0.2.2', {port}))\n        s.sendall(b'GET /hold HTTP/1.1\\r\\n\\r\\n')\n        \
+         held.append(s)\n    except OSError:\n        refused += 1\nprint(len(held), refused)\nEOF"
+    );
+    let r = exec(&client, &id, &flood, 300).await;
+    let counts: Vec<u64> = stdout(&r).split_whitespace().filter_map(|x| x.parse().ok()).collect();
+    assert_eq!(counts.len(), 2, "{r}");
+    assert!(counts[0] <= 32 && counts[1] >= 32, "the cap holds: {r}");
+    let r = exec(&client, &child, &format!("curl -sS --fail --max-time 30 http://10.0.2.2:{port}/small"), 60).await;
+    assert_eq!(stdout(&r), "hello from the host\n", "another sandbox is unaffected: {r}");
+    let records = log_records(&client, &id).await;
+    assert!(records.iter().any(|r| r["rule"] == "limit:connections"), "cap refusals are logged: {records:?}");
+    // The held connections close with the flood's process.
+    for _ in 0..100 {
+        if http.held.load(Ordering::SeqCst) == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(http.held.load(Ordering::SeqCst), 0, "connections are closed when the guest's end closes");
+
+    call(&client, "sandbox_kill", json!({"sandbox_id": child})).await.expect("kill child");
+    call(&client, "sandbox_kill", json!({"sandbox_id": id})).await.expect("kill");
+}
