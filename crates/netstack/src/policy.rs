@@ -14,9 +14,11 @@
 //! 4. the default: rule `egress:allow` or `egress:deny`.
 //!
 //! A name (a DNS query, the TLS SNI or HTTP `Host` of a connection) is
-//! judged by the domain entries only ([`CompiledPolicy::check_name`]):
-//! deny list, allow list, then the default. The blocked ranges do not
-//! apply to names: they apply to the addresses the names resolve to.
+//! judged by the domain entries ([`CompiledPolicy::check_name`]): deny
+//! list, allow list, then the default. A name that is an IP literal (a
+//! `Host: 203.0.113.5`) is judged by the CIDR/address entries instead. The
+//! blocked ranges do not apply to names: they apply to the addresses the
+//! names resolve to, and the connection's address was judged already.
 //!
 //! IPv4-mapped IPv6 addresses (`::ffff:a.b.c.d`, RFC 4291 §2.5.5.2) are
 //! judged as the IPv4 address they carry, by every rule.
@@ -383,10 +385,20 @@ impl CompiledPolicy {
     }
 
     /// The verdict for a name: a DNS query, or the TLS SNI / HTTP `Host`
-    /// of a connection's first bytes. Only domain entries apply (a name
-    /// that is not a valid host name matches none).
+    /// of a connection's first bytes. Domain entries apply to host names;
+    /// CIDR/address entries to an IP literal (`203.0.113.5`, `::1`; no
+    /// brackets); anything else matches no entry. The blocked ranges do
+    /// not apply.
     pub fn check_name(&self, name: &str) -> Verdict {
-        if let Some(n) = normal_domain(name) {
+        if let Ok(ip) = IpAddr::from_str(name.trim()) {
+            let ip = canonical(ip);
+            if let Some(r) = self.deny.iter().find(|r| r.matches_ip(ip)) {
+                return Verdict::new(false, format!("deny:{}", r.text));
+            }
+            if let Some(r) = self.allow.iter().find(|r| r.matches_ip(ip)) {
+                return Verdict::new(true, format!("allow:{}", r.text));
+            }
+        } else if let Some(n) = normal_domain(name) {
             if let Some(r) = self.deny.iter().find(|r| r.matches_name(&n)) {
                 return Verdict::new(false, format!("deny:{}", r.text));
             }
@@ -599,7 +611,10 @@ mod tests {
         assert_eq!(p.check_name("pythonhosted.org"), v(false, "egress:deny"));
         assert_eq!(p.check_name("xpythonhosted.org"), v(false, "egress:deny"));
         assert_eq!(p.check_name("evil.pypi.org"), v(false, "deny:evil.pypi.org"));
-        assert_eq!(p.check_name("10.1.2.3"), v(false, "egress:deny"));
+        // IP literals go by the CIDR entries, never by blocked ranges.
+        assert_eq!(p.check_name("10.1.2.3"), v(true, "allow:10.0.0.0/8"));
+        assert_eq!(p.check_name("::ffff:10.1.2.3"), v(true, "allow:10.0.0.0/8"));
+        assert_eq!(p.check_name("11.1.2.3"), v(false, "egress:deny"));
         assert_eq!(p.check_name(""), v(false, "egress:deny"));
         assert!(p.has_domain_rules());
 
@@ -613,6 +628,8 @@ mod tests {
         let p = pol(Egress::Allow, &["203.0.113.0/24"], &["198.51.100.7"]);
         assert!(!p.has_domain_rules());
         assert_eq!(p.check_name("anything.example"), v(true, "egress:allow"));
+        assert_eq!(p.check_name("198.51.100.7"), v(false, "deny:198.51.100.7"));
+        assert_eq!(p.check_name("127.0.0.1"), v(true, "egress:allow"));
         assert!(!pol(Egress::Deny, &[], &[]).has_domain_rules());
     }
 

@@ -542,6 +542,22 @@ mod tests {
         }
 
         #[test]
+        fn long_inputs_never_need_more(
+            kind in 0usize..3,
+            fill in any::<u8>(),
+            extra in 0usize..64,
+        ) {
+            let prefix: &[u8] = match kind {
+                0 => &[CONTENT_HANDSHAKE, 3, 1, 0x3f, 0xff, 1, 0, 0x3f, 0xfb],
+                1 => b"GET /",
+                _ => b"",
+            };
+            let mut v = prefix.to_vec();
+            v.resize(MAX_SNIFF_BYTES + extra, fill);
+            check_total(&v);
+        }
+
+        #[test]
         fn random_http_heads_never_panic(
             host in "[ -~]{0,80}",
             junk in proptest::collection::vec(any::<u8>(), 0..64),
