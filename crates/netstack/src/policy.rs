@@ -294,6 +294,17 @@ pub fn normal_domain(name: &str) -> Option<String> {
     Some(n.to_ascii_lowercase())
 }
 
+/// `name` as domain entries match it: trimmed, without its trailing dot,
+/// lower-cased; `None` if empty. Lenient on purpose (unlike
+/// [`normal_domain`]): names from DNS queries may hold underscores
+/// (`_dmarc.example.com`) or other bytes, and must still meet the deny
+/// entries above them.
+fn match_form(name: &str) -> Option<String> {
+    let n = name.trim();
+    let n = n.strip_suffix('.').unwrap_or(n);
+    (!n.is_empty()).then(|| n.to_ascii_lowercase())
+}
+
 /// A [`NetworkPolicy`] checked and compiled for lookups.
 #[derive(Clone, Debug)]
 pub struct CompiledPolicy {
@@ -371,7 +382,7 @@ impl CompiledPolicy {
             return Verdict::new(false, rule);
         }
         let ip = canonical(ip);
-        let names: Vec<String> = names.iter().filter_map(|n| normal_domain(n)).collect();
+        let names: Vec<String> = names.iter().filter_map(|n| match_form(n)).collect();
         let hit = |rules: &[Rule]| {
             rules.iter().find(|r| r.matches_ip(ip) || names.iter().any(|n| r.matches_name(n))).map(|r| r.text.clone())
         };
@@ -387,8 +398,9 @@ impl CompiledPolicy {
     /// The verdict for a name: a DNS query, or the TLS SNI / HTTP `Host`
     /// of a connection's first bytes. Domain entries apply to host names;
     /// CIDR/address entries to an IP literal (`203.0.113.5`, `::1`; no
-    /// brackets); anything else matches no entry. The blocked ranges do
-    /// not apply.
+    /// brackets). Names are compared lower-case without a trailing dot,
+    /// and need not be valid host names (`_srv._tcp.example.com` meets
+    /// `*.example.com`). The blocked ranges do not apply.
     pub fn check_name(&self, name: &str) -> Verdict {
         if let Ok(ip) = IpAddr::from_str(name.trim()) {
             let ip = canonical(ip);
@@ -398,7 +410,7 @@ impl CompiledPolicy {
             if let Some(r) = self.allow.iter().find(|r| r.matches_ip(ip)) {
                 return Verdict::new(true, format!("allow:{}", r.text));
             }
-        } else if let Some(n) = normal_domain(name) {
+        } else if let Some(n) = match_form(name) {
             if let Some(r) = self.deny.iter().find(|r| r.matches_name(&n)) {
                 return Verdict::new(false, format!("deny:{}", r.text));
             }
@@ -591,8 +603,9 @@ mod tests {
         assert_eq!(p.check_addr(a, 443, &names(&["other.org", "a.example.com"])), v(true, "allow:*.example.com"));
         // A CIDR deny beats a name allow.
         assert_eq!(p.check_addr(ip("203.0.113.66"), 443, &names(&["a.example.com"])), v(false, "deny:203.0.113.66"));
-        // Garbage names match nothing.
-        assert_eq!(p.check_addr(a, 443, &names(&["", "..", "*.example.com"])), v(false, "egress:deny"));
+        // Empty names match nothing; odd ones are still compared.
+        assert_eq!(p.check_addr(a, 443, &names(&["", ".", "example.org"])), v(false, "egress:deny"));
+        assert_eq!(p.check_addr(a, 443, &names(&["_x._tcp.Example.com"])), v(true, "allow:*.example.com"));
 
         let p = pol(Egress::Allow, &[], &["*.example.com", "198.51.100.0/24"]);
         assert_eq!(p.check_addr(ip("203.0.113.1"), 80, &names(&["a.b.example.com"])), v(false, "deny:*.example.com"));
@@ -623,6 +636,7 @@ mod tests {
         let p = pol(Egress::Allow, &[], &["*.internal.example"]);
         assert_eq!(p.check_name("localhost"), v(true, "egress:allow"));
         assert_eq!(p.check_name("db.internal.example"), v(false, "deny:*.internal.example"));
+        assert_eq!(p.check_name("_dmarc.DB.internal.example."), v(false, "deny:*.internal.example"));
         assert_eq!(p.check_name("internal.example"), v(true, "egress:allow"));
 
         let p = pol(Egress::Allow, &["203.0.113.0/24"], &["198.51.100.7"]);
