@@ -158,8 +158,8 @@ fn nat64_embedded(v6: Ipv6Addr) -> Option<Ipv4Addr> {
     }
 }
 
-/// This host's own interface addresses (every family-IPv4/IPv6 address of
-/// every interface, as `getifaddrs(3)` lists them), for
+/// This host's own interface addresses (every IPv4 and IPv6 address of every
+/// interface, as `getifaddrs(3)` lists them), for
 /// [`ServerNetPolicy::host_addrs`]. Empty if `getifaddrs` fails (logged).
 pub fn host_addresses() -> Vec<IpAddr> {
     let addrs = match nix::ifaddrs::getifaddrs() {
@@ -653,6 +653,13 @@ mod tests {
         assert_eq!(p.summary(), "egress:deny allow=[*.pypi.org, 203.0.113.0/24] deny=[bad.example]");
         assert_eq!(p.policy().allow, vec!["*.PyPI.org", "203.0.113.1/24"]);
         assert_eq!(Egress::Deny.to_string(), "deny");
+    }
+
+    #[test]
+    fn every_blocked_range_parses() {
+        let p = pol(Egress::Allow, &[], &[]);
+        assert_eq!(p.blocked.len(), BLOCKED_RANGES.len());
+        assert_eq!(NAT64_PREFIX.parse::<IpNet>().unwrap().to_string(), NAT64_PREFIX);
     }
 
     #[test]
