@@ -1,11 +1,33 @@
 //! The egress policy of a sandbox and its verdicts.
 //!
-//! STUB: the lead wrote the types and signatures; the policy helper fills
-//! in the logic (see /work/wt/DESIGN-15.md).
+//! A connection to an address is judged in this order
+//! ([`CompiledPolicy::check_addr`]):
+//!
+//! 1. the always-denied ranges ([`BLOCKED_RANGES`]) and the host's own
+//!    addresses, unless a range in [`ServerNetPolicy::permit_ranges`]
+//!    covers the address: rule `blocked-range:<cidr>` or
+//!    `blocked-range:host-address`;
+//! 2. the deny list: a CIDR/address entry matches the address, a domain
+//!    entry matches if any of the names the sandbox's DNS gave for the
+//!    address matches: rule `deny:<entry>`;
+//! 3. the allow list, the same way: rule `allow:<entry>`;
+//! 4. the default: rule `egress:allow` or `egress:deny`.
+//!
+//! A name (a DNS query, the TLS SNI or HTTP `Host` of a connection) is
+//! judged by the domain entries ([`CompiledPolicy::check_name`]): deny
+//! list, allow list, then the default. A name that is an IP literal (a
+//! `Host: 203.0.113.5`) is judged by the CIDR/address entries instead. The
+//! blocked ranges do not apply to names: they apply to the addresses the
+//! names resolve to, and the connection's address was judged already.
+//!
+//! IPv4-mapped IPv6 addresses (`::ffff:a.b.c.d`, RFC 4291 §2.5.5.2) are
+//! judged as the IPv4 address they carry, by every rule.
 
-use std::net::IpAddr;
+use std::fmt;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::str::FromStr;
 
-use ipnet::IpNet;
+use ipnet::{IpNet, Ipv4Net};
 use serde::{Deserialize, Serialize};
 
 /// The default verdict for destinations no rule matches.
@@ -17,6 +39,15 @@ pub enum Egress {
     Allow,
     /// Nothing but what `allow` lists.
     Deny,
+}
+
+impl fmt::Display for Egress {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Egress::Allow => "allow",
+            Egress::Deny => "deny",
+        })
+    }
 }
 
 /// A sandbox's egress policy as users write it (MCP `network`, server
@@ -40,9 +71,11 @@ pub struct NetworkPolicy {
 #[derive(Clone, Debug, Default)]
 pub struct ServerNetPolicy {
     /// Always-denied ranges the server config explicitly allows (e.g.
-    /// `127.0.0.0/8` for a test's loopback server).
+    /// `127.0.0.0/8` for a test's loopback server). An address is permitted
+    /// when one of these ranges contains it.
     pub permit_ranges: Vec<IpNet>,
-    /// The host's own addresses (always denied unless permitted).
+    /// The host's own addresses (always denied unless permitted); see
+    /// [`host_addresses`].
     pub host_addrs: Vec<IpAddr>,
 }
 
@@ -64,36 +97,578 @@ pub struct Verdict {
     pub rule: String,
 }
 
+impl Verdict {
+    fn new(allowed: bool, rule: String) -> Self {
+        Self { allowed, rule }
+    }
+}
+
+/// The always-denied ranges, each with the RFC that sets it apart. An
+/// address in one of them is refused unless
+/// [`ServerNetPolicy::permit_ranges`] covers it.
+///
+/// `::ffff:0:0/96` (IPv4-mapped, RFC 4291 §2.5.5.2) is not listed: such an
+/// address is judged as its IPv4 address. `64:ff9b::/96` (the NAT64
+/// well-known prefix, RFC 6052 §2.1) is refused when the IPv4 address it
+/// embeds is (see [`NAT64_PREFIX`]).
+pub const BLOCKED_RANGES: &[(&str, &str)] = &[
+    ("0.0.0.0/8", "RFC 1122 §3.2.1.3: \"this\" network"),
+    ("127.0.0.0/8", "RFC 1122 §3.2.1.3: loopback"),
+    ("10.0.0.0/8", "RFC 1918 §3: private"),
+    ("172.16.0.0/12", "RFC 1918 §3: private"),
+    ("192.168.0.0/16", "RFC 1918 §3: private"),
+    ("169.254.0.0/16", "RFC 3927: link-local, incl. cloud metadata 169.254.169.254"),
+    ("100.64.0.0/10", "RFC 6598: shared address space (CGNAT)"),
+    ("224.0.0.0/4", "RFC 5771: multicast"),
+    ("255.255.255.255/32", "RFC 919 / RFC 8190: limited broadcast"),
+    ("240.0.0.0/4", "RFC 1112 §4: reserved (class E)"),
+    ("::1/128", "RFC 4291 §2.5.3: loopback"),
+    ("::/128", "RFC 4291 §2.5.2: unspecified"),
+    ("fc00::/7", "RFC 4193: unique local"),
+    ("fe80::/10", "RFC 4291 §2.5.6: link-local"),
+    ("ff00::/8", "RFC 4291 §2.7: multicast"),
+];
+
+/// The NAT64 well-known prefix (RFC 6052 §2.1): an address in it is
+/// refused when the IPv4 address in its last 32 bits is.
+pub const NAT64_PREFIX: &str = "64:ff9b::/96";
+
+/// The rule name for the host's own addresses.
+const HOST_ADDRESS_RULE: &str = "blocked-range:host-address";
+
+/// `ip` with IPv4-mapped IPv6 addresses turned into their IPv4 address.
+fn canonical(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => IpAddr::V6(v6),
+        },
+        v4 => v4,
+    }
+}
+
+/// The IPv4 address a NAT64 address (`64:ff9b::/96`) embeds.
+fn nat64_embedded(v6: Ipv6Addr) -> Option<Ipv4Addr> {
+    let s = v6.segments();
+    if s[..6] == [0x64, 0xff9b, 0, 0, 0, 0] {
+        let o = v6.octets();
+        Some(Ipv4Addr::new(o[12], o[13], o[14], o[15]))
+    } else {
+        None
+    }
+}
+
+/// This host's own interface addresses (every IPv4 and IPv6 address of every
+/// interface, as `getifaddrs(3)` lists them), for
+/// [`ServerNetPolicy::host_addrs`]. Empty if `getifaddrs` fails (logged).
+pub fn host_addresses() -> Vec<IpAddr> {
+    let addrs = match nix::ifaddrs::getifaddrs() {
+        Ok(a) => a,
+        Err(e) => {
+            tracing::warn!("getifaddrs failed, host addresses unknown: {e}");
+            return Vec::new();
+        }
+    };
+    let mut out: Vec<IpAddr> = Vec::new();
+    for ifa in addrs {
+        let Some(sa) = ifa.address else { continue };
+        let ip = if let Some(v4) = sa.as_sockaddr_in() {
+            IpAddr::V4(v4.ip())
+        } else if let Some(v6) = sa.as_sockaddr_in6() {
+            IpAddr::V6(v6.ip())
+        } else {
+            continue;
+        };
+        if !out.contains(&ip) {
+            out.push(ip);
+        }
+    }
+    out
+}
+
+/// One compiled allow/deny entry.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Matcher {
+    /// An address (as a /32 or /128) or a CIDR; IPv4-mapped entries are
+    /// stored as IPv4.
+    Net(IpNet),
+    /// Exactly this name.
+    Domain(String),
+    /// Any name ending in `.` + this suffix (from `*.suffix`).
+    Below(String),
+}
+
+#[derive(Clone, Debug)]
+struct Rule {
+    /// The entry in normal form (lower-case domain, CIDR with host bits
+    /// cleared), as rule names show it.
+    text: String,
+    matcher: Matcher,
+}
+
+impl Rule {
+    fn parse(entry: &str) -> Result<Self, PolicyError> {
+        let bad = || PolicyError::BadRule(entry.to_string());
+        let e = entry.trim();
+        if e.is_empty() {
+            return Err(bad());
+        }
+        if let Ok(ip) = IpAddr::from_str(e) {
+            let ip = canonical(ip);
+            return Ok(Self { text: ip.to_string(), matcher: Matcher::Net(IpNet::from(ip)) });
+        }
+        if e.contains('/') {
+            let net = IpNet::from_str(e).map_err(|_| bad())?.trunc();
+            let net = match net {
+                IpNet::V6(n) => match n.network().to_ipv4_mapped() {
+                    Some(v4) if n.prefix_len() >= 96 => {
+                        IpNet::V4(Ipv4Net::new(v4, n.prefix_len() - 96).map_err(|_| bad())?)
+                    }
+                    _ => IpNet::V6(n),
+                },
+                v4 => v4,
+            };
+            return Ok(Self { text: net.to_string(), matcher: Matcher::Net(net) });
+        }
+        if let Some(suffix) = e.strip_prefix("*.") {
+            let d = normal_domain(suffix).ok_or_else(bad)?;
+            return Ok(Self { text: format!("*.{d}"), matcher: Matcher::Below(d) });
+        }
+        let d = normal_domain(e).ok_or_else(bad)?;
+        Ok(Self { text: d.clone(), matcher: Matcher::Domain(d) })
+    }
+
+    fn is_domain(&self) -> bool {
+        !matches!(self.matcher, Matcher::Net(_))
+    }
+
+    /// Whether the (normal-form) name matches this domain rule.
+    fn matches_name(&self, name: &str) -> bool {
+        match &self.matcher {
+            Matcher::Net(_) => false,
+            Matcher::Domain(d) => d == name,
+            Matcher::Below(s) => {
+                name.len() > s.len() + 1
+                    && name.ends_with(s.as_str())
+                    && name.as_bytes().get(name.len() - s.len() - 1) == Some(&b'.')
+            }
+        }
+    }
+
+    fn matches_ip(&self, ip: IpAddr) -> bool {
+        match &self.matcher {
+            Matcher::Net(n) => n.contains(&ip),
+            _ => false,
+        }
+    }
+}
+
+/// `name` lower-cased without its trailing dot, if it is a valid host
+/// name (RFC 1123 §2.1 / RFC 1035 §2.3.4: ASCII letters, digits and
+/// hyphens; labels of 1 to 63 bytes, not starting or ending with a hyphen;
+/// at most 253 bytes; the last label not all digits, so a mistyped IPv4
+/// address is not taken for a name). Internationalised names must be
+/// written in their `xn--` form.
+pub fn normal_domain(name: &str) -> Option<String> {
+    let n = name.strip_suffix('.').unwrap_or(name);
+    if n.is_empty() || n.len() > 253 {
+        return None;
+    }
+    let mut last_numeric = false;
+    for label in n.split('.') {
+        let b = label.as_bytes();
+        if b.is_empty() || b.len() > 63 {
+            return None;
+        }
+        if !b.iter().all(|c| c.is_ascii_alphanumeric() || *c == b'-') {
+            return None;
+        }
+        if b.first() == Some(&b'-') || b.last() == Some(&b'-') {
+            return None;
+        }
+        last_numeric = b.iter().all(u8::is_ascii_digit);
+    }
+    if last_numeric {
+        return None;
+    }
+    Some(n.to_ascii_lowercase())
+}
+
+/// `name` as domain entries match it: trimmed, without its trailing dot,
+/// lower-cased; `None` if empty. Lenient on purpose (unlike
+/// [`normal_domain`]): names from DNS queries may hold underscores
+/// (`_dmarc.example.com`) or other bytes, and must still meet the deny
+/// entries above them.
+fn match_form(name: &str) -> Option<String> {
+    let n = name.trim();
+    let n = n.strip_suffix('.').unwrap_or(n);
+    (!n.is_empty()).then(|| n.to_ascii_lowercase())
+}
+
 /// A [`NetworkPolicy`] checked and compiled for lookups.
 #[derive(Clone, Debug)]
 pub struct CompiledPolicy {
-    _p: (),
+    policy: NetworkPolicy,
+    allow: Vec<Rule>,
+    deny: Vec<Rule>,
+    blocked: Vec<IpNet>,
+    permit: Vec<IpNet>,
+    host_addrs: Vec<IpAddr>,
 }
 
 impl CompiledPolicy {
     /// Checks and compiles `policy`.
     ///
-    /// Errors: [`PolicyError::BadRule`] naming the first bad entry.
-    pub fn new(_policy: &NetworkPolicy, _server: &ServerNetPolicy) -> Result<Self, PolicyError> {
-        todo!("policy helper")
+    /// Errors: [`PolicyError::BadRule`] naming the first bad entry (deny
+    /// list first, then allow list).
+    pub fn new(policy: &NetworkPolicy, server: &ServerNetPolicy) -> Result<Self, PolicyError> {
+        let deny = policy.deny.iter().map(|e| Rule::parse(e)).collect::<Result<Vec<_>, _>>()?;
+        let allow = policy.allow.iter().map(|e| Rule::parse(e)).collect::<Result<Vec<_>, _>>()?;
+        let blocked = BLOCKED_RANGES.iter().filter_map(|(cidr, _)| IpNet::from_str(cidr).ok()).collect();
+        let mut host_addrs: Vec<IpAddr> = server.host_addrs.iter().map(|a| canonical(*a)).collect();
+        host_addrs.sort();
+        host_addrs.dedup();
+        Ok(Self { policy: policy.clone(), allow, deny, blocked, permit: server.permit_ranges.clone(), host_addrs })
     }
 
     /// The policy as written.
     pub fn policy(&self) -> &NetworkPolicy {
-        todo!("policy helper")
+        &self.policy
+    }
+
+    /// Whether any allow/deny entry is a domain (the stack sniffs the
+    /// SNI/`Host` of connections only then).
+    pub fn has_domain_rules(&self) -> bool {
+        self.allow.iter().chain(&self.deny).any(Rule::is_domain)
+    }
+
+    /// A one-line summary for logs, e.g.
+    /// `egress:deny allow=[*.pypi.org, 203.0.113.0/24] deny=[]`.
+    pub fn summary(&self) -> String {
+        let list = |rules: &[Rule]| rules.iter().map(|r| r.text.as_str()).collect::<Vec<_>>().join(", ");
+        format!("egress:{} allow=[{}] deny=[{}]", self.policy.egress, list(&self.allow), list(&self.deny))
+    }
+
+    fn permitted(&self, ip: IpAddr, original: IpAddr) -> bool {
+        self.permit.iter().any(|n| n.contains(&ip) || n.contains(&original))
+    }
+
+    /// The always-denied rule `ip` falls under, if any.
+    fn blocked_rule(&self, original: IpAddr) -> Option<String> {
+        let ip = canonical(original);
+        if self.permitted(ip, original) {
+            return None;
+        }
+        if let IpAddr::V6(v6) = ip {
+            if let Some(v4) = nat64_embedded(v6) {
+                return self.blocked_rule(IpAddr::V4(v4));
+            }
+        }
+        if let Some(net) = self.blocked.iter().find(|n| n.contains(&ip)) {
+            return Some(format!("blocked-range:{net}"));
+        }
+        if self.host_addrs.binary_search(&ip).is_ok() {
+            return Some(HOST_ADDRESS_RULE.to_string());
+        }
+        None
     }
 
     /// The verdict for a connection to `ip` (port `port`), reached through
     /// the names in `names` (those the sandbox's DNS answers gave for
-    /// `ip`; empty when dialled by address).
-    pub fn check_addr(&self, _ip: IpAddr, _port: u16, _names: &[String]) -> Verdict {
-        todo!("policy helper")
+    /// `ip`; empty when dialled by address). Domain entries match if any
+    /// of `names` matches; the port takes no part in the verdict today.
+    pub fn check_addr(&self, ip: IpAddr, _port: u16, names: &[String]) -> Verdict {
+        if let Some(rule) = self.blocked_rule(ip) {
+            return Verdict::new(false, rule);
+        }
+        let ip = canonical(ip);
+        let names: Vec<String> = names.iter().filter_map(|n| match_form(n)).collect();
+        let hit = |rules: &[Rule]| {
+            rules.iter().find(|r| r.matches_ip(ip) || names.iter().any(|n| r.matches_name(n))).map(|r| r.text.clone())
+        };
+        if let Some(t) = hit(&self.deny) {
+            return Verdict::new(false, format!("deny:{t}"));
+        }
+        if let Some(t) = hit(&self.allow) {
+            return Verdict::new(true, format!("allow:{t}"));
+        }
+        self.default_verdict()
     }
 
     /// The verdict for a name: a DNS query, or the TLS SNI / HTTP `Host`
-    /// of a connection's first bytes.
-    pub fn check_name(&self, _name: &str) -> Verdict {
-        todo!("policy helper")
+    /// of a connection's first bytes. Domain entries apply to host names;
+    /// CIDR/address entries to an IP literal (`203.0.113.5`, `::1`; no
+    /// brackets). Names are compared lower-case without a trailing dot,
+    /// and need not be valid host names (`_srv._tcp.example.com` meets
+    /// `*.example.com`). The blocked ranges do not apply.
+    pub fn check_name(&self, name: &str) -> Verdict {
+        if let Ok(ip) = IpAddr::from_str(name.trim()) {
+            let ip = canonical(ip);
+            if let Some(r) = self.deny.iter().find(|r| r.matches_ip(ip)) {
+                return Verdict::new(false, format!("deny:{}", r.text));
+            }
+            if let Some(r) = self.allow.iter().find(|r| r.matches_ip(ip)) {
+                return Verdict::new(true, format!("allow:{}", r.text));
+            }
+        } else if let Some(n) = match_form(name) {
+            if let Some(r) = self.deny.iter().find(|r| r.matches_name(&n)) {
+                return Verdict::new(false, format!("deny:{}", r.text));
+            }
+            if let Some(r) = self.allow.iter().find(|r| r.matches_name(&n)) {
+                return Verdict::new(true, format!("allow:{}", r.text));
+            }
+        }
+        self.default_verdict()
+    }
+
+    fn default_verdict(&self) -> Verdict {
+        match self.policy.egress {
+            Egress::Allow => Verdict::new(true, "egress:allow".into()),
+            Egress::Deny => Verdict::new(false, "egress:deny".into()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().unwrap()
+    }
+
+    fn pol(egress: Egress, allow: &[&str], deny: &[&str]) -> CompiledPolicy {
+        compile(egress, allow, deny, &ServerNetPolicy::default())
+    }
+
+    fn compile(egress: Egress, allow: &[&str], deny: &[&str], server: &ServerNetPolicy) -> CompiledPolicy {
+        let p = NetworkPolicy {
+            egress,
+            allow: allow.iter().map(|s| s.to_string()).collect(),
+            deny: deny.iter().map(|s| s.to_string()).collect(),
+        };
+        CompiledPolicy::new(&p, server).unwrap()
+    }
+
+    fn v(allowed: bool, rule: &str) -> Verdict {
+        Verdict::new(allowed, rule.to_string())
+    }
+
+    fn names(n: &[&str]) -> Vec<String> {
+        n.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn parses_every_entry_kind_and_rejects_bad_ones() {
+        let ok = [
+            ("Example.COM.", "example.com"),
+            ("*.Example.com", "*.example.com"),
+            ("203.0.113.7", "203.0.113.7"),
+            ("203.0.113.9/24", "203.0.113.0/24"),
+            ("2001:db8::1", "2001:db8::1"),
+            ("2001:DB8::/32", "2001:db8::/32"),
+            ("::ffff:203.0.113.7", "203.0.113.7"),
+            ("::ffff:203.0.113.0/120", "203.0.113.0/24"),
+            (" xn--bcher-kva.example ", "xn--bcher-kva.example"),
+            ("a-b.c0", "a-b.c0"),
+        ];
+        for (entry, text) in ok {
+            let r = Rule::parse(entry).unwrap_or_else(|e| panic!("{entry}: {e}"));
+            assert_eq!(r.text, text, "{entry}");
+        }
+        let long_label = "a".repeat(64);
+        let long_name = vec!["a".repeat(63); 4].join("."); // 255 bytes
+        let bad = [
+            "",
+            " ",
+            "*",
+            "*.",
+            "**.a.com",
+            "a.*.com",
+            "*a.com",
+            "a..com",
+            ".a.com",
+            "-a.com",
+            "a-.com",
+            "a_b.com",
+            "exa mple.com",
+            "bücher.de",
+            "10.0.0.0/33",
+            "10.0.0.1/x",
+            "1.2.3.256",
+            "1.2.3",
+            "http://a.com",
+            "a.com:443",
+            "fe80::1%eth0",
+            &long_label,
+            &long_name,
+        ];
+        for entry in bad {
+            assert!(
+                matches!(Rule::parse(entry), Err(PolicyError::BadRule(e)) if e == entry),
+                "{entry:?} should be refused"
+            );
+        }
+        let p = NetworkPolicy { allow: vec!["ok.com".into(), "no good".into()], ..Default::default() };
+        let e = CompiledPolicy::new(&p, &ServerNetPolicy::default()).unwrap_err();
+        assert_eq!(e.to_string(), "network rule \"no good\" is not a domain, *.domain, IP address or CIDR");
+    }
+
+    #[test]
+    fn always_denied_ranges_refused_by_default() {
+        let p = pol(Egress::Allow, &["10.0.0.0/8", "127.0.0.1", "metadata.example"], &[]);
+        let cases = [
+            ("0.1.2.3", "0.0.0.0/8"),
+            ("127.0.0.1", "127.0.0.0/8"),
+            ("10.0.2.2", "10.0.0.0/8"),
+            ("172.31.255.255", "172.16.0.0/12"),
+            ("192.168.1.1", "192.168.0.0/16"),
+            ("169.254.169.254", "169.254.0.0/16"),
+            ("100.64.0.1", "100.64.0.0/10"),
+            ("224.0.0.251", "224.0.0.0/4"),
+            ("239.255.255.250", "224.0.0.0/4"),
+            ("240.0.0.1", "240.0.0.0/4"),
+            ("255.255.255.255", "255.255.255.255/32"),
+            ("::1", "::1/128"),
+            ("::", "::/128"),
+            ("fd00::1", "fc00::/7"),
+            ("fe80::1", "fe80::/10"),
+            ("ff02::1", "ff00::/8"),
+            ("::ffff:127.0.0.1", "127.0.0.0/8"),
+            ("::ffff:169.254.169.254", "169.254.0.0/16"),
+            ("64:ff9b::a9fe:a9fe", "169.254.0.0/16"), // NAT64 of 169.254.169.254
+            ("64:ff9b::7f00:1", "127.0.0.0/8"),
+        ];
+        for (a, range) in cases {
+            // An allow rule (by CIDR or by name) does not open a blocked range.
+            assert_eq!(
+                p.check_addr(ip(a), 80, &names(&["metadata.example"])),
+                v(false, &format!("blocked-range:{range}")),
+                "{a}"
+            );
+        }
+        // Edges just outside the ranges.
+        for a in ["172.32.0.1", "100.128.0.1", "11.0.0.1", "64:ff9b::cb00:7107", "::ffff:203.0.113.7", "2001:db8::1"] {
+            assert_eq!(p.check_addr(ip(a), 443, &[]), v(true, "egress:allow"), "{a}");
+        }
+    }
+
+    #[test]
+    fn permit_ranges_and_host_addresses() {
+        let server = ServerNetPolicy {
+            permit_ranges: vec!["127.0.0.1/32".parse().unwrap(), "fd00::/8".parse().unwrap()],
+            host_addrs: vec![ip("198.51.100.4"), ip("127.0.0.1"), ip("2001:db8::4")],
+        };
+        let p = compile(Egress::Allow, &[], &[], &server);
+        // Permitted: the range covers the address.
+        assert_eq!(p.check_addr(ip("127.0.0.1"), 8080, &[]), v(true, "egress:allow"));
+        assert_eq!(p.check_addr(ip("::ffff:127.0.0.1"), 8080, &[]), v(true, "egress:allow"));
+        assert_eq!(p.check_addr(ip("fd00::5"), 1, &[]), v(true, "egress:allow"));
+        // Not covered: still blocked.
+        assert_eq!(p.check_addr(ip("127.0.0.2"), 8080, &[]), v(false, "blocked-range:127.0.0.0/8"));
+        assert_eq!(p.check_addr(ip("fc00::5"), 1, &[]), v(false, "blocked-range:fc00::/7"));
+        // The host's own (public) addresses.
+        for a in ["198.51.100.4", "::ffff:198.51.100.4", "2001:db8::4"] {
+            assert_eq!(p.check_addr(ip(a), 22, &[]), v(false, HOST_ADDRESS_RULE), "{a}");
+        }
+        // Egress deny still applies to a permitted address.
+        let p = compile(Egress::Deny, &[], &[], &server);
+        assert_eq!(p.check_addr(ip("127.0.0.1"), 8080, &[]), v(false, "egress:deny"));
+        let p = compile(Egress::Deny, &["127.0.0.1"], &[], &server);
+        assert_eq!(p.check_addr(ip("127.0.0.1"), 8080, &[]), v(true, "allow:127.0.0.1"));
+    }
+
+    #[test]
+    fn check_addr_order_deny_allow_default() {
+        let p = pol(
+            Egress::Deny,
+            &["203.0.113.0/24", "*.example.com", "2001:db8::/32"],
+            &["203.0.113.66", "bad.example.com"],
+        );
+        assert_eq!(p.check_addr(ip("203.0.113.5"), 443, &[]), v(true, "allow:203.0.113.0/24"));
+        assert_eq!(p.check_addr(ip("::ffff:203.0.113.5"), 443, &[]), v(true, "allow:203.0.113.0/24"));
+        assert_eq!(p.check_addr(ip("203.0.113.66"), 443, &[]), v(false, "deny:203.0.113.66"));
+        assert_eq!(p.check_addr(ip("2001:db8::9"), 443, &[]), v(true, "allow:2001:db8::/32"));
+        assert_eq!(p.check_addr(ip("198.51.100.1"), 443, &[]), v(false, "egress:deny"));
+        // Domain rules go by the names DNS gave for the address.
+        let a = ip("198.51.100.1");
+        assert_eq!(p.check_addr(a, 443, &names(&["www.example.com"])), v(true, "allow:*.example.com"));
+        assert_eq!(p.check_addr(a, 443, &names(&["WWW.Example.COM."])), v(true, "allow:*.example.com"));
+        assert_eq!(p.check_addr(a, 443, &names(&["example.com"])), v(false, "egress:deny"));
+        // Any name matching a deny entry denies, whatever the other names.
+        assert_eq!(
+            p.check_addr(a, 443, &names(&["www.example.com", "bad.example.com"])),
+            v(false, "deny:bad.example.com")
+        );
+        assert_eq!(p.check_addr(a, 443, &names(&["other.org", "a.example.com"])), v(true, "allow:*.example.com"));
+        // A CIDR deny beats a name allow.
+        assert_eq!(p.check_addr(ip("203.0.113.66"), 443, &names(&["a.example.com"])), v(false, "deny:203.0.113.66"));
+        // Empty names match nothing; odd ones are still compared.
+        assert_eq!(p.check_addr(a, 443, &names(&["", ".", "example.org"])), v(false, "egress:deny"));
+        assert_eq!(p.check_addr(a, 443, &names(&["_x._tcp.Example.com"])), v(true, "allow:*.example.com"));
+
+        let p = pol(Egress::Allow, &[], &["*.example.com", "198.51.100.0/24"]);
+        assert_eq!(p.check_addr(ip("203.0.113.1"), 80, &names(&["a.b.example.com"])), v(false, "deny:*.example.com"));
+        assert_eq!(p.check_addr(ip("198.51.100.200"), 80, &[]), v(false, "deny:198.51.100.0/24"));
+        assert_eq!(p.check_addr(ip("203.0.113.1"), 80, &[]), v(true, "egress:allow"));
+    }
+
+    #[test]
+    fn check_name_domains_only() {
+        let p = pol(Egress::Deny, &["pypi.org", "*.pythonhosted.org", "10.0.0.0/8"], &["evil.pypi.org"]);
+        assert_eq!(p.check_name("pypi.org"), v(true, "allow:pypi.org"));
+        assert_eq!(p.check_name("PyPI.org."), v(true, "allow:pypi.org"));
+        assert_eq!(p.check_name("www.pypi.org"), v(false, "egress:deny"));
+        assert_eq!(p.check_name("files.pythonhosted.org"), v(true, "allow:*.pythonhosted.org"));
+        assert_eq!(p.check_name("a.b.pythonhosted.org"), v(true, "allow:*.pythonhosted.org"));
+        assert_eq!(p.check_name("pythonhosted.org"), v(false, "egress:deny"));
+        assert_eq!(p.check_name("xpythonhosted.org"), v(false, "egress:deny"));
+        assert_eq!(p.check_name("evil.pypi.org"), v(false, "deny:evil.pypi.org"));
+        // IP literals go by the CIDR entries, never by blocked ranges.
+        assert_eq!(p.check_name("10.1.2.3"), v(true, "allow:10.0.0.0/8"));
+        assert_eq!(p.check_name("::ffff:10.1.2.3"), v(true, "allow:10.0.0.0/8"));
+        assert_eq!(p.check_name("11.1.2.3"), v(false, "egress:deny"));
+        assert_eq!(p.check_name(""), v(false, "egress:deny"));
+        assert!(p.has_domain_rules());
+
+        // Egress allow: names nobody listed are allowed; blocked ranges do
+        // not apply to names.
+        let p = pol(Egress::Allow, &[], &["*.internal.example"]);
+        assert_eq!(p.check_name("localhost"), v(true, "egress:allow"));
+        assert_eq!(p.check_name("db.internal.example"), v(false, "deny:*.internal.example"));
+        assert_eq!(p.check_name("_dmarc.DB.internal.example."), v(false, "deny:*.internal.example"));
+        assert_eq!(p.check_name("internal.example"), v(true, "egress:allow"));
+
+        let p = pol(Egress::Allow, &["203.0.113.0/24"], &["198.51.100.7"]);
+        assert!(!p.has_domain_rules());
+        assert_eq!(p.check_name("anything.example"), v(true, "egress:allow"));
+        assert_eq!(p.check_name("198.51.100.7"), v(false, "deny:198.51.100.7"));
+        assert_eq!(p.check_name("127.0.0.1"), v(true, "egress:allow"));
+        assert!(!pol(Egress::Deny, &[], &[]).has_domain_rules());
+    }
+
+    #[test]
+    fn summary_and_policy_round_trip() {
+        let p = pol(Egress::Deny, &["*.PyPI.org", "203.0.113.1/24"], &["bad.example"]);
+        assert_eq!(p.summary(), "egress:deny allow=[*.pypi.org, 203.0.113.0/24] deny=[bad.example]");
+        assert_eq!(p.policy().allow, vec!["*.PyPI.org", "203.0.113.1/24"]);
+        assert_eq!(Egress::Deny.to_string(), "deny");
+    }
+
+    #[test]
+    fn every_blocked_range_parses() {
+        let p = pol(Egress::Allow, &[], &[]);
+        assert_eq!(p.blocked.len(), BLOCKED_RANGES.len());
+        assert_eq!(NAT64_PREFIX.parse::<IpNet>().unwrap().to_string(), NAT64_PREFIX);
+    }
+
+    #[test]
+    fn host_addresses_lists_loopback() {
+        let addrs = host_addresses();
+        assert!(addrs.contains(&ip("127.0.0.1")), "{addrs:?}");
+        let server = ServerNetPolicy { permit_ranges: vec![], host_addrs: addrs };
+        let p = compile(Egress::Allow, &[], &[], &server);
+        assert!(!p.check_addr(ip("127.0.0.1"), 80, &[]).allowed);
     }
 }
 
