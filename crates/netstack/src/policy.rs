@@ -671,16 +671,3 @@ mod tests {
         assert!(!p.check_addr(ip("127.0.0.1"), 80, &[]).allowed);
     }
 }
-
-// LEAD-TEMP: replaced by the policy helper's.
-/// This host's own addresses.
-pub fn host_addresses() -> Vec<IpAddr> {
-    todo!("policy helper")
-}
-
-impl CompiledPolicy {
-    /// LEAD-TEMP.
-    pub fn summary(&self) -> String {
-        todo!("policy helper")
-    }
-}
