@@ -176,3 +176,47 @@ impl NetworkSetup {
         NetControl::new(policy.unwrap_or(&self.default_policy), self.server_policy.clone(), self.config.log_records)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_configuration_is_checked() {
+        let bad = NetworkConfig { deny: vec!["not a rule!".into()], ..Default::default() };
+        let e = NetworkSetup::new(bad).unwrap_err().to_string();
+        assert!(e.contains("not a rule!"), "{e}");
+        let e = NetworkSetup::new(NetworkConfig { max_connections: 0, ..Default::default() }).unwrap_err();
+        assert!(e.to_string().contains("max_connections must be 1..=65536, got 0"), "{e}");
+        let dir = tempfile::tempdir().unwrap();
+        let not_pem = dir.path().join("ca.pem");
+        std::fs::write(&not_pem, "hello").unwrap();
+        let e = NetworkSetup::new(NetworkConfig { ca_certificates: vec![not_pem], ..Default::default() }).unwrap_err();
+        assert!(e.to_string().contains("no PEM certificate"), "{e}");
+    }
+
+    #[test]
+    fn templates_depend_on_the_ca_certificates() {
+        let plain = NetworkSetup::new(NetworkConfig::default()).unwrap();
+        assert_eq!(plain.fingerprint(), "virtio-net");
+        let dir = tempfile::tempdir().unwrap();
+        let pem = dir.path().join("ca.pem");
+        std::fs::write(&pem, "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n").unwrap();
+        let with_ca =
+            NetworkSetup::new(NetworkConfig { ca_certificates: vec![pem.clone()], ..Default::default() }).unwrap();
+        assert!(with_ca.fingerprint().starts_with("virtio-net; ca "), "{}", with_ca.fingerprint());
+        std::fs::write(&pem, "-----BEGIN CERTIFICATE-----\nBBBB\n-----END CERTIFICATE-----\n").unwrap();
+        let other = NetworkSetup::new(NetworkConfig { ca_certificates: vec![pem], ..Default::default() }).unwrap();
+        assert_ne!(with_ca.fingerprint(), other.fingerprint());
+    }
+
+    #[test]
+    fn a_sandbox_policy_starts_from_the_default_and_can_be_its_own() {
+        let setup = NetworkSetup::new(NetworkConfig { egress: Egress::Deny, ..Default::default() }).unwrap();
+        assert_eq!(setup.control(None).unwrap().policy().policy().egress, Egress::Deny);
+        let own = NetworkPolicy { egress: Egress::Allow, allow: vec![], deny: vec!["*.example.com".into()] };
+        assert_eq!(setup.control(Some(&own)).unwrap().policy().policy(), &own);
+        let bad = NetworkPolicy { deny: vec!["1.2.3".into()], ..Default::default() };
+        assert!(setup.control(Some(&bad)).is_err());
+    }
+}
