@@ -179,7 +179,8 @@ impl NetHdr {
         let mut b = [0u8; HDR_LEN];
         b[0] = self.flags;
         b[1] = self.gso_type;
-        for (i, v) in [(2, self.hdr_len), (4, self.gso_size), (6, self.csum_start), (8, self.csum_offset), (10, self.num_buffers)]
+        for (i, v) in
+            [(2, self.hdr_len), (4, self.gso_size), (6, self.csum_start), (8, self.csum_offset), (10, self.num_buffers)]
         {
             b[i..i + 2].copy_from_slice(&v.to_le_bytes());
         }
@@ -398,7 +399,7 @@ impl Net {
                     }
                     break 'frames;
                 };
-                let usable = parsed.ok().and_then(|segs| {
+                let usable = parsed.and_then(|segs| {
                     let r: usize = segs.iter().map(|s| s.len as usize).sum();
                     let fits = if mergeable { r >= HDR_LEN } else { r >= need };
                     (fits && segs.iter().all(|s| s.writable)).then_some((segs, r))
@@ -409,7 +410,10 @@ impl Net {
                         room += r;
                     }
                     None => {
-                        guest_warn!(log, "virtio-net: RX buffer {head} is malformed, read-only or too small; returned empty");
+                        guest_warn!(
+                            log,
+                            "virtio-net: RX buffer {head} is malformed, read-only or too small; returned empty"
+                        );
                         bump(&counters.rx_bad_buffers, 1);
                         // The frame starts over in the following buffers;
                         // the ones taken for it go back empty.
@@ -540,6 +544,10 @@ fn scatter(mem: &GuestMemoryMmap, segs: &[Segment], mut skip: usize, data: &[u8]
     done
 }
 
+/// An RX chain taken: its head and its segments (`None`: malformed, to be
+/// returned empty).
+type RxChain = (u16, Option<Vec<Segment>>);
+
 /// The RX queue during one delivery: chains are taken one by one, and the
 /// used entries of one frame are published together (a driver that
 /// polls the used ring must never see part of a multi-buffer frame,
@@ -563,9 +571,9 @@ impl<'a> RxRing<'a> {
         VirtioError::Broken { device: "virtio-net", reason }
     }
 
-    /// The next available chain, parsed (`Err`: malformed, to be returned
-    /// empty); `None` if the guest has no buffer.
-    fn pop(&mut self) -> Result<Option<(u16, Result<Vec<Segment>, ()>)>, VirtioError> {
+    /// The next available chain, parsed (see [`RxChain`]); `None` if the
+    /// guest has no buffer.
+    fn pop(&mut self) -> Result<Option<RxChain>, VirtioError> {
         let mem = self.mem;
         let mut iter = self.q.iter(mem).map_err(|e| Self::broken(format!("RX available ring: {e}")))?;
         let Some(chain) = iter.next() else { return Ok(None) };
@@ -573,7 +581,7 @@ impl<'a> RxRing<'a> {
         if head >= self.q.size() {
             return Err(Self::broken(format!("RX available ring names descriptor {head} of {}", self.q.size())));
         }
-        Ok(Some((head, parse_chain(mem, chain, MAX_SEGMENTS).map(|p| p.segments).map_err(|_| ()))))
+        Ok(Some((head, parse_chain(mem, chain, MAX_SEGMENTS).ok().map(|p| p.segments))))
     }
 
     /// Puts the last `n` chains taken back in the available ring.
