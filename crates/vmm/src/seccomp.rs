@@ -551,6 +551,13 @@ fn rules(kind: ThreadKind) -> Rules {
             // Filling pages: copy from the buffer, zero pages, wake
             // threads waiting on a page another fill brought in.
             r.insert(libc::SYS_ioctl, ioctl_rules(&[UFFDIO_COPY, UFFDIO_ZEROPAGE, UFFDIO_WAKE]));
+            // Rust's debug builds check that an fd is still open
+            // (`fcntl(fd, F_GETFD)`) when they drop it (the thread's
+            // userfaultfd and memory file at its end); nothing else.
+            r.insert(
+                libc::SYS_fcntl,
+                vec![rule(vec![cond(1, SeccompCmpArgLen::Dword, SeccompCmpOp::Eq, libc::F_GETFD as u64)])],
+            );
             allow(
                 &mut r,
                 &[
