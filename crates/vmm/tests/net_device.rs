@@ -15,8 +15,9 @@
 mod common;
 
 use std::collections::VecDeque;
-use std::os::fd::RawFd;
+use std::os::fd::{AsRawFd, RawFd};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use common::driver::{Driver, DATA_BASE, INDIRECT, MEM_SIZE, NEXT, QUEUE_BASE, WRITE};
 use proptest::prelude::*;
@@ -27,6 +28,9 @@ use vmm::devices::virtio::net::{
     VIRTIO_NET_HDR_F_NEEDS_CSUM,
 };
 use vmm::devices::virtio::VIRTIO_RING_F_EVENT_IDX;
+use vmm::event_loop::EventLoop;
+use vmm::seccomp::ThreadKind;
+use vmm_sys_util::eventfd::EventFd;
 
 /// What the test sees of the loopback backend.
 #[derive(Default)]
@@ -49,6 +53,9 @@ struct Loopback {
     pending: VecDeque<Vec<u8>>,
     to_guest: VecDeque<Vec<u8>>,
     cap: usize,
+    /// The backend's fd, if the test wakes the device through it (read,
+    /// to clear it, by `poll`).
+    wake: Option<EventFd>,
 }
 
 impl NetBackend for Loopback {
@@ -70,6 +77,9 @@ impl NetBackend for Loopback {
     }
 
     fn poll(&mut self) {
+        if let Some(w) = &self.wake {
+            let _ = w.read();
+        }
         let mut seen = self.seen.lock().unwrap();
         if seen.drain {
             self.to_guest.extend(self.pending.drain(..));
@@ -78,7 +88,7 @@ impl NetBackend for Loopback {
     }
 
     fn epoll_fd(&self) -> Option<RawFd> {
-        None
+        self.wake.as_ref().map(|w| w.as_raw_fd())
     }
 
     fn reset(&mut self) {
@@ -111,7 +121,7 @@ struct Harness {
 
 fn new_backend(cap: usize) -> (Loopback, Arc<Mutex<Observed>>) {
     let seen = Arc::new(Mutex::new(Observed { drain: true, ..Observed::default() }));
-    (Loopback { seen: seen.clone(), pending: VecDeque::new(), to_guest: VecDeque::new(), cap }, seen)
+    (Loopback { seen: seen.clone(), pending: VecDeque::new(), to_guest: VecDeque::new(), cap, wake: None }, seen)
 }
 
 impl Harness {
@@ -569,6 +579,75 @@ fn frames_from_the_backend_that_are_not_ethernet_frames_are_dropped() {
     assert_eq!(got.len(), 1);
     assert_eq!(got[0].1, frame(64));
     assert_eq!(h.stats().rx_dropped, 3);
+}
+
+/// Waits up to 30 s for `cond`.
+fn wait_until(what: &str, cond: impl Fn() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !cond() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// The seccomp mode (`Seccomp:` of /proc, 2 = filter) of this process's
+/// thread named `name`, if it exists.
+fn seccomp_of_thread(name: &str) -> Option<u32> {
+    for task in std::fs::read_dir("/proc/self/task").unwrap().flatten() {
+        let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
+        if comm.trim_end() == name {
+            let status = std::fs::read_to_string(task.path().join("status")).unwrap_or_default();
+            return status.lines().find_map(|l| l.strip_prefix("Seccomp:")).map(|m| m.trim().parse().unwrap());
+        }
+    }
+    None
+}
+
+/// The device behind the real event loop, on its `net-<vm>` thread under
+/// the net seccomp filter: a TX notification sends a frame that comes
+/// back into the RX ring, and the backend's fd becoming readable wakes the
+/// thread to deliver a frame the backend got on its own.
+#[test]
+fn the_net_thread_moves_frames_under_its_filter() {
+    let (mut lb, seen) = new_backend(64);
+    let wake = EventFd::new(libc::EFD_NONBLOCK).unwrap();
+    lb.wake = Some(wake.try_clone().unwrap());
+    let net = Net::new(Box::new(lb));
+    let counters = net.counters();
+    let mut d = Driver::new(Box::new(net), FEATURES, QUEUE_SIZE);
+    for i in 0..8u16 {
+        d.set_desc(RXQ, i, RX_BASE + u64::from(i) * RX_STRIDE, 2048, WRITE, 0);
+        d.publish(RXQ, i);
+    }
+    let f = frame(200);
+    let mut bytes = NetHdr::default().to_bytes().to_vec();
+    bytes.extend_from_slice(&f);
+    d.write_bytes(TX_BASE, &bytes);
+    d.add_chain(TXQ, 0, &[(TX_BASE, bytes.len() as u32, 0)]);
+    let Driver { transport, mem, .. } = d;
+    let evts: Vec<EventFd> = transport.queue_evts().iter().map(|e| e.try_clone().unwrap()).collect();
+    let t = Arc::new(Mutex::new(transport));
+    let event_loop = EventLoop::spawn("nt-vm", vec![t.clone()], ThreadKind::Net).unwrap();
+    assert_eq!(vmm::event_loop::thread_name(ThreadKind::Net, "nt-vm"), "net-nt-vm");
+    wait_until("the net thread's filter", || seccomp_of_thread("net-nt-vm") == Some(2));
+
+    evts[TXQ].write(1).unwrap();
+    wait_until("the frame to come back", || counters.stats().rx_frames == 1);
+    let read = |gpa: u64, len: usize| {
+        let mut v = vec![0; len];
+        vm_memory::Bytes::read_slice(&mem, &mut v, vm_memory::GuestAddress(gpa)).unwrap();
+        v
+    };
+    assert_eq!(read(RX_BASE + HDR_LEN as u64, f.len()), f);
+
+    let g = frame(300);
+    seen.lock().unwrap().inject.push_back(g.clone());
+    wake.write(1).unwrap();
+    wait_until("the backend's frame", || counters.stats().rx_frames == 2);
+    assert_eq!(read(RX_BASE + RX_STRIDE + HDR_LEN as u64, g.len()), g);
+    assert!(t.lock().unwrap().is_active());
+    drop(event_loop);
+    assert_eq!(seccomp_of_thread("net-nt-vm"), None, "the thread ends with its loop");
 }
 
 // --- random rings ---

@@ -108,6 +108,8 @@ pub trait NetBackend: Send {
     /// Runs the stack: frames in, host sockets, timers. Called after a TX batch and on epoll_fd readiness.
     fn poll(&mut self);
     /// Readable when poll() has work (host sockets, timers). Level-triggered.
+    /// The same fd for the backend's whole life (the event loop registers
+    /// it once, when the VM starts; [`NetBackend::reset`] keeps it).
     fn epoll_fd(&self) -> Option<RawFd>;
     /// Drops every connection (after restore: nothing host-side survived).
     fn reset(&mut self);
