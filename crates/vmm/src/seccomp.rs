@@ -1,10 +1,10 @@
 //! Per-thread seccomp filters for the VMM's threads (least privilege):
 //! every vCPU thread, the per-VM device thread, the per-VM net thread and
-//! the userfaultfd handler thread installs, as the first thing it does, a filter that allows only
-//! the system calls that kind of thread makes. A thread that makes any
-//! other call is the sign of a compromised VMM thread (guest-controlled
-//! data drove it somewhere the code never goes): the kernel kills the whole
-//! process (`SECCOMP_RET_KILL_PROCESS`, signal `SIGSYS`).
+//! the userfaultfd handler thread installs, as the first thing it does, a
+//! filter that allows only the system calls that kind of thread makes. A
+//! thread that makes any other call is the sign of a compromised VMM thread
+//! (guest-controlled data drove it somewhere the code never goes): the
+//! kernel kills the whole process (`SECCOMP_RET_KILL_PROCESS`, signal `SIGSYS`).
 //!
 //! Why the process and not the thread: the threads share one address
 //! space, so a thread that got that far may already have written anywhere
