@@ -1,6 +1,10 @@
-//! The device event loop: one thread per VM that waits (epoll) on every
-//! virtio queue's notification eventfd and runs the device's queue
-//! processing, so device work never runs on a vCPU thread.
+//! The device event loop: a thread that waits (epoll) on its virtio
+//! devices' queue notification eventfds and runs their queue processing,
+//! so device work never runs on a vCPU thread. A VM has one for its disks
+//! and vsock device (`devices-<vm>`, seccomp [`ThreadKind::Devices`]) and,
+//! with a network, a second one for the virtio-net device alone
+//! (`net-<vm>`, [`ThreadKind::Net`]): a guest flooding its NIC slows only
+//! that thread, never its disks or vsock.
 //!
 //! The thread sleeps unless a queue is notified or a device's host-side fd
 //! ([`MmioTransport::epoll_fd`], e.g. the vsock muxer's sockets) has work
@@ -20,6 +24,7 @@ use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::devices::virtio::mmio::MmioTransport;
+use crate::seccomp::ThreadKind;
 use crate::sync::lock;
 
 /// Token of the stop eventfd.
@@ -51,10 +56,16 @@ fn token(device: usize, queue: usize) -> u64 {
 }
 
 impl EventLoop {
-    /// Starts the loop over `devices`' queue notifications.
+    /// Starts the loop over `devices`' queue notifications, on a thread
+    /// named [`thread_name`]`(kind, name)` that installs `kind`'s seccomp
+    /// filter first.
     ///
     /// Errors: [`EventLoopError`].
-    pub fn spawn(name: &str, devices: Vec<Arc<Mutex<MmioTransport>>>) -> Result<Self, EventLoopError> {
+    pub fn spawn(
+        name: &str,
+        devices: Vec<Arc<Mutex<MmioTransport>>>,
+        kind: ThreadKind,
+    ) -> Result<Self, EventLoopError> {
         let epoll = Epoll::new().map_err(EventLoopError::Setup)?;
         let stop = EventFd::new(libc::EFD_NONBLOCK).map_err(EventLoopError::Setup)?;
         epoll
@@ -82,13 +93,22 @@ impl EventLoop {
         }
         let stop_dup = stop.try_clone().map_err(EventLoopError::Setup)?;
         let thread = std::thread::Builder::new()
-            .name(format!("devices-{name}"))
+            .name(thread_name(kind, name))
             .spawn(move || {
-                crate::seccomp::install_or_log(crate::seccomp::ThreadKind::Devices);
+                crate::seccomp::install_or_log(kind);
                 run(epoll, stop_dup, devices, evts)
             })
             .map_err(EventLoopError::Thread)?;
         Ok(EventLoop { stop, thread: Some(thread) })
+    }
+}
+
+/// The name of an event loop thread of kind `kind` for VM `vm`:
+/// `net-<vm>` for [`ThreadKind::Net`], else `devices-<vm>`.
+pub fn thread_name(kind: ThreadKind, vm: &str) -> String {
+    match kind {
+        ThreadKind::Net => format!("net-{vm}"),
+        _ => format!("devices-{vm}"),
     }
 }
 

@@ -1,10 +1,10 @@
 //! Per-thread seccomp filters for the VMM's threads (least privilege):
-//! every vCPU thread, the per-VM device thread and the userfaultfd handler
-//! thread installs, as the first thing it does, a filter that allows only
-//! the system calls that kind of thread makes. A thread that makes any
-//! other call is the sign of a compromised VMM thread (guest-controlled
-//! data drove it somewhere the code never goes): the kernel kills the whole
-//! process (`SECCOMP_RET_KILL_PROCESS`, signal `SIGSYS`).
+//! every vCPU thread, the per-VM device thread, the per-VM net thread and
+//! the userfaultfd handler thread installs, as the first thing it does, a
+//! filter that allows only the system calls that kind of thread makes. A
+//! thread that makes any other call is the sign of a compromised VMM thread
+//! (guest-controlled data drove it somewhere the code never goes): the
+//! kernel kills the whole process (`SECCOMP_RET_KILL_PROCESS`, signal `SIGSYS`).
 //!
 //! Why the process and not the thread: the threads share one address
 //! space, so a thread that got that far may already have written anywhere
@@ -18,10 +18,13 @@
 //! `Documentation/userspace-api/seccomp_filter.rst`). The allowlists below
 //! were found by tracing the VMM's KVM test suites (`strace -f -ff`, one
 //! file per thread, grouped by thread name) and list each call with the
-//! reason it is needed. `ioctl` is allowed only for the requests each
+//! reason it is needed (the net thread's list was written from what the
+//! user-space NAT needs, before a real guest ran with it, and is checked by
+//! `tests/seccomp.rs` and `tests/net_device.rs`; `TINE_SECCOMP=trap` names
+//! any call it lacks). `ioctl` is allowed only for the requests each
 //! thread kind makes (KVM vCPU requests, `userfaultfd` requests, `FIONBIO`);
 //! `mmap`/`mprotect` never with `PROT_EXEC`; `socket` on the device thread
-//! only for `AF_UNIX`.
+//! only for `AF_UNIX`, on the net thread only for `AF_INET` and `AF_INET6`.
 //!
 //! Installing a filter needs no privilege: `seccompiler` sets the calling
 //! thread's `PR_SET_NO_NEW_PRIVS` first. Filters are per thread and are
@@ -58,17 +61,22 @@ pub enum ThreadKind {
     /// The userfaultfd handler thread: reads pages from the memory file and
     /// copies them into guest RAM.
     Uffd,
+    /// The per-VM net thread (a second `event_loop` over the virtio-net
+    /// device only): virtqueue processing and the user-space NAT's
+    /// non-blocking TCP and UDP host sockets; no files, no Unix sockets.
+    Net,
 }
 
 impl ThreadKind {
     /// Every kind, for tests and reports.
-    pub const ALL: [ThreadKind; 3] = [ThreadKind::Vcpu, ThreadKind::Devices, ThreadKind::Uffd];
+    pub const ALL: [ThreadKind; 4] = [ThreadKind::Vcpu, ThreadKind::Devices, ThreadKind::Uffd, ThreadKind::Net];
 
     fn index(self) -> usize {
         match self {
             ThreadKind::Vcpu => 0,
             ThreadKind::Devices => 1,
             ThreadKind::Uffd => 2,
+            ThreadKind::Net => 3,
         }
     }
 }
@@ -149,7 +157,8 @@ pub fn install_or_log(kind: ThreadKind) {
 ///
 /// Errors: [`SeccompError`].
 pub fn install_with(kind: ThreadKind, mode: Mode) -> Result<(), SeccompError> {
-    static PROGRAMS: [OnceLock<Result<BpfProgram, String>>; 3] = [OnceLock::new(), OnceLock::new(), OnceLock::new()];
+    static PROGRAMS: [OnceLock<Result<BpfProgram, String>>; 4] =
+        [OnceLock::new(), OnceLock::new(), OnceLock::new(), OnceLock::new()];
     let action = match mode {
         Mode::Off => return Ok(()),
         Mode::Enforce => SeccompAction::KillProcess,
@@ -272,6 +281,9 @@ const UFFDIO_ZEROPAGE: u64 = 0xc020_aa04;
 /// `FIONBIO` (asm-generic/ioctls.h): what Rust's `set_nonblocking` on a
 /// socket uses.
 const FIONBIO: u64 = 0x5421;
+/// `FIONREAD` (asm-generic/ioctls.h): bytes waiting on a socket (the size
+/// of a UDP datagram before it is read).
+const FIONREAD: u64 = 0x541b;
 
 /// The vCPU ioctls a vCPU thread makes: `KVM_RUN`, and the state it saves
 /// and restores while parked for a snapshot or a branch (`vcpu_state`),
@@ -490,10 +502,65 @@ fn rules(kind: ThreadKind) -> Rules {
                 ],
             );
         }
+        ThreadKind::Net => {
+            // Sockets set non-blocking (Rust's set_nonblocking), and the
+            // bytes waiting on one.
+            r.insert(libc::SYS_ioctl, ioctl_rules(&[FIONBIO, FIONREAD]));
+            // The NAT's host side: TCP connections and UDP flows (DNS
+            // forwarding included) to IPv4 and IPv6 hosts; no Unix sockets,
+            // no netlink, no packet sockets.
+            r.insert(
+                libc::SYS_socket,
+                vec![
+                    rule(vec![cond(0, SeccompCmpArgLen::Dword, SeccompCmpOp::Eq, libc::AF_INET as u64)]),
+                    rule(vec![cond(0, SeccompCmpArgLen::Dword, SeccompCmpOp::Eq, libc::AF_INET6 as u64)]),
+                ],
+            );
+            allow(
+                &mut r,
+                &[
+                    // The event loop's epoll set and the NAT's own (its
+                    // sockets' interest changes with its buffers).
+                    libc::SYS_epoll_wait,
+                    libc::SYS_epoll_pwait,
+                    libc::SYS_epoll_ctl,
+                    // Host connections: non-blocking connect, its result
+                    // (SO_ERROR), socket options (TCP_NODELAY, buffer sizes),
+                    // a UDP flow's local port, addresses for the log.
+                    libc::SYS_connect,
+                    libc::SYS_bind,
+                    libc::SYS_getsockopt,
+                    libc::SYS_setsockopt,
+                    libc::SYS_getsockname,
+                    libc::SYS_getpeername,
+                    // Data both ways (TCP and UDP), half-close.
+                    libc::SYS_sendto,
+                    libc::SYS_recvfrom,
+                    libc::SYS_sendmsg,
+                    libc::SYS_recvmsg,
+                    libc::SYS_readv,
+                    libc::SYS_shutdown,
+                    // Sockets' flags (O_NONBLOCK through fcntl, as some
+                    // socket libraries set it).
+                    libc::SYS_fcntl,
+                    // The NAT's timers (TCP retransmission, DNS timeouts): a
+                    // timerfd in its epoll set.
+                    libc::SYS_timerfd_settime,
+                    libc::SYS_timerfd_gettime,
+                ],
+            );
+        }
         ThreadKind::Uffd => {
             // Filling pages: copy from the buffer, zero pages, wake
             // threads waiting on a page another fill brought in.
             r.insert(libc::SYS_ioctl, ioctl_rules(&[UFFDIO_COPY, UFFDIO_ZEROPAGE, UFFDIO_WAKE]));
+            // Rust's debug builds check that an fd is still open
+            // (`fcntl(fd, F_GETFD)`) when they drop it (the thread's
+            // userfaultfd and memory file at its end); nothing else.
+            r.insert(
+                libc::SYS_fcntl,
+                vec![rule(vec![cond(1, SeccompCmpArgLen::Dword, SeccompCmpOp::Eq, libc::F_GETFD as u64)])],
+            );
             allow(
                 &mut r,
                 &[
@@ -583,6 +650,7 @@ extern "C" fn sigsys_reporter(_: libc::c_int, info: *mut libc::siginfo_t, ctx: *
         1 => b" on a vCPU thread\n",
         2 => b" on a device thread\n",
         3 => b" on a userfaultfd thread\n",
+        4 => b" on a net thread\n",
         _ => b" on an unfiltered thread\n",
     });
     // SAFETY: write(2) of a live buffer; async-signal-safe.
@@ -623,6 +691,13 @@ mod tests {
         assert_eq!(rules(ThreadKind::Devices)[&libc::SYS_socket].len(), 1);
         assert!(!rules(ThreadKind::Vcpu).contains_key(&libc::SYS_socket));
         assert!(!rules(ThreadKind::Uffd).contains_key(&libc::SYS_socket));
+        // The net thread: sockets of the two IP families; no files, no
+        // Unix sockets' accept, no listening.
+        let net = rules(ThreadKind::Net);
+        assert_eq!(net[&libc::SYS_socket].len(), 2);
+        for s in [libc::SYS_pread64, libc::SYS_pwrite64, libc::SYS_unlink, libc::SYS_accept4, libc::SYS_listen] {
+            assert!(!net.contains_key(&s), "the net thread allows syscall {s}");
+        }
         for kind in ThreadKind::ALL {
             let r = rules(kind);
             assert!(!r[&libc::SYS_openat].is_empty() && !r[&libc::SYS_ioctl].is_empty(), "{kind:?}");

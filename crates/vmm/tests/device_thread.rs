@@ -103,7 +103,7 @@ fn device_thread_sleeps_while_vsock_is_never_activated() {
     let t =
         MmioTransport::new(Box::new(Vsock::new(GUEST_CID, &uds).unwrap()), mem, Arc::new(Interrupt::new(irq))).unwrap();
     let t = Arc::new(Mutex::new(t));
-    let _loop = EventLoop::spawn("dt-inact", vec![t.clone()]).unwrap();
+    let _loop = EventLoop::spawn("dt-inact", vec![t.clone()], vmm::seccomp::ThreadKind::Devices).unwrap();
     let _clients = knock(&uds, 4);
     assert_sleeps("dt-inact", "vsock never activated, host clients waiting");
     assert!(!t.lock().unwrap().is_active());
@@ -122,7 +122,7 @@ fn device_thread_sleeps_after_the_guest_breaks_its_rx_ring() {
     d.set_avail_idx(0, 1000);
     let Driver { transport, .. } = d;
     let t = Arc::new(Mutex::new(transport));
-    let _loop = EventLoop::spawn("dt-broken", vec![t.clone()]).unwrap();
+    let _loop = EventLoop::spawn("dt-broken", vec![t.clone()], vmm::seccomp::ThreadKind::Devices).unwrap();
     // A host connection makes the device write to the RX ring: it finds
     // the ring broken.
     let first = knock(&uds, 1);

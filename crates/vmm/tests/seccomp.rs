@@ -147,6 +147,59 @@ fn child() {
                 eprintln!("survived a TCP socket: {:?}", r.is_ok());
             });
         }
+        // The net thread makes IPv4 and IPv6 sockets (the NAT's host side:
+        // TCP connections, UDP flows on the loopback here) but no Unix
+        // socket.
+        "net-unix" => {
+            use std::io::Write;
+            let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            let tcp_addr = listener.local_addr().unwrap();
+            let peer = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+            let udp_addr = peer.local_addr().unwrap();
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("host.sock");
+            let _unix = std::os::unix::net::UnixListener::bind(&path).unwrap();
+            on_filtered_thread(ThreadKind::Net, Mode::Enforce, move || {
+                everyday_calls();
+                let mut s = std::net::TcpStream::connect(tcp_addr).expect("an AF_INET TCP connect is allowed");
+                s.set_nodelay(true).expect("setsockopt is allowed");
+                s.set_nonblocking(true).expect("FIONBIO is allowed");
+                assert_eq!(s.peer_addr().expect("getpeername is allowed"), tcp_addr);
+                s.local_addr().expect("getsockname is allowed");
+                assert!(s.take_error().expect("getsockopt is allowed").is_none());
+                s.write_all(b"guest bytes").expect("writing a socket is allowed");
+                s.shutdown(std::net::Shutdown::Write).expect("shutdown is allowed");
+                let u = std::net::UdpSocket::bind("127.0.0.1:0").expect("an AF_INET UDP socket is allowed");
+                u.send_to(b"query", udp_addr).expect("sendto is allowed");
+                let mut buf = [0u8; 16];
+                let (n, from) = peer.recv_from(&mut buf).expect("recvfrom is allowed");
+                assert_eq!((&buf[..n], from), (&b"query"[..], u.local_addr().unwrap()));
+                // IPv6 may be off on the host: the socket may fail, but
+                // with an errno, not a kill.
+                // SAFETY: a plain socket(2) call; the fd is closed below.
+                let fd6 = unsafe { libc::socket(libc::AF_INET6, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+                if fd6 >= 0 {
+                    // SAFETY: closing the fd just made.
+                    unsafe { libc::close(fd6) };
+                }
+                drop((s, u, listener));
+                eprintln!("{ALLOWED_OK}");
+                let r = std::os::unix::net::UnixStream::connect(&path);
+                eprintln!("survived an AF_UNIX socket: {:?}", r.is_ok());
+            });
+        }
+        // The net thread reads no files.
+        "net-file" => {
+            let file = tempfile::tempfile().unwrap();
+            file.set_len(4096).unwrap();
+            on_filtered_thread(ThreadKind::Net, Mode::Enforce, move || {
+                everyday_calls();
+                eprintln!("{ALLOWED_OK}");
+                let mut page = [1u8; 16];
+                let r = std::os::unix::fs::FileExt::read_at(&file, &mut page, 0);
+                eprintln!("survived a pread: {:?}", r.is_ok());
+            });
+        }
         // The userfaultfd thread reads its memory file; it opens nothing
         // (a read-only open fails, a write open kills).
         "uffd-open" => {
@@ -222,6 +275,16 @@ fn a_vcpu_thread_running_a_program_kills_the_process() {
 #[test]
 fn the_device_thread_opening_a_network_socket_kills_the_process() {
     assert_killed_by_sigsys("devices-inet");
+}
+
+#[test]
+fn the_net_thread_opening_a_unix_socket_kills_the_process() {
+    assert_killed_by_sigsys("net-unix");
+}
+
+#[test]
+fn the_net_thread_reading_a_file_kills_the_process() {
+    assert_killed_by_sigsys("net-file");
 }
 
 #[test]

@@ -14,6 +14,7 @@ use vmm_sys_util::eventfd::EventFd;
 
 use crate::devices::virtio::block::{Block, BlockError};
 use crate::devices::virtio::mmio::{reg, MmioTransport, TransportArgs, MMIO_WINDOW};
+use crate::devices::virtio::net::Net;
 use crate::devices::virtio::vsock::muxer::MuxerError;
 use crate::devices::virtio::vsock::Vsock;
 use crate::devices::virtio::{Interrupt, VirtioDevice, VirtioError};
@@ -21,6 +22,7 @@ use crate::devices::{self, Console, LegacyDevices, LegacyState, Persist, SerialA
 use crate::event_loop::{EventLoop, EventLoopError};
 use crate::log_limit::LogLimiter;
 use crate::memory::{GuestRam, MemoryBacking, MemoryError, MMIO_GAP_START};
+use crate::seccomp::ThreadKind;
 use crate::snapshot::{CpuidLeaf, Snapshot, SnapshotError};
 use crate::sync::lock;
 use crate::vcpu::{install_kick_handler, PauseState, Vcpu, VcpuShared};
@@ -78,6 +80,9 @@ pub enum BuildError {
     /// The vsock device could not be set up.
     #[error(transparent)]
     Vsock(#[from] MuxerError),
+    /// The network device's backend (the user-space NAT) could not be set up.
+    #[error(transparent)]
+    Net(#[from] netstack::stack::StackError),
     /// A virtio device could not be set up.
     #[error(transparent)]
     Virtio(#[from] VirtioError),
@@ -198,8 +203,10 @@ impl<'a> Builder<'a> {
         Ok(Builder { config, kvm, vm, started, log: Arc::new(LogLimiter::new(config.name.clone())) })
     }
 
-    /// Opens the configured disks and vsock device and puts each behind a
-    /// virtio-mmio transport made by `transport(index, device, memory,
+    /// Opens the configured disks, vsock device and network device (last,
+    /// so that the others keep their windows and GSIs; its backend is a new
+    /// [`netstack::stack::NetStack`]) and puts each behind a virtio-mmio
+    /// transport made by `transport(index, device, memory,
     /// interrupt)`: window `i` at [`MMIO_GAP_START`] + `i` windows, GSI
     /// [`VIRTIO_FIRST_IRQ`] + `i`, an irqfd, and one ioeventfd per queue.
     /// Appends each device to `cmdline` (`virtio_mmio.device=`).
@@ -220,6 +227,10 @@ impl<'a> Builder<'a> {
         }
         if let Some(v) = &self.config.vsock {
             virtio.push(Box::new(Vsock::new(v.cid, &v.uds_path)?));
+        }
+        if let Some(n) = &self.config.net {
+            let stack = netstack::stack::NetStack::new(n.stack.clone(), n.control.clone())?;
+            virtio.push(Box::new(Net::new(Box::new(stack))));
         }
         let mut mmio = Vec::with_capacity(virtio.len());
         for (i, dev) in virtio.into_iter().enumerate() {
@@ -294,10 +305,18 @@ impl<'a> Builder<'a> {
         Ok(Vcpus { vcpus, cpuids, shared })
     }
 
-    /// Starts the device event loop and one thread per vCPU.
+    /// Starts the device event loop, the net thread's (over the network
+    /// device alone, attached last, when the VM has one) and one thread
+    /// per vCPU.
     fn start(self, ram: GuestRam, mmio: Vec<MmioSlot>, vcpus: Vcpus) -> Result<RunningVm, BuildError> {
         let config = self.config;
-        let event_loop = EventLoop::spawn(&config.name, mmio.into_iter().map(|(_, _, d)| d).collect())?;
+        let mut devices: Vec<_> = mmio.into_iter().map(|(_, _, d)| d).collect();
+        let net = if config.net.is_some() { devices.pop() } else { None };
+        let event_loop = EventLoop::spawn(&config.name, devices, ThreadKind::Devices)?;
+        let net_loop = match net {
+            Some(n) => Some(EventLoop::spawn(&config.name, vec![n], ThreadKind::Net)?),
+            None => None,
+        };
         install_kick_handler().map_err(|e| BuildError::Thread(std::io::Error::from_raw_os_error(e.errno())))?;
         let Vcpus { vcpus, cpuids, shared } = vcpus;
         let console_tail = lock(&shared.devices).console_tail();
@@ -311,11 +330,12 @@ impl<'a> Builder<'a> {
             cpuid: cpuids,
             name: config.name.clone(),
             _event_loop: event_loop,
+            _net_loop: net_loop,
         };
         for vcpu in vcpus {
             let name = format!("vcpu{}-{}", vcpu.index, config.name);
             match std::thread::Builder::new().name(name).spawn(move || {
-                crate::seccomp::install_or_log(crate::seccomp::ThreadKind::Vcpu);
+                crate::seccomp::install_or_log(ThreadKind::Vcpu);
                 vcpu.run()
             }) {
                 Ok(t) => running.threads.push(t),

@@ -95,6 +95,8 @@ pub struct RunningVm {
     // Declared after the vCPU threads' owner: dropped once they are joined
     // (RunningVm's Drop joins them first).
     pub(crate) _event_loop: EventLoop,
+    /// The net thread's loop (virtio-net only), when the VM has a network.
+    pub(crate) _net_loop: Option<EventLoop>,
 }
 
 impl RunningVm {

@@ -12,6 +12,7 @@
 pub mod block;
 pub mod chain;
 pub mod mmio;
+pub mod net;
 pub mod vsock;
 
 use std::os::fd::RawFd;
