@@ -112,6 +112,11 @@ pub const RULE_LIMIT_CONNECTIONS: &str = "limit:connections";
 /// this long.
 const GUEST_TIMEOUT: Duration = Duration::from_secs(120);
 
+/// How long the first bytes of a connection are held for sniffing at most
+/// (a protocol that is neither TLS nor HTTP may send a few bytes and wait
+/// for an answer); then they go on as if no name were in them.
+pub const SNIFF_WAIT: Duration = Duration::from_secs(1);
+
 const TOKEN_TIMER: u64 = 0;
 const TOKEN_WAKE: u64 = 1;
 const TOKEN_DNS: u64 = 2;
@@ -208,6 +213,8 @@ struct Conn {
     host_eof: bool,
     /// The guest's FIN was passed on (`shutdown(Write)` on the host).
     guest_eof: bool,
+    /// When the first guest bytes were seen while sniffing.
+    sniff_since: Option<Instant>,
     /// Aborted: waiting for smoltcp to send the guest its RST.
     dead: bool,
     readable: bool,
@@ -553,6 +560,7 @@ impl NetStack {
             host: Some(host),
             connected: false,
             sniffing: policy.has_domain_rules(),
+            sniff_since: None,
             host_eof: false,
             guest_eof: false,
             dead: false,
@@ -635,23 +643,18 @@ impl NetStack {
             }
             _ => {}
         }
-        // Sniff the first bytes for a name.
+        // Sniff the first bytes for a name; until then guest bytes wait.
         if conn.sniffing {
             let queued = socket.recv_queue();
             let n = socket.peek_slice(&mut self.sniff_buf[..queued.min(MAX_SNIFF_BYTES)]).unwrap_or(0);
+            if n > 0 && conn.sniff_since.is_none() {
+                conn.sniff_since = Some(Instant::now());
+            }
+            let waited = conn.sniff_since.is_some_and(|t| t.elapsed() >= SNIFF_WAIT);
             let first = self.sniff_buf.get(..n).unwrap_or(&[]);
-            let verdict = match sniff(first) {
-                Sniffed::NeedMore if n < MAX_SNIFF_BYTES && socket.may_recv() => None,
-                Sniffed::Name(name) => Some(Some(name)),
-                _ => Some(None),
-            };
-            match verdict {
-                None => {
-                    self.update_interest(token);
-                    return;
-                }
-                Some(None) => conn.sniffing = false,
-                Some(Some(name)) => {
+            match sniff(first) {
+                Sniffed::NeedMore if n < MAX_SNIFF_BYTES && socket.may_recv() && !waited => {}
+                Sniffed::Name(name) => {
                     conn.sniffing = false;
                     let v = self.control.policy().check_name(&name);
                     let allowed = v.allowed;
@@ -667,10 +670,11 @@ impl NetStack {
                         return;
                     }
                 }
+                _ => conn.sniffing = false,
             }
         }
         // Guest -> host.
-        while conn.writable && socket.can_recv() {
+        while !conn.sniffing && conn.writable && socket.can_recv() {
             let r = socket.recv(|buf| match (&*host).write(buf) {
                 Ok(n) => (n, Ok(n)),
                 Err(e) => (0, Err(e)),
@@ -686,7 +690,7 @@ impl NetStack {
                 }
             }
         }
-        if !conn.guest_eof && !socket.may_recv() && socket.recv_queue() == 0 {
+        if !conn.guest_eof && !conn.sniffing && !socket.may_recv() && socket.recv_queue() == 0 {
             conn.guest_eof = true;
             let _ = host.shutdown(Shutdown::Write);
         }
@@ -804,6 +808,10 @@ impl NetStack {
         let mut delay = self.iface.poll_delay(now, &self.sockets).map(Duration::from);
         if let Some(deadline) = self.dns.next_deadline() {
             let d = deadline.saturating_duration_since(Instant::now());
+            delay = Some(delay.map_or(d, |x| x.min(d)));
+        }
+        if let Some(t) = self.conns.values().filter(|c| c.sniffing).filter_map(|c| c.sniff_since).min() {
+            let d = (t + SNIFF_WAIT).saturating_duration_since(Instant::now());
             delay = Some(delay.map_or(d, |x| x.min(d)));
         }
         let Some(mut delay) = delay else {
