@@ -215,6 +215,10 @@ struct Conn {
     guest_eof: bool,
     /// When the first guest bytes were seen while sniffing.
     sniff_since: Option<Instant>,
+    /// Both sides closed cleanly, the host socket is gone and the record
+    /// final; the smoltcp socket stays in TIME-WAIT (to acknowledge the
+    /// guest's FIN again if needed) until smoltcp closes it.
+    finished: bool,
     /// Aborted: waiting for smoltcp to send the guest its RST.
     dead: bool,
     readable: bool,
@@ -241,6 +245,8 @@ pub struct NetStack {
     by_tuple: HashMap<Tuple, u64>,
     next_token: u64,
     dns: Resolver,
+    /// Connections in `conns` that are [`Conn::finished`].
+    lingering: usize,
     stats: StackStats,
     epoch: Instant,
     events: Vec<EpollEvent>,
@@ -356,6 +362,7 @@ impl NetStack {
             by_tuple: HashMap::new(),
             next_token: TOKEN_CONN_BASE,
             dns,
+            lingering: 0,
             stats: StackStats::default(),
             epoch,
             events: vec![EpollEvent::default(); 256],
@@ -522,7 +529,7 @@ impl NetStack {
             self.control.record(record);
             return;
         }
-        if self.conns.len() >= self.config.max_connections {
+        if self.conns.len() - self.lingering >= self.config.max_connections {
             self.stats.refused_by_cap += 1;
             record.allowed = false;
             record.rule = RULE_LIMIT_CONNECTIONS.to_owned();
@@ -561,6 +568,7 @@ impl NetStack {
             connected: false,
             sniffing: policy.has_domain_rules(),
             sniff_since: None,
+            finished: false,
             host_eof: false,
             guest_eof: false,
             dead: false,
@@ -590,6 +598,12 @@ impl NetStack {
             return;
         };
         let socket = self.sockets.get_mut::<tcp::Socket>(conn.handle);
+        if conn.finished {
+            if socket.state() != tcp::State::TimeWait {
+                self.close_conn(token, false);
+            }
+            return;
+        }
         if conn.dead {
             if socket.remote_endpoint().is_none() {
                 self.close_conn(token, false);
@@ -715,9 +729,8 @@ impl NetStack {
                 Err(_) => break,
             }
         }
-        let done = conn.host_eof && conn.guest_eof && matches!(state, tcp::State::TimeWait | tcp::State::Closed);
-        if done || (conn.host_eof && conn.guest_eof && state == tcp::State::TimeWait) {
-            self.close_conn(token, false);
+        if conn.host_eof && conn.guest_eof && state == tcp::State::TimeWait {
+            self.finish(token, false);
             return;
         }
         self.update_interest(token);
@@ -781,15 +794,33 @@ impl NetStack {
     /// Removes a connection; `reset_host`: the host side gets a RST
     /// instead of a FIN.
     fn close_conn(&mut self, token: u64, reset_host: bool) {
+        self.finish(token, reset_host);
         let Some(conn) = self.conns.remove(&token) else {
             return;
         };
+        self.lingering -= 1;
         self.by_tuple.remove(&conn.tuple);
         self.sockets.remove(conn.handle);
-        if let Some(host) = conn.host {
+    }
+
+    /// Closes the host side (`reset_host`: with a RST instead of a FIN)
+    /// and completes the log record; the smoltcp socket stays (see
+    /// [`Conn::finished`]). At most `max_connections` finished ones stay,
+    /// the oldest go first.
+    fn finish(&mut self, token: u64, reset_host: bool) {
+        let Some(conn) = self.conns.get_mut(&token) else {
+            return;
+        };
+        if conn.finished {
+            return;
+        }
+        conn.finished = true;
+        self.lingering += 1;
+        if let Some(host) = conn.host.take() {
             if conn.interest != 0 {
                 let _ = self.epoll.ctl(ControlOperation::Delete, host.as_raw_fd(), EpollEvent::default());
             }
+            conn.interest = 0;
             if reset_host {
                 let _ = host.set_linger(Some(Duration::ZERO));
             }
@@ -800,6 +831,12 @@ impl NetStack {
             r.bytes_in = inn;
             r.duration_ms = Some(ms);
         });
+        if self.lingering > self.config.max_connections {
+            let oldest = self.conns.iter().filter(|(_, c)| c.finished).map(|(t, _)| *t).min();
+            if let Some(oldest) = oldest {
+                self.close_conn(oldest, false);
+            }
+        }
     }
 
     /// Arms the timerfd for smoltcp's next deadline or the resolver's.
@@ -848,7 +885,7 @@ impl NetStack {
 
     /// Counters.
     pub fn stats(&self) -> StackStats {
-        StackStats { open_connections: self.conns.len(), ..self.stats }
+        StackStats { open_connections: self.conns.len() - self.lingering, ..self.stats }
     }
 }
 
