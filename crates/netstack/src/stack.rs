@@ -33,8 +33,8 @@ use smoltcp::iface::{Config, Interface, SocketHandle, SocketSet};
 use smoltcp::phy::{self, Device, DeviceCapabilities, Medium};
 use smoltcp::socket::tcp;
 use smoltcp::wire::{
-    EthernetAddress, EthernetFrame, EthernetProtocol, IpAddress, IpCidr, IpListenEndpoint, IpProtocol, Ipv4Packet,
-    TcpPacket,
+    ArpOperation, ArpPacket, EthernetAddress, EthernetFrame, EthernetProtocol, IpAddress, IpCidr, IpListenEndpoint,
+    IpProtocol, Ipv4Packet, Ipv4Repr, TcpPacket, UdpPacket, UdpRepr,
 };
 use socket2::{Domain, SockAddr, Socket, Type};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
@@ -245,6 +245,12 @@ pub struct NetStack {
     by_tuple: HashMap<Tuple, u64>,
     next_token: u64,
     dns: Resolver,
+    /// UDP flows (not DNS) by token, and their tokens by addresses.
+    flows: HashMap<u64, UdpFlow>,
+    udp_by_tuple: HashMap<Tuple, u64>,
+    /// Refused UDP flows and when.
+    refused_flows: HashMap<Tuple, Instant>,
+    udp_buf: Vec<u8>,
     /// Connections in `conns` that are [`Conn::finished`].
     lingering: usize,
     stats: StackStats,
@@ -273,37 +279,121 @@ fn duration_ms(start: Instant) -> u64 {
 enum Peek {
     /// A TCP segment of `Tuple`; `true` if it is a SYN without ACK.
     Tcp(Tuple, bool),
+    /// A UDP datagram (checksums verified) for the UDP NAT (not DNS):
+    /// the guest's MAC, the payload's range in the frame.
+    Udp(Tuple, [u8; 6], std::ops::Range<usize>),
+    /// Not for anyone here (an ARP request for an address that is neither
+    /// the gateway's nor the resolver's, a bad UDP datagram).
+    Drop,
+    /// For smoltcp as it is.
     Other,
 }
 
-/// Looks at a guest frame (bounds-checked, checksums verified for a SYN).
+/// Looks at a guest frame (bounds-checked, checksums verified for a SYN
+/// and a UDP datagram).
 fn peek(frame: &[u8]) -> Peek {
     let Ok(eth) = EthernetFrame::new_checked(frame) else {
         return Peek::Other;
     };
+    if eth.ethertype() == EthernetProtocol::Arp {
+        // "Any IP" would make smoltcp answer ARP for every address.
+        return match ArpPacket::new_checked(eth.payload()) {
+            Ok(arp) if arp.operation() == ArpOperation::Request => {
+                let target = arp.target_protocol_addr();
+                if target == GATEWAY_ADDR.octets() || target == DNS_ADDR.octets() {
+                    Peek::Other
+                } else {
+                    Peek::Drop
+                }
+            }
+            _ => Peek::Other,
+        };
+    }
     if eth.ethertype() != EthernetProtocol::Ipv4 {
         return Peek::Other;
     }
     let Ok(ip) = Ipv4Packet::new_checked(eth.payload()) else {
         return Peek::Other;
     };
-    if ip.next_header() != IpProtocol::Tcp || ip.more_frags() || ip.frag_offset() != 0 {
+    if ip.more_frags() || ip.frag_offset() != 0 {
         return Peek::Other;
     }
-    let Ok(tcp) = TcpPacket::new_checked(ip.payload()) else {
-        return Peek::Other;
-    };
-    let tuple = Tuple {
-        guest: SocketAddrV4::new(ip.src_addr(), tcp.src_port()),
-        dst: SocketAddrV4::new(ip.dst_addr(), tcp.dst_port()),
-    };
-    let syn = tcp.syn()
-        && !tcp.ack()
-        && !tcp.rst()
-        && ip.verify_checksum()
-        && tcp.verify_checksum(&IpAddress::Ipv4(ip.src_addr()), &IpAddress::Ipv4(ip.dst_addr()));
-    Peek::Tcp(tuple, syn)
+    let (src, dst) = (ip.src_addr(), ip.dst_addr());
+    match ip.next_header() {
+        IpProtocol::Tcp => {
+            let Ok(tcp) = TcpPacket::new_checked(ip.payload()) else {
+                return Peek::Other;
+            };
+            let tuple =
+                Tuple { guest: SocketAddrV4::new(src, tcp.src_port()), dst: SocketAddrV4::new(dst, tcp.dst_port()) };
+            let syn = tcp.syn()
+                && !tcp.ack()
+                && !tcp.rst()
+                && ip.verify_checksum()
+                && tcp.verify_checksum(&IpAddress::Ipv4(src), &IpAddress::Ipv4(dst));
+            Peek::Tcp(tuple, syn)
+        }
+        IpProtocol::Udp => {
+            let Ok(udp) = UdpPacket::new_checked(ip.payload()) else {
+                return Peek::Other;
+            };
+            if dst == DNS_ADDR && udp.dst_port() == 53 {
+                return Peek::Other;
+            }
+            if !ip.verify_checksum()
+                || !udp.verify_checksum(&IpAddress::Ipv4(src), &IpAddress::Ipv4(dst))
+                || eth.dst_addr() != EthernetAddress(GATEWAY_MAC)
+            {
+                return Peek::Drop;
+            }
+            let tuple =
+                Tuple { guest: SocketAddrV4::new(src, udp.src_port()), dst: SocketAddrV4::new(dst, udp.dst_port()) };
+            // Ethernet header + IPv4 header + UDP header.
+            let start = 14 + usize::from(ip.header_len()) + 8;
+            let end = start + udp.payload().len();
+            Peek::Udp(tuple, eth.src_addr().0, start..end)
+        }
+        _ => Peek::Other,
+    }
 }
+
+/// Where a guest connection or flow goes on the host: 127.0.0.1 for the
+/// gateway (and judged as that), else the address dialled.
+fn host_ip(dst: Ipv4Addr) -> Ipv4Addr {
+    if dst == GATEWAY_ADDR {
+        Ipv4Addr::LOCALHOST
+    } else {
+        dst
+    }
+}
+
+/// One UDP flow of the guest (a guest address and port to a destination)
+/// and its connected host socket.
+struct UdpFlow {
+    tuple: Tuple,
+    guest_mac: [u8; 6],
+    host: std::net::UdpSocket,
+    /// The events registered in the epoll set (empty: not registered).
+    interest: u32,
+    /// The host socket was reported readable and not yet read empty.
+    readable: bool,
+    record: u64,
+    bytes_out: u64,
+    bytes_in: u64,
+    started: Instant,
+    last_active: Instant,
+}
+
+/// How long a UDP flow lives without a datagram either way.
+pub const UDP_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+/// Refused UDP flows remembered (so their further datagrams are dropped
+/// without one log record each), at most.
+const MAX_REFUSED_FLOWS: usize = 1024;
+/// How long a refused UDP flow is remembered (then judged again: the
+/// policy may have changed).
+const REFUSED_FLOW_MEMORY: Duration = Duration::from_secs(10);
+/// The largest UDP payload in one frame to the guest (no fragmentation).
+const MAX_UDP_PAYLOAD: usize = MTU - 20 - 8;
 
 impl NetStack {
     /// A stack with no connections.
@@ -363,6 +453,10 @@ impl NetStack {
             next_token: TOKEN_CONN_BASE,
             dns,
             lingering: 0,
+            flows: HashMap::new(),
+            udp_by_tuple: HashMap::new(),
+            refused_flows: HashMap::new(),
+            udp_buf: vec![0; 65536],
             stats: StackStats::default(),
             epoch,
             events: vec![EpollEvent::default(); 256],
@@ -420,6 +514,7 @@ impl NetStack {
         self.ingest(now);
         self.service_all();
         self.dns.poll(&mut self.sockets, &self.control, Instant::now());
+        self.udp_poll();
         while self.iface.poll_egress(now, &mut self.link, &mut self.sockets)
             == smoltcp::iface::PollResult::SocketStateChanged
         {}
@@ -447,6 +542,9 @@ impl NetStack {
                 }
                 TOKEN_DNS => {}
                 token => {
+                    if let Some(flow) = self.flows.get_mut(&token) {
+                        flow.readable = true;
+                    }
                     if let Some(conn) = self.conns.get_mut(&token) {
                         if set.intersects(EventSet::IN | EventSet::HANG_UP | EventSet::ERROR | EventSet::READ_HANG_UP) {
                             conn.readable = true;
@@ -480,6 +578,17 @@ impl NetStack {
                         self.admit(tuple);
                     }
                     Some(tuple)
+                }
+                Peek::Udp(tuple, mac, range) => {
+                    if let Some(payload) = frame.get(range) {
+                        self.udp_out(tuple, mac, payload);
+                    }
+                    self.link.spare.push(frame);
+                    continue;
+                }
+                Peek::Drop => {
+                    self.link.spare.push(frame);
+                    continue;
                 }
                 Peek::Other => None,
             };
@@ -529,7 +638,7 @@ impl NetStack {
             self.control.record(record);
             return;
         }
-        if self.conns.len() - self.lingering >= self.config.max_connections {
+        if self.open_count() >= self.config.max_connections {
             self.stats.refused_by_cap += 1;
             record.allowed = false;
             record.rule = RULE_LIMIT_CONNECTIONS.to_owned();
@@ -851,6 +960,10 @@ impl NetStack {
             let d = (t + SNIFF_WAIT).saturating_duration_since(Instant::now());
             delay = Some(delay.map_or(d, |x| x.min(d)));
         }
+        if let Some(t) = self.flows.values().map(|f| f.last_active).min() {
+            let d = (t + UDP_IDLE_TIMEOUT).saturating_duration_since(Instant::now());
+            delay = Some(delay.map_or(d, |x| x.min(d)));
+        }
         let Some(mut delay) = delay else {
             let _ = self.timer.clear();
             return;
@@ -876,6 +989,11 @@ impl NetStack {
         for token in tokens {
             self.close_conn(token, true);
         }
+        let flows: Vec<u64> = self.flows.keys().copied().collect();
+        for token in flows {
+            self.close_flow(token);
+        }
+        self.refused_flows.clear();
         self.link.from_guest.clear();
         self.link.to_guest.clear();
         self.link.slot = None;
@@ -885,7 +1003,7 @@ impl NetStack {
 
     /// Counters.
     pub fn stats(&self) -> StackStats {
-        StackStats { open_connections: self.conns.len() - self.lingering, ..self.stats }
+        StackStats { open_connections: self.open_count(), ..self.stats }
     }
 }
 
@@ -899,5 +1017,203 @@ fn connect(target: SocketAddr) -> io::Result<Socket> {
         Err(e) if e.raw_os_error() == Some(libc::EINPROGRESS) => {}
         Err(e) => return Err(e),
     }
+    Ok(socket)
+}
+
+/// A frame to the guest carrying a UDP datagram from `src` to `dst`.
+fn udp_frame(buf: &mut Vec<u8>, guest_mac: [u8; 6], src: SocketAddrV4, dst: SocketAddrV4, payload: &[u8]) {
+    let caps = phy::ChecksumCapabilities::default();
+    let udp = UdpRepr { src_port: src.port(), dst_port: dst.port() };
+    let ip = Ipv4Repr {
+        src_addr: *src.ip(),
+        dst_addr: *dst.ip(),
+        next_header: IpProtocol::Udp,
+        payload_len: 8 + payload.len(),
+        hop_limit: 64,
+    };
+    buf.clear();
+    buf.resize(14 + ip.buffer_len() + 8 + payload.len(), 0);
+    let mut eth = EthernetFrame::new_unchecked(&mut buf[..]);
+    eth.set_src_addr(EthernetAddress(GATEWAY_MAC));
+    eth.set_dst_addr(EthernetAddress(guest_mac));
+    eth.set_ethertype(EthernetProtocol::Ipv4);
+    let mut ipp = Ipv4Packet::new_unchecked(eth.payload_mut());
+    ip.emit(&mut ipp, &caps);
+    let mut udpp = UdpPacket::new_unchecked(ipp.payload_mut());
+    udp.emit(
+        &mut udpp,
+        &IpAddress::Ipv4(*src.ip()),
+        &IpAddress::Ipv4(*dst.ip()),
+        payload.len(),
+        |b| b.copy_from_slice(payload),
+        &caps,
+    );
+}
+
+impl NetStack {
+    /// TCP connections and UDP flows open now.
+    fn open_count(&self) -> usize {
+        self.conns.len() - self.lingering + self.flows.len()
+    }
+
+    /// A datagram from the guest: into its flow, or a new flow if the
+    /// policy and the cap allow it.
+    fn udp_out(&mut self, tuple: Tuple, guest_mac: [u8; 6], payload: &[u8]) {
+        if let Some(flow) = self.udp_by_tuple.get(&tuple).and_then(|t| self.flows.get_mut(t)) {
+            flow.last_active = Instant::now();
+            if flow.host.send(payload).is_ok() {
+                flow.bytes_out += payload.len() as u64;
+            }
+            return;
+        }
+        if self.refused_flows.contains_key(&tuple) {
+            return;
+        }
+        let judged = host_ip(*tuple.dst.ip());
+        let port = tuple.dst.port();
+        let names = self.dns.names().names(IpAddr::V4(*tuple.dst.ip())).to_vec();
+        let verdict = self.control.policy().check_addr(IpAddr::V4(judged), port, &names);
+        let mut record = NetRecord {
+            id: 0,
+            time_ms: now_ms(),
+            protocol: Protocol::Udp,
+            addr: IpAddr::V4(judged),
+            port,
+            domain: names.first().cloned(),
+            allowed: verdict.allowed,
+            rule: verdict.rule,
+            bytes_out: 0,
+            bytes_in: 0,
+            duration_ms: None,
+        };
+        let mut refuse = !record.allowed;
+        if !refuse && self.open_count() >= self.config.max_connections {
+            self.stats.refused_by_cap += 1;
+            record.allowed = false;
+            record.rule = RULE_LIMIT_CONNECTIONS.to_owned();
+            refuse = true;
+        }
+        if refuse {
+            if self.refused_flows.len() >= MAX_REFUSED_FLOWS {
+                self.refused_flows.clear();
+            }
+            self.refused_flows.insert(tuple, Instant::now());
+            record.duration_ms = Some(0);
+            self.control.record(record);
+            return;
+        }
+        let target = SocketAddr::V4(SocketAddrV4::new(judged, port));
+        let host = match udp_connect(target) {
+            Ok(h) => h,
+            Err(e) => {
+                tracing::debug!("host UDP socket to {target}: {e}");
+                record.duration_ms = Some(0);
+                self.control.record(record);
+                return;
+            }
+        };
+        let sent = host.send(payload).map(|n| n as u64).unwrap_or(0);
+        let token = self.next_token;
+        self.next_token += 1;
+        let now = Instant::now();
+        let flow = UdpFlow {
+            tuple,
+            guest_mac,
+            host,
+            interest: 0,
+            readable: false,
+            record: self.control.record(record),
+            bytes_out: sent,
+            bytes_in: 0,
+            started: now,
+            last_active: now,
+        };
+        self.flows.insert(token, flow);
+        self.udp_by_tuple.insert(tuple, token);
+    }
+
+    /// Datagrams from the host to the guest (while the guest's queue has
+    /// room), interest, idle timeouts.
+    fn udp_poll(&mut self) {
+        let now = Instant::now();
+        self.refused_flows.retain(|_, t| now.saturating_duration_since(*t) < REFUSED_FLOW_MEMORY);
+        let tokens: Vec<u64> = self.flows.keys().copied().collect();
+        for token in tokens {
+            let Some(flow) = self.flows.get_mut(&token) else {
+                continue;
+            };
+            while flow.readable {
+                if self.link.to_guest.len() >= self.link.max_to_guest {
+                    self.link.starved = true;
+                    break;
+                }
+                match flow.host.recv(&mut self.udp_buf) {
+                    Ok(n) => {
+                        flow.last_active = now;
+                        let Some(payload) = self.udp_buf.get(..n) else {
+                            continue;
+                        };
+                        if n > MAX_UDP_PAYLOAD {
+                            continue;
+                        }
+                        flow.bytes_in += n as u64;
+                        let mut buf = self.link.spare.pop().unwrap_or_default();
+                        udp_frame(&mut buf, flow.guest_mac, flow.tuple.dst, flow.tuple.guest, payload);
+                        self.link.to_guest.push_back(buf);
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => flow.readable = false,
+                    // An ICMP error for an earlier datagram, EINTR: go on.
+                    Err(_) => {}
+                }
+            }
+            if now.saturating_duration_since(flow.last_active) >= UDP_IDLE_TIMEOUT {
+                self.close_flow(token);
+                continue;
+            }
+            let want = if self.link.to_guest.len() < self.link.max_to_guest && !flow.readable {
+                EventSet::IN
+            } else {
+                EventSet::empty()
+            };
+            let bits = want.bits();
+            if bits != flow.interest {
+                let op = if flow.interest == 0 {
+                    ControlOperation::Add
+                } else if bits == 0 {
+                    ControlOperation::Delete
+                } else {
+                    ControlOperation::Modify
+                };
+                if self.epoll.ctl(op, flow.host.as_raw_fd(), EpollEvent::new(want, token)).is_ok() {
+                    flow.interest = bits;
+                }
+            }
+        }
+    }
+
+    fn close_flow(&mut self, token: u64) {
+        let Some(flow) = self.flows.remove(&token) else {
+            return;
+        };
+        self.udp_by_tuple.remove(&flow.tuple);
+        if flow.interest != 0 {
+            let _ = self.epoll.ctl(ControlOperation::Delete, flow.host.as_raw_fd(), EpollEvent::default());
+        }
+        let (out, inn, ms) = (flow.bytes_out, flow.bytes_in, duration_ms(flow.started));
+        self.control.update(flow.record, |r| {
+            r.bytes_out = out;
+            r.bytes_in = inn;
+            r.duration_ms = Some(ms);
+        });
+    }
+}
+
+/// A non-blocking host UDP socket connected to `target`.
+fn udp_connect(target: SocketAddr) -> io::Result<std::net::UdpSocket> {
+    let bind: SocketAddr =
+        if target.is_ipv4() { (Ipv4Addr::UNSPECIFIED, 0).into() } else { (std::net::Ipv6Addr::UNSPECIFIED, 0).into() };
+    let socket = std::net::UdpSocket::bind(bind)?;
+    socket.set_nonblocking(true)?;
+    socket.connect(target)?;
     Ok(socket)
 }

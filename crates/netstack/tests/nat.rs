@@ -738,3 +738,120 @@ mod props {
         }
     }
 }
+
+#[test]
+fn udp_flows_go_through_the_policy_and_come_back() {
+    let echo = UdpSocket::bind("127.0.0.1:0").unwrap();
+    let port = echo.local_addr().unwrap().port();
+    thread::spawn(move || {
+        let mut buf = [0u8; 2048];
+        while let Ok((n, from)) = echo.recv_from(&mut buf) {
+            let _ = echo.send_to(&buf[..n], from);
+        }
+    });
+    let mut w = World::new(NetworkPolicy::default(), true, config());
+    let mut s = udp::Socket::new(
+        udp::PacketBuffer::new(vec![udp::PacketMetadata::EMPTY; 8], vec![0; 16384]),
+        udp::PacketBuffer::new(vec![udp::PacketMetadata::EMPTY; 8], vec![0; 16384]),
+    );
+    s.bind(5353).unwrap();
+    let h = w.sockets.add(s);
+    let to = IpEndpoint::new(GATEWAY_ADDR.into(), port);
+    let mut got = Vec::new();
+    for i in 0..3u8 {
+        let msg = vec![i; 1000];
+        w.sockets.get_mut::<udp::Socket>(h).send_slice(&msg, to).unwrap();
+        w.until("a UDP echo", |w| {
+            if let Ok((data, meta)) = w.sockets.get_mut::<udp::Socket>(h).recv() {
+                assert_eq!(meta.endpoint, to);
+                got.push(data.to_vec());
+            }
+            got.len() > usize::from(i)
+        });
+        assert_eq!(got[usize::from(i)], msg);
+    }
+    assert_eq!(w.stack.stats().open_connections, 1);
+    w.stack.reset();
+    assert_eq!(w.stack.stats().open_connections, 0);
+    let recs = rec_for(&w.log(), Protocol::Udp, port);
+    assert_eq!(recs.len(), 1, "one record per flow");
+    assert!(recs[0].allowed);
+    assert_eq!((recs[0].bytes_out, recs[0].bytes_in), (3000, 3000));
+
+    // Refused by default (loopback): one record for the flow, nothing sent.
+    let mut w = World::new(NetworkPolicy::default(), false, config());
+    let s = udp::Socket::new(
+        udp::PacketBuffer::new(vec![udp::PacketMetadata::EMPTY; 8], vec![0; 16384]),
+        udp::PacketBuffer::new(vec![udp::PacketMetadata::EMPTY; 8], vec![0; 16384]),
+    );
+    let h = w.sockets.add(s);
+    w.sockets.get_mut::<udp::Socket>(h).bind(5353).unwrap();
+    for _ in 0..3 {
+        w.sockets.get_mut::<udp::Socket>(h).send_slice(b"x", to).unwrap();
+        for _ in 0..20 {
+            w.pump();
+        }
+    }
+    assert!(w.sockets.get_mut::<udp::Socket>(h).recv().is_err());
+    let recs = rec_for(&w.log(), Protocol::Udp, port);
+    assert_eq!(recs.len(), 1);
+    assert!(!recs[0].allowed);
+    assert_eq!(recs[0].rule, "blocked-range:127.0.0.0/8");
+}
+
+#[test]
+fn a_guest_that_takes_no_frames_stops_the_host_reads_without_spinning() {
+    const LEN: usize = 8 << 20;
+    let payload = data(LEN, 5);
+    let sum = Sha256::digest(&payload);
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    thread::spawn(move || {
+        let (mut c, _) = l.accept().unwrap();
+        let _ = c.write_all(&payload);
+    });
+    let mut cfg = config();
+    cfg.max_guest_frames = 32;
+    let mut w = World::new(NetworkPolicy::default(), true, cfg);
+    let h = w.connect(GATEWAY_ADDR, port);
+    assert!(w.connected(h));
+    w.until("the first bytes", |w| w.tcp(h).recv_queue() > 0);
+    // The device stops taking frames: the stack fills its queue, then
+    // waits. Count how often its epoll fd wakes it in 500 ms.
+    let start = Instant::now();
+    let mut wakes = 0;
+    while start.elapsed() < Duration::from_millis(500) {
+        let mut pfd = libc::pollfd { fd: w.stack.epoll_fd(), events: libc::POLLIN, revents: 0 };
+        // SAFETY: one valid pollfd, count 1.
+        if unsafe { libc::poll(&mut pfd, 1, 50) } > 0 {
+            wakes += 1;
+            w.stack.poll();
+        }
+    }
+    let mut queued = 0;
+    while w.stack.peek_frame().is_some() {
+        queued += 1;
+        w.dev.rx.push_back(w.stack.peek_frame().unwrap().to_vec());
+        w.stack.pop_frame();
+    }
+    println!("{wakes} wake-ups in 500 ms with a full queue of {queued} frames");
+    assert_eq!(queued, 32);
+    assert!(wakes < 50, "{wakes} wake-ups: the stack spins");
+    // The guest takes frames again: everything arrives.
+    let mut hasher = Sha256::new();
+    let mut got = 0;
+    w.until("the rest", |w| {
+        let s = w.tcp(h);
+        while s.can_recv() {
+            s.recv(|b| {
+                hasher.update(&*b);
+                got += b.len();
+                (b.len(), ())
+            })
+            .unwrap();
+        }
+        !s.may_recv()
+    });
+    assert_eq!(got, LEN);
+    assert_eq!(hasher.finalize(), sum);
+}
