@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Build Tine's guest root filesystem: Debian bookworm (minbase plus bash,
-# coreutils, python3, ca-certificates, procps) made with mmdebstrap, the
+# coreutils, python3 with pip and venv, ca-certificates, procps, curl, git,
+# iproute2, netbase) made with mmdebstrap, the
 # guest agent as /sbin/init, written to an ext4 image with `mkfs.ext4 -d`
 # (no loop mount, no root-only mounts). The guest mounts it read-only and
 # the agent's init puts an overlay with a tmpfs upper layer on top, so
@@ -19,7 +20,7 @@ root=$(cd "$here/.." && pwd)
 cache=${TINE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/tine}/rootfs
 agent=${1:-$root/target/guest/x86_64-unknown-linux-gnu/release/tine-agent}
 suite=bookworm
-packages=bash,coreutils,python3,ca-certificates,procps
+packages=bash,coreutils,python3,python3-pip,python3-venv,ca-certificates,procps,curl,git,iproute2,netbase
 
 if [ ! -x "$agent" ]; then
   echo "build-rootfs.sh: no agent at $agent; build it first (scripts/setup.sh)" >&2
@@ -58,6 +59,14 @@ ln -sfn /usr/local/sbin/tine-agent "$work/root/sbin/init"
 mkdir -p "$work/root/overlay" "$work/root/proc" "$work/root/sys" "$work/root/dev" "$work/root/tmp" "$work/root/run"
 rm -rf "$work/root/var/lib/apt/lists/"* "$work/root/var/cache/apt/"*.bin "$work/root/var/cache/apt/archives/"*.deb
 echo "tine" > "$work/root/etc/hostname"
+# The network every sandbox shares (crates/netstack/src/lib.rs; the agent
+# configures eth0 at boot): the resolver is the gateway's DNS. Shipped in
+# the image (mmdebstrap leaves the build host's resolv.conf) so that the
+# agent need not write it, and a sandbox's diff does not list it.
+rm -f "$work/root/etc/resolv.conf"
+printf 'nameserver 10.0.2.3\n' > "$work/root/etc/resolv.conf"
+printf '127.0.0.1\tlocalhost\n127.0.1.1\ttine\n::1\tlocalhost ip6-localhost ip6-loopback\n' > "$work/root/etc/hosts"
+chmod 0644 "$work/root/etc/resolv.conf" "$work/root/etc/hosts" "$work/root/etc/hostname"
 
 used_mib=$(du -sm "$work/root" | cut -f1)
 size_mib=$(( used_mib + used_mib / 4 + 64 ))

@@ -1,7 +1,7 @@
 //! PID 1 duties when the agent is the guest's init: put a writable
 //! overlay over the read-only root (when the image has `/overlay`), mount
-//! the basic file systems, run the agent in a child, reap every orphan,
-//! restart the agent if it dies.
+//! the basic file systems, set up the network ([`crate::net`]), run the
+//! agent in a child, reap every orphan, restart the agent if it dies.
 //!
 //! The overlay's upper layer is a tmpfs: every file the sandbox changes
 //! lives in guest memory, so a copy of the VM's memory (snapshot, branch)
@@ -128,6 +128,20 @@ pub fn run_as_pid1() {
     mount(c"devtmpfs", c"/dev", c"devtmpfs", libc::MS_NOSUID);
     mount(c"tmpfs", c"/tmp", c"tmpfs", libc::MS_NOSUID | libc::MS_NODEV);
     mount(c"tmpfs", c"/run", c"tmpfs", libc::MS_NOSUID | libc::MS_NODEV);
+    // Once per boot, before the agent: a restored snapshot or a branch child
+    // keeps the kernel's interface state, so no agent restart redoes it.
+    match crate::net::set_up() {
+        Ok(crate::net::NetSetup::Configured) => println!(
+            "tine-agent init: network: {} {}/{} via {}, dns {}",
+            crate::net::NIC,
+            crate::net::GUEST_ADDR,
+            crate::net::PREFIX_LEN,
+            crate::net::GATEWAY_ADDR,
+            crate::net::DNS_ADDR
+        ),
+        Ok(crate::net::NetSetup::LoopbackOnly) => println!("tine-agent init: network: no NIC, loopback only"),
+        Err(e) => eprintln!("tine-agent init: network: {e}"),
+    }
     loop {
         // SAFETY: PID 1 is single-threaded here, so fork is safe.
         let pid = unsafe { libc::fork() };

@@ -5,7 +5,8 @@
 //!
 //! Run as PID 1 (the image's `/sbin/init` links to it), it is also the
 //! guest's tiny init: it mounts `/proc`, `/sys`, `/dev`, `/tmp` and
-//! `/run`, starts the agent in a child and reaps every orphan.
+//! `/run`, brings the network up (see [`net`]), starts the agent in a
+//! child and reaps every orphan.
 //!
 //! `python` cells run in one persistent interpreter per sandbox (see
 //! [`python`]). `manifest` lists what the sandbox changed on its overlay
@@ -15,6 +16,7 @@ mod exec;
 mod files;
 mod init;
 mod manifest;
+mod net;
 mod python;
 mod sys;
 mod vsock;
