@@ -257,6 +257,8 @@ pub struct NetStack {
     epoch: Instant,
     events: Vec<EpollEvent>,
     sniff_buf: Vec<u8>,
+    /// When the timerfd fires (`None`: not armed).
+    armed: Option<Instant>,
 }
 
 impl std::fmt::Debug for NetStack {
@@ -282,8 +284,10 @@ enum Peek {
     /// A UDP datagram (checksums verified) for the UDP NAT (not DNS):
     /// the guest's MAC, the payload's range in the frame.
     Udp(Tuple, [u8; 6], std::ops::Range<usize>),
-    /// Not for anyone here (an ARP request for an address that is neither
-    /// the gateway's nor the resolver's, a bad UDP datagram).
+    /// Not for anyone here: an ARP request for an address that is neither
+    /// the gateway's nor the resolver's, a UDP datagram for another MAC.
+    Ignore,
+    /// Malformed: a UDP datagram with a bad checksum.
     Drop,
     /// For smoltcp as it is.
     Other,
@@ -303,7 +307,7 @@ fn peek(frame: &[u8]) -> Peek {
                 if target == GATEWAY_ADDR.octets() || target == DNS_ADDR.octets() {
                     Peek::Other
                 } else {
-                    Peek::Drop
+                    Peek::Ignore
                 }
             }
             _ => Peek::Other,
@@ -340,10 +344,10 @@ fn peek(frame: &[u8]) -> Peek {
             if dst == DNS_ADDR && udp.dst_port() == 53 {
                 return Peek::Other;
             }
-            if !ip.verify_checksum()
-                || !udp.verify_checksum(&IpAddress::Ipv4(src), &IpAddress::Ipv4(dst))
-                || eth.dst_addr() != EthernetAddress(GATEWAY_MAC)
-            {
+            if eth.dst_addr() != EthernetAddress(GATEWAY_MAC) {
+                return Peek::Ignore;
+            }
+            if !ip.verify_checksum() || !udp.verify_checksum(&IpAddress::Ipv4(src), &IpAddress::Ipv4(dst)) {
                 return Peek::Drop;
             }
             let tuple =
@@ -461,6 +465,7 @@ impl NetStack {
             epoch,
             events: vec![EpollEvent::default(); 256],
             sniff_buf: vec![0; MAX_SNIFF_BYTES],
+            armed: None,
         })
     }
 
@@ -535,6 +540,7 @@ impl NetStack {
             let set = ev.event_set();
             match ev.data() {
                 TOKEN_TIMER => {
+                    self.armed = None;
                     let _ = self.timer.wait();
                 }
                 TOKEN_WAKE => {
@@ -574,8 +580,16 @@ impl NetStack {
             };
             let tuple = match peek(&frame) {
                 Peek::Tcp(tuple, syn) => {
-                    if syn && !self.by_tuple.contains_key(&tuple) {
-                        self.admit(tuple);
+                    if syn {
+                        // A new connection on the 4-tuple of one in
+                        // TIME-WAIT (ports reused fast): the old one goes.
+                        let old = self.by_tuple.get(&tuple).copied();
+                        if let Some(old) = old.filter(|t| self.conns.get(t).is_some_and(|c| c.finished)) {
+                            self.close_conn(old, false);
+                        }
+                        if !self.by_tuple.contains_key(&tuple) {
+                            self.admit(tuple);
+                        }
                     }
                     Some(tuple)
                 }
@@ -587,6 +601,11 @@ impl NetStack {
                     continue;
                 }
                 Peek::Drop => {
+                    self.stats.frames_dropped += 1;
+                    self.link.spare.push(frame);
+                    continue;
+                }
+                Peek::Ignore => {
                     self.link.spare.push(frame);
                     continue;
                 }
@@ -965,7 +984,9 @@ impl NetStack {
             delay = Some(delay.map_or(d, |x| x.min(d)));
         }
         let Some(mut delay) = delay else {
-            let _ = self.timer.clear();
+            if self.armed.take().is_some() {
+                let _ = self.timer.clear();
+            }
             return;
         };
         if delay.is_zero() {
@@ -973,7 +994,16 @@ impl NetStack {
             // frames (the eventfd wakes us), or a moment.
             delay = if self.link.starved { Duration::from_millis(50) } else { Duration::from_millis(1) };
         }
-        let _ = self.timer.reset(delay, None);
+        // Re-arm only when the deadline moved (by 1 ms or more).
+        let deadline = Instant::now() + delay;
+        let same = self.armed.is_some_and(|a| {
+            let d = if a > deadline { a - deadline } else { deadline - a };
+            d < Duration::from_millis(1)
+        });
+        if !same {
+            self.armed = Some(deadline);
+            let _ = self.timer.reset(delay, None);
+        }
     }
 
     /// Readable (level-triggered) when [`NetStack::poll`] has work.

@@ -855,3 +855,47 @@ fn a_guest_that_takes_no_frames_stops_the_host_reads_without_spinning() {
     assert_eq!(got, LEN);
     assert_eq!(hasher.finalize(), sum);
 }
+
+#[test]
+fn a_port_reused_while_the_old_connection_is_in_time_wait_connects() {
+    // The host closes first, so the NAT's side ends in TIME-WAIT.
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    thread::spawn(move || {
+        for c in l.incoming() {
+            let _ = c.unwrap().write_all(b"bye");
+        }
+    });
+    let mut w = World::new(NetworkPolicy::default(), true, config());
+    for round in 0..3 {
+        let mut s = tcp::Socket::new(tcp::SocketBuffer::new(vec![0; 65536]), tcp::SocketBuffer::new(vec![0; 65536]));
+        s.connect(w.iface.context(), (IpAddress::Ipv4(GATEWAY_ADDR), port), 45000).unwrap();
+        let h = w.sockets.add(s);
+        if round > 0 {
+            // One round trip: the SYN (the gateway's MAC is known by now)
+            // is admitted at once although the old connection on this
+            // 4-tuple is in TIME-WAIT at the NAT.
+            w.pump();
+            assert_eq!(w.stack.stats().open_connections, 1, "round {round}");
+        }
+        assert!(w.connected(h), "round {round}");
+        let mut got = Vec::new();
+        w.until("the server's close", |w| {
+            let s = w.tcp(h);
+            while s.can_recv() {
+                let mut b = [0u8; 16];
+                let n = s.recv_slice(&mut b).unwrap();
+                got.extend_from_slice(&b[..n]);
+            }
+            !s.may_recv()
+        });
+        assert_eq!(got, b"bye");
+        w.tcp(h).close();
+        w.until("the guest's close", |w| w.tcp(h).state() == tcp::State::Closed);
+        w.until("the NAT's side done", |w| w.stack.stats().open_connections == 0);
+        w.sockets.remove(h);
+    }
+    let recs = rec_for(&w.log(), Protocol::Tcp, port);
+    assert_eq!(recs.len(), 3);
+    assert!(recs.iter().all(|r| r.allowed && r.bytes_in == 3 && r.duration_ms.is_some()));
+}
