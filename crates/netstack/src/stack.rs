@@ -231,7 +231,7 @@ struct Conn {
     started: Instant,
 }
 
-/// One sandbox's NAT.
+/// One sandbox's NAT. It is `Send` (it runs on the VM's network thread).
 pub struct NetStack {
     config: StackConfig,
     control: Arc<NetControl>,
@@ -285,7 +285,8 @@ enum Peek {
     /// the guest's MAC, the payload's range in the frame.
     Udp(Tuple, [u8; 6], std::ops::Range<usize>),
     /// Not for anyone here: an ARP request for an address that is neither
-    /// the gateway's nor the resolver's, a UDP datagram for another MAC.
+    /// the gateway's nor the resolver's, a UDP datagram for another MAC,
+    /// an ICMP echo request beyond the gateway.
     Ignore,
     /// Malformed: a UDP datagram with a bad checksum.
     Drop,
@@ -356,6 +357,17 @@ fn peek(frame: &[u8]) -> Peek {
             let start = 14 + usize::from(ip.header_len()) + 8;
             let end = start + udp.payload().len();
             Peek::Udp(tuple, eth.src_addr().0, start..end)
+        }
+        IpProtocol::Icmp => {
+            // smoltcp answers echo requests for every address ("any IP");
+            // only the gateway's own addresses answer (echo is not
+            // forwarded to the host).
+            let echo = ip.payload().first() == Some(&8);
+            if echo && dst != GATEWAY_ADDR && dst != DNS_ADDR {
+                Peek::Ignore
+            } else {
+                Peek::Other
+            }
         }
         _ => Peek::Other,
     }
@@ -1036,6 +1048,11 @@ impl NetStack {
         StackStats { open_connections: self.open_count(), ..self.stats }
     }
 }
+
+const _: () = {
+    const fn send<T: Send>() {}
+    send::<NetStack>();
+};
 
 /// A non-blocking host TCP socket connecting to `target`.
 fn connect(target: SocketAddr) -> io::Result<Socket> {

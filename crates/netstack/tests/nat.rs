@@ -899,3 +899,40 @@ fn a_port_reused_while_the_old_connection_is_in_time_wait_connects() {
     assert_eq!(recs.len(), 3);
     assert!(recs.iter().all(|r| r.allowed && r.bytes_in == 3 && r.duration_ms.is_some()));
 }
+
+#[test]
+fn ping_answers_for_the_gateway_only() {
+    use smoltcp::socket::icmp;
+    use smoltcp::wire::{Icmpv4Packet, Icmpv4Repr};
+    let mut w = World::new(NetworkPolicy::default(), true, config());
+    let mut s = icmp::Socket::new(
+        icmp::PacketBuffer::new(vec![icmp::PacketMetadata::EMPTY; 4], vec![0; 4096]),
+        icmp::PacketBuffer::new(vec![icmp::PacketMetadata::EMPTY; 4], vec![0; 4096]),
+    );
+    s.bind(icmp::Endpoint::Ident(0x77)).unwrap();
+    let h = w.sockets.add(s);
+    let caps = smoltcp::phy::ChecksumCapabilities::default();
+    let mut ping = |w: &mut World, dst: Ipv4Addr, seq: u16| -> bool {
+        let repr = Icmpv4Repr::EchoRequest { ident: 0x77, seq_no: seq, data: b"ping" };
+        let mut buf = vec![0u8; repr.buffer_len()];
+        repr.emit(&mut Icmpv4Packet::new_unchecked(&mut buf), &caps);
+        w.sockets.get_mut::<icmp::Socket>(h).send_slice(&buf, IpAddress::Ipv4(dst)).unwrap();
+        // smoltcp's guest waits 1 s before retrying after an ARP miss.
+        let until = Instant::now() + Duration::from_secs(3);
+        while Instant::now() < until {
+            w.pump();
+            if let Ok((data, from)) = w.sockets.get_mut::<icmp::Socket>(h).recv() {
+                let p = Icmpv4Packet::new_checked(data).unwrap();
+                let r = Icmpv4Repr::parse(&p, &caps).unwrap();
+                assert_eq!(from, IpAddress::Ipv4(dst));
+                assert!(matches!(r, Icmpv4Repr::EchoReply { seq_no, .. } if seq_no == seq));
+                return true;
+            }
+        }
+        false
+    };
+    assert!(ping(&mut w, GATEWAY_ADDR, 1));
+    assert!(ping(&mut w, DNS_ADDR, 2));
+    // Beyond the gateway: no answer made up by the NAT.
+    assert!(!ping(&mut w, Ipv4Addr::new(192, 0, 2, 1), 3));
+}
