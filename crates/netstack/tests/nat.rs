@@ -912,7 +912,7 @@ fn ping_answers_for_the_gateway_only() {
     s.bind(icmp::Endpoint::Ident(0x77)).unwrap();
     let h = w.sockets.add(s);
     let caps = smoltcp::phy::ChecksumCapabilities::default();
-    let mut ping = |w: &mut World, dst: Ipv4Addr, seq: u16| -> bool {
+    let ping = |w: &mut World, dst: Ipv4Addr, seq: u16| -> bool {
         let repr = Icmpv4Repr::EchoRequest { ident: 0x77, seq_no: seq, data: b"ping" };
         let mut buf = vec![0u8; repr.buffer_len()];
         repr.emit(&mut Icmpv4Packet::new_unchecked(&mut buf), &caps);
