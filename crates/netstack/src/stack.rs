@@ -145,6 +145,15 @@ struct Link {
     spare: Vec<Vec<u8>>,
 }
 
+impl Link {
+    /// Keeps a frame buffer for reuse (a few at most).
+    fn recycle(&mut self, buf: Vec<u8>) {
+        if self.spare.len() < 64 {
+            self.spare.push(buf);
+        }
+    }
+}
+
 struct RxTok(Vec<u8>);
 struct TxTok<'a> {
     queue: &'a mut VecDeque<Vec<u8>>,
@@ -257,6 +266,8 @@ pub struct NetStack {
     epoch: Instant,
     events: Vec<EpollEvent>,
     sniff_buf: Vec<u8>,
+    /// The resolver's host sockets were reported readable.
+    dns_ready: bool,
     /// When the timerfd fires (`None`: not armed).
     armed: Option<Instant>,
 }
@@ -477,6 +488,7 @@ impl NetStack {
             epoch,
             events: vec![EpollEvent::default(); 256],
             sniff_buf: vec![0; MAX_SNIFF_BYTES],
+            dns_ready: false,
             armed: None,
         })
     }
@@ -509,9 +521,7 @@ impl NetStack {
     /// Removes the frame [`NetStack::peek_frame`] returned.
     pub fn pop_frame(&mut self) {
         if let Some(buf) = self.link.to_guest.pop_front() {
-            if self.link.spare.len() < 64 {
-                self.link.spare.push(buf);
-            }
+            self.link.recycle(buf);
         }
         if self.link.starved && self.link.to_guest.len() <= self.link.max_to_guest / 2 {
             self.link.starved = false;
@@ -530,7 +540,8 @@ impl NetStack {
         self.iface.poll_maintenance(now);
         self.ingest(now);
         self.service_all();
-        self.dns.poll(&mut self.sockets, &self.control, Instant::now());
+        let dns_ready = std::mem::take(&mut self.dns_ready);
+        self.dns.poll(&mut self.sockets, &self.control, Instant::now(), dns_ready);
         self.udp_poll();
         while self.iface.poll_egress(now, &mut self.link, &mut self.sockets)
             == smoltcp::iface::PollResult::SocketStateChanged
@@ -558,7 +569,7 @@ impl NetStack {
                 TOKEN_WAKE => {
                     let _ = self.wake.read();
                 }
-                TOKEN_DNS => {}
+                TOKEN_DNS => self.dns_ready = true,
                 token => {
                     if let Some(flow) = self.flows.get_mut(&token) {
                         flow.readable = true;
@@ -609,16 +620,16 @@ impl NetStack {
                     if let Some(payload) = frame.get(range) {
                         self.udp_out(tuple, mac, payload);
                     }
-                    self.link.spare.push(frame);
+                    self.link.recycle(frame);
                     continue;
                 }
                 Peek::Drop => {
                     self.stats.frames_dropped += 1;
-                    self.link.spare.push(frame);
+                    self.link.recycle(frame);
                     continue;
                 }
                 Peek::Ignore => {
-                    self.link.spare.push(frame);
+                    self.link.recycle(frame);
                     continue;
                 }
                 Peek::Other => None,
@@ -626,7 +637,7 @@ impl NetStack {
             self.link.slot = Some(frame);
             let _ = self.iface.poll_ingress_single(now, &mut self.link, &mut self.sockets);
             if let Some(buf) = self.link.slot.take() {
-                self.link.spare.push(buf);
+                self.link.recycle(buf);
             }
             // A connection whose socket still (or again) listens after a
             // frame of its own did not get (or lost) its SYN: forget it,
@@ -1217,10 +1228,14 @@ impl NetStack {
                 self.close_flow(token);
                 continue;
             }
-            let want = if self.link.to_guest.len() < self.link.max_to_guest && !flow.readable {
-                EventSet::IN
-            } else {
+            let want = if self.link.to_guest.len() >= self.link.max_to_guest {
+                // Read again once the guest took frames (the eventfd).
+                self.link.starved = true;
                 EventSet::empty()
+            } else if flow.readable {
+                EventSet::empty()
+            } else {
+                EventSet::IN
             };
             let bits = want.bits();
             if bits != flow.interest {
