@@ -818,7 +818,8 @@ impl NetStack {
             let waited = conn.sniff_since.is_some_and(|t| t.elapsed() >= SNIFF_WAIT);
             let first = self.sniff_buf.get(..n).unwrap_or(&[]);
             match sniff(first) {
-                Sniffed::NeedMore if n < MAX_SNIFF_BYTES && socket.may_recv() && !waited => {}
+                Sniffed::NeedMore
+                    if n < MAX_SNIFF_BYTES.min(socket.recv_capacity()) && socket.may_recv() && !waited => {}
                 Sniffed::Name(name) => {
                     conn.sniffing = false;
                     let v = self.control.policy().check_name(&name);

@@ -936,3 +936,41 @@ fn ping_answers_for_the_gateway_only() {
     // Beyond the gateway: no answer made up by the NAT.
     assert!(!ping(&mut w, Ipv4Addr::new(192, 0, 2, 1), 3));
 }
+
+#[test]
+fn resets_pass_both_ways() {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    let (tx, rx) = mpsc::channel();
+    thread::spawn(move || {
+        // First connection: the host resets it after a byte.
+        let (mut c, _) = l.accept().unwrap();
+        let mut one = [0u8; 1];
+        c.read_exact(&mut one).unwrap();
+        socket2::SockRef::from(&c).set_linger(Some(Duration::ZERO)).unwrap();
+        drop(c);
+        // Second: the guest resets it; report what the host's read says.
+        let (mut c, _) = l.accept().unwrap();
+        let mut buf = [0u8; 16];
+        let first = c.read(&mut buf);
+        let after = c.read(&mut buf).map_err(|e| e.kind());
+        tx.send((first.ok(), after)).unwrap();
+    });
+    let mut w = World::new(NetworkPolicy::default(), true, config());
+    let h = w.connect(GATEWAY_ADDR, port);
+    assert!(w.connected(h));
+    w.tcp(h).send_slice(b"x").unwrap();
+    // Host RST -> guest RST (a FIN would leave the guest in CLOSE-WAIT).
+    w.until("the guest's reset", |w| w.tcp(h).state() == tcp::State::Closed);
+    w.until("the removal", |w| w.stack.stats().open_connections == 0);
+
+    let h = w.connect(GATEWAY_ADDR, port);
+    assert!(w.connected(h));
+    w.tcp(h).send_slice(b"x").unwrap();
+    w.until("the byte's ACK", |w| w.tcp(h).send_queue() == 0);
+    w.tcp(h).abort();
+    w.until("the removal", |w| w.stack.stats().open_connections == 0);
+    let (first, after) = rx.recv_timeout(Duration::from_secs(10)).unwrap();
+    assert_eq!(first, Some(1));
+    assert_eq!(after, Err(std::io::ErrorKind::ConnectionReset));
+}
