@@ -408,6 +408,19 @@ impl Resolver {
     }
 }
 
+/// The name asked by a DNS query message (lower-case, no trailing dot);
+/// `None` unless it is a standard query with exactly one question.
+pub fn query_name(message: &[u8]) -> Option<String> {
+    let msg = Message::from_vec(message).ok()?;
+    if msg.metadata.message_type != MessageType::Query || msg.metadata.op_code != OpCode::Query {
+        return None;
+    }
+    match msg.queries.as_slice() {
+        [q] => Some(normal_name(&q.name().to_ascii())),
+        _ => None,
+    }
+}
+
 fn duration_ms(start: Instant, now: Instant) -> u64 {
     u64::try_from(now.saturating_duration_since(start).as_millis()).unwrap_or(u64::MAX)
 }

@@ -42,8 +42,10 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 use vmm_sys_util::timerfd::TimerFd;
 
 use crate::control::NetControl;
-use crate::dns::{resolv_conf_upstreams, Resolver};
+pub use crate::dns::resolv_conf_upstreams;
+use crate::dns::Resolver;
 use crate::log::{now_ms, NetRecord, Protocol};
+use crate::policy::Verdict;
 use crate::sniff::{sniff, Sniffed, MAX_SNIFF_BYTES};
 use crate::{DNS_ADDR, GATEWAY_ADDR, GATEWAY_MAC, MTU, PREFIX_LEN};
 
@@ -108,6 +110,9 @@ pub const MIN_FRAME: usize = 14;
 /// The rule of a log record for a connection refused by
 /// [`StackConfig::max_connections`].
 pub const RULE_LIMIT_CONNECTIONS: &str = "limit:connections";
+/// The rule of a log record for DNS over TCP to the resolver (refused
+/// when there is no upstream; each query is judged by name).
+pub const RULE_DNS_TCP: &str = "dns:tcp";
 /// smoltcp aborts a connection whose guest does not acknowledge data for
 /// this long.
 const GUEST_TIMEOUT: Duration = Duration::from_secs(120);
@@ -222,6 +227,12 @@ struct Conn {
     host_eof: bool,
     /// The guest's FIN was passed on (`shutdown(Write)` on the host).
     guest_eof: bool,
+    /// DNS over TCP to the resolver: guest bytes go on only as whole
+    /// messages (RFC 7766 §8: a 2-byte length, then the message), each
+    /// query judged by its name.
+    dns_tcp: bool,
+    /// Guest bytes judged and not yet passed on (DNS over TCP).
+    cleared: usize,
     /// When the first guest bytes were seen while sniffing.
     sniff_since: Option<Instant>,
     /// Both sides closed cleanly, the host socket is gone and the record
@@ -266,6 +277,8 @@ pub struct NetStack {
     epoch: Instant,
     events: Vec<EpollEvent>,
     sniff_buf: Vec<u8>,
+    /// One DNS-over-TCP message (2-byte length + up to 64 KiB).
+    dns_buf: Vec<u8>,
     /// The resolver's host sockets were reported readable.
     dns_ready: bool,
     /// When the timerfd fires (`None`: not armed).
@@ -489,6 +502,7 @@ impl NetStack {
             events: vec![EpollEvent::default(); 256],
             sniff_buf: vec![0; MAX_SNIFF_BYTES],
             dns_ready: false,
+            dns_buf: vec![0; 2 + 65535],
             armed: None,
         })
     }
@@ -657,16 +671,28 @@ impl NetStack {
     /// The policy's verdict on a new connection; creates it if allowed.
     fn admit(&mut self, tuple: Tuple) {
         let dst_ip = *tuple.dst.ip();
-        let judged = if dst_ip == GATEWAY_ADDR { Ipv4Addr::LOCALHOST } else { dst_ip };
+        let judged = host_ip(dst_ip);
         let port = tuple.dst.port();
         let names = self.dns.names().names(IpAddr::V4(dst_ip)).to_vec();
         let policy = self.control.policy();
-        let verdict = policy.check_addr(IpAddr::V4(judged), port, &names);
+        // DNS over TCP to the resolver (RFC 7766: a client retries there
+        // after a truncated answer) goes to the first upstream; each query
+        // in it is judged by name (see `service`).
+        let dns_tcp = dst_ip == DNS_ADDR && port == 53;
+        let upstream = if dns_tcp { self.config.dns_upstreams.first().copied() } else { None };
+        let verdict = if dns_tcp {
+            match upstream {
+                Some(_) => Verdict { allowed: true, rule: RULE_DNS_TCP.to_owned() },
+                None => Verdict { allowed: false, rule: RULE_DNS_TCP.to_owned() },
+            }
+        } else {
+            policy.check_addr(IpAddr::V4(judged), port, &names)
+        };
         let mut record = NetRecord {
             id: 0,
             time_ms: now_ms(),
-            protocol: Protocol::Tcp,
-            addr: IpAddr::V4(judged),
+            protocol: if dns_tcp { Protocol::Dns } else { Protocol::Tcp },
+            addr: IpAddr::V4(if dns_tcp { dst_ip } else { judged }),
             port,
             domain: names.first().cloned(),
             allowed: verdict.allowed,
@@ -688,7 +714,7 @@ impl NetStack {
             self.control.record(record);
             return;
         }
-        let target = SocketAddr::V4(SocketAddrV4::new(judged, port));
+        let target = upstream.unwrap_or(SocketAddr::V4(SocketAddrV4::new(judged, port)));
         let host = match connect(target) {
             Ok(h) => h,
             Err(e) => {
@@ -717,7 +743,9 @@ impl NetStack {
             handle,
             host: Some(host),
             connected: false,
-            sniffing: policy.has_domain_rules(),
+            sniffing: !dns_tcp && policy.has_domain_rules(),
+            dns_tcp,
+            cleared: 0,
             sniff_since: None,
             finished: false,
             host_eof: false,
@@ -840,14 +868,58 @@ impl NetStack {
             }
         }
         // Guest -> host.
-        while !conn.sniffing && conn.writable && socket.can_recv() {
-            let r = socket.recv(|buf| match (&*host).write(buf) {
-                Ok(n) => (n, Ok(n)),
-                Err(e) => (0, Err(e)),
+        loop {
+            if conn.dns_tcp && conn.cleared == 0 {
+                // The next whole query, judged by its name.
+                let mut head = [0u8; 2];
+                if socket.peek_slice(&mut head) != Ok(2) {
+                    break;
+                }
+                let len = 2 + usize::from(u16::from_be_bytes(head));
+                if socket.recv_queue() < len {
+                    if len > socket.recv_capacity() {
+                        self.abort(token);
+                        return;
+                    }
+                    break;
+                }
+                let n = socket.peek_slice(&mut self.dns_buf[..len]).unwrap_or(0);
+                let Some(name) = self.dns_buf.get(2..n).and_then(crate::dns::query_name) else {
+                    self.abort(token);
+                    return;
+                };
+                let v = self.control.policy().check_name(&name);
+                let allowed = v.allowed;
+                self.control.update(conn.record, |r| {
+                    if !allowed {
+                        r.allowed = false;
+                        r.rule = v.rule;
+                    }
+                    r.domain = Some(name);
+                });
+                if !allowed {
+                    self.abort(token);
+                    return;
+                }
+                conn.cleared = len;
+            }
+            if conn.sniffing || !conn.writable || !socket.can_recv() {
+                break;
+            }
+            let limit = if conn.dns_tcp { conn.cleared } else { usize::MAX };
+            let r = socket.recv(|buf| {
+                let buf = buf.get(..limit.min(buf.len())).unwrap_or(buf);
+                match (&*host).write(buf) {
+                    Ok(n) => (n, Ok(n)),
+                    Err(e) => (0, Err(e)),
+                }
             });
             match r {
                 Ok(Ok(0)) | Err(_) => break,
-                Ok(Ok(n)) => conn.bytes_out += n as u64,
+                Ok(Ok(n)) => {
+                    conn.bytes_out += n as u64;
+                    conn.cleared = conn.cleared.saturating_sub(n);
+                }
                 Ok(Err(e)) if e.kind() == io::ErrorKind::WouldBlock => conn.writable = false,
                 Ok(Err(e)) if e.kind() == io::ErrorKind::Interrupted => {}
                 Ok(Err(_)) => {

@@ -974,3 +974,75 @@ fn resets_pass_both_ways() {
     assert_eq!(first, Some(1));
     assert_eq!(after, Err(std::io::ErrorKind::ConnectionReset));
 }
+
+#[test]
+fn dns_over_tcp_judges_every_query() {
+    // A TCP DNS upstream on 127.0.0.1: answers A 127.0.0.1, reports names.
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let upstream = l.local_addr().unwrap();
+    let (tx, rx) = mpsc::channel();
+    let server = thread::spawn(move || {
+        let (mut c, _) = l.accept().unwrap();
+        loop {
+            let mut head = [0u8; 2];
+            if c.read_exact(&mut head).is_err() {
+                break;
+            }
+            let mut msg = vec![0u8; usize::from(u16::from_be_bytes(head))];
+            c.read_exact(&mut msg).unwrap();
+            let q = Message::from_vec(&msg).unwrap();
+            let question = q.queries[0].clone();
+            tx.send(question.name().to_ascii()).unwrap();
+            let mut r = Message::response(q.metadata.id, OpCode::Query);
+            r.add_answer(Record::from_rdata(question.name().clone(), 30, RData::A(A(Ipv4Addr::LOCALHOST))));
+            r.add_query(question);
+            let bytes = r.to_vec().unwrap();
+            c.write_all(&(bytes.len() as u16).to_be_bytes()).unwrap();
+            c.write_all(&bytes).unwrap();
+        }
+    });
+    let mut cfg = config();
+    cfg.dns_upstreams = vec![upstream];
+    let mut w = World::new(policy(Egress::Allow, &[], &["bad.test"]), false, cfg);
+    let h = w.connect(DNS_ADDR, 53);
+    assert!(w.connected(h));
+    let framed = |name: &str, id: u16| {
+        let mut q = Message::new(id, MessageType::Query, OpCode::Query);
+        q.add_query(Query::query(Name::from_ascii(name).unwrap(), RecordType::A));
+        let bytes = q.to_vec().unwrap();
+        let mut out = (bytes.len() as u16).to_be_bytes().to_vec();
+        out.extend_from_slice(&bytes);
+        out
+    };
+    // Sent in two pieces: the NAT waits for the whole message.
+    let good = framed("good.test.", 7);
+    w.tcp(h).send_slice(&good[..5]).unwrap();
+    for _ in 0..20 {
+        w.pump();
+    }
+    w.tcp(h).send_slice(&good[5..]).unwrap();
+    let mut answer = Vec::new();
+    w.until("the TCP answer", |w| {
+        let s = w.tcp(h);
+        while s.can_recv() {
+            let mut b = [0u8; 512];
+            let n = s.recv_slice(&mut b).unwrap();
+            answer.extend_from_slice(&b[..n]);
+        }
+        answer.len() > 2 && answer.len() >= 2 + usize::from(u16::from_be_bytes([answer[0], answer[1]]))
+    });
+    let m = Message::from_vec(&answer[2..]).unwrap();
+    assert_eq!(m.metadata.id, 7);
+    assert_eq!(answers(&m), vec![IpAddr::V4(Ipv4Addr::LOCALHOST)]);
+    // A denied name: the connection is reset, the query never leaves.
+    w.tcp(h).send_slice(&framed("bad.test.", 8)).unwrap();
+    w.until("the reset", |w| w.tcp(h).state() == tcp::State::Closed);
+    // The upstream's connection was reset (its loop ended): it saw one query.
+    server.join().unwrap();
+    assert_eq!(rx.try_iter().collect::<Vec<_>>(), vec!["good.test.".to_string()]);
+    let recs = rec_for(&w.log(), Protocol::Dns, 53);
+    assert_eq!(recs.len(), 1);
+    assert!(!recs[0].allowed);
+    assert_eq!(recs[0].rule, "deny:bad.test");
+    assert_eq!(recs[0].domain.as_deref(), Some("bad.test"));
+}
