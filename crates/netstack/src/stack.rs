@@ -16,6 +16,23 @@
 //! buffer stops the reads of the other side (host socket interest or TCP
 //! window). FIN and RST pass both ways.
 //!
+//! With domain rules in the policy, a connection's first guest bytes are
+//! held until [`crate::sniff::sniff`] finds the TLS SNI or HTTP `Host` (or
+//! none, or [`SNIFF_WAIT`] passed); a denied name resets both sides.
+//!
+//! UDP (other than DNS) gets one connected host UDP socket per flow, judged
+//! like a TCP connection, closed after [`UDP_IDLE_TIMEOUT`]. UDP and TCP to
+//! [`DNS_ADDR`]:53 go to the resolver ([`crate::dns`]; TCP is passed to the
+//! first upstream, query by query). ICMP echo is answered for
+//! [`GATEWAY_ADDR`] and [`DNS_ADDR`] only (not forwarded). TCP connections
+//! and UDP flows count against [`StackConfig::max_connections`].
+//!
+//! Frames toward the guest are bounded by
+//! [`StackConfig::max_guest_frames`]; when that queue is full nothing more
+//! is read from host sockets or from the guest until the device takes
+//! frames ([`NetStack::pop_frame`] wakes the epoll set through an eventfd).
+//! Guest frames must carry complete checksums (no offload).
+//!
 //! Everything host-side (the host sockets, a timerfd for smoltcp's timers,
 //! an eventfd for "the guest took frames") is in one epoll set,
 //! [`NetStack::epoll_fd`]; interest in a host socket is only registered
