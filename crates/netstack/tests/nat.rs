@@ -598,6 +598,37 @@ fn reset_gives_the_old_connections_rsts_and_new_ones_work() {
     assert!(recs[0].duration_ms.is_some());
 }
 
+/// A frame from the guest: Ethernet + IPv4 + UDP to `dst:port`.
+fn udp_frame(dst: Ipv4Addr, port: u16, payload: &[u8]) -> Vec<u8> {
+    use smoltcp::wire::*;
+    let caps = smoltcp::phy::ChecksumCapabilities::default();
+    let udp = UdpRepr { src_port: 5000, dst_port: port };
+    let ip = Ipv4Repr {
+        src_addr: GUEST_ADDR,
+        dst_addr: dst,
+        next_header: IpProtocol::Udp,
+        payload_len: 8 + payload.len(),
+        hop_limit: 64,
+    };
+    let mut buf = vec![0u8; 14 + ip.buffer_len() + 8 + payload.len()];
+    let mut eth = EthernetFrame::new_unchecked(&mut buf);
+    eth.set_src_addr(EthernetAddress(GUEST_MAC));
+    eth.set_dst_addr(EthernetAddress(GATEWAY_MAC));
+    eth.set_ethertype(EthernetProtocol::Ipv4);
+    let mut ipp = Ipv4Packet::new_unchecked(eth.payload_mut());
+    ip.emit(&mut ipp, &caps);
+    let mut up = UdpPacket::new_unchecked(ipp.payload_mut());
+    udp.emit(
+        &mut up,
+        &IpAddress::Ipv4(GUEST_ADDR),
+        &IpAddress::Ipv4(dst),
+        payload.len(),
+        |b| b.copy_from_slice(payload),
+        &caps,
+    );
+    buf
+}
+
 /// A port on 127.0.0.1 nobody listens on (just freed).
 fn closed_port() -> u16 {
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
@@ -735,6 +766,42 @@ mod props {
             }
             stack.reset();
             prop_assert_eq!(stack.stats().open_connections, 0);
+        }
+
+        #[test]
+        fn random_and_mutated_dns_queries_never_panic(
+            queries in proptest::collection::vec(
+                (proptest::collection::vec(any::<u8>(), 0..600), any::<u16>(), any::<u8>(), any::<bool>()),
+                1..30,
+            )
+        ) {
+            let mut cfg = config();
+            cfg.static_hosts.insert("s.test".into(), IpAddr::V4(Ipv4Addr::new(203, 0, 113, 1)));
+            let control = NetControl::new(
+                &policy(Egress::Allow, &[], &["x.test"]),
+                Arc::new(ServerNetPolicy::default()),
+                64,
+            ).unwrap();
+            let mut stack = NetStack::new(cfg, control).unwrap();
+            let mut q = Message::new(1, MessageType::Query, OpCode::Query);
+            q.add_query(Query::query(Name::from_ascii("s.test.").unwrap(), RecordType::A));
+            let valid = q.to_vec().unwrap();
+            for (bytes, pos, xor, mutate) in queries {
+                let payload = if mutate {
+                    let mut v = valid.clone();
+                    let at = pos as usize % v.len();
+                    v[at] ^= xor;
+                    v
+                } else {
+                    bytes
+                };
+                let _ = stack.send_frame(&udp_frame(DNS_ADDR, 53, &payload));
+                stack.poll();
+                while let Some(f) = stack.peek_frame() {
+                    prop_assert!(f.len() <= 1514);
+                    stack.pop_frame();
+                }
+            }
         }
     }
 }
