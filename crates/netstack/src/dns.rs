@@ -209,9 +209,10 @@ impl Resolver {
         self.pending.clear();
     }
 
-    /// Runs the resolver: the guest's queries, the upstreams' answers,
+    /// Runs the resolver: the guest's queries, the upstreams' answers (read
+    /// only when `host_ready`: the host sockets were reported readable),
     /// timeouts.
-    pub fn poll(&mut self, sockets: &mut SocketSet<'static>, control: &NetControl, now: Instant) {
+    pub fn poll(&mut self, sockets: &mut SocketSet<'static>, control: &NetControl, now: Instant, host_ready: bool) {
         // Guest queries (bounded by the smoltcp socket's buffer).
         loop {
             let socket = sockets.get_mut::<udp::Socket>(self.handle);
@@ -221,7 +222,9 @@ impl Resolver {
             };
             self.query(sockets, control, &query, guest, now);
         }
-        self.answers(sockets, control);
+        if host_ready {
+            self.answers(sockets, control);
+        }
         let expired: Vec<u16> = self.pending.iter().filter(|(_, p)| p.deadline <= now).map(|(id, _)| *id).collect();
         for id in expired {
             if let Some(p) = self.pending.remove(&id) {
@@ -402,6 +405,19 @@ impl Resolver {
                 });
             }
         }
+    }
+}
+
+/// The name asked by a DNS query message (lower-case, no trailing dot);
+/// `None` unless it is a standard query with exactly one question.
+pub fn query_name(message: &[u8]) -> Option<String> {
+    let msg = Message::from_vec(message).ok()?;
+    if msg.metadata.message_type != MessageType::Query || msg.metadata.op_code != OpCode::Query {
+        return None;
+    }
+    match msg.queries.as_slice() {
+        [q] => Some(normal_name(&q.name().to_ascii())),
+        _ => None,
     }
 }
 

@@ -16,6 +16,23 @@
 //! buffer stops the reads of the other side (host socket interest or TCP
 //! window). FIN and RST pass both ways.
 //!
+//! With domain rules in the policy, a connection's first guest bytes are
+//! held until [`crate::sniff::sniff`] finds the TLS SNI or HTTP `Host` (or
+//! none, or [`SNIFF_WAIT`] passed); a denied name resets both sides.
+//!
+//! UDP (other than DNS) gets one connected host UDP socket per flow, judged
+//! like a TCP connection, closed after [`UDP_IDLE_TIMEOUT`]. UDP and TCP to
+//! [`DNS_ADDR`]:53 go to the resolver ([`crate::dns`]; TCP is passed to the
+//! first upstream, query by query). ICMP echo is answered for
+//! [`GATEWAY_ADDR`] and [`DNS_ADDR`] only (not forwarded). TCP connections
+//! and UDP flows count against [`StackConfig::max_connections`].
+//!
+//! Frames toward the guest are bounded by
+//! [`StackConfig::max_guest_frames`]; when that queue is full nothing more
+//! is read from host sockets or from the guest until the device takes
+//! frames ([`NetStack::pop_frame`] wakes the epoll set through an eventfd).
+//! Guest frames must carry complete checksums (no offload).
+//!
 //! Everything host-side (the host sockets, a timerfd for smoltcp's timers,
 //! an eventfd for "the guest took frames") is in one epoll set,
 //! [`NetStack::epoll_fd`]; interest in a host socket is only registered
@@ -42,8 +59,10 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 use vmm_sys_util::timerfd::TimerFd;
 
 use crate::control::NetControl;
-use crate::dns::{resolv_conf_upstreams, Resolver};
+pub use crate::dns::resolv_conf_upstreams;
+use crate::dns::Resolver;
 use crate::log::{now_ms, NetRecord, Protocol};
+use crate::policy::Verdict;
 use crate::sniff::{sniff, Sniffed, MAX_SNIFF_BYTES};
 use crate::{DNS_ADDR, GATEWAY_ADDR, GATEWAY_MAC, MTU, PREFIX_LEN};
 
@@ -108,6 +127,9 @@ pub const MIN_FRAME: usize = 14;
 /// The rule of a log record for a connection refused by
 /// [`StackConfig::max_connections`].
 pub const RULE_LIMIT_CONNECTIONS: &str = "limit:connections";
+/// The rule of a log record for DNS over TCP to the resolver (refused
+/// when there is no upstream; each query is judged by name).
+pub const RULE_DNS_TCP: &str = "dns:tcp";
 /// smoltcp aborts a connection whose guest does not acknowledge data for
 /// this long.
 const GUEST_TIMEOUT: Duration = Duration::from_secs(120);
@@ -143,6 +165,15 @@ struct Link {
     starved: bool,
     /// Frame buffers to reuse.
     spare: Vec<Vec<u8>>,
+}
+
+impl Link {
+    /// Keeps a frame buffer for reuse (a few at most).
+    fn recycle(&mut self, buf: Vec<u8>) {
+        if self.spare.len() < 64 {
+            self.spare.push(buf);
+        }
+    }
 }
 
 struct RxTok(Vec<u8>);
@@ -213,6 +244,12 @@ struct Conn {
     host_eof: bool,
     /// The guest's FIN was passed on (`shutdown(Write)` on the host).
     guest_eof: bool,
+    /// DNS over TCP to the resolver: guest bytes go on only as whole
+    /// messages (RFC 7766 §8: a 2-byte length, then the message), each
+    /// query judged by its name.
+    dns_tcp: bool,
+    /// Guest bytes judged and not yet passed on (DNS over TCP).
+    cleared: usize,
     /// When the first guest bytes were seen while sniffing.
     sniff_since: Option<Instant>,
     /// Both sides closed cleanly, the host socket is gone and the record
@@ -231,7 +268,7 @@ struct Conn {
     started: Instant,
 }
 
-/// One sandbox's NAT.
+/// One sandbox's NAT. It is `Send` (it runs on the VM's network thread).
 pub struct NetStack {
     config: StackConfig,
     control: Arc<NetControl>,
@@ -257,6 +294,12 @@ pub struct NetStack {
     epoch: Instant,
     events: Vec<EpollEvent>,
     sniff_buf: Vec<u8>,
+    /// One DNS-over-TCP message (2-byte length + up to 64 KiB).
+    dns_buf: Vec<u8>,
+    /// The resolver's host sockets were reported readable.
+    dns_ready: bool,
+    /// When the timerfd fires (`None`: not armed).
+    armed: Option<Instant>,
 }
 
 impl std::fmt::Debug for NetStack {
@@ -282,8 +325,11 @@ enum Peek {
     /// A UDP datagram (checksums verified) for the UDP NAT (not DNS):
     /// the guest's MAC, the payload's range in the frame.
     Udp(Tuple, [u8; 6], std::ops::Range<usize>),
-    /// Not for anyone here (an ARP request for an address that is neither
-    /// the gateway's nor the resolver's, a bad UDP datagram).
+    /// Not for anyone here: an ARP request for an address that is neither
+    /// the gateway's nor the resolver's, a UDP datagram for another MAC,
+    /// an ICMP echo request beyond the gateway.
+    Ignore,
+    /// Malformed: a UDP datagram with a bad checksum.
     Drop,
     /// For smoltcp as it is.
     Other,
@@ -303,7 +349,7 @@ fn peek(frame: &[u8]) -> Peek {
                 if target == GATEWAY_ADDR.octets() || target == DNS_ADDR.octets() {
                     Peek::Other
                 } else {
-                    Peek::Drop
+                    Peek::Ignore
                 }
             }
             _ => Peek::Other,
@@ -340,10 +386,10 @@ fn peek(frame: &[u8]) -> Peek {
             if dst == DNS_ADDR && udp.dst_port() == 53 {
                 return Peek::Other;
             }
-            if !ip.verify_checksum()
-                || !udp.verify_checksum(&IpAddress::Ipv4(src), &IpAddress::Ipv4(dst))
-                || eth.dst_addr() != EthernetAddress(GATEWAY_MAC)
-            {
+            if eth.dst_addr() != EthernetAddress(GATEWAY_MAC) {
+                return Peek::Ignore;
+            }
+            if !ip.verify_checksum() || !udp.verify_checksum(&IpAddress::Ipv4(src), &IpAddress::Ipv4(dst)) {
                 return Peek::Drop;
             }
             let tuple =
@@ -352,6 +398,17 @@ fn peek(frame: &[u8]) -> Peek {
             let start = 14 + usize::from(ip.header_len()) + 8;
             let end = start + udp.payload().len();
             Peek::Udp(tuple, eth.src_addr().0, start..end)
+        }
+        IpProtocol::Icmp => {
+            // smoltcp answers echo requests for every address ("any IP");
+            // only the gateway's own addresses answer (echo is not
+            // forwarded to the host).
+            let echo = ip.payload().first() == Some(&8);
+            if echo && dst != GATEWAY_ADDR && dst != DNS_ADDR {
+                Peek::Ignore
+            } else {
+                Peek::Other
+            }
         }
         _ => Peek::Other,
     }
@@ -461,6 +518,9 @@ impl NetStack {
             epoch,
             events: vec![EpollEvent::default(); 256],
             sniff_buf: vec![0; MAX_SNIFF_BYTES],
+            dns_ready: false,
+            dns_buf: vec![0; 2 + 65535],
+            armed: None,
         })
     }
 
@@ -492,9 +552,7 @@ impl NetStack {
     /// Removes the frame [`NetStack::peek_frame`] returned.
     pub fn pop_frame(&mut self) {
         if let Some(buf) = self.link.to_guest.pop_front() {
-            if self.link.spare.len() < 64 {
-                self.link.spare.push(buf);
-            }
+            self.link.recycle(buf);
         }
         if self.link.starved && self.link.to_guest.len() <= self.link.max_to_guest / 2 {
             self.link.starved = false;
@@ -513,7 +571,8 @@ impl NetStack {
         self.iface.poll_maintenance(now);
         self.ingest(now);
         self.service_all();
-        self.dns.poll(&mut self.sockets, &self.control, Instant::now());
+        let dns_ready = std::mem::take(&mut self.dns_ready);
+        self.dns.poll(&mut self.sockets, &self.control, Instant::now(), dns_ready);
         self.udp_poll();
         while self.iface.poll_egress(now, &mut self.link, &mut self.sockets)
             == smoltcp::iface::PollResult::SocketStateChanged
@@ -535,12 +594,13 @@ impl NetStack {
             let set = ev.event_set();
             match ev.data() {
                 TOKEN_TIMER => {
+                    self.armed = None;
                     let _ = self.timer.wait();
                 }
                 TOKEN_WAKE => {
                     let _ = self.wake.read();
                 }
-                TOKEN_DNS => {}
+                TOKEN_DNS => self.dns_ready = true,
                 token => {
                     if let Some(flow) = self.flows.get_mut(&token) {
                         flow.readable = true;
@@ -574,8 +634,16 @@ impl NetStack {
             };
             let tuple = match peek(&frame) {
                 Peek::Tcp(tuple, syn) => {
-                    if syn && !self.by_tuple.contains_key(&tuple) {
-                        self.admit(tuple);
+                    if syn {
+                        // A new connection on the 4-tuple of one in
+                        // TIME-WAIT (ports reused fast): the old one goes.
+                        let old = self.by_tuple.get(&tuple).copied();
+                        if let Some(old) = old.filter(|t| self.conns.get(t).is_some_and(|c| c.finished)) {
+                            self.close_conn(old, false);
+                        }
+                        if !self.by_tuple.contains_key(&tuple) {
+                            self.admit(tuple);
+                        }
                     }
                     Some(tuple)
                 }
@@ -583,11 +651,16 @@ impl NetStack {
                     if let Some(payload) = frame.get(range) {
                         self.udp_out(tuple, mac, payload);
                     }
-                    self.link.spare.push(frame);
+                    self.link.recycle(frame);
                     continue;
                 }
                 Peek::Drop => {
-                    self.link.spare.push(frame);
+                    self.stats.frames_dropped += 1;
+                    self.link.recycle(frame);
+                    continue;
+                }
+                Peek::Ignore => {
+                    self.link.recycle(frame);
                     continue;
                 }
                 Peek::Other => None,
@@ -595,7 +668,7 @@ impl NetStack {
             self.link.slot = Some(frame);
             let _ = self.iface.poll_ingress_single(now, &mut self.link, &mut self.sockets);
             if let Some(buf) = self.link.slot.take() {
-                self.link.spare.push(buf);
+                self.link.recycle(buf);
             }
             // A connection whose socket still (or again) listens after a
             // frame of its own did not get (or lost) its SYN: forget it,
@@ -615,16 +688,28 @@ impl NetStack {
     /// The policy's verdict on a new connection; creates it if allowed.
     fn admit(&mut self, tuple: Tuple) {
         let dst_ip = *tuple.dst.ip();
-        let judged = if dst_ip == GATEWAY_ADDR { Ipv4Addr::LOCALHOST } else { dst_ip };
+        let judged = host_ip(dst_ip);
         let port = tuple.dst.port();
         let names = self.dns.names().names(IpAddr::V4(dst_ip)).to_vec();
         let policy = self.control.policy();
-        let verdict = policy.check_addr(IpAddr::V4(judged), port, &names);
+        // DNS over TCP to the resolver (RFC 7766: a client retries there
+        // after a truncated answer) goes to the first upstream; each query
+        // in it is judged by name (see `service`).
+        let dns_tcp = dst_ip == DNS_ADDR && port == 53;
+        let upstream = if dns_tcp { self.config.dns_upstreams.first().copied() } else { None };
+        let verdict = if dns_tcp {
+            match upstream {
+                Some(_) => Verdict { allowed: true, rule: RULE_DNS_TCP.to_owned() },
+                None => Verdict { allowed: false, rule: RULE_DNS_TCP.to_owned() },
+            }
+        } else {
+            policy.check_addr(IpAddr::V4(judged), port, &names)
+        };
         let mut record = NetRecord {
             id: 0,
             time_ms: now_ms(),
-            protocol: Protocol::Tcp,
-            addr: IpAddr::V4(judged),
+            protocol: if dns_tcp { Protocol::Dns } else { Protocol::Tcp },
+            addr: IpAddr::V4(if dns_tcp { dst_ip } else { judged }),
             port,
             domain: names.first().cloned(),
             allowed: verdict.allowed,
@@ -646,7 +731,7 @@ impl NetStack {
             self.control.record(record);
             return;
         }
-        let target = SocketAddr::V4(SocketAddrV4::new(judged, port));
+        let target = upstream.unwrap_or(SocketAddr::V4(SocketAddrV4::new(judged, port)));
         let host = match connect(target) {
             Ok(h) => h,
             Err(e) => {
@@ -675,7 +760,9 @@ impl NetStack {
             handle,
             host: Some(host),
             connected: false,
-            sniffing: policy.has_domain_rules(),
+            sniffing: !dns_tcp && policy.has_domain_rules(),
+            dns_tcp,
+            cleared: 0,
             sniff_since: None,
             finished: false,
             host_eof: false,
@@ -776,7 +863,8 @@ impl NetStack {
             let waited = conn.sniff_since.is_some_and(|t| t.elapsed() >= SNIFF_WAIT);
             let first = self.sniff_buf.get(..n).unwrap_or(&[]);
             match sniff(first) {
-                Sniffed::NeedMore if n < MAX_SNIFF_BYTES && socket.may_recv() && !waited => {}
+                Sniffed::NeedMore
+                    if n < MAX_SNIFF_BYTES.min(socket.recv_capacity()) && socket.may_recv() && !waited => {}
                 Sniffed::Name(name) => {
                     conn.sniffing = false;
                     let v = self.control.policy().check_name(&name);
@@ -797,14 +885,58 @@ impl NetStack {
             }
         }
         // Guest -> host.
-        while !conn.sniffing && conn.writable && socket.can_recv() {
-            let r = socket.recv(|buf| match (&*host).write(buf) {
-                Ok(n) => (n, Ok(n)),
-                Err(e) => (0, Err(e)),
+        loop {
+            if conn.dns_tcp && conn.cleared == 0 {
+                // The next whole query, judged by its name.
+                let mut head = [0u8; 2];
+                if socket.peek_slice(&mut head) != Ok(2) {
+                    break;
+                }
+                let len = 2 + usize::from(u16::from_be_bytes(head));
+                if socket.recv_queue() < len {
+                    if len > socket.recv_capacity() {
+                        self.abort(token);
+                        return;
+                    }
+                    break;
+                }
+                let n = socket.peek_slice(&mut self.dns_buf[..len]).unwrap_or(0);
+                let Some(name) = self.dns_buf.get(2..n).and_then(crate::dns::query_name) else {
+                    self.abort(token);
+                    return;
+                };
+                let v = self.control.policy().check_name(&name);
+                let allowed = v.allowed;
+                self.control.update(conn.record, |r| {
+                    if !allowed {
+                        r.allowed = false;
+                        r.rule = v.rule;
+                    }
+                    r.domain = Some(name);
+                });
+                if !allowed {
+                    self.abort(token);
+                    return;
+                }
+                conn.cleared = len;
+            }
+            if conn.sniffing || !conn.writable || !socket.can_recv() {
+                break;
+            }
+            let limit = if conn.dns_tcp { conn.cleared } else { usize::MAX };
+            let r = socket.recv(|buf| {
+                let buf = buf.get(..limit.min(buf.len())).unwrap_or(buf);
+                match (&*host).write(buf) {
+                    Ok(n) => (n, Ok(n)),
+                    Err(e) => (0, Err(e)),
+                }
             });
             match r {
                 Ok(Ok(0)) | Err(_) => break,
-                Ok(Ok(n)) => conn.bytes_out += n as u64,
+                Ok(Ok(n)) => {
+                    conn.bytes_out += n as u64;
+                    conn.cleared = conn.cleared.saturating_sub(n);
+                }
                 Ok(Err(e)) if e.kind() == io::ErrorKind::WouldBlock => conn.writable = false,
                 Ok(Err(e)) if e.kind() == io::ErrorKind::Interrupted => {}
                 Ok(Err(_)) => {
@@ -965,7 +1097,9 @@ impl NetStack {
             delay = Some(delay.map_or(d, |x| x.min(d)));
         }
         let Some(mut delay) = delay else {
-            let _ = self.timer.clear();
+            if self.armed.take().is_some() {
+                let _ = self.timer.clear();
+            }
             return;
         };
         if delay.is_zero() {
@@ -973,7 +1107,16 @@ impl NetStack {
             // frames (the eventfd wakes us), or a moment.
             delay = if self.link.starved { Duration::from_millis(50) } else { Duration::from_millis(1) };
         }
-        let _ = self.timer.reset(delay, None);
+        // Re-arm only when the deadline moved (by 1 ms or more).
+        let deadline = Instant::now() + delay;
+        let same = self.armed.is_some_and(|a| {
+            let d = if a > deadline { a - deadline } else { deadline - a };
+            d < Duration::from_millis(1)
+        });
+        if !same {
+            self.armed = Some(deadline);
+            let _ = self.timer.reset(delay, None);
+        }
     }
 
     /// Readable (level-triggered) when [`NetStack::poll`] has work.
@@ -1006,6 +1149,11 @@ impl NetStack {
         StackStats { open_connections: self.open_count(), ..self.stats }
     }
 }
+
+const _: () = {
+    const fn send<T: Send>() {}
+    send::<NetStack>();
+};
 
 /// A non-blocking host TCP socket connecting to `target`.
 fn connect(target: SocketAddr) -> io::Result<Socket> {
@@ -1170,10 +1318,14 @@ impl NetStack {
                 self.close_flow(token);
                 continue;
             }
-            let want = if self.link.to_guest.len() < self.link.max_to_guest && !flow.readable {
-                EventSet::IN
-            } else {
+            let want = if self.link.to_guest.len() >= self.link.max_to_guest {
+                // Read again once the guest took frames (the eventfd).
+                self.link.starved = true;
                 EventSet::empty()
+            } else if flow.readable {
+                EventSet::empty()
+            } else {
+                EventSet::IN
             };
             let bits = want.bits();
             if bits != flow.interest {

@@ -598,6 +598,37 @@ fn reset_gives_the_old_connections_rsts_and_new_ones_work() {
     assert!(recs[0].duration_ms.is_some());
 }
 
+/// A frame from the guest: Ethernet + IPv4 + UDP to `dst:port`.
+fn udp_frame(dst: Ipv4Addr, port: u16, payload: &[u8]) -> Vec<u8> {
+    use smoltcp::wire::*;
+    let caps = smoltcp::phy::ChecksumCapabilities::default();
+    let udp = UdpRepr { src_port: 5000, dst_port: port };
+    let ip = Ipv4Repr {
+        src_addr: GUEST_ADDR,
+        dst_addr: dst,
+        next_header: IpProtocol::Udp,
+        payload_len: 8 + payload.len(),
+        hop_limit: 64,
+    };
+    let mut buf = vec![0u8; 14 + ip.buffer_len() + 8 + payload.len()];
+    let mut eth = EthernetFrame::new_unchecked(&mut buf);
+    eth.set_src_addr(EthernetAddress(GUEST_MAC));
+    eth.set_dst_addr(EthernetAddress(GATEWAY_MAC));
+    eth.set_ethertype(EthernetProtocol::Ipv4);
+    let mut ipp = Ipv4Packet::new_unchecked(eth.payload_mut());
+    ip.emit(&mut ipp, &caps);
+    let mut up = UdpPacket::new_unchecked(ipp.payload_mut());
+    udp.emit(
+        &mut up,
+        &IpAddress::Ipv4(GUEST_ADDR),
+        &IpAddress::Ipv4(dst),
+        payload.len(),
+        |b| b.copy_from_slice(payload),
+        &caps,
+    );
+    buf
+}
+
 /// A port on 127.0.0.1 nobody listens on (just freed).
 fn closed_port() -> u16 {
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
@@ -736,6 +767,42 @@ mod props {
             stack.reset();
             prop_assert_eq!(stack.stats().open_connections, 0);
         }
+
+        #[test]
+        fn random_and_mutated_dns_queries_never_panic(
+            queries in proptest::collection::vec(
+                (proptest::collection::vec(any::<u8>(), 0..600), any::<u16>(), any::<u8>(), any::<bool>()),
+                1..30,
+            )
+        ) {
+            let mut cfg = config();
+            cfg.static_hosts.insert("s.test".into(), IpAddr::V4(Ipv4Addr::new(203, 0, 113, 1)));
+            let control = NetControl::new(
+                &policy(Egress::Allow, &[], &["x.test"]),
+                Arc::new(ServerNetPolicy::default()),
+                64,
+            ).unwrap();
+            let mut stack = NetStack::new(cfg, control).unwrap();
+            let mut q = Message::new(1, MessageType::Query, OpCode::Query);
+            q.add_query(Query::query(Name::from_ascii("s.test.").unwrap(), RecordType::A));
+            let valid = q.to_vec().unwrap();
+            for (bytes, pos, xor, mutate) in queries {
+                let payload = if mutate {
+                    let mut v = valid.clone();
+                    let at = pos as usize % v.len();
+                    v[at] ^= xor;
+                    v
+                } else {
+                    bytes
+                };
+                let _ = stack.send_frame(&udp_frame(DNS_ADDR, 53, &payload));
+                stack.poll();
+                while let Some(f) = stack.peek_frame() {
+                    prop_assert!(f.len() <= 1514);
+                    stack.pop_frame();
+                }
+            }
+        }
     }
 }
 
@@ -854,4 +921,195 @@ fn a_guest_that_takes_no_frames_stops_the_host_reads_without_spinning() {
     });
     assert_eq!(got, LEN);
     assert_eq!(hasher.finalize(), sum);
+}
+
+#[test]
+fn a_port_reused_while_the_old_connection_is_in_time_wait_connects() {
+    // The host closes first, so the NAT's side ends in TIME-WAIT.
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    thread::spawn(move || {
+        for c in l.incoming() {
+            let _ = c.unwrap().write_all(b"bye");
+        }
+    });
+    let mut w = World::new(NetworkPolicy::default(), true, config());
+    for round in 0..3 {
+        let mut s = tcp::Socket::new(tcp::SocketBuffer::new(vec![0; 65536]), tcp::SocketBuffer::new(vec![0; 65536]));
+        s.connect(w.iface.context(), (IpAddress::Ipv4(GATEWAY_ADDR), port), 45000).unwrap();
+        let h = w.sockets.add(s);
+        if round > 0 {
+            // One round trip: the SYN (the gateway's MAC is known by now)
+            // is admitted at once although the old connection on this
+            // 4-tuple is in TIME-WAIT at the NAT.
+            w.pump();
+            assert_eq!(w.stack.stats().open_connections, 1, "round {round}");
+        }
+        assert!(w.connected(h), "round {round}");
+        let mut got = Vec::new();
+        w.until("the server's close", |w| {
+            let s = w.tcp(h);
+            while s.can_recv() {
+                let mut b = [0u8; 16];
+                let n = s.recv_slice(&mut b).unwrap();
+                got.extend_from_slice(&b[..n]);
+            }
+            !s.may_recv()
+        });
+        assert_eq!(got, b"bye");
+        w.tcp(h).close();
+        w.until("the guest's close", |w| w.tcp(h).state() == tcp::State::Closed);
+        w.until("the NAT's side done", |w| w.stack.stats().open_connections == 0);
+        w.sockets.remove(h);
+    }
+    let recs = rec_for(&w.log(), Protocol::Tcp, port);
+    assert_eq!(recs.len(), 3);
+    assert!(recs.iter().all(|r| r.allowed && r.bytes_in == 3 && r.duration_ms.is_some()));
+}
+
+#[test]
+fn ping_answers_for_the_gateway_only() {
+    use smoltcp::socket::icmp;
+    use smoltcp::wire::{Icmpv4Packet, Icmpv4Repr};
+    let mut w = World::new(NetworkPolicy::default(), true, config());
+    let mut s = icmp::Socket::new(
+        icmp::PacketBuffer::new(vec![icmp::PacketMetadata::EMPTY; 4], vec![0; 4096]),
+        icmp::PacketBuffer::new(vec![icmp::PacketMetadata::EMPTY; 4], vec![0; 4096]),
+    );
+    s.bind(icmp::Endpoint::Ident(0x77)).unwrap();
+    let h = w.sockets.add(s);
+    let caps = smoltcp::phy::ChecksumCapabilities::default();
+    let ping = |w: &mut World, dst: Ipv4Addr, seq: u16| -> bool {
+        let repr = Icmpv4Repr::EchoRequest { ident: 0x77, seq_no: seq, data: b"ping" };
+        let mut buf = vec![0u8; repr.buffer_len()];
+        repr.emit(&mut Icmpv4Packet::new_unchecked(&mut buf), &caps);
+        w.sockets.get_mut::<icmp::Socket>(h).send_slice(&buf, IpAddress::Ipv4(dst)).unwrap();
+        // smoltcp's guest waits 1 s before retrying after an ARP miss.
+        let until = Instant::now() + Duration::from_secs(3);
+        while Instant::now() < until {
+            w.pump();
+            if let Ok((data, from)) = w.sockets.get_mut::<icmp::Socket>(h).recv() {
+                let p = Icmpv4Packet::new_checked(data).unwrap();
+                let r = Icmpv4Repr::parse(&p, &caps).unwrap();
+                assert_eq!(from, IpAddress::Ipv4(dst));
+                assert!(matches!(r, Icmpv4Repr::EchoReply { seq_no, .. } if seq_no == seq));
+                return true;
+            }
+        }
+        false
+    };
+    assert!(ping(&mut w, GATEWAY_ADDR, 1));
+    assert!(ping(&mut w, DNS_ADDR, 2));
+    // Beyond the gateway: no answer made up by the NAT.
+    assert!(!ping(&mut w, Ipv4Addr::new(192, 0, 2, 1), 3));
+}
+
+#[test]
+fn resets_pass_both_ways() {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    let (tx, rx) = mpsc::channel();
+    thread::spawn(move || {
+        // First connection: the host resets it after a byte.
+        let (mut c, _) = l.accept().unwrap();
+        let mut one = [0u8; 1];
+        c.read_exact(&mut one).unwrap();
+        socket2::SockRef::from(&c).set_linger(Some(Duration::ZERO)).unwrap();
+        drop(c);
+        // Second: the guest resets it; report what the host's read says.
+        let (mut c, _) = l.accept().unwrap();
+        let mut buf = [0u8; 16];
+        let first = c.read(&mut buf);
+        let after = c.read(&mut buf).map_err(|e| e.kind());
+        tx.send((first.ok(), after)).unwrap();
+    });
+    let mut w = World::new(NetworkPolicy::default(), true, config());
+    let h = w.connect(GATEWAY_ADDR, port);
+    assert!(w.connected(h));
+    w.tcp(h).send_slice(b"x").unwrap();
+    // Host RST -> guest RST (a FIN would leave the guest in CLOSE-WAIT).
+    w.until("the guest's reset", |w| w.tcp(h).state() == tcp::State::Closed);
+    w.until("the removal", |w| w.stack.stats().open_connections == 0);
+
+    let h = w.connect(GATEWAY_ADDR, port);
+    assert!(w.connected(h));
+    w.tcp(h).send_slice(b"x").unwrap();
+    w.until("the byte's ACK", |w| w.tcp(h).send_queue() == 0);
+    w.tcp(h).abort();
+    w.until("the removal", |w| w.stack.stats().open_connections == 0);
+    let (first, after) = rx.recv_timeout(Duration::from_secs(10)).unwrap();
+    assert_eq!(first, Some(1));
+    assert_eq!(after, Err(std::io::ErrorKind::ConnectionReset));
+}
+
+#[test]
+fn dns_over_tcp_judges_every_query() {
+    // A TCP DNS upstream on 127.0.0.1: answers A 127.0.0.1, reports names.
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let upstream = l.local_addr().unwrap();
+    let (tx, rx) = mpsc::channel();
+    let server = thread::spawn(move || {
+        let (mut c, _) = l.accept().unwrap();
+        loop {
+            let mut head = [0u8; 2];
+            if c.read_exact(&mut head).is_err() {
+                break;
+            }
+            let mut msg = vec![0u8; usize::from(u16::from_be_bytes(head))];
+            c.read_exact(&mut msg).unwrap();
+            let q = Message::from_vec(&msg).unwrap();
+            let question = q.queries[0].clone();
+            tx.send(question.name().to_ascii()).unwrap();
+            let mut r = Message::response(q.metadata.id, OpCode::Query);
+            r.add_answer(Record::from_rdata(question.name().clone(), 30, RData::A(A(Ipv4Addr::LOCALHOST))));
+            r.add_query(question);
+            let bytes = r.to_vec().unwrap();
+            c.write_all(&(bytes.len() as u16).to_be_bytes()).unwrap();
+            c.write_all(&bytes).unwrap();
+        }
+    });
+    let mut cfg = config();
+    cfg.dns_upstreams = vec![upstream];
+    let mut w = World::new(policy(Egress::Allow, &[], &["bad.test"]), false, cfg);
+    let h = w.connect(DNS_ADDR, 53);
+    assert!(w.connected(h));
+    let framed = |name: &str, id: u16| {
+        let mut q = Message::new(id, MessageType::Query, OpCode::Query);
+        q.add_query(Query::query(Name::from_ascii(name).unwrap(), RecordType::A));
+        let bytes = q.to_vec().unwrap();
+        let mut out = (bytes.len() as u16).to_be_bytes().to_vec();
+        out.extend_from_slice(&bytes);
+        out
+    };
+    // Sent in two pieces: the NAT waits for the whole message.
+    let good = framed("good.test.", 7);
+    w.tcp(h).send_slice(&good[..5]).unwrap();
+    for _ in 0..20 {
+        w.pump();
+    }
+    w.tcp(h).send_slice(&good[5..]).unwrap();
+    let mut answer = Vec::new();
+    w.until("the TCP answer", |w| {
+        let s = w.tcp(h);
+        while s.can_recv() {
+            let mut b = [0u8; 512];
+            let n = s.recv_slice(&mut b).unwrap();
+            answer.extend_from_slice(&b[..n]);
+        }
+        answer.len() > 2 && answer.len() >= 2 + usize::from(u16::from_be_bytes([answer[0], answer[1]]))
+    });
+    let m = Message::from_vec(&answer[2..]).unwrap();
+    assert_eq!(m.metadata.id, 7);
+    assert_eq!(answers(&m), vec![IpAddr::V4(Ipv4Addr::LOCALHOST)]);
+    // A denied name: the connection is reset, the query never leaves.
+    w.tcp(h).send_slice(&framed("bad.test.", 8)).unwrap();
+    w.until("the reset", |w| w.tcp(h).state() == tcp::State::Closed);
+    // The upstream's connection was reset (its loop ended): it saw one query.
+    server.join().unwrap();
+    assert_eq!(rx.try_iter().collect::<Vec<_>>(), vec!["good.test.".to_string()]);
+    let recs = rec_for(&w.log(), Protocol::Dns, 53);
+    assert_eq!(recs.len(), 1);
+    assert!(!recs[0].allowed);
+    assert_eq!(recs[0].rule, "deny:bad.test");
+    assert_eq!(recs[0].domain.as_deref(), Some("bad.test"));
 }
