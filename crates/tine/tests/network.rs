@@ -159,6 +159,8 @@ async fn guests_reach_the_host_through_the_nat_under_their_policy() {
                   [network.hosts]\n\"files.test\" = \"10.0.2.2\"\n\"other.test\" = \"10.0.2.2\"\n";
     let server = TineServer::start_with_default_template(binary(), None, config);
     let client = server.client().await;
+    let started = std::time::Instant::now();
+    let phase = |what: &str| eprintln!("network test: {what} at {:.1} s", started.elapsed().as_secs_f64());
 
     let sb = call(&client, "sandbox_create", json!({})).await.expect("create");
     let id = sb["sandbox_id"].as_str().unwrap().to_string();
@@ -175,8 +177,10 @@ async fn guests_reach_the_host_through_the_nat_under_their_policy() {
     .await;
     assert_eq!(exit_code(&r), 0, "{r}");
     assert!(stdout(&r).starts_with(&want), "download checksum: {r}");
+    phase(&format!("16 MiB downloaded in {} ms (curl in the guest)", r["duration_ms"]));
     let r = exec(&client, &id, &format!("curl -sS --fail -T /tmp/blob http://10.0.2.2:{port}/upload"), 300).await;
     assert_eq!(stdout(&r).trim(), want, "upload checksum: {r}");
+    phase(&format!("16 MiB uploaded in {} ms (curl in the guest)", r["duration_ms"]));
 
     // The gateway's DNS answers the server's names.
     let r = exec(&client, &id, "getent hosts files.test", 60).await;
@@ -200,6 +204,7 @@ async fn guests_reach_the_host_through_the_nat_under_their_policy() {
         "the download is logged with its bytes: {records:?}"
     );
 
+    phase("refusals checked");
     // An allowlist: files.test is reachable, other.test is not (same
     // address; its DNS answer and its Host header are refused).
     let upd = call(
@@ -234,6 +239,7 @@ async fn guests_reach_the_host_through_the_nat_under_their_policy() {
     assert_ne!(exit_code(&r), 0, "egress deny blocks everything: {r}");
     call(&client, "sandbox_update", json!({"sandbox_id": id, "network": {"egress": "allow"}})).await.expect("update");
 
+    phase("policies checked");
     // A branch during a transfer: the source's completes intact, the
     // child's sees a reset; both can connect again.
     exec(
@@ -274,6 +280,7 @@ async fn guests_reach_the_host_through_the_nat_under_their_policy() {
         "the child inherits the policy"
     );
 
+    phase("branch checked");
     // Connections without end hit the per-sandbox cap (32 here); the
     // daemon and the other sandbox go on.
     let flood = format!(
@@ -298,6 +305,7 @@ async fn guests_reach_the_host_through_the_nat_under_their_policy() {
     }
     assert_eq!(http.held.load(Ordering::SeqCst), 0, "connections are closed when the guest's end closes");
 
+    phase("cap checked");
     call(&client, "sandbox_kill", json!({"sandbox_id": child})).await.expect("kill child");
     call(&client, "sandbox_kill", json!({"sandbox_id": id})).await.expect("kill");
 }
