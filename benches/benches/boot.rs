@@ -12,17 +12,6 @@ use std::time::Duration;
 
 use tine_benches::{median, time_to_marker};
 
-fn tine_binary() -> PathBuf {
-    let root = testkit::workspace_root();
-    let status = Command::new("cargo")
-        .args(["build", "--release", "-q", "-p", "tine"])
-        .current_dir(&root)
-        .status()
-        .expect("cargo build");
-    assert!(status.success());
-    root.join("target/release/tine")
-}
-
 fn main() {
     if !testkit::kvm_available("boot benchmark") {
         return;
@@ -31,7 +20,8 @@ fn main() {
     let dir = tempfile::tempdir().unwrap();
     let initrd = testkit::build_test_initramfs(dir.path());
     let kernel = testkit::kernel();
-    let tine = tine_binary();
+    // Honours $TINE_BIN and $CARGO_TARGET_DIR.
+    let tine = testkit::mcp::tine_binary();
     let profile = vmm::HostProfile::detect();
     let mut cfg = vmm::VmConfig::new("bench", &kernel);
     cfg.profile = profile;
