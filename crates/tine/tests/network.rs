@@ -148,11 +148,15 @@ async fn log_records(client: &testkit::mcp::McpClient, id: &str) -> Vec<Value> {
     v["records"].as_array().cloned().unwrap_or_default()
 }
 
+/// One server at a time on the host's two cores.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn guests_reach_the_host_through_the_nat_under_their_policy() {
     if !testkit::kvm_available("network") {
         return;
     }
+    let _serial = SERIAL.lock().await;
     let http = HostHttp::start();
     let port = http.port;
     let config = "[network]\npermit_ranges = [\"127.0.0.0/8\"]\nmax_connections = 32\n\
@@ -307,5 +311,60 @@ async fn guests_reach_the_host_through_the_nat_under_their_policy() {
 
     phase("cap checked");
     call(&client, "sandbox_kill", json!({"sandbox_id": child})).await.expect("kill child");
+    call(&client, "sandbox_kill", json!({"sandbox_id": id})).await.expect("kill");
+}
+
+/// The Python package index the host's pip uses, if this host reaches it:
+/// `pypi.org:443` (the host's pip configuration names no other index here).
+fn package_index_reachable() -> bool {
+    use std::net::ToSocketAddrs;
+    let Ok(addrs) = ("pypi.org", 443).to_socket_addrs() else { return false };
+    addrs.into_iter().any(|a| TcpStream::connect_timeout(&a, Duration::from_secs(5)).is_ok())
+}
+
+/// `pip install` of a small pure-Python package inside a sandbox, through
+/// the NAT and the gateway's DNS, with the host's CA bundle added to the
+/// guest's trust store (`ca_certificates`): hosts whose traffic goes
+/// through a TLS-inspecting proxy (this one's does) need it. The server
+/// builds its own default template (the CA set-up is part of it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn pip_installs_a_package_where_the_index_is_reachable() {
+    if !testkit::kvm_available("pip_install") {
+        return;
+    }
+    if !package_index_reachable() {
+        eprintln!(
+            "\n*** SKIPPED pip_installs_a_package_where_the_index_is_reachable: pypi.org:443 is not reachable from \
+             this host ***\n"
+        );
+        return;
+    }
+    let _serial = SERIAL.lock().await;
+    let bundle = "/etc/ssl/certs/ca-certificates.crt";
+    let config = if Path::new(bundle).exists() {
+        format!("[network]\nca_certificates = [\"{bundle}\"]\n")
+    } else {
+        String::new()
+    };
+    let server = TineServer::start(binary(), None, &config);
+    server.wait_for_default_template(Duration::from_secs(1200));
+    let client = server.client().await;
+    let sb = call(&client, "sandbox_create", json!({})).await.expect("create");
+    let id = sb["sandbox_id"].as_str().unwrap().to_string();
+    let r = exec(
+        &client,
+        &id,
+        "python3 -m pip install --no-cache-dir --break-system-packages --disable-pip-version-check -q six \
+         && python3 -c 'import six; print(\"six\", six.__version__)'",
+        600,
+    )
+    .await;
+    assert_eq!(exit_code(&r), 0, "pip install: {r}");
+    assert!(stdout(&r).contains("six 1."), "{r}");
+    let records = log_records(&client, &id).await;
+    assert!(
+        records.iter().any(|r| r["protocol"] == "dns" && r["domain"] == "pypi.org"),
+        "the index's name went through the gateway's DNS: {records:?}"
+    );
     call(&client, "sandbox_kill", json!({"sandbox_id": id})).await.expect("kill");
 }
