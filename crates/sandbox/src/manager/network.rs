@@ -18,6 +18,8 @@ use crate::lock;
 /// Where the extra CA certificates go in the guest (Debian's
 /// `update-ca-certificates` picks up `*.crt` there).
 const GUEST_CA_FILE: &str = "/usr/local/share/ca-certificates/tine-extra.crt";
+/// The guest's CA bundle (Debian's `ca-certificates`).
+const GUEST_CA_BUNDLE: &str = "/etc/ssl/certs/ca-certificates.crt";
 /// Deadline of the trust-store update in the guest.
 const CA_UPDATE_TIMEOUT_MS: u32 = 120_000;
 
@@ -111,13 +113,16 @@ impl Manager {
             .write_file(GUEST_CA_FILE, pem.into_bytes(), Some(0o644))
             .await
             .map_err(|e| fail(format!("write the CA certificates: {e}")))?;
+        // Appended to the bundle OpenSSL, curl, git and Debian's pip read
+        // (update-ca-certificates, which a later run keeps it through,
+        // takes minutes where guest kernel mode is emulated).
         let reply = agent
-            .exec("update-ca-certificates >/dev/null", CA_UPDATE_TIMEOUT_MS, 4096)
+            .exec(&format!("cat {GUEST_CA_FILE} >> {GUEST_CA_BUNDLE}"), CA_UPDATE_TIMEOUT_MS, 4096)
             .await
-            .map_err(|e| fail(format!("update-ca-certificates: {e}")))?;
+            .map_err(|e| fail(format!("add the CA certificates to {GUEST_CA_BUNDLE}: {e}")))?;
         if reply.status != ExitStatus::Code(0) {
             return Err(fail(format!(
-                "update-ca-certificates ended with {:?}: {}",
+                "adding the CA certificates to {GUEST_CA_BUNDLE} ended with {:?}: {}",
                 reply.status,
                 String::from_utf8_lossy(&reply.stderr.data)
             )));
