@@ -169,6 +169,15 @@ async fn guests_reach_the_host_through_the_nat_under_their_policy() {
     let sb = call(&client, "sandbox_create", json!({})).await.expect("create");
     let id = sb["sandbox_id"].as_str().unwrap().to_string();
     assert_eq!(sb["network"]["egress"], "allow", "{sb}");
+    // The fixed addressing every sandbox has (crates/netstack/src/lib.rs).
+    let r = exec(&client, &id, "ip -4 -o addr show eth0; ip route; cat /sys/class/net/eth0/address", 120).await;
+    let out = stdout(&r);
+    assert!(
+        out.contains("inet 10.0.2.15/24")
+            && out.contains("default via 10.0.2.2 dev eth0")
+            && out.contains("02:54:00:12:34:56"),
+        "{r}"
+    );
 
     // 16 MiB down and back up, checksums on both ends.
     let want = hex(&Sha256::digest(blob()));
