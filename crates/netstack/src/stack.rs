@@ -867,16 +867,7 @@ impl NetStack {
                     if n < MAX_SNIFF_BYTES.min(socket.recv_capacity()) && socket.may_recv() && !waited => {}
                 Sniffed::Name(name) => {
                     conn.sniffing = false;
-                    let v = self.control.policy().check_name(&name);
-                    let allowed = v.allowed;
-                    self.control.update(conn.record, |r| {
-                        if !allowed {
-                            r.allowed = false;
-                            r.rule = v.rule;
-                        }
-                        r.domain = Some(name);
-                    });
-                    if !allowed {
+                    if !judge_name(&self.control, conn.record, name) {
                         self.abort(token);
                         return;
                     }
@@ -905,16 +896,7 @@ impl NetStack {
                     self.abort(token);
                     return;
                 };
-                let v = self.control.policy().check_name(&name);
-                let allowed = v.allowed;
-                self.control.update(conn.record, |r| {
-                    if !allowed {
-                        r.allowed = false;
-                        r.rule = v.rule;
-                    }
-                    r.domain = Some(name);
-                });
-                if !allowed {
+                if !judge_name(&self.control, conn.record, name) {
                     self.abort(token);
                     return;
                 }
@@ -1368,4 +1350,21 @@ fn udp_connect(target: SocketAddr) -> io::Result<std::net::UdpSocket> {
     socket.set_nonblocking(true)?;
     socket.connect(target)?;
     Ok(socket)
+}
+
+/// Judges `name` (a connection's SNI or `Host`, or a DNS-over-TCP query's
+/// name) by the current policy and records it in the connection's log
+/// record `record` (with the deciding rule when denied); returns whether it
+/// is allowed.
+fn judge_name(control: &NetControl, record: u64, name: String) -> bool {
+    let v = control.policy().check_name(&name);
+    let allowed = v.allowed;
+    control.update(record, |r| {
+        if !allowed {
+            r.allowed = false;
+            r.rule = v.rule;
+        }
+        r.domain = Some(name);
+    });
+    allowed
 }
