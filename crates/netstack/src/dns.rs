@@ -25,7 +25,7 @@ use smoltcp::socket::udp;
 use smoltcp::wire::{IpEndpoint, IpListenEndpoint};
 
 use crate::control::NetControl;
-use crate::log::{now_ms, NetRecord, Protocol};
+use crate::log::{NetRecord, Protocol};
 use crate::DNS_ADDR;
 
 /// How long a forwarded query waits for its upstream answer before the
@@ -286,17 +286,8 @@ impl Resolver {
         let qname = normal_name(&question.name().to_ascii());
         let verdict = control.policy().check_name(&qname);
         let record = NetRecord {
-            id: 0,
-            time_ms: now_ms(),
-            protocol: Protocol::Dns,
-            addr: IpAddr::V4(DNS_ADDR),
-            port: 53,
-            domain: Some(qname.clone()),
-            allowed: verdict.allowed,
-            rule: verdict.rule,
             bytes_out: raw.len() as u64,
-            bytes_in: 0,
-            duration_ms: None,
+            ..NetRecord::starting(Protocol::Dns, IpAddr::V4(DNS_ADDR), 53, Some(qname.clone()), verdict)
         };
         if !record.allowed {
             let reply = error_reply(id, Some(question), ResponseCode::Refused);

@@ -62,6 +62,33 @@ pub fn now_ms() -> u64 {
 /// to its capacity as records come).
 const PREALLOC_RECORDS: usize = 1024;
 
+impl NetRecord {
+    /// A record of something starting now (id assigned by
+    /// [`NetLog::push`]), judged by `verdict`, with no bytes moved yet and
+    /// still open.
+    pub fn starting(
+        protocol: Protocol,
+        addr: IpAddr,
+        port: u16,
+        domain: Option<String>,
+        verdict: crate::policy::Verdict,
+    ) -> Self {
+        NetRecord {
+            id: 0,
+            time_ms: now_ms(),
+            protocol,
+            addr,
+            port,
+            domain,
+            allowed: verdict.allowed,
+            rule: verdict.rule,
+            bytes_out: 0,
+            bytes_in: 0,
+            duration_ms: None,
+        }
+    }
+}
+
 /// The bounded ring of [`NetRecord`]s.
 #[derive(Debug)]
 pub struct NetLog {

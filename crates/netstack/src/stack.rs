@@ -61,7 +61,7 @@ use vmm_sys_util::timerfd::TimerFd;
 use crate::control::NetControl;
 pub use crate::dns::resolv_conf_upstreams;
 use crate::dns::Resolver;
-use crate::log::{now_ms, NetRecord, Protocol};
+use crate::log::{NetRecord, Protocol};
 use crate::policy::Verdict;
 use crate::sniff::{sniff, Sniffed, MAX_SNIFF_BYTES};
 use crate::{DNS_ADDR, GATEWAY_ADDR, GATEWAY_MAC, MTU, PREFIX_LEN};
@@ -705,19 +705,13 @@ impl NetStack {
         } else {
             policy.check_addr(IpAddr::V4(judged), port, &names)
         };
-        let mut record = NetRecord {
-            id: 0,
-            time_ms: now_ms(),
-            protocol: if dns_tcp { Protocol::Dns } else { Protocol::Tcp },
-            addr: IpAddr::V4(if dns_tcp { dst_ip } else { judged }),
+        let mut record = NetRecord::starting(
+            if dns_tcp { Protocol::Dns } else { Protocol::Tcp },
+            IpAddr::V4(if dns_tcp { dst_ip } else { judged }),
             port,
-            domain: names.first().cloned(),
-            allowed: verdict.allowed,
-            rule: verdict.rule,
-            bytes_out: 0,
-            bytes_in: 0,
-            duration_ms: None,
-        };
+            names.first().cloned(),
+            verdict,
+        );
         if !record.allowed {
             record.duration_ms = Some(0);
             self.control.record(record);
@@ -1203,19 +1197,7 @@ impl NetStack {
         let port = tuple.dst.port();
         let names = self.dns.names().names(IpAddr::V4(*tuple.dst.ip())).to_vec();
         let verdict = self.control.policy().check_addr(IpAddr::V4(judged), port, &names);
-        let mut record = NetRecord {
-            id: 0,
-            time_ms: now_ms(),
-            protocol: Protocol::Udp,
-            addr: IpAddr::V4(judged),
-            port,
-            domain: names.first().cloned(),
-            allowed: verdict.allowed,
-            rule: verdict.rule,
-            bytes_out: 0,
-            bytes_in: 0,
-            duration_ms: None,
-        };
+        let mut record = NetRecord::starting(Protocol::Udp, IpAddr::V4(judged), port, names.first().cloned(), verdict);
         let mut refuse = !record.allowed;
         if !refuse && self.open_count() >= self.config.max_connections {
             self.stats.refused_by_cap += 1;
