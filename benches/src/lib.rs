@@ -44,6 +44,35 @@ pub fn time_to_marker(mut cmd: Command, marker: &str, timeout: Duration) -> Opti
     result
 }
 
+/// Starts `cmd` with stdout piped and returns the first stdout line that
+/// contains `marker`, then kills the process. `Err` holds what the process
+/// printed when it ended first or `timeout` passed.
+pub fn line_with_marker(mut cmd: Command, marker: &str, timeout: Duration) -> Result<String, String> {
+    cmd.stdout(Stdio::piped()).stderr(Stdio::null()).stdin(Stdio::null());
+    let mut child: Child = cmd.spawn().map_err(|e| format!("cannot start {cmd:?}: {e}"))?;
+    let stdout = child.stdout.take().ok_or("no stdout")?;
+    let (tx, rx) = std::sync::mpsc::channel();
+    let marker = marker.to_string();
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+    let seen_by_reader = seen.clone();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if line.contains(&marker) {
+                let _ = tx.send(line);
+                break;
+            }
+            let mut s = seen_by_reader.lock().unwrap_or_else(|e| e.into_inner());
+            s.push_str(&line);
+            s.push('\n');
+        }
+    });
+    let result = rx.recv_timeout(timeout);
+    let _ = child.kill();
+    let _ = child.wait();
+    result.map_err(|_| seen.lock().unwrap_or_else(|e| e.into_inner()).clone())
+}
+
 /// `Pss:` of process `pid` (bytes), from `/proc/<pid>/smaps_rollup`
 /// (`proc(5)`); 0 if it cannot be read.
 pub fn process_pss(pid: u32) -> u64 {
