@@ -168,9 +168,11 @@ fn check_seccomp() -> Check {
             "seccomp",
             Level::Ok,
             format!(
-                "filters install; {} / {} / {} system calls allowed on vCPU / device / userfaultfd threads",
+                "filters install; {} / {} / {} / {} system calls allowed on vCPU / device / network / userfaultfd \
+                 threads",
                 seccomp::allowlist_len(ThreadKind::Vcpu),
                 seccomp::allowlist_len(ThreadKind::Devices),
+                seccomp::allowlist_len(ThreadKind::Net),
                 seccomp::allowlist_len(ThreadKind::Uffd)
             ),
             "",
