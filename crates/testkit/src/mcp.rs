@@ -160,8 +160,10 @@ impl TineServer {
 
     /// Waits until the server's background build of the default template
     /// (a cold boot, started with the server) has written the template and
-    /// removed its build VM's directory; panics after `timeout`. Tests that
-    /// count the server's VMs or files take their baseline after this.
+    /// removed its build VM's directory; panics after `timeout`, or as
+    /// soon as a build was seen to end without a template (the server has
+    /// logged why; it does not retry). Tests that count the server's VMs or
+    /// files take their baseline after this.
     pub fn wait_for_default_template(&self, timeout: Duration) {
         let meta = self.data_dir.join("templates/default/template.json");
         let building = || {
@@ -170,7 +172,19 @@ impl TineServer {
                 .unwrap_or(false)
         };
         let t = Instant::now();
-        while !meta.exists() || building() {
+        let mut seen_building = false;
+        loop {
+            let now_building = building();
+            if meta.exists() && !now_building {
+                return;
+            }
+            // The template is written before its build VM's directory goes.
+            assert!(
+                !(seen_building && !now_building && !meta.exists()),
+                "the server's default template build failed after {:.0} s (its log above says why)",
+                t.elapsed().as_secs_f64()
+            );
+            seen_building |= now_building;
             assert!(t.elapsed() < timeout, "no default template within {timeout:?} of the server's start");
             std::thread::sleep(Duration::from_millis(100));
         }
