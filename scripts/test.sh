@@ -12,4 +12,12 @@ cargo fmt --all --check
 echo "test: cargo clippy --workspace --all-targets -- -D warnings" >&2
 cargo clippy --workspace --all-targets -q -- -D warnings
 # setup.sh made the Python SDK venv: its tests must run, not skip.
-TINE_REQUIRE_PY_SDK=1 TINE_KERNEL="$kernel" cargo test --workspace --release "$@"
+export TINE_REQUIRE_PY_SDK=1 TINE_KERNEL="$kernel"
+target=${CARGO_TARGET_DIR:-$root/target}
+echo "test: cargo test --workspace --release --no-run, then --doc" >&2
+cargo test --workspace --release --no-run --message-format=json-render-diagnostics >"$target/test-binaries.json"
+cargo test --workspace --release --doc -q
+# The test binaries, several at a time (most boot one-vCPU guests; one at
+# a time left a core idle); arguments go to every binary, e.g. a filter.
+echo "test: scripts/run-tests.py (the workspace's test binaries)" >&2
+python3 "$root/scripts/run-tests.py" --logs "$target/test-logs" -- "$@" <"$target/test-binaries.json"

@@ -1,0 +1,135 @@
+#!/usr/bin/env python3
+"""Runs the workspace's test binaries, several at a time.
+
+`cargo test` runs one test binary after another. Most of ours boot guests
+with one vCPU each, so on this project's 2-core CI host one core sat idle
+for most of the run. This runner takes the executables that
+`cargo test --no-run --message-format=json` built (JSON on stdin), runs
+`--jobs` of them at once (default: the host's cores, at most 4), the
+longest first, each in its package's directory as cargo does, and prints
+each one's results when it ends: its `test` lines and summary when it
+passed, its whole output when it failed. Whole outputs are kept in
+`--logs`. Exits 1 if any binary failed (all of them run regardless), 2 on
+bad input. Arguments after `--` go to every test binary (e.g. a filter).
+
+Binaries of one package never share a process, so tests that must not
+overlap within a binary (a static lock) still do not; tests in different
+binaries already could not share state.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+# Seconds each binary took on the 2-core nested-KVM host (cargo test
+# --release, one at a time, 2026-11-23); only their order matters: the
+# longest start first so that the last to end is a short one. Binaries not
+# listed are fast and run last.
+EXPECTED_SECONDS = {
+    "tine::network": 732,
+    "tine::python_sdk": 377,
+    "tine::load": 271,
+    "tine-sandbox::hostile_guest": 203,
+    "tine::mcp": 202,
+    "vmm::agent": 193,
+    "tine-sandbox::python_warm": 173,
+    "vmm::vsock": 121,
+    "vmm::snapshot": 117,
+    "vmm::branch": 101,
+    "vmm::device_thread": 89,
+    "tine-sandbox::pause": 77,
+    "vmm::boot": 73,
+    "vmm::vcpu_state": 46,
+    "tine::memory_budget": 46,
+    "vmm::seccomp": 26,
+}
+
+
+def binaries(messages):
+    """(name, executable, package directory) of each test executable."""
+    found = []
+    for line in messages:
+        line = line.strip()
+        if not line.startswith("{"):
+            continue
+        m = json.loads(line)
+        if m.get("reason") != "compiler-artifact" or not m.get("executable") or not m["profile"]["test"]:
+            continue
+        # Package ids: "path+file:///dir/name#version" when the package is
+        # named like its directory, else "path+file:///dir#name@version".
+        url, _, fragment = m["package_id"].rpartition("#")
+        package_name = fragment.split("@", 1)[0] if "@" in fragment else url.rstrip("/").rsplit("/", 1)[-1]
+        target = m["target"]
+        kind = target["kind"][0]
+        name = f"{package_name}::{target['name'] if kind == 'test' else kind}"
+        found.append((name, m["executable"], os.path.dirname(m["manifest_path"])))
+    return found
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--jobs", type=int, default=min(os.cpu_count() or 1, 4))
+    ap.add_argument("--logs", default="target/test-logs")
+    ap.add_argument("args", nargs="*", help="passed to every test binary")
+    opts = ap.parse_args()
+    try:
+        todo = binaries(sys.stdin)
+    except (json.JSONDecodeError, KeyError) as e:
+        print(f"run-tests: cannot read cargo's JSON messages: {e}", file=sys.stderr)
+        return 2
+    if not todo:
+        print("run-tests: no test executables in cargo's output", file=sys.stderr)
+        return 2
+    todo.sort(key=lambda b: -EXPECTED_SECONDS.get(b[0], 0))
+    os.makedirs(opts.logs, exist_ok=True)
+    print(f"run-tests: {len(todo)} test binaries, {opts.jobs} at a time; whole outputs in {opts.logs}/", flush=True)
+
+    lock = threading.Lock()
+    results = []
+    queue = list(todo)
+    started = time.monotonic()
+
+    def worker():
+        while True:
+            with lock:
+                if not queue:
+                    return
+                name, exe, cwd = queue.pop(0)
+            log_path = os.path.join(opts.logs, name.replace("::", "--") + ".log")
+            t = time.monotonic()
+            with open(log_path, "wb") as log:
+                rc = subprocess.run([exe, *opts.args], cwd=cwd, stdout=log, stderr=subprocess.STDOUT).returncode
+            took = time.monotonic() - t
+            with open(log_path, encoding="utf-8", errors="replace") as log:
+                text = log.read()
+            if rc == 0:
+                shown = [l for l in text.splitlines() if l.startswith(("test ", "running "))]
+                body = "\n".join(shown)
+            else:
+                body = text
+            with lock:
+                results.append((name, rc, took))
+                verdict = "ok" if rc == 0 else f"FAILED (exit {rc})"
+                print(f"\n==> {name}: {verdict} in {took:.0f} s (at {time.monotonic() - started:.0f} s)\n{body}", flush=True)
+
+    threads = [threading.Thread(target=worker) for _ in range(max(1, opts.jobs))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+
+    failed = [r for r in results if r[1] != 0]
+    print(f"\nrun-tests: {len(results)} binaries in {time.monotonic() - started:.0f} s; slowest:")
+    for name, rc, took in sorted(results, key=lambda r: -r[2])[:12]:
+        print(f"  {took:7.0f} s  {name}{'' if rc == 0 else '  FAILED'}")
+    if failed:
+        print(f"run-tests: {len(failed)} failed: {', '.join(r[0] for r in failed)}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
