@@ -79,6 +79,23 @@ fn run_build_script(script: &str, args: &[&Path]) -> PathBuf {
     PathBuf::from(stdout.lines().last().unwrap_or_else(|| panic!("{script} printed no path")).trim())
 }
 
+/// Takes an exclusive `flock(2)` on `path` (created if missing), waiting
+/// for it: for state that test binaries running at the same time share
+/// on disk. The lock is held until the returned file is dropped.
+pub fn lock_file(path: &Path) -> std::fs::File {
+    if let Some(dir) = path.parent() {
+        let _ = std::fs::create_dir_all(dir);
+    }
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(path)
+        .unwrap_or_else(|e| panic!("cannot open lock file {}: {e}", path.display()));
+    f.lock().unwrap_or_else(|e| panic!("cannot lock {}: {e}", path.display()));
+    f
+}
+
 /// The bzImage built beside [`kernel`] (`$TINE_BZIMAGE` if set).
 pub fn bzimage() -> PathBuf {
     if let Some(k) = std::env::var_os("TINE_BZIMAGE").filter(|v| !v.is_empty()) {

@@ -67,8 +67,14 @@ impl TineServer {
     /// checksums and image identities, and rebuilding it if they do not
     /// match) instead of a cold boot of a minute or more. Tests that are
     /// about the default template's build use [`TineServer::start`].
+    ///
+    /// Test binaries run at the same time (scripts/run-tests.py): a lock
+    /// file beside the copies makes the first server build while the
+    /// others wait for its copy, and keeps a copy from being replaced while
+    /// another server copies it.
     pub fn start_with_default_template(binary: &Path, token: Option<&str>, config: &str) -> TineServer {
         let seed = default_template_seed(binary);
+        let _lock = crate::lock_file(&seed.parent().expect("seed parent").with_extension("lock"));
         let seeded = seed.join("template.json").exists();
         let server = Self::start_seeded(binary, token, config, seeded.then_some(seed.as_path()));
         server.wait_for_default_template(Duration::from_secs(1200));

@@ -32,6 +32,9 @@ pub async fn manager_with_default_template(dir: &Path, limits: Limits) -> Arc<Ma
     })
     .expect("a manager");
     let t = Instant::now();
+    // The test binaries run at the same time: one builds, the others wait
+    // and load its template.
+    let _lock = testkit::lock_file(&shared_templates_dir().with_extension("lock"));
     manager.ensure_default_template(false).await.expect("the default template");
     eprintln!("default template ready in {} ms", t.elapsed().as_millis());
     manager
