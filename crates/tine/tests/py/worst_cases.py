@@ -78,8 +78,9 @@ async def main(url):
                 session,
                 "sandbox_exec",
                 command="head -c 10000000 /dev/urandom > /tmp/big && sha256sum /tmp/big",
-                timeout_secs=300,
+                timeout_secs=600,
             )
+            check("the 10 MB file is written", x["exit_code"] == 0 and x["stdout"], str(x)[:300])
             want = x["stdout"].split()[0]
             h, offset, calls, size = hashlib.sha256(), 0, 0, 0
             while True:
