@@ -81,6 +81,7 @@ async def main(url):
                 timeout_secs=600,
             )
             check("the 10 MB file is written", x["exit_code"] == 0 and x["stdout"], str(x)[:300])
+            print(f"10 MB written and hashed in the guest in {x['duration_ms']} ms", flush=True)
             want = x["stdout"].split()[0]
             h, offset, calls, size = hashlib.sha256(), 0, 0, 0
             while True:
