@@ -12,9 +12,9 @@ passed, its whole output when it failed. Whole outputs are kept in
 `--logs`. Exits 1 if any binary failed (all of them run regardless), 2 on
 bad input. Arguments after `--` go to every test binary (e.g. a filter).
 
-Binaries of one package never share a process, so tests that must not
-overlap within a binary (a static lock) still do not; tests in different
-binaries already could not share state.
+Within a binary, tests run as libtest runs them (a static lock still
+keeps two apart); binaries share nothing in memory, and those that share
+files on disk (a default template) lock them (testkit::lock_file).
 """
 import argparse
 import json
