@@ -289,23 +289,18 @@ impl Resolver {
             bytes_out: raw.len() as u64,
             ..NetRecord::starting(Protocol::Dns, IpAddr::V4(DNS_ADDR), 53, Some(qname.clone()), verdict)
         };
+        // Answered here, at once: sent, then logged with the answer's size.
+        let answer_locally = |this: &Self, sockets: &mut SocketSet<'static>, reply: Vec<u8>, record: NetRecord| {
+            this.reply(sockets, guest, &reply);
+            control.record(NetRecord { bytes_in: reply.len() as u64, duration_ms: Some(0), ..record });
+        };
         if !record.allowed {
-            let reply = error_reply(id, Some(question), ResponseCode::Refused);
-            self.reply(sockets, guest, &reply);
-            let mut record = record;
-            record.bytes_in = reply.len() as u64;
-            record.duration_ms = Some(0);
-            control.record(record);
+            answer_locally(self, sockets, error_reply(id, Some(question), ResponseCode::Refused), record);
             return;
         }
         if let Some(ip) = self.static_hosts.get(&qname).copied() {
-            let reply = static_reply(&msg, &question, ip);
             self.names.insert(ip, &qname);
-            self.reply(sockets, guest, &reply);
-            let mut record = record;
-            record.bytes_in = reply.len() as u64;
-            record.duration_ms = Some(0);
-            control.record(record);
+            answer_locally(self, sockets, static_reply(&msg, &question, ip), record);
             return;
         }
         let record_id = control.record(record);
