@@ -6,11 +6,11 @@
 //! Run: `cargo bench -p tine-benches --bench boot` (env BOOT_RUNS, default 5).
 //! Needs /dev/kvm, and qemu-system-x86 for the comparison.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use tine_benches::{median, time_to_marker};
+use tine_benches::{median, qemu_microvm, time_to_marker, which};
 
 fn main() {
     if !testkit::kvm_available("boot benchmark") {
@@ -35,27 +35,8 @@ fn main() {
         c
     };
     let qemu_cmd = |q: &Path, k: &Path, i: &Path| {
-        let mut c = Command::new(q);
-        let cpu = if profile == vmm::HostProfile::Pvm { "host,-cx16,-arch-capabilities" } else { "host" };
-        c.args([
-            "-M",
-            "microvm,acpi=off,pic=on,pit=on,rtc=off,isa-serial=on",
-            "-enable-kvm",
-            "-cpu",
-            cpu,
-            "-m",
-            "256",
-            "-smp",
-            "1",
-            "-nodefaults",
-            "-no-user-config",
-            "-nographic",
-            "-serial",
-            "stdio",
-            "-device",
-            "isa-debug-exit,iobase=0xf4,iosize=4",
-            "-kernel",
-        ]);
+        let mut c = qemu_microvm(q, profile, 1, 256);
+        c.args(["-device", "isa-debug-exit,iobase=0xf4,iosize=4", "-kernel"]);
         c.arg(k).arg("-initrd").arg(i).arg("-append").arg(&cmdline);
         c
     };
@@ -89,8 +70,4 @@ fn main() {
     } else {
         println!("qemu-system-x86_64 not found: install qemu-system-x86 for the comparison");
     }
-}
-
-fn which(name: &str) -> Option<PathBuf> {
-    std::env::var_os("PATH")?.to_str()?.split(':').map(|d| Path::new(d).join(name)).find(|p| p.is_file())
 }

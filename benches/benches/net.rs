@@ -18,8 +18,7 @@
 
 use std::io::{Read, Write};
 use std::net::{IpAddr, Ipv4Addr, TcpListener, TcpStream};
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -60,7 +59,7 @@ fn main() {
 
     let tine = run_tine(&kernel, &rootfs, &program, &cmdline);
     report("tine (virtio-net + netstack NAT)", &tine);
-    let qemu = match which("qemu-system-x86_64") {
+    let qemu = match tine_benches::which("qemu-system-x86_64") {
         Some(q) => {
             let r = run_qemu(&q, &kernel, &rootfs, &program, &cmdline, profile);
             report("qemu -M microvm -netdev user (libslirp)", &r);
@@ -139,9 +138,9 @@ fn run_tine(kernel: &Path, rootfs: &Path, program: &Path, cmdline: &str) -> Opti
     parse_result(&text)
 }
 
-/// QEMU's `-M microvm` with the same CPU model the boot benchmark gives it
-/// (see boot.rs), the same disks (read-only) and a virtio-net device on
-/// `-netdev user`, with the same MAC as Tine's NIC.
+/// QEMU's `-M microvm` as [`tine_benches::qemu_microvm`] sets it up (as
+/// the boot benchmark does), with the same disks (read-only) and a
+/// virtio-net device on `-netdev user`, with the same MAC as Tine's NIC.
 fn run_qemu(
     qemu: &Path,
     kernel: &Path,
@@ -153,12 +152,9 @@ fn run_qemu(
     let mut cfg = vmm::VmConfig::new("netbench", kernel);
     cfg.profile = profile;
     cfg.cmdline = cmdline.into();
-    let cpu = if profile == vmm::HostProfile::Pvm { "host,-cx16,-arch-capabilities" } else { "host" };
     let drive = |id: &str, path: &Path| format!("id={id},file={},format=raw,if=none,readonly=on", path.display());
-    let mut c = Command::new(qemu);
-    c.args(["-M", "microvm,acpi=off,pic=on,pit=on,rtc=off,isa-serial=on", "-enable-kvm", "-cpu", cpu]);
-    c.args(["-m", "512", "-smp", "1", "-nodefaults", "-no-user-config", "-nographic", "-no-reboot"]);
-    c.args(["-serial", "stdio"]);
+    let mut c = tine_benches::qemu_microvm(qemu, profile, 1, 512);
+    c.arg("-no-reboot");
     // microvm's virtio-mmio slots follow the order of `-device`: the root
     // disk first, so that it is /dev/vda as in Tine.
     c.args(["-drive", &drive("root", rootfs), "-device", "virtio-blk-device,drive=root"]);
@@ -267,8 +263,4 @@ fn answer(mut conn: TcpStream) -> std::io::Result<()> {
         }
         _ => Ok(()),
     }
-}
-
-fn which(name: &str) -> Option<PathBuf> {
-    std::env::var_os("PATH")?.to_str()?.split(':').map(|d| Path::new(d).join(name)).find(|p| p.is_file())
 }

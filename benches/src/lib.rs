@@ -1,6 +1,7 @@
 //! Shared helpers for Tine's benchmarks.
 
 use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -88,4 +89,23 @@ pub fn process_pss(pid: u32) -> u64 {
 /// Bytes in MiB.
 pub fn mib(bytes: u64) -> f64 {
     bytes as f64 / (1 << 20) as f64
+}
+
+/// `name` found in a directory of `$PATH`, if any.
+pub fn which(name: &str) -> Option<PathBuf> {
+    std::env::var_os("PATH")?.to_str()?.split(':').map(|d| Path::new(d).join(name)).find(|p| p.is_file())
+}
+
+/// `qemu` as the benchmarks compare against: `-M microvm` with KVM, the
+/// legacy PIC/PIT and an ISA serial port on stdio, no default devices,
+/// `vcpus` and `memory_mib` (MiB). On a PVM host the CPU model drops what
+/// that host's KVM cannot run (cx16, arch-capabilities), as Tine's own
+/// CPUID does.
+pub fn qemu_microvm(qemu: &Path, profile: vmm::HostProfile, vcpus: u8, memory_mib: u64) -> Command {
+    let cpu = if profile == vmm::HostProfile::Pvm { "host,-cx16,-arch-capabilities" } else { "host" };
+    let mut c = Command::new(qemu);
+    c.args(["-M", "microvm,acpi=off,pic=on,pit=on,rtc=off,isa-serial=on", "-enable-kvm", "-cpu", cpu]);
+    c.args(["-m", &memory_mib.to_string(), "-smp", &vcpus.to_string()]);
+    c.args(["-nodefaults", "-no-user-config", "-nographic", "-serial", "stdio"]);
+    c
 }
