@@ -3,7 +3,11 @@
 //! Connects through a VM's hybrid-vsock Unix socket (`CONNECT <port>\n`,
 //! answered `OK <host port>\n`), then speaks `tine-protocol`. One task
 //! reads responses and hands each to the caller waiting on its request id,
-//! so calls from many tasks run concurrently on one connection.
+//! so calls from many tasks run concurrently on one connection. Interim
+//! [`tine_protocol::Reply::Progress`] frames (of `ExecWithProgress` and a
+//! `ProcessWait` with progress) go to the call's progress channel, when it
+//! has one, without ending the call; the reader never blocks on them (a
+//! full channel drops the frame).
 //!
 //! A call's request write and its reply share one deadline: a guest that
 //! stops reading its vsock connection (grants no credit) makes the call
@@ -26,13 +30,14 @@ use std::time::Duration;
 
 use tine_protocol::{
     body_len, decode_body, encode, AgentError, AgentInfo, Command, DirEntry, Exec, ExecReply, FileData, FileStat,
-    Manifest, Op, ProtocolError, Python, PythonReply, ReadFile, Reply, Request, Reseed, Response, WriteFile,
-    LENGTH_BYTES, MAX_FILE_CHUNK, MAX_MANIFEST_ENTRIES,
+    Manifest, Op, ProcessInfo, ProcessOutput, ProcessOutputRequest, ProcessWait, ProcessWaited, ProcessWrite, Progress,
+    ProtocolError, Python, PythonReply, ReadFile, Reply, Request, Reseed, Response, Spawn, WriteFile, LENGTH_BYTES,
+    MAX_FILE_CHUNK, MAX_MANIFEST_ENTRIES, MAX_PROCESSES, MAX_PROCESS_CHUNK, PROGRESS_TAIL_BYTES, WAIT_LINE_BYTES,
 };
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::UnixStream;
-use tokio::sync::oneshot;
+use tokio::sync::{mpsc, oneshot};
 
 /// The agent's vsock port (defined by the protocol).
 pub use tine_protocol::AGENT_PORT;
@@ -83,7 +88,16 @@ pub enum ClientError {
     Abandoned,
 }
 
-type Waiters = Arc<Mutex<HashMap<u64, oneshot::Sender<Result<Reply, AgentError>>>>>;
+/// One call waiting for its answer.
+struct Waiter {
+    /// Takes the final answer.
+    done: oneshot::Sender<Result<Reply, AgentError>>,
+    /// Takes interim [`Reply::Progress`] frames, when the caller asked for
+    /// them.
+    progress: Option<mpsc::Sender<Progress>>,
+}
+
+type Waiters = Arc<Mutex<HashMap<u64, Waiter>>>;
 
 /// A connection to one guest agent.
 pub struct AgentClient {
@@ -123,8 +137,13 @@ fn reply_kind(r: &Reply) -> &'static str {
         Reply::Info(_) => "info",
         Reply::Done => "done",
         Reply::Manifest(_) => "manifest",
-        #[allow(unreachable_patterns)]
-        _ => "other",
+        Reply::PythonWarm { .. } => "python warm-up",
+        Reply::Progress(_) => "progress",
+        Reply::Process(_) => "process",
+        Reply::Processes(_) => "processes",
+        Reply::ProcessOutput(_) => "process output",
+        Reply::ProcessWaited(_) => "process waited",
+        Reply::ProcessWritten { .. } => "process written",
     }
 }
 
@@ -160,16 +179,43 @@ async fn read_loop(mut r: BufReader<OwnedReadHalf>, waiters: Waiters) {
                 break;
             }
         };
+        if let Ok(Reply::Progress(p)) = resp.result {
+            route_progress(&waiters, resp.id, p);
+            continue;
+        }
         let waiter = waiters.lock().unwrap_or_else(|p| p.into_inner()).remove(&resp.id);
         match waiter {
-            Some(tx) => {
-                let _ = tx.send(resp.result);
+            Some(w) => {
+                let _ = w.done.send(resp.result);
             }
             None => tracing::debug!("agent answered request {} after its caller stopped waiting", resp.id),
         }
     }
     // Wake every waiter: their senders drop here.
     waiters.lock().unwrap_or_else(|p| p.into_inner()).clear();
+}
+
+/// Hands an interim progress frame to the call `id` waits on, if it asked
+/// for progress: never blocks the reader (a full channel drops the frame),
+/// and drops a frame whose tails exceed [`PROGRESS_TAIL_BYTES`]. The call
+/// keeps waiting for its final answer either way.
+fn route_progress(waiters: &Waiters, id: u64, p: Progress) {
+    let tails = at_most("progress stdout tail (bytes)", p.stdout_tail.len() as u64, PROGRESS_TAIL_BYTES as u64)
+        .and_then(|()| at_most("progress stderr tail (bytes)", p.stderr_tail.len() as u64, PROGRESS_TAIL_BYTES as u64));
+    if let Err(e) = tails {
+        tracing::warn!("agent request {id}: {e}; progress frame dropped");
+        return;
+    }
+    let map = waiters.lock().unwrap_or_else(|p| p.into_inner());
+    match map.get(&id).map(|w| w.progress.as_ref()) {
+        Some(Some(tx)) => {
+            if tx.try_send(p).is_err() {
+                tracing::debug!("agent request {id}: progress frame dropped (its reader is behind or gone)");
+            }
+        }
+        Some(None) => tracing::debug!("agent request {id}: progress frame for a call that asked for none"),
+        None => tracing::debug!("agent request {id}: progress frame after its caller stopped waiting"),
+    }
 }
 
 impl AgentClient {
@@ -216,6 +262,18 @@ impl AgentClient {
     /// [`ClientError::Timeout`], [`ClientError::Closed`],
     /// [`ClientError::Abandoned`], [`ClientError::Protocol`].
     pub async fn call(&self, op: Op, timeout: Duration) -> Result<Reply, ClientError> {
+        self.call_inner(op, timeout, None).await
+    }
+
+    /// As [`AgentClient::call`]; interim [`Reply::Progress`] frames of the
+    /// request go to `progress` (when given; a full channel drops them),
+    /// and the call returns the final answer.
+    async fn call_inner(
+        &self,
+        op: Op,
+        timeout: Duration,
+        progress: Option<mpsc::Sender<Progress>>,
+    ) -> Result<Reply, ClientError> {
         let deadline = tokio::time::Instant::now() + timeout;
         if self.abandoned.load(Ordering::SeqCst) {
             return Err(ClientError::Abandoned);
@@ -223,7 +281,7 @@ impl AgentClient {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let frame = encode(&Request { id, op })?;
         let (tx, rx) = oneshot::channel();
-        self.waiters.lock().unwrap_or_else(|p| p.into_inner()).insert(id, tx);
+        self.waiters.lock().unwrap_or_else(|p| p.into_inner()).insert(id, Waiter { done: tx, progress });
         let forget = || {
             self.waiters.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
         };
@@ -278,7 +336,20 @@ impl AgentClient {
         timeout: Duration,
         pick: impl FnOnce(Reply) -> Result<T, Box<Reply>>,
     ) -> Result<T, ClientError> {
-        pick(self.call(op, timeout).await?).map_err(|other| ClientError::Unexpected(reply_kind(&other).to_string()))
+        self.call_for_with(op, timeout, None, pick).await
+    }
+
+    /// As [`AgentClient::call_for`], with interim progress frames sent to
+    /// `progress`.
+    async fn call_for_with<T>(
+        &self,
+        op: Op,
+        timeout: Duration,
+        progress: Option<mpsc::Sender<Progress>>,
+        pick: impl FnOnce(Reply) -> Result<T, Box<Reply>>,
+    ) -> Result<T, ClientError> {
+        pick(self.call_inner(op, timeout, progress).await?)
+            .map_err(|other| ClientError::Unexpected(reply_kind(&other).to_string()))
     }
 
     /// Asks whether the agent is up; returns its version string.
@@ -321,8 +392,19 @@ impl AgentClient {
     /// Errors: as [`AgentClient::ping`].
     pub async fn run(&self, exec: Exec, timeout: Duration) -> Result<ExecReply, ClientError> {
         let limit = output_limit(exec.timeout_ms, exec.output_limit);
+        self.exec_op(Op::Exec(exec), limit, timeout, None).await
+    }
+
+    /// One exec op's call, with its answer's streams checked against `limit`.
+    async fn exec_op(
+        &self,
+        op: Op,
+        limit: u64,
+        timeout: Duration,
+        progress: Option<mpsc::Sender<Progress>>,
+    ) -> Result<ExecReply, ClientError> {
         let r = self
-            .call_for(Op::Exec(exec), timeout, |r| match r {
+            .call_for_with(op, timeout, progress, |r| match r {
                 Reply::Exec(r) => Ok(r),
                 other => Err(Box::new(other)),
             })
@@ -330,6 +412,146 @@ impl AgentClient {
         at_most("exec stdout (bytes)", r.stdout.data.len() as u64, limit)?;
         at_most("exec stderr (bytes)", r.stderr.data.len() as u64, limit)?;
         Ok(r)
+    }
+
+    /// As [`AgentClient::run`], asking the agent for a [`Progress`] frame
+    /// every `progress_ms` (at least [`tine_protocol::MIN_PROGRESS_MS`])
+    /// while the command runs; the frames go to `progress` (a full channel
+    /// drops them; frames with tails over
+    /// [`PROGRESS_TAIL_BYTES`] are dropped).
+    ///
+    /// Errors: as [`AgentClient::run`].
+    pub async fn run_with_progress(
+        &self,
+        exec: Exec,
+        progress_ms: u32,
+        timeout: Duration,
+        progress: mpsc::Sender<Progress>,
+    ) -> Result<ExecReply, ClientError> {
+        let limit = output_limit(exec.timeout_ms, exec.output_limit);
+        self.exec_op(Op::ExecWithProgress { exec, progress_ms }, limit, timeout, Some(progress)).await
+    }
+
+    /// Starts a background process; returns its table entry.
+    ///
+    /// Errors: as [`AgentClient::ping`]; [`ClientError::Agent`] with
+    /// `TooManyProcesses`, `TooLarge` (initial stdin) or a spawn failure.
+    pub async fn spawn(&self, spawn: Spawn, timeout: Duration) -> Result<ProcessInfo, ClientError> {
+        self.call_for(Op::Spawn(spawn), timeout, |r| match r {
+            Reply::Process(p) => Ok(p),
+            other => Err(Box::new(other)),
+        })
+        .await
+    }
+
+    /// The agent's background process table, by id (at most
+    /// [`MAX_PROCESSES`]).
+    ///
+    /// Errors: as [`AgentClient::ping`]; [`ClientError::Oversized`] past
+    /// [`MAX_PROCESSES`].
+    pub async fn processes(&self, timeout: Duration) -> Result<Vec<ProcessInfo>, ClientError> {
+        let list = self
+            .call_for(Op::ProcessList, timeout, |r| match r {
+                Reply::Processes(p) => Ok(p),
+                other => Err(Box::new(other)),
+            })
+            .await?;
+        at_most("process list entries", list.len() as u64, MAX_PROCESSES as u64)?;
+        Ok(list)
+    }
+
+    /// A page of a background process's output (at most `req.max_bytes`,
+    /// clamped to [`MAX_PROCESS_CHUNK`]; 0 = that).
+    ///
+    /// Errors: as [`AgentClient::ping`]; [`ClientError::Agent`] with
+    /// `NoSuchProcess`; [`ClientError::Oversized`].
+    pub async fn process_output(
+        &self,
+        req: ProcessOutputRequest,
+        timeout: Duration,
+    ) -> Result<ProcessOutput, ClientError> {
+        let max = match req.max_bytes {
+            0 => MAX_PROCESS_CHUNK,
+            m => m.min(MAX_PROCESS_CHUNK),
+        };
+        let out = self
+            .call_for(Op::ProcessOutput(req), timeout, |r| match r {
+                Reply::ProcessOutput(o) => Ok(o),
+                other => Err(Box::new(other)),
+            })
+            .await?;
+        at_most("process output data (bytes)", out.data.len() as u64, u64::from(max))?;
+        Ok(out)
+    }
+
+    /// Waits until a text or pattern appears in a background process's
+    /// output, it ends, or the wait's timeout passes (give `timeout` more
+    /// than `wait.timeout_ms`). With `progress` and `wait.progress_ms > 0`
+    /// interim frames go to it.
+    ///
+    /// Errors: as [`AgentClient::ping`]; [`ClientError::Agent`] with
+    /// `NoSuchProcess` or `InvalidRequest`; [`ClientError::Oversized`] for
+    /// tails over [`PROGRESS_TAIL_BYTES`] or a line over [`WAIT_LINE_BYTES`].
+    pub async fn process_wait(
+        &self,
+        wait: ProcessWait,
+        timeout: Duration,
+        progress: Option<mpsc::Sender<Progress>>,
+    ) -> Result<ProcessWaited, ClientError> {
+        let w = self
+            .call_for_with(Op::ProcessWait(wait), timeout, progress, |r| match r {
+                Reply::ProcessWaited(w) => Ok(w),
+                other => Err(Box::new(other)),
+            })
+            .await?;
+        at_most("wait stdout tail (bytes)", w.stdout_tail.len() as u64, PROGRESS_TAIL_BYTES as u64)?;
+        at_most("wait stderr tail (bytes)", w.stderr_tail.len() as u64, PROGRESS_TAIL_BYTES as u64)?;
+        if let Some(m) = &w.found {
+            at_most("wait match line (bytes)", m.line.len() as u64, WAIT_LINE_BYTES as u64)?;
+        }
+        Ok(w)
+    }
+
+    /// Writes to a background process's stdin (and/or closes it); returns
+    /// the bytes written and the process after the write.
+    ///
+    /// Errors: as [`AgentClient::ping`]; [`ClientError::Agent`] with
+    /// `NoSuchProcess`; [`ClientError::Oversized`] when more bytes are
+    /// reported written than were sent.
+    pub async fn process_write(
+        &self,
+        write: ProcessWrite,
+        timeout: Duration,
+    ) -> Result<(u64, ProcessInfo), ClientError> {
+        let sent = write.data.len() as u64;
+        let (bytes, info) = self
+            .call_for(Op::ProcessWrite(write), timeout, |r| match r {
+                Reply::ProcessWritten { bytes, info } => Ok((bytes, info)),
+                other => Err(Box::new(other)),
+            })
+            .await?;
+        at_most("process write count (bytes)", bytes, sent)?;
+        Ok((bytes, info))
+    }
+
+    /// Sends `signal` to a background process's group (and its marked
+    /// descendants), SIGKILL after `escalate_ms` (0: never) if any remain;
+    /// returns the process afterwards.
+    ///
+    /// Errors: as [`AgentClient::ping`]; [`ClientError::Agent`] with
+    /// `NoSuchProcess` or `InvalidRequest` (signal number).
+    pub async fn process_signal(
+        &self,
+        id: u64,
+        signal: i32,
+        escalate_ms: u32,
+        timeout: Duration,
+    ) -> Result<ProcessInfo, ClientError> {
+        self.call_for(Op::ProcessSignal { id, signal, escalate_ms }, timeout, |r| match r {
+            Reply::Process(p) => Ok(p),
+            other => Err(Box::new(other)),
+        })
+        .await
     }
 
     /// Runs a cell in the persistent Python interpreter, waiting up to
@@ -509,6 +731,12 @@ mod tests {
     /// (by request id, in order) without reading further, and then stops
     /// reading: as a guest that grants no more vsock credit.
     fn peer(dir: &Path, answers: Vec<Reply>) -> std::path::PathBuf {
+        peer_frames(dir, answers.into_iter().map(|r| vec![r]).collect())
+    }
+
+    /// As [`peer`], answering each request with several frames (interim
+    /// progress frames, then the final reply).
+    fn peer_frames(dir: &Path, answers: Vec<Vec<Reply>>) -> std::path::PathBuf {
         let path = dir.join("vsock.sock");
         let listener = UnixListener::bind(&path).unwrap();
         std::thread::spawn(move || {
@@ -518,9 +746,11 @@ mod tests {
             let mut line = String::new();
             r.read_line(&mut line).unwrap();
             w.write_all(b"OK 1\n").unwrap();
-            for (i, reply) in answers.into_iter().enumerate() {
+            for (i, frames) in answers.into_iter().enumerate() {
                 let _: Request = tine_protocol::read_message(&mut r).unwrap();
-                write_message(&mut w, &Response { id: i as u64 + 1, result: Ok(reply) }).unwrap();
+                for reply in frames {
+                    write_message(&mut w, &Response { id: i as u64 + 1, result: Ok(reply) }).unwrap();
+                }
             }
             // Never read again; keep the socket open.
             std::thread::sleep(Duration::from_secs(600));
@@ -571,5 +801,125 @@ mod tests {
         // A reply of another kind is named by its kind, not its contents.
         let e = c.ping(Duration::from_secs(5)).await.unwrap_err();
         assert_eq!(e.to_string(), "unexpected reply: done");
+    }
+
+    fn progress(elapsed_ms: u64, stdout_tail: &[u8]) -> Progress {
+        Progress {
+            elapsed_ms,
+            stdout_bytes: stdout_tail.len() as u64,
+            stderr_bytes: 0,
+            stdout_tail: stdout_tail.to_vec(),
+            stderr_tail: Vec::new(),
+        }
+    }
+
+    fn exec_reply(out: &[u8]) -> Reply {
+        Reply::Exec(ExecReply {
+            status: tine_protocol::ExitStatus::Code(0),
+            stdout: tine_protocol::Output { data: out.to_vec(), truncated: false, total_bytes: out.len() as u64 },
+            stderr: tine_protocol::Output::default(),
+            duration_ms: 1500,
+        })
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn progress_frames_before_the_answer_reach_the_caller_and_the_call_completes() {
+        let dir = tempfile::tempdir().unwrap();
+        let frames = vec![
+            Reply::Progress(progress(500, b"line1\n")),
+            Reply::Progress(progress(1000, b"line1\nline2\n")),
+            exec_reply(b"line1\nline2\nline3\n"),
+        ];
+        // A second call without a progress channel: frames for it are
+        // ignored and it still gets its answer.
+        let quiet = vec![Reply::Progress(progress(500, b"x\n")), exec_reply(b"x\n")];
+        let c = AgentClient::connect(&peer_frames(dir.path(), vec![frames, quiet]), AGENT_PORT).await.unwrap();
+        let (tx, mut rx) = mpsc::channel(8);
+        let exec = Exec {
+            command: Command::Shell("for i in 1 2 3; do echo line$i; sleep 0.5; done".into()),
+            cwd: None,
+            env: Vec::new(),
+            stdin: Vec::new(),
+            timeout_ms: 0,
+            output_limit: 0,
+        };
+        let r = c.run_with_progress(exec.clone(), 500, Duration::from_secs(5), tx).await.unwrap();
+        assert_eq!(r.stdout.data, b"line1\nline2\nline3\n");
+        let first = rx.recv().await.unwrap();
+        assert_eq!((first.elapsed_ms, first.stdout_tail.as_slice()), (500, &b"line1\n"[..]));
+        let second = rx.recv().await.unwrap();
+        assert_eq!((second.elapsed_ms, second.stdout_tail.as_slice()), (1000, &b"line1\nline2\n"[..]));
+        // The call's sender is dropped with its waiter: no more frames.
+        assert!(rx.recv().await.is_none());
+        let r = c.run(exec, Duration::from_secs(5)).await.unwrap();
+        assert_eq!(r.stdout.data, b"x\n");
+        assert!(!c.is_broken());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_oversized_progress_tail_is_dropped_and_the_call_still_completes() {
+        let dir = tempfile::tempdir().unwrap();
+        let frames = vec![
+            Reply::Progress(progress(500, &vec![b'a'; PROGRESS_TAIL_BYTES + 1])),
+            Reply::Progress(progress(1000, b"ok\n")),
+            exec_reply(b"ok\n"),
+        ];
+        let c = AgentClient::connect(&peer_frames(dir.path(), vec![frames]), AGENT_PORT).await.unwrap();
+        let (tx, mut rx) = mpsc::channel(8);
+        let exec = Exec {
+            command: Command::Shell("echo ok".into()),
+            cwd: None,
+            env: Vec::new(),
+            stdin: Vec::new(),
+            timeout_ms: 0,
+            output_limit: 0,
+        };
+        let r = c.run_with_progress(exec, 500, Duration::from_secs(5), tx).await.unwrap();
+        assert_eq!(r.stdout.data, b"ok\n");
+        // Only the well-formed frame arrived.
+        let only = rx.recv().await.unwrap();
+        assert_eq!(only.elapsed_ms, 1000);
+        assert!(rx.recv().await.is_none());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn process_replies_are_checked_against_what_was_asked() {
+        let dir = tempfile::tempdir().unwrap();
+        let info = ProcessInfo {
+            id: 1,
+            command: "cat".into(),
+            pid: 42,
+            status: None,
+            group_alive: true,
+            started_unix_ms: 1,
+            ended_unix_ms: None,
+            stdout: tine_protocol::StreamState::default(),
+            stderr: tine_protocol::StreamState::default(),
+            stdin_open: true,
+        };
+        let page = Reply::ProcessOutput(ProcessOutput {
+            info: info.clone(),
+            stream: tine_protocol::StreamKind::Stdout,
+            offset: 0,
+            data: vec![b'x'; 100],
+            skipped: 0,
+        });
+        let written = Reply::ProcessWritten { bytes: 10, info: info.clone() };
+        let list = Reply::Processes(vec![info.clone(); MAX_PROCESSES + 1]);
+        let c = AgentClient::connect(&peer(dir.path(), vec![page, written, list, Reply::Process(info)]), AGENT_PORT)
+            .await
+            .unwrap();
+        let t = Duration::from_secs(5);
+        let req =
+            ProcessOutputRequest { id: 1, stream: tine_protocol::StreamKind::Stdout, offset: None, max_bytes: 10 };
+        let e = c.process_output(req, t).await.unwrap_err();
+        assert!(matches!(e, ClientError::Oversized { got: 100, max: 10, .. }), "{e}");
+        let write = ProcessWrite { id: 1, data: b"hi".to_vec(), close: false, timeout_ms: 0 };
+        let e = c.process_write(write, t).await.unwrap_err();
+        assert!(matches!(e, ClientError::Oversized { got: 10, max: 2, .. }), "{e}");
+        let e = c.processes(t).await.unwrap_err();
+        assert!(matches!(e, ClientError::Oversized { what: "process list entries", .. }), "{e}");
+        let p = c.process_signal(1, 15, 3000, t).await.unwrap();
+        assert_eq!(p.pid, 42);
     }
 }

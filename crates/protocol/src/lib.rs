@@ -11,7 +11,11 @@
 //! The host sends [`Request`]s, the agent answers each with a
 //! [`Response`] carrying the same `id`; several requests may be in flight
 //! on one connection and answers may come in any order. Failures are
-//! typed ([`AgentError`]), never strings to parse.
+//! typed ([`AgentError`]), never strings to parse. The one exception to
+//! "one answer per request": [`Op::ExecWithProgress`] and
+//! [`Op::ProcessWait`] (with `progress_ms > 0`) send interim
+//! [`Reply::Progress`] frames with the request's id before their final
+//! answer.
 
 #![deny(missing_docs)]
 
@@ -27,8 +31,10 @@ pub use messages::*;
 /// The protocol version this crate speaks. 2: `Op::PythonWarmUp`,
 /// `Reply::PythonWarm` and `PythonReply`'s `value_truncated`, `value_bytes`
 /// and `interpreter_start_ms` (postcard is positional, so a new field is a
-/// new version).
-pub const PROTOCOL_VERSION: u16 = 2;
+/// new version). 3: background processes (`Op::Spawn` .. `Op::ProcessSignal`,
+/// their replies and errors) and progress frames (`Op::ExecWithProgress`,
+/// `Reply::Progress`).
+pub const PROTOCOL_VERSION: u16 = 3;
 /// The guest vsock port the agent listens on (the host connects to it
 /// through the VM's hybrid-vsock socket with `CONNECT <port>\n`).
 pub const AGENT_PORT: u32 = 1024;

@@ -37,6 +37,37 @@ pub const MAX_MANIFEST_ENTRIES: usize = 100_000;
 /// Regular files larger than this (bytes, 256 MiB) are not hashed: their
 /// [`ManifestEntry::sha256`] is `None` (size and mode are still given).
 pub const MAX_HASHED_FILE_BYTES: u64 = 256 << 20;
+/// Bytes each background process keeps of each of its stdout and stderr
+/// (256 KiB): the newest ones; older bytes fall out of the buffer and are
+/// counted ([`StreamState::buffer_start`]).
+pub const PROCESS_BUFFER_BYTES: usize = 256 << 10;
+/// Most entries of the agent's process table (running or ended). A spawn
+/// into a full table evicts the oldest ended entry, or fails with
+/// [`AgentError::TooManyProcesses`] when all are running.
+pub const MAX_PROCESSES: usize = 32;
+/// Most output bytes one [`Op::ProcessOutput`] returns (256 KiB).
+pub const MAX_PROCESS_CHUNK: u32 = 256 << 10;
+/// Most bytes of initial stdin a [`Spawn`] carries (64 KiB: fits an empty
+/// pipe, so the agent writes it without blocking).
+pub const MAX_SPAWN_STDIN: usize = 64 << 10;
+/// Most bytes one [`Op::ProcessWrite`] carries (1 MiB).
+pub const MAX_PROCESS_WRITE: usize = 1 << 20;
+/// Most bytes of a [`WaitFor`] text or pattern.
+pub const MAX_WAIT_PATTERN_BYTES: usize = 1024;
+/// Most bytes of [`WaitMatch::line`] (the line around a match; cut).
+pub const WAIT_LINE_BYTES: usize = 4096;
+/// Most bytes of each output tail in a [`Progress`] frame and in
+/// [`ProcessWaited`] (the last lines, cut to whole lines when possible).
+pub const PROGRESS_TAIL_BYTES: usize = 1024;
+/// Shortest interval between two [`Progress`] frames (ms); smaller
+/// `progress_ms` values are raised to it.
+pub const MIN_PROGRESS_MS: u32 = 500;
+/// Most bytes of [`ProcessInfo::command`] (the command line, cut on a
+/// character boundary).
+pub const PROCESS_COMMAND_BYTES: usize = 1024;
+/// The default delay (ms) between a SIGTERM to a background process and the
+/// SIGKILL that follows when members of its group are still alive.
+pub const KILL_ESCALATE_MS: u32 = 3000;
 
 /// The timeout (ms) and output cap (bytes) a request asks for, with 0
 /// meaning the defaults ([`DEFAULT_TIMEOUT_MS`], [`DEFAULT_OUTPUT_LIMIT`]).
@@ -159,6 +190,145 @@ pub enum Op {
     /// faulted in. Answered [`Reply::PythonWarm`]; errors as `Python`
     /// ([`AgentError::Unsupported`] without python3).
     PythonWarmUp,
+    /// As [`Op::Exec`], with interim [`Reply::Progress`] frames (same
+    /// request id) every `progress_ms` (at least [`MIN_PROGRESS_MS`]) while
+    /// the command runs, then the final [`Reply::Exec`].
+    ExecWithProgress {
+        /// The command.
+        exec: Exec,
+        /// Interval between progress frames (ms).
+        progress_ms: u32,
+    },
+    /// Start a background process (it outlives the request); answered
+    /// [`Reply::Process`]. Errors: [`AgentError::TooManyProcesses`],
+    /// [`AgentError::TooLarge`] for stdin over [`MAX_SPAWN_STDIN`], as
+    /// `Exec` for a program that cannot start.
+    Spawn(Spawn),
+    /// The process table; answered [`Reply::Processes`] (at most
+    /// [`MAX_PROCESSES`], by id).
+    ProcessList,
+    /// A page of a background process's output; answered
+    /// [`Reply::ProcessOutput`]. Errors: [`AgentError::NoSuchProcess`].
+    ProcessOutput(ProcessOutputRequest),
+    /// Wait until a text or pattern appears in a background process's
+    /// output, it ends, or the timeout passes; interim [`Reply::Progress`]
+    /// frames when `progress_ms > 0`, then [`Reply::ProcessWaited`].
+    /// Errors: [`AgentError::NoSuchProcess`], [`AgentError::InvalidRequest`]
+    /// (pattern, timeout).
+    ProcessWait(ProcessWait),
+    /// Write to a background process's stdin (and/or close it); answered
+    /// [`Reply::ProcessWritten`].
+    ProcessWrite(ProcessWrite),
+    /// Send `signal` to a background process's group (and its marked
+    /// descendants); with `escalate_ms > 0`, SIGKILL them after that long if
+    /// any remain. Answered [`Reply::Process`].
+    ProcessSignal {
+        /// The process's id in the table.
+        id: u64,
+        /// The signal number (1..=64).
+        signal: i32,
+        /// Delay before SIGKILL (ms); 0: no escalation.
+        escalate_ms: u32,
+    },
+}
+
+/// `spawn`: start a background process in its own process group, with
+/// piped stdin, stdout and stderr.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Spawn {
+    /// The command.
+    pub command: Command,
+    /// Working directory (default `/`).
+    pub cwd: Option<String>,
+    /// Extra environment variables (after the agent's defaults, e.g.
+    /// `PYTHONUNBUFFERED=1`).
+    pub env: Vec<(String, String)>,
+    /// Initial stdin (at most [`MAX_SPAWN_STDIN`] bytes).
+    #[serde(with = "serde_bytes")]
+    pub stdin: Vec<u8>,
+    /// Close stdin after the initial bytes (else it stays open for
+    /// [`Op::ProcessWrite`]).
+    pub close_stdin: bool,
+}
+
+/// One of a process's output streams.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum StreamKind {
+    /// Standard output.
+    Stdout,
+    /// Standard error.
+    Stderr,
+}
+
+/// Which output streams a wait watches.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum StreamSet {
+    /// Standard output only.
+    Stdout,
+    /// Standard error only.
+    Stderr,
+    /// Both.
+    Both,
+}
+
+/// `process_output`: read a page of one stream.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ProcessOutputRequest {
+    /// The process's id.
+    pub id: u64,
+    /// Which stream.
+    pub stream: StreamKind,
+    /// Stream offset (bytes since the process started) to read from;
+    /// `None`: the oldest byte still held.
+    pub offset: Option<u64>,
+    /// Most bytes to return (clamped to [`MAX_PROCESS_CHUNK`]; 0 = that).
+    pub max_bytes: u32,
+}
+
+/// What a wait waits for in the output.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum WaitFor {
+    /// This text (bytes, may span lines), at most [`MAX_WAIT_PATTERN_BYTES`].
+    Text(String),
+    /// A regular expression (Rust `regex` syntax, matched against each
+    /// line without its newline, and the unterminated last line), at most
+    /// [`MAX_WAIT_PATTERN_BYTES`].
+    Regex(String),
+}
+
+/// `process_wait`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ProcessWait {
+    /// The process's id.
+    pub id: u64,
+    /// Give up after this long (ms; 0: [`DEFAULT_TIMEOUT_MS`]; at most
+    /// [`MAX_TIMEOUT_MS`]).
+    pub timeout_ms: u32,
+    /// What to wait for; `None`: the process's end.
+    pub until: Option<WaitFor>,
+    /// Which streams to search.
+    pub streams: StreamSet,
+    /// Stdout offset to search from (0: everything still held).
+    pub stdout_from: u64,
+    /// Stderr offset to search from (0: everything still held).
+    pub stderr_from: u64,
+    /// Interval of interim [`Reply::Progress`] frames (ms); 0: none.
+    pub progress_ms: u32,
+}
+
+/// `process_write`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ProcessWrite {
+    /// The process's id.
+    pub id: u64,
+    /// Bytes to write (at most [`MAX_PROCESS_WRITE`]).
+    #[serde(with = "serde_bytes")]
+    pub data: Vec<u8>,
+    /// Close stdin after writing (EOF to the process).
+    pub close: bool,
+    /// Give up writing after this long (ms; 0: 10 s); a partial write
+    /// returns the count written.
+    pub timeout_ms: u32,
 }
 
 /// What `exec` runs.
@@ -272,6 +442,143 @@ pub enum Reply {
         /// was running already.
         interpreter_start_ms: Option<u64>,
     },
+    /// Interim frame of `ExecWithProgress` and of `ProcessWait` with
+    /// `progress_ms > 0`: the request is still running; its final answer
+    /// follows with the same id.
+    Progress(Progress),
+    /// To `Spawn` and `ProcessSignal`.
+    Process(ProcessInfo),
+    /// To `ProcessList`, by id.
+    Processes(Vec<ProcessInfo>),
+    /// To `ProcessOutput`.
+    ProcessOutput(ProcessOutput),
+    /// To `ProcessWait`.
+    ProcessWaited(ProcessWaited),
+    /// To `ProcessWrite`.
+    ProcessWritten {
+        /// Bytes written (fewer than asked on a timeout or a closed pipe).
+        bytes: u64,
+        /// The process after the write.
+        info: ProcessInfo,
+    },
+}
+
+/// A running request's progress.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Progress {
+    /// Time since the request started (ms).
+    pub elapsed_ms: u64,
+    /// Stdout bytes produced so far.
+    pub stdout_bytes: u64,
+    /// Stderr bytes produced so far.
+    pub stderr_bytes: u64,
+    /// The last lines of stdout, at most [`PROGRESS_TAIL_BYTES`].
+    #[serde(with = "serde_bytes")]
+    pub stdout_tail: Vec<u8>,
+    /// The last lines of stderr, at most [`PROGRESS_TAIL_BYTES`].
+    #[serde(with = "serde_bytes")]
+    pub stderr_tail: Vec<u8>,
+}
+
+/// One output stream of a background process.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StreamState {
+    /// Bytes the stream produced.
+    pub total_bytes: u64,
+    /// Offset of the oldest byte still held = bytes that fell out of the
+    /// buffer ([`PROCESS_BUFFER_BYTES`]).
+    pub buffer_start: u64,
+    /// The stream reached EOF.
+    pub closed: bool,
+}
+
+/// A background process, as the agent's table holds it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ProcessInfo {
+    /// Id in the guest's table (1, 2, ...; never reused in a guest).
+    pub id: u64,
+    /// The command line (at most [`PROCESS_COMMAND_BYTES`]).
+    pub command: String,
+    /// The leader's pid, which is also its process group id.
+    pub pid: i32,
+    /// How the leader ended; `None` while it runs (`Code` or `Signal`).
+    pub status: Option<ExitStatus>,
+    /// Some member of its process group is alive.
+    pub group_alive: bool,
+    /// Start time, ms since the Unix epoch (the guest's clock).
+    pub started_unix_ms: u64,
+    /// End time of the leader, ms since the Unix epoch.
+    pub ended_unix_ms: Option<u64>,
+    /// Standard output.
+    pub stdout: StreamState,
+    /// Standard error.
+    pub stderr: StreamState,
+    /// Stdin is still open for writes.
+    pub stdin_open: bool,
+}
+
+/// A page of a background process's output.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ProcessOutput {
+    /// The process.
+    pub info: ProcessInfo,
+    /// The stream read.
+    pub stream: StreamKind,
+    /// Stream offset of `data[0]`.
+    pub offset: u64,
+    /// The bytes (at most the request's `max_bytes`).
+    #[serde(with = "serde_bytes")]
+    pub data: Vec<u8>,
+    /// Bytes between the offset asked for and `offset` that fell out of
+    /// the buffer.
+    pub skipped: u64,
+}
+
+/// How a wait ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum WaitOutcome {
+    /// The text or pattern appeared.
+    Matched,
+    /// The process ended (and its output streams closed, or 1 s passed).
+    Exited,
+    /// The timeout passed.
+    TimedOut,
+}
+
+/// Where a wait's text or pattern appeared.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct WaitMatch {
+    /// The stream.
+    pub stream: StreamKind,
+    /// Stream offset of the match's first byte.
+    pub offset: u64,
+    /// Stream offset just past the match (search from here to find the
+    /// next one).
+    pub end: u64,
+    /// The line holding the match (at most [`WAIT_LINE_BYTES`]).
+    #[serde(with = "serde_bytes")]
+    pub line: Vec<u8>,
+}
+
+/// `process_wait`'s result.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ProcessWaited {
+    /// Why the wait ended.
+    pub outcome: WaitOutcome,
+    /// The match, for [`WaitOutcome::Matched`].
+    pub found: Option<WaitMatch>,
+    /// The process at the end of the wait.
+    pub info: ProcessInfo,
+    /// The last lines of stdout, at most [`PROGRESS_TAIL_BYTES`].
+    #[serde(with = "serde_bytes")]
+    pub stdout_tail: Vec<u8>,
+    /// The last lines of stderr, at most [`PROGRESS_TAIL_BYTES`].
+    #[serde(with = "serde_bytes")]
+    pub stderr_tail: Vec<u8>,
+    /// How long the wait took (ms).
+    pub waited_ms: u64,
+    /// Bytes that fell out of the buffer before they were searched.
+    pub missed: u64,
 }
 
 /// Captured output of one stream.
@@ -529,5 +836,17 @@ pub enum AgentError {
     Unsupported {
         /// Why.
         reason: String,
+    },
+    /// The process table has no such id (never spawned, or evicted).
+    #[error("no background process p{id}")]
+    NoSuchProcess {
+        /// The id asked for.
+        id: u64,
+    },
+    /// The process table is full of running processes.
+    #[error("{max} background processes are running already")]
+    TooManyProcesses {
+        /// The table's size ([`MAX_PROCESSES`]).
+        max: u32,
     },
 }

@@ -11,8 +11,155 @@ fn arb_output() -> impl Strategy<Value = Output> {
         .prop_map(|(data, truncated, total_bytes)| Output { data, truncated, total_bytes })
 }
 
+fn arb_command() -> impl Strategy<Value = Command> {
+    prop_oneof![".{0,40}".prop_map(Command::Shell), proptest::collection::vec(".{0,8}", 0..4).prop_map(Command::Argv)]
+}
+
+fn arb_stream() -> impl Strategy<Value = StreamKind> {
+    prop_oneof![Just(StreamKind::Stdout), Just(StreamKind::Stderr)]
+}
+
+fn arb_stream_set() -> impl Strategy<Value = StreamSet> {
+    prop_oneof![Just(StreamSet::Stdout), Just(StreamSet::Stderr), Just(StreamSet::Both)]
+}
+
+fn arb_wait_for() -> impl Strategy<Value = Option<WaitFor>> {
+    proptest::option::of(prop_oneof![".{0,20}".prop_map(WaitFor::Text), ".{0,20}".prop_map(WaitFor::Regex)])
+}
+
+/// The new process and progress operations (protocol 3).
+fn arb_process_op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        (arb_command(), any::<u32>(), any::<u32>()).prop_map(|(command, timeout_ms, progress_ms)| {
+            Op::ExecWithProgress {
+                exec: Exec { command, cwd: None, env: vec![], stdin: vec![1], timeout_ms, output_limit: 0 },
+                progress_ms,
+            }
+        }),
+        (
+            arb_command(),
+            proptest::option::of(".{0,10}"),
+            proptest::collection::vec((".{0,4}", ".{0,4}"), 0..3),
+            proptest::collection::vec(any::<u8>(), 0..64),
+            any::<bool>()
+        )
+            .prop_map(|(command, cwd, env, stdin, close_stdin)| Op::Spawn(Spawn {
+                command,
+                cwd,
+                env,
+                stdin,
+                close_stdin
+            })),
+        Just(Op::ProcessList),
+        (any::<u64>(), arb_stream(), proptest::option::of(any::<u64>()), any::<u32>()).prop_map(
+            |(id, stream, offset, max_bytes)| Op::ProcessOutput(ProcessOutputRequest { id, stream, offset, max_bytes })
+        ),
+        (any::<u64>(), any::<u32>(), arb_wait_for(), arb_stream_set(), any::<u64>(), any::<u64>(), any::<u32>())
+            .prop_map(|(id, timeout_ms, until, streams, stdout_from, stderr_from, progress_ms)| {
+                Op::ProcessWait(ProcessWait { id, timeout_ms, until, streams, stdout_from, stderr_from, progress_ms })
+            }),
+        (any::<u64>(), proptest::collection::vec(any::<u8>(), 0..64), any::<bool>(), any::<u32>())
+            .prop_map(|(id, data, close, timeout_ms)| Op::ProcessWrite(ProcessWrite { id, data, close, timeout_ms })),
+        (any::<u64>(), any::<i32>(), any::<u32>()).prop_map(|(id, signal, escalate_ms)| Op::ProcessSignal {
+            id,
+            signal,
+            escalate_ms
+        }),
+    ]
+}
+
+fn arb_exit_status() -> impl Strategy<Value = ExitStatus> {
+    prop_oneof![
+        any::<i32>().prop_map(ExitStatus::Code),
+        any::<i32>().prop_map(ExitStatus::Signal),
+        Just(ExitStatus::TimedOut)
+    ]
+}
+
+fn arb_stream_state() -> impl Strategy<Value = StreamState> {
+    (any::<u64>(), any::<u64>(), any::<bool>()).prop_map(|(total_bytes, buffer_start, closed)| StreamState {
+        total_bytes,
+        buffer_start,
+        closed,
+    })
+}
+
+fn arb_process_info() -> impl Strategy<Value = ProcessInfo> {
+    (
+        (any::<u64>(), ".{0,30}", any::<i32>(), proptest::option::of(arb_exit_status()), any::<bool>()),
+        (any::<u64>(), proptest::option::of(any::<u64>()), arb_stream_state(), arb_stream_state(), any::<bool>()),
+    )
+        .prop_map(
+            |(
+                (id, command, pid, status, group_alive),
+                (started_unix_ms, ended_unix_ms, stdout, stderr, stdin_open),
+            )| {
+                ProcessInfo {
+                    id,
+                    command,
+                    pid,
+                    status,
+                    group_alive,
+                    started_unix_ms,
+                    ended_unix_ms,
+                    stdout,
+                    stderr,
+                    stdin_open,
+                }
+            },
+        )
+}
+
+fn arb_bytes() -> impl Strategy<Value = Vec<u8>> {
+    proptest::collection::vec(any::<u8>(), 0..64)
+}
+
+/// The new process and progress replies and errors (protocol 3).
+fn arb_process_result() -> impl Strategy<Value = Result<Reply, AgentError>> {
+    let outcome = prop_oneof![Just(WaitOutcome::Matched), Just(WaitOutcome::Exited), Just(WaitOutcome::TimedOut)];
+    let found = proptest::option::of(
+        (arb_stream(), any::<u64>(), any::<u64>(), arb_bytes()).prop_map(|(stream, offset, end, line)| WaitMatch {
+            stream,
+            offset,
+            end,
+            line,
+        }),
+    );
+    prop_oneof![
+        (any::<u64>(), any::<u64>(), any::<u64>(), arb_bytes(), arb_bytes()).prop_map(
+            |(elapsed_ms, stdout_bytes, stderr_bytes, stdout_tail, stderr_tail)| Ok(Reply::Progress(Progress {
+                elapsed_ms,
+                stdout_bytes,
+                stderr_bytes,
+                stdout_tail,
+                stderr_tail
+            }))
+        ),
+        arb_process_info().prop_map(|i| Ok(Reply::Process(i))),
+        proptest::collection::vec(arb_process_info(), 0..4).prop_map(|v| Ok(Reply::Processes(v))),
+        (arb_process_info(), arb_stream(), any::<u64>(), arb_bytes(), any::<u64>()).prop_map(
+            |(info, stream, offset, data, skipped)| Ok(Reply::ProcessOutput(ProcessOutput {
+                info,
+                stream,
+                offset,
+                data,
+                skipped
+            }))
+        ),
+        ((outcome, found, arb_process_info()), (arb_bytes(), arb_bytes(), any::<u64>(), any::<u64>())).prop_map(
+            |((outcome, found, info), (stdout_tail, stderr_tail, waited_ms, missed))| Ok(Reply::ProcessWaited(
+                ProcessWaited { outcome, found, info, stdout_tail, stderr_tail, waited_ms, missed }
+            ))
+        ),
+        (any::<u64>(), arb_process_info()).prop_map(|(bytes, info)| Ok(Reply::ProcessWritten { bytes, info })),
+        any::<u64>().prop_map(|id| Err(AgentError::NoSuchProcess { id })),
+        any::<u32>().prop_map(|max| Err(AgentError::TooManyProcesses { max })),
+    ]
+}
+
 fn arb_op() -> impl Strategy<Value = Op> {
     prop_oneof![
+        arb_process_op(),
         Just(Op::Ping),
         Just(Op::Info),
         Just(Op::PythonWarmUp),
@@ -68,6 +215,7 @@ fn arb_manifest() -> impl Strategy<Value = Manifest> {
 
 fn arb_result() -> impl Strategy<Value = Result<Reply, AgentError>> {
     prop_oneof![
+        arb_process_result(),
         (arb_output(), arb_output(), any::<i32>()).prop_map(|(stdout, stderr, c)| Ok(Reply::Exec(ExecReply {
             status: ExitStatus::Code(c),
             stdout,
@@ -260,4 +408,52 @@ fn existing_ops_keep_their_wire_tags() {
     assert_eq!(postcard::to_allocvec(&Op::Info).unwrap(), [9]);
     assert_eq!(postcard::to_allocvec(&Op::Manifest { paths: None }).unwrap(), [11, 0]);
     assert_eq!(postcard::to_allocvec(&Reply::Done).unwrap(), [8]);
+    // Protocol 3 appends its operations, replies and errors after them.
+    assert_eq!(postcard::to_allocvec(&Op::PythonWarmUp).unwrap(), [12]);
+    assert_eq!(postcard::to_allocvec(&Op::ProcessList).unwrap(), [15]);
+    assert_eq!(
+        postcard::to_allocvec(&Op::ProcessSignal { id: 1, signal: 15, escalate_ms: 0 }).unwrap(),
+        [19, 1, 30, 0] // i32 is zigzag-encoded
+    );
+    assert_eq!(postcard::to_allocvec(&Reply::Processes(vec![])).unwrap(), [13, 0]);
+    assert_eq!(postcard::to_allocvec(&AgentError::NoSuchProcess { id: 7 }).unwrap(), [10, 7]);
+}
+
+/// The limits the agent and host share hold together: a page, a wait's
+/// line and tails fit in a frame many times over; the table's rings fit
+/// the guest budget of the design (16 MiB).
+#[test]
+fn process_limits_are_consistent() {
+    const {
+        assert!(MAX_PROCESS_CHUNK as usize <= PROCESS_BUFFER_BYTES);
+        assert!(MAX_SPAWN_STDIN <= MAX_PROCESS_WRITE);
+        assert!(MAX_PROCESS_WRITE + 1024 < MAX_FRAME_BYTES);
+        assert!(MAX_PROCESSES * 2 * PROCESS_BUFFER_BYTES <= 16 << 20);
+    }
+    let info = ProcessInfo {
+        id: u64::MAX,
+        command: "x".repeat(PROCESS_COMMAND_BYTES),
+        pid: i32::MAX,
+        status: Some(ExitStatus::Signal(9)),
+        group_alive: true,
+        started_unix_ms: u64::MAX,
+        ended_unix_ms: Some(u64::MAX),
+        stdout: StreamState { total_bytes: u64::MAX, buffer_start: u64::MAX, closed: true },
+        stderr: StreamState::default(),
+        stdin_open: false,
+    };
+    let list = Response { id: 1, result: Ok(Reply::Processes(vec![info.clone(); MAX_PROCESSES])) };
+    assert!(encode(&list).unwrap().len() < 64 << 10);
+    let page = Response {
+        id: 2,
+        result: Ok(Reply::ProcessOutput(ProcessOutput {
+            info,
+            stream: StreamKind::Stderr,
+            offset: 3,
+            data: vec![0xff; MAX_PROCESS_CHUNK as usize],
+            skipped: 9,
+        })),
+    };
+    let frame = encode(&page).unwrap();
+    assert_eq!(read_message::<_, Response>(&mut &frame[..]).unwrap(), page);
 }

@@ -62,6 +62,15 @@ fn decode_every_type(bytes: &[u8]) -> Result<(), TestCaseError> {
     decode_as::<AgentInfo>(bytes)?;
     decode_as::<AgentError>(bytes)?;
     decode_as::<Result<Reply, AgentError>>(bytes)?;
+    decode_as::<Spawn>(bytes)?;
+    decode_as::<ProcessOutputRequest>(bytes)?;
+    decode_as::<ProcessWait>(bytes)?;
+    decode_as::<ProcessWrite>(bytes)?;
+    decode_as::<WaitFor>(bytes)?;
+    decode_as::<Progress>(bytes)?;
+    decode_as::<ProcessInfo>(bytes)?;
+    decode_as::<ProcessOutput>(bytes)?;
+    decode_as::<ProcessWaited>(bytes)?;
     Ok(())
 }
 
@@ -98,7 +107,54 @@ fn seeds() -> Vec<Vec<u8>> {
         Op::Reseed(Reseed { entropy: vec![9; 32], unix_time_ns: 1 << 60 }),
         Op::Manifest { paths: Some(vec!["/tmp".into()]) },
         Op::PythonWarmUp,
+        Op::ExecWithProgress {
+            exec: Exec {
+                command: Command::Shell("make".into()),
+                cwd: None,
+                env: vec![],
+                stdin: vec![],
+                timeout_ms: 0,
+                output_limit: 0,
+            },
+            progress_ms: 2000,
+        },
+        Op::Spawn(Spawn {
+            command: Command::Argv(vec!["python3".into(), "-m".into(), "http.server".into()]),
+            cwd: Some("/tmp".into()),
+            env: vec![("K".into(), "v".into())],
+            stdin: b"x".to_vec(),
+            close_stdin: false,
+        }),
+        Op::ProcessOutput(ProcessOutputRequest {
+            id: 3,
+            stream: StreamKind::Stderr,
+            offset: Some(1 << 40),
+            max_bytes: 7,
+        }),
+        Op::ProcessWait(ProcessWait {
+            id: 3,
+            timeout_ms: 1000,
+            until: Some(WaitFor::Regex("^[0-9]+$".into())),
+            streams: StreamSet::Both,
+            stdout_from: 5,
+            stderr_from: 0,
+            progress_ms: 500,
+        }),
+        Op::ProcessWrite(ProcessWrite { id: 3, data: b"hello\n".to_vec(), close: true, timeout_ms: 0 }),
+        Op::ProcessSignal { id: 3, signal: 15, escalate_ms: KILL_ESCALATE_MS },
     ];
+    let info = ProcessInfo {
+        id: 7,
+        command: "sleep 1000".into(),
+        pid: 321,
+        status: Some(ExitStatus::Signal(15)),
+        group_alive: false,
+        started_unix_ms: 1_700_000_000_000,
+        ended_unix_ms: Some(1_700_000_000_500),
+        stdout: StreamState { total_bytes: 300_000, buffer_start: 37_856, closed: true },
+        stderr: StreamState::default(),
+        stdin_open: true,
+    };
     let results: Vec<Result<Reply, AgentError>> = vec![
         Ok(Reply::Done),
         Ok(Reply::Exec(ExecReply {
@@ -129,6 +185,33 @@ fn seeds() -> Vec<Vec<u8>> {
         })),
         Err(AgentError::NotFound { path: "/nope".into() }),
         Err(AgentError::TooLarge { size: 1 << 40, limit: 1 << 20 }),
+        Ok(Reply::Progress(Progress {
+            elapsed_ms: 2000,
+            stdout_bytes: 12,
+            stderr_bytes: 0,
+            stdout_tail: b"line 1\n".to_vec(),
+            stderr_tail: vec![],
+        })),
+        Ok(Reply::Processes(vec![info.clone(), info.clone()])),
+        Ok(Reply::ProcessOutput(ProcessOutput {
+            info: info.clone(),
+            stream: StreamKind::Stdout,
+            offset: 10,
+            data: b"abc".to_vec(),
+            skipped: 4,
+        })),
+        Ok(Reply::ProcessWaited(ProcessWaited {
+            outcome: WaitOutcome::Matched,
+            found: Some(WaitMatch { stream: StreamKind::Stderr, offset: 4, end: 9, line: b"Serving".to_vec() }),
+            info: info.clone(),
+            stdout_tail: b"t".to_vec(),
+            stderr_tail: vec![],
+            waited_ms: 30,
+            missed: 0,
+        })),
+        Ok(Reply::ProcessWritten { bytes: 6, info }),
+        Err(AgentError::NoSuchProcess { id: 99 }),
+        Err(AgentError::TooManyProcesses { max: MAX_PROCESSES as u32 }),
     ];
     let mut seeds: Vec<Vec<u8>> =
         requests.into_iter().enumerate().map(|(i, op)| encode(&Request { id: i as u64, op }).unwrap()).collect();
@@ -223,7 +306,7 @@ proptest! {
     /// structured inputs reach deep into the decoders.
     #[test]
     fn mutated_messages_decode_without_panic(
-        seed in 0usize..14,
+        seed in 0usize..64,
         muts in proptest::collection::vec(arb_mutation(), 1..6),
     ) {
         let seeds = seeds();
@@ -236,7 +319,7 @@ proptest! {
     /// included) are read to their end.
     #[test]
     fn corrupted_frame_streams_end(
-        picks in proptest::collection::vec(0usize..14, 1..8),
+        picks in proptest::collection::vec(0usize..64, 1..8),
         muts in proptest::collection::vec(arb_mutation(), 0..6),
     ) {
         let seeds = seeds();
