@@ -8,6 +8,11 @@
 //! `/run`, brings the network up (see [`net`]), starts the agent in a
 //! child and reaps every orphan.
 //!
+//! Background processes (spawned by one request, outliving it) live in
+//! the agent's process table (see [`procs`]). `exec` with progress and a
+//! process wait with `progress_ms` send interim `Reply::Progress` frames
+//! with the request's id before their answer.
+//!
 //! `python` cells run in one persistent interpreter per sandbox (see
 //! [`python`]). `manifest` lists what the sandbox changed on its overlay
 //! root and in `/tmp`, with hashes (see [`manifest`]).
@@ -17,23 +22,37 @@ mod files;
 mod init;
 mod manifest;
 mod net;
+mod procs;
 mod python;
 mod sys;
 mod vsock;
 
 use std::io::Write;
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use tine_protocol::{read_message, write_message, AgentError, Op, ProtocolError, Reply, Request, Response, AGENT_PORT};
+use tine_protocol::{
+    read_message, write_message, AgentError, Op, Progress, ProtocolError, Reply, Request, Response, AGENT_PORT,
+};
 
 /// The agent's version.
 pub const AGENT_VERSION: &str = env!("CARGO_PKG_VERSION");
 
-fn handle(op: Op, started: Instant) -> Result<Reply, AgentError> {
+/// Runs one request; `progress` sends an interim `Reply::Progress` frame
+/// for it (used by `ExecWithProgress` and `ProcessWait`).
+fn handle(op: Op, started: Instant, progress: &dyn Fn(Progress)) -> Result<Reply, AgentError> {
     match op {
         Op::Ping => Ok(Reply::Pong { agent_version: AGENT_VERSION.to_string() }),
-        Op::Exec(e) => exec::run(e).map(Reply::Exec),
+        Op::Exec(e) => exec::run(e, None).map(Reply::Exec),
+        Op::ExecWithProgress { exec, progress_ms } => {
+            exec::run(exec, Some((progress, Duration::from_millis(u64::from(progress_ms))))).map(Reply::Exec)
+        }
+        Op::Spawn(s) => procs::spawn(s).map(Reply::Process),
+        Op::ProcessList => Ok(Reply::Processes(procs::list())),
+        Op::ProcessOutput(r) => procs::output(r).map(Reply::ProcessOutput),
+        Op::ProcessWait(w) => procs::wait(w, progress).map(Reply::ProcessWaited),
+        Op::ProcessWrite(w) => procs::write(w).map(|(bytes, info)| Reply::ProcessWritten { bytes, info }),
+        Op::ProcessSignal { id, signal, escalate_ms } => procs::signal(id, signal, escalate_ms).map(Reply::Process),
         Op::Python(p) => python::run(p).map(Reply::Python),
         Op::ReadFile(r) => files::read(&r).map(Reply::File),
         Op::WriteFile(w) => files::write(&w).map(|bytes| Reply::Written { bytes }),
@@ -80,7 +99,15 @@ fn serve(conn: std::fs::File, started: Instant) {
         };
         let writer = writer.clone();
         let spawned = std::thread::Builder::new().name(format!("req-{}", req.id)).spawn(move || {
-            let resp = Response { id: req.id, result: handle(req.op, started) };
+            let id = req.id;
+            // Errors are ignored: the connection may be gone (after a
+            // branch the copy's host side is a new connection).
+            let progress = |p: Progress| {
+                let frame = Response { id, result: Ok(Reply::Progress(p)) };
+                let mut w = writer.lock().unwrap_or_else(|p| p.into_inner());
+                let _ = write_message(&mut *w, &frame).and_then(|()| w.flush().map_err(Into::into));
+            };
+            let resp = Response { id, result: handle(req.op, started, &progress) };
             let mut w = writer.lock().unwrap_or_else(|p| p.into_inner());
             if let Err(e) = write_message(&mut *w, &resp).and_then(|()| w.flush().map_err(Into::into)) {
                 eprintln!("tine-agent: cannot send response {}: {e}", resp.id);
@@ -125,5 +152,63 @@ fn main() {
                 std::thread::sleep(std::time::Duration::from_millis(100));
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::fd::OwnedFd;
+    use std::os::unix::net::UnixStream;
+
+    use tine_protocol::{Command, Exec, ExitStatus, ProcessOutputRequest, StreamKind};
+
+    use super::*;
+
+    /// Over a real connection (a socket pair): an exec with progress gets
+    /// interim frames with its id before its answer; the process ops are
+    /// dispatched (an unknown process is a typed error).
+    #[test]
+    fn progress_frames_precede_the_answer_on_the_wire() {
+        let (agent_end, mut host) = UnixStream::pair().unwrap();
+        let conn = std::fs::File::from(OwnedFd::from(agent_end));
+        std::thread::spawn(move || serve(conn, Instant::now()));
+        let exec = Exec {
+            command: Command::Shell("echo a; sleep 1.2; echo b".into()),
+            cwd: None,
+            env: vec![],
+            stdin: vec![],
+            timeout_ms: 0,
+            output_limit: 0,
+        };
+        write_message(&mut host, &Request { id: 7, op: Op::ExecWithProgress { exec, progress_ms: 500 } }).unwrap();
+        let mut frames = 0;
+        let done = loop {
+            let r: Response = read_message(&mut host).unwrap();
+            assert_eq!(r.id, 7);
+            match r.result {
+                Ok(Reply::Progress(p)) => {
+                    // "a" at once, "b" after 1.2 s (a late frame may see it).
+                    let want: &[u8] = if p.stdout_bytes == 2 { b"a\n" } else { b"a\nb\n" };
+                    assert_eq!(p.stdout_tail, want, "{p:?}");
+                    frames += 1;
+                }
+                Ok(Reply::Exec(e)) => break e,
+                other => panic!("unexpected {other:?}"),
+            }
+        };
+        assert!(frames >= 1);
+        assert_eq!((done.status, done.stdout.data.as_slice()), (ExitStatus::Code(0), &b"a\nb\n"[..]));
+        let op = Op::ProcessOutput(ProcessOutputRequest {
+            id: u64::MAX,
+            stream: StreamKind::Stdout,
+            offset: None,
+            max_bytes: 0,
+        });
+        write_message(&mut host, &Request { id: 8, op }).unwrap();
+        let r: Response = read_message(&mut host).unwrap();
+        assert_eq!((r.id, r.result), (8, Err(AgentError::NoSuchProcess { id: u64::MAX })));
+        write_message(&mut host, &Request { id: 9, op: Op::ProcessList }).unwrap();
+        let r: Response = read_message(&mut host).unwrap();
+        assert!(matches!(r.result, Ok(Reply::Processes(_))), "{r:?}");
     }
 }

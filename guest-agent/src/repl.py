@@ -4,15 +4,15 @@
 # request per line on stdin: {"code": str, "limit": int, "value_limit": int}
 # runs a cell, {"warm": true} runs the warm-up (nothing in the cells'
 # namespace changes); one JSON reply per line on stdout. Cell output goes
-# to bounded buffers, not to the protocol pipe; fds 1 and 2 point at
-# /dev/null for child processes.
-import ast, gc, json, os, signal, sys, traceback
+# to bounded buffers, not to the protocol pipe. Fds 1 and 2 are pipes read
+# by FdCapture, so what child processes (os.system, subprocess) and C code
+# write there lands in the running cell's stdout/stderr; fd 0 is /dev/null.
+import ast, gc, json, os, select, signal, sys, threading, traceback
 
 proto_in = os.fdopen(os.dup(0), "rb")
 proto_out = os.fdopen(os.dup(1), "wb")
 devnull = os.open(os.devnull, os.O_RDWR)
-for fd in (0, 1, 2):
-    os.dup2(devnull, fd)
+os.dup2(devnull, 0)
 
 
 def cut_utf8(b, limit):
@@ -26,6 +26,86 @@ def cut_utf8(b, limit):
     return b[:end]
 
 
+class FdCapture:
+    """Pipes over fds 1 and 2 whose bytes go to the running cell's Capped
+    streams (or nowhere between cells). A daemon thread drains them as
+    they fill, so a child never blocks on a full pipe; every Python-level
+    write first drains what is already in the pipes, so a cell's
+    `print("a"); os.system("echo b"); print("c")` keeps its order. A
+    background child left by an earlier cell writes into whichever cell
+    runs when its bytes arrive."""
+
+    def __init__(self):
+        # Reentrant: a signal handler or a finalizer that prints may run on
+        # the main thread while it holds the lock.
+        self.lock = threading.RLock()
+        self.fds, self.targets = [], {}
+        for fd in (1, 2):
+            r, w = os.pipe()
+            os.dup2(w, fd)
+            os.close(w)
+            os.set_blocking(r, False)
+            self.fds.append(r)
+            self.targets[r] = None
+        self.by_fd = dict(zip((1, 2), self.fds))
+        threading.Thread(target=self.pump, name="fd-capture", daemon=True).start()
+        os.register_at_fork(after_in_child=self.forked)
+
+    @staticmethod
+    def forked():
+        """In a child forked by Python (os.fork, multiprocessing): no pump
+        thread and a lock copied in any state, so its prints go straight to
+        fds 1 and 2, whose bytes the parent's pump takes."""
+        global capture
+        capture = None
+        sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
+
+    def drain_locked(self, r):
+        # At most 1 MiB per call: a child writing as fast as this reads must
+        # not keep the lock (and the cell's prints) forever.
+        for _ in range(16):
+            try:
+                b = os.read(r, 65536)
+            except BlockingIOError:
+                return
+            if not b:
+                return
+            target = self.targets[r]
+            if target is not None:
+                target.add(b)
+
+    def sync_locked(self):
+        ready, _, _ = select.select(self.fds, [], [], 0)
+        for r in ready:
+            self.drain_locked(r)
+
+    def pump(self):
+        while True:
+            ready, _, _ = select.select(self.fds, [], [])
+            with self.lock:
+                for r in ready:
+                    self.drain_locked(r)
+
+    def begin(self, out, err):
+        """Routes fd 1 to `out` and fd 2 to `err` (after discarding what
+        arrived between cells)."""
+        with self.lock:
+            self.sync_locked()
+            self.targets[self.by_fd[1]], self.targets[self.by_fd[2]] = out, err
+
+    def finish(self):
+        """Takes what the cell's children wrote and stops routing."""
+        sys.__stdout__.flush()
+        sys.__stderr__.flush()
+        with self.lock:
+            self.sync_locked()
+            for r in self.fds:
+                self.targets[r] = None
+
+
+capture = None
+
+
 class CappedBytes:
     """The binary side (`sys.stdout.buffer`) of a Capped stream."""
 
@@ -33,7 +113,13 @@ class CappedBytes:
         self.text = text
 
     def write(self, b):
-        self.text.add(bytes(b))
+        b = bytes(b)
+        if capture is None:
+            self.text.add(b)
+        else:
+            with capture.lock:
+                capture.sync_locked()
+                self.text.add(b)
         return len(b)
 
     def flush(self):
@@ -62,7 +148,13 @@ class Capped:
             self.full = True
 
     def write(self, s):
-        self.add(s.encode("utf-8", "replace"))
+        b = s.encode("utf-8", "replace")
+        if capture is None:
+            self.add(b)
+        else:
+            with capture.lock:
+                capture.sync_locked()
+                self.add(b)
         return len(s)
 
     def flush(self):
@@ -114,6 +206,9 @@ def warm_up():
         traceback.format_exc()
     out = Capped(1024)
     print("warm", file=out)
+    capture.begin(out, out)
+    os.write(1, b"warm")
+    capture.finish()
     json.dumps({"value": None, "stdout": out.result()})
     del scratch, tree, last, out
     gc.collect()
@@ -129,6 +224,7 @@ def reply(msg):
 
 
 signal.signal(signal.SIGINT, signal.SIG_IGN)
+capture = FdCapture()
 reply({"ready": True})
 
 while True:
@@ -145,6 +241,7 @@ while True:
     out, err = Capped(req["limit"]), Capped(req["limit"])
     value, value_bytes, value_truncated, exc, timed_out = None, 0, False, None, False
     sys.stdout, sys.stderr = out, err
+    capture.begin(out, err)
     try:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         tree = ast.parse(req["code"], "<cell>", "exec")
@@ -169,6 +266,7 @@ while True:
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         sys.stdout, sys.stderr = real_out, real_err
+        capture.finish()
     if exc is not None:
         exc["message"] = marked(exc["message"], value_limit)
         exc["traceback"] = marked(exc["traceback"], value_limit, tail=True)
