@@ -19,6 +19,12 @@
 //! paths added, removed and modified, with unified diffs of small text
 //! files on request.
 //!
+//! Long calls report progress through the [`CallContext`] they are given
+//! ([`progress`]); what happens to sandboxes is broadcast as
+//! [`SandboxEvent`]s ([`events`], [`Manager::subscribe_events`]).
+//! Background processes in a sandbox's guest are reached by
+//! [`ProcessId`]s (`sb-3:p7`) through [`Manager::spawn`] and its siblings.
+//!
 //! Files: each sandbox owns `<run_dir>/<id>/` with `vsock.sock` (the
 //! hybrid-vsock socket) and `console.log`; the directory goes with the
 //! sandbox.
@@ -26,20 +32,28 @@
 #![deny(missing_docs)]
 
 pub mod diff;
+pub mod events;
 mod limits;
 mod manager;
 pub mod memory;
 pub mod network;
+pub mod progress;
 pub mod templates;
 
 pub use diff::{DiffOptions, DiffReport};
+pub use events::{EventKind, SandboxEvent, Severity};
 pub use limits::{derived_memory_budget_mib, Limits, LimitsError};
 pub use manager::{
-    BackendError, BranchResult, ExecRequest, Lineage, Manager, ManagerConfig, NetworkLog, SandboxError, SandboxId,
-    SandboxInfo, SandboxSpec, SandboxState, Usage,
+    BackendError, BranchResult, ExecRequest, Lineage, Manager, ManagerConfig, NetworkLog, ProcessId, ProcessInfo,
+    ProcessPage, ProcessState, SandboxError, SandboxId, SandboxInfo, SandboxSpec, SandboxState, Usage, WaitResult,
+    WaitSpec,
 };
 pub use memory::{BudgetUse, OverBudget};
+pub use progress::{CallContext, ProgressSink, ProgressUpdate};
 pub use templates::{TemplateError, TemplateInfo, DEFAULT_TEMPLATE};
+/// The protocol's terms for process output streams and waits, as the
+/// process calls take and return them.
+pub use tine_protocol::{StreamKind, StreamSet, WaitFor, WaitMatch, WaitOutcome};
 
 // Locks a mutex, going on with the data of a holder that panicked (every
 // lock here guards plain data that stays consistent): the VMM's helper.

@@ -12,10 +12,13 @@ use vmm::BranchMode;
 
 use super::backend::VmSource;
 use super::control::PAUSE_TIMEOUT;
-use super::sandbox::{Sandbox, Transition};
+use super::lifecycle::ready_event;
+use super::sandbox::{Sandbox, SandboxSetup, Transition};
 use super::{remove_dir, task_failed, unix_ms, Manager, SandboxError, SandboxId, SandboxInfo, SandboxState};
+use crate::events::EventKind;
 use crate::lock;
 use crate::memory::MemoryUse;
+use crate::progress::{human_bytes, CallContext, ProgressSink};
 
 /// What a branch made and what it cost.
 #[derive(Clone, Debug, Serialize)]
@@ -58,14 +61,34 @@ impl Manager {
     /// [`SandboxError::BranchCount`], [`SandboxError::Branch`],
     /// [`SandboxError::ShuttingDown`], and those of starting a sandbox.
     pub async fn branch(self: &Arc<Self>, id: &str, n: usize) -> Result<BranchResult, SandboxError> {
-        let (me, id) = (self.clone(), id.to_string());
-        match tokio::spawn(async move { me.branch_inner(&id, n).await }).await {
+        self.branch_with(id, n, &CallContext::default()).await
+    }
+
+    /// As [`Manager::branch`]; the children's owner is `cx.owner`, else
+    /// the source's. Reports to `cx.progress` (progress: steps, of
+    /// `n + 1`): "branch point taken (...)", then "children ready k/n" as
+    /// each child's agent answers.
+    ///
+    /// Errors: as [`Manager::branch`].
+    pub async fn branch_with(
+        self: &Arc<Self>,
+        id: &str,
+        n: usize,
+        cx: &CallContext,
+    ) -> Result<BranchResult, SandboxError> {
+        let (me, id, cx) = (self.clone(), id.to_string(), cx.clone());
+        match tokio::spawn(async move { me.branch_inner(&id, n, &cx).await }).await {
             Ok(r) => r,
             Err(e) => Err(task_failed("branch task")(e)),
         }
     }
 
-    async fn branch_inner(self: &Arc<Self>, id: &str, n: usize) -> Result<BranchResult, SandboxError> {
+    async fn branch_inner(
+        self: &Arc<Self>,
+        id: &str,
+        n: usize,
+        cx: &CallContext,
+    ) -> Result<BranchResult, SandboxError> {
         let started = Instant::now();
         let source = self.get(id)?;
         match source.state() {
@@ -83,7 +106,7 @@ impl Manager {
             Vec::new()
         };
         let mut point_memory = memory.pop();
-        let children = self.reserve_children(&source, n)?;
+        let children = self.reserve_children(&source, n, cx.owner.or(source.owner))?;
         for (child, r) in children.iter().zip(memory) {
             lock(&child.memory).own = Some(r);
         }
@@ -106,6 +129,17 @@ impl Manager {
             }
         };
         let image = point.image;
+        let total = Some(n as f64 + 1.0);
+        cx.progress.report(
+            1.0,
+            total,
+            format!(
+                "branch point taken ({}, paused {:.1} ms, {} copied)",
+                mode_name(point.mode),
+                ms(point.pause),
+                human_bytes(point.bytes_written)
+            ),
+        );
         // The branch point holds what was copied (zero pages left out), for
         // as long as a child runs from it.
         if let Some(r) = point_memory.as_mut() {
@@ -120,13 +154,20 @@ impl Manager {
         for child in &children {
             let (me, child, image) = (self.clone(), child.clone(), image.clone());
             boots.spawn(async move {
-                me.start(&child, VmSource::Branch(image)).await.map_err(|e| format!("{}: {e}", child.id))
+                let quiet = ProgressSink::none();
+                me.start(&child, VmSource::Branch(image), &quiet, Instant::now())
+                    .await
+                    .map_err(|e| format!("{}: {e}", child.id))
             });
         }
         let mut failed = Vec::new();
+        let mut ready = 0;
         while let Some(r) = boots.join_next().await {
             match r {
-                Ok(Ok(())) => {}
+                Ok(Ok(())) => {
+                    ready += 1;
+                    cx.progress.report(1.0 + ready as f64, total, format!("children ready {ready}/{n}"));
+                }
                 Ok(Err(e)) => failed.push(e),
                 Err(e) => failed.push(e.to_string()),
             }
@@ -142,6 +183,9 @@ impl Manager {
             });
         }
         lock(&source.lineage).children.extend(children.iter().map(|c| c.id.clone()));
+        for child in &children {
+            ready_event(child, format!("branch:{}", source.id));
+        }
         let ready_ms = started.elapsed().as_millis() as u64;
         tracing::info!(sandbox = %source.id, n, mode = ?point.mode, pause = ?point.pause, "branched; children ready in {ready_ms} ms");
         Ok(BranchResult {
@@ -159,19 +203,23 @@ impl Manager {
 
     /// Puts `n` children of `source` in the map, starting, within the
     /// live-sandbox cap.
-    fn reserve_children(&self, source: &Sandbox, n: usize) -> Result<Vec<Arc<Sandbox>>, SandboxError> {
+    fn reserve_children(
+        &self,
+        source: &Sandbox,
+        n: usize,
+        owner: Option<u64>,
+    ) -> Result<Vec<Arc<Sandbox>>, SandboxError> {
         let branched_at = unix_ms();
         let mut nets = (0..n).map(|_| self.inherit_net(source)).collect::<Result<Vec<_>, _>>()?;
         let made = self.reserve(n, |id, dir| {
-            let child = Sandbox::new(
-                id,
-                dir,
-                source.vcpus,
-                source.memory_mib,
-                source.labels.clone(),
-                source.template.clone(),
-                source.idle_timeout,
-            );
+            let setup = SandboxSetup {
+                labels: source.labels.clone(),
+                template: source.template.clone(),
+                idle_timeout: source.idle_timeout,
+                owner,
+                events: Some(self.events.clone()),
+            };
+            let child = Sandbox::new(id, dir, source.vcpus, source.memory_mib, setup);
             *lock(&child.net) = nets.pop().flatten();
             {
                 let mut l = lock(&child.lineage);
@@ -224,6 +272,7 @@ impl Manager {
             .await
             .map_err(task_failed("merge task"))??;
         tracing::info!(winner = %w.id, parent = %p.id, "merged: {} now runs {}'s VM", p.id, w.id);
+        p.emit(EventKind::Merged { winner: w.id.clone() });
         Ok(merged)
     }
 
@@ -339,6 +388,11 @@ impl Manager {
         p.touch();
         Ok(p.info(None))
     }
+}
+
+/// A branch mode's name, as [`BranchResult::mode`] serializes it.
+fn mode_name(mode: BranchMode) -> String {
+    serde_json::to_value(mode).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_else(|| format!("{mode:?}"))
 }
 
 fn ms(d: Duration) -> f64 {

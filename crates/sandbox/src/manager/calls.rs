@@ -12,10 +12,16 @@ use tine_protocol::{Command, DirEntry, Exec, ExecReply, FileData, FileStat, Pyth
 
 use super::{Manager, Sandbox, SandboxError, SandboxState};
 use crate::lock;
+use crate::progress::CallContext;
 
 /// Extra time a call gets beyond the timeout the agent enforces itself
 /// (the agent's answer has to travel back; guests on slow hosts are slow).
-const CALL_GRACE: Duration = Duration::from_secs(30);
+pub(super) const CALL_GRACE: Duration = Duration::from_secs(30);
+/// Interval of the agent's progress frames for a call with progress (ms).
+pub(super) const PROGRESS_MS: u32 = 2000;
+/// Progress frames a call buffers between the client's reader and the
+/// task that reports them (more are dropped: the next one says it all).
+pub(super) const PROGRESS_QUEUE: usize = 8;
 /// Timeout of short agent calls (files, stat): the request's write and the
 /// reply share it. Unit tests (over the fake VM) use 3 s to see a stalled
 /// guest's call fail quickly.
@@ -183,6 +189,16 @@ impl Manager {
     /// [`SandboxError::Agent`], [`SandboxError::Timeout`],
     /// [`SandboxError::Connection`]).
     pub async fn exec(&self, id: &str, req: ExecRequest) -> Result<ExecReply, SandboxError> {
+        self.exec_with(id, req, &CallContext::default()).await
+    }
+
+    /// As [`Manager::exec`]; with an active `cx.progress`, the agent sends
+    /// progress every 2 s, reported as "running 12 s of 60 s; stdout
+    /// 3.1 KiB, stderr 0 B" and the latest output lines (at most 3, each
+    /// at most 200 bytes); progress: seconds, total: the timeout (s).
+    ///
+    /// Errors: as [`Manager::exec`].
+    pub async fn exec_with(&self, id: &str, req: ExecRequest, cx: &CallContext) -> Result<ExecReply, SandboxError> {
         let limits = tine_protocol::effective_limits(req.timeout_ms, req.output_limit)?;
         let exec = Exec {
             command: Command::Shell(req.command),
@@ -193,7 +209,19 @@ impl Manager {
             output_limit: req.output_limit,
         };
         let timeout = Duration::from_millis(u64::from(limits.0)) + CALL_GRACE;
-        self.with_agent(id, |a| async move { a.run(exec, timeout).await }).await
+        if !cx.progress.is_active() {
+            return self.with_agent(id, |a| async move { a.run(exec, timeout).await }).await;
+        }
+        let (sink, total_secs) = (cx.progress.clone(), u64::from(limits.0) / 1000);
+        self.with_agent(id, |a| async move {
+            let (tx, rx) = tokio::sync::mpsc::channel::<tine_protocol::Progress>(PROGRESS_QUEUE);
+            // The client drops its sender with the call's end, which ends
+            // the pump.
+            let pump = crate::progress::report_frames(rx, &sink, "running ", total_secs);
+            let (r, ()) = tokio::join!(a.run_with_progress(exec, PROGRESS_MS, timeout, tx), pump);
+            r
+        })
+        .await
     }
 
     /// Runs a cell in the sandbox's persistent Python interpreter.

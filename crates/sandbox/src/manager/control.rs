@@ -7,11 +7,15 @@ use std::time::{Duration, Instant};
 
 use super::sandbox::Transition;
 use super::{task_failed, unix_ms, Manager, Sandbox, SandboxError, SandboxInfo, SandboxState};
+use crate::events::EventKind;
 use crate::lock;
+use crate::progress::{CallContext, ProgressSink};
 use crate::templates::{TemplateError, TemplateInfo, TemplateMeta};
 
 /// Longest wait for every vCPU to park.
 pub(super) const PAUSE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Steps of a snapshot's progress ([`Manager::snapshot_with`]).
+const SNAPSHOT_STEPS: f64 = 4.0;
 
 impl Manager {
     /// Pauses a running sandbox: its vCPUs stop (no CPU use), its memory,
@@ -81,6 +85,20 @@ impl Manager {
     /// [`SandboxError::Template`] (bad, reserved or taken name, quota),
     /// [`SandboxError::Snapshot`], [`SandboxError::Io`].
     pub async fn snapshot(self: &Arc<Self>, id: &str, name: &str) -> Result<TemplateInfo, SandboxError> {
+        self.snapshot_with(id, name, &CallContext::default()).await
+    }
+
+    /// As [`Manager::snapshot`], reporting its 4 steps to `cx.progress`
+    /// (progress: the step, of 4): warming up Python, warming up the
+    /// shell, pausing the sandbox and copying its memory, template written.
+    ///
+    /// Errors: as [`Manager::snapshot`].
+    pub async fn snapshot_with(
+        self: &Arc<Self>,
+        id: &str,
+        name: &str,
+        cx: &CallContext,
+    ) -> Result<TemplateInfo, SandboxError> {
         crate::templates::check_name(name)?;
         if crate::templates::is_reserved(name) {
             return Err(TemplateError::Reserved(name.to_string()).into());
@@ -90,7 +108,7 @@ impl Manager {
             return Err(SandboxError::Starting(sb.id.clone()));
         }
         sb.touch();
-        self.snapshot_sandbox(&sb, name, false).await?;
+        self.snapshot_sandbox(&sb, name, false, &cx.progress).await?;
         self.template_info(name)
     }
 
@@ -98,18 +116,23 @@ impl Manager {
     /// resumed unless it was paused already), off the async threads. A
     /// running sandbox's Python interpreter is started and warmed up first
     /// ([`warm_up_python`]), so sandboxes restored from the template have
-    /// a ready one.
+    /// a ready one. Reports its steps to `progress` (of 4).
     pub(super) async fn snapshot_sandbox(
         self: &Arc<Self>,
         sb: &Arc<Sandbox>,
         name: &str,
         replace: bool,
+        progress: &ProgressSink,
     ) -> Result<(), SandboxError> {
-        warm_up_python(sb).await;
+        warm_up_python(sb, progress).await;
+        progress.report(3.0, Some(SNAPSHOT_STEPS), format!("pausing {} and copying its memory", sb.id));
         let (me, sb, name) = (self.clone(), sb.clone(), name.to_string());
+        let shown = name.clone();
         tokio::task::spawn_blocking(move || me.snapshot_blocking(&sb, &name, replace))
             .await
-            .map_err(task_failed("snapshot task"))?
+            .map_err(task_failed("snapshot task"))??;
+        progress.report(SNAPSHOT_STEPS, Some(SNAPSHOT_STEPS), format!("template {shown} written"));
+        Ok(())
     }
 
     fn snapshot_blocking(&self, sb: &Sandbox, name: &str, replace: bool) -> Result<(), SandboxError> {
@@ -187,6 +210,7 @@ fn pause_blocking(sb: &Sandbox) -> Result<SandboxInfo, SandboxError> {
         }
         return Err(SandboxError::BadState { id: sb.id.clone(), state: refused.state, what: "pause" });
     }
+    sb.emit(EventKind::Paused);
     sb.touch();
     tracing::info!(sandbox = %sb.id, "paused in {took:?}");
     Ok(sb.info(None))
@@ -206,6 +230,7 @@ fn resume_blocking(sb: &Sandbox) -> Result<SandboxInfo, SandboxError> {
                 state: r.state,
                 what: "resume",
             })?;
+            sb.emit(EventKind::Resumed);
             tracing::info!(sandbox = %sb.id, "resumed");
         }
         state => return Err(SandboxError::BadState { id: sb.id.clone(), state, what: "resume" }),
@@ -222,7 +247,8 @@ const WARM_UP_TIMEOUT: Duration = Duration::from_millis(tine_protocol::PYTHON_ST
 /// agent's warm-up in it (the cells' namespace stays empty), when `sb` is
 /// running. A failure (no python3 in the image, ...) is logged: the
 /// snapshot is still good, its sandboxes start Python on their first cell.
-async fn warm_up_python(sb: &Sandbox) {
+async fn warm_up_python(sb: &Sandbox, progress: &ProgressSink) {
+    progress.report(1.0, Some(SNAPSHOT_STEPS), "warming up Python");
     let agent = {
         let st = lock(&sb.status);
         match st.state {
@@ -242,6 +268,7 @@ async fn warm_up_python(sb: &Sandbox) {
     // The shell too: a command run through `bash -c` once pages bash and
     // the C library into the guest's page cache, which the snapshot keeps,
     // so restored sandboxes' first commands do not read them from disk.
+    progress.report(2.0, Some(SNAPSHOT_STEPS), "warming up the shell");
     match agent.exec("ls / >/dev/null", 60_000, 1024).await {
         Ok(_) => tracing::info!(sandbox = %sb.id, "shell warmed up for a snapshot"),
         Err(e) => tracing::warn!(sandbox = %sb.id, "shell warm-up before a snapshot failed: {e}"),

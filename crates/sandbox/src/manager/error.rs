@@ -172,6 +172,24 @@ pub enum SandboxError {
     /// The server gives sandboxes no network.
     #[error("this server gives sandboxes no network ([network] enabled = false in its configuration)")]
     NoNetwork,
+    /// A process id that does not read `<sandbox_id>:p<n>`.
+    #[error("bad process id {0:?}: process ids look like sb-3:p7")]
+    BadProcessId(String),
+    /// The sandbox's process table has no such process (never started
+    /// there, or evicted after it ended).
+    #[error("no background process {process_id}")]
+    NoSuchProcess {
+        /// The process id asked for (`sb-3:p7`).
+        process_id: String,
+    },
+    /// The sandbox runs as many background processes as its table holds.
+    #[error("sandbox {id} runs {max} background processes already")]
+    TooManyProcesses {
+        /// The sandbox.
+        id: SandboxId,
+        /// The table's size.
+        max: u32,
+    },
     /// A host file or directory operation failed.
     #[error("{what}: {source}")]
     Io {

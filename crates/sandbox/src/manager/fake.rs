@@ -2,8 +2,10 @@
 //! VM's "agent" is a thread answering the agent protocol (`tine_protocol`
 //! framing, after the hybrid-vsock `CONNECT <port>` handshake) on the Unix
 //! socket the manager connects to. Its guest has a tiny in-memory file
-//! system, which a branch point copies and a snapshot leaves alone; tests
-//! can make a start fail or a guest crash.
+//! system and a background process table (entries only, no processes),
+//! which a branch point copies and a snapshot leaves alone; tests can make
+//! a start fail or a guest crash. `ExecWithProgress` and `ProcessWait`
+//! with progress send two fixed progress frames before their answer.
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
@@ -14,8 +16,9 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use tine_protocol::{
-    read_message, write_message, AgentError, AgentInfo, ExecReply, ExitStatus, FileData, Op, Output, PythonReply,
-    Reply, Request, Response,
+    read_message, write_message, AgentError, AgentInfo, Command, ExecReply, ExitStatus, FileData, Op, Output,
+    ProcessInfo, ProcessOutput, ProcessWaited, Progress, PythonReply, Reply, Request, Response, StreamState,
+    WaitOutcome, MAX_PROCESSES,
 };
 use vmm::BranchMode;
 
@@ -24,6 +27,22 @@ use crate::lock;
 
 /// A fake guest's files: path -> contents.
 type Files = BTreeMap<String, Vec<u8>>;
+
+/// A fake guest's background process table.
+#[derive(Clone, Debug)]
+struct Procs {
+    next_id: u64,
+    table: BTreeMap<u64, ProcessInfo>,
+}
+
+impl Default for Procs {
+    fn default() -> Self {
+        Procs { next_id: 1, table: BTreeMap::new() }
+    }
+}
+
+/// What a fake branch point holds: the guest's files and process table.
+type Image = (Files, Procs);
 
 /// Starts fake VMs; tests reach them by name (the sandbox id).
 #[derive(Default)]
@@ -63,16 +82,20 @@ impl VmBackend for FakeBackend {
         if failing.is_ok() {
             return Err(BackendError::new(std::io::Error::other("the fake VM refused to start")));
         }
-        let files = match source {
-            VmSource::Boot | VmSource::Template(_) => Files::new(),
+        let (files, procs) = match source {
+            VmSource::Boot | VmSource::Template(_) => Image::default(),
             VmSource::Branch(image) => image
-                .downcast_ref::<Files>()
+                .downcast_ref::<Image>()
                 .cloned()
                 .ok_or_else(|| BackendError::new(std::io::Error::other("not a fake branch point")))?,
         };
         let listener = UnixListener::bind(&spec.agent_socket).map_err(BackendError::new)?;
-        let shared =
-            Arc::new(Shared { memory_bytes: spec.memory_mib << 20, files: Mutex::new(files), ..Shared::default() });
+        let shared = Arc::new(Shared {
+            memory_bytes: spec.memory_mib << 20,
+            files: Mutex::new(files),
+            procs: Mutex::new(procs),
+            ..Shared::default()
+        });
         let agent = shared.clone();
         std::thread::Builder::new()
             .name(format!("fake-agent-{}", spec.name))
@@ -92,6 +115,7 @@ struct Shared {
     paused: AtomicBool,
     memory_bytes: u64,
     files: Mutex<Files>,
+    procs: Mutex<Procs>,
     /// The agent's connections, shut down when the VM ends.
     connections: Mutex<Vec<UnixStream>>,
 }
@@ -142,17 +166,100 @@ impl Shared {
             return;
         }
         while let Ok(Request { id, op }) = read_message::<_, Request>(&mut reader) {
-            let response = Response { id, result: self.answer(op) };
-            if write_message(&mut writer, &response).is_err() {
+            let mut progress = |p: Progress| {
+                let _ = write_message(&mut writer, &Response { id, result: Ok(Reply::Progress(p)) });
+            };
+            let result = self.answer(op, &mut progress);
+            if write_message(&mut writer, &Response { id, result }).is_err() {
                 return;
             }
         }
     }
 
-    /// The fake guest's answer to `op`.
-    fn answer(&self, op: Op) -> Result<Reply, AgentError> {
+    /// The fake guest's answer to `op`; interim frames go to `progress`.
+    fn answer(&self, op: Op, progress: &mut dyn FnMut(Progress)) -> Result<Reply, AgentError> {
         let output = |data: Vec<u8>| Output { total_bytes: data.len() as u64, data, truncated: false };
+        let two_frames = |progress: &mut dyn FnMut(Progress)| {
+            for (elapsed_ms, tail) in [(2000, &b"line1\n"[..]), (4000, &b"line1\nline2\n"[..])] {
+                progress(Progress {
+                    elapsed_ms,
+                    stdout_bytes: tail.len() as u64,
+                    stderr_bytes: 0,
+                    stdout_tail: tail.to_vec(),
+                    stderr_tail: Vec::new(),
+                });
+            }
+        };
+        let entry = |id: u64| lock(&self.procs).table.get(&id).cloned().ok_or(AgentError::NoSuchProcess { id });
         Ok(match op {
+            Op::ExecWithProgress { exec, .. } => {
+                two_frames(progress);
+                return self.answer(Op::Exec(exec), progress);
+            }
+            Op::Spawn(sp) => {
+                let mut procs = lock(&self.procs);
+                if procs.table.len() >= MAX_PROCESSES {
+                    return Err(AgentError::TooManyProcesses { max: MAX_PROCESSES as u32 });
+                }
+                let id = procs.next_id;
+                procs.next_id += 1;
+                let command = match sp.command {
+                    Command::Shell(s) => s,
+                    Command::Argv(a) => a.join(" "),
+                };
+                let info = ProcessInfo {
+                    id,
+                    command,
+                    pid: 100 + id as i32,
+                    status: None,
+                    group_alive: true,
+                    started_unix_ms: 1,
+                    ended_unix_ms: None,
+                    stdout: StreamState::default(),
+                    stderr: StreamState::default(),
+                    stdin_open: !sp.close_stdin,
+                };
+                procs.table.insert(id, info.clone());
+                Reply::Process(info)
+            }
+            Op::ProcessList => Reply::Processes(lock(&self.procs).table.values().cloned().collect()),
+            Op::ProcessOutput(r) => Reply::ProcessOutput(ProcessOutput {
+                info: entry(r.id)?,
+                stream: r.stream,
+                offset: 0,
+                data: Vec::new(),
+                skipped: 0,
+            }),
+            Op::ProcessWait(w) => {
+                let info = entry(w.id)?;
+                if w.progress_ms > 0 {
+                    two_frames(progress);
+                }
+                Reply::ProcessWaited(ProcessWaited {
+                    outcome: WaitOutcome::TimedOut,
+                    found: None,
+                    info,
+                    stdout_tail: Vec::new(),
+                    stderr_tail: Vec::new(),
+                    waited_ms: u64::from(w.timeout_ms),
+                    missed: 0,
+                })
+            }
+            Op::ProcessWrite(w) => {
+                let bytes = w.data.len() as u64;
+                let mut procs = lock(&self.procs);
+                let info = procs.table.get_mut(&w.id).ok_or(AgentError::NoSuchProcess { id: w.id })?;
+                info.stdin_open &= !w.close;
+                Reply::ProcessWritten { bytes, info: info.clone() }
+            }
+            Op::ProcessSignal { id, signal, .. } => {
+                let mut procs = lock(&self.procs);
+                let info = procs.table.get_mut(&id).ok_or(AgentError::NoSuchProcess { id })?;
+                info.status = Some(ExitStatus::Signal(signal));
+                info.group_alive = false;
+                info.ended_unix_ms = Some(2);
+                Reply::Process(info.clone())
+            }
             Op::Ping => Reply::Pong { agent_version: "fake".into() },
             Op::Reseed(_) => Reply::Done,
             Op::Info => Reply::Info(AgentInfo {
@@ -280,9 +387,9 @@ impl VmHandle for FakeVm {
     }
 
     fn branch(&self, _pause_timeout: Duration) -> Result<BranchPoint, BackendError> {
-        let files = lock(&self.shared.files).clone();
+        let image: Image = (lock(&self.shared.files).clone(), lock(&self.shared.procs).clone());
         Ok(BranchPoint {
-            image: Arc::new(files),
+            image: Arc::new(image),
             mode: BranchMode::CopyWhilePaused,
             fallback_reason: Some("a fake VM".into()),
             pause: Duration::from_micros(1),

@@ -15,10 +15,12 @@ use tine_agent_client::{AgentClient, AGENT_PORT};
 use tine_protocol::Reseed;
 
 use super::backend::{ExitWatch, VmSource, VmSpec};
-use super::sandbox::{Transition, CONSOLE_TAIL_LINES};
+use super::sandbox::{SandboxSetup, Transition, CONSOLE_TAIL_LINES};
 use super::{remove_dir, task_failed, Manager, Sandbox, SandboxError, SandboxId, SandboxInfo, SandboxState};
+use crate::events::EventKind;
 use crate::lock;
 use crate::memory::MemoryUse;
+use crate::progress::{cut, CallContext, ProgressSink};
 use crate::templates::{Template, TemplateError, TemplateInfo, DEFAULT_TEMPLATE};
 
 /// Pause between attempts to reach a booting guest's agent.
@@ -31,6 +33,29 @@ const RESEED_TIMEOUT: Duration = Duration::from_secs(60);
 const SEED_BYTES: usize = 64;
 /// Longest Unix socket path (`sun_path` is 108 bytes with its NUL).
 const MAX_UDS_PATH: usize = 107;
+/// Interval of the progress reports of a wait (for the default template,
+/// for a booting guest's agent).
+const PROGRESS_EVERY: Duration = Duration::from_secs(2);
+/// Most bytes of the console line a boot's progress message quotes.
+const CONSOLE_LINE_BYTES: usize = 160;
+
+/// Why a sandbox is killed ([`Manager::kill_with`]): says which event it
+/// emits.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum EndReason {
+    /// On request: [`EventKind::Killed`].
+    Killed,
+    /// Idle past its timeout: [`EventKind::Reaped`].
+    Reaped {
+        /// How long it was idle (s).
+        idle_secs: u64,
+    },
+}
+
+/// Seconds since `t0`, as a progress value.
+fn secs(t0: Instant) -> f64 {
+    t0.elapsed().as_secs_f64()
+}
 
 /// What to create.
 #[derive(Clone, Debug, Default)]
@@ -87,8 +112,24 @@ impl Manager {
     /// [`SandboxError::Start`], [`SandboxError::Boot`],
     /// [`SandboxError::ShuttingDown`], [`SandboxError::Io`].
     pub async fn create(self: &Arc<Self>, spec: SandboxSpec) -> Result<SandboxInfo, SandboxError> {
-        let me = self.clone();
-        match tokio::spawn(async move { me.create_inner(spec).await }).await {
+        self.create_with(spec, &CallContext::default()).await
+    }
+
+    /// As [`Manager::create`], for the caller `cx.owner` (recorded as the
+    /// sandbox's owner in its events), reporting progress to
+    /// `cx.progress` (progress: seconds since the call): the wait for the
+    /// default template's build (every 2 s, with what the build is doing),
+    /// the wait for a boot slot, the boot or restore, the wait for the
+    /// agent (every 2 s, with the console's last line), the reseed.
+    ///
+    /// Errors: as [`Manager::create`].
+    pub async fn create_with(
+        self: &Arc<Self>,
+        spec: SandboxSpec,
+        cx: &CallContext,
+    ) -> Result<SandboxInfo, SandboxError> {
+        let (me, cx) = (self.clone(), cx.clone());
+        match tokio::spawn(async move { me.create_inner(spec, cx).await }).await {
             Ok(r) => r,
             Err(e) => Err(task_failed("sandbox creation task")(e)),
         }
@@ -106,7 +147,12 @@ impl Manager {
     /// Where a sandbox of `spec` comes from: the named template, else the
     /// default template when it fits the requested shape (waiting for it
     /// if it is being built), else a boot.
-    async fn origin(self: &Arc<Self>, spec: &SandboxSpec) -> Result<(VmSource, u8, u64), SandboxError> {
+    async fn origin(
+        self: &Arc<Self>,
+        spec: &SandboxSpec,
+        progress: &ProgressSink,
+        t0: Instant,
+    ) -> Result<(VmSource, u8, u64), SandboxError> {
         let limits = &self.config.limits;
         if let Some(name) = &spec.template {
             let t = self.load_template(name.clone()).await?;
@@ -121,8 +167,7 @@ impl Manager {
         let vcpus = limits.vcpus(spec.vcpus)?;
         let memory_mib = limits.memory_mib(spec.memory_mib)?;
         if vcpus == limits.default_vcpus && memory_mib == limits.default_memory_mib {
-            let mut building = self.default_building.subscribe();
-            let _ = building.wait_for(|b| !*b).await;
+            self.wait_for_default_build(progress, t0).await;
             match self.load_template(DEFAULT_TEMPLATE.into()).await {
                 Ok(t) if t.meta.vcpus == vcpus && t.meta.memory_mib == memory_mib => {
                     return Ok((VmSource::Template(t), vcpus, memory_mib))
@@ -134,7 +179,34 @@ impl Manager {
         Ok((VmSource::Boot, vcpus, memory_mib))
     }
 
-    async fn create_inner(self: Arc<Self>, spec: SandboxSpec) -> Result<SandboxInfo, SandboxError> {
+    /// Waits until the default template is not being built, reporting
+    /// every 2 s what the build does.
+    async fn wait_for_default_build(&self, progress: &ProgressSink, t0: Instant) {
+        let mut building = self.default_building.subscribe();
+        if !progress.is_active() {
+            let _ = building.wait_for(|b| !*b).await;
+            return;
+        }
+        loop {
+            if !*building.borrow_and_update() {
+                return;
+            }
+            let status = self.default_build_status.borrow().clone();
+            progress.report(
+                secs(t0),
+                None,
+                format!("waiting for the default template (built at server start: {status})"),
+            );
+            let done = async { building.wait_for(|b| !*b).await.is_ok() };
+            tokio::select! {
+                _ = done => return,
+                () = tokio::time::sleep(PROGRESS_EVERY) => {}
+            }
+        }
+    }
+
+    async fn create_inner(self: Arc<Self>, spec: SandboxSpec, cx: CallContext) -> Result<SandboxInfo, SandboxError> {
+        let t0 = Instant::now();
         let limits = &self.config.limits;
         let idle_timeout = limits.idle_timeout(spec.idle_timeout_secs)?;
         limits.check_labels(&spec.labels)?;
@@ -142,28 +214,39 @@ impl Manager {
             return Err(SandboxError::ShuttingDown);
         }
         let net = self.net_control(spec.network.as_ref())?;
-        let (source, vcpus, memory_mib) = self.origin(&spec).await?;
+        let (source, vcpus, memory_mib) = self.origin(&spec, &cx.progress, t0).await?;
         let template = match &source {
             VmSource::Template(t) => Some(t.meta.name.clone()),
             VmSource::Boot | VmSource::Branch(_) => None,
         };
+        let from = template.as_ref().map_or_else(|| "boot".to_string(), |t| format!("template:{t}"));
         // Admission: its memory is reserved before anything starts.
         let memory = self.admit("create", &[(MemoryUse::Sandbox, memory_mib)])?.pop();
         let mut labels = Some(spec.labels);
         let sandbox = self
             .reserve(1, |id, dir| {
-                let labels = labels.take().unwrap_or_default();
-                let sb = Sandbox::new(id, dir, vcpus, memory_mib, labels, template.clone(), idle_timeout);
+                let setup = SandboxSetup {
+                    labels: labels.take().unwrap_or_default(),
+                    template: template.clone(),
+                    idle_timeout,
+                    owner: cx.owner,
+                    events: Some(self.events.clone()),
+                };
+                let sb = Sandbox::new(id, dir, vcpus, memory_mib, setup);
                 *lock(&sb.net) = net.clone();
                 sb
             })?
             .swap_remove(0);
         lock(&sandbox.memory).own = memory;
-        match self.start(&sandbox, source).await {
-            Ok(()) => Ok(sandbox.info(None)),
+        match self.start(&sandbox, source, &cx.progress, t0).await {
+            Ok(()) => {
+                ready_event(&sandbox, from);
+                Ok(sandbox.info(None))
+            }
             Err(e) => {
                 tracing::warn!(sandbox = %sandbox.id, "creation failed: {e}");
                 self.teardown(&sandbox, Some(format!("creation failed: {e}"))).await;
+                sandbox.emit(EventKind::CreateFailed { error: e.to_string() });
                 Err(e)
             }
         }
@@ -221,8 +304,16 @@ impl Manager {
     }
 
     /// Starts `sb`'s VM from `source` and waits until its agent answers,
-    /// then reseeds the guest; `sb` is `running` after.
-    pub(super) async fn start(&self, sb: &Arc<Sandbox>, source: VmSource) -> Result<(), SandboxError> {
+    /// then reseeds the guest; `sb` is `running` after. Reports its steps
+    /// to `progress` (progress: seconds since `t0`). Emits no event: the
+    /// caller knows whether the sandbox is kept.
+    pub(super) async fn start(
+        &self,
+        sb: &Arc<Sandbox>,
+        source: VmSource,
+        progress: &ProgressSink,
+        t0: Instant,
+    ) -> Result<(), SandboxError> {
         let io = |what: String| move |source| SandboxError::Io { what, source };
         let dir = sb.dir();
         std::fs::create_dir(&dir).map_err(io(format!("create {}", dir.display())))?;
@@ -246,6 +337,7 @@ impl Manager {
             Ok(slot) => slot,
             Err(_) => {
                 let waited = Instant::now();
+                progress.report(secs(t0), None, format!("{}: waiting for a boot slot", sb.id));
                 tracing::info!(sandbox = %sb.id, "waiting for a boot/restore slot (the host runs as many as it can serve)");
                 let slot = slots.acquire().await.map_err(|_| SandboxError::ShuttingDown)?;
                 tracing::info!(sandbox = %sb.id, "start admitted after {} ms", waited.elapsed().as_millis());
@@ -273,6 +365,15 @@ impl Manager {
                 .map(|(n, control)| vmm::NetConfig { stack: n.stack.clone(), control }),
         };
         let booted = matches!(source, VmSource::Boot);
+        progress.report(
+            secs(t0),
+            None,
+            match &source {
+                VmSource::Boot => format!("booting {}", sb.id),
+                VmSource::Template(t) => format!("restoring {} from template {}", sb.id, t.meta.name),
+                VmSource::Branch(_) => format!("restoring {} from a branch point", sb.id),
+            },
+        );
         let backend = self.backend.clone();
         let vm = tokio::task::spawn_blocking(move || backend.start(&spec, &source))
             .await
@@ -283,7 +384,8 @@ impl Manager {
         let watch = vm.exit_watch();
         sb.attach_vm(vm).map_err(io("spawn the monitor thread".into()))?;
 
-        let agent = self.wait_for_agent(sb, &*watch, &uds).await?;
+        let agent = self.wait_for_agent(sb, &*watch, &uds, progress, t0).await?;
+        progress.report(secs(t0), None, format!("{}: agent ready; reseeding", sb.id));
         reseed(sb, &agent).await?;
         if booted {
             self.install_ca_certificates(sb, &agent).await?;
@@ -307,10 +409,29 @@ impl Manager {
         sb: &Arc<Sandbox>,
         watch: &dyn ExitWatch,
         uds: &std::path::Path,
+        progress: &ProgressSink,
+        t0: Instant,
     ) -> Result<AgentClient, SandboxError> {
-        let deadline = Instant::now() + Duration::from_secs(self.config.limits.boot_timeout_secs);
+        let since = Instant::now();
+        let deadline = since + Duration::from_secs(self.config.limits.boot_timeout_secs);
         let mut last_error = String::from("no attempt yet");
+        let mut next_report = since + PROGRESS_EVERY;
         loop {
+            if progress.is_active() && Instant::now() >= next_report {
+                next_report += PROGRESS_EVERY;
+                let console = lock(&sb.vm).vm.as_ref().map(|vm| vm.console_tail(1)).unwrap_or_default();
+                let console = cut(console.trim(), CONSOLE_LINE_BYTES);
+                progress.report(
+                    secs(t0),
+                    None,
+                    format!(
+                        "booting {}: {} s of at most {} s; console: {console}",
+                        sb.id,
+                        since.elapsed().as_secs(),
+                        self.config.limits.boot_timeout_secs
+                    ),
+                );
+            }
             if watch.is_stopped() {
                 // The monitor records the reason; give it a moment.
                 let m = lock(&sb.vm).monitor.take();
@@ -347,6 +468,12 @@ impl Manager {
     /// Errors: [`SandboxError::NotFound`], [`SandboxError::Gone`] (killed
     /// or merged away while this kill waited).
     pub async fn kill(&self, id: &str) -> Result<(), SandboxError> {
+        self.kill_with(id, EndReason::Killed).await
+    }
+
+    /// As [`Manager::kill`]; the event emitted says why (killed on
+    /// request, or reaped).
+    pub(super) async fn kill_with(&self, id: &str, why: EndReason) -> Result<(), SandboxError> {
         let sb = self.get(id)?;
         let _control = sb.control.lock().await;
         {
@@ -362,6 +489,10 @@ impl Manager {
         self.leave_parent(&sb);
         self.teardown(&sb, Some("killed".into())).await;
         tracing::info!(sandbox = %id, "sandbox killed");
+        sb.emit(match why {
+            EndReason::Killed => EventKind::Killed,
+            EndReason::Reaped { idle_secs } => EventKind::Reaped { idle_secs },
+        });
         Ok(())
     }
 
@@ -387,14 +518,28 @@ impl Manager {
         let (vcpus, memory_mib) = (limits.vcpus(None)?, limits.memory_mib(None)?);
         // Its VM counts in the memory budget like any sandbox's.
         let memory = self.admit("default template build", &[(MemoryUse::Sandbox, memory_mib)])?.pop();
-        let sb = Arc::new(Sandbox::new(id, dir, vcpus, memory_mib, BTreeMap::new(), None, Duration::MAX));
+        let setup = SandboxSetup {
+            labels: BTreeMap::new(),
+            template: None,
+            idle_timeout: Duration::MAX,
+            owner: None,
+            events: None,
+        };
+        let sb = Arc::new(Sandbox::new(id, dir, vcpus, memory_mib, setup));
         lock(&sb.memory).own = memory;
         *lock(&sb.net) = self.net_control(None)?;
         tracing::info!("building the default template (a cold boot)");
-        let r = match self.start(&sb, VmSource::Boot).await {
-            Ok(()) => self.snapshot_sandbox(&sb, DEFAULT_TEMPLATE, true).await,
+        // Creates waiting for the build quote what it is doing.
+        let status = self.default_build_status.clone();
+        status.send_replace("starting a cold boot".into());
+        let steps = ProgressSink::new(move |u| {
+            status.send_replace(u.message);
+        });
+        let r = match self.start(&sb, VmSource::Boot, &steps, Instant::now()).await {
+            Ok(()) => self.snapshot_sandbox(&sb, DEFAULT_TEMPLATE, true, &steps).await,
             Err(e) => Err(e),
         };
+        self.default_build_status.send_replace("finished".into());
         self.teardown(&sb, None).await;
         match r {
             Ok(()) => {
@@ -407,6 +552,13 @@ impl Manager {
             }
         }
     }
+}
+
+/// Emits `sb`'s [`EventKind::Ready`], its VM from `source` (`boot`,
+/// `template:<t>`, `branch:<parent>`).
+pub(super) fn ready_event(sb: &Sandbox, source: String) {
+    let boot_ms = lock(&sb.status).boot_ms.unwrap_or_default();
+    sb.emit(EventKind::Ready { boot_ms, source });
 }
 
 /// Hands a new guest host entropy and the host's clock: a restored one

@@ -3,8 +3,8 @@
 //!
 //! The rest is split by concern, one `impl Manager` per file:
 //! [`lifecycle`] (create, kill, the default template), [`control`] (pause,
-//! resume, snapshot), [`calls`] (agent calls), [`branch`] (branch and
-//! merge), [`diff`] (file-system diffs). A sandbox and its state machine
+//! resume, snapshot), [`calls`] (agent calls), [`processes`] (background
+//! processes), [`branch`] (branch and merge), [`diff`] (file-system diffs). A sandbox and its state machine
 //! are in [`sandbox`], the VM seam in [`backend`] (real: [`kvm`]), the
 //! errors in [`error`].
 
@@ -32,6 +32,7 @@ mod fake;
 mod kvm;
 mod lifecycle;
 mod network;
+mod processes;
 mod sandbox;
 #[cfg(test)]
 mod tests;
@@ -43,6 +44,7 @@ pub use calls::ExecRequest;
 pub use error::SandboxError;
 pub use lifecycle::SandboxSpec;
 pub use network::NetworkLog;
+pub use processes::{ProcessId, ProcessInfo, ProcessPage, ProcessState, WaitResult, WaitSpec};
 use sandbox::Sandbox;
 pub use sandbox::{Lineage, SandboxInfo, SandboxState, Usage};
 
@@ -104,6 +106,11 @@ pub struct Manager {
     memory: Arc<MemoryBudget>,
     /// Whether the default template is being built.
     default_building: tokio::sync::watch::Sender<bool>,
+    /// What the default template's build is doing now (one line), for
+    /// creates waiting for it.
+    default_build_status: tokio::sync::watch::Sender<String>,
+    /// What happens to sandboxes ([`Manager::subscribe_events`]).
+    events: tokio::sync::broadcast::Sender<crate::events::SandboxEvent>,
 }
 
 /// Milliseconds since the Unix epoch, now.
@@ -161,6 +168,8 @@ impl Manager {
             memory,
             backend,
             default_building: tokio::sync::watch::Sender::new(false),
+            default_build_status: tokio::sync::watch::Sender::new(String::from("not started")),
+            events: tokio::sync::broadcast::Sender::new(crate::events::EVENT_CAPACITY),
             sandboxes: Mutex::new(BTreeMap::new()),
             next_id: AtomicU64::new(1),
             shutting_down: AtomicBool::new(false),
@@ -171,6 +180,15 @@ impl Manager {
             call_slots: tokio::sync::Semaphore::new(config.limits.concurrent_boots()),
             config,
         }))
+    }
+
+    /// A receiver of every [`crate::SandboxEvent`] from now on (ready,
+    /// paused, resumed, killed, reaped, merged, stopped, crashed, create
+    /// failed). The channel holds [`crate::events::EVENT_CAPACITY`] events
+    /// for a slow receiver, which then loses the oldest
+    /// (`RecvError::Lagged` says how many).
+    pub fn subscribe_events(&self) -> tokio::sync::broadcast::Receiver<crate::events::SandboxEvent> {
+        self.events.subscribe()
     }
 
     /// The limits in force.
@@ -310,8 +328,9 @@ impl Manager {
                     .map(|s| s.id.clone())
                     .collect();
                 for id in idle {
+                    let idle_secs = lock(&me.sandboxes).get(&id).map(|s| s.idle().as_secs()).unwrap_or_default();
                     tracing::info!(sandbox = %id, "idle timeout: killing");
-                    let _ = me.kill(&id).await;
+                    let _ = me.kill_with(&id, lifecycle::EndReason::Reaped { idle_secs }).await;
                 }
             }
         })

@@ -36,8 +36,12 @@ use tine_agent_client::AgentClient;
 
 use super::backend::{ExitWatch, VmEnd, VmHandle};
 use super::{unix_ms, SandboxId};
+use crate::events::{keep_end, EventKind, SandboxEvent, CONSOLE_TAIL_BYTES};
 use crate::lock;
 use crate::memory::Reservation;
+
+/// Most bytes of a crash event's `error` (its start is kept).
+const CRASH_ERROR_BYTES: usize = 4 << 10;
 
 /// Guest console lines kept in a boot timeout's error.
 pub(super) const CONSOLE_TAIL_LINES: usize = 25;
@@ -218,6 +222,20 @@ pub(super) struct MemoryHeld {
     pub branch_point: Option<Arc<Reservation>>,
 }
 
+/// What a new sandbox is given besides its id, directory and shape.
+pub(super) struct SandboxSetup {
+    pub labels: BTreeMap<String, String>,
+    /// The template it is restored from (`None`: booted, or a branch child
+    /// of a booted sandbox).
+    pub template: Option<String>,
+    pub idle_timeout: Duration,
+    /// The key of the caller it is made for ([`crate::CallContext::owner`]).
+    pub owner: Option<u64>,
+    /// Where its events go (`None`: nowhere, e.g. the default template's
+    /// build VM).
+    pub events: Option<tokio::sync::broadcast::Sender<SandboxEvent>>,
+}
+
 /// One sandbox. See the module doc for the lock order.
 pub(super) struct Sandbox {
     pub id: SandboxId,
@@ -250,19 +268,16 @@ pub(super) struct Sandbox {
     /// no network). A merge gives a sandbox its winner's VM, and with it
     /// the winner's.
     pub net: Mutex<Option<Arc<netstack::control::NetControl>>>,
+    /// The key of the caller it was made for.
+    pub owner: Option<u64>,
+    /// Where its events go.
+    events: Option<tokio::sync::broadcast::Sender<SandboxEvent>>,
 }
 
 impl Sandbox {
     /// A sandbox in state `starting`, created now, with no VM yet.
-    pub fn new(
-        id: SandboxId,
-        dir: PathBuf,
-        vcpus: u8,
-        memory_mib: u64,
-        labels: BTreeMap<String, String>,
-        template: Option<String>,
-        idle_timeout: Duration,
-    ) -> Self {
+    pub fn new(id: SandboxId, dir: PathBuf, vcpus: u8, memory_mib: u64, setup: SandboxSetup) -> Self {
+        let SandboxSetup { labels, template, idle_timeout, owner, events } = setup;
         Sandbox {
             id,
             vcpus,
@@ -270,6 +285,8 @@ impl Sandbox {
             labels,
             template,
             idle_timeout,
+            owner,
+            events,
             created: Instant::now(),
             created_at_ms: unix_ms(),
             control: tokio::sync::Mutex::new(()),
@@ -282,6 +299,15 @@ impl Sandbox {
             busy: AtomicU64::new(0),
             net: Mutex::new(None),
         }
+    }
+
+    /// Broadcasts `kind` as this sandbox's event (no subscriber: dropped).
+    /// Takes `lineage`: call it holding none of the sandbox's locks.
+    pub fn emit(&self, kind: EventKind) {
+        let Some(tx) = &self.events else { return };
+        let parent = lock(&self.lineage).parent.clone();
+        let event = SandboxEvent { sandbox_id: self.id.clone(), owner: self.owner, parent, at_ms: unix_ms(), kind };
+        let _ = tx.send(event);
     }
 
     pub fn state(&self) -> SandboxState {
@@ -424,6 +450,11 @@ impl Sandbox {
     fn on_vm_exit(&self) {
         let Some(mut vm) = lock(&self.vm).vm.take() else { return };
         let end = vm.stop();
+        // Read before the VM goes: a crash's event carries it.
+        let console = match end {
+            VmEnd::GuestFault(_) => vm.console_tail(CONSOLE_TAIL_LINES),
+            _ => String::new(),
+        };
         drop(vm);
         drop(std::mem::take(&mut *lock(&self.memory)));
         let (state, error) = match end {
@@ -433,7 +464,17 @@ impl Sandbox {
             VmEnd::GuestFault(e) => (SandboxState::Failed, e),
         };
         tracing::warn!(sandbox = %self.id, ?state, "sandbox ended: {}", error.lines().next().unwrap_or(""));
-        self.end(state, Some(error));
+        let ended = self.transition(Transition::End { to: state, error: Some(error.clone()) }).is_ok();
+        if ended {
+            self.emit(match state {
+                SandboxState::Failed => EventKind::Crashed {
+                    // Its first line says what happened.
+                    error: crate::progress::cut(&error, CRASH_ERROR_BYTES),
+                    console_tail: keep_end(&console, CONSOLE_TAIL_BYTES),
+                },
+                _ => EventKind::Stopped { reason: error },
+            });
+        }
     }
 
     /// Puts `vm` in the sandbox and starts the thread that waits for it to

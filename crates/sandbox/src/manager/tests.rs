@@ -543,3 +543,218 @@ async fn kill_waits_for_the_sandboxs_control_operations() {
     let e = s.manager.kill(&id).await.unwrap_err();
     assert!(matches!(e, SandboxError::NotFound(_)), "{e}");
 }
+
+/// A progress sink that records every update.
+fn recorder() -> (crate::ProgressSink, Arc<std::sync::Mutex<Vec<crate::ProgressUpdate>>>) {
+    let got = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let g = got.clone();
+    (crate::ProgressSink::new(move |u| g.lock().unwrap().push(u)), got)
+}
+
+/// The messages `got` recorded so far.
+fn messages(got: &std::sync::Mutex<Vec<crate::ProgressUpdate>>) -> Vec<String> {
+    got.lock().unwrap().iter().map(|u| u.message.clone()).collect()
+}
+
+/// The next event, within 5 s.
+async fn next_event(rx: &mut tokio::sync::broadcast::Receiver<crate::SandboxEvent>) -> crate::SandboxEvent {
+    tokio::time::timeout(Duration::from_secs(5), rx.recv()).await.expect("an event within 5 s").expect("an event")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_follow_a_sandboxs_life_with_its_owner() {
+    use crate::{EventKind, Severity};
+    let s = setup(limits(4));
+    let mut rx = s.manager.subscribe_events();
+    let cx = crate::CallContext { owner: Some(7), ..Default::default() };
+    let id = s.manager.create_with(SandboxSpec::default(), &cx).await.unwrap().sandbox_id;
+    let e = next_event(&mut rx).await;
+    assert_eq!((e.sandbox_id.as_str(), e.owner, e.parent.as_deref()), (id.as_str(), Some(7), None));
+    assert!(matches!(&e.kind, EventKind::Ready { source, .. } if source == "boot"), "{e:?}");
+    assert_eq!(e.kind.severity(), Severity::Info);
+    s.manager.pause(&id).await.unwrap();
+    // Pausing a paused sandbox changes nothing and says nothing.
+    s.manager.pause(&id).await.unwrap();
+    assert_eq!(next_event(&mut rx).await.kind, EventKind::Paused);
+    s.manager.resume(&id).await.unwrap();
+    assert_eq!(next_event(&mut rx).await.kind, EventKind::Resumed);
+    s.manager.kill(&id).await.unwrap();
+    assert_eq!(next_event(&mut rx).await.kind, EventKind::Killed);
+
+    // A crash carries the console's last lines; a later kill says nothing
+    // more about the crash.
+    let id = s.manager.create(SandboxSpec::default()).await.unwrap().sandbox_id;
+    assert!(matches!(next_event(&mut rx).await.kind, EventKind::Ready { .. }));
+    s.backend.crash(&id);
+    let e = next_event(&mut rx).await;
+    assert_eq!(e.owner, None);
+    match &e.kind {
+        EventKind::Crashed { error, console_tail } => {
+            assert_eq!(error, "the fake guest crashed");
+            assert_eq!(console_tail, "fake console");
+        }
+        other => panic!("expected a crash, got {other:?}"),
+    }
+    assert_eq!(e.kind.severity(), Severity::Error);
+
+    // A start that fails: create_failed, and no ready.
+    s.backend.fail_next_starts(1);
+    s.manager.create(SandboxSpec::default()).await.unwrap_err();
+    let e = next_event(&mut rx).await;
+    assert!(matches!(&e.kind, EventKind::CreateFailed { error } if error.contains("refused to start")), "{e:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn branch_children_are_ready_with_their_parent_and_a_merge_is_told_on_the_parent() {
+    use crate::EventKind;
+    let s = setup(limits(4));
+    let cx = crate::CallContext { owner: Some(3), ..Default::default() };
+    let parent = s.manager.create_with(SandboxSpec::default(), &cx).await.unwrap().sandbox_id;
+    let mut rx = s.manager.subscribe_events();
+    // Children of a branch without an owner of its own take the source's.
+    let kids = s.manager.branch(&parent, 2).await.unwrap().children;
+    for _ in 0..2 {
+        let e = next_event(&mut rx).await;
+        assert!(kids.iter().any(|k| k.sandbox_id == e.sandbox_id), "{e:?}");
+        assert_eq!((e.owner, e.parent.as_deref()), (Some(3), Some(parent.as_str())));
+        assert!(matches!(&e.kind, EventKind::Ready { source, .. } if *source == format!("branch:{parent}")), "{e:?}");
+    }
+    // Discarded children say nothing.
+    s.backend.fail_next_starts(1);
+    s.manager.branch(&parent, 1).await.unwrap_err();
+    let winner = kids[0].sandbox_id.clone();
+    s.manager.merge_into(&winner, &parent).await.unwrap();
+    let e = next_event(&mut rx).await;
+    assert_eq!(e.sandbox_id, parent);
+    assert_eq!(e.kind, EventKind::Merged { winner });
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_reaper_says_reaped_not_killed() {
+    use crate::{EventKind, Severity};
+    let s = setup(limits(4));
+    let id = s.manager.create(SandboxSpec { idle_timeout_secs: Some(1), ..SandboxSpec::default() }).await.unwrap();
+    let mut rx = s.manager.subscribe_events();
+    let _reaper = s.manager.spawn_reaper(Duration::from_millis(50));
+    let e = next_event(&mut rx).await;
+    assert_eq!(e.sandbox_id, id.sandbox_id);
+    assert!(matches!(e.kind, EventKind::Reaped { idle_secs: 1.. }), "{e:?}");
+    assert_eq!(e.kind.severity(), Severity::Warning);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn create_with_reports_its_steps_and_the_wait_for_the_default_template() {
+    let s = setup(limits(4));
+    let (sink, got) = recorder();
+    let cx = crate::CallContext { owner: None, progress: sink };
+    s.manager.create_with(SandboxSpec::default(), &cx).await.unwrap();
+    let m = messages(&got);
+    assert!(m.iter().any(|l| l == "booting sb-1"), "{m:?}");
+    assert!(m.iter().any(|l| l == "sb-1: agent ready; reseeding"), "{m:?}");
+    let p: Vec<f64> = got.lock().unwrap().iter().map(|u| u.progress).collect();
+    assert!(p.windows(2).all(|w| w[0] <= w[1]), "elapsed seconds never fall: {p:?}");
+
+    // While the default template is being built, a create of the default
+    // shape waits for it and says what the build does.
+    s.manager.default_build_status.send_replace("booting template-9".into());
+    s.manager.default_building.send_replace(true);
+    let (sink, got) = recorder();
+    let cx = crate::CallContext { owner: None, progress: sink };
+    let m = s.manager.clone();
+    let create = tokio::spawn(async move { m.create_with(SandboxSpec::default(), &cx).await });
+    let g = got.clone();
+    eventually("a report of the wait", || {
+        messages(&g).iter().any(|l| l == "waiting for the default template (built at server start: booting template-9)")
+    })
+    .await;
+    assert!(!create.is_finished());
+    s.manager.default_building.send_replace(false);
+    let info = create.await.unwrap().unwrap();
+    assert!(messages(&got).contains(&format!("booting {}", info.sandbox_id)));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn branch_with_reports_the_branch_point_and_children_ready() {
+    let s = setup(limits(4));
+    let id = s.manager.create(SandboxSpec::default()).await.unwrap().sandbox_id;
+    let (sink, got) = recorder();
+    let cx = crate::CallContext { owner: None, progress: sink };
+    s.manager.branch_with(&id, 2, &cx).await.unwrap();
+    let got = got.lock().unwrap().clone();
+    let m: Vec<&str> = got.iter().map(|u| u.message.as_str()).collect();
+    assert_eq!(m.len(), 3, "{m:?}");
+    assert!(m[0].starts_with("branch point taken (copy_while_paused, paused 0.0 ms, "), "{m:?}");
+    assert_eq!(m[1..], ["children ready 1/2", "children ready 2/2"]);
+    assert_eq!(
+        got.iter().map(|u| (u.progress, u.total)).collect::<Vec<_>>(),
+        [(1.0, Some(3.0)), (2.0, Some(3.0)), (3.0, Some(3.0))]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exec_with_progress_reports_the_agents_frames_with_the_latest_lines() {
+    let s = setup(limits(4));
+    let id = s.manager.create(SandboxSpec::default()).await.unwrap().sandbox_id;
+    let (sink, got) = recorder();
+    let cx = crate::CallContext { owner: None, progress: sink };
+    let req = super::ExecRequest { command: "make".into(), ..Default::default() };
+    let r = s.manager.exec_with(&id, req, &cx).await.unwrap();
+    assert_eq!(r.stdout.data, br#"Shell("make")"#);
+    let got = got.lock().unwrap().clone();
+    assert_eq!(got.len(), 2, "{got:?}");
+    assert_eq!(got[0].message, "running 2 s of 60 s; stdout 6 B, stderr 0 B\nline1");
+    assert_eq!(got[1].message, "running 4 s of 60 s; stdout 12 B, stderr 0 B\nline1\nline2");
+    assert_eq!((got[1].progress, got[1].total), (4.0, Some(60.0)));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn background_processes_are_named_by_sandbox_and_carried_into_branch_children() {
+    use super::{ProcessId, ProcessState};
+    let s = setup(limits(4));
+    let id = s.manager.create(SandboxSpec::default()).await.unwrap().sandbox_id;
+    let req = super::ExecRequest { command: "python3 -m http.server".into(), ..Default::default() };
+    let p = s.manager.spawn(&id, req, false).await.unwrap();
+    assert_eq!((p.process_id.as_str(), p.state, p.stdin_open), ("sb-1:p1", ProcessState::Running, true));
+    let pid: ProcessId = p.process_id.parse().unwrap();
+    assert_eq!(s.manager.processes(&id).await.unwrap(), std::slice::from_ref(&p));
+
+    // An id the guest's table lacks: named with its sandbox.
+    let e = s.manager.process_output(&ProcessId::new(&id, 9), crate::StreamKind::Stdout, None, 0).await.unwrap_err();
+    assert!(matches!(&e, SandboxError::NoSuchProcess { process_id } if process_id == "sb-1:p9"), "{e}");
+    let e = s.manager.process_signal(&ProcessId::new(&id, 9), None).await.unwrap_err();
+    assert!(matches!(e, SandboxError::NoSuchProcess { .. }), "{e}");
+    let e = s.manager.processes("sb-9").await.unwrap_err();
+    assert!(matches!(e, SandboxError::NotFound(_)), "{e}");
+
+    // A branch child has its own copy, under its own id.
+    let kid = s.manager.branch(&id, 1).await.unwrap().children.swap_remove(0).sandbox_id;
+    let listed = s.manager.processes(&kid).await.unwrap();
+    assert_eq!(listed.len(), 1);
+    assert_eq!(listed[0].process_id, format!("{kid}:p1"));
+    let killed = s.manager.process_signal(&ProcessId::new(&kid, 1), None).await.unwrap();
+    assert_eq!((killed.state, killed.signal), (ProcessState::Exited, Some(15)));
+    assert_eq!(s.manager.processes(&id).await.unwrap()[0].state, ProcessState::Running, "the source's runs on");
+
+    // Stdin writes, and a wait's progress.
+    let (n, after) = s.manager.process_write(&pid, b"hello\n".to_vec(), true).await.unwrap();
+    assert_eq!((n, after.stdin_open), (6, false));
+    let (sink, got) = recorder();
+    let cx = crate::CallContext { owner: None, progress: sink };
+    let spec = super::WaitSpec {
+        timeout_ms: 30_000,
+        until: Some(crate::WaitFor::Text("Serving HTTP".into())),
+        ..Default::default()
+    };
+    let w = s.manager.process_wait(&pid, spec, &cx).await.unwrap();
+    assert_eq!(w.outcome, crate::WaitOutcome::TimedOut);
+    assert_eq!(w.info.process_id, "sb-1:p1");
+    let m = messages(&got);
+    assert_eq!(m.len(), 2, "{m:?}");
+    assert_eq!(
+        m[1],
+        "waiting for text \"Serving HTTP\" in sb-1:p1: 4 s of 30 s; stdout 12 B, stderr 0 B\nline1\nline2"
+    );
+    // A signal out of range is refused before the guest sees it.
+    let e = s.manager.process_signal(&pid, Some(65)).await.unwrap_err();
+    assert!(matches!(e, SandboxError::Agent(tine_protocol::AgentError::InvalidRequest { .. })), "{e}");
+}
