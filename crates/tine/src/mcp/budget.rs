@@ -62,6 +62,60 @@ pub fn fit_prefix(s: &str, max: usize) -> &str {
     s
 }
 
+/// The longest suffix of `s` (cut on a character boundary) whose JSON
+/// escape takes at most `max` bytes.
+pub fn fit_suffix(s: &str, max: usize) -> &str {
+    let mut used = 0;
+    for (i, c) in s.char_indices().rev() {
+        used += escaped_char_len(c);
+        if used > max {
+            return &s[i + c.len_utf8()..];
+        }
+    }
+    s
+}
+
+/// The lossy UTF-8 text of the longest prefix of `data` whose JSON escape
+/// takes at most `max_json` bytes, and how many bytes of `data` it covers
+/// (a page of raw process output as text).
+///
+/// Walks `data` by [`<[u8]>::utf8_chunks`]: each invalid sequence becomes
+/// one U+FFFD (3 bytes of JSON, as [`String::from_utf8_lossy`] writes it);
+/// a character cut by the end of `data` (the rest may come on the next
+/// page) is left out unless `at_end` says no more bytes follow. The next
+/// page starts at `offset + covered`; `covered < data.len()` means the
+/// page was cut.
+pub fn fit_bytes(data: &[u8], max_json: usize, at_end: bool) -> (String, usize) {
+    const REPLACEMENT_JSON: usize = 3;
+    let mut text = String::new();
+    let (mut used, mut covered) = (0usize, 0usize);
+    let mut chunks = data.utf8_chunks().peekable();
+    while let Some(chunk) = chunks.next() {
+        for c in chunk.valid().chars() {
+            let n = escaped_char_len(c);
+            if used + n > max_json {
+                return (text, covered);
+            }
+            used += n;
+            covered += c.len_utf8();
+            text.push(c);
+        }
+        let bad = chunk.invalid();
+        if bad.is_empty() {
+            continue;
+        }
+        // An incomplete sequence at the very end: a character the page cut.
+        let cut_char = chunks.peek().is_none() && std::str::from_utf8(bad).is_err_and(|e| e.error_len().is_none());
+        if (cut_char && !at_end) || used + REPLACEMENT_JSON > max_json {
+            return (text, covered);
+        }
+        used += REPLACEMENT_JSON;
+        covered += bad.len();
+        text.push(char::REPLACEMENT_CHARACTER);
+    }
+    (text, covered)
+}
+
 /// A text cut to a budget.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Cut {
@@ -147,6 +201,16 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_suffix_fits_its_json_budget_on_a_character_boundary() {
+        assert_eq!(fit_suffix("abc", 10), "abc");
+        assert_eq!(fit_suffix("abcdef", 3), "def");
+        // "é" is 2 bytes of JSON, a NUL 6 (\u0000).
+        assert_eq!(fit_suffix("xéé", 4), "éé");
+        assert_eq!(fit_suffix("x\0é", 7), "é");
+        assert_eq!(fit_suffix("abc", 0), "");
+    }
+
+    #[test]
     fn escaped_len_is_what_serde_json_writes() {
         let mut all: String = (0u32..0x80).filter_map(char::from_u32).collect();
         all.push_str("é€😀\u{7f}\u{2028}\u{fffd}");
@@ -170,6 +234,46 @@ mod tests {
         assert_eq!((c.text.len(), c.truncated), (10, true));
         let c = cut("short".into(), 60);
         assert_eq!((c.text.as_str(), c.truncated), ("short", false));
+    }
+
+    #[test]
+    fn fit_bytes_covers_what_its_text_shows() {
+        // Plain text within the budget: all of it.
+        assert_eq!(fit_bytes(b"hello\n", 100, false), ("hello\n".to_string(), 6));
+        // Escapes count: each newline is 2 bytes of JSON.
+        assert_eq!(fit_bytes(b"\n\n\n", 5, false), ("\n\n".to_string(), 2));
+        // A character cut by the page end waits for the next page...
+        let euro = "€".as_bytes();
+        assert_eq!(fit_bytes(&[b'a', euro[0], euro[1]], 100, false), ("a".to_string(), 1));
+        // ...unless nothing follows: then it is one replacement character.
+        assert_eq!(fit_bytes(&[b'a', euro[0], euro[1]], 100, true), ("a\u{fffd}".to_string(), 3));
+        // Invalid bytes inside the page are replaced, one U+FFFD each
+        // sequence, like from_utf8_lossy, and covered.
+        let data = b"a\xffb\xc3(c";
+        let (text, covered) = fit_bytes(data, 100, false);
+        assert_eq!(text, String::from_utf8_lossy(data));
+        assert_eq!(covered, data.len());
+        // The budget bounds the escaped text, replacements included.
+        let (text, covered) = fit_bytes(b"\xff\xff\xff", 7, false);
+        assert_eq!((text.chars().count(), covered), (2, 2));
+    }
+
+    #[test]
+    fn fit_bytes_pages_rebuild_the_stream() {
+        let stream: Vec<u8> =
+            "line \"é€😀\" \0\x01 ok\n".repeat(200).into_bytes().into_iter().chain([0xff, 0xfe]).collect();
+        for (page, budget) in [(64usize, 50usize), (1000, 40), (4096, 4096), (7, 100)] {
+            let (mut offset, mut text) = (0usize, String::new());
+            while offset < stream.len() {
+                let end = (offset + page).min(stream.len());
+                let (t, covered) = fit_bytes(&stream[offset..end], budget, end == stream.len());
+                assert!(escaped_len(&t) <= budget, "{} > {budget}", escaped_len(&t));
+                assert!(covered > 0, "a page always moves on (page {page}, budget {budget}, at {offset})");
+                text.push_str(&t);
+                offset += covered;
+            }
+            assert_eq!(text, String::from_utf8_lossy(&stream), "page {page}, budget {budget}");
+        }
     }
 
     #[test]

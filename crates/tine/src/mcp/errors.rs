@@ -41,6 +41,44 @@ pub enum ToolError {
         /// The decoded size (bytes).
         bytes: usize,
     },
+    /// `sandbox_exec { background: true }` with `timeout_secs`.
+    #[error(
+        "timeout_secs does not apply to background: true (a background process runs until it ends or is \
+         killed); wait for it with sandbox_process_wait {{ timeout_secs }}, stop it with sandbox_process_kill"
+    )]
+    BackgroundTimeout,
+    /// A background process's first stdin is too large.
+    #[error(
+        "stdin of a background process is at most {max} bytes, got {bytes}; send the rest with sandbox_process_write"
+    )]
+    SpawnStdinTooLarge {
+        /// Given (bytes).
+        bytes: usize,
+        /// The limit (bytes).
+        max: usize,
+    },
+    /// `sandbox_process_write` data too large.
+    #[error("data is at most {max} bytes per call, got {bytes}; split it over several sandbox_process_write calls")]
+    WriteTooLarge {
+        /// Given (bytes).
+        bytes: usize,
+        /// The limit (bytes).
+        max: usize,
+    },
+    /// `sandbox_process_wait` with both `until_text` and `until_regex`.
+    #[error("give until_text or until_regex, not both")]
+    TwoPatterns,
+    /// A wait pattern over the limit.
+    #[error("until_text and until_regex are at most {max} bytes, got {bytes}")]
+    PatternTooLong {
+        /// Given (bytes).
+        bytes: usize,
+        /// The limit (bytes).
+        max: usize,
+    },
+    /// `sandbox_process_kill`'s signal is not one it knows.
+    #[error("unknown signal {0:?}; use TERM, KILL, INT, HUP, QUIT, USR1, USR2, STOP, CONT or a number 1..=64")]
+    Signal(String),
 }
 
 impl IntoContents for ToolError {
@@ -86,6 +124,10 @@ pub fn sandbox_hint(e: &SandboxError) -> Option<String> {
         SandboxError::OverBudget(_) => {
             "; kill sandboxes you no longer need (sandbox_kill), ask for less memory_mib, or try again later"
         }
+        SandboxError::BadProcessId(_) | SandboxError::NoSuchProcess { .. } => {
+            "; process ids look like sb-3:p7, see sandbox_process_list"
+        }
+        SandboxError::TooManyProcesses { .. } => "; kill one with sandbox_process_kill",
         SandboxError::Template(t) => return template_hint(t),
         _ => return None,
     };
@@ -218,12 +260,38 @@ mod tests {
         assert_eq!(sandbox_hint(&stopped), None);
     }
 
+    /// Process errors (their messages are the manager's) end in a hint
+    /// naming the process tools.
+    fn process_errors() -> Vec<(SandboxError, &'static str)> {
+        let ids = "; process ids look like sb-3:p7, see sandbox_process_list";
+        vec![
+            (SandboxError::BadProcessId("p7".into()), ids),
+            (SandboxError::NoSuchProcess { process_id: "sb-3:p9".into() }, ids),
+            (SandboxError::TooManyProcesses { id: "sb-3".into(), max: 32 }, "; kill one with sandbox_process_kill"),
+        ]
+    }
+
+    #[test]
+    fn process_errors_say_where_ids_come_from() {
+        for (e, hint) in process_errors() {
+            let text = with_hint(&e);
+            assert!(text.ends_with(hint) && text.len() > hint.len(), "{text}");
+            assert_eq!(text.matches(hint).count(), 1, "{text}");
+        }
+    }
+
     #[test]
     fn hints_name_only_tools_that_exist() {
-        let tools: Vec<String> =
-            super::super::TineMcp::tool_router().list_all().into_iter().map(|t| t.name.into()).collect();
+        let tools: Vec<String> = super::super::router().list_all().into_iter().map(|t| t.name.into()).collect();
         let paused = SandboxError::BadState { id: "sb-1".into(), state: SandboxState::Paused, what: "x" };
-        let hints = cases().iter().map(|(e, _)| e).chain([&paused]).filter_map(sandbox_hint).collect::<Vec<_>>();
+        let process = process_errors();
+        let hints = cases()
+            .iter()
+            .map(|(e, _)| e)
+            .chain([&paused])
+            .chain(process.iter().map(|(e, _)| e))
+            .filter_map(sandbox_hint)
+            .collect::<Vec<_>>();
         for hint in &hints {
             for word in hint.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')) {
                 if word.starts_with("sandbox_") || word.starts_with("template_") {

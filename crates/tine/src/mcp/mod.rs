@@ -13,14 +13,22 @@
 //! as text) and fit the result budget ([`budget`]); failures are tool
 //! results with `isError: true` and a short message that says what to do
 //! next. Schemas are standard JSON Schema ([`schema`]).
+//!
+//! Long calls report progress when asked ([`progress`]); the session gets
+//! log messages about its sandboxes ([`logging`]); background processes
+//! have their own tools ([`processes`]).
 
 pub mod budget;
 mod errors;
+pub mod logging;
 mod params;
+mod processes;
+pub mod progress;
 mod results;
 pub mod schema;
 mod session;
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use base64::Engine as _;
@@ -30,19 +38,21 @@ use rmcp::handler::server::wrapper::Parameters;
 use rmcp::model::{
     CallToolRequestParams, CallToolResponse, Implementation, JsonObject, ServerCapabilities, ServerConfig,
 };
-use rmcp::service::RequestContext;
+use rmcp::service::{NotificationContext, RequestContext};
 use rmcp::{tool, tool_handler, tool_router, ErrorData, Json, RoleServer, ServerHandler};
 use tine_protocol::MAX_FILE_CHUNK;
 use tine_sandbox::{
-    BranchResult, DiffOptions, DiffReport, ExecRequest, Manager, SandboxInfo, SandboxSpec, TemplateInfo,
+    BranchResult, CallContext, DiffOptions, DiffReport, ExecRequest, Manager, SandboxInfo, SandboxSpec, TemplateInfo,
 };
 
 use errors::ToolError;
+use logging::SessionLog;
 use params::TemplateDeleteParams;
 use params::{
     secs_to_ms, BranchParams, CreateParams, DiffParams, ExecParams, ListDirParams, ListParams, MergeParams,
     NetworkLogParams, PythonParams, ReadParams, SandboxParams, SnapshotParams, UpdateParams, UploadParams, WriteParams,
 };
+use progress::Reporter;
 use results::TemplateDeleteResult;
 use results::{
     DiffResult, DownloadResult, Entry, ExecResult, KillResult, ListDirResult, ListResult, NetworkLogResult,
@@ -66,7 +76,7 @@ fn router() -> ToolRouter<TineMcp> {
     static ROUTER: OnceLock<ToolRouter<TineMcp>> = OnceLock::new();
     ROUTER
         .get_or_init(|| {
-            let mut router = TineMcp::tool_router();
+            let mut router = TineMcp::tool_router() + TineMcp::process_router();
             fn standard(s: &Arc<JsonObject>) -> Arc<JsonObject> {
                 let mut s = JsonObject::clone(s);
                 schema::standardize(&mut s);
@@ -103,6 +113,10 @@ fn router_for(manager: &Manager) -> ToolRouter<TineMcp> {
 pub struct TineMcp {
     manager: Arc<Manager>,
     session: Arc<SessionSandbox>,
+    /// The session's key: the `owner` of the sandboxes it makes.
+    key: u64,
+    /// The session's log level and forwarder.
+    log: Arc<SessionLog>,
     tool_router: ToolRouter<Self>,
 }
 
@@ -110,20 +124,38 @@ pub struct TineMcp {
 impl TineMcp {
     /// A handler for a new MCP session.
     pub fn new(manager: Arc<Manager>) -> Self {
+        static NEXT_KEY: AtomicU64 = AtomicU64::new(1);
+        let key = NEXT_KEY.fetch_add(1, Ordering::Relaxed);
         let tool_router = router_for(&manager);
-        TineMcp { session: Arc::new(SessionSandbox::new(manager.clone())), manager, tool_router }
+        TineMcp {
+            session: Arc::new(SessionSandbox::new(manager.clone())),
+            manager,
+            key,
+            log: SessionLog::new(key),
+            tool_router,
+        }
     }
 
     /// The sandbox a call is about: the given id, or the session's
-    /// sandbox (see [`session`]).
+    /// sandbox (see [`session`]); made on first use without progress.
     async fn target(&self, id: Option<String>) -> Result<String, ToolError> {
-        self.session.target(id).await
+        let cx = CallContext { owner: Some(self.key), ..CallContext::default() };
+        self.target_with(id, &cx).await
+    }
+
+    /// As [`TineMcp::target`], a first-use creation reporting to `cx`. The
+    /// sandbox is watched by the session's log from now on.
+    async fn target_with(&self, id: Option<String>, cx: &CallContext) -> Result<String, ToolError> {
+        let id = self.session.target_with(id, cx).await?;
+        self.log.watch(&id);
+        Ok(id)
     }
 
     #[tool(
         description = "Create a new sandbox: an isolated Linux microVM (Debian, bash, Python 3) with its own \
                        kernel. Returns its sandbox_id. It becomes this session's sandbox: tools called without \
-                       sandbox_id use the sandbox this session created last.",
+                       sandbox_id use the sandbox this session created last. Reports progress (cold boot, \
+                       waiting for the default template) when the request has a progressToken.",
         annotations(
             title = "Create sandbox",
             read_only_hint = false,
@@ -131,7 +163,11 @@ impl TineMcp {
             open_world_hint = false
         )
     )]
-    async fn sandbox_create(&self, Parameters(p): Parameters<CreateParams>) -> Result<Json<SandboxInfo>, ToolError> {
+    async fn sandbox_create(
+        &self,
+        Parameters(p): Parameters<CreateParams>,
+        ctx: RequestContext<RoleServer>,
+    ) -> Result<Json<SandboxInfo>, ToolError> {
         let spec = SandboxSpec {
             vcpus: p.vcpus,
             memory_mib: p.memory_mib,
@@ -140,7 +176,8 @@ impl TineMcp {
             template: p.template,
             network: p.network.map(|n| n.into_policy()),
         };
-        let info = self.manager.create(spec).await?;
+        let info = Reporter::around(&ctx, self.key, async |cx| self.manager.create_with(spec, cx).await).await?;
+        self.log.watch(&info.sandbox_id);
         self.session.created(&info.sandbox_id).await;
         Ok(Json(info))
     }
@@ -190,9 +227,13 @@ impl TineMcp {
     async fn sandbox_snapshot(
         &self,
         Parameters(p): Parameters<SnapshotParams>,
+        ctx: RequestContext<RoleServer>,
     ) -> Result<Json<TemplateInfo>, ToolError> {
-        let id = self.target(p.sandbox_id).await?;
-        self.manager.snapshot(&id, &p.name).await.map(Json).map_err(ToolError::from)
+        Reporter::around(&ctx, self.key, async |cx| {
+            let id = self.target_with(p.sandbox_id, cx).await?;
+            Ok(Json(self.manager.snapshot_with(&id, &p.name, cx).await?))
+        })
+        .await
     }
 
     #[tool(
@@ -208,9 +249,16 @@ impl TineMcp {
             open_world_hint = false
         )
     )]
-    async fn sandbox_branch(&self, Parameters(p): Parameters<BranchParams>) -> Result<Json<BranchResult>, ToolError> {
-        let id = self.target(p.sandbox_id).await?;
-        self.manager.branch(&id, p.n).await.map(Json).map_err(ToolError::from)
+    async fn sandbox_branch(
+        &self,
+        Parameters(p): Parameters<BranchParams>,
+        ctx: RequestContext<RoleServer>,
+    ) -> Result<Json<BranchResult>, ToolError> {
+        Reporter::around(&ctx, self.key, async |cx| {
+            let id = self.target_with(p.sandbox_id, cx).await?;
+            Ok(Json(self.manager.branch_with(&id, p.n, cx).await?))
+        })
+        .await
     }
 
     #[tool(
@@ -225,6 +273,8 @@ impl TineMcp {
         if let Some(max) = p.max_text_bytes {
             opts.max_text_bytes = max;
         }
+        self.log.watch(&p.a);
+        self.log.watch(&p.b);
         let report: DiffReport = self.manager.diff(&p.a, &p.b, opts).await?;
         Ok(Json(DiffResult::new(report, budget::CONTENT_BUDGET)))
     }
@@ -242,6 +292,7 @@ impl TineMcp {
         )
     )]
     async fn sandbox_merge_into(&self, Parameters(p): Parameters<MergeParams>) -> Result<Json<SandboxInfo>, ToolError> {
+        self.log.watch(&p.parent);
         let info = self.manager.merge_into(&p.winner, &p.parent).await?;
         self.session.merged(&p.winner, &p.parent).await;
         Ok(Json(info))
@@ -321,6 +372,7 @@ impl TineMcp {
             Some(id) => id,
             None => self.session.current().await.ok_or(ToolError::NoOwnSandbox)?,
         };
+        self.log.watch(&id);
         self.manager.kill(&id).await?;
         self.session.forget(&id).await;
         Ok(Json(KillResult { sandbox_id: id, killed: true }))
@@ -361,12 +413,23 @@ impl TineMcp {
         description = "Run a bash command in a sandbox and return its exit code, stdout and stderr (each cut \
                        at 32 KiB, and further to fit the result budget; truncated says so, stdout_bytes and \
                        stderr_bytes give the full sizes). The command and its children are killed at the \
-                       timeout.",
+                       timeout; with a progressToken, progress (elapsed time, output so far, last lines) is \
+                       reported while it runs. background: true returns at once with a process_id instead (no \
+                       timeout; stdin stays open): follow it with sandbox_process_wait, _output, _write, _kill \
+                       and _list. Background processes get PYTHONUNBUFFERED=1, keep the last 256 KiB of each \
+                       stream, survive pause/resume, snapshots, templates and branches, and do not keep the \
+                       sandbox alive: its idle timeout counts tool calls only.",
         annotations(title = "Run command", read_only_hint = false, destructive_hint = true, open_world_hint = true)
     )]
-    async fn sandbox_exec(&self, Parameters(p): Parameters<ExecParams>) -> Result<Json<ExecResult>, ToolError> {
+    async fn sandbox_exec(
+        &self,
+        Parameters(p): Parameters<ExecParams>,
+        ctx: RequestContext<RoleServer>,
+    ) -> Result<Json<ExecResult>, ToolError> {
+        if p.background {
+            return self.exec_background(p).await;
+        }
         let timeout_ms = secs_to_ms(p.timeout_secs)?;
-        let id = self.target(p.sandbox_id).await?;
         let req = ExecRequest {
             command: p.command,
             cwd: p.cwd,
@@ -375,8 +438,12 @@ impl TineMcp {
             timeout_ms,
             output_limit: 0,
         };
-        let r = self.manager.exec(&id, req).await?;
-        Ok(Json(ExecResult::new(id, r)))
+        Reporter::around(&ctx, self.key, async |cx| {
+            let id = self.target_with(p.sandbox_id, cx).await?;
+            let r = self.manager.exec_with(&id, req, cx).await?;
+            Ok(Json(ExecResult::new(id, r)))
+        })
+        .await
     }
 
     #[tool(
@@ -389,9 +456,11 @@ impl TineMcp {
     async fn sandbox_run_python(
         &self,
         Parameters(p): Parameters<PythonParams>,
+        ctx: RequestContext<RoleServer>,
     ) -> Result<Json<PythonResult>, ToolError> {
         let timeout_ms = secs_to_ms(p.timeout_secs)?;
-        let id = self.target(p.sandbox_id).await?;
+        // Progress only for a sandbox made on first use.
+        let id = Reporter::around(&ctx, self.key, async |cx| self.target_with(p.sandbox_id, cx).await).await?;
         let r = self.manager.python(&id, p.code, timeout_ms).await?;
         Ok(Json(PythonResult::new(id, r)))
     }
@@ -521,8 +590,27 @@ impl ServerHandler for TineMcp {
         })
     }
 
+    /// The session is ready: sandbox events start flowing to it as log
+    /// messages ([`logging`]).
+    async fn on_initialized(&self, ctx: NotificationContext<RoleServer>) {
+        self.log.start(ctx.peer, self.manager.subscribe_events());
+    }
+
+    /// `logging/setLevel`: the least level of this session's log messages.
+    #[allow(deprecated)]
+    async fn set_level(
+        &self,
+        request: rmcp::model::SetLevelRequestParams,
+        ctx: RequestContext<RoleServer>,
+    ) -> Result<(), ErrorData> {
+        self.log.set_level(request.level);
+        self.log.start(ctx.peer.clone(), self.manager.subscribe_events());
+        Ok(())
+    }
+
+    #[allow(deprecated)]
     fn get_info(&self) -> ServerConfig {
-        ServerConfig::new(ServerCapabilities::builder().enable_tools().build())
+        ServerConfig::new(ServerCapabilities::builder().enable_logging().enable_tools().build())
             .with_server_info(Implementation::new("tine", env!("CARGO_PKG_VERSION")))
             .with_instructions(
                 "Tine gives you isolated Linux microVM sandboxes (Debian with bash and Python 3). Tools called \
@@ -530,7 +618,10 @@ impl ServerHandler for TineMcp {
                  sandbox_create (after sandbox_merge_into removed it, the parent it was merged into), else one \
                  made on first use (removed when the session ends). Pass sandbox_id to use another. Python \
                  state persists between sandbox_run_python calls. Every result fits a 512 KiB budget: long \
-                 output is cut and marked truncated with its full size; read files in chunks with offset.",
+                 output is cut and marked truncated with its full size; read files in chunks with offset. \
+                 sandbox_exec { background: true } starts servers and long jobs; follow them with the \
+                 sandbox_process_* tools. Long calls report progress when the request has a progressToken; \
+                 log messages (logging/setLevel, default warning) tell this session about its sandboxes.",
             )
     }
 }
@@ -544,7 +635,18 @@ mod tests {
     #[test]
     fn every_tool_schema_is_standard_json_schema() {
         let tools = router().list_all();
-        assert!(tools.len() >= 15, "{} tools", tools.len());
+        assert!(tools.len() >= 20, "{} tools", tools.len());
+        for name in [
+            "sandbox_process_list",
+            "sandbox_process_output",
+            "sandbox_process_wait",
+            "sandbox_process_write",
+            "sandbox_process_kill",
+        ] {
+            assert!(tools.iter().any(|t| t.name == name), "{name} is listed");
+        }
+        let exec = tools.iter().find(|t| t.name == "sandbox_exec").unwrap();
+        assert!(exec.input_schema["properties"].get("background").is_some(), "sandbox_exec takes background");
         let mut found = Vec::new();
         for t in &tools {
             found.extend(schema::nonstandard(&t.input_schema, &format!("{}: input #", t.name)));
@@ -553,7 +655,7 @@ mod tests {
         }
         assert!(found.is_empty(), "non-standard JSON Schema:\n{}", found.join("\n"));
         // The raw schemars output has them; the check would catch them.
-        let raw = TineMcp::tool_router().list_all();
+        let raw = (TineMcp::tool_router() + TineMcp::process_router()).list_all();
         let raw_found: usize =
             raw.iter().filter_map(|t| t.output_schema.as_ref()).map(|s| schema::nonstandard(s, "#").len()).sum();
         assert!(raw_found > 0, "schemars emits width formats; the check finds them");

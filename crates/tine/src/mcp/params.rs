@@ -164,11 +164,16 @@ pub struct ExecParams {
     /// Extra environment variables.
     #[serde(default)]
     pub env: BTreeMap<String, String>,
-    /// Text fed to stdin.
+    /// Text fed to stdin. With background, the first input (at most 64
+    /// KiB); stdin then stays open for sandbox_process_write.
     pub stdin: Option<String>,
     /// Kill the command (and its children) after this many seconds
-    /// (default 60, at most 600).
+    /// (default 60, at most 600). Not with background.
     pub timeout_secs: Option<u32>,
+    /// Run in the background: return at once with a process_id, and
+    /// follow it with the sandbox_process_* tools (default false).
+    #[serde(default)]
+    pub background: bool,
 }
 
 /// `sandbox_run_python`.
@@ -236,6 +241,191 @@ pub struct ListDirParams {
     pub path: Option<String>,
 }
 
+/// Default `max_bytes` of `sandbox_process_output`: 64 KiB.
+pub const DEFAULT_PAGE_BYTES: u32 = 64 << 10;
+/// Default `timeout_secs` of `sandbox_process_wait`: 30 s.
+pub const DEFAULT_WAIT_SECS: u32 = 30;
+
+/// A background process's output stream.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum StreamParam {
+    /// Standard output.
+    #[default]
+    Stdout,
+    /// Standard error.
+    Stderr,
+}
+
+impl StreamParam {
+    /// The agent's name for it.
+    pub fn kind(self) -> tine_protocol::StreamKind {
+        match self {
+            StreamParam::Stdout => tine_protocol::StreamKind::Stdout,
+            StreamParam::Stderr => tine_protocol::StreamKind::Stderr,
+        }
+    }
+}
+
+/// Which streams a wait searches.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum StreamsParam {
+    /// Standard output only.
+    Stdout,
+    /// Standard error only.
+    Stderr,
+    /// Both (default).
+    #[default]
+    Both,
+}
+
+impl StreamsParam {
+    /// The agent's name for it.
+    pub fn set(self) -> tine_protocol::StreamSet {
+        match self {
+            StreamsParam::Stdout => tine_protocol::StreamSet::Stdout,
+            StreamsParam::Stderr => tine_protocol::StreamSet::Stderr,
+            StreamsParam::Both => tine_protocol::StreamSet::Both,
+        }
+    }
+}
+
+/// `sandbox_process_list`.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+pub struct ProcessListParams {
+    /// The sandbox (default: this session's own sandbox).
+    pub sandbox_id: Option<String>,
+}
+
+/// `sandbox_process_output`.
+#[derive(Debug, Deserialize, JsonSchema)]
+pub struct ProcessOutputParams {
+    /// The process, as sandbox_exec { background: true } returned it
+    /// (e.g. "sb-3:p7").
+    pub process_id: String,
+    /// "stdout" (default) or "stderr".
+    #[serde(default)]
+    pub stream: StreamParam,
+    /// Stream offset to read from (bytes since the process started;
+    /// default: the oldest byte still held). Page on with next_offset.
+    pub offset: Option<u64>,
+    /// Most bytes to read (default 65536, at most 262144); fewer come back
+    /// when their JSON text would not fit the result budget.
+    pub max_bytes: Option<u32>,
+}
+
+/// `sandbox_process_wait`.
+#[derive(Debug, Deserialize, JsonSchema)]
+pub struct ProcessWaitParams {
+    /// The process (e.g. "sb-3:p7").
+    pub process_id: String,
+    /// Give up after this many seconds (default 30, 1..=600).
+    pub timeout_secs: Option<u32>,
+    /// Return when this text appears in the output (may span lines; at
+    /// most 1024 bytes).
+    pub until_text: Option<String>,
+    /// Return when a line matches this regular expression (Rust regex
+    /// syntax, matched per line without its newline, and against the
+    /// unfinished last line; at most 1024 bytes). Not with until_text.
+    pub until_regex: Option<String>,
+    /// Which output to search: "stdout", "stderr" or "both" (default).
+    #[serde(default)]
+    pub stream: StreamsParam,
+    /// Search stdout from this offset (default: all output still held,
+    /// so a line printed before the call matches). Pass resume.stdout_offset
+    /// of an earlier wait to find the next occurrence.
+    pub stdout_offset: Option<u64>,
+    /// Search stderr from this offset, as stdout_offset.
+    pub stderr_offset: Option<u64>,
+}
+
+/// `sandbox_process_write`.
+#[derive(Debug, Deserialize, JsonSchema)]
+pub struct ProcessWriteParams {
+    /// The process (e.g. "sb-3:p7").
+    pub process_id: String,
+    /// Text to write to its stdin (at most 1 MiB); include the newline a
+    /// line-reading program waits for.
+    #[serde(default)]
+    pub data: String,
+    /// Close stdin after writing: the process reads end of file (default
+    /// false).
+    #[serde(default)]
+    pub close_stdin: bool,
+}
+
+/// A signal: a name ("TERM", "SIGKILL", ...) or a number (1..=64).
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize, JsonSchema)]
+#[serde(untagged)]
+pub enum SignalParam {
+    /// A number, 1..=64.
+    Number(i64),
+    /// A name, with or without "SIG": TERM, KILL, INT, HUP, QUIT, USR1,
+    /// USR2, STOP, CONT.
+    Name(String),
+}
+
+/// Signals by name (Linux numbering).
+const SIGNALS: [(&str, i32); 9] = [
+    ("TERM", libc::SIGTERM),
+    ("KILL", libc::SIGKILL),
+    ("INT", libc::SIGINT),
+    ("HUP", libc::SIGHUP),
+    ("QUIT", libc::SIGQUIT),
+    ("USR1", libc::SIGUSR1),
+    ("USR2", libc::SIGUSR2),
+    ("STOP", libc::SIGSTOP),
+    ("CONT", libc::SIGCONT),
+];
+
+impl SignalParam {
+    /// The signal to send (`None`: TERM, then KILL after 3 s if the
+    /// process group lives on) and its name for the result.
+    ///
+    /// Errors: [`ToolError::Signal`] for an unknown name or a number
+    /// outside 1..=64.
+    pub fn resolve(p: Option<&SignalParam>) -> Result<(Option<i32>, String), ToolError> {
+        let bad = || {
+            ToolError::Signal(match p {
+                Some(SignalParam::Number(n)) => n.to_string(),
+                Some(SignalParam::Name(s)) => s.clone(),
+                None => String::new(),
+            })
+        };
+        match p {
+            None => Ok((None, "TERM".into())),
+            Some(SignalParam::Number(n)) => {
+                let n = i32::try_from(*n).ok().filter(|n| (1..=64).contains(n)).ok_or_else(bad)?;
+                let name =
+                    SIGNALS.iter().find(|(_, s)| *s == n).map_or_else(|| n.to_string(), |(name, _)| (*name).into());
+                Ok((Some(n), name))
+            }
+            Some(SignalParam::Name(s)) => {
+                let t = s.trim().to_ascii_uppercase();
+                if let Ok(n) = t.parse::<i64>() {
+                    return SignalParam::resolve(Some(&SignalParam::Number(n))).map_err(|_| bad());
+                }
+                let name = t.strip_prefix("SIG").unwrap_or(&t);
+                let (name, n) = SIGNALS.iter().find(|(n, _)| *n == name).ok_or_else(bad)?;
+                Ok(((*name != "TERM").then_some(*n), (*name).into()))
+            }
+        }
+    }
+}
+
+/// `sandbox_process_kill`.
+#[derive(Debug, Deserialize, JsonSchema)]
+pub struct ProcessKillParams {
+    /// The process (e.g. "sb-3:p7").
+    pub process_id: String,
+    /// Signal for the whole process group and the process's descendants:
+    /// "TERM" (default: TERM, then KILL after 3 s for what is left),
+    /// "KILL", "INT", "HUP", "QUIT", "USR1", "USR2", "STOP", "CONT", or a
+    /// number 1..=64 (sent once).
+    pub signal: Option<SignalParam>,
+}
+
 /// A tool's `timeout_secs` as the agent's milliseconds (0: its default).
 ///
 /// Errors: [`ToolError::Timeout`] outside 1..=600 s.
@@ -261,6 +451,24 @@ mod tests {
         assert_eq!(secs_to_ms(Some(0)), Err("timeout_secs must be 1..=600, got 0".into()));
         assert!(secs_to_ms(Some(601)).is_err());
         assert!(secs_to_ms(Some(u32::MAX)).is_err());
+    }
+
+    #[test]
+    fn signals_resolve_by_name_or_number() {
+        let r = |v: serde_json::Value| {
+            let p: Option<SignalParam> = serde_json::from_value(v).unwrap();
+            SignalParam::resolve(p.as_ref()).map_err(|e| e.to_string())
+        };
+        assert_eq!(r(serde_json::Value::Null), Ok((None, "TERM".into())), "default: TERM, then KILL");
+        assert_eq!(r("TERM".into()), Ok((None, "TERM".into())));
+        assert_eq!(r("sigkill".into()), Ok((Some(9), "KILL".into())));
+        assert_eq!(r("INT".into()), Ok((Some(2), "INT".into())));
+        assert_eq!(r(9.into()), Ok((Some(9), "KILL".into())));
+        assert_eq!(r("15".into()), Ok((Some(15), "TERM".into())), "a number sends once");
+        assert_eq!(r(40.into()), Ok((Some(40), "40".into())));
+        for bad in [serde_json::json!(0), serde_json::json!(65), serde_json::json!(-9), serde_json::json!("BOOM")] {
+            assert!(r(bad.clone()).unwrap_err().contains("signal"), "{bad}");
+        }
     }
 }
 

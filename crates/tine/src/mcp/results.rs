@@ -5,7 +5,7 @@
 use schemars::JsonSchema;
 use serde::Serialize;
 use tine_protocol::{DirEntry, ExecReply, ExitStatus, FileKind, Output, PythonReply};
-use tine_sandbox::{DiffReport, SandboxInfo, TemplateInfo};
+use tine_sandbox::{DiffReport, ProcessInfo, SandboxInfo, TemplateInfo};
 
 use super::budget;
 
@@ -146,6 +146,13 @@ pub struct ExecResult {
     pub truncated: bool,
     /// Wall time (ms).
     pub duration_ms: u64,
+    /// With background: the process's id, for the sandbox_process_*
+    /// tools (e.g. "sb-3:p7").
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub process_id: Option<String>,
+    /// With background: the process as it started.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub process: Option<ProcessInfo>,
 }
 
 /// A Python exception.
@@ -357,16 +364,7 @@ fn tail(s: String, max: usize) -> String {
     }
     let marker = format!("[{} bytes cut] ...", s.len());
     let room = max.saturating_sub(budget::escaped_len(&marker));
-    let mut start = s.len();
-    let mut used = 0;
-    for (i, c) in s.char_indices().rev() {
-        used += budget::escaped_char_len(c);
-        if used > room {
-            break;
-        }
-        start = i;
-    }
-    marker + &s[start..]
+    marker + budget::fit_suffix(&s, room)
 }
 
 impl ExecResult {
@@ -391,6 +389,27 @@ impl ExecResult {
             stderr_bytes,
             truncated: out_cut || err_cut,
             duration_ms: r.duration_ms,
+            process_id: None,
+            process: None,
+        }
+    }
+
+    /// The result of `sandbox_exec { background: true }`: the process
+    /// started; no status or output yet.
+    pub fn background(sandbox_id: String, process: ProcessInfo) -> Self {
+        ExecResult {
+            sandbox_id,
+            exit_code: None,
+            signal: None,
+            timed_out: false,
+            stdout: String::new(),
+            stderr: String::new(),
+            stdout_bytes: 0,
+            stderr_bytes: 0,
+            truncated: false,
+            duration_ms: 0,
+            process_id: Some(process.process_id.clone()),
+            process: Some(process),
         }
     }
 }
@@ -441,6 +460,190 @@ impl From<DirEntry> for Entry {
             mtime_ms: e.stat.mtime_ms,
         }
     }
+}
+
+/// `sandbox_process_list`'s result.
+#[derive(Debug, Serialize, JsonSchema)]
+pub struct ProcessListResult {
+    /// The sandbox.
+    pub sandbox_id: String,
+    /// Its background processes (running, and ended ones still in its
+    /// table of 32), by id; the first ones only if `truncated`.
+    pub processes: Vec<ProcessInfo>,
+    /// Processes were left out to fit the result budget.
+    pub truncated: bool,
+}
+
+/// Bytes of JSON the `data` of one `sandbox_process_output` page may take:
+/// 128 KiB.
+pub const PROCESS_PAGE_BUDGET: usize = 128 << 10;
+
+/// `sandbox_process_output`'s result.
+#[derive(Debug, Serialize, JsonSchema)]
+pub struct ProcessOutputResult {
+    /// The process.
+    pub process_id: String,
+    /// "stdout" or "stderr".
+    pub stream: String,
+    /// The output (invalid UTF-8 replaced by U+FFFD).
+    pub data: String,
+    /// Stream offset of data's first byte.
+    pub offset: u64,
+    /// Bytes of the stream data covers.
+    pub bytes: u64,
+    /// Where to read on (offset + bytes).
+    pub next_offset: u64,
+    /// Bytes the stream produced so far.
+    pub total_bytes: u64,
+    /// Bytes between the offset asked for and `offset` that had already
+    /// fallen out of the buffer (counted, not shown).
+    pub skipped_bytes: u64,
+    /// Size of the per-stream buffer (bytes): the last this many bytes are
+    /// held.
+    pub buffer_bytes: u64,
+    /// Fewer bytes than read were returned, to fit the result budget or
+    /// because the page ended inside a character; read on at next_offset.
+    pub truncated: bool,
+    /// The process now.
+    pub process: ProcessInfo,
+}
+
+/// Where a wait's text or pattern appeared.
+#[derive(Debug, Serialize, JsonSchema)]
+pub struct WaitMatched {
+    /// "stdout" or "stderr".
+    pub stream: String,
+    /// Stream offset of the match.
+    pub offset: u64,
+    /// The line holding it (at most 4 KiB).
+    pub line: String,
+}
+
+/// Offsets to search from to find the next occurrence.
+#[derive(Debug, Serialize, JsonSchema)]
+pub struct WaitResume {
+    /// Pass as stdout_offset.
+    pub stdout_offset: u64,
+    /// Pass as stderr_offset.
+    pub stderr_offset: u64,
+}
+
+/// `sandbox_process_wait`'s result.
+#[derive(Debug, Serialize, JsonSchema)]
+pub struct ProcessWaitResult {
+    /// The process.
+    pub process_id: String,
+    /// "matched" (the text or pattern appeared), "exited" (the process
+    /// ended) or "timeout".
+    pub outcome: String,
+    /// Where it matched.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub matched: Option<WaitMatched>,
+    /// How long the wait took (ms).
+    pub waited_ms: u64,
+    /// The last lines of stdout (at most 4 KiB).
+    pub stdout_tail: String,
+    /// The last lines of stderr (at most 4 KiB).
+    pub stderr_tail: String,
+    /// Output that fell out of the buffer before it was searched (bytes).
+    pub missed_bytes: u64,
+    /// Where a next wait for the next occurrence starts.
+    pub resume: WaitResume,
+    /// The process now.
+    pub process: ProcessInfo,
+}
+
+/// Bytes of JSON a wait's tail or matched line may take: 4 KiB.
+pub const WAIT_TEXT_BUDGET: usize = 4 << 10;
+
+/// The stream's name in results.
+pub fn stream_name(s: tine_protocol::StreamKind) -> &'static str {
+    match s {
+        tine_protocol::StreamKind::Stdout => "stdout",
+        tine_protocol::StreamKind::Stderr => "stderr",
+    }
+}
+
+/// The end of `bytes` as text (invalid UTF-8 replaced) that fits `max`
+/// bytes of JSON, starting on a line when one fits.
+fn tail_text(bytes: &[u8], max: usize) -> String {
+    let s = String::from_utf8_lossy(bytes);
+    if budget::escaped_len(&s) <= max {
+        return s.into_owned();
+    }
+    let kept = budget::fit_suffix(&s, max);
+    // Start on a whole line when the kept part holds a line break.
+    match kept.find('\n') {
+        Some(n) if n + 1 < kept.len() => kept[n + 1..].to_string(),
+        _ => kept.to_string(),
+    }
+}
+
+impl ProcessWaitResult {
+    /// The result of a wait on `process_id` that answered `r`; `from`: the
+    /// (stdout, stderr) offsets the wait searched from. After a match, the
+    /// other stream resumes where this wait began (the agent stops at the
+    /// first match, so that stream's newer bytes may be unsearched).
+    pub fn new(process_id: String, r: tine_sandbox::WaitResult, from: (u64, u64)) -> Self {
+        use tine_protocol::{StreamKind, WaitOutcome};
+        let outcome = match r.outcome {
+            WaitOutcome::Matched => "matched",
+            WaitOutcome::Exited => "exited",
+            WaitOutcome::TimedOut => "timeout",
+        };
+        let mut resume = WaitResume { stdout_offset: r.info.stdout_bytes, stderr_offset: r.info.stderr_bytes };
+        let matched = r.found.map(|m| {
+            match m.stream {
+                StreamKind::Stdout => {
+                    resume.stdout_offset = m.end;
+                    resume.stderr_offset = from.1.min(resume.stderr_offset);
+                }
+                StreamKind::Stderr => {
+                    resume.stderr_offset = m.end;
+                    resume.stdout_offset = from.0.min(resume.stdout_offset);
+                }
+            }
+            WaitMatched {
+                stream: stream_name(m.stream).into(),
+                offset: m.offset,
+                line: budget::cut(String::from_utf8_lossy(&m.line).into_owned(), WAIT_TEXT_BUDGET).text,
+            }
+        });
+        ProcessWaitResult {
+            process_id,
+            outcome: outcome.into(),
+            matched,
+            waited_ms: r.waited_ms,
+            stdout_tail: tail_text(&r.stdout_tail, WAIT_TEXT_BUDGET),
+            stderr_tail: tail_text(&r.stderr_tail, WAIT_TEXT_BUDGET),
+            missed_bytes: r.missed,
+            resume,
+            process: r.info,
+        }
+    }
+}
+
+/// `sandbox_process_write`'s result.
+#[derive(Debug, Serialize, JsonSchema)]
+pub struct ProcessWriteResult {
+    /// The process.
+    pub process_id: String,
+    /// Bytes written to its stdin (fewer than given when the process
+    /// stopped reading for 10 s, or closed stdin).
+    pub bytes_written: u64,
+    /// Stdin is still open for writes.
+    pub stdin_open: bool,
+}
+
+/// `sandbox_process_kill`'s result.
+#[derive(Debug, Serialize, JsonSchema)]
+pub struct ProcessKillResult {
+    /// The process.
+    pub process_id: String,
+    /// The signal sent ("TERM" by default, then KILL after 3 s if needed).
+    pub signal: String,
+    /// The process after the signal (state, exit_code or signal).
+    pub process: ProcessInfo,
 }
 
 /// `template_delete`'s result.
@@ -536,6 +739,20 @@ mod tests {
         assert!(json_len(&x) <= CONTENT_BUDGET, "{}", json_len(&x));
         assert!(x.truncated);
         assert_eq!((x.stdout_bytes, x.stderr_bytes), (10 * (32 << 10), 32 << 10));
+        let v = serde_json::to_value(&x).unwrap();
+        assert!(v.get("process_id").is_none() && v.get("process").is_none(), "only background execs name a process");
+    }
+
+    #[test]
+    fn wait_tails_keep_whole_last_lines_within_the_budget() {
+        let out: Vec<u8> = (0..2000).flat_map(|i| format!("line {i}\n").into_bytes()).collect();
+        let t = tail_text(&out, 100);
+        assert!(budget::escaped_len(&t) <= 100, "{t:?}");
+        assert!(t.starts_with("line ") && t.ends_with("line 1999\n"), "{t:?}");
+        assert_eq!(tail_text(b"short\xff", 100), "short\u{fffd}");
+        // One long line: its end, cut on a character boundary.
+        let t = tail_text("é".repeat(1000).as_bytes(), 101);
+        assert_eq!(t, "é".repeat(50));
     }
 
     #[test]

@@ -11,7 +11,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use tine_sandbox::{Manager, SandboxSpec};
+use tine_sandbox::{CallContext, Manager, SandboxSpec};
 
 use super::errors::ToolError;
 
@@ -52,10 +52,11 @@ impl SessionSandbox {
     }
 
     /// The sandbox a call is about: `id` if given, else the session's
-    /// sandbox (made now if it has none, or if that one was killed).
+    /// sandbox (made now if it has none, or if that one was killed, owned
+    /// by `cx.owner` and reporting its progress to `cx.progress`).
     ///
     /// Errors: [`ToolError::Sandbox`] from creating the sandbox.
-    pub async fn target(&self, id: Option<String>) -> Result<String, ToolError> {
+    pub async fn target_with(&self, id: Option<String>, cx: &CallContext) -> Result<String, ToolError> {
         if let Some(id) = id {
             return Ok(id);
         }
@@ -71,7 +72,7 @@ impl SessionSandbox {
             labels: BTreeMap::from([(SESSION_LABEL.to_string(), "true".to_string())]),
             ..SandboxSpec::default()
         };
-        let info = self.manager.create(spec).await?;
+        let info = self.manager.create_with(spec, cx).await?;
         ids.made = Some(info.sandbox_id.clone());
         ids.current = Some(info.sandbox_id.clone());
         Ok(info.sandbox_id)

@@ -314,3 +314,182 @@ async fn connections_over_the_cap_wait_for_a_free_slot() {
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
     task.abort();
 }
+
+/// The JSON-RPC message with `"id": id` in a response body (plain JSON, or
+/// the `data:` lines of an SSE stream).
+async fn rpc_answer(r: Response, id: u64) -> serde_json::Value {
+    let body = tokio::time::timeout(Duration::from_secs(10), axum::body::to_bytes(r.into_body(), 1 << 20))
+        .await
+        .expect("the answer's stream ends")
+        .unwrap();
+    let text = String::from_utf8_lossy(&body);
+    let mut found = None;
+    for chunk in std::iter::once(text.as_ref()).chain(text.lines().filter_map(|l| l.strip_prefix("data:"))) {
+        if let Ok(v) = serde_json::from_str::<serde_json::Value>(chunk.trim()) {
+            if v["id"] == id {
+                found = Some(v);
+            }
+        }
+    }
+    found.unwrap_or_else(|| panic!("no answer with id {id} in {text}"))
+}
+
+/// A request in session `session`.
+fn in_session(session: &axum::http::HeaderValue, body: serde_json::Value) -> Request<Body> {
+    let mut req = post("localhost", Some(&bearer(TOKEN)), body.to_string());
+    req.headers_mut().insert("mcp-session-id", session.clone());
+    req.headers_mut().insert("mcp-protocol-version", "2025-06-18".parse().unwrap());
+    req
+}
+
+/// An initialized MCP session: its id and the `initialize` answer.
+async fn initialized_session(app: &axum::Router) -> (axum::http::HeaderValue, serde_json::Value) {
+    let r = send(app, post("localhost", Some(&bearer(TOKEN)), initialize())).await;
+    assert_eq!(r.status(), StatusCode::OK);
+    let session = r.headers().get("mcp-session-id").expect("a session").clone();
+    let init = rpc_answer(r, 1).await;
+    let note = serde_json::json!({"jsonrpc": "2.0", "method": "notifications/initialized"});
+    assert_eq!(send(app, in_session(&session, note)).await.status(), StatusCode::ACCEPTED);
+    (session, init)
+}
+
+/// The MCP conformance suite's `logging-set-level` scenario, without a
+/// sandbox: the server declares logging, and `logging/setLevel` answers
+/// an empty result for every level.
+#[tokio::test]
+async fn initialize_declares_logging_and_set_level_answers_empty() {
+    let dir = tempfile::tempdir().unwrap();
+    let app = app(&dir, Some(TOKEN));
+    let (session, init) = initialized_session(&app).await;
+    let caps = &init["result"]["capabilities"];
+    assert!(caps["logging"].is_object(), "{init}");
+    assert!(caps["tools"].is_object(), "{init}");
+    for (id, level) in [(2u64, "info"), (3, "debug"), (4, "emergency")] {
+        let req = serde_json::json!({"jsonrpc": "2.0", "id": id, "method": "logging/setLevel",
+                                     "params": {"level": level}});
+        let r = send(&app, in_session(&session, req)).await;
+        assert_eq!(r.status(), StatusCode::OK);
+        let answer = rpc_answer(r, id).await;
+        assert_eq!(answer["result"], serde_json::json!({}), "{answer}");
+    }
+    let req = serde_json::json!({"jsonrpc": "2.0", "id": 9, "method": "logging/setLevel",
+                                 "params": {"level": "loud"}});
+    let answer = rpc_answer(send(&app, in_session(&session, req)).await, 9).await;
+    assert!(answer["error"].is_object(), "an unknown level is refused: {answer}");
+}
+
+/// Process tools refuse bad input before any sandbox is involved, with a
+/// message that says what to do.
+#[tokio::test]
+async fn process_tools_refuse_bad_input_with_a_hint() {
+    let dir = tempfile::tempdir().unwrap();
+    let app = app(&dir, Some(TOKEN));
+    let (session, _) = initialized_session(&app).await;
+    let cases = [
+        ("sandbox_process_output", serde_json::json!({"process_id": "p7"}), "process ids look like sb-3:p7"),
+        ("sandbox_process_wait", serde_json::json!({"process_id": "sb-1"}), "see sandbox_process_list"),
+        (
+            "sandbox_process_wait",
+            serde_json::json!({"process_id": "sb-1:p1", "until_text": "a", "until_regex": "b"}),
+            "not both",
+        ),
+        (
+            "sandbox_process_wait",
+            serde_json::json!({"process_id": "sb-1:p1", "timeout_secs": 601}),
+            "timeout_secs must be 1..=600",
+        ),
+        ("sandbox_process_kill", serde_json::json!({"process_id": "sb-1:p1", "signal": "BOOM"}), "unknown signal"),
+        ("sandbox_process_kill", serde_json::json!({"process_id": "sb-1:p1", "signal": 65}), "a number 1..=64"),
+        (
+            "sandbox_process_write",
+            serde_json::json!({"process_id": "sb-1:p1", "data": "x".repeat((1 << 20) + 1)}),
+            "split it",
+        ),
+        (
+            "sandbox_exec",
+            serde_json::json!({"command": "sleep 100", "background": true, "timeout_secs": 5}),
+            "sandbox_process_wait",
+        ),
+        (
+            "sandbox_exec",
+            serde_json::json!({"command": "cat", "background": true, "stdin": "x".repeat((64 << 10) + 1)}),
+            "sandbox_process_write",
+        ),
+    ];
+    for (i, (tool, args, want)) in cases.into_iter().enumerate() {
+        let id = 10 + i as u64;
+        let req = serde_json::json!({"jsonrpc": "2.0", "id": id, "method": "tools/call",
+                                     "params": {"name": tool, "arguments": args}});
+        let answer = rpc_answer(send(&app, in_session(&session, req)).await, id).await;
+        let result = &answer["result"];
+        assert_eq!(result["isError"], true, "{tool}: {answer}");
+        let text = result["content"][0]["text"].as_str().unwrap_or_default();
+        assert!(text.contains(want), "{tool}: {text:?} should say {want:?}");
+    }
+}
+
+/// A sandbox event reaches the session that caused it as an MCP log
+/// message, on its standalone GET stream: a create on the empty test
+/// images fails, and the session gets an `error` message naming the event.
+#[tokio::test]
+async fn a_failed_create_is_logged_to_its_session() {
+    use reqwest::header::{ACCEPT, CONTENT_TYPE};
+    let dir = tempfile::tempdir().unwrap();
+    let (addr, task) = serve(&dir, 8, Duration::from_secs(5)).await;
+    let url = format!("http://{addr}/mcp");
+    let http = reqwest::Client::new();
+    let post = |session: Option<&str>, body: serde_json::Value| {
+        let mut req = http
+            .post(&url)
+            .header(ACCEPT, "application/json, text/event-stream")
+            .header(CONTENT_TYPE, "application/json")
+            .body(body.to_string());
+        if let Some(s) = session {
+            req = req.header("mcp-session-id", s).header("mcp-protocol-version", "2025-06-18");
+        }
+        req.send()
+    };
+    let r = post(None, serde_json::from_str(&initialize()).unwrap()).await.unwrap();
+    assert_eq!(r.status(), reqwest::StatusCode::OK);
+    let session = r.headers()["mcp-session-id"].to_str().unwrap().to_string();
+    assert!(r.text().await.unwrap().contains("\"logging\""), "logging is declared");
+    let note = serde_json::json!({"jsonrpc": "2.0", "method": "notifications/initialized"});
+    assert_eq!(post(Some(&session), note).await.unwrap().status(), reqwest::StatusCode::ACCEPTED);
+
+    let mut stream = http
+        .get(&url)
+        .header(ACCEPT, "text/event-stream")
+        .header("mcp-session-id", &session)
+        .header("mcp-protocol-version", "2025-06-18")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(stream.status(), reqwest::StatusCode::OK);
+
+    let call = serde_json::json!({"jsonrpc": "2.0", "id": 2, "method": "tools/call",
+                                  "params": {"name": "sandbox_create", "arguments": {}}});
+    let answer = post(Some(&session), call).await.unwrap().text().await.unwrap();
+    assert!(answer.contains("\"isError\":true"), "a create on empty images fails: {answer}");
+
+    let message = tokio::time::timeout(Duration::from_secs(30), async {
+        let mut text = String::new();
+        loop {
+            let chunk = stream.chunk().await.unwrap().expect("the GET stream stays open");
+            text.push_str(&String::from_utf8_lossy(&chunk));
+            for line in text.lines().filter_map(|l| l.strip_prefix("data:")) {
+                let Ok(v) = serde_json::from_str::<serde_json::Value>(line.trim()) else { continue };
+                if v["method"] == "notifications/message" {
+                    return v;
+                }
+            }
+        }
+    })
+    .await
+    .expect("a log message arrives on the GET stream");
+    let params = &message["params"];
+    assert_eq!(params["level"], "error", "{message}");
+    assert_eq!(params["logger"], "tine.sandbox", "{message}");
+    assert_eq!(params["data"]["event"], "create_failed", "{message}");
+    assert!(params["data"]["message"].as_str().unwrap().starts_with("creating sandbox"), "{message}");
+    task.abort();
+}
