@@ -32,6 +32,7 @@ EXPECTED_SECONDS = {
     "tine::network": 732,
     "tine::python_sdk": 377,
     "tine::load": 271,
+    "tine::processes": 390,
     "tine-sandbox::hostile_guest": 203,
     "tine::mcp": 202,
     "vmm::agent": 193,

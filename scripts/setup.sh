@@ -36,7 +36,20 @@ if ! "$venv/bin/python" -c 'import importlib.metadata as m, sys; sys.exit(not m.
   python3 -m venv "$venv"
   "$venv/bin/pip" install -q --disable-pip-version-check "$mcp_pin"
 fi
+# The official MCP conformance suite (npm), pinned, for the server scenarios
+# in crates/tine/tests/mcp.rs (testkit finds it at $TINE_CONFORMANCE or
+# here). 0.1.13: later versions need Node.js 22 (fs.globSync); the
+# machine's Node.js is 20.
+conformance="${TINE_CONFORMANCE:-${XDG_CACHE_HOME:-$HOME/.cache}/tine/conformance}"
+conformance_pin='0.1.13'
+if [ "$(node -p "require('$conformance/node_modules/@modelcontextprotocol/conformance/package.json').version" 2>/dev/null)" != "$conformance_pin" ]; then
+  command -v npm >/dev/null || { echo "setup: npm is missing; install Node.js 20+ and npm" >&2; exit 1; }
+  echo "setup: installing the MCP conformance suite $conformance_pin in $conformance" >&2
+  mkdir -p "$conformance"
+  npm install --silent --no-audit --no-fund --prefix "$conformance" "@modelcontextprotocol/conformance@$conformance_pin" >/dev/null
+fi
 echo "setup: python venv $venv" >&2
+echo "setup: conformance suite $conformance" >&2
 echo "setup: rootfs $rootfs" >&2
 echo "setup: kernel $kernel" >&2
 echo "setup: binary $root/target/release/tine" >&2

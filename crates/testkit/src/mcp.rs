@@ -1,20 +1,84 @@
 //! A real `tine server start` subprocess and a real MCP client (rmcp's
 //! Streamable HTTP client over reqwest), for tests and benches.
 
+// MCP logging (`notifications/message`) is in the 2025-11-25 specification the
+// server implements; rmcp marks it deprecated for the 2026-07-28 draft (SEP-2577).
+#![allow(deprecated)]
+
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use rmcp::model::{CallToolRequestParams, CallToolResult};
-use rmcp::service::RunningService;
+use std::sync::{Arc, Mutex};
+
+use rmcp::model::{CallToolRequestParams, CallToolResult, LoggingMessageNotificationParam, ProgressNotificationParam};
+use rmcp::service::{NotificationContext, Peer, RunningService};
 use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
 use rmcp::transport::StreamableHttpClientTransport;
+use rmcp::ClientHandler;
 use rmcp::{RoleClient, ServiceExt};
 use serde_json::Value;
 
 /// A connected MCP client.
 pub type McpClient = RunningService<RoleClient, ()>;
+
+/// A connected MCP client that records the server's notifications.
+pub type RecordingClient = RunningService<RoleClient, Recorder>;
+
+/// A client handler keeping every `notifications/progress` and
+/// `notifications/message` it receives (MCP 2025-11-25, basic/utilities/
+/// progress and server/utilities/logging), in arrival order. Clones share
+/// the lists.
+#[derive(Clone, Default)]
+pub struct Recorder {
+    /// Progress notifications.
+    pub progress: Arc<Mutex<Vec<ProgressNotificationParam>>>,
+    /// Log messages.
+    pub logs: Arc<Mutex<Vec<LoggingMessageNotificationParam>>>,
+}
+
+impl Recorder {
+    /// The progress notifications for `token` so far.
+    pub fn progress_for(&self, token: &str) -> Vec<ProgressNotificationParam> {
+        self.progress
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .filter(|p| p.progress_token.0.to_string() == token)
+            .cloned()
+            .collect()
+    }
+
+    /// Waits up to `timeout` for a log message that `pred` accepts; the
+    /// first such message, or `None`.
+    pub async fn eventually_logged(
+        &self,
+        timeout: Duration,
+        pred: impl Fn(&LoggingMessageNotificationParam) -> bool,
+    ) -> Option<LoggingMessageNotificationParam> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(m) = self.logs.lock().unwrap_or_else(|p| p.into_inner()).iter().find(|m| pred(m)) {
+                return Some(m.clone());
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+
+impl ClientHandler for Recorder {
+    async fn on_progress(&self, params: ProgressNotificationParam, _cx: NotificationContext<RoleClient>) {
+        self.progress.lock().unwrap_or_else(|p| p.into_inner()).push(params);
+    }
+
+    async fn on_logging_message(&self, params: LoggingMessageNotificationParam, _cx: NotificationContext<RoleClient>) {
+        self.logs.lock().unwrap_or_else(|p| p.into_inner()).push(params);
+    }
+}
 
 /// The `tine` binary, built in release mode by `cargo build` (the tests
 /// of crate `tine` get it from Cargo; others build it here).
@@ -206,6 +270,19 @@ impl TineServer {
         ().serve(transport).await.expect("MCP initialize")
     }
 
+    /// A client that records the server's progress and log notifications
+    /// (see [`Recorder`]), and the recorder.
+    pub async fn recording_client(&self) -> (RecordingClient, Recorder) {
+        let mut config = StreamableHttpClientTransportConfig::with_uri(self.url.clone());
+        if let Some(t) = &self.token {
+            config = config.auth_header(t.clone());
+        }
+        let recorder = Recorder::default();
+        let client =
+            recorder.clone().serve(StreamableHttpClientTransport::from_config(config)).await.expect("MCP initialize");
+        (client, recorder)
+    }
+
     /// Sends SIGTERM and waits (up to 120 s) for the exit status.
     pub fn terminate(&mut self) -> std::process::ExitStatus {
         let child = self.child.take().expect("server already stopped");
@@ -264,19 +341,46 @@ impl Drop for TineServer {
 
 /// Calls a tool; `Err(text)` for a tool error (`isError`), panics on a
 /// protocol error.
-pub async fn call(client: &McpClient, tool: &str, args: Value) -> Result<Value, String> {
+pub async fn call(client: &Peer<RoleClient>, tool: &str, args: Value) -> Result<Value, String> {
     let r = try_call(client, tool, args).await.unwrap_or_else(|e| panic!("{tool}: protocol error: {e}"));
     tool_value(tool, r)
 }
 
+/// Calls a tool and returns its result (as [`call`]) with the request's
+/// progress token (`_meta.progressToken`, as text): rmcp gives every
+/// request a token of its own and replaces any set by the caller, so the
+/// token to look for in a [`Recorder`] is the one it chose.
+pub async fn call_with_progress(client: &Peer<RoleClient>, tool: &str, args: Value) -> (Result<Value, String>, String) {
+    let request =
+        rmcp::model::ClientRequest::CallToolRequest(rmcp::model::CallToolRequest::new(tool_params(tool, args)));
+    let handle = client
+        .send_request_with_option(request, rmcp::service::PeerRequestOptions::no_options())
+        .await
+        .unwrap_or_else(|e| panic!("{tool}: protocol error: {e}"));
+    let token = handle.progress_token.0.to_string();
+    let r = match handle.await_response().await.unwrap_or_else(|e| panic!("{tool}: protocol error: {e}")) {
+        rmcp::model::ServerResult::CallToolResult(r) => r,
+        other => panic!("{tool}: unexpected response {other:?}"),
+    };
+    (tool_value(tool, r), token)
+}
+
 /// Calls a tool and returns the raw result or the protocol error.
-pub async fn try_call(client: &McpClient, tool: &str, args: Value) -> Result<CallToolResult, rmcp::ServiceError> {
+pub async fn try_call(
+    client: &Peer<RoleClient>,
+    tool: &str,
+    args: Value,
+) -> Result<CallToolResult, rmcp::ServiceError> {
+    client.call_tool(tool_params(tool, args)).await
+}
+
+fn tool_params(tool: &str, args: Value) -> CallToolRequestParams {
     let args = match args {
         Value::Object(m) => m,
         Value::Null => Default::default(),
         other => panic!("tool arguments must be an object, got {other}"),
     };
-    client.call_tool(CallToolRequestParams::new(tool.to_string()).with_arguments(args)).await
+    CallToolRequestParams::new(tool.to_string()).with_arguments(args)
 }
 
 /// A tool result's structured content, or its error text.
@@ -296,13 +400,7 @@ pub fn tool_value(tool: &str, r: CallToolResult) -> Result<Value, String> {
 /// unless `$TINE_REQUIRE_PY_SDK` or `$CI` is set (scripts/test.sh sets
 /// the first): then it panics, so the test cannot silently pass there.
 pub fn python_sdk(test: &str) -> Option<PathBuf> {
-    let venv = std::env::var_os("TINE_PY_VENV").filter(|v| !v.is_empty()).map(PathBuf::from).unwrap_or_else(|| {
-        let cache = std::env::var_os("XDG_CACHE_HOME")
-            .filter(|v| !v.is_empty())
-            .map(PathBuf::from)
-            .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache"));
-        cache.join("tine/venv")
-    });
+    let venv = cache_tool("TINE_PY_VENV", "venv");
     let python = venv.join("bin/python");
     let has_sdk = Command::new(&python)
         .args(["-c", "import importlib.metadata as m, sys; sys.exit(not m.version('mcp').startswith('2.3.'))"])
@@ -311,9 +409,63 @@ pub fn python_sdk(test: &str) -> Option<PathBuf> {
     if has_sdk {
         return Some(python);
     }
-    let why = format!("no venv with the MCP Python SDK 2.3 at {} (run scripts/setup.sh)", venv.display());
+    skip_unless_required(
+        test,
+        &format!("no venv with the MCP Python SDK 2.3 at {} (run scripts/setup.sh)", venv.display()),
+    )
+}
+
+/// `$var` if set, else `~/.cache/tine/<name>` (`$XDG_CACHE_HOME` honoured):
+/// where scripts/setup.sh puts the client tools.
+fn cache_tool(var: &str, name: &str) -> PathBuf {
+    std::env::var_os(var).filter(|v| !v.is_empty()).map(PathBuf::from).unwrap_or_else(|| {
+        let cache = std::env::var_os("XDG_CACHE_HOME")
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache"));
+        cache.join("tine").join(name)
+    })
+}
+
+/// `None` after a loud SKIPPED line, or a panic where the tools must be
+/// there (`$TINE_REQUIRE_PY_SDK` or `$CI` set, as scripts/test.sh does).
+fn skip_unless_required<T>(test: &str, why: &str) -> Option<T> {
     let required = ["TINE_REQUIRE_PY_SDK", "CI"].iter().any(|v| std::env::var_os(v).is_some_and(|v| !v.is_empty()));
     assert!(!required, "{test}: {why}");
     eprintln!("\n!!!!!!!! SKIPPED {test}: {why} !!!!!!!!\n");
     None
+}
+
+/// The official MCP conformance suite's command (npm package
+/// `@modelcontextprotocol/conformance`, installed by `scripts/setup.sh` at
+/// `$TINE_CONFORMANCE` or `~/.cache/tine/conformance`). `None` with a loud
+/// SKIPPED line when it is missing, unless required (as [`python_sdk`]).
+pub fn conformance_suite(test: &str) -> Option<PathBuf> {
+    let dir = cache_tool("TINE_CONFORMANCE", "conformance");
+    let bin = dir.join("node_modules/.bin/conformance");
+    if bin.exists() {
+        return Some(bin);
+    }
+    skip_unless_required(test, &format!("no MCP conformance suite at {} (run scripts/setup.sh)", dir.display()))
+}
+
+/// Runs one server scenario of the conformance suite (`bin server --url
+/// URL --scenario S`, at most 120 s). `Ok(output)` when it passed; `Err`
+/// with its output when it failed, did not end in time or did not start.
+pub fn run_conformance_scenario(bin: &Path, url: &str, scenario: &str) -> Result<String, String> {
+    // coreutils' timeout: the scenario's own waits are shorter; this bounds a hang.
+    let out = Command::new("timeout")
+        .arg("120")
+        .arg(bin)
+        .args(["server", "--url", url, "--scenario", scenario])
+        .env("NO_COLOR", "1")
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| format!("cannot run {}: {e}", bin.display()))?;
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    match out.status.code() {
+        Some(0) if text.contains(" 0 failed") => Ok(text),
+        Some(124) => Err(format!("scenario {scenario} did not end within 120 s:\n{text}")),
+        _ => Err(format!("scenario {scenario} failed ({}):\n{text}", out.status)),
+    }
 }

@@ -225,6 +225,10 @@ async fn debian_checks(uds: &std::path::Path, ready: Duration) {
     assert!(matches!(ping.0, Ok(Reply::Pong { .. })));
     assert!(ping.1 < t0.elapsed(), "the ping waited for the command");
 
+    // A background process in a real guest: wait for its banner, stdin,
+    // paging, and a group kill that also finds a setsid escapee.
+    process_checks(&agent).await;
+
     // Reseed: the clock is set.
     let now_ns = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
     let reseed = Op::Reseed(Reseed { entropy: vec![9; 64], unix_time_ns: now_ns });
@@ -251,4 +255,80 @@ async fn debian_checks(uds: &std::path::Path, ready: Duration) {
         ready.as_secs_f64(),
         rtts[5].as_micros()
     );
+}
+
+/// Background processes through the raw protocol (no progress frames).
+async fn process_checks(agent: &tine_agent_client::AgentClient) {
+    use tine_protocol::{
+        ProcessOutputRequest, ProcessWait, ProcessWrite, Spawn, StreamKind, StreamSet, WaitFor, WaitOutcome,
+    };
+    let t = Duration::from_secs(120);
+    let spawn = |script: &str| {
+        Op::Spawn(Spawn {
+            command: Command::Shell(script.into()),
+            cwd: None,
+            env: vec![],
+            stdin: vec![],
+            close_stdin: false,
+        })
+    };
+    let wait = |id, until: Option<WaitFor>| {
+        Op::ProcessWait(ProcessWait {
+            id,
+            timeout_ms: 60_000,
+            until,
+            streams: StreamSet::Both,
+            stdout_from: 0,
+            stderr_from: 0,
+            progress_ms: 0,
+        })
+    };
+    // stdin reaches a background cat; its echo is waited for; EOF ends it.
+    let cat = match agent.call(spawn("cat"), t).await {
+        Ok(Reply::Process(p)) => p,
+        other => panic!("spawn: {other:?}"),
+    };
+    let w = Op::ProcessWrite(ProcessWrite { id: cat.id, data: b"hello\n".to_vec(), close: false, timeout_ms: 0 });
+    assert!(matches!(agent.call(w, t).await, Ok(Reply::ProcessWritten { bytes: 6, .. })));
+    match agent.call(wait(cat.id, Some(WaitFor::Text("hello".into()))), t).await {
+        Ok(Reply::ProcessWaited(w)) => assert_eq!(w.outcome, WaitOutcome::Matched, "{w:?}"),
+        other => panic!("wait: {other:?}"),
+    }
+    let close = Op::ProcessWrite(ProcessWrite { id: cat.id, data: vec![], close: true, timeout_ms: 0 });
+    assert!(matches!(agent.call(close, t).await, Ok(Reply::ProcessWritten { .. })));
+    match agent.call(wait(cat.id, None), t).await {
+        Ok(Reply::ProcessWaited(w)) => {
+            assert_eq!((w.outcome, w.info.status), (WaitOutcome::Exited, Some(ExitStatus::Code(0))), "{w:?}")
+        }
+        other => panic!("wait: {other:?}"),
+    }
+    // 600 000 bytes through a 256 KiB buffer: the oldest are counted as dropped.
+    let lines = match agent.call(spawn("seq -f %09g 0 59999"), t).await {
+        Ok(Reply::Process(p)) => p,
+        other => panic!("spawn: {other:?}"),
+    };
+    assert!(matches!(agent.call(wait(lines.id, None), t).await, Ok(Reply::ProcessWaited(_))));
+    let req = ProcessOutputRequest { id: lines.id, stream: StreamKind::Stdout, offset: None, max_bytes: 20 };
+    match agent.call(Op::ProcessOutput(req), t).await {
+        Ok(Reply::ProcessOutput(o)) => {
+            assert_eq!(o.offset, 600_000 - (256 << 10), "{o:?}");
+            assert_eq!((o.info.stdout.total_bytes, o.info.stdout.buffer_start), (600_000, 600_000 - (256 << 10)));
+        }
+        other => panic!("output: {other:?}"),
+    }
+    // A kill of the group also ends a setsid child (found by its marker).
+    let tree = match agent.call(spawn("sleep 1001 & setsid sleep 1002 & sleep 1003"), t).await {
+        Ok(Reply::Process(p)) => p,
+        other => panic!("spawn: {other:?}"),
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let kill = Op::ProcessSignal { id: tree.id, signal: 15, escalate_ms: 3000 };
+    assert!(matches!(agent.call(kill, t).await, Ok(Reply::Process(_))));
+    let ps = agent.exec("ps -eo args", 0, 0).await.unwrap();
+    let ps = String::from_utf8_lossy(&ps.stdout.data).into_owned();
+    assert!(!ps.contains("sleep 100"), "a sleep survived the kill:\n{ps}");
+    match agent.call(Op::ProcessList, t).await {
+        Ok(Reply::Processes(l)) => assert_eq!(l.len(), 3, "{l:?}"),
+        other => panic!("list: {other:?}"),
+    }
 }

@@ -1,0 +1,299 @@
+//! Long-running work end to end (issue 16): `tine server start` as a
+//! subprocess, real guests, and a real MCP client over Streamable HTTP.
+//! Background processes (wait for text, paged output past the buffer,
+//! stdin, kill of a tree), their survival across pause/resume, branch and
+//! templates; progress notifications; MCP logging with a crash message;
+//! fd 1/2 of a Python cell's children; and the official conformance
+//! suite's server scenarios. One server (seeded default template) serves
+//! every check here.
+
+// MCP logging is in the 2025-11-25 specification the server implements; rmcp
+// marks it deprecated for the 2026-07-28 draft (SEP-2577).
+#![allow(deprecated)]
+
+use std::path::Path;
+use std::time::Duration;
+
+use rmcp::model::{LoggingLevel, SetLevelRequestParams};
+use serde_json::{json, Value};
+use testkit::mcp::{call, call_with_progress, conformance_suite, run_conformance_scenario, Recorder, TineServer};
+
+const CONFIG: &str = "[limits]\nboot_timeout_secs = 1200\nmax_sandboxes = 12\n";
+
+fn binary() -> &'static Path {
+    Path::new(env!("CARGO_BIN_EXE_tine"))
+}
+
+/// The processes of `sandbox` as the server lists them.
+async fn processes(client: &rmcp::Peer<rmcp::RoleClient>, sandbox: &str) -> Vec<Value> {
+    let l = call(client, "sandbox_process_list", json!({"sandbox_id": sandbox})).await.unwrap();
+    l["processes"].as_array().cloned().unwrap_or_default()
+}
+
+/// Waits in `process` for a new line of digits (the ticker's output) after
+/// what it printed so far; whether one came within 60 s.
+async fn ticks(client: &rmcp::Peer<rmcp::RoleClient>, process: &str) -> Value {
+    let info =
+        call(client, "sandbox_process_list", json!({"sandbox_id": process.split(':').next().unwrap()})).await.unwrap();
+    let now = info["processes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["process_id"] == process)
+        .unwrap_or_else(|| panic!("{process} is not listed: {info}"))["stdout_bytes"]
+        .as_u64()
+        .unwrap();
+    call(
+        client,
+        "sandbox_process_wait",
+        json!({"process_id": process, "until_regex": "^[0-9]+$", "stdout_offset": now, "timeout_secs": 60}),
+    )
+    .await
+    .unwrap()
+}
+
+/// The progress notifications for `token`: at least `min`, with strictly
+/// increasing `progress`. (They come before the result on the request's
+/// stream; the client handler may still be recording the last one.)
+async fn progress_seen(rec: &Recorder, token: &str, min: usize) -> Vec<String> {
+    for _ in 0..20 {
+        if rec.progress_for(token).len() >= min {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let p = rec.progress_for(token);
+    assert!(p.len() >= min, "{token}: {} progress notifications, wanted >= {min}: {p:?}", p.len());
+    assert!(p.windows(2).all(|w| w[0].progress < w[1].progress), "{token}: progress not increasing: {p:?}");
+    p.into_iter().filter_map(|n| n.message).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn background_processes_progress_and_logging() {
+    if !testkit::kvm_available("background_processes_progress_and_logging") {
+        return;
+    }
+    let server = TineServer::start_with_default_template(binary(), None, CONFIG);
+
+    // The conformance suite's server scenarios (issue 16's list).
+    if let Some(suite) = conformance_suite("background_processes_progress_and_logging") {
+        for scenario in ["server-initialize", "ping", "tools-list", "logging-set-level", "server-sse-multiple-streams"]
+        {
+            let out = run_conformance_scenario(&suite, &server.url, scenario).unwrap_or_else(|e| panic!("{e}"));
+            eprintln!("conformance {scenario}: {}", out.lines().filter(|l| l.contains("Passed")).collect::<String>());
+        }
+    }
+
+    let (client, rec) = server.recording_client().await;
+    client.set_level(SetLevelRequestParams::new(LoggingLevel::Info)).await.expect("logging/setLevel is accepted");
+
+    let sb =
+        call(&client, "sandbox_create", json!({})).await.expect("create")["sandbox_id"].as_str().unwrap().to_string();
+
+    // A background web server; wait for its banner, then fetch from it.
+    let web = call(
+        &client,
+        "sandbox_exec",
+        json!({"sandbox_id": sb, "command": "cd /tmp && exec python3 -m http.server 8000", "background": true}),
+    )
+    .await
+    .unwrap();
+    let web_id = web["process_id"].as_str().expect("a process id").to_string();
+    assert!(web_id.starts_with(&format!("{sb}:p")), "{web}");
+    let w = call(
+        &client,
+        "sandbox_process_wait",
+        json!({"process_id": web_id, "until_text": "Serving HTTP", "timeout_secs": 120}),
+    )
+    .await
+    .unwrap();
+    assert_eq!(w["outcome"], "matched", "{w}");
+    assert!(w["matched"]["line"].as_str().unwrap().contains("port 8000"), "{w}");
+    let get = "python3 -c \"import urllib.request as u; print(u.urlopen('http://127.0.0.1:8000/').status)\"";
+    let x = call(&client, "sandbox_exec", json!({"sandbox_id": sb, "command": get})).await.unwrap();
+    assert_eq!(x["stdout"], "200\n", "{x}");
+
+    // 600 000 bytes of numbered lines through the 256 KiB buffer: the dropped
+    // head is counted, and the rest pages with offsets.
+    let lines = call(
+        &client,
+        "sandbox_exec",
+        json!({"sandbox_id": sb, "background": true,
+               "command": "python3 -c \"[print(f'{i:09d}') for i in range(60000)]\""}),
+    )
+    .await
+    .unwrap();
+    let lines_id = lines["process_id"].as_str().unwrap().to_string();
+    let w = call(&client, "sandbox_process_wait", json!({"process_id": lines_id, "timeout_secs": 300})).await.unwrap();
+    assert_eq!(w["outcome"], "exited", "{w}");
+    assert_eq!(w["process"]["exit_code"], 0, "{w}");
+    let held = 256 << 10;
+    let dropped = 600_000 - held;
+    let listed = processes(&client, &sb).await;
+    let p = listed.iter().find(|p| p["process_id"] == lines_id.as_str()).expect("listed");
+    assert_eq!((p["stdout_bytes"].as_u64(), p["stdout_dropped_bytes"].as_u64()), (Some(600_000), Some(dropped)), "{p}");
+    let first = call(&client, "sandbox_process_output", json!({"process_id": lines_id, "offset": 0})).await.unwrap();
+    assert_eq!(first["offset"].as_u64(), Some(dropped), "{}", first["offset"]);
+    assert_eq!(first["skipped_bytes"].as_u64(), Some(dropped));
+    let mut text = first["data"].as_str().unwrap().to_string();
+    let mut next = first["next_offset"].as_u64().unwrap();
+    let mut pages = 1;
+    while next < 600_000 {
+        let page =
+            call(&client, "sandbox_process_output", json!({"process_id": lines_id, "offset": next})).await.unwrap();
+        assert_eq!(page["offset"].as_u64(), Some(next), "pages follow each other");
+        text.push_str(page["data"].as_str().unwrap());
+        next = page["next_offset"].as_u64().unwrap();
+        pages += 1;
+        assert!(pages < 100, "paging does not end");
+    }
+    assert_eq!(text.len() as u64, held);
+    // The first whole line starts at the next multiple of 10.
+    let skip = (10 - dropped % 10) % 10;
+    for (k, line) in text[skip as usize..].lines().enumerate() {
+        let n = (dropped + skip) / 10 + k as u64;
+        assert_eq!(line, format!("{n:09}"), "line at offset {}", 10 * n);
+    }
+    eprintln!("paged 256 KiB of process output in {pages} calls");
+
+    // stdin to a background cat, then EOF ends it.
+    let cat = call(&client, "sandbox_exec", json!({"sandbox_id": sb, "command": "cat", "background": true}))
+        .await
+        .unwrap()["process_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let wr = call(&client, "sandbox_process_write", json!({"process_id": cat, "data": "hello\n"})).await.unwrap();
+    assert_eq!(wr["bytes_written"], 6, "{wr}");
+    let w = call(&client, "sandbox_process_wait", json!({"process_id": cat, "until_text": "hello"})).await.unwrap();
+    assert_eq!(w["outcome"], "matched", "{w}");
+    let wr = call(&client, "sandbox_process_write", json!({"process_id": cat, "data": "", "close_stdin": true}))
+        .await
+        .unwrap();
+    assert_eq!(wr["stdin_open"], false, "{wr}");
+    let w = call(&client, "sandbox_process_wait", json!({"process_id": cat})).await.unwrap();
+    assert_eq!((w["outcome"].as_str(), w["process"]["exit_code"].as_i64()), (Some("exited"), Some(0)), "{w}");
+
+    // A kill ends the whole tree, a setsid child included.
+    let tree = call(
+        &client,
+        "sandbox_exec",
+        json!({"sandbox_id": sb, "background": true, "command": "sleep 1001 & setsid sleep 1002 & sleep 1003"}),
+    )
+    .await
+    .unwrap()["process_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let k = call(&client, "sandbox_process_kill", json!({"process_id": tree})).await.unwrap();
+    assert_eq!(k["process"]["state"], "exited", "{k}");
+    assert_eq!(k["process"]["signal"], 15, "{k}");
+    let ps =
+        call(&client, "sandbox_exec", json!({"sandbox_id": sb, "command": "cat /proc/[0-9]*/cmdline | tr '\\0' ' '"}))
+            .await
+            .unwrap();
+    assert!(!ps["stdout"].as_str().unwrap().contains("sleep 100"), "a sleep survived the kill: {ps}");
+    let e = call(&client, "sandbox_process_kill", json!({"process_id": format!("{sb}:p999")})).await.unwrap_err();
+    assert!(e.contains("sandbox_process_list"), "{e}");
+
+    // A Python cell's children write to fds 1 and 2: the cell shows it.
+    let v = call(
+        &client,
+        "sandbox_run_python",
+        json!({"sandbox_id": sb, "code": "import os\nprint('a')\nos.system('echo hi')\nprint('c')"}),
+    )
+    .await
+    .unwrap();
+    assert_eq!(v["stdout"], "a\nhi\nc\n", "{v}");
+
+    // Progress of a long synchronous exec, with its latest output lines.
+    let (x, token) = call_with_progress(
+        &client,
+        "sandbox_exec",
+        json!({"sandbox_id": sb, "command": "for i in 1 2 3 4 5 6; do echo line$i; sleep 1; done"}),
+    )
+    .await;
+    let x = x.unwrap();
+    assert!(x["stdout"].as_str().unwrap().ends_with("line6\n"), "{x}");
+    let messages = progress_seen(&rec, &token, 2).await;
+    assert!(messages.iter().any(|m| m.contains("line")), "no output line in {messages:?}");
+
+    // A ticker survives pause/resume, and is carried into branch children and
+    // into sandboxes made from a template of its sandbox, under their ids.
+    let ticker = call(
+        &client,
+        "sandbox_exec",
+        json!({"sandbox_id": sb, "background": true, "command": "while :; do date +%s%N; sleep 0.2; done"}),
+    )
+    .await
+    .unwrap()["process_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let local = ticker.rsplit(':').next().unwrap().to_string();
+    assert_eq!(ticks(&client, &ticker).await["outcome"], "matched");
+    call(&client, "sandbox_pause", json!({"sandbox_id": sb})).await.unwrap();
+    call(&client, "sandbox_resume", json!({"sandbox_id": sb})).await.unwrap();
+    let w = ticks(&client, &ticker).await;
+    assert_eq!(w["outcome"], "matched", "the ticker stopped at pause/resume: {w}");
+
+    let (b, token) = call_with_progress(&client, "sandbox_branch", json!({"sandbox_id": sb, "n": 2})).await;
+    let b = b.expect("branch");
+    let kids: Vec<String> =
+        b["children"].as_array().unwrap().iter().map(|c| c["sandbox_id"].as_str().unwrap().to_string()).collect();
+    let messages = progress_seen(&rec, &token, 1).await;
+    eprintln!("branch progress: {messages:?}");
+    for kid in &kids {
+        let theirs = format!("{kid}:{local}");
+        let listed = processes(&client, kid).await;
+        let p = listed.iter().find(|p| p["process_id"] == theirs.as_str()).unwrap_or_else(|| panic!("{listed:?}"));
+        assert_eq!(p["state"], "running", "{p}");
+        assert_eq!(ticks(&client, &theirs).await["outcome"], "matched", "the ticker runs in {kid}");
+    }
+    call(&client, "sandbox_process_kill", json!({"process_id": format!("{}:{local}", kids[0]), "signal": "KILL"}))
+        .await
+        .unwrap();
+    assert_eq!(ticks(&client, &format!("{}:{local}", kids[1])).await["outcome"], "matched", "the sibling's ticker");
+    assert_eq!(ticks(&client, &ticker).await["outcome"], "matched", "the source's ticker");
+
+    call(&client, "sandbox_snapshot", json!({"sandbox_id": sb, "name": "ticking"})).await.expect("snapshot");
+    let from = call(&client, "sandbox_create", json!({"template": "ticking"})).await.unwrap()["sandbox_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let theirs = format!("{from}:{local}");
+    assert!(processes(&client, &from)
+        .await
+        .iter()
+        .any(|p| p["process_id"] == theirs.as_str() && p["state"] == "running"));
+    assert_eq!(ticks(&client, &theirs).await["outcome"], "matched", "the ticker runs in a sandbox from the template");
+
+    // A crash: the session that asked for info messages gets an error-level
+    // message naming the sandbox, with the console's last lines.
+    let crasher = call(&client, "sandbox_create", json!({})).await.unwrap()["sandbox_id"].as_str().unwrap().to_string();
+    let _ = call(
+        &client,
+        "sandbox_exec",
+        json!({"sandbox_id": crasher, "command": "echo c > /proc/sysrq-trigger", "timeout_secs": 30}),
+    )
+    .await;
+    let crashed = rec
+        .eventually_logged(Duration::from_secs(120), |m| {
+            m.level == LoggingLevel::Error && m.data["event"] == "crashed" && m.data["sandbox_id"] == crasher.as_str()
+        })
+        .await
+        .unwrap_or_else(|| panic!("no crash message; got {:?}", rec.logs.lock().unwrap()));
+    let tail = crashed.data.to_string();
+    assert!(tail.contains("sysrq") || tail.contains("panic"), "console tail in {tail}");
+    assert!(
+        rec.logs.lock().unwrap().iter().any(|m| m.data["event"] == "ready"),
+        "info-level ready messages after setLevel(info)"
+    );
+
+    for id in kids.iter().chain([&sb, &from]) {
+        call(&client, "sandbox_kill", json!({"sandbox_id": id})).await.unwrap();
+    }
+    // Close the session (DELETE /mcp) while the server is still there.
+    client.cancel().await.expect("close the session");
+}
