@@ -57,7 +57,8 @@ impl fmt::Display for ProcessId {
 impl FromStr for ProcessId {
     type Err = SandboxError;
 
-    /// Parses `<sandbox_id>:p<n>` (`n` >= 1).
+    /// Parses `<sandbox_id>:p<n>` (`n` >= 1; the sandbox id at most 64
+    /// bytes of `[A-Za-z0-9._-]`, which every id the server makes is).
     ///
     /// Errors: [`SandboxError::BadProcessId`] (quoting at most 64 bytes of
     /// `s`).
@@ -66,7 +67,8 @@ impl FromStr for ProcessId {
         let (sandbox, local) = s.trim().rsplit_once(':').ok_or_else(bad)?;
         let digits = local.strip_prefix('p').ok_or_else(bad)?;
         if sandbox.is_empty()
-            || sandbox.chars().any(|c| c.is_whitespace() || c == ':')
+            || sandbox.len() > QUOTED_ID_BYTES
+            || !sandbox.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
             || digits.is_empty()
             || !digits.bytes().all(|b| b.is_ascii_digit())
         {
@@ -174,6 +176,8 @@ pub struct ProcessPage {
     pub skipped: u64,
     /// Bytes the stream produced so far.
     pub total_bytes: u64,
+    /// The stream reached end of file: `total_bytes` is final.
+    pub closed: bool,
 }
 
 /// What [`Manager::process_wait`] waits for.
@@ -312,9 +316,9 @@ impl Manager {
             .with_agent(sb, |a| async move { a.process_output(req, SHORT_CALL).await })
             .await
             .map_err(|e| process_error(sb, e))?;
-        let total_bytes = match out.stream {
-            StreamKind::Stdout => out.info.stdout.total_bytes,
-            StreamKind::Stderr => out.info.stderr.total_bytes,
+        let state = match out.stream {
+            StreamKind::Stdout => out.info.stdout,
+            StreamKind::Stderr => out.info.stderr,
         };
         Ok(ProcessPage {
             info: ProcessInfo::from_agent(sb, out.info),
@@ -322,7 +326,8 @@ impl Manager {
             offset: out.offset,
             data: out.data,
             skipped: out.skipped,
-            total_bytes,
+            total_bytes: state.total_bytes,
+            closed: state.closed,
         })
     }
 
@@ -438,11 +443,14 @@ mod tests {
         assert_eq!(p, ProcessId::new("sb-3", 7));
         assert_eq!(p.to_string(), "sb-3:p7");
         assert_eq!(" sb-12:p1 ".parse::<ProcessId>().unwrap(), ProcessId::new("sb-12", 1));
-        for bad in ["", "sb-3", "sb-3:7", "sb-3:p", "sb-3:p0", ":p1", "sb-3:p-1", "sb-3:p+1", "a b:p1", "sb:3:p1x"] {
+        for bad in
+            ["", "sb-3", "sb-3:7", "sb-3:p", "sb-3:p0", ":p1", "sb-3:p-1", "sb-3:p+1", "a b:p1", "sb:3:p1x", "sb-é:p1"]
+        {
             let e = bad.parse::<ProcessId>().unwrap_err();
             assert!(matches!(&e, SandboxError::BadProcessId(q) if q == bad), "{bad:?}: {e}");
             assert!(e.to_string().contains("sb-3:p7"), "{e}");
         }
+        assert!(format!("{}:p1", "s".repeat(65)).parse::<ProcessId>().is_err(), "a sandbox id over 64 bytes");
         let e = "x".repeat(10_000).parse::<ProcessId>().unwrap_err();
         assert!(e.to_string().len() < 200, "a long id is quoted cut: {e}");
         assert!("sb-3:p99999999999999999999".parse::<ProcessId>().is_err());
