@@ -189,6 +189,11 @@ impl SessionLog {
         }
     }
 
+    /// Whether the session follows any sandbox (made or named one).
+    pub fn follows_any(&self) -> bool {
+        !self.watched.lock().unwrap_or_else(|p| p.into_inner()).is_empty()
+    }
+
     /// Whether `e` is about one of the session's sandboxes; a branch child
     /// of a watched sandbox becomes watched.
     pub fn is_ours(&self, e: &SandboxEvent) -> bool {
@@ -237,8 +242,11 @@ async fn forward(log: Weak<SessionLog>, peer: Peer<RoleServer>, mut events: broa
                 }
                 (level_of(&e.kind), data(&e))
             }
+            // Only for a session that follows some sandbox (the count says
+            // nothing about which): others learn nothing of other sessions.
+            Err(broadcast::error::RecvError::Lagged(_)) if !me.follows_any() => continue,
             Err(broadcast::error::RecvError::Lagged(n)) => (
-                LoggingLevel::Warning,
+                LoggingLevel::Notice,
                 serde_json::json!({
                     "event": "dropped",
                     "message": format!("{n} sandbox events were dropped (the server was busy); \

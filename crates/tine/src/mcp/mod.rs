@@ -147,8 +147,17 @@ impl TineMcp {
     /// sandbox is watched by the session's log from now on.
     async fn target_with(&self, id: Option<String>, cx: &CallContext) -> Result<String, ToolError> {
         let id = self.session.target_with(id, cx).await?;
-        self.log.watch(&id);
+        self.watch(&id);
         Ok(id)
+    }
+
+    /// The session's log follows sandbox `id` from now on, if it exists:
+    /// a name given for a sandbox not (yet) made must not route a later
+    /// sandbox's messages to this session (ids are predictable).
+    fn watch(&self, id: &str) {
+        if self.manager.contains(id) {
+            self.log.watch(id);
+        }
     }
 
     #[tool(
@@ -273,8 +282,8 @@ impl TineMcp {
         if let Some(max) = p.max_text_bytes {
             opts.max_text_bytes = max;
         }
-        self.log.watch(&p.a);
-        self.log.watch(&p.b);
+        self.watch(&p.a);
+        self.watch(&p.b);
         let report: DiffReport = self.manager.diff(&p.a, &p.b, opts).await?;
         Ok(Json(DiffResult::new(report, budget::CONTENT_BUDGET)))
     }
@@ -292,7 +301,7 @@ impl TineMcp {
         )
     )]
     async fn sandbox_merge_into(&self, Parameters(p): Parameters<MergeParams>) -> Result<Json<SandboxInfo>, ToolError> {
-        self.log.watch(&p.parent);
+        self.watch(&p.parent);
         let info = self.manager.merge_into(&p.winner, &p.parent).await?;
         self.session.merged(&p.winner, &p.parent).await;
         Ok(Json(info))
@@ -372,7 +381,7 @@ impl TineMcp {
             Some(id) => id,
             None => self.session.current().await.ok_or(ToolError::NoOwnSandbox)?,
         };
-        self.log.watch(&id);
+        self.watch(&id);
         self.manager.kill(&id).await?;
         self.session.forget(&id).await;
         Ok(Json(KillResult { sandbox_id: id, killed: true }))

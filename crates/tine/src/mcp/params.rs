@@ -399,7 +399,8 @@ impl SignalParam {
                 let n = i32::try_from(*n).ok().filter(|n| (1..=64).contains(n)).ok_or_else(bad)?;
                 let name =
                     SIGNALS.iter().find(|(_, s)| *s == n).map_or_else(|| n.to_string(), |(name, _)| (*name).into());
-                Ok((Some(n), name))
+                // TERM, however it is named, is the default: escalated.
+                Ok(((name != "TERM").then_some(n), name))
             }
             Some(SignalParam::Name(s)) => {
                 let t = s.trim().to_ascii_uppercase();
@@ -464,7 +465,8 @@ mod tests {
         assert_eq!(r("sigkill".into()), Ok((Some(9), "KILL".into())));
         assert_eq!(r("INT".into()), Ok((Some(2), "INT".into())));
         assert_eq!(r(9.into()), Ok((Some(9), "KILL".into())));
-        assert_eq!(r("15".into()), Ok((Some(15), "TERM".into())), "a number sends once");
+        assert_eq!(r("15".into()), Ok((None, "TERM".into())), "TERM by number escalates too");
+        assert_eq!(r(15.into()), Ok((None, "TERM".into())));
         assert_eq!(r(40.into()), Ok((Some(40), "40".into())));
         for bad in [serde_json::json!(0), serde_json::json!(65), serde_json::json!(-9), serde_json::json!("BOOM")] {
             assert!(r(bad.clone()).unwrap_err().contains("signal"), "{bad}");

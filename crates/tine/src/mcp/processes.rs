@@ -63,7 +63,7 @@ impl TineMcp {
     /// Errors: [`tine_sandbox::SandboxError::BadProcessId`].
     fn process(&self, process_id: &str) -> Result<ProcessId, ToolError> {
         let pid: ProcessId = process_id.trim().parse()?;
-        self.log.watch(&pid.sandbox_id);
+        self.watch(&pid.sandbox_id);
         Ok(pid)
     }
 }
@@ -109,10 +109,12 @@ impl TineMcp {
         // A character cut by the page's end is read on the next page,
         // unless the stream can grow no more.
         let end = page.offset.saturating_add(page.data.len() as u64);
-        let at_end = end >= page.total_bytes && page.info.ended_at_ms.is_some();
+        let at_end = end >= page.total_bytes && page.closed;
         let (mut data, mut covered) = budget::fit_bytes(&page.data, PROCESS_PAGE_BUDGET, at_end);
-        if covered == 0 && !page.data.is_empty() {
-            // A page too short for one character must still move on.
+        if covered == 0 && page.data.len() >= max as usize {
+            // A max_bytes too small for one character must still move on;
+            // else the rest of the character has yet to be written (the
+            // page is empty and next_offset stays: ask again later).
             (data, covered) = budget::fit_bytes(&page.data, PROCESS_PAGE_BUDGET, true);
         }
         let bytes = covered as u64;

@@ -9,8 +9,12 @@
 //! [`MIN_INTERVAL`], with `progress` strictly increasing (the spec's
 //! rule), `total` left out when below it and the message cut to
 //! [`MESSAGE_BYTES`]. [`Reporter::finish`] ends the task before the tool
-//! returns, so no notification follows the result (the spec forbids
-//! progress after the response); dropping a reporter aborts its task too.
+//! returns, waiting for a send in flight, so no notification follows the
+//! result (the spec forbids progress after the response); dropping a
+//! reporter aborts its task too. A client that takes no notification for
+//! [`SEND_TIMEOUT`] gets no more for that call (at most that one may then
+//! still reach it late), and a cancelled request (`notifications/
+//! cancelled`) gets none from then on.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -27,8 +31,9 @@ use tokio_util::sync::CancellationToken;
 pub const MIN_INTERVAL: Duration = Duration::from_millis(500);
 /// Longest message of a notification (bytes of UTF-8): 1 KiB.
 pub const MESSAGE_BYTES: usize = 1024;
-/// Longest a notification's send may take before it is dropped (a client
-/// that does not read its stream cannot stall the call): 2 s.
+/// Longest a notification's send may take (a client that does not read
+/// its stream cannot stall the call): 2 s. Past it, reporting for the call
+/// stops.
 const SEND_TIMEOUT: Duration = Duration::from_secs(2);
 /// Smallest step between two progress values sent.
 const STEP: f64 = 0.001;
@@ -59,7 +64,8 @@ impl ProgressState {
         }
         let mut progress = if u.progress.is_finite() { u.progress.max(0.0) } else { 0.0 };
         if let Some(last) = self.last {
-            progress = progress.max(last + STEP);
+            // `last + STEP` rounds back to `last` for huge values.
+            progress = progress.max(last + STEP).max(last.next_up());
         }
         let total = u.total.filter(|t| t.is_finite() && *t >= progress);
         let mut message = u.message;
@@ -99,12 +105,14 @@ impl Reporter {
         let (tx, mut rx) = watch::channel::<Option<ProgressUpdate>>(None);
         let peer = ctx.peer.clone();
         let stopped = stop.clone();
+        let cancelled = ctx.ct.clone();
         let task = tokio::spawn(async move {
             let mut state = ProgressState::default();
             loop {
                 tokio::select! {
                     biased;
                     _ = stopped.cancelled() => return,
+                    _ = cancelled.cancelled() => return,
                     changed = rx.changed() => if changed.is_err() { return },
                 }
                 let wait = state.delay(Instant::now());
@@ -112,6 +120,7 @@ impl Reporter {
                     tokio::select! {
                         biased;
                         _ = stopped.cancelled() => return,
+                        _ = cancelled.cancelled() => return,
                         _ = tokio::time::sleep(wait) => {}
                     }
                 }
@@ -133,7 +142,12 @@ impl Reporter {
                         tracing::debug!("progress notification not sent: {e}");
                         return;
                     }
-                    Err(_) => tracing::debug!("progress notification dropped: the client did not take it in 2 s"),
+                    Err(_) => {
+                        // rmcp has queued it and may still send it: never
+                        // start a second one beside it.
+                        tracing::debug!("progress stopped: the client did not take a notification in 2 s");
+                        return;
+                    }
                 }
             }
         });
@@ -171,13 +185,16 @@ impl Reporter {
     }
 
     /// Ends reporting: an update not yet sent is dropped, a send in flight
-    /// gets at most 2 s; after it returns, nothing more is sent for the
-    /// call. Call it before returning the tool's result.
+    /// is waited for (it gives up after [`SEND_TIMEOUT`] by itself); after
+    /// it returns, nothing more is sent for the call. Call it before
+    /// returning the tool's result.
     pub async fn finish(mut self) {
         self.stop.cancel();
         self.tx = None;
         if let Some(mut task) = self.task.take() {
-            if tokio::time::timeout(SEND_TIMEOUT, &mut task).await.is_err() {
+            // The task ends within SEND_TIMEOUT (its send's own bound); the
+            // slack only guards against a scheduler stall.
+            if tokio::time::timeout(SEND_TIMEOUT * 2, &mut task).await.is_err() {
                 task.abort();
             }
         }
@@ -219,7 +236,16 @@ mod tests {
         let mut t = Instant::now();
         let mut s = ProgressState::default();
         let mut sent = Vec::new();
-        for (p, total) in [(5.0, Some(4.0)), (5.0, Some(10.0)), (3.0, None), (f64::NAN, None), (-1.0, Some(1.0))] {
+        let updates = [
+            (5.0, Some(4.0)),
+            (5.0, Some(10.0)),
+            (3.0, None),
+            (f64::NAN, None),
+            (-1.0, Some(1.0)),
+            (1.8e16, None),
+            (1.8e16, None),
+        ];
+        for (p, total) in updates {
             let (progress, total, _) = s.next(update(p, total, ""), t).expect("an interval passed");
             sent.push(progress);
             if let Some(total) = total {
