@@ -141,6 +141,7 @@ pub fn run(req: Exec, progress: Option<(&dyn Fn(Progress), Duration)>) -> Result
     let mut child = Process::new(&argv[0])
         .args(&argv[1..])
         .current_dir(req.cwd.as_deref().unwrap_or("/"))
+        .envs(crate::env::current().1)
         .envs(req.env.iter().map(|(k, v)| (k, v)))
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())

@@ -13,10 +13,14 @@
 //! process wait with `progress_ms` send interim `Reply::Progress` frames
 //! with the request's id before their answer.
 //!
+//! The sandbox environment (`set_env`) applies to every later exec,
+//! background process and Python cell (see [`env`]).
+//!
 //! `python` cells run in one persistent interpreter per sandbox (see
 //! [`python`]). `manifest` lists what the sandbox changed on its overlay
 //! root and in `/tmp`, with hashes (see [`manifest`]).
 
+mod env;
 mod exec;
 mod files;
 mod init;
@@ -63,6 +67,7 @@ fn handle(op: Op, started: Instant, progress: &dyn Fn(Progress)) -> Result<Reply
         Op::Info => Ok(Reply::Info(sys::info(started))),
         Op::Reseed(r) => sys::reseed(&r).map(|()| Reply::Done),
         Op::Manifest { paths } => manifest::handle(paths).map(Reply::Manifest),
+        Op::SetEnv { env } => env::set(env).map(|()| Reply::Done),
         Op::PythonWarmUp => python::warm_up().map(|interpreter_start_ms| Reply::PythonWarm { interpreter_start_ms }),
     }
 }

@@ -342,20 +342,20 @@ pub fn spawn(req: Spawn) -> Result<ProcessInfo, AgentError> {
     };
     let cwd = req.cwd.as_deref().unwrap_or("/");
     let mut table = lock(&TABLE);
-    if table.procs.len() >= MAX_PROCESSES {
-        let evict = table.procs.iter().find(|(_, p)| p.finished()).map(|(&id, _)| id);
-        match evict {
-            Some(id) => {
-                table.procs.remove(&id);
-            }
-            None => return Err(AgentError::TooManyProcesses { max: MAX_PROCESSES as u32 }),
-        }
-    }
+    // The oldest ended entry makes room, once the new process has started:
+    // a spawn that fails leaves the table as it was.
+    let evict = if table.procs.len() < MAX_PROCESSES {
+        None
+    } else {
+        let ended = table.procs.iter().find(|(_, p)| p.finished()).map(|(&id, _)| id);
+        Some(ended.ok_or(AgentError::TooManyProcesses { max: MAX_PROCESSES as u32 })?)
+    };
     let id = table.next_id;
     let mut child = Process::new(&argv[0])
         .args(&argv[1..])
         .current_dir(cwd)
         .env("PYTHONUNBUFFERED", "1")
+        .envs(crate::env::current().1)
         .envs(req.env.iter().map(|(k, v)| (k, v)))
         .env("TINE_PROCESS_ID", format!("p{id}"))
         .env("TINE_AGENT_PID", std::process::id().to_string())
@@ -366,6 +366,9 @@ pub fn spawn(req: Spawn) -> Result<ProcessInfo, AgentError> {
         .spawn()
         .map_err(|e| start_error(e, &argv[0], cwd))?;
     table.next_id += 1;
+    if let Some(id) = evict {
+        table.procs.remove(&id);
+    }
     let stdin = child.stdin.take();
     if let Some(s) = &stdin {
         set_nonblocking(s);
@@ -750,6 +753,11 @@ pub fn wait(w: ProcessWait, progress: &dyn Fn(Progress)) -> Result<ProcessWaited
     };
     let mut st = lock(&p.state);
     let info = p.info_locked(&mut st);
+    // A cursor's `held_at` is the first byte it has not finished with.
+    let resume = match matcher {
+        Some(_) => cursors.map(|c| c.held_at),
+        None => [st.rings[OUT].total(), st.rings[ERR].total()],
+    };
     Ok(ProcessWaited {
         outcome,
         found,
@@ -758,6 +766,7 @@ pub fn wait(w: ProcessWait, progress: &dyn Fn(Progress)) -> Result<ProcessWaited
         stderr_tail: st.rings[ERR].tail_lines(PROGRESS_TAIL_BYTES),
         waited_ms: started.elapsed().as_millis() as u64,
         missed,
+        resume,
     })
 }
 
@@ -890,14 +899,14 @@ pub fn signal(id: u64, signal: i32, escalate_ms: u32) -> Result<ProcessInfo, Age
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     /// The table is one per process: tests that spawn take this, so the
     /// full-table test does not starve the others.
     static SERIAL: Mutex<()> = Mutex::new(());
 
-    fn serial() -> MutexGuard<'static, ()> {
+    pub(crate) fn serial() -> MutexGuard<'static, ()> {
         lock(&SERIAL)
     }
 
@@ -912,7 +921,7 @@ mod tests {
     }
 
     /// Kills the process (group and marked descendants) when dropped.
-    struct Killed(u64);
+    pub(crate) struct Killed(pub(crate) u64);
 
     impl Drop for Killed {
         fn drop(&mut self) {
@@ -920,12 +929,12 @@ mod tests {
         }
     }
 
-    fn start(script: &str) -> (u64, Killed) {
+    pub(crate) fn start(script: &str) -> (u64, Killed) {
         let info = spawn(sh(script)).unwrap();
         (info.id, Killed(info.id))
     }
 
-    fn wait_for(id: u64, until: Option<WaitFor>, from: (u64, u64), timeout_ms: u32) -> ProcessWaited {
+    pub(crate) fn wait_for(id: u64, until: Option<WaitFor>, from: (u64, u64), timeout_ms: u32) -> ProcessWaited {
         wait(
             ProcessWait {
                 id,
@@ -1000,6 +1009,32 @@ mod tests {
             (StreamKind::Stdout, 2, 14, &b"Serving HTTP"[..])
         );
         assert_eq!(w.info.status, None);
+    }
+
+    /// A wait that times out between the two halves of a text (or of a
+    /// line) resumes where its search stopped, so the next wait from its
+    /// `resume` offsets finds them.
+    #[test]
+    fn a_resumed_wait_finds_what_straddled_the_timeout() {
+        let _s = serial();
+        let (id, _k) = start("printf 'a long first line\\nServ'; sleep 2; printf 'ing HTTP\\n'; sleep 30");
+        let first = wait_for(id, text("Serving HTTP"), (0, 0), 1000);
+        assert_eq!(first.outcome, WaitOutcome::TimedOut);
+        // 22 bytes written: the last 11 (the text's length less one) are
+        // held back and searched again.
+        assert_eq!(first.resume, [11, 0]);
+        let second = wait_for(id, text("Serving HTTP"), (first.resume[0], first.resume[1]), 20_000);
+        assert_eq!((second.outcome, second.found.map(|f| f.offset)), (WaitOutcome::Matched, Some(18)));
+        assert_eq!(second.resume[0], 30, "after a match: its end");
+        let (id, _k) = start("printf '12'; sleep 2; printf '3 done\\n'; sleep 30");
+        let re = Some(WaitFor::Regex("^123 done$".into()));
+        let first = wait_for(id, re.clone(), (0, 0), 1000);
+        assert_eq!((first.outcome, first.resume), (WaitOutcome::TimedOut, [0, 0]), "the unfinished line");
+        let second = wait_for(id, re, (first.resume[0], first.resume[1]), 20_000);
+        assert_eq!(second.outcome, WaitOutcome::Matched);
+        // Without a text or pattern: the totals.
+        let third = wait_for(id, None, (0, 0), 100);
+        assert_eq!(third.resume, [9, 0]);
     }
 
     #[test]
@@ -1173,6 +1208,10 @@ mod tests {
         let victim = ours[3].0;
         signal(victim, libc::SIGKILL, 0).unwrap();
         assert_eq!(wait_for(victim, None, (0, 0), 20_000).outcome, WaitOutcome::Exited);
+        // A spawn that fails evicts nothing.
+        let missing = Spawn { command: Command::Argv(vec!["/nonexistent/program".into()]), ..sh("") };
+        assert!(matches!(spawn(missing), Err(AgentError::NotFound { .. })));
+        assert!(find(victim).is_ok(), "a failed spawn evicted the ended entry");
         let next = spawn(sh("sleep 1000")).unwrap();
         ours.push(Killed(next.id));
         assert!(next.id > victim);

@@ -44,6 +44,9 @@ struct Interpreter {
     child: Child,
     stdin: ChildStdin,
     stdout: BufReader<ChildStdout>,
+    /// The sandbox environment's generation and variables it has (see
+    /// [`crate::env`]): a cell sent under a newer one carries the change.
+    env: (u64, Vec<(String, String)>),
 }
 
 static INTERPRETER: Mutex<Option<Interpreter>> = Mutex::new(None);
@@ -81,12 +84,13 @@ impl From<WireOutput> for Output {
     }
 }
 
-fn spawn() -> Result<Child, AgentError> {
+fn spawn(env: &[(String, String)]) -> Result<Child, AgentError> {
     // Minimal images may have no /root: run from / there.
     let cwd = if std::path::Path::new("/root").is_dir() { "/root" } else { "/" };
     Command::new("python3")
         .args(["-u", "-c", REPL])
         .current_dir(cwd)
+        .envs(env.iter().map(|(k, v)| (k, v)))
         .env("PYTHONIOENCODING", "utf-8")
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -104,11 +108,12 @@ fn spawn() -> Result<Child, AgentError> {
 /// Starts the interpreter and waits (at most [`START_TIMEOUT`]) until
 /// `repl.py` says it is ready.
 fn start() -> Result<Interpreter, AgentError> {
-    let mut child = spawn()?;
+    let env = crate::env::current();
+    let mut child = spawn(&env.1)?;
     let stdin = child.stdin.take().ok_or_else(|| AgentError::Io { message: "python3 has no stdin".into() })?;
     let stdout =
         BufReader::new(child.stdout.take().ok_or_else(|| AgentError::Io { message: "python3 has no stdout".into() })?);
-    let mut interp = Interpreter { child, stdin, stdout };
+    let mut interp = Interpreter { child, stdin, stdout, env };
     let pid = interp.child.id();
     let (done_tx, done_rx) = mpsc::channel::<()>();
     let watchdog = std::thread::spawn(move || {
@@ -255,6 +260,16 @@ pub fn warm_up() -> Result<Option<u64>, AgentError> {
     }
 }
 
+/// What `repl.py` does to `os.environ` to go from sandbox environment
+/// `old` to `new`: `{"set": {name: value}, "unset": [names of old not in
+/// new]}`.
+fn env_change(old: &[(String, String)], new: &[(String, String)]) -> serde_json::Value {
+    let set: serde_json::Map<String, serde_json::Value> =
+        new.iter().map(|(k, v)| (k.clone(), serde_json::Value::String(v.clone()))).collect();
+    let unset: Vec<&str> = old.iter().map(|(k, _)| k.as_str()).filter(|k| !new.iter().any(|(n, _)| n == k)).collect();
+    serde_json::json!({ "set": set, "unset": unset })
+}
+
 /// Runs one cell.
 ///
 /// Errors: `InvalidRequest` for limits out of range; `Unsupported` without
@@ -263,10 +278,18 @@ pub fn run(req: Python) -> Result<PythonReply, AgentError> {
     let (timeout_ms, limit) = effective_limits(req.timeout_ms, req.output_limit)?;
     let mut guard = INTERPRETER.lock().unwrap_or_else(|p| p.into_inner());
     let (interp, interpreter_start_ms) = ensure(&mut guard)?;
-    let line =
-        serde_json::json!({ "code": req.code, "limit": limit, "value_limit": PYTHON_VALUE_LIMIT }).to_string() + "\n";
+    let sandbox_env = crate::env::current();
+    let mut line = serde_json::json!({ "code": req.code, "limit": limit, "value_limit": PYTHON_VALUE_LIMIT });
+    if sandbox_env.0 != interp.env.0 {
+        line["env"] = env_change(&interp.env.1, &sandbox_env.1);
+    }
+    let line = line.to_string() + "\n";
     let reply = match exchange(interp, &line, Some(Duration::from_millis(u64::from(timeout_ms)))) {
-        Ok(Some(reply)) => reply,
+        Ok(Some(reply)) => {
+            // repl.py applies the change before the cell, whatever the cell does.
+            interp.env = sandbox_env;
+            reply
+        }
         Ok(None) => {
             // The interpreter died (killed after the grace period, or crashed).
             discard(&mut guard);

@@ -237,6 +237,13 @@ while True:
         warm_up()
         reply({"warm": True})
         continue
+    env = req.get("env")
+    if env is not None:
+        # The sandbox environment changed (set_env): before the cell, so
+        # the cell and the processes it starts see it.
+        for name in env["unset"]:
+            os.environ.pop(name, None)
+        os.environ.update(env["set"])
     value_limit = req.get("value_limit", 65536)
     out, err = Capped(req["limit"]), Capped(req["limit"])
     value, value_bytes, value_truncated, exc, timed_out = None, 0, False, None, False

@@ -68,6 +68,51 @@ pub const PROCESS_COMMAND_BYTES: usize = 1024;
 /// The default delay (ms) between a SIGTERM to a background process and the
 /// SIGKILL that follows when members of its group are still alive.
 pub const KILL_ESCALATE_MS: u32 = 3000;
+/// Most variables of a sandbox environment ([`Op::SetEnv`]).
+pub const MAX_SANDBOX_ENV_VARS: usize = 256;
+/// Most bytes of a sandbox environment: every name and value, plus one
+/// byte each for `=` and the terminating NUL, as `execve(2)` counts them
+/// (64 KiB).
+pub const MAX_SANDBOX_ENV_BYTES: usize = 64 << 10;
+
+/// Checks a sandbox environment ([`Op::SetEnv`]) against the limits both
+/// sides enforce: names of 1-256 bytes of `[A-Za-z0-9_]` not starting
+/// with a digit (POSIX.1-2017 XBD 8.1's portable names), values without
+/// NUL, at most [`MAX_SANDBOX_ENV_VARS`] variables and
+/// [`MAX_SANDBOX_ENV_BYTES`] in all, no name twice.
+///
+/// Errors: [`AgentError::InvalidRequest`] naming the first offending
+/// variable (its name quoted cut to 64 bytes).
+pub fn check_sandbox_env(env: &[(String, String)]) -> Result<(), AgentError> {
+    let invalid = |reason: String| AgentError::InvalidRequest { reason };
+    if env.len() > MAX_SANDBOX_ENV_VARS {
+        return Err(invalid(format!("{} environment variables: at most {MAX_SANDBOX_ENV_VARS}", env.len())));
+    }
+    let mut total = 0usize;
+    for (i, (name, value)) in env.iter().enumerate() {
+        let quoted: String = name.chars().take(64).collect();
+        let portable = !name.is_empty()
+            && name.len() <= 256
+            && !name.as_bytes()[0].is_ascii_digit()
+            && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
+        if !portable {
+            return Err(invalid(format!(
+                "environment variable name {quoted:?}: use 1-256 letters, digits and '_', not starting with a digit"
+            )));
+        }
+        if value.contains('\0') {
+            return Err(invalid(format!("environment variable {quoted}: the value holds a NUL byte")));
+        }
+        if env[..i].iter().any(|(n, _)| n == name) {
+            return Err(invalid(format!("environment variable {quoted} is given twice")));
+        }
+        total = total.saturating_add(name.len() + value.len() + 2);
+    }
+    if total > MAX_SANDBOX_ENV_BYTES {
+        return Err(invalid(format!("the environment has {total} bytes: at most {MAX_SANDBOX_ENV_BYTES}")));
+    }
+    Ok(())
+}
 
 /// The timeout (ms) and output cap (bytes) a request asks for, with 0
 /// meaning the defaults ([`DEFAULT_TIMEOUT_MS`], [`DEFAULT_OUTPUT_LIMIT`]).
@@ -229,6 +274,16 @@ pub enum Op {
         signal: i32,
         /// Delay before SIGKILL (ms); 0: no escalation.
         escalate_ms: u32,
+    },
+    /// Replace the sandbox environment: variables that every later exec,
+    /// background process and the Python interpreter get, under the
+    /// agent's defaults' names and below a request's own `env` (which
+    /// wins). The interpreter's `os.environ` follows before its next cell;
+    /// processes already running keep theirs. An empty list clears it.
+    /// Answered [`Reply::Done`]. Errors: as [`check_sandbox_env`].
+    SetEnv {
+        /// The variables, names unique.
+        env: Vec<(String, String)>,
     },
 }
 
@@ -579,6 +634,13 @@ pub struct ProcessWaited {
     pub waited_ms: u64,
     /// Bytes that fell out of the buffer before they were searched.
     pub missed: u64,
+    /// (stdout, stderr) offsets a later wait for the same text or pattern
+    /// searches from, so that no byte this wait did not search is skipped:
+    /// after a match, its end (a text) or its line's end (a pattern); else
+    /// the start of what the search still held back (a text's possible
+    /// beginning, an unfinished line); a stream not searched keeps its
+    /// `from`. Without a text or pattern: the streams' totals.
+    pub resume: [u64; 2],
 }
 
 /// Captured output of one stream.

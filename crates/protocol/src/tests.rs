@@ -65,6 +65,7 @@ fn arb_process_op() -> impl Strategy<Value = Op> {
             signal,
             escalate_ms
         }),
+        proptest::collection::vec((".{0,8}", ".{0,8}"), 0..4).prop_map(|env| Op::SetEnv { env }),
     ]
 }
 
@@ -146,11 +147,22 @@ fn arb_process_result() -> impl Strategy<Value = Result<Reply, AgentError>> {
                 skipped
             }))
         ),
-        ((outcome, found, arb_process_info()), (arb_bytes(), arb_bytes(), any::<u64>(), any::<u64>())).prop_map(
-            |((outcome, found, info), (stdout_tail, stderr_tail, waited_ms, missed))| Ok(Reply::ProcessWaited(
-                ProcessWaited { outcome, found, info, stdout_tail, stderr_tail, waited_ms, missed }
-            ))
-        ),
+        (
+            (outcome, found, arb_process_info()),
+            (arb_bytes(), arb_bytes(), any::<u64>(), any::<u64>(), any::<[u64; 2]>())
+        )
+            .prop_map(|((outcome, found, info), (stdout_tail, stderr_tail, waited_ms, missed, resume))| Ok(
+                Reply::ProcessWaited(ProcessWaited {
+                    outcome,
+                    found,
+                    info,
+                    stdout_tail,
+                    stderr_tail,
+                    waited_ms,
+                    missed,
+                    resume
+                })
+            )),
         (any::<u64>(), arb_process_info()).prop_map(|(bytes, info)| Ok(Reply::ProcessWritten { bytes, info })),
         any::<u64>().prop_map(|id| Err(AgentError::NoSuchProcess { id })),
         any::<u32>().prop_map(|max| Err(AgentError::TooManyProcesses { max })),
@@ -417,6 +429,36 @@ fn existing_ops_keep_their_wire_tags() {
     );
     assert_eq!(postcard::to_allocvec(&Reply::Processes(vec![])).unwrap(), [13, 0]);
     assert_eq!(postcard::to_allocvec(&AgentError::NoSuchProcess { id: 7 }).unwrap(), [10, 7]);
+    // Protocol 4 appends the sandbox environment.
+    assert_eq!(postcard::to_allocvec(&Op::SetEnv { env: vec![] }).unwrap(), [20, 0]);
+}
+
+#[test]
+fn sandbox_env_limits() {
+    let env = |pairs: &[(&str, &str)]| pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect::<Vec<_>>();
+    assert_eq!(check_sandbox_env(&[]), Ok(()));
+    assert_eq!(check_sandbox_env(&env(&[("API_KEY", "s3cret"), ("_x1", ""), ("PATH", "/a:/b")])), Ok(()));
+    for (bad, says) in [
+        (env(&[("", "v")]), "name \"\""),
+        (env(&[("1X", "v")]), "not starting with a digit"),
+        (env(&[("A=B", "v")]), "name \"A=B\""),
+        (env(&[("A-B", "v")]), "letters, digits"),
+        (env(&[("A", "x\0y")]), "NUL"),
+        (env(&[("A", "1"), ("A", "2")]), "twice"),
+        (env(&[("A", &"x".repeat(MAX_SANDBOX_ENV_BYTES))]), "bytes: at most"),
+    ] {
+        match check_sandbox_env(&bad) {
+            Err(AgentError::InvalidRequest { reason }) => assert!(reason.contains(says), "{reason} lacks {says:?}"),
+            other => panic!("{bad:?}: {other:?}"),
+        }
+    }
+    let many: Vec<_> = (0..=MAX_SANDBOX_ENV_VARS).map(|i| (format!("V{i}"), String::new())).collect();
+    assert!(check_sandbox_env(&many).is_err());
+    assert!(check_sandbox_env(&many[..MAX_SANDBOX_ENV_VARS]).is_ok());
+    // A long name is quoted cut.
+    let long = env(&[(&"é".repeat(1000), "v")]);
+    let Err(AgentError::InvalidRequest { reason }) = check_sandbox_env(&long) else { panic!() };
+    assert!(reason.len() < 300, "{reason}");
 }
 
 /// The limits the agent and host share hold together: a page, a wait's

@@ -142,6 +142,7 @@ fn seeds() -> Vec<Vec<u8>> {
         }),
         Op::ProcessWrite(ProcessWrite { id: 3, data: b"hello\n".to_vec(), close: true, timeout_ms: 0 }),
         Op::ProcessSignal { id: 3, signal: 15, escalate_ms: KILL_ESCALATE_MS },
+        Op::SetEnv { env: vec![("API_KEY".into(), "s3cret".into())] },
     ];
     let info = ProcessInfo {
         id: 7,
@@ -208,6 +209,7 @@ fn seeds() -> Vec<Vec<u8>> {
             stderr_tail: vec![],
             waited_ms: 30,
             missed: 0,
+            resume: [1, 9],
         })),
         Ok(Reply::ProcessWritten { bytes: 6, info }),
         Err(AgentError::NoSuchProcess { id: 99 }),

@@ -1,0 +1,113 @@
+//! The sandbox environment: variables set for the whole sandbox
+//! (`Op::SetEnv`) that every exec, background process and the Python
+//! interpreter get, below a request's own `env`.
+//!
+//! It lives in the agent's memory, so a snapshot, a template and a branch
+//! child carry it like the rest of the guest. Each change bumps a
+//! generation; the Python interpreter compares it with the one it last
+//! applied (see [`crate::python`]).
+
+use std::sync::Mutex;
+
+use tine_protocol::{check_sandbox_env, AgentError};
+
+/// The variables and their generation (0: never set).
+struct SandboxEnv {
+    generation: u64,
+    vars: Vec<(String, String)>,
+}
+
+static ENV: Mutex<SandboxEnv> = Mutex::new(SandboxEnv { generation: 0, vars: Vec::new() });
+
+/// Replaces the sandbox environment.
+///
+/// Errors: `InvalidRequest` as [`check_sandbox_env`]; the old environment
+/// then stays.
+pub fn set(vars: Vec<(String, String)>) -> Result<(), AgentError> {
+    check_sandbox_env(&vars)?;
+    let mut env = ENV.lock().unwrap_or_else(|p| p.into_inner());
+    env.generation += 1;
+    env.vars = vars;
+    Ok(())
+}
+
+/// The current variables and their generation.
+pub fn current() -> (u64, Vec<(String, String)>) {
+    let env = ENV.lock().unwrap_or_else(|p| p.into_inner());
+    (env.generation, env.vars.clone())
+}
+
+#[cfg(test)]
+mod tests {
+    use tine_protocol::{Command, Exec, Python, WaitOutcome};
+
+    use super::*;
+
+    /// The environment is one per process: its tests take this.
+    static SERIAL: Mutex<()> = Mutex::new(());
+
+    fn serial() -> std::sync::MutexGuard<'static, ()> {
+        SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn exec_stdout(script: &str, env: &[(&str, &str)]) -> String {
+        let env = env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let exec = Exec {
+            command: Command::Shell(script.into()),
+            cwd: None,
+            env,
+            stdin: vec![],
+            timeout_ms: 20_000,
+            output_limit: 0,
+        };
+        String::from_utf8(crate::exec::run(exec, None).expect("exec runs").stdout.data).unwrap()
+    }
+
+    #[test]
+    fn set_replaces_and_bad_input_keeps_the_old() {
+        let _s = serial();
+        set(vec![("A".into(), "1".into()), ("B".into(), "2".into())]).unwrap();
+        let (g, vars) = current();
+        assert_eq!(vars, [("A".into(), "1".into()), ("B".into(), "2".into())]);
+        assert!(matches!(set(vec![("A=B".into(), "x".into())]), Err(AgentError::InvalidRequest { .. })));
+        assert_eq!(current(), (g, vars), "a refused set changes nothing");
+        set(vec![]).unwrap();
+        assert_eq!(current(), (g + 1, vec![]));
+    }
+
+    /// Exec, a background process and the Python interpreter see the
+    /// sandbox environment under a request's own `env`, and follow a
+    /// change (a name dropped is gone from `os.environ` too). Needs python3
+    /// on the host for the last part (skipped loudly without it).
+    #[test]
+    fn exec_processes_and_python_follow_the_environment() {
+        let _s = serial();
+        let _p = crate::procs::tests::serial();
+        set(vec![("TINE_T_A".into(), "from-sandbox".into()), ("TINE_T_B".into(), "b".into())]).unwrap();
+        assert_eq!(exec_stdout("echo $TINE_T_A-$TINE_T_B", &[]), "from-sandbox-b\n");
+        assert_eq!(exec_stdout("echo $TINE_T_A", &[("TINE_T_A", "from-call")]), "from-call\n", "the call's env wins");
+        let (id, _k) = crate::procs::tests::start("echo bg:$TINE_T_A");
+        let w = crate::procs::tests::wait_for(id, None, (0, 0), 20_000);
+        assert_eq!((w.outcome, w.stdout_tail.as_slice()), (WaitOutcome::Exited, b"bg:from-sandbox\n".as_slice()));
+        let python = std::process::Command::new("python3").arg("-c").arg("pass").status().is_ok();
+        let cell = |code: &str| {
+            let r = crate::python::run(Python { code: code.into(), timeout_ms: 20_000, output_limit: 0 }).unwrap();
+            r.value.unwrap_or_default()
+        };
+        if python {
+            assert_eq!(
+                cell("import os\n(os.environ.get('TINE_T_A'), os.environ.get('TINE_T_B'))"),
+                "('from-sandbox', 'b')"
+            );
+        }
+        set(vec![("TINE_T_A".into(), "changed".into())]).unwrap();
+        assert_eq!(exec_stdout("echo $TINE_T_A-${TINE_T_B:-unset}", &[]), "changed-unset\n");
+        if python {
+            let seen = "(os.environ.get('TINE_T_A'), os.environ.get('TINE_T_B'), os.popen('echo $TINE_T_A').read())";
+            assert_eq!(cell(seen), "('changed', None, 'changed\\n')");
+        } else {
+            eprintln!("SKIPPED (python part): python3 is not installed on this host");
+        }
+        set(vec![]).unwrap();
+    }
+}
