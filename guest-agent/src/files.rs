@@ -130,7 +130,32 @@ pub fn remove(path: &str, recursive: bool) -> Result<(), AgentError> {
 }
 
 /// Makes a directory (and, with `parents`, its missing parents).
+/// Renames `from` to `to` (rename(2)).
+pub fn rename(from: &str, to: &str) -> Result<(), AgentError> {
+    let (f, t) = (absolute(from)?, absolute(to)?);
+    fs::rename(f, t).map_err(|e| os_err(from, e))
+}
+
 pub fn mkdir(path: &str, parents: bool, mode: u32) -> Result<(), AgentError> {
     let p = absolute(path)?;
     DirBuilder::new().recursive(parents).mode(mode).create(p).map_err(|e| os_err(path, e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rename_replaces_the_target_and_refuses_relative_paths() {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b) = (dir.path().join("a.part"), dir.path().join("b"));
+        fs::write(&a, b"new").unwrap();
+        fs::write(&b, b"old").unwrap();
+        rename(a.to_str().unwrap(), b.to_str().unwrap()).unwrap();
+        assert_eq!(fs::read(&b).unwrap(), b"new");
+        assert!(!a.exists());
+        let missing = rename(a.to_str().unwrap(), b.to_str().unwrap());
+        assert!(matches!(missing, Err(AgentError::NotFound { .. })), "{missing:?}");
+        assert!(matches!(rename("rel", b.to_str().unwrap()), Err(AgentError::InvalidRequest { .. })));
+    }
 }

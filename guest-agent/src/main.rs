@@ -68,6 +68,7 @@ fn handle(op: Op, started: Instant, progress: &dyn Fn(Progress)) -> Result<Reply
         Op::Reseed(r) => sys::reseed(&r).map(|()| Reply::Done),
         Op::Manifest { paths } => manifest::handle(paths).map(Reply::Manifest),
         Op::SetEnv { env } => env::set(env).map(|()| Reply::Done),
+        Op::Rename { from, to } => files::rename(&from, &to).map(|()| Reply::Done),
         Op::PythonWarmUp => python::warm_up().map(|interpreter_start_ms| Reply::PythonWarm { interpreter_start_ms }),
     }
 }

@@ -285,6 +285,16 @@ pub enum Op {
         /// The variables, names unique.
         env: Vec<(String, String)>,
     },
+    /// Rename `from` to `to` (rename(2): atomic within one file system; a
+    /// file at `to` is replaced). Answered [`Reply::Done`]. Errors:
+    /// `InvalidRequest` for a relative path, `NotFound`,
+    /// `PermissionDenied`, `IsADirectory`, `Io` (e.g. across file systems).
+    Rename {
+        /// Absolute path of what is renamed.
+        from: String,
+        /// Absolute path of its new name.
+        to: String,
+    },
 }
 
 /// `spawn`: start a background process in its own process group, with

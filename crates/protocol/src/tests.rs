@@ -66,6 +66,7 @@ fn arb_process_op() -> impl Strategy<Value = Op> {
             escalate_ms
         }),
         proptest::collection::vec((".{0,8}", ".{0,8}"), 0..4).prop_map(|env| Op::SetEnv { env }),
+        (".{0,12}", ".{0,12}").prop_map(|(from, to)| Op::Rename { from, to }),
     ]
 }
 
@@ -431,6 +432,10 @@ fn existing_ops_keep_their_wire_tags() {
     assert_eq!(postcard::to_allocvec(&AgentError::NoSuchProcess { id: 7 }).unwrap(), [10, 7]);
     // Protocol 4 appends the sandbox environment.
     assert_eq!(postcard::to_allocvec(&Op::SetEnv { env: vec![] }).unwrap(), [20, 0]);
+    assert_eq!(
+        postcard::to_allocvec(&Op::Rename { from: "/a".into(), to: String::new() }).unwrap(),
+        [21, 2, b'/', b'a', 0]
+    );
 }
 
 #[test]

@@ -143,6 +143,7 @@ fn seeds() -> Vec<Vec<u8>> {
         Op::ProcessWrite(ProcessWrite { id: 3, data: b"hello\n".to_vec(), close: true, timeout_ms: 0 }),
         Op::ProcessSignal { id: 3, signal: 15, escalate_ms: KILL_ESCALATE_MS },
         Op::SetEnv { env: vec![("API_KEY".into(), "s3cret".into())] },
+        Op::Rename { from: "/tmp/a.part".into(), to: "/tmp/a".into() },
     ];
     let info = ProcessInfo {
         id: 7,
