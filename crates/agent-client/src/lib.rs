@@ -375,6 +375,43 @@ impl AgentClient {
         .await
     }
 
+    /// Replaces the sandbox environment (`Op::SetEnv`): the variables
+    /// every later exec, background process and Python cell gets.
+    ///
+    /// Errors: as [`AgentClient::ping`]; [`ClientError::Agent`] with
+    /// `InvalidRequest` for a variable `check_sandbox_env` refuses.
+    pub async fn set_env(&self, env: Vec<(String, String)>, timeout: Duration) -> Result<(), ClientError> {
+        self.call_for(Op::SetEnv { env }, timeout, |r| match r {
+            Reply::Done => Ok(()),
+            other => Err(Box::new(other)),
+        })
+        .await
+    }
+
+    /// Renames `from` to `to` in the guest (rename(2)).
+    ///
+    /// Errors: as [`AgentClient::ping`]; [`ClientError::Agent`] with the
+    /// file error.
+    pub async fn rename(&self, from: String, to: String, timeout: Duration) -> Result<(), ClientError> {
+        self.call_for(Op::Rename { from, to }, timeout, |r| match r {
+            Reply::Done => Ok(()),
+            other => Err(Box::new(other)),
+        })
+        .await
+    }
+
+    /// Removes a file, or a directory (`recursive` for a non-empty one).
+    ///
+    /// Errors: as [`AgentClient::ping`]; [`ClientError::Agent`] with the
+    /// file error.
+    pub async fn remove(&self, path: String, recursive: bool, timeout: Duration) -> Result<(), ClientError> {
+        self.call_for(Op::Remove { path, recursive }, timeout, |r| match r {
+            Reply::Done => Ok(()),
+            other => Err(Box::new(other)),
+        })
+        .await
+    }
+
     /// The guest's memory, disk and uptime figures.
     ///
     /// Errors: as [`AgentClient::ping`].

@@ -45,8 +45,8 @@ pub use events::{EventKind, SandboxEvent, Severity};
 pub use limits::{derived_memory_budget_mib, Limits, LimitsError};
 pub use manager::{
     BackendError, BranchResult, ExecRequest, Lineage, Manager, ManagerConfig, NetworkLog, ProcessId, ProcessInfo,
-    ProcessPage, ProcessState, SandboxError, SandboxId, SandboxInfo, SandboxSpec, SandboxState, Usage, WaitResult,
-    WaitSpec,
+    ProcessPage, ProcessState, SandboxError, SandboxId, SandboxInfo, SandboxSpec, SandboxState, SandboxUpdate, Usage,
+    WaitResult, WaitSpec,
 };
 pub use memory::{BudgetUse, OverBudget};
 pub use progress::{CallContext, ProgressSink, ProgressUpdate};

@@ -213,9 +213,9 @@ impl Manager {
         let mut nets = (0..n).map(|_| self.inherit_net(source)).collect::<Result<Vec<_>, _>>()?;
         let made = self.reserve(n, |id, dir| {
             let setup = SandboxSetup {
-                labels: source.labels.clone(),
+                labels: source.labels(),
                 template: source.template.clone(),
-                idle_timeout: source.idle_timeout,
+                idle_timeout: source.idle_timeout(),
                 owner,
                 events: Some(self.events.clone()),
             };

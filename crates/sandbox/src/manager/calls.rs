@@ -32,6 +32,10 @@ pub(super) const SHORT_CALL: Duration = Duration::from_secs(if cfg!(test) { 3 } 
 /// calls of 16 freshly restored guests pile up past their 60 s timeouts on
 /// a 2-CPU nested host.
 const CALL_HOLD: Duration = Duration::from_secs(10);
+/// Longest a call that mostly waits in the guest holds its call slot
+/// ([`Manager::with_agent_holding`]): enough for the agent to take the
+/// request in.
+pub(super) const IDLE_CALL_HOLD: Duration = Duration::from_secs(1);
 
 /// A command to run.
 #[derive(Clone, Debug, Default)]
@@ -66,6 +70,25 @@ impl Manager {
     /// [`SandboxError::Timeout`], [`SandboxError::Connection`],
     /// [`SandboxError::ShuttingDown`] (while waiting for a slot).
     pub(super) async fn with_agent<T, F, Fut>(&self, id: &str, call: F) -> Result<T, SandboxError>
+    where
+        F: FnOnce(Arc<AgentClient>) -> Fut,
+        Fut: Future<Output = Result<T, ClientError>>,
+    {
+        self.with_agent_holding(id, CALL_HOLD, call).await
+    }
+
+    /// As [`Manager::with_agent`], holding the call slot at most `hold`:
+    /// [`IDLE_CALL_HOLD`] for calls that mostly wait in the guest (a
+    /// process wait, a kill waiting for the tree to go), which must not
+    /// keep other calls out while they wait.
+    ///
+    /// Errors: as [`Manager::with_agent`].
+    pub(super) async fn with_agent_holding<T, F, Fut>(
+        &self,
+        id: &str,
+        hold: Duration,
+        call: F,
+    ) -> Result<T, SandboxError>
     where
         F: FnOnce(Arc<AgentClient>) -> Fut,
         Fut: Future<Output = Result<T, ClientError>>,
@@ -114,7 +137,7 @@ impl Manager {
                     tokio::pin!(fut);
                     let r = tokio::select! {
                         r = &mut fut => Some(r),
-                        () = tokio::time::sleep(CALL_HOLD) => None,
+                        () = tokio::time::sleep(hold) => None,
                     };
                     drop(slot);
                     let r = match r {
@@ -264,6 +287,21 @@ impl Manager {
     ) -> Result<u64, SandboxError> {
         let write = WriteFile { path, data, mode, append, create_parents: true };
         self.with_agent(id, |a| async move { a.write(write, SHORT_CALL).await }).await
+    }
+
+    /// Renames `from` to `to` in the guest (rename(2): atomic within one
+    /// file system, replacing a file at `to`).
+    ///
+    /// Errors: as [`Manager::exec`].
+    pub async fn rename(&self, id: &str, from: String, to: String) -> Result<(), SandboxError> {
+        self.with_agent(id, |a| async move { a.rename(from, to, SHORT_CALL).await }).await
+    }
+
+    /// Removes a file, or a directory (`recursive` for a non-empty one).
+    ///
+    /// Errors: as [`Manager::exec`].
+    pub async fn remove(&self, id: &str, path: String, recursive: bool) -> Result<(), SandboxError> {
+        self.with_agent(id, |a| async move { a.remove(path, recursive, SHORT_CALL).await }).await
     }
 
     /// Lists a directory, sorted by name.

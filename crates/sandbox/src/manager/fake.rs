@@ -243,6 +243,7 @@ impl Shared {
                     stderr_tail: Vec::new(),
                     waited_ms: u64::from(w.timeout_ms),
                     missed: 0,
+                    resume: [w.stdout_from, w.stderr_from],
                 })
             }
             Op::ProcessWrite(w) => {
@@ -262,6 +263,16 @@ impl Shared {
             }
             Op::Ping => Reply::Pong { agent_version: "fake".into() },
             Op::Reseed(_) => Reply::Done,
+            Op::Rename { from, to } => {
+                let mut files = lock(&self.files);
+                let data = files.remove(&from).ok_or(AgentError::NotFound { path: from })?;
+                files.insert(to, data);
+                Reply::Done
+            }
+            Op::SetEnv { env } => {
+                tine_protocol::check_sandbox_env(&env)?;
+                Reply::Done
+            }
             Op::Info => Reply::Info(AgentInfo {
                 agent_version: "fake".into(),
                 protocol_version: tine_protocol::PROTOCOL_VERSION,

@@ -16,6 +16,7 @@ use tine_protocol::Reseed;
 
 use super::backend::{ExitWatch, VmSource, VmSpec};
 use super::sandbox::{SandboxSetup, Transition, CONSOLE_TAIL_LINES};
+use super::settings::env_vars;
 use super::{remove_dir, task_failed, Manager, Sandbox, SandboxError, SandboxId, SandboxInfo, SandboxState};
 use crate::events::EventKind;
 use crate::lock;
@@ -73,6 +74,10 @@ pub struct SandboxSpec {
     pub template: Option<String>,
     /// The egress policy (`None`: the server's default).
     pub network: Option<netstack::policy::NetworkPolicy>,
+    /// The sandbox environment: variables every exec, background process
+    /// and Python cell gets (see [`Manager::set_env`]); empty: none beyond
+    /// a template's own.
+    pub env: BTreeMap<String, String>,
 }
 
 /// Marks the default template as being built for as long as it lives.
@@ -210,6 +215,8 @@ impl Manager {
         let limits = &self.config.limits;
         let idle_timeout = limits.idle_timeout(spec.idle_timeout_secs)?;
         limits.check_labels(&spec.labels)?;
+        let env = env_vars(&spec.env);
+        tine_protocol::check_sandbox_env(&env)?;
         if self.shutting_down.load(Ordering::SeqCst) {
             return Err(SandboxError::ShuttingDown);
         }
@@ -238,7 +245,11 @@ impl Manager {
             })?
             .swap_remove(0);
         lock(&sandbox.memory).own = memory;
-        match self.start(&sandbox, source, &cx.progress, t0).await {
+        let started = match self.start(&sandbox, source, &cx.progress, t0).await {
+            Ok(()) if !env.is_empty() => self.set_env(&sandbox.id, env).await,
+            started => started,
+        };
+        match started {
             Ok(()) => {
                 ready_event(&sandbox, from);
                 Ok(sandbox.info(None))

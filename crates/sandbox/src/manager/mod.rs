@@ -34,6 +34,7 @@ mod lifecycle;
 mod network;
 mod processes;
 mod sandbox;
+mod settings;
 #[cfg(test)]
 mod tests;
 
@@ -47,6 +48,7 @@ pub use network::NetworkLog;
 pub use processes::{ProcessId, ProcessInfo, ProcessPage, ProcessState, WaitResult, WaitSpec};
 use sandbox::Sandbox;
 pub use sandbox::{Lineage, SandboxInfo, SandboxState, Usage};
+pub use settings::SandboxUpdate;
 
 /// A sandbox's id, `sb-<n>`.
 pub type SandboxId = String;
@@ -239,7 +241,13 @@ impl Manager {
     /// Every sandbox whose labels include all of `labels`, by id.
     pub fn list(&self, labels: &BTreeMap<String, String>) -> Vec<SandboxInfo> {
         let all: Vec<Arc<Sandbox>> = lock(&self.sandboxes).values().cloned().collect();
-        all.iter().filter(|s| labels.iter().all(|(k, v)| s.labels.get(k) == Some(v))).map(|s| s.info(None)).collect()
+        all.iter()
+            .filter(|s| {
+                let own = s.labels();
+                labels.iter().all(|(k, v)| own.get(k) == Some(v))
+            })
+            .map(|s| s.info(None))
+            .collect()
     }
 
     /// One sandbox, with its resource use if it is running.
@@ -324,7 +332,7 @@ impl Manager {
                     .filter(|s| s.state() != SandboxState::Starting && s.busy.load(Ordering::SeqCst) == 0)
                     // Not while a pause, snapshot, branch or merge runs.
                     .filter(|s| s.control.try_lock().is_ok())
-                    .filter(|s| s.idle() >= s.idle_timeout)
+                    .filter(|s| s.idle() >= s.idle_timeout())
                     .map(|s| s.id.clone())
                     .collect();
                 for id in idle {

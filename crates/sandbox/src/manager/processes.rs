@@ -20,7 +20,7 @@ use tine_protocol::{
     WaitFor, WaitMatch, WaitOutcome, KILL_ESCALATE_MS, MAX_PROCESS_WRITE, MAX_SPAWN_STDIN,
 };
 
-use super::calls::{ExecRequest, CALL_GRACE, PROGRESS_MS, PROGRESS_QUEUE, SHORT_CALL};
+use super::calls::{ExecRequest, CALL_GRACE, IDLE_CALL_HOLD, PROGRESS_MS, PROGRESS_QUEUE, SHORT_CALL};
 use super::{Manager, SandboxError, SandboxId};
 use crate::progress::{cut, CallContext};
 
@@ -220,6 +220,9 @@ pub struct WaitResult {
     pub waited_ms: u64,
     /// Bytes that fell out of the buffer before they were searched.
     pub missed: u64,
+    /// (stdout, stderr) offsets the next wait for the same text or
+    /// pattern searches from (see `tine_protocol::ProcessWaited::resume`).
+    pub resume: (u64, u64),
 }
 
 /// `s` cut to at most `max` bytes on a character boundary.
@@ -359,7 +362,7 @@ impl Manager {
         let sink = cx.progress.clone();
         let total_secs = u64::from(timeout_ms) / 1000;
         let waited = self
-            .with_agent(sb, |a| async move {
+            .with_agent_holding(sb, IDLE_CALL_HOLD, |a| async move {
                 if !active {
                     return a.process_wait(wait, timeout, None).await;
                 }
@@ -379,6 +382,7 @@ impl Manager {
             stderr_tail: waited.stderr_tail,
             waited_ms: waited.waited_ms,
             missed: waited.missed,
+            resume: (waited.resume[0], waited.resume[1]),
         })
     }
 
@@ -426,7 +430,9 @@ impl Manager {
         };
         let (sb, local) = (p.sandbox_id.as_str(), p.local);
         let info = self
-            .with_agent(sb, |a| async move { a.process_signal(local, signal, escalate_ms, SHORT_CALL).await })
+            .with_agent_holding(sb, IDLE_CALL_HOLD, |a| async move {
+                a.process_signal(local, signal, escalate_ms, SHORT_CALL).await
+            })
             .await
             .map_err(|e| process_error(sb, e))?;
         Ok(ProcessInfo::from_agent(sb, info))

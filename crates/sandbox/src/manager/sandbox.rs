@@ -241,9 +241,11 @@ pub(super) struct Sandbox {
     pub id: SandboxId,
     pub vcpus: u8,
     pub memory_mib: u64,
-    pub labels: BTreeMap<String, String>,
+    /// Its labels ([`Sandbox::labels`]; `update` replaces them).
+    labels: Mutex<BTreeMap<String, String>>,
     pub template: Option<String>,
-    pub idle_timeout: Duration,
+    /// Its idle timeout ([`Sandbox::idle_timeout`]; `update` changes it).
+    idle_timeout: Mutex<Duration>,
     pub created: Instant,
     pub created_at_ms: u64,
     /// Held by kill, pause, resume, snapshot, branch and merge, one at a
@@ -282,9 +284,9 @@ impl Sandbox {
             id,
             vcpus,
             memory_mib,
-            labels,
+            labels: Mutex::new(labels),
             template,
-            idle_timeout,
+            idle_timeout: Mutex::new(idle_timeout),
             owner,
             events,
             created: Instant::now(),
@@ -395,6 +397,26 @@ impl Sandbox {
         Ok(from)
     }
 
+    /// Its labels now.
+    pub fn labels(&self) -> BTreeMap<String, String> {
+        lock(&self.labels).clone()
+    }
+
+    /// Replaces its labels.
+    pub fn set_labels(&self, labels: BTreeMap<String, String>) {
+        *lock(&self.labels) = labels;
+    }
+
+    /// Its idle timeout now.
+    pub fn idle_timeout(&self) -> Duration {
+        *lock(&self.idle_timeout)
+    }
+
+    /// Changes its idle timeout; the time it has been idle so far counts.
+    pub fn set_idle_timeout(&self, timeout: Duration) {
+        *lock(&self.idle_timeout) = timeout;
+    }
+
     pub fn info(&self, usage: Option<Usage>) -> SandboxInfo {
         let st = lock(&self.status);
         SandboxInfo {
@@ -403,13 +425,13 @@ impl Sandbox {
             error: st.error.clone(),
             vcpus: self.vcpus,
             memory_mib: self.memory_mib,
-            labels: self.labels.clone(),
+            labels: self.labels(),
             template: self.template.clone(),
             lineage: lock(&self.lineage).clone(),
             created_at_ms: self.created_at_ms,
             uptime_ms: self.created.elapsed().as_millis() as u64,
             boot_ms: st.boot_ms,
-            idle_timeout_secs: self.idle_timeout.as_secs(),
+            idle_timeout_secs: self.idle_timeout().as_secs(),
             idle_ms: self.idle().as_millis() as u64,
             network: lock(&self.net).as_ref().map(|c| c.policy().policy().clone()),
             usage,

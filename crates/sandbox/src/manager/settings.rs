@@ -1,0 +1,85 @@
+//! A sandbox's settings after its creation: the sandbox environment, its
+//! labels, idle timeout and network policy ([`Manager::update`]).
+//!
+//! The environment lives in the guest agent (`Op::SetEnv`), so snapshots,
+//! templates and branch children carry it with the rest of the guest's
+//! memory; labels and the idle timeout live here and are copied to branch
+//! children.
+
+use std::collections::BTreeMap;
+
+use netstack::policy::NetworkPolicy;
+use tine_protocol::check_sandbox_env;
+
+use super::calls::SHORT_CALL;
+use super::{Manager, SandboxError, SandboxInfo};
+
+/// What [`Manager::update`] changes; `None` leaves a setting as it is.
+#[derive(Clone, Debug, Default)]
+pub struct SandboxUpdate {
+    /// New labels (replace the old ones).
+    pub labels: Option<BTreeMap<String, String>>,
+    /// New idle timeout (s), within the server's limits; the time already
+    /// idle counts toward it.
+    pub idle_timeout_secs: Option<u64>,
+    /// A new sandbox environment (replaces the old one; empty clears it).
+    pub env: Option<BTreeMap<String, String>>,
+    /// A new egress policy.
+    pub network: Option<NetworkPolicy>,
+}
+
+/// A map of variables as the protocol carries them (sorted by name).
+pub(super) fn env_vars(env: &BTreeMap<String, String>) -> Vec<(String, String)> {
+    env.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
+}
+
+impl Manager {
+    /// Replaces sandbox `id`'s environment: every later exec, background
+    /// process and Python cell gets `env` (a call's own `env` wins);
+    /// processes already running keep theirs. A paused sandbox is resumed.
+    ///
+    /// Errors: [`SandboxError::Agent`] with `InvalidRequest` for a variable
+    /// the protocol refuses (see `check_sandbox_env`: names of
+    /// `[A-Za-z0-9_]`, at most 256 variables and 64 KiB), before anything
+    /// is sent; as [`Manager::exec`] otherwise.
+    pub async fn set_env(&self, id: &str, env: Vec<(String, String)>) -> Result<(), SandboxError> {
+        check_sandbox_env(&env)?;
+        self.with_agent(id, |a| async move { a.set_env(env, SHORT_CALL).await }).await
+    }
+
+    /// Changes sandbox `id`'s settings and returns its info. Everything is
+    /// checked first, so a refused value changes nothing; then the network
+    /// policy, the environment, the labels and the idle timeout are set in
+    /// that order (only a failure to reach the guest can leave the network
+    /// policy changed and the rest not).
+    ///
+    /// Errors: [`SandboxError::NotFound`]; the limits' errors for labels
+    /// and the idle timeout; [`SandboxError::NoNetwork`] and
+    /// [`SandboxError::Network`] for the policy; as [`Manager::set_env`].
+    pub async fn update(&self, id: &str, update: SandboxUpdate) -> Result<SandboxInfo, SandboxError> {
+        let sb = self.get(id)?;
+        let limits = &self.config.limits;
+        let idle_timeout = update.idle_timeout_secs.map(|s| limits.idle_timeout(Some(s))).transpose()?;
+        if let Some(labels) = &update.labels {
+            limits.check_labels(labels)?;
+        }
+        let env = update.env.as_ref().map(env_vars);
+        if let Some(env) = &env {
+            check_sandbox_env(env)?;
+        }
+        if let Some(policy) = &update.network {
+            self.set_network_policy(id, policy)?;
+        }
+        if let Some(env) = env {
+            self.set_env(id, env).await?;
+        }
+        if let Some(labels) = update.labels {
+            sb.set_labels(labels);
+        }
+        if let Some(t) = idle_timeout {
+            sb.set_idle_timeout(t);
+        }
+        sb.touch();
+        self.info(id).await
+    }
+}
