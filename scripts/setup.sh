@@ -7,8 +7,8 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
 # qemu-system-x86: the benches' comparisons (boot with -M microvm, network
 # with -netdev user / libslirp); 27 packages, ~81 MiB installed without
-# recommends on bookworm.
-packages=(linux-source-6.1 build-essential bc flex bison libelf-dev libssl-dev cpio xz-utils patch e2fsprogs busybox-static mmdebstrap libclang-dev python3-venv qemu-system-x86)
+# recommends on bookworm. curl: the file-URL test (crates/tine/tests/files.rs).
+packages=(linux-source-6.1 build-essential bc flex bison libelf-dev libssl-dev cpio xz-utils patch e2fsprogs busybox-static mmdebstrap libclang-dev python3-venv qemu-system-x86 curl)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -40,6 +40,10 @@ pub const MIN_TOKEN_LEN: usize = 32;
 pub struct FileConfig {
     /// Listen address.
     pub listen: Option<SocketAddr>,
+    /// Where file URLs (`sandbox_files_url`) point, `scheme://host[:port]`
+    /// as clients reach this server (e.g. behind a TLS proxy); default: the
+    /// `Host` the MCP request came to.
+    pub public_url: Option<String>,
     /// Data directory.
     pub data_dir: Option<PathBuf>,
     /// Guest kernel.

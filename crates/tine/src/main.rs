@@ -9,6 +9,7 @@
 
 mod config;
 mod doctor;
+mod files_url;
 mod mcp;
 mod server;
 
@@ -178,6 +179,7 @@ fn start(args: StartArgs) -> anyhow::Result<ExitCode> {
             .unwrap_or(server::DEFAULT_HEADER_READ_TIMEOUT),
         session_timeout,
         build_default_template: r.file.templates.build_default,
+        public_url: r.file.public_url.clone(),
     };
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(server::serve(manager, opts))?;

@@ -1,6 +1,7 @@
 //! `tine server start`: the MCP endpoint (Streamable HTTP at `/mcp`, MCP
 //! 2025-06-18 / 2025-11-25 "Transports"), bearer authentication,
-//! `/healthz`, and shutdown that kills every sandbox on SIGTERM/SIGINT.
+//! `/healthz`, signed file URLs at `/files/` ([`crate::files_url`]), and
+//! shutdown that kills every sandbox on SIGTERM/SIGINT.
 //!
 //! HTTP hardening: `Host` and `Origin` are checked (the transport spec's
 //! "Security Warning": servers MUST validate `Origin`; a foreign one gets
@@ -30,6 +31,7 @@ use subtle::ConstantTimeEq;
 use tine_sandbox::Manager;
 use tokio_util::sync::CancellationToken;
 
+use crate::files_url::FileUrls;
 use crate::mcp::TineMcp;
 
 /// Largest MCP request body (bytes): an 8 MiB upload in base64 plus JSON.
@@ -65,6 +67,9 @@ pub struct ServeOptions {
     pub session_timeout: Duration,
     /// Build the default template in the background if it is missing.
     pub build_default_template: bool,
+    /// Where file URLs point (`scheme://host[:port]`); `None`: the `Host`
+    /// of the request that asks for one.
+    pub public_url: Option<String>,
 }
 
 /// Errors of serving.
@@ -79,6 +84,9 @@ pub enum ServeError {
         #[source]
         source: std::io::Error,
     },
+    /// The file-URL signing key cannot be made.
+    #[error("{0}")]
+    Files(crate::files_url::UrlError),
 }
 
 /// Checks `Authorization: Bearer <token>` in constant time (RFC 6750 §2.1);
@@ -160,9 +168,10 @@ async fn shutdown_signal() {
 /// unless `opts.token` is `None`; `Host` checked against
 /// `opts.allowed_hosts` and `Origin` against `opts.allowed_origins`, 403
 /// otherwise; bodies over [`MAX_REQUEST_BYTES`] answered 413; `DELETE`
-/// answered 200) and the open `/healthz`. Cancelling `cancel` ends every
-/// MCP session and its streams.
-pub fn router(manager: Arc<Manager>, opts: &ServeOptions, cancel: &CancellationToken) -> Router {
+/// answered 200), the open `/healthz` and `/files/{sandbox}`, whose signed
+/// URLs (from `files`) need no token. Cancelling `cancel` ends every MCP
+/// session and its streams.
+pub fn router(manager: Arc<Manager>, opts: &ServeOptions, files: FileUrls, cancel: &CancellationToken) -> Router {
     let mcp_config = StreamableHttpServerConfig::default()
         .with_allowed_hosts(opts.allowed_hosts.clone())
         .with_allowed_origins(opts.allowed_origins.clone())
@@ -172,14 +181,23 @@ pub fn router(manager: Arc<Manager>, opts: &ServeOptions, cancel: &CancellationT
     let mut sessions = LocalSessionManager::default();
     sessions.session_config.keep_alive = Some(opts.session_timeout);
     let factory_manager = manager.clone();
-    let mcp =
-        StreamableHttpService::new(move || Ok(TineMcp::new(factory_manager.clone())), Arc::new(sessions), mcp_config);
+    let files = Arc::new(files);
+    let factory_files = files.clone();
+    let mcp = StreamableHttpService::new(
+        move || Ok(TineMcp::new(factory_manager.clone(), factory_files.clone())),
+        Arc::new(sessions),
+        mcp_config,
+    );
     let mut mcp_router = Router::new().nest_service("/mcp", mcp).layer(axum::middleware::from_fn(delete_answers_200));
     let token = opts.token.clone().map(Arc::new);
     if let Some(token) = &token {
         mcp_router = mcp_router.layer(axum::middleware::from_fn_with_state(token.clone(), require_bearer));
     }
-    Router::new().route("/healthz", get(healthz)).with_state((manager, token)).merge(mcp_router)
+    Router::new()
+        .route("/healthz", get(healthz))
+        .with_state((manager.clone(), token))
+        .merge(mcp_router)
+        .merge(crate::files_url::routes(manager, files))
 }
 
 /// Serves until SIGTERM/SIGINT, then ends every session and kills every
@@ -188,7 +206,8 @@ pub fn router(manager: Arc<Manager>, opts: &ServeOptions, cancel: &CancellationT
 /// Errors: [`ServeError`].
 pub async fn serve(manager: Arc<Manager>, opts: ServeOptions) -> Result<(), ServeError> {
     let cancel = CancellationToken::new();
-    let app = router(manager.clone(), &opts, &cancel);
+    let files = FileUrls::new(opts.public_url.clone(), opts.listen).map_err(ServeError::Files)?;
+    let app = router(manager.clone(), &opts, files, &cancel);
     let listener = tokio::net::TcpListener::bind(opts.listen)
         .await
         .map_err(|source| ServeError::Bind { addr: opts.listen, source })?;

@@ -87,8 +87,50 @@ async fn background_processes_progress_and_logging() {
     let (client, rec) = server.recording_client().await;
     client.set_level(SetLevelRequestParams::new(LoggingLevel::Info)).await.expect("logging/setLevel is accepted");
 
-    let sb =
-        call(&client, "sandbox_create", json!({})).await.expect("create")["sandbox_id"].as_str().unwrap().to_string();
+    let sb = call(&client, "sandbox_create", json!({"env": {"TINE_ENV_A": "from-create", "TINE_ENV_B": "b"}}))
+        .await
+        .expect("create")["sandbox_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+
+    // The sandbox environment reaches exec (under the call's own env), a
+    // background process and the Python interpreter, and follows an update.
+    let exec = async |command: &str, env: Value| {
+        let x = call(&client, "sandbox_exec", json!({"sandbox_id": sb, "command": command, "env": env})).await;
+        x.unwrap()["stdout"].as_str().unwrap().to_string()
+    };
+    let cell = async |code: &str| {
+        let r = call(&client, "sandbox_run_python", json!({"sandbox_id": sb, "code": code})).await.unwrap();
+        r["result"].as_str().unwrap_or_else(|| panic!("{r}")).to_string()
+    };
+    assert_eq!(exec("echo $TINE_ENV_A-$TINE_ENV_B", json!({})).await, "from-create-b\n");
+    assert_eq!(exec("echo $TINE_ENV_A", json!({"TINE_ENV_A": "from-call"})).await, "from-call\n");
+    let bg =
+        call(&client, "sandbox_exec", json!({"sandbox_id": sb, "command": "echo bg:$TINE_ENV_A", "background": true}))
+            .await
+            .unwrap();
+    let bg = bg["process_id"].as_str().unwrap().to_string();
+    let w = call(&client, "sandbox_process_wait", json!({"process_id": bg, "until_text": "bg:"})).await.unwrap();
+    assert_eq!(w["matched"]["line"], "bg:from-create", "{w}");
+    let env_of = "import os\n(os.environ.get('TINE_ENV_A'), os.environ.get('TINE_ENV_B'))";
+    assert_eq!(cell(env_of).await, "('from-create', 'b')");
+    let u = call(
+        &client,
+        "sandbox_update",
+        json!({"sandbox_id": sb, "env": {"TINE_ENV_A": "updated"}, "labels": {"team": "env"}, "idle_timeout_secs": 1200}),
+    )
+    .await
+    .unwrap();
+    assert_eq!((u["labels"]["team"].as_str(), u["idle_timeout_secs"].as_u64()), (Some("env"), Some(1200)), "{u}");
+    let e = call(&client, "sandbox_update", json!({"sandbox_id": sb, "env": {"BAD=NAME": "x"}, "labels": {"x": "y"}}))
+        .await
+        .unwrap_err();
+    assert!(e.contains("BAD=NAME"), "{e}");
+    let listed = call(&client, "sandbox_list", json!({"labels": {"team": "env"}})).await.unwrap();
+    assert_eq!(listed["sandboxes"].as_array().map(Vec::len), Some(1), "a refused update changed the labels: {listed}");
+    assert_eq!(exec("echo $TINE_ENV_A-${TINE_ENV_B:-unset}", json!({})).await, "updated-unset\n");
+    assert_eq!(cell(env_of).await, "('updated', None)");
 
     // A background web server; wait for its banner, then fetch from it.
     let web = call(
@@ -250,6 +292,8 @@ async fn background_processes_progress_and_logging() {
         let p = listed.iter().find(|p| p["process_id"] == theirs.as_str()).unwrap_or_else(|| panic!("{listed:?}"));
         assert_eq!(p["state"], "running", "{p}");
         assert_eq!(ticks(&client, &theirs).await["outcome"], "matched", "the ticker runs in {kid}");
+        let x = call(&client, "sandbox_exec", json!({"sandbox_id": kid, "command": "echo $TINE_ENV_A"})).await.unwrap();
+        assert_eq!(x["stdout"], "updated\n", "a branch child keeps the sandbox environment");
     }
     call(&client, "sandbox_process_kill", json!({"process_id": format!("{}:{local}", kids[0]), "signal": "KILL"}))
         .await
@@ -268,6 +312,8 @@ async fn background_processes_progress_and_logging() {
         .iter()
         .any(|p| p["process_id"] == theirs.as_str() && p["state"] == "running"));
     assert_eq!(ticks(&client, &theirs).await["outcome"], "matched", "the ticker runs in a sandbox from the template");
+    let x = call(&client, "sandbox_exec", json!({"sandbox_id": from, "command": "echo $TINE_ENV_A"})).await.unwrap();
+    assert_eq!(x["stdout"], "updated\n", "a sandbox from the template has the sandbox environment");
 
     // A crash: the session that asked for info messages gets an error-level
     // message naming the sandbox, with the console's last lines.

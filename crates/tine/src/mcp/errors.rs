@@ -35,6 +35,27 @@ pub enum ToolError {
     /// `sandbox_upload`'s `data_base64` does not decode.
     #[error("data_base64 is not valid base64: {0}")]
     Base64(#[from] base64::DecodeError),
+    /// A file URL cannot be made.
+    #[error("{0}")]
+    Url(#[from] crate::files_url::UrlError),
+    /// A GET URL for something that is not a regular file.
+    #[error("{path} is not a regular file; sandbox_download_dir packs a directory")]
+    NotAFile {
+        /// The path.
+        path: String,
+    },
+    /// `sandbox_download_dir` of something that is not a directory.
+    #[error("{path} is not a directory; use sandbox_files_url or sandbox_download for a file")]
+    NotADir {
+        /// The path.
+        path: String,
+    },
+    /// `tar` failed in the guest.
+    #[error("tar failed in the sandbox: {stderr}")]
+    Tar {
+        /// Its stderr (cut).
+        stderr: String,
+    },
     /// `sandbox_upload`'s data is larger than one call may carry.
     #[error("{bytes} bytes exceed the 8 MiB upload limit; split the file")]
     UploadTooLarge {

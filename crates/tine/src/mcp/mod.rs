@@ -20,6 +20,7 @@
 
 pub mod budget;
 mod errors;
+mod files;
 pub mod logging;
 mod params;
 mod processes;
@@ -31,6 +32,7 @@ mod session;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
+use crate::files_url::FileUrls;
 use base64::Engine as _;
 use rmcp::handler::server::router::tool::ToolRouter;
 use rmcp::handler::server::tool::ToolCallContext;
@@ -42,7 +44,8 @@ use rmcp::service::{NotificationContext, RequestContext};
 use rmcp::{tool, tool_handler, tool_router, ErrorData, Json, RoleServer, ServerHandler};
 use tine_protocol::MAX_FILE_CHUNK;
 use tine_sandbox::{
-    BranchResult, CallContext, DiffOptions, DiffReport, ExecRequest, Manager, SandboxInfo, SandboxSpec, TemplateInfo,
+    BranchResult, CallContext, DiffOptions, DiffReport, ExecRequest, Manager, SandboxInfo, SandboxSpec, SandboxUpdate,
+    TemplateInfo,
 };
 
 use errors::ToolError;
@@ -76,7 +79,7 @@ fn router() -> ToolRouter<TineMcp> {
     static ROUTER: OnceLock<ToolRouter<TineMcp>> = OnceLock::new();
     ROUTER
         .get_or_init(|| {
-            let mut router = TineMcp::tool_router() + TineMcp::process_router();
+            let mut router = TineMcp::tool_router() + TineMcp::process_router() + TineMcp::files_router();
             fn standard(s: &Arc<JsonObject>) -> Arc<JsonObject> {
                 let mut s = JsonObject::clone(s);
                 schema::standardize(&mut s);
@@ -117,13 +120,15 @@ pub struct TineMcp {
     key: u64,
     /// The session's log level and forwarder.
     log: Arc<SessionLog>,
+    /// Signs file URLs (`sandbox_files_url`).
+    files: Arc<FileUrls>,
     tool_router: ToolRouter<Self>,
 }
 
 #[tool_router]
 impl TineMcp {
-    /// A handler for a new MCP session.
-    pub fn new(manager: Arc<Manager>) -> Self {
+    /// A handler for a new MCP session; `files` signs its file URLs.
+    pub fn new(manager: Arc<Manager>, files: Arc<FileUrls>) -> Self {
         static NEXT_KEY: AtomicU64 = AtomicU64::new(1);
         let key = NEXT_KEY.fetch_add(1, Ordering::Relaxed);
         let tool_router = router_for(&manager);
@@ -132,6 +137,7 @@ impl TineMcp {
             manager,
             key,
             log: SessionLog::new(key),
+            files,
             tool_router,
         }
     }
@@ -184,6 +190,7 @@ impl TineMcp {
             idle_timeout_secs: p.idle_timeout_secs,
             template: p.template,
             network: p.network.map(|n| n.into_policy()),
+            env: p.env,
         };
         let info = Reporter::around(&ctx, self.key, async |cx| self.manager.create_with(spec, cx).await).await?;
         self.log.watch(&info.sandbox_id);
@@ -329,9 +336,11 @@ impl TineMcp {
     }
 
     #[tool(
-        description = "Change a running sandbox's settings: network replaces its outbound network policy \
-                       (egress \"allow\" or \"deny\", allow and deny lists of domains, *.domains, addresses and \
-                       CIDRs); connections opened from then on follow it. Returns the sandbox's info.",
+        description = "Change a sandbox's settings; each one given replaces the old: env (variables every \
+                       later exec, background process and Python cell gets), labels, idle_timeout_secs, and \
+                       network (egress \"allow\" or \"deny\", allow and deny lists of domains, *.domains, \
+                       addresses and CIDRs; connections opened from then on follow it). A refused value changes \
+                       nothing. Returns the sandbox's info.",
         annotations(
             title = "Update sandbox",
             read_only_hint = false,
@@ -342,10 +351,13 @@ impl TineMcp {
     )]
     async fn sandbox_update(&self, Parameters(p): Parameters<UpdateParams>) -> Result<Json<SandboxInfo>, ToolError> {
         let id = self.target(p.sandbox_id).await?;
-        if let Some(n) = p.network {
-            self.manager.set_network_policy(&id, &n.into_policy())?;
-        }
-        self.manager.info(&id).await.map(Json).map_err(ToolError::from)
+        let update = SandboxUpdate {
+            labels: p.labels,
+            idle_timeout_secs: p.idle_timeout_secs,
+            env: p.env,
+            network: p.network.map(|n| n.into_policy()),
+        };
+        self.manager.update(&id, update).await.map(Json).map_err(ToolError::from)
     }
 
     #[tool(

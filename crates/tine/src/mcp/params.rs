@@ -28,6 +28,11 @@ pub struct CreateParams {
     /// Outbound network policy (default: the server's, usually public
     /// internet; see sandbox_info.network).
     pub network: Option<NetworkParams>,
+    /// Environment variables for the whole sandbox: every exec, background
+    /// process and Python cell gets them (a call's own env wins). Names of
+    /// letters, digits and '_'; at most 256 variables, 64 KiB in all.
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
 }
 
 /// The default verdict of a network policy.
@@ -79,6 +84,14 @@ pub struct UpdateParams {
     /// A new outbound network policy; connections opened from now on
     /// follow it.
     pub network: Option<NetworkParams>,
+    /// New environment variables for the whole sandbox, replacing the old
+    /// ones ({} clears them); later execs, processes and Python cells get
+    /// them, running processes keep theirs.
+    pub env: Option<BTreeMap<String, String>>,
+    /// New labels, replacing the old ones.
+    pub labels: Option<BTreeMap<String, String>>,
+    /// A new idle timeout (seconds); the time already idle counts.
+    pub idle_timeout_secs: Option<u64>,
 }
 
 /// `sandbox_network_log`.

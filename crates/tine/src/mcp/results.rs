@@ -580,34 +580,20 @@ fn tail_text(bytes: &[u8], max: usize) -> String {
 }
 
 impl ProcessWaitResult {
-    /// The result of a wait on `process_id` that answered `r`; `from`: the
-    /// (stdout, stderr) offsets the wait searched from. After a match, the
-    /// other stream resumes where this wait began (the agent stops at the
-    /// first match, so that stream's newer bytes may be unsearched).
-    pub fn new(process_id: String, r: tine_sandbox::WaitResult, from: (u64, u64)) -> Self {
-        use tine_protocol::{StreamKind, WaitOutcome};
+    /// The result of a wait on `process_id` that answered `r`; it resumes
+    /// at the agent's offsets (where its search stopped on each stream).
+    pub fn new(process_id: String, r: tine_sandbox::WaitResult) -> Self {
+        use tine_protocol::WaitOutcome;
         let outcome = match r.outcome {
             WaitOutcome::Matched => "matched",
             WaitOutcome::Exited => "exited",
             WaitOutcome::TimedOut => "timeout",
         };
-        let mut resume = WaitResume { stdout_offset: r.info.stdout_bytes, stderr_offset: r.info.stderr_bytes };
-        let matched = r.found.map(|m| {
-            match m.stream {
-                StreamKind::Stdout => {
-                    resume.stdout_offset = m.end;
-                    resume.stderr_offset = from.1.min(resume.stderr_offset);
-                }
-                StreamKind::Stderr => {
-                    resume.stderr_offset = m.end;
-                    resume.stdout_offset = from.0.min(resume.stdout_offset);
-                }
-            }
-            WaitMatched {
-                stream: stream_name(m.stream).into(),
-                offset: m.offset,
-                line: budget::cut(String::from_utf8_lossy(&m.line).into_owned(), WAIT_TEXT_BUDGET).text,
-            }
+        let resume = WaitResume { stdout_offset: r.resume.0, stderr_offset: r.resume.1 };
+        let matched = r.found.map(|m| WaitMatched {
+            stream: stream_name(m.stream).into(),
+            offset: m.offset,
+            line: budget::cut(String::from_utf8_lossy(&m.line).into_owned(), WAIT_TEXT_BUDGET).text,
         });
         ProcessWaitResult {
             process_id,
