@@ -69,6 +69,7 @@ fn handle(op: Op, started: Instant, progress: &dyn Fn(Progress)) -> Result<Reply
         Op::Manifest { paths } => manifest::handle(paths).map(Reply::Manifest),
         Op::SetEnv { env } => env::set(env).map(|()| Reply::Done),
         Op::PythonWarmUp => python::warm_up().map(|interpreter_start_ms| Reply::PythonWarm { interpreter_start_ms }),
+        Op::Node(_) => Err(AgentError::Unsupported { reason: "this agent does not run Node.js cells yet".into() }),
     }
 }
 

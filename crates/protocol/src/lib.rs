@@ -33,8 +33,9 @@ pub use messages::*;
 /// and `interpreter_start_ms` (postcard is positional, so a new field is a
 /// new version). 3: background processes (`Op::Spawn` .. `Op::ProcessSignal`,
 /// their replies and errors) and progress frames (`Op::ExecWithProgress`,
-/// `Reply::Progress`). 4: the sandbox environment (`Op::SetEnv`) and
-/// `ProcessWaited::resume`.
+/// `Reply::Progress`). 4: the sandbox environment (`Op::SetEnv`),
+/// `ProcessWaited::resume` and the persistent Node.js interpreter
+/// (`Op::Node`).
 pub const PROTOCOL_VERSION: u16 = 4;
 /// The guest vsock port the agent listens on (the host connects to it
 /// through the VM's hybrid-vsock socket with `CONNECT <port>\n`).

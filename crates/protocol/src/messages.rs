@@ -285,6 +285,14 @@ pub enum Op {
         /// The variables, names unique.
         env: Vec<(String, String)>,
     },
+    /// Run code in the sandbox's persistent Node.js interpreter; same
+    /// request and reply shapes as [`Op::Python`] ([`Reply::Python`], with
+    /// `value` from `util.inspect`, a returned promise awaited within the
+    /// cell's timeout, and `exception.traceback` holding the JS stack). The
+    /// same limits apply ([`PYTHON_START_TIMEOUT_MS`], [`PYTHON_KILL_GRACE_MS`],
+    /// [`PYTHON_VALUE_LIMIT`], [`python_agent_budget_ms`]). Errors:
+    /// [`AgentError::Unsupported`] when the image has no `node`.
+    Node(Python),
 }
 
 /// `spawn`: start a background process in its own process group, with

@@ -66,6 +66,11 @@ fn arb_process_op() -> impl Strategy<Value = Op> {
             escalate_ms
         }),
         proptest::collection::vec((".{0,8}", ".{0,8}"), 0..4).prop_map(|env| Op::SetEnv { env }),
+        (".{0,40}", any::<u32>(), any::<u32>()).prop_map(|(code, timeout_ms, output_limit)| Op::Node(Python {
+            code,
+            timeout_ms,
+            output_limit
+        })),
     ]
 }
 
@@ -431,6 +436,9 @@ fn existing_ops_keep_their_wire_tags() {
     assert_eq!(postcard::to_allocvec(&AgentError::NoSuchProcess { id: 7 }).unwrap(), [10, 7]);
     // Protocol 4 appends the sandbox environment.
     assert_eq!(postcard::to_allocvec(&Op::SetEnv { env: vec![] }).unwrap(), [20, 0]);
+    // ... and the Node.js interpreter, with Op::Python's request shape.
+    let node = Op::Node(Python { code: "1".into(), timeout_ms: 2, output_limit: 3 });
+    assert_eq!(postcard::to_allocvec(&node).unwrap(), [21, 1, b'1', 2, 3]);
 }
 
 #[test]
