@@ -421,7 +421,7 @@ pub struct Exec {
     pub output_limit: u32,
 }
 
-/// `python`: run a cell in the persistent interpreter.
+/// `python` (and `node`): run a cell in the persistent interpreter.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Python {
     /// The code; the value of a final expression is returned.
@@ -687,22 +687,23 @@ pub struct ExecReply {
     pub duration_ms: u64,
 }
 
-/// A Python exception.
+/// A Python exception (or a JavaScript error, for `node`).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PythonException {
-    /// Exception type name ("ZeroDivisionError").
+    /// Exception type name ("ZeroDivisionError"; JS: the error's `name`).
     pub name: String,
-    /// `str(exception)`.
+    /// `str(exception)` (JS: the error's `message`).
     pub message: String,
-    /// The formatted traceback.
+    /// The formatted traceback (JS: the error's `stack`).
     pub traceback: String,
 }
 
-/// `python`'s result; the interpreter's state is kept in every case.
+/// `python`'s (and `node`'s) result; the interpreter's state is kept in
+/// every case.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct PythonReply {
     /// `repr()` of the final expression's value, if the cell ended with one
-    /// (and it was not None).
+    /// (and it was not None; JS: `util.inspect()`, not `undefined`).
     pub value: Option<String>,
     /// Standard output.
     pub stdout: Output,
