@@ -4,8 +4,8 @@
 //!
 //! It lives in the agent's memory, so a snapshot, a template and a branch
 //! child carry it like the rest of the guest. Each change bumps a
-//! generation; the Python interpreter compares it with the one it last
-//! applied (see [`crate::python`]).
+//! generation; an interpreter compares it with the one it last applied
+//! (see [`crate::interp`]).
 
 use std::sync::Mutex;
 

@@ -17,13 +17,15 @@
 //! background process and Python cell (see [`env`]).
 //!
 //! `python` cells run in one persistent interpreter per sandbox (see
-//! [`python`]). `manifest` lists what the sandbox changed on its overlay
-//! root and in `/tmp`, with hashes (see [`manifest`]).
+//! [`python`]; what it shares with other interpreters is in [`interp`]).
+//! `manifest` lists what the sandbox changed on its overlay root and in
+//! `/tmp`, with hashes (see [`manifest`]).
 
 mod env;
 mod exec;
 mod files;
 mod init;
+mod interp;
 mod manifest;
 mod net;
 mod procs;
