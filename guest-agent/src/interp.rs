@@ -2,7 +2,9 @@
 //! share: one process per language, started on first use, fed one cell
 //! at a time as a JSON line on a request pipe and answering one JSON line
 //! on a reply pipe; the watchdog of a cell's timeout; the sandbox
-//! environment's changes sent with the next cell.
+//! environment's changes sent with the next cell; and, for an interpreter
+//! whose fds 1 and 2 the agent reads ([`Capture`]), the cell's stdout and
+//! stderr.
 //!
 //! The interpreter's start has its own deadline ([`START_TIMEOUT`]); a
 //! cell's timeout starts once it is ready. At a cell's timeout the agent
@@ -15,10 +17,11 @@
 //! it a new grace once the signal is delivered.
 
 use std::fs::File;
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::fd::{AsRawFd, RawFd};
 use std::process::Child;
 use std::sync::mpsc;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde::Deserialize;
@@ -44,6 +47,9 @@ pub struct Spawned {
     pub requests: File,
     /// Where reply lines come from.
     pub replies: File,
+    /// The agent's capture of the process's fds 1 and 2, when the replies
+    /// do not carry the cells' output.
+    pub capture: Option<Capture>,
 }
 
 /// Starts an interpreter process with the sandbox environment's variables.
@@ -77,6 +83,7 @@ struct Interpreter {
     child: Child,
     requests: File,
     replies: BufReader<File>,
+    capture: Option<Capture>,
     /// The sandbox environment's generation and variables it has (see
     /// [`crate::env`]): a cell sent under a newer one carries the change.
     env: (u64, Vec<(String, String)>),
@@ -109,8 +116,9 @@ struct WireReply {
     value_bytes: u64,
     #[serde(default)]
     value_truncated: bool,
-    stdout: WireOutput,
-    stderr: WireOutput,
+    /// Absent when the agent captures the output.
+    stdout: Option<WireOutput>,
+    stderr: Option<WireOutput>,
     exception: Option<WireException>,
     timed_out: bool,
 }
@@ -231,7 +239,13 @@ impl Repl {
     fn start(&self) -> Result<Interpreter, AgentError> {
         let env = crate::env::current();
         let s = (self.lang.spawn)(&env.1)?;
-        let mut interp = Interpreter { child: s.child, requests: s.requests, replies: BufReader::new(s.replies), env };
+        let mut interp = Interpreter {
+            child: s.child,
+            requests: s.requests,
+            replies: BufReader::new(s.replies),
+            capture: s.capture,
+            env,
+        };
         let pid = interp.child.id();
         let (done_tx, done_rx) = mpsc::channel::<()>();
         let watchdog = std::thread::spawn(move || {
@@ -323,7 +337,11 @@ impl Repl {
             line["env"] = env_change(&interp.env.1, &sandbox_env.1);
         }
         let line = line.to_string() + "\n";
+        if let Some(c) = &interp.capture {
+            c.begin(limit as usize);
+        }
         let exchanged = exchange(interp, &line, Some(Duration::from_millis(u64::from(timeout_ms))));
+        let captured = interp.capture.as_ref().map(Capture::finish);
         let reply = match exchanged {
             Ok(Some(reply)) => {
                 // The interpreter applies the change before the cell, whatever the cell does.
@@ -333,7 +351,7 @@ impl Repl {
             Ok(None) => {
                 // The interpreter died (killed after the grace period, or crashed).
                 discard(&mut guard);
-                let (stdout, stderr) = (Output::default(), Output::default());
+                let (stdout, stderr) = captured.unwrap_or_default();
                 return Ok(PythonReply {
                     value: None,
                     stdout,
@@ -365,7 +383,11 @@ impl Repl {
         let bad =
             |e: String| AgentError::Io { message: format!("bad reply from the {} interpreter: {e}", self.lang.name) };
         let w: WireReply = serde_json::from_str(&reply).map_err(|e| bad(e.to_string()))?;
-        let (stdout, stderr) = (w.stdout.into(), w.stderr.into());
+        let (stdout, stderr) = match (captured, w.stdout, w.stderr) {
+            (Some(captured), _, _) => captured,
+            (None, Some(out), Some(err)) => (out.into(), err.into()),
+            (None, _, _) => return Err(bad("no stdout or stderr".into())),
+        };
         Ok(PythonReply {
             value: w.value,
             stdout,
@@ -380,5 +402,172 @@ impl Repl {
             value_bytes: w.value_bytes,
             interpreter_start_ms,
         })
+    }
+}
+
+#[cfg(test)]
+impl Repl {
+    /// The inodes of the running interpreter's request and reply pipes.
+    pub fn protocol_pipes(&self) -> Option<[u64; 2]> {
+        use std::os::unix::fs::MetadataExt;
+        let guard = self.slot.lock().unwrap_or_else(|p| p.into_inner());
+        let interp = guard.as_ref()?;
+        Some([interp.requests.metadata().ok()?.ino(), interp.replies.get_ref().metadata().ok()?.ino()])
+    }
+}
+
+/// Bytes one drain reads of a stream before it lets go of the lock: a
+/// child writing as fast as the agent reads must not hold off a cell's
+/// end.
+const DRAIN_MAX: usize = 1 << 20;
+
+/// The agent's ends of pipes on an interpreter's fds 1 and 2, which the
+/// interpreter, the cells' child processes and anything they leave behind
+/// write. A pump thread drains them as they fill (so no writer blocks on a
+/// full pipe): into the running cell's stdout and stderr (the first
+/// `limit` bytes of each, raw, and the count of all), or nowhere between
+/// cells. A background child left by an earlier cell writes into whichever
+/// cell runs when its bytes arrive.
+pub struct Capture {
+    shared: Arc<CaptureShared>,
+    /// Its drop (with the interpreter's) ends the pump: the pump polls the
+    /// other end.
+    _stop: std::io::PipeWriter,
+}
+
+struct CaptureShared {
+    /// Non-blocking read ends of the pipes on fds 1 and 2.
+    pipes: [std::io::PipeReader; 2],
+    /// The running cell's byte limit, stdout and stderr; `None` between
+    /// cells.
+    cell: Mutex<Option<(usize, [Output; 2])>>,
+}
+
+fn set_nonblocking(fd: RawFd) -> std::io::Result<()> {
+    // SAFETY: fcntl(2) F_GETFL/F_SETFL on an fd the caller owns.
+    let ok = unsafe {
+        let flags = libc::fcntl(fd, libc::F_GETFL);
+        flags >= 0 && libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) >= 0
+    };
+    if ok {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+/// Bytes waiting in pipe `fd` (FIONREAD; 0 on error).
+fn pending_bytes(fd: RawFd) -> usize {
+    let mut n: libc::c_int = 0;
+    // SAFETY: FIONREAD writes one c_int through the pointer, which is valid.
+    let r = unsafe { libc::ioctl(fd, libc::FIONREAD, &mut n as *mut libc::c_int) };
+    if r < 0 {
+        0
+    } else {
+        usize::try_from(n).unwrap_or(0)
+    }
+}
+
+/// Reads at most `max` bytes from non-blocking `pipe` (less when it runs
+/// dry) into `out` (the first `limit` bytes kept, all counted), or
+/// nowhere. Returns false at EOF or on an error.
+fn drain(mut pipe: &std::io::PipeReader, mut out: Option<&mut Output>, limit: usize, max: usize) -> bool {
+    let mut buf = [0u8; 64 * 1024];
+    let mut done = 0;
+    while done < max {
+        let want = buf.len().min(max - done);
+        match pipe.read(&mut buf[..want]) {
+            Ok(0) => return false,
+            Ok(n) => {
+                done += n;
+                if let Some(o) = out.as_deref_mut() {
+                    let keep = n.min(limit.saturating_sub(o.data.len()));
+                    o.data.extend_from_slice(&buf[..keep]);
+                    o.truncated |= keep < n;
+                    o.total_bytes += n as u64;
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return e.kind() == std::io::ErrorKind::WouldBlock,
+        }
+    }
+    true
+}
+
+impl Capture {
+    /// Takes the read ends of the pipes on the interpreter's fds 1 and 2
+    /// (stdout, stderr) and starts their pump.
+    ///
+    /// Errors: making the pipes non-blocking, the stop pipe or the thread.
+    pub fn new(stdout: std::io::PipeReader, stderr: std::io::PipeReader) -> std::io::Result<Capture> {
+        set_nonblocking(stdout.as_raw_fd())?;
+        set_nonblocking(stderr.as_raw_fd())?;
+        let (stop_r, stop_w) = std::io::pipe()?;
+        let shared = Arc::new(CaptureShared { pipes: [stdout, stderr], cell: Mutex::new(None) });
+        let pumped = shared.clone();
+        std::thread::Builder::new().name("fd-capture".into()).spawn(move || pump(&pumped, &stop_r))?;
+        Ok(Capture { shared, _stop: stop_w })
+    }
+
+    /// Starts a cell's capture, keeping `limit` bytes of each stream, after
+    /// discarding what arrived between cells.
+    pub fn begin(&self, limit: usize) {
+        let mut cell = self.shared.cell.lock().unwrap_or_else(|p| p.into_inner());
+        for pipe in &self.shared.pipes {
+            drain(pipe, None, 0, pending_bytes(pipe.as_raw_fd()));
+        }
+        *cell = Some((limit, [Output::default(), Output::default()]));
+    }
+
+    /// Ends the cell's capture: takes what is in the pipes now (what the
+    /// interpreter wrote before its reply) and returns (stdout, stderr).
+    pub fn finish(&self) -> (Output, Output) {
+        let mut cell = self.shared.cell.lock().unwrap_or_else(|p| p.into_inner());
+        let (limit, [mut out, mut err]) = cell.take().unwrap_or_default();
+        for (pipe, o) in self.shared.pipes.iter().zip([&mut out, &mut err]) {
+            drain(pipe, Some(o), limit, pending_bytes(pipe.as_raw_fd()));
+        }
+        (out, err)
+    }
+}
+
+/// Drains the pipes as they fill until `stop`'s other end closes.
+fn pump(shared: &CaptureShared, stop: &std::io::PipeReader) {
+    let mut open = [true, true];
+    loop {
+        let mut fds = [
+            libc::pollfd {
+                fd: if open[0] { shared.pipes[0].as_raw_fd() } else { -1 },
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: if open[1] { shared.pipes[1].as_raw_fd() } else { -1 },
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd { fd: stop.as_raw_fd(), events: libc::POLLIN, revents: 0 },
+        ];
+        // SAFETY: poll(2) on an array of pollfds this function owns, with its length.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, -1) };
+        if n < 0 {
+            if std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return;
+        }
+        if fds[2].revents != 0 {
+            return;
+        }
+        let mut cell = shared.cell.lock().unwrap_or_else(|p| p.into_inner());
+        for (i, fd) in fds[..2].iter().enumerate() {
+            if fd.revents != 0 {
+                let (limit, out) = match cell.as_mut() {
+                    Some((limit, outs)) => (*limit, Some(&mut outs[i])),
+                    None => (0, None),
+                };
+                open[i] = drain(&shared.pipes[i], out, limit, DRAIN_MAX);
+            }
+        }
     }
 }

@@ -14,12 +14,12 @@
 //! with the request's id before their answer.
 //!
 //! The sandbox environment (`set_env`) applies to every later exec,
-//! background process and Python cell (see [`env`]).
+//! background process and Python or Node.js cell (see [`env`]).
 //!
 //! `python` cells run in one persistent interpreter per sandbox (see
-//! [`python`]; what it shares with other interpreters is in [`interp`]).
-//! `manifest` lists what the sandbox changed on its overlay root and in
-//! `/tmp`, with hashes (see [`manifest`]).
+//! [`python`]), `node` cells in another (see [`node`]); what they share
+//! is in [`interp`]. `manifest` lists what the sandbox changed on its
+//! overlay root and in `/tmp`, with hashes (see [`manifest`]).
 
 mod env;
 mod exec;
@@ -28,6 +28,7 @@ mod init;
 mod interp;
 mod manifest;
 mod net;
+mod node;
 mod procs;
 mod python;
 mod sys;
@@ -71,7 +72,7 @@ fn handle(op: Op, started: Instant, progress: &dyn Fn(Progress)) -> Result<Reply
         Op::Manifest { paths } => manifest::handle(paths).map(Reply::Manifest),
         Op::SetEnv { env } => env::set(env).map(|()| Reply::Done),
         Op::PythonWarmUp => python::warm_up().map(|interpreter_start_ms| Reply::PythonWarm { interpreter_start_ms }),
-        Op::Node(_) => Err(AgentError::Unsupported { reason: "this agent does not run Node.js cells yet".into() }),
+        Op::Node(p) => node::run(p).map(Reply::Python),
     }
 }
 

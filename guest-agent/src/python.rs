@@ -48,7 +48,12 @@ fn spawn(env: &[(String, String)]) -> Result<Spawned, AgentError> {
         let _ = child.wait();
         return Err(AgentError::Io { message: "python3 has no stdin or stdout".into() });
     };
-    Ok(Spawned { child, requests: File::from(OwnedFd::from(stdin)), replies: File::from(OwnedFd::from(stdout)) })
+    Ok(Spawned {
+        child,
+        requests: File::from(OwnedFd::from(stdin)),
+        replies: File::from(OwnedFd::from(stdout)),
+        capture: None,
+    })
 }
 
 /// Starts the interpreter if it is not running and runs the warm-up in it
