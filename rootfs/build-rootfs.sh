@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build Tine's guest root filesystem: Debian bookworm (minbase plus bash,
-# coreutils, python3 with pip and venv, ca-certificates, procps, curl, git,
-# iproute2, netbase) made with mmdebstrap, the
+# coreutils, python3 with pip and venv, nodejs with npm, ca-certificates,
+# procps, curl, git, iproute2, netbase) made with mmdebstrap, the
 # guest agent as /sbin/init, written to an ext4 image with `mkfs.ext4 -d`
 # (no loop mount, no root-only mounts). The guest mounts it read-only and
 # the agent's init puts an overlay with a tmpfs upper layer on top, so
@@ -20,7 +20,7 @@ root=$(cd "$here/.." && pwd)
 cache=${TINE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/tine}/rootfs
 agent=${1:-$root/target/guest/x86_64-unknown-linux-gnu/release/tine-agent}
 suite=bookworm
-packages=bash,coreutils,python3,python3-pip,python3-venv,ca-certificates,procps,curl,git,iproute2,netbase
+packages=bash,coreutils,python3,python3-pip,python3-venv,nodejs,npm,ca-certificates,procps,curl,git,iproute2,netbase
 
 if [ ! -x "$agent" ]; then
   echo "build-rootfs.sh: no agent at $agent; build it first (scripts/setup.sh)" >&2

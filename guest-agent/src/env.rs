@@ -1,11 +1,11 @@
 //! The sandbox environment: variables set for the whole sandbox
-//! (`Op::SetEnv`) that every exec, background process and the Python
-//! interpreter get, below a request's own `env`.
+//! (`Op::SetEnv`) that every exec, background process and the Python and
+//! Node.js interpreters get, below a request's own `env`.
 //!
 //! It lives in the agent's memory, so a snapshot, a template and a branch
 //! child carry it like the rest of the guest. Each change bumps a
-//! generation; the Python interpreter compares it with the one it last
-//! applied (see [`crate::python`]).
+//! generation; an interpreter compares it with the one it last applied
+//! (see [`crate::interp`]).
 
 use std::sync::Mutex;
 
@@ -109,5 +109,29 @@ mod tests {
             eprintln!("SKIPPED (python part): python3 is not installed on this host");
         }
         set(vec![]).unwrap();
+    }
+
+    /// The Node.js interpreter's `process.env`, and the processes it
+    /// starts, follow the sandbox environment. Skipped loudly without node.
+    #[test]
+    fn node_follows_the_environment() {
+        let _s = serial();
+        let _n = crate::node::tests::serial();
+        if !crate::node::tests::have_node() {
+            return;
+        }
+        let cell = |code: &str| {
+            let r = crate::node::run(Python { code: code.into(), timeout_ms: 20_000, output_limit: 0 }).unwrap();
+            assert!(r.exception.is_none(), "{r:?}");
+            (r.value.unwrap_or_default(), String::from_utf8_lossy(&r.stdout.data).to_string())
+        };
+        set(vec![("TINE_T_A".into(), "from-sandbox".into()), ("TINE_T_B".into(), "b".into())]).unwrap();
+        assert_eq!(cell("[process.env.TINE_T_A, process.env.TINE_T_B]").0, "[ 'from-sandbox', 'b' ]");
+        set(vec![("TINE_T_A".into(), "changed".into())]).unwrap();
+        let seen = "require('child_process').execSync('echo $TINE_T_A', {stdio: 'inherit'}); \
+                    [process.env.TINE_T_A, 'TINE_T_B' in process.env]";
+        assert_eq!(cell(seen), ("[ 'changed', false ]".into(), "changed\n".into()));
+        set(vec![]).unwrap();
+        assert_eq!(cell("'TINE_T_A' in process.env").0, "false");
     }
 }

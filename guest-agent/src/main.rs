@@ -14,18 +14,21 @@
 //! with the request's id before their answer.
 //!
 //! The sandbox environment (`set_env`) applies to every later exec,
-//! background process and Python cell (see [`env`]).
+//! background process and Python or Node.js cell (see [`env`]).
 //!
 //! `python` cells run in one persistent interpreter per sandbox (see
-//! [`python`]). `manifest` lists what the sandbox changed on its overlay
-//! root and in `/tmp`, with hashes (see [`manifest`]).
+//! [`python`]), `node` cells in another (see [`node`]); what they share
+//! is in [`interp`]. `manifest` lists what the sandbox changed on its
+//! overlay root and in `/tmp`, with hashes (see [`manifest`]).
 
 mod env;
 mod exec;
 mod files;
 mod init;
+mod interp;
 mod manifest;
 mod net;
+mod node;
 mod procs;
 mod python;
 mod sys;
@@ -70,6 +73,7 @@ fn handle(op: Op, started: Instant, progress: &dyn Fn(Progress)) -> Result<Reply
         Op::SetEnv { env } => env::set(env).map(|()| Reply::Done),
         Op::Rename { from, to } => files::rename(&from, &to).map(|()| Reply::Done),
         Op::PythonWarmUp => python::warm_up().map(|interpreter_start_ms| Reply::PythonWarm { interpreter_start_ms }),
+        Op::Node(p) => node::run(p).map(Reply::Python),
     }
 }
 

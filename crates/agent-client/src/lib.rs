@@ -597,15 +597,36 @@ impl AgentClient {
     /// Errors: as [`AgentClient::ping`].
     pub async fn run_python(&self, python: Python, timeout: Duration) -> Result<PythonReply, ClientError> {
         let limit = output_limit(python.timeout_ms, python.output_limit);
-        let r = self
-            .call_for(Op::Python(python), timeout, |r| match r {
-                Reply::Python(r) => Ok(r),
-                other => Err(Box::new(other)),
-            })
-            .await?;
+        let r = self.run_cell(Op::Python(python), timeout).await?;
         at_most("python stdout (bytes)", r.stdout.data.len() as u64, limit)?;
         at_most("python stderr (bytes)", r.stderr.data.len() as u64, limit)?;
         Ok(r)
+    }
+
+    /// Runs a cell (JavaScript) in the persistent Node.js interpreter,
+    /// waiting up to `timeout` (the agent may take up to
+    /// [`tine_protocol::python_agent_budget_ms`] of the cell's timeout).
+    ///
+    /// Errors: as [`AgentClient::ping`]; [`ClientError::Agent`] with
+    /// `Unsupported` when the image has no `node`;
+    /// [`ClientError::Oversized`] when stdout or stderr is over the
+    /// request's output limit.
+    pub async fn run_node(&self, code: Python, timeout: Duration) -> Result<PythonReply, ClientError> {
+        let limit = output_limit(code.timeout_ms, code.output_limit);
+        let r = self.run_cell(Op::Node(code), timeout).await?;
+        at_most("node stdout (bytes)", r.stdout.data.len() as u64, limit)?;
+        at_most("node stderr (bytes)", r.stderr.data.len() as u64, limit)?;
+        Ok(r)
+    }
+
+    /// Sends a cell (`Op::Python` or `Op::Node`) and takes its
+    /// [`Reply::Python`].
+    async fn run_cell(&self, op: Op, timeout: Duration) -> Result<PythonReply, ClientError> {
+        self.call_for(op, timeout, |r| match r {
+            Reply::Python(r) => Ok(r),
+            other => Err(Box::new(other)),
+        })
+        .await
     }
 
     /// Starts the guest's persistent Python interpreter if it is not
@@ -838,6 +859,34 @@ mod tests {
         // A reply of another kind is named by its kind, not its contents.
         let e = c.ping(Duration::from_secs(5)).await.unwrap_err();
         assert_eq!(e.to_string(), "unexpected reply: done");
+    }
+
+    fn cell_reply(stdout: usize) -> Reply {
+        Reply::Python(PythonReply {
+            value: Some("42".into()),
+            stdout: tine_protocol::Output { data: vec![b'x'; stdout], truncated: false, total_bytes: stdout as u64 },
+            stderr: tine_protocol::Output::default(),
+            exception: None,
+            timed_out: false,
+            value_truncated: false,
+            value_bytes: 2,
+            interpreter_start_ms: None,
+        })
+    }
+
+    /// A Node.js cell's reply is checked against its output limit as a
+    /// Python cell's.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn node_cells_are_checked_against_their_output_limit() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = AgentClient::connect(&peer(dir.path(), vec![cell_reply(1024), cell_reply(1025)]), AGENT_PORT)
+            .await
+            .unwrap();
+        let code = Python { code: "x + 1".into(), timeout_ms: 0, output_limit: 1024 };
+        let r = c.run_node(code.clone(), Duration::from_secs(5)).await.unwrap();
+        assert_eq!((r.value.as_deref(), r.stdout.data.len()), (Some("42"), 1024));
+        let e = c.run_node(code, Duration::from_secs(5)).await.unwrap_err();
+        assert!(matches!(e, ClientError::Oversized { what: "node stdout (bytes)", got: 1025, max: 1024 }), "{e}");
     }
 
     fn progress(elapsed_ms: u64, stdout_tail: &[u8]) -> Progress {

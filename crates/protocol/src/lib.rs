@@ -34,7 +34,8 @@ pub use messages::*;
 /// new version). 3: background processes (`Op::Spawn` .. `Op::ProcessSignal`,
 /// their replies and errors) and progress frames (`Op::ExecWithProgress`,
 /// `Reply::Progress`). 4: the sandbox environment (`Op::SetEnv`),
-/// `ProcessWaited::resume` and `Op::Rename`.
+/// `ProcessWaited::resume`, `Op::Rename` and the persistent Node.js
+/// interpreter (`Op::Node`).
 pub const PROTOCOL_VERSION: u16 = 4;
 /// The guest vsock port the agent listens on (the host connects to it
 /// through the VM's hybrid-vsock socket with `CONNECT <port>\n`).

@@ -295,6 +295,14 @@ pub enum Op {
         /// Absolute path of its new name.
         to: String,
     },
+    /// Run code in the sandbox's persistent Node.js interpreter; same
+    /// request and reply shapes as [`Op::Python`] ([`Reply::Python`], with
+    /// `value` from `util.inspect`, a returned promise awaited within the
+    /// cell's timeout, and `exception.traceback` holding the JS stack). The
+    /// same limits apply ([`PYTHON_START_TIMEOUT_MS`], [`PYTHON_KILL_GRACE_MS`],
+    /// [`PYTHON_VALUE_LIMIT`], [`python_agent_budget_ms`]). Errors:
+    /// [`AgentError::Unsupported`] when the image has no `node`.
+    Node(Python),
 }
 
 /// `spawn`: start a background process in its own process group, with
@@ -423,7 +431,7 @@ pub struct Exec {
     pub output_limit: u32,
 }
 
-/// `python`: run a cell in the persistent interpreter.
+/// `python` (and `node`): run a cell in the persistent interpreter.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Python {
     /// The code; the value of a final expression is returned.
@@ -689,22 +697,23 @@ pub struct ExecReply {
     pub duration_ms: u64,
 }
 
-/// A Python exception.
+/// A Python exception (or a JavaScript error, for `node`).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PythonException {
-    /// Exception type name ("ZeroDivisionError").
+    /// Exception type name ("ZeroDivisionError"; JS: the error's `name`).
     pub name: String,
-    /// `str(exception)`.
+    /// `str(exception)` (JS: the error's `message`).
     pub message: String,
-    /// The formatted traceback.
+    /// The formatted traceback (JS: the error's `stack`).
     pub traceback: String,
 }
 
-/// `python`'s result; the interpreter's state is kept in every case.
+/// `python`'s (and `node`'s) result; the interpreter's state is kept in
+/// every case.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct PythonReply {
     /// `repr()` of the final expression's value, if the cell ended with one
-    /// (and it was not None).
+    /// (and it was not None; JS: `util.inspect()`, not `undefined`).
     pub value: Option<String>,
     /// Standard output.
     pub stdout: Output,

@@ -67,6 +67,11 @@ fn arb_process_op() -> impl Strategy<Value = Op> {
         }),
         proptest::collection::vec((".{0,8}", ".{0,8}"), 0..4).prop_map(|env| Op::SetEnv { env }),
         (".{0,12}", ".{0,12}").prop_map(|(from, to)| Op::Rename { from, to }),
+        (".{0,40}", any::<u32>(), any::<u32>()).prop_map(|(code, timeout_ms, output_limit)| Op::Node(Python {
+            code,
+            timeout_ms,
+            output_limit
+        })),
     ]
 }
 
@@ -436,6 +441,9 @@ fn existing_ops_keep_their_wire_tags() {
         postcard::to_allocvec(&Op::Rename { from: "/a".into(), to: String::new() }).unwrap(),
         [21, 2, b'/', b'a', 0]
     );
+    // ... and the Node.js interpreter, with Op::Python's request shape.
+    let node = Op::Node(Python { code: "1".into(), timeout_ms: 2, output_limit: 3 });
+    assert_eq!(postcard::to_allocvec(&node).unwrap(), [22, 1, b'1', 2, 3]);
 }
 
 #[test]

@@ -144,6 +144,7 @@ fn seeds() -> Vec<Vec<u8>> {
         Op::ProcessSignal { id: 3, signal: 15, escalate_ms: KILL_ESCALATE_MS },
         Op::SetEnv { env: vec![("API_KEY".into(), "s3cret".into())] },
         Op::Rename { from: "/tmp/a.part".into(), to: "/tmp/a".into() },
+        Op::Node(Python { code: "let x = 41; await Promise.resolve(x + 1)".into(), timeout_ms: 2000, output_limit: 0 }),
     ];
     let info = ProcessInfo {
         id: 7,

@@ -299,7 +299,7 @@ impl Shared {
                     duration_ms: 0,
                 })
             }
-            Op::Python(p) => Reply::Python(PythonReply {
+            Op::Python(p) | Op::Node(p) => Reply::Python(PythonReply {
                 value: Some(p.code),
                 stdout: output(Vec::new()),
                 stderr: output(Vec::new()),
