@@ -45,12 +45,12 @@ pub use events::{EventKind, SandboxEvent, Severity};
 pub use limits::{derived_memory_budget_mib, Limits, LimitsError};
 pub use manager::{
     BackendError, BranchResult, ExecRequest, Lineage, Manager, ManagerConfig, NetworkLog, ProcessId, ProcessInfo,
-    ProcessPage, ProcessState, SandboxError, SandboxId, SandboxInfo, SandboxSpec, SandboxState, SandboxUpdate, Usage,
-    WaitResult, WaitSpec,
+    ProcessPage, ProcessState, Recipe, SandboxError, SandboxId, SandboxInfo, SandboxSpec, SandboxState, SandboxUpdate,
+    SetupStep, Usage, WaitResult, WaitSpec,
 };
 pub use memory::{BudgetUse, OverBudget};
 pub use progress::{CallContext, ProgressSink, ProgressUpdate};
-pub use templates::{TemplateError, TemplateInfo, DEFAULT_TEMPLATE};
+pub use templates::{TemplateError, TemplateInfo, TemplateState, DEFAULT_TEMPLATE};
 /// The protocol's terms for process output streams and waits, as the
 /// process calls take and return them.
 pub use tine_protocol::{StreamKind, StreamSet, WaitFor, WaitMatch, WaitOutcome};

@@ -86,6 +86,26 @@ pub enum TemplateError {
     /// after unloading the templates no sandbox is being made from.
     #[error(transparent)]
     OverBudget(#[from] OverBudget),
+    /// A recipe that cannot be built as given.
+    #[error("bad recipe: {0}")]
+    BadRecipe(String),
+    /// A build of this name runs.
+    #[error("template {0:?} is being built; wait for it (template_list shows its step)")]
+    Building(String),
+    /// A recipe's setup step failed or timed out; the build stopped there.
+    #[error("setup step {step} ({command}) failed: {exit}; stdout: {stdout:?}; stderr: {stderr:?}")]
+    SetupFailed {
+        /// Its number, from 1.
+        step: usize,
+        /// The command (cut).
+        command: String,
+        /// "exit code 2", "signal 9" or "timed out after 600 s".
+        exit: String,
+        /// The end of its stdout (at most 4 KiB).
+        stdout: String,
+        /// The end of its stderr (at most 4 KiB).
+        stderr: String,
+    },
     /// A file operation failed.
     #[error("{what}: {source}")]
     Io {
@@ -166,9 +186,28 @@ pub struct TemplateInfo {
     pub source_sandbox: Option<String>,
     /// Disk space its memory file takes (bytes; the file is sparse).
     pub disk_bytes: u64,
-    /// Why it cannot be used, if it cannot.
+    /// Why it cannot be used, if it cannot (for a failed build: why it
+    /// failed).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// `ready` (usable), `building` (a recipe's build runs) or `failed`.
+    pub state: TemplateState,
+    /// While building: what the build does now.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub step: Option<String>,
+}
+
+/// Whether a template can be used.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "schema", derive(JsonSchema))]
+#[serde(rename_all = "lowercase")]
+pub enum TemplateState {
+    /// Made: sandboxes can start from it (unless `error` says otherwise).
+    Ready,
+    /// Its recipe's build runs.
+    Building,
+    /// Its recipe's build failed (`error` says why).
+    Failed,
 }
 
 /// A loaded template: its metadata and checked snapshot.
@@ -503,6 +542,8 @@ impl TemplateStore {
                         source_sandbox: m.source_sandbox,
                         disk_bytes,
                         error,
+                        state: TemplateState::Ready,
+                        step: None,
                     });
                 }
                 Err(e) => out.push(TemplateInfo {
@@ -513,6 +554,8 @@ impl TemplateStore {
                     source_sandbox: None,
                     disk_bytes,
                     error: Some(e.to_string()),
+                    state: TemplateState::Ready,
+                    step: None,
                 }),
             }
         }

@@ -132,6 +132,29 @@ async fn background_processes_progress_and_logging() {
     assert_eq!(exec("echo $TINE_ENV_A-${TINE_ENV_B:-unset}", json!({})).await, "updated-unset\n");
     assert_eq!(cell(env_of).await, "('updated', None)");
 
+    // JavaScript (Node.js): state across calls, a thrown error, a timeout
+    // that keeps the state, the sandbox environment.
+    let js = async |code: &str, timeout_secs: u32| {
+        let args = json!({"sandbox_id": sb, "language": "javascript", "code": code, "timeout_secs": timeout_secs});
+        call(&client, "sandbox_run_code", args).await.unwrap()
+    };
+    let r = js("let x = 41", 120).await;
+    assert!(r["error"].is_null(), "{r}");
+    assert_eq!(js("x + 1", 60).await["result"], "42");
+    let r = js("console.log('out'); throw new TypeError('boom')", 60).await;
+    assert_eq!((r["error"]["name"].as_str(), r["error"]["message"].as_str()), (Some("TypeError"), Some("boom")), "{r}");
+    assert!(r["error"]["traceback"].as_str().unwrap().contains("TypeError: boom"), "{r}");
+    assert_eq!(r["stdout"], "out\n", "{r}");
+    let r = js("while (true) {}", 3).await;
+    assert_eq!(r["timed_out"], true, "{r}");
+    assert_eq!(js("x", 60).await["result"], "41", "the state survives the timeout");
+    let r = js("[process.env.TINE_ENV_A, process.env.TINE_ENV_B]", 60).await;
+    assert_eq!(r["result"], "[ 'updated', undefined ]", "{r}");
+    let r = call(&client, "sandbox_run_code", json!({"sandbox_id": sb, "language": "python", "code": "x = 7\nx * 6"}))
+        .await
+        .unwrap();
+    assert_eq!(r["result"], "42", "{r}");
+
     // A background web server; wait for its banner, then fetch from it.
     let web = call(
         &client,
@@ -166,7 +189,9 @@ async fn background_processes_progress_and_logging() {
     .await
     .unwrap();
     let lines_id = lines["process_id"].as_str().unwrap().to_string();
-    let w = call(&client, "sandbox_process_wait", json!({"process_id": lines_id, "timeout_secs": 300})).await.unwrap();
+    // 60 000 unbuffered prints: 60 000 guest system calls, minutes on a nested
+    // host beside another test binary (300 s was not always enough).
+    let w = call(&client, "sandbox_process_wait", json!({"process_id": lines_id, "timeout_secs": 600})).await.unwrap();
     assert_eq!(w["outcome"], "exited", "{w}");
     assert_eq!(w["process"]["exit_code"], 0, "{w}");
     let held = 256 << 10;

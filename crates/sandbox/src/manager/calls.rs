@@ -259,6 +259,19 @@ impl Manager {
         self.with_agent(id, |a| async move { a.run_python(python, timeout).await }).await
     }
 
+    /// Runs a cell in the sandbox's persistent Node.js interpreter (the
+    /// shapes and limits of [`Manager::python`]; `value` from
+    /// `util.inspect`, `exception.traceback` the JS stack).
+    ///
+    /// Errors: as [`Manager::exec`]; [`SandboxError::Agent`] with
+    /// `Unsupported` when the image has no `node`.
+    pub async fn node(&self, id: &str, code: String, timeout_ms: u32) -> Result<PythonReply, SandboxError> {
+        tine_protocol::effective_limits(timeout_ms, 0)?;
+        let cell = Python { code, timeout_ms, output_limit: 0 };
+        let timeout = Duration::from_millis(tine_protocol::python_agent_budget_ms(timeout_ms)) + CALL_GRACE;
+        self.with_agent(id, |a| async move { a.run_node(cell, timeout).await }).await
+    }
+
     /// Reads `length` bytes (default: to the end) at `offset` of a file.
     ///
     /// Errors: as [`Manager::exec`].

@@ -37,9 +37,14 @@ impl Manager {
         tokio::task::spawn_blocking(move || resume_blocking(&sb)).await.map_err(task_failed("resume task"))?
     }
 
-    /// Every template, by name (see [`crate::templates::TemplateStore::list`]).
+    /// Every template, by name (see [`crate::templates::TemplateStore::list`]),
+    /// and the recipe builds that run or failed (`state`).
     pub fn templates(&self) -> Vec<TemplateInfo> {
-        self.templates.list()
+        let mut all = self.templates.list();
+        // A rebuild lists the old template (ready) beside its build.
+        all.extend(self.build_records());
+        all.sort_by(|a, b| a.name.cmp(&b.name));
+        all
     }
 
     /// Deletes template `name` (see [`crate::templates::TemplateStore::delete`]):
@@ -55,11 +60,16 @@ impl Manager {
         if crate::templates::is_reserved(name) {
             return Err(TemplateError::Reserved(name.to_string()).into());
         }
+        let forgot = self.forget_build(name)?;
         let (me, name) = (self.clone(), name.to_string());
-        tokio::task::spawn_blocking(move || me.templates.delete(&name))
+        let deleted = tokio::task::spawn_blocking(move || me.templates.delete(&name))
             .await
-            .map_err(task_failed("template delete task"))??;
-        Ok(())
+            .map_err(task_failed("template delete task"))?;
+        match deleted {
+            // A failed build's record was all there was.
+            Err(TemplateError::NotFound(_)) if forgot => Ok(()),
+            r => Ok(r?),
+        }
     }
 
     /// Template `name`'s listing.

@@ -33,6 +33,7 @@ mod kvm;
 mod lifecycle;
 mod network;
 mod processes;
+mod recipes;
 mod sandbox;
 mod settings;
 #[cfg(test)]
@@ -46,6 +47,7 @@ pub use error::SandboxError;
 pub use lifecycle::SandboxSpec;
 pub use network::NetworkLog;
 pub use processes::{ProcessId, ProcessInfo, ProcessPage, ProcessState, WaitResult, WaitSpec};
+pub use recipes::{Recipe, SetupStep};
 use sandbox::Sandbox;
 pub use sandbox::{Lineage, SandboxInfo, SandboxState, Usage};
 pub use settings::SandboxUpdate;
@@ -113,6 +115,8 @@ pub struct Manager {
     default_build_status: tokio::sync::watch::Sender<String>,
     /// What happens to sandboxes ([`Manager::subscribe_events`]).
     events: tokio::sync::broadcast::Sender<crate::events::SandboxEvent>,
+    /// Recipe builds running or failed, by template name.
+    builds: Mutex<BTreeMap<String, recipes::BuildRecord>>,
 }
 
 /// Milliseconds since the Unix epoch, now.
@@ -173,6 +177,7 @@ impl Manager {
             default_build_status: tokio::sync::watch::Sender::new(String::from("not started")),
             events: tokio::sync::broadcast::Sender::new(crate::events::EVENT_CAPACITY),
             sandboxes: Mutex::new(BTreeMap::new()),
+            builds: Mutex::new(BTreeMap::new()),
             next_id: AtomicU64::new(1),
             shutting_down: AtomicBool::new(false),
             dying: AtomicU64::new(0),

@@ -31,6 +31,7 @@ mod session;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
+use std::time::Duration;
 
 use crate::files_url::FileUrls;
 use base64::Engine as _;
@@ -44,17 +45,18 @@ use rmcp::service::{NotificationContext, RequestContext};
 use rmcp::{tool, tool_handler, tool_router, ErrorData, Json, RoleServer, ServerHandler};
 use tine_protocol::MAX_FILE_CHUNK;
 use tine_sandbox::{
-    BranchResult, CallContext, DiffOptions, DiffReport, ExecRequest, Manager, SandboxInfo, SandboxSpec, SandboxUpdate,
-    TemplateInfo,
+    BranchResult, CallContext, DiffOptions, DiffReport, ExecRequest, Manager, Recipe, SandboxInfo, SandboxSpec,
+    SandboxUpdate, SetupStep, TemplateInfo,
 };
 
 use errors::ToolError;
 use logging::SessionLog;
-use params::TemplateDeleteParams;
 use params::{
-    secs_to_ms, BranchParams, CreateParams, DiffParams, ExecParams, ListDirParams, ListParams, MergeParams,
-    NetworkLogParams, PythonParams, ReadParams, SandboxParams, SnapshotParams, UpdateParams, UploadParams, WriteParams,
+    secs_to_ms, BranchParams, CodeLanguage, CreateParams, DiffParams, ExecParams, ListDirParams, ListParams,
+    MergeParams, NetworkLogParams, PythonParams, ReadParams, RunCodeParams, SandboxParams, SnapshotParams,
+    UpdateParams, UploadParams, WriteParams,
 };
+use params::{TemplateCreateParams, TemplateDeleteParams};
 use progress::Reporter;
 use results::TemplateDeleteResult;
 use results::{
@@ -73,6 +75,8 @@ const READ_TEXT_BUDGET: usize = 160 << 10;
 /// 171 KiB of base64, sent twice (structured and text), well within
 /// [`budget::RESULT_BUDGET`].
 pub const MAX_DOWNLOAD_BYTES: u64 = 128 << 10;
+/// Longest `template_create { wait_secs }` waits (s): 10 minutes.
+pub const MAX_TEMPLATE_WAIT_SECS: u64 = 600;
 
 /// The tool router with standard schemas, built once.
 fn router() -> ToolRouter<TineMcp> {
@@ -95,7 +99,7 @@ fn router() -> ToolRouter<TineMcp> {
 }
 
 /// Tools whose description ends with what network the sandbox has.
-const CODE_TOOLS: [&str; 3] = ["sandbox_create", "sandbox_exec", "sandbox_run_python"];
+const CODE_TOOLS: [&str; 4] = ["sandbox_create", "sandbox_exec", "sandbox_run_python", "sandbox_run_code"];
 
 /// The router with the server's network stated in the descriptions of the
 /// tools that run code ([`CODE_TOOLS`]).
@@ -167,7 +171,7 @@ impl TineMcp {
     }
 
     #[tool(
-        description = "Create a new sandbox: an isolated Linux microVM (Debian, bash, Python 3) with its own \
+        description = "Create a new sandbox: an isolated Linux microVM (Debian, bash, Python 3, Node.js) with its own \
                        kernel. Returns its sandbox_id. It becomes this session's sandbox: tools called without \
                        sandbox_id use the sandbox this session created last. Reports progress (cold boot, \
                        waiting for the default template) when the request has a progressToken.",
@@ -207,6 +211,49 @@ impl TineMcp {
         let mut templates = self.manager.templates();
         let truncated = budget::fit_list(&mut templates, budget::CONTENT_BUDGET - 64) > 0;
         Ok(Json(TemplateListResult { templates, truncated }))
+    }
+
+    #[tool(
+        description = "Build a template from a recipe in the background: start a sandbox from `from` (default: \
+                       the default template) with env, write files, run each setup command in order (each with its \
+                       own deadline; the first failure stops the build and is reported with its output), and \
+                       snapshot the result as `name`. Returns at once with state \"building\" (or waits up to \
+                       wait_secs); template_list shows building (with the step), ready or failed (with the \
+                       reason). Then sandbox_create { template: name }.",
+        annotations(
+            title = "Build template",
+            read_only_hint = false,
+            destructive_hint = false,
+            idempotent_hint = false,
+            open_world_hint = true
+        )
+    )]
+    async fn template_create(
+        &self,
+        Parameters(p): Parameters<TemplateCreateParams>,
+        ctx: RequestContext<RoleServer>,
+    ) -> Result<Json<TemplateInfo>, ToolError> {
+        let recipe = Recipe {
+            name: p.name,
+            from: p.from,
+            vcpus: p.vcpus,
+            memory_mib: p.memory_mib,
+            env: p.env,
+            files: p.files,
+            setup: p.setup.into_iter().map(SetupStep::Command).collect(),
+            step_timeout_secs: p.step_timeout_secs,
+        };
+        let name = recipe.name.clone();
+        let started = self.manager.start_template_build(recipe)?;
+        let wait = Duration::from_secs(p.wait_secs.unwrap_or(0).min(MAX_TEMPLATE_WAIT_SECS));
+        if wait.is_zero() {
+            return Ok(Json(started));
+        }
+        let info = Reporter::around(&ctx, self.key, async |cx| {
+            self.manager.wait_template_build(&name, wait, &cx.progress).await
+        })
+        .await?;
+        Ok(Json(info))
     }
 
     #[tool(
@@ -483,6 +530,28 @@ impl TineMcp {
         // Progress only for a sandbox made on first use.
         let id = Reporter::around(&ctx, self.key, async |cx| self.target_with(p.sandbox_id, cx).await).await?;
         let r = self.manager.python(&id, p.code, timeout_ms).await?;
+        Ok(Json(PythonResult::new(id, r)))
+    }
+
+    #[tool(
+        description = "Run code in one of the sandbox's persistent interpreters, language \"python\" (as \
+                       sandbox_run_python) or \"javascript\" (Node.js: top-level let/const/function and await \
+                       work; variables stay defined between calls). Returns the final expression's value (Python \
+                       repr, JS util.inspect; cut at 64 KiB), printed output (cut at 32 KiB per stream, child \
+                       processes included), and any error with its traceback or stack.",
+        annotations(title = "Run code", read_only_hint = false, destructive_hint = true, open_world_hint = true)
+    )]
+    async fn sandbox_run_code(
+        &self,
+        Parameters(p): Parameters<RunCodeParams>,
+        ctx: RequestContext<RoleServer>,
+    ) -> Result<Json<PythonResult>, ToolError> {
+        let timeout_ms = secs_to_ms(p.timeout_secs)?;
+        let id = Reporter::around(&ctx, self.key, async |cx| self.target_with(p.sandbox_id, cx).await).await?;
+        let r = match p.language {
+            CodeLanguage::Python => self.manager.python(&id, p.code, timeout_ms).await?,
+            CodeLanguage::Javascript => self.manager.node(&id, p.code, timeout_ms).await?,
+        };
         Ok(Json(PythonResult::new(id, r)))
     }
 

@@ -189,6 +189,31 @@ pub struct ExecParams {
     pub background: bool,
 }
 
+/// The language of `sandbox_run_code`.
+#[derive(Clone, Copy, Debug, Deserialize, JsonSchema, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum CodeLanguage {
+    /// The persistent Python 3 interpreter (as sandbox_run_python).
+    Python,
+    /// The persistent Node.js interpreter.
+    Javascript,
+}
+
+/// `sandbox_run_code`.
+#[derive(Debug, Deserialize, JsonSchema)]
+pub struct RunCodeParams {
+    /// The sandbox (default: this session's own sandbox).
+    pub sandbox_id: Option<String>,
+    /// "python" or "javascript".
+    pub language: CodeLanguage,
+    /// The code; variables and definitions persist between calls of the
+    /// same language; the value of a final expression is returned.
+    pub code: String,
+    /// Interrupt the code after this many seconds; the interpreter's state
+    /// is kept (default 60, at most 600).
+    pub timeout_secs: Option<u32>,
+}
+
 /// `sandbox_run_python`.
 #[derive(Debug, Deserialize, JsonSchema)]
 pub struct PythonParams {
@@ -485,6 +510,39 @@ mod tests {
             assert!(r(bad.clone()).unwrap_err().contains("signal"), "{bad}");
         }
     }
+}
+
+/// `template_create`: a recipe (see README "Templates from a recipe").
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct TemplateCreateParams {
+    /// The new template's name: 1-63 lowercase letters, digits, '-' or '_'
+    /// (not "default" nor "tine-*"); an existing one is replaced when the
+    /// build succeeds.
+    pub name: String,
+    /// The template to start from (default: "default").
+    pub from: Option<String>,
+    /// vCPUs (default: from's).
+    pub vcpus: Option<u64>,
+    /// Guest memory in MiB (default: from's).
+    pub memory_mib: Option<u64>,
+    /// Environment variables of the template's sandboxes (and of the setup
+    /// commands).
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Files written before the setup: absolute path -> UTF-8 content.
+    #[serde(default)]
+    pub files: BTreeMap<String, String>,
+    /// Bash commands run in order; the first that fails or times out
+    /// stops the build (reported with its output).
+    #[serde(default)]
+    pub setup: Vec<String>,
+    /// Deadline of each setup command (seconds; default 600, at most 600).
+    pub step_timeout_secs: Option<u32>,
+    /// Wait up to this many seconds for the build (reporting progress when
+    /// the request has a progressToken); default 0: return at once with
+    /// state "building" and follow it with template_list.
+    pub wait_secs: Option<u64>,
 }
 
 /// `template_delete`.
