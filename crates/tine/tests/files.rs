@@ -6,7 +6,10 @@
 //! comes back through `sandbox_download_dir`, inline and as a URL. One
 //! server (seeded default template) serves every check here.
 //!
-//! `TINE_FILES_TEST_MIB` sets the big file's size (default 200 MiB).
+//! `TINE_FILES_TEST_MIB` sets the big file's size: 64 MiB by default, to
+//! keep CI within its time (a guest here writes ~0.5 MiB/s: each new
+//! tmpfs page is a shadow-paging fault); `TINE_FILES_TEST_MIB=200` is the
+//! issue's size (963 s here, docs/hosts.md).
 
 use std::io::Write;
 use std::path::Path;
@@ -131,7 +134,7 @@ async fn big_files_through_signed_urls_and_directories_as_archives() {
     if !testkit::kvm_available("big_files_through_signed_urls_and_directories_as_archives") {
         return;
     }
-    let mib: u64 = std::env::var("TINE_FILES_TEST_MIB").ok().and_then(|v| v.parse().ok()).unwrap_or(200);
+    let mib: u64 = std::env::var("TINE_FILES_TEST_MIB").ok().and_then(|v| v.parse().ok()).unwrap_or(64);
     let server = TineServer::start_with_default_template(binary(), None, CONFIG);
     let client = server.client().await;
     let sb = call(&client, "sandbox_create", json!({})).await.unwrap()["sandbox_id"].as_str().unwrap().to_string();
