@@ -153,17 +153,21 @@ async fn templates_from_recipes() {
 
     // pip install through the sandbox network, where the index is reachable.
     if package_index_reachable() {
-        let pip = "python3 -m pip install --no-cache-dir --break-system-packages --disable-pip-version-check -q six";
-        let r = call(&client, "template_create", json!({"name": "with-six", "setup": [pip], "wait_secs": 600}))
+        // iniconfig: small, pure Python, and not in the image (checked).
+        let pip = "python3 -c 'import iniconfig' 2>/dev/null && exit 9; python3 -m pip install --no-cache-dir \
+                   --break-system-packages --disable-pip-version-check -q iniconfig";
+        let r = call(&client, "template_create", json!({"name": "with-pkg", "setup": [pip], "wait_secs": 600}))
             .await
             .unwrap();
         assert_eq!(r["state"], "ready", "{r}");
-        let sb = call(&client, "sandbox_create", json!({"template": "with-six"})).await.unwrap()["sandbox_id"]
+        let sb = call(&client, "sandbox_create", json!({"template": "with-pkg"})).await.unwrap()["sandbox_id"]
             .as_str()
             .unwrap()
             .to_string();
-        let out = stdout_of(&client, &sb, "python3 -c 'import six; print(\"six\", six.__version__)'").await;
-        assert!(out.starts_with("six 1."), "{out}");
+        let check =
+            "python3 -c 'import iniconfig, importlib.metadata as m; print(\"iniconfig\", m.version(\"iniconfig\"))'";
+        let out = stdout_of(&client, &sb, check).await;
+        assert!(out.starts_with("iniconfig "), "{out}");
         call(&client, "sandbox_kill", json!({"sandbox_id": sb})).await.unwrap();
     } else {
         eprintln!("\n*** SKIPPED the pip recipe of templates_from_recipes: pypi.org:443 is not reachable from this host ***\n");
