@@ -30,8 +30,8 @@ import time
 # listed are fast and run last.
 EXPECTED_SECONDS = {
     "tine::network": 732,
-    "tine::files": 420,
-    "tine::recipes": 360,
+    "tine::files": 300,
+    "tine::recipes": 450,
     "tine::python_sdk": 377,
     "tine::load": 271,
     "tine::processes": 390,

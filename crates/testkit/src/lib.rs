@@ -42,6 +42,15 @@ pub fn with_console_on_panic<T>(console: &ConsoleTail, f: impl FnOnce() -> T) ->
     }
 }
 
+/// Whether this host reaches the Python package index its pip uses
+/// (`pypi.org:443`; the host's pip configuration names no other index),
+/// for tests that `pip install` inside a sandbox and skip loudly without it.
+pub fn package_index_reachable() -> bool {
+    use std::net::{TcpStream, ToSocketAddrs};
+    let Ok(addrs) = ("pypi.org", 443).to_socket_addrs() else { return false };
+    addrs.into_iter().any(|a| TcpStream::connect_timeout(&a, std::time::Duration::from_secs(5)).is_ok())
+}
+
 /// Whether `/dev/kvm` can be opened. When it cannot, prints a loud SKIPPED
 /// line naming `test` so that a skipped KVM test is never mistaken for a
 /// pass; CI machines have KVM, so there the tests run.

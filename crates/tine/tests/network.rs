@@ -323,14 +323,6 @@ async fn guests_reach_the_host_through_the_nat_under_their_policy() {
     call(&client, "sandbox_kill", json!({"sandbox_id": id})).await.expect("kill");
 }
 
-/// The Python package index the host's pip uses, if this host reaches it:
-/// `pypi.org:443` (the host's pip configuration names no other index here).
-fn package_index_reachable() -> bool {
-    use std::net::ToSocketAddrs;
-    let Ok(addrs) = ("pypi.org", 443).to_socket_addrs() else { return false };
-    addrs.into_iter().any(|a| TcpStream::connect_timeout(&a, Duration::from_secs(5)).is_ok())
-}
-
 /// `pip install` of a small pure-Python package inside a sandbox, through
 /// the NAT and the gateway's DNS, with the host's CA bundle added to the
 /// guest's trust store (`ca_certificates`): hosts whose traffic goes
@@ -341,7 +333,7 @@ async fn pip_installs_a_package_where_the_index_is_reachable() {
     if !testkit::kvm_available("pip_install") {
         return;
     }
-    if !package_index_reachable() {
+    if !testkit::package_index_reachable() {
         eprintln!(
             "\n*** SKIPPED pip_installs_a_package_where_the_index_is_reachable: pypi.org:443 is not reachable from \
              this host ***\n"

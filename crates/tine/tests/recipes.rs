@@ -11,7 +11,6 @@
 //! whose traffic passes a TLS-inspecting proxy need it for pip), so it
 //! builds its own default template.
 
-use std::net::TcpStream;
 use std::path::Path;
 use std::time::Duration;
 
@@ -20,13 +19,6 @@ use testkit::mcp::{call, call_with_progress, TineServer};
 
 fn binary() -> &'static Path {
     Path::new(env!("CARGO_BIN_EXE_tine"))
-}
-
-/// Whether this host reaches the package index its pip uses (pypi.org:443).
-fn package_index_reachable() -> bool {
-    use std::net::ToSocketAddrs;
-    let Ok(addrs) = ("pypi.org", 443).to_socket_addrs() else { return false };
-    addrs.into_iter().any(|a| TcpStream::connect_timeout(&a, Duration::from_secs(5)).is_ok())
 }
 
 /// The listing of template `name` (the entry with `state`, if several).
@@ -152,7 +144,7 @@ async fn templates_from_recipes() {
     assert!(e.contains("made-by-recipe"), "{e}");
 
     // pip install through the sandbox network, where the index is reachable.
-    if package_index_reachable() {
+    if testkit::package_index_reachable() {
         // iniconfig: small, pure Python, and not in the image (checked).
         let pip = "python3 -c 'import iniconfig' 2>/dev/null && exit 9; python3 -m pip install --no-cache-dir \
                    --break-system-packages --disable-pip-version-check -q iniconfig";
