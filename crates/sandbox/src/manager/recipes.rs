@@ -10,7 +10,8 @@
 //! Builds run in the background ([`Manager::start_template_build`]); their
 //! state (building with the current step, or failed with the reason) is
 //! listed beside the ready templates ([`Manager::templates`]). A failed
-//! build's record stays until the name is built again or deleted.
+//! build's record stays until the name is built again or deleted, or it is
+//! among the oldest beyond [`MAX_FAILED_BUILDS`].
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -35,6 +36,9 @@ pub const MAX_FILES: usize = 256;
 pub const MAX_FILE_BYTES: usize = 8 << 20;
 /// Bytes of each stream of a failed step kept in its report (its end).
 pub const FAILED_OUTPUT_BYTES: usize = 4096;
+/// Failed builds' records kept (each up to about 9 KiB in `template_list`);
+/// a new build evicts the oldest beyond this.
+pub const MAX_FAILED_BUILDS: usize = 16;
 
 /// One setup command: a bash script, or one with its own deadline.
 #[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
@@ -119,6 +123,18 @@ impl BuildRecord {
             state: self.state,
             step: (!failed).then(|| self.detail.clone()),
         }
+    }
+}
+
+/// Drops the oldest failed records until at most `keep` remain.
+fn evict_failed(builds: &mut BTreeMap<String, BuildRecord>, keep: usize) {
+    loop {
+        let failed = builds.iter().filter(|(_, r)| r.state == TemplateState::Failed);
+        if failed.clone().count() <= keep {
+            return;
+        }
+        let Some(oldest) = failed.min_by_key(|(_, r)| r.started_at_ms).map(|(n, _)| n.clone()) else { return };
+        builds.remove(&oldest);
     }
 }
 
@@ -210,6 +226,7 @@ impl Manager {
                 return Err(TemplateError::Building(recipe.name.clone()).into());
             }
             builds.insert(recipe.name.clone(), record.clone());
+            evict_failed(&mut builds, MAX_FAILED_BUILDS);
         }
         let info = record.info(&recipe.name);
         let me = self.clone();
@@ -394,6 +411,23 @@ mod tests {
         })
         .contains("A=B"));
         assert!(toml::from_str::<Recipe>("name = \"x\"\nsetpu = []").is_err(), "unknown keys are refused");
+    }
+
+    #[test]
+    fn only_the_newest_failed_builds_are_kept() {
+        let record = |state, started_at_ms| BuildRecord {
+            state,
+            detail: String::new(),
+            started_at_ms,
+            vcpus: 1,
+            memory_mib: 512,
+        };
+        let mut builds: BTreeMap<String, BuildRecord> =
+            (0..5).map(|i| (format!("f{i}"), record(TemplateState::Failed, 100 - i))).collect();
+        builds.insert("running".into(), record(TemplateState::Building, 0));
+        evict_failed(&mut builds, 3);
+        let names: Vec<&str> = builds.keys().map(String::as_str).collect();
+        assert_eq!(names, ["f0", "f1", "f2", "running"], "the two oldest failed ones went; a running one stays");
     }
 
     #[test]
