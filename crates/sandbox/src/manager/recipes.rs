@@ -138,14 +138,10 @@ fn evict_failed(builds: &mut BTreeMap<String, BuildRecord>, keep: usize) {
     }
 }
 
-/// The end of `bytes` as text, at most [`FAILED_OUTPUT_BYTES`].
+/// The end of `bytes` as text (invalid UTF-8 replaced), at most
+/// [`FAILED_OUTPUT_BYTES`], on a character boundary.
 fn tail(bytes: &[u8]) -> String {
-    let s = String::from_utf8_lossy(bytes);
-    let mut start = s.len().saturating_sub(FAILED_OUTPUT_BYTES);
-    while !s.is_char_boundary(start) {
-        start += 1;
-    }
-    s[start..].to_string()
+    crate::events::keep_end(&String::from_utf8_lossy(bytes), FAILED_OUTPUT_BYTES)
 }
 
 impl Recipe {
