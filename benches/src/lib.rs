@@ -109,3 +109,72 @@ pub fn qemu_microvm(qemu: &Path, profile: vmm::HostProfile, vcpus: u8, memory_mi
     c.args(["-nodefaults", "-no-user-config", "-nographic", "-serial", "stdio"]);
     c
 }
+
+/// Where [`record`] appends its JSON lines: `$TINE_BENCH_RESULTS`, else
+/// `target/bench-results.jsonl` under the workspace.
+pub fn results_path() -> PathBuf {
+    match std::env::var_os("TINE_BENCH_RESULTS") {
+        Some(p) => PathBuf::from(p),
+        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/bench-results.jsonl"),
+    }
+}
+
+/// The commit the bench runs on (`git rev-parse --short HEAD`, with
+/// `-dirty` when the work tree has changes); `unknown` outside a work tree.
+pub fn commit() -> String {
+    static COMMIT: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    COMMIT
+        .get_or_init(|| {
+            let dir = env!("CARGO_MANIFEST_DIR");
+            let git = |args: &[&str]| {
+                Command::new("git")
+                    .current_dir(dir)
+                    .args(args)
+                    .stderr(Stdio::null())
+                    .output()
+                    .ok()
+                    .filter(|o| o.status.success())
+                    .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+            };
+            match git(&["rev-parse", "--short=12", "HEAD"]) {
+                Some(c) if git(&["status", "--porcelain", "--untracked-files=no"]).is_some_and(|s| !s.is_empty()) => {
+                    format!("{c}-dirty")
+                }
+                Some(c) => c,
+                None => "unknown".into(),
+            }
+        })
+        .clone()
+}
+
+/// Records one figure: appends `{"bench", "name", "value", "unit",
+/// "commit", "unix_ms"}` as a JSON line to [`results_path`], so runs can
+/// be compared (`jq -s 'group_by(.name)'`). `bench` is the bench's name
+/// (`mcp`), `name` what was measured (`sandbox_create.pool.p50`), `unit`
+/// `ms`, `us`, `MiB/s`, `x`, ... A results file that cannot be written is
+/// reported on stderr once per figure; the bench goes on.
+pub fn record(bench: &str, name: &str, value: f64, unit: &str) {
+    use std::io::Write;
+    let unix_ms =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
+    let line = serde_json::json!({
+        "bench": bench, "name": name, "value": value, "unit": unit, "commit": commit(), "unix_ms": unix_ms,
+    });
+    let path = results_path();
+    let written =
+        std::fs::OpenOptions::new().create(true).append(true).open(&path).and_then(|mut f| writeln!(f, "{line}"));
+    if let Err(e) = written {
+        eprintln!("cannot append to {}: {e}", path.display());
+    }
+}
+
+/// `q`-quantile (0.0..=1.0, nearest rank) of `samples`; zero when empty.
+pub fn quantile(samples: &[Duration], q: f64) -> Duration {
+    let mut s = samples.to_vec();
+    s.sort();
+    if s.is_empty() {
+        return Duration::ZERO;
+    }
+    let rank = ((q * s.len() as f64).ceil() as usize).clamp(1, s.len());
+    s[rank - 1]
+}

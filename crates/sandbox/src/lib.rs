@@ -44,9 +44,9 @@ pub use diff::{DiffOptions, DiffReport};
 pub use events::{EventKind, SandboxEvent, Severity};
 pub use limits::{derived_memory_budget_mib, Limits, LimitsError};
 pub use manager::{
-    BackendError, BranchResult, ExecRequest, Lineage, Manager, ManagerConfig, NetworkLog, ProcessId, ProcessInfo,
-    ProcessPage, ProcessState, Recipe, SandboxError, SandboxId, SandboxInfo, SandboxSpec, SandboxState, SandboxUpdate,
-    SetupStep, Usage, WaitResult, WaitSpec,
+    BackendError, BranchResult, ExecRequest, Lineage, Manager, ManagerConfig, NetworkLog, PoolStatus, ProcessId,
+    ProcessInfo, ProcessPage, ProcessState, Recipe, SandboxError, SandboxId, SandboxInfo, SandboxSpec, SandboxState,
+    SandboxUpdate, SetupStep, Usage, WaitResult, WaitSpec,
 };
 pub use memory::{BudgetUse, OverBudget};
 pub use progress::{CallContext, ProgressSink, ProgressUpdate};

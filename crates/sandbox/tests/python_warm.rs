@@ -30,6 +30,7 @@ async fn restored_sandboxes_have_a_warm_python_with_an_empty_namespace() {
         profile: vmm::HostProfile::detect(),
         limits: Limits { boot_timeout_secs: 900, ..Limits::default() },
         network: None,
+        pool_size: 0,
     })
     .unwrap();
     manager.ensure_default_template(false).await.expect("build the default template");

@@ -118,7 +118,8 @@ fn free_port() -> u16 {
 impl TineServer {
     /// Starts `binary server start` with a fresh data directory, the test
     /// kernel and rootfs, and `config` (TOML) as its configuration file;
-    /// `token`: bearer auth with that token, else `--dev`. Returns once the
+    /// `token`: bearer auth with that token, else `--dev`; without a
+    /// `[pool]` table in `config`, the warm pool is off. Returns once the
     /// server says it listens.
     pub fn start(binary: &Path, token: Option<&str>, config: &str) -> TineServer {
         Self::start_seeded(binary, token, config, None)
@@ -171,6 +172,11 @@ impl TineServer {
             assert!(copy_dir(seed, &templates.join("default")), "copy the default template from {}", seed.display());
         }
         let config_path = dir.path().join("tine.toml");
+        // The warm pool (on by default) restores sandboxes in the
+        // background; a test that does not name it runs without one, so
+        // its guests do not compete with idle pooled ones for the CPUs.
+        let config =
+            if config.contains("[pool]") { config.to_string() } else { format!("{config}\n[pool]\nsize = 0\n") };
         std::fs::write(&config_path, config).expect("write config");
         let port = free_port();
         let mut cmd = Command::new(binary);
@@ -257,6 +263,36 @@ impl TineServer {
             seen_building |= now_building;
             assert!(t.elapsed() < timeout, "no default template within {timeout:?} of the server's start");
             std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// `GET /healthz` with the server's token (so it answers in full), as
+    /// JSON; panics when the server does not answer 200 with JSON.
+    pub fn healthz(&self) -> Value {
+        use std::io::{Read, Write};
+        let addr = self.base.trim_start_matches("http://").to_string();
+        let mut s = std::net::TcpStream::connect(&addr).expect("connect to the server");
+        s.set_read_timeout(Some(Duration::from_secs(30))).expect("read timeout");
+        let auth = self.token.as_ref().map(|t| format!("Authorization: Bearer {t}\r\n")).unwrap_or_default();
+        write!(s, "GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n{auth}Connection: close\r\n\r\n").expect("send");
+        let mut resp = String::new();
+        s.read_to_string(&mut resp).expect("read the answer");
+        assert!(resp.starts_with("HTTP/1.1 200"), "GET /healthz: {resp}");
+        let body = resp.split_once("\r\n\r\n").map(|(_, b)| b).unwrap_or_default();
+        serde_json::from_str(body).unwrap_or_else(|e| panic!("GET /healthz body {body:?}: {e}"))
+    }
+
+    /// Waits until `/healthz` shows the warm pool with `ready` sandboxes
+    /// ready; panics after `timeout` with the last answer.
+    pub fn wait_for_pool(&self, ready: u64, timeout: Duration) {
+        let t = Instant::now();
+        loop {
+            let h = self.healthz();
+            if h["pool"]["ready"].as_u64() == Some(ready) {
+                return;
+            }
+            assert!(t.elapsed() < timeout, "the pool did not reach {ready} ready in {timeout:?}: {h}");
+            std::thread::sleep(Duration::from_millis(50));
         }
     }
 

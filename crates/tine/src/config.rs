@@ -16,6 +16,9 @@
 //! [limits]
 //! max_sandboxes = 16
 //! default_memory_mib = 512
+//!
+//! [pool]
+//! size = 2                      # sandboxes kept restored and ready; 0: off
 //! ```
 
 use std::net::SocketAddr;
@@ -71,6 +74,29 @@ pub struct FileConfig {
     pub templates: TemplatesConfig,
     /// Sandbox networking (see [`tine_sandbox::network`]).
     pub network: tine_sandbox::network::NetworkConfig,
+    /// The warm pool.
+    pub pool: PoolConfig,
+}
+
+/// `[pool]`: sandboxes of the default shape restored from the default
+/// template ahead of creates (see `tine_sandbox`'s pool), so a create of
+/// that shape is one agent round trip. They do not count against
+/// `max_sandboxes`; their memory counts in the memory budget and goes to
+/// creates and branches that need it.
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(default, deny_unknown_fields)]
+pub struct PoolConfig {
+    /// Sandboxes kept ready (default 2; 0 turns the pool off).
+    pub size: usize,
+}
+
+/// Most sandboxes a pool may keep ready.
+pub const MAX_POOL_SIZE: usize = 64;
+
+impl Default for PoolConfig {
+    fn default() -> Self {
+        PoolConfig { size: 2 }
+    }
 }
 
 /// `[templates]`.

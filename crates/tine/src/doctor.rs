@@ -276,6 +276,30 @@ fn check_memory() -> Check {
     )
 }
 
+/// The warm pool as configured: how many sandboxes and how much of the
+/// memory budget they hold (it is filled once the server runs; its level
+/// is in `/healthz`).
+fn check_pool(file: &config::FileConfig) -> Check {
+    let (size, mib) = (file.pool.size, file.limits.default_memory_mib);
+    if size == 0 {
+        return Check::new("warm pool", Level::Ok, "off ([pool] size = 0): creates restore on demand", "");
+    }
+    let detail = format!(
+        "{size} sandbox(es) of {mib} MiB kept ready ({} MiB of the {} MiB memory budget); level in /healthz",
+        size as u64 * mib,
+        file.limits.memory_budget_mib()
+    );
+    if size > config::MAX_POOL_SIZE {
+        return Check::new(
+            "warm pool",
+            Level::Fail,
+            detail,
+            format!("set [pool] size to at most {}", config::MAX_POOL_SIZE),
+        );
+    }
+    Check::new("warm pool", Level::Ok, detail, "")
+}
+
 /// Runs every check, prints one line each (with the fix for warnings and
 /// failures) and returns failure if any check failed.
 pub(crate) fn run(r: &crate::Resolved) -> ExitCode {
@@ -287,6 +311,7 @@ pub(crate) fn run(r: &crate::Resolved) -> ExitCode {
         checks.push(check_token_file(token));
     }
     checks.push(check_memory());
+    checks.push(check_pool(&r.file));
     let mut failed = 0;
     for c in &checks {
         match c.level {

@@ -170,7 +170,10 @@ fn start(args: StartArgs) -> anyhow::Result<ExitCode> {
     let session_timeout =
         Duration::from_secs(r.file.session_timeout_secs.unwrap_or(r.file.limits.default_idle_timeout_secs).max(1));
     let profile = HostProfile::detect();
-    let (manager, _lock) = open_manager(&r, profile)?;
+    if r.file.pool.size > config::MAX_POOL_SIZE {
+        anyhow::bail!("[pool] size = {} is more than {}", r.file.pool.size, config::MAX_POOL_SIZE);
+    }
+    let (manager, _lock) = open_manager(&r, profile, r.file.pool.size)?;
     tracing::info!(
         "data {}, kernel {}, rootfs {}, host profile {profile}, auth {}",
         r.data_dir.display(),
@@ -199,10 +202,12 @@ fn start(args: StartArgs) -> anyhow::Result<ExitCode> {
 }
 
 /// Checks the images, locks the data directory and makes the sandbox
-/// manager on it for host `profile`.
+/// manager on it for host `profile`, with a warm pool of `pool_size`
+/// sandboxes (0 for commands other than the server).
 fn open_manager(
     r: &Resolved,
     profile: HostProfile,
+    pool_size: usize,
 ) -> anyhow::Result<(std::sync::Arc<tine_sandbox::Manager>, std::fs::File)> {
     config::check_image(config::KERNEL, &r.kernel)?;
     config::check_image(config::ROOTFS, &r.rootfs)?;
@@ -221,6 +226,7 @@ fn open_manager(
             true => Some(tine_sandbox::network::NetworkSetup::new(r.file.network.clone())?),
             false => None,
         },
+        pool_size,
     })?;
     Ok((manager, lock))
 }
@@ -270,7 +276,7 @@ fn template(cmd: TemplateCommand) -> anyhow::Result<ExitCode> {
         None => None,
     };
     let r = resolve(&args)?;
-    let (manager, _lock) = open_manager(&r, HostProfile::detect())?;
+    let (manager, _lock) = open_manager(&r, HostProfile::detect(), 0)?;
     if build {
         let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
         let info = rt.block_on(async {

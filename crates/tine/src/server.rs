@@ -129,11 +129,12 @@ fn has_token(req: &Request, token: &str) -> bool {
 }
 
 /// `/healthz`: `{"status":"ok"}` to anyone; with the bearer token (or
-/// under `--dev`) also how many sandboxes are live.
+/// under `--dev`) also how many sandboxes exist and the warm pool,
+/// `{"status":"ok","sandboxes":3,"pool":{"size":2,"ready":2,"filling":false}}`.
 async fn healthz(State((manager, token)): State<(Arc<Manager>, Option<Arc<String>>)>, req: Request) -> Response {
     let body = match &token {
         Some(t) if !has_token(&req, t) => r#"{"status":"ok"}"#.to_string(),
-        _ => format!(r#"{{"status":"ok","sandboxes":{}}}"#, manager.len()),
+        _ => serde_json::json!({"status": "ok", "sandboxes": manager.len(), "pool": manager.pool_status()}).to_string(),
     };
     ([(header::CONTENT_TYPE, "application/json")], body).into_response()
 }

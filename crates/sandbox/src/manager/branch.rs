@@ -106,7 +106,7 @@ impl Manager {
             Vec::new()
         };
         let mut point_memory = memory.pop();
-        let children = self.reserve_children(&source, n, cx.owner.or(source.owner))?;
+        let children = self.reserve_children(&source, n, cx.owner.or(source.owner()))?;
         for (child, r) in children.iter().zip(memory) {
             lock(&child.memory).own = Some(r);
         }

@@ -221,6 +221,11 @@ impl Manager {
             return Err(SandboxError::ShuttingDown);
         }
         let net = self.net_control(spec.network.as_ref())?;
+        if self.poolable(&spec) {
+            if let Some(sb) = self.take_pooled() {
+                return self.hand_out(sb, spec, env, idle_timeout, &cx).await;
+            }
+        }
         let (source, vcpus, memory_mib) = self.origin(&spec, &cx.progress, t0).await?;
         let template = match &source {
             VmSource::Template(t) => Some(t.meta.name.clone()),
@@ -263,8 +268,74 @@ impl Manager {
         }
     }
 
+    /// Makes pooled sandbox `sb` the caller's: into the map (within the
+    /// live-sandbox cap; over it, `sb` goes back to the pool), with the
+    /// spec's labels, idle timeout, owner and network policy, then a reseed
+    /// (fresh entropy, the host's clock) and the spec's environment. A
+    /// failure after it entered the map tears it down.
+    ///
+    /// Errors: as [`Manager::create`].
+    async fn hand_out(
+        self: &Arc<Self>,
+        sb: Arc<Sandbox>,
+        spec: SandboxSpec,
+        env: Vec<(String, String)>,
+        idle_timeout: Duration,
+        cx: &CallContext,
+    ) -> Result<SandboxInfo, SandboxError> {
+        {
+            let mut map = lock(&self.sandboxes);
+            let live = map.values().filter(|s| s.state().is_live()).count();
+            let max = self.config.limits.max_sandboxes;
+            if self.shutting_down.load(Ordering::SeqCst) {
+                drop(map);
+                super::pool::discard(sb, "the server is shutting down");
+                return Err(SandboxError::ShuttingDown);
+            }
+            if live >= max {
+                drop(map);
+                self.return_pooled(sb);
+                self.fill_pool();
+                return Err(SandboxError::TooMany { live, max });
+            }
+            map.insert(sb.id.clone(), sb.clone());
+        }
+        sb.set_labels(spec.labels);
+        sb.set_idle_timeout(idle_timeout);
+        sb.set_owner(cx.owner);
+        sb.from_pool.store(true, Ordering::SeqCst);
+        sb.touch();
+        let id = sb.id.clone();
+        let ready = async {
+            if let Some(policy) = &spec.network {
+                self.set_network_policy(&id, policy)?;
+            }
+            let seed = reseed_request()?;
+            self.with_agent(&id, |a| async move { a.reseed(seed, RESEED_TIMEOUT).await }).await?;
+            if !env.is_empty() {
+                self.set_env(&id, env).await?;
+            }
+            Ok::<_, SandboxError>(())
+        };
+        let ready = ready.await;
+        self.fill_pool();
+        match ready {
+            Ok(()) => {
+                ready_event(&sb, format!("pool:{DEFAULT_TEMPLATE}"));
+                tracing::info!(sandbox = %id, "sandbox handed out from the warm pool");
+                Ok(sb.info(None))
+            }
+            Err(e) => {
+                tracing::warn!(sandbox = %id, "hand-out from the pool failed: {e}");
+                self.teardown(&sb, Some(format!("creation failed: {e}"))).await;
+                sb.emit(EventKind::CreateFailed { error: e.to_string() });
+                Err(e)
+            }
+        }
+    }
+
     /// A new id, `<prefix>-<n>`, unique in this manager.
-    fn mint_id(&self, prefix: &str) -> SandboxId {
+    pub(super) fn mint_id(&self, prefix: &str) -> SandboxId {
         format!("{prefix}-{}", self.next_id.fetch_add(1, Ordering::Relaxed))
     }
 
@@ -517,12 +588,19 @@ impl Manager {
     pub async fn ensure_default_template(self: &Arc<Self>, rebuild: bool) -> Result<TemplateInfo, SandboxError> {
         if !rebuild {
             match self.load_template(DEFAULT_TEMPLATE.into()).await {
-                Ok(_) => return self.template_info(DEFAULT_TEMPLATE),
+                Ok(_) => {
+                    self.fill_pool();
+                    return self.template_info(DEFAULT_TEMPLATE);
+                }
                 Err(SandboxError::Template(TemplateError::NotFound(_))) => {}
                 Err(e) => tracing::warn!("rebuilding the default template: {e}"),
             }
         }
         let _building = BuildFlag::set(&self.default_building);
+        let drained = self.drain_pool("the default template is being rebuilt");
+        if drained > 0 {
+            tracing::info!("stopped {drained} pooled sandboxes of the old default template");
+        }
         let limits = &self.config.limits;
         let id = self.mint_id("template");
         let dir = self.config.run_dir.join(&id);
@@ -555,6 +633,7 @@ impl Manager {
         match r {
             Ok(()) => {
                 tracing::info!("the default template is ready");
+                self.fill_pool();
                 self.template_info(DEFAULT_TEMPLATE)
             }
             Err(e) => {
@@ -575,13 +654,20 @@ pub(super) fn ready_event(sb: &Sandbox, source: String) {
 /// Hands a new guest host entropy and the host's clock: a restored one
 /// must not go on with its template's RNG state and old clock.
 async fn reseed(sb: &Sandbox, agent: &AgentClient) -> Result<(), SandboxError> {
+    agent
+        .reseed(reseed_request()?, RESEED_TIMEOUT)
+        .await
+        .map_err(|e| SandboxError::Connection { id: sb.id.clone(), reason: format!("reseed: {e}") })
+}
+
+/// A reseed: [`SEED_BYTES`] of the host's entropy and its clock now.
+///
+/// Errors: [`SandboxError::Io`] when `/dev/urandom` cannot be read.
+fn reseed_request() -> Result<Reseed, SandboxError> {
     let mut entropy = vec![0u8; SEED_BYTES];
     std::fs::File::open("/dev/urandom")
         .and_then(|mut f| f.read_exact(&mut entropy))
         .map_err(|source| SandboxError::Io { what: "read /dev/urandom".into(), source })?;
     let unix_time_ns = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
-    agent
-        .reseed(Reseed { entropy, unix_time_ns }, RESEED_TIMEOUT)
-        .await
-        .map_err(|e| SandboxError::Connection { id: sb.id.clone(), reason: format!("reseed: {e}") })
+    Ok(Reseed { entropy, unix_time_ns })
 }

@@ -32,6 +32,7 @@ mod fake;
 mod kvm;
 mod lifecycle;
 mod network;
+mod pool;
 mod processes;
 mod recipes;
 mod sandbox;
@@ -46,6 +47,7 @@ pub use calls::ExecRequest;
 pub use error::SandboxError;
 pub use lifecycle::SandboxSpec;
 pub use network::NetworkLog;
+pub use pool::PoolStatus;
 pub use processes::{ProcessId, ProcessInfo, ProcessPage, ProcessState, WaitResult, WaitSpec};
 pub use recipes::{Recipe, SetupStep};
 use sandbox::Sandbox;
@@ -78,6 +80,9 @@ pub struct ManagerConfig {
     pub limits: Limits,
     /// Sandbox networking (`None`: sandboxes have no network device).
     pub network: Option<crate::network::NetworkSetup>,
+    /// Sandboxes of the default shape kept restored and ready for creates
+    /// (see [`pool`]); 0: none.
+    pub pool_size: usize,
 }
 
 /// The sandbox manager. Cheap to share: hold it in an `Arc`.
@@ -117,6 +122,8 @@ pub struct Manager {
     events: tokio::sync::broadcast::Sender<crate::events::SandboxEvent>,
     /// Recipe builds running or failed, by template name.
     builds: Mutex<BTreeMap<String, recipes::BuildRecord>>,
+    /// The warm pool ([`pool`]).
+    pool: Mutex<pool::Pool>,
 }
 
 /// Milliseconds since the Unix epoch, now.
@@ -178,6 +185,7 @@ impl Manager {
             events: tokio::sync::broadcast::Sender::new(crate::events::EVENT_CAPACITY),
             sandboxes: Mutex::new(BTreeMap::new()),
             builds: Mutex::new(BTreeMap::new()),
+            pool: Mutex::new(pool::Pool::default()),
             next_id: AtomicU64::new(1),
             shutting_down: AtomicBool::new(false),
             dying: AtomicU64::new(0),
@@ -209,19 +217,20 @@ impl Manager {
     }
 
     /// Reserves `parts` of the memory budget for `what`, unloading
-    /// templates nothing uses when they do not fit at first.
+    /// templates nothing uses, then stopping pooled sandboxes, when they do
+    /// not fit at first.
     ///
     /// Errors: [`SandboxError::OverBudget`], naming the budget and its use.
     fn admit(&self, what: &'static str, parts: &[(MemoryUse, u64)]) -> Result<Vec<Reservation>, SandboxError> {
-        match self.memory.reserve(what, parts) {
-            Ok(r) => Ok(r),
-            Err(e) => {
-                if self.templates.evict_unused(None) == 0 {
-                    return Err(e.into());
-                }
-                Ok(self.memory.reserve(what, parts)?)
-            }
+        let mut r = self.memory.reserve(what, parts);
+        // Unused templates go first, then pooled sandboxes, one at a time.
+        if r.is_err() && self.templates.evict_unused(None) > 0 {
+            r = self.memory.reserve(what, parts);
         }
+        while r.is_err() && self.release_pooled_memory() {
+            r = self.memory.reserve(what, parts);
+        }
+        Ok(r?)
     }
 
     fn get(&self, id: &str) -> Result<Arc<Sandbox>, SandboxError> {
@@ -294,6 +303,7 @@ impl Manager {
         self.boot_slots.close();
         self.restore_slots.close();
         self.call_slots.close();
+        self.shutdown_pool().await;
         let ids: Vec<SandboxId> = lock(&self.sandboxes).keys().cloned().collect();
         let mut kills = tokio::task::JoinSet::new();
         for id in ids {

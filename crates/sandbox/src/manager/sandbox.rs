@@ -125,6 +125,11 @@ pub struct SandboxInfo {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[cfg_attr(feature = "schema", schemars(with = "Option<serde_json::Value>"))]
     pub network: Option<netstack::policy::NetworkPolicy>,
+    /// Whether it was handed out ready from the warm pool (restored from
+    /// the default template ahead of the create; `uptime_ms` counts from
+    /// that restore).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub from_pool: bool,
     /// Resource use, from `info` on a running sandbox.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub usage: Option<Usage>,
@@ -270,8 +275,11 @@ pub(super) struct Sandbox {
     /// no network). A merge gives a sandbox its winner's VM, and with it
     /// the winner's.
     pub net: Mutex<Option<Arc<netstack::control::NetControl>>>,
-    /// The key of the caller it was made for.
-    pub owner: Option<u64>,
+    /// The key of the caller it was made for (a pooled sandbox gets its
+    /// owner when it is handed out).
+    owner: Mutex<Option<u64>>,
+    /// Whether it was handed out from the warm pool ([`super::pool`]).
+    pub from_pool: std::sync::atomic::AtomicBool,
     /// Where its events go.
     events: Option<tokio::sync::broadcast::Sender<SandboxEvent>>,
 }
@@ -287,7 +295,8 @@ impl Sandbox {
             labels: Mutex::new(labels),
             template,
             idle_timeout: Mutex::new(idle_timeout),
-            owner,
+            owner: Mutex::new(owner),
+            from_pool: std::sync::atomic::AtomicBool::new(false),
             events,
             created: Instant::now(),
             created_at_ms: unix_ms(),
@@ -308,7 +317,8 @@ impl Sandbox {
     pub fn emit(&self, kind: EventKind) {
         let Some(tx) = &self.events else { return };
         let parent = lock(&self.lineage).parent.clone();
-        let event = SandboxEvent { sandbox_id: self.id.clone(), owner: self.owner, parent, at_ms: unix_ms(), kind };
+        let owner = *lock(&self.owner);
+        let event = SandboxEvent { sandbox_id: self.id.clone(), owner, parent, at_ms: unix_ms(), kind };
         let _ = tx.send(event);
     }
 
@@ -417,6 +427,16 @@ impl Sandbox {
         *lock(&self.idle_timeout) = timeout;
     }
 
+    /// The key of the caller it was made for.
+    pub fn owner(&self) -> Option<u64> {
+        *lock(&self.owner)
+    }
+
+    /// Gives it to the caller `owner` (a pooled sandbox at hand-out).
+    pub fn set_owner(&self, owner: Option<u64>) {
+        *lock(&self.owner) = owner;
+    }
+
     pub fn info(&self, usage: Option<Usage>) -> SandboxInfo {
         let st = lock(&self.status);
         SandboxInfo {
@@ -434,6 +454,7 @@ impl Sandbox {
             idle_timeout_secs: self.idle_timeout().as_secs(),
             idle_ms: self.idle().as_millis() as u64,
             network: lock(&self.net).as_ref().map(|c| c.policy().policy().clone()),
+            from_pool: self.from_pool.load(Ordering::SeqCst),
             usage,
         }
     }

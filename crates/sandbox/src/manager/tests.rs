@@ -34,6 +34,7 @@ fn setup(limits: Limits) -> Setup {
         profile: vmm::HostProfile::BareMetal,
         limits,
         network: None,
+        pool_size: 0,
     };
     let manager = Manager::with_backend(config, backend.clone()).expect("a manager");
     Setup { dir, backend, manager }

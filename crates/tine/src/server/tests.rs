@@ -58,6 +58,7 @@ fn manager(dir: &tempfile::TempDir) -> std::sync::Arc<Manager> {
         profile: vmm::HostProfile::BareMetal,
         limits: tine_sandbox::Limits::default(),
         network: None,
+        pool_size: 0,
     })
     .expect("a manager on empty images")
 }
@@ -188,7 +189,7 @@ async fn healthz_is_open_and_says_more_only_with_the_token() {
     let with_token = app(&dir, Some(TOKEN));
     assert_eq!(healthz(&with_token, None).await, serde_json::json!({"status": "ok"}));
     assert_eq!(healthz(&with_token, Some(&bearer("wrong-token"))).await, serde_json::json!({"status": "ok"}));
-    let full = serde_json::json!({"status": "ok", "sandboxes": 0});
+    let full = serde_json::json!({"status": "ok", "sandboxes": 0, "pool": {"size": 0, "ready": 0, "filling": false}});
     assert_eq!(healthz(&with_token, Some(&bearer(TOKEN))).await, full);
     // --dev has no token: the details are for anyone on loopback.
     let dev = app(&dir, None);

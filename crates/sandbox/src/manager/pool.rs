@@ -1,0 +1,262 @@
+//! The warm pool: sandboxes of the default shape restored from the
+//! default template ahead of time, so a `create` of that shape hands one
+//! out after one agent round trip (the reseed: fresh entropy and the
+//! host's clock) instead of a restore (a few hundred ms on hosts like the
+//! one this was measured on, more on a loaded host).
+//!
+//! [`ManagerConfig::pool_size`](super::ManagerConfig::pool_size) sandboxes
+//! are kept ready once the default template exists; a hand-out starts a
+//! refill behind it. Pooled sandboxes are not listed and do not count
+//! against the live-sandbox cap; their memory counts in the memory budget
+//! like any sandbox's, and a create or branch the budget cannot admit
+//! takes it back from the pool ([`Manager::admit`](super::Manager)). Fills
+//! take restore slots like any restore, so they queue behind the creates
+//! that came first. A rebuild of the default template empties the pool.
+
+use std::collections::VecDeque;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+use super::backend::VmSource;
+use super::lifecycle::SandboxSpec;
+use super::sandbox::{SandboxSetup, SandboxState};
+use super::{remove_dir, Manager, Sandbox};
+use crate::lock;
+use crate::memory::MemoryUse;
+use crate::progress::ProgressSink;
+use crate::templates::DEFAULT_TEMPLATE;
+
+/// Fills that may fail in a row before the pool stops refilling (until
+/// the next hand-out or template build asks again): a broken template or
+/// a full host must not restore VMs in a loop.
+const MAX_FILL_FAILURES: u32 = 3;
+/// Pause after a failed fill before the next try.
+const FILL_RETRY: Duration = Duration::from_secs(5);
+
+/// The pool's sandboxes and its refill's state.
+#[derive(Default)]
+pub(super) struct Pool {
+    /// Ready sandboxes, oldest first (handed out first).
+    ready: VecDeque<Arc<Sandbox>>,
+    /// Whether a refill task runs.
+    filling: bool,
+    /// Bumped when the pool is emptied (a rebuild of the default template,
+    /// shutdown): a fill that started before puts its sandbox back only if
+    /// the generation did not change.
+    generation: u64,
+}
+
+/// What `/healthz` and `tine doctor` show of the pool.
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+pub struct PoolStatus {
+    /// Sandboxes the pool keeps ready (`[pool] size`; 0: no pool).
+    pub size: usize,
+    /// Sandboxes ready now.
+    pub ready: usize,
+    /// Whether a refill is running.
+    pub filling: bool,
+}
+
+impl Manager {
+    /// The pool's size and level.
+    pub fn pool_status(&self) -> PoolStatus {
+        let pool = lock(&self.pool);
+        PoolStatus { size: self.config.pool_size, ready: pool.ready.len(), filling: pool.filling }
+    }
+
+    /// Whether a create of `spec` may be served from the pool: the default
+    /// shape, no template other than the default one.
+    pub(super) fn poolable(&self, spec: &SandboxSpec) -> bool {
+        let limits = &self.config.limits;
+        self.config.pool_size > 0
+            && spec.template.as_deref().is_none_or(|t| t == DEFAULT_TEMPLATE)
+            && spec.vcpus.is_none_or(|v| v == u64::from(limits.default_vcpus))
+            && spec.memory_mib.is_none_or(|m| m == limits.default_memory_mib)
+    }
+
+    /// A ready pooled sandbox, taken out of the pool (pooled sandboxes
+    /// whose VM ended meanwhile are discarded). The caller starts the
+    /// refill ([`Manager::fill_pool`]) once its hand-out is done: a restore
+    /// running beside the hand-out's reseed slows it on a small host.
+    pub(super) fn take_pooled(&self) -> Option<Arc<Sandbox>> {
+        let mut taken = None;
+        {
+            let mut pool = lock(&self.pool);
+            while let Some(sb) = pool.ready.pop_front() {
+                if sb.state() == SandboxState::Running && !sb.exit_watch().is_none_or(|w| w.is_stopped()) {
+                    taken = Some(sb);
+                    break;
+                }
+                tracing::warn!(sandbox = %sb.id, "a pooled sandbox ended while it waited; discarding it");
+                discard(sb, "ended in the pool");
+            }
+        }
+        taken
+    }
+
+    /// Empties the pool, stopping its sandboxes in the background; returns
+    /// how many there were. A fill running now keeps its sandbox out.
+    pub(super) fn drain_pool(&self, why: &'static str) -> usize {
+        let drained: Vec<_> = {
+            let mut pool = lock(&self.pool);
+            pool.generation += 1;
+            pool.ready.drain(..).collect()
+        };
+        let n = drained.len();
+        for sb in drained {
+            discard(sb, why);
+        }
+        n
+    }
+
+    /// Empties the pool at shutdown: waits (at most 60 s) for a running
+    /// fill to end, then stops every pooled sandbox and waits for it.
+    pub(super) async fn shutdown_pool(&self) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while lock(&self.pool).filling && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let drained: Vec<_> = lock(&self.pool).ready.drain(..).collect();
+        for sb in drained {
+            sb.end(SandboxState::Stopped, Some("the server is shutting down".into()));
+            let s = sb.clone();
+            let _ = tokio::task::spawn_blocking(move || s.stop_vm()).await;
+            remove_dir(&sb.dir());
+        }
+    }
+
+    /// Puts `sb` back at the head of the pool (a hand-out that the cap
+    /// refused), unless the pool was emptied meanwhile or is full.
+    pub(super) fn return_pooled(&self, sb: Arc<Sandbox>) {
+        let mut pool = lock(&self.pool);
+        if pool.ready.len() < self.config.pool_size && !self.shutting_down.load(Ordering::SeqCst) {
+            pool.ready.push_front(sb);
+        } else {
+            drop(pool);
+            discard(sb, "the pool was emptied");
+        }
+    }
+
+    /// Gives back the memory of one pooled sandbox (its VM stops in the
+    /// background); returns whether there was one. For an admission the
+    /// memory budget refused.
+    pub(super) fn release_pooled_memory(&self) -> bool {
+        let Some(sb) = lock(&self.pool).ready.pop_back() else { return false };
+        tracing::info!(sandbox = %sb.id, "giving a pooled sandbox's memory to a create or branch");
+        drop(std::mem::take(&mut *lock(&sb.memory)));
+        discard(sb, "its memory was needed");
+        true
+    }
+
+    /// Starts the refill task unless it runs, the pool is full or off, or
+    /// the server is shutting down.
+    pub(super) fn fill_pool(self: &Arc<Self>) {
+        if self.config.pool_size == 0 || self.shutting_down.load(Ordering::SeqCst) {
+            return;
+        }
+        {
+            let mut pool = lock(&self.pool);
+            if pool.filling || pool.ready.len() >= self.config.pool_size {
+                return;
+            }
+            pool.filling = true;
+        }
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            lock(&self.pool).filling = false;
+            return;
+        };
+        let me = self.clone();
+        rt.spawn(async move {
+            me.refill().await;
+            lock(&me.pool).filling = false;
+        });
+    }
+
+    /// Restores sandboxes into the pool, one at a time, until it is full.
+    async fn refill(self: &Arc<Self>) {
+        let mut failures = 0;
+        loop {
+            let generation = {
+                let pool = lock(&self.pool);
+                if pool.ready.len() >= self.config.pool_size {
+                    return;
+                }
+                pool.generation
+            };
+            if self.shutting_down.load(Ordering::SeqCst) {
+                return;
+            }
+            let t0 = Instant::now();
+            match self.pooled_sandbox().await {
+                Ok(sb) => {
+                    failures = 0;
+                    tracing::info!(sandbox = %sb.id, "pooled sandbox ready in {} ms", t0.elapsed().as_millis());
+                    let mut pool = lock(&self.pool);
+                    if pool.generation == generation && !self.shutting_down.load(Ordering::SeqCst) {
+                        pool.ready.push_back(sb);
+                    } else {
+                        drop(pool);
+                        discard(sb, "the pool was emptied while it was restored");
+                    }
+                }
+                Err(e) => {
+                    failures += 1;
+                    tracing::warn!("cannot fill the warm pool ({failures} of {MAX_FILL_FAILURES} tries): {e}");
+                    if failures >= MAX_FILL_FAILURES {
+                        return;
+                    }
+                    tokio::time::sleep(FILL_RETRY).await;
+                }
+            }
+        }
+    }
+
+    /// One sandbox restored from the default template, outside the map,
+    /// running, its memory reserved.
+    async fn pooled_sandbox(self: &Arc<Self>) -> Result<Arc<Sandbox>, super::SandboxError> {
+        let limits = &self.config.limits;
+        let template = self.load_template(DEFAULT_TEMPLATE.into()).await?;
+        let (vcpus, memory_mib) = (template.meta.vcpus, template.meta.memory_mib);
+        if vcpus != limits.default_vcpus || memory_mib != limits.default_memory_mib {
+            return Err(super::SandboxError::TemplateShape { name: DEFAULT_TEMPLATE.into(), vcpus, memory_mib });
+        }
+        // Not through `admit`: a fill never takes memory from the pool.
+        let memory = self.memory.reserve("warm pool", &[(MemoryUse::Sandbox, memory_mib)])?.pop();
+        let id = self.mint_id("sb");
+        let setup = SandboxSetup {
+            labels: Default::default(),
+            template: Some(DEFAULT_TEMPLATE.into()),
+            idle_timeout: limits.idle_timeout(None)?,
+            owner: None,
+            events: Some(self.events.clone()),
+        };
+        let sb = Arc::new(Sandbox::new(id.clone(), self.config.run_dir.join(&id), vcpus, memory_mib, setup));
+        lock(&sb.memory).own = memory;
+        *lock(&sb.net) = self.net_control(None)?;
+        match self.start(&sb, VmSource::Template(template), &ProgressSink::default(), Instant::now()).await {
+            Ok(()) => Ok(sb),
+            Err(e) => {
+                discard(sb, "its restore failed");
+                Err(e)
+            }
+        }
+    }
+}
+
+/// Ends a sandbox that is not in the map (pooled): marks it stopped, stops
+/// its VM and removes its files in the background.
+pub(super) fn discard(sb: Arc<Sandbox>, why: &'static str) {
+    sb.end(SandboxState::Stopped, Some(why.into()));
+    let stop = move || {
+        sb.stop_vm();
+        remove_dir(&sb.dir());
+    };
+    match tokio::runtime::Handle::try_current() {
+        Ok(rt) => drop(rt.spawn_blocking(stop)),
+        Err(_) => stop(),
+    }
+}

@@ -1,0 +1,125 @@
+//! The warm pool end to end (issue 18): `tine server start` with
+//! `[pool] size = 2` as a subprocess, real guests and a real MCP client.
+//! Sandboxes handed out one after another are ready at once, each with
+//! fresh entropy (the kernel's and a Python cell's `random`) and the
+//! host's clock, distinct from one another (ids, files); the spec's labels
+//! and environment apply; a create of another shape is restored or booted
+//! instead; the pool refills and `/healthz` shows its level; pooled
+//! sandboxes are not listed.
+
+use std::collections::BTreeSet;
+use std::path::Path;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use serde_json::{json, Value};
+use testkit::mcp::{call, TineServer};
+
+fn binary() -> &'static Path {
+    Path::new(env!("CARGO_BIN_EXE_tine"))
+}
+
+async fn stdout_of(client: &rmcp::Peer<rmcp::RoleClient>, sb: &str, command: &str) -> String {
+    let x = call(client, "sandbox_exec", json!({"sandbox_id": sb, "command": command})).await.unwrap();
+    assert_eq!(x["exit_code"], 0, "{command}: {x}");
+    x["stdout"].as_str().unwrap().trim().to_string()
+}
+
+fn host_unix_secs() -> f64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs_f64()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn pooled_sandboxes_are_fresh_and_distinct() {
+    if !testkit::kvm_available("pooled_sandboxes_are_fresh_and_distinct") {
+        return;
+    }
+    let server = TineServer::start_with_default_template(
+        binary(),
+        None,
+        "[limits]\nboot_timeout_secs = 900\n[pool]\nsize = 2\n",
+    );
+    server.wait_for_pool(2, Duration::from_secs(600));
+    let h = server.healthz();
+    assert_eq!(h["pool"], json!({"size": 2, "ready": 2, "filling": false}), "{h}");
+    assert_eq!(h["sandboxes"], 0, "pooled sandboxes are not counted as the server's sandboxes: {h}");
+    let client = server.client().await;
+
+    // Two creates one after another: both from the pool.
+    let mut sandboxes: Vec<Value> = Vec::new();
+    for i in 0..2 {
+        let info = call(
+            &client,
+            "sandbox_create",
+            json!({"labels": {"n": i.to_string()}, "env": {"POOL_TEST": format!("value-{i}")}}),
+        )
+        .await
+        .unwrap();
+        assert_eq!(info["from_pool"], true, "create {i} came from the pool: {info}");
+        assert_eq!(info["state"], "running", "{info}");
+        assert_eq!(info["template"], "default", "{info}");
+        assert_eq!(info["labels"]["n"], i.to_string(), "{info}");
+        sandboxes.push(info);
+    }
+    let ids: Vec<String> = sandboxes.iter().map(|s| s["sandbox_id"].as_str().unwrap().to_string()).collect();
+    assert_ne!(ids[0], ids[1]);
+
+    let mut entropy = BTreeSet::new();
+    let mut python_random = BTreeSet::new();
+    for (i, id) in ids.iter().enumerate() {
+        // The spec's environment, in exec and in Python.
+        assert_eq!(stdout_of(&client, id, "echo $POOL_TEST").await, format!("value-{i}"));
+        let v = call(
+            &client,
+            "sandbox_run_python",
+            json!({"sandbox_id": id, "code": "import os, random, time\n(os.environ['POOL_TEST'], random.getrandbits(64), time.time())"}),
+        )
+        .await
+        .unwrap();
+        let value = v["result"].as_str().unwrap_or_default().to_string();
+        assert!(value.contains(&format!("'value-{i}'")), "Python sees the environment: {v}");
+        let fields: Vec<&str> = value.trim_matches(|c| c == '(' || c == ')').split(", ").collect();
+        python_random.insert(fields[1].to_string());
+        // The guest's clock is the host's (the reseed at hand-out sets it).
+        let guest_secs: f64 = fields[2].parse().unwrap_or_else(|e| panic!("time.time() in {value}: {e}"));
+        let skew = (guest_secs - host_unix_secs()).abs();
+        assert!(skew < 30.0, "{id}'s clock is {skew:.1} s off the host's");
+        let date: f64 = stdout_of(&client, id, "date +%s.%N").await.parse().unwrap();
+        assert!((date - host_unix_secs()).abs() < 30.0, "{id}: date says {date}");
+        // Fresh kernel entropy: no two sandboxes read the same bytes.
+        entropy.insert(stdout_of(&client, id, "head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \\n'").await);
+        // Their files are their own.
+        call(&client, "sandbox_files_write", json!({"sandbox_id": id, "path": "/root/who", "content": id}))
+            .await
+            .unwrap();
+    }
+    assert_eq!(entropy.len(), 2, "each pooled sandbox has its own entropy: {entropy:?}");
+    assert_eq!(python_random.len(), 2, "each pooled sandbox's Python random differs: {python_random:?}");
+    for id in &ids {
+        assert_eq!(stdout_of(&client, id, "cat /root/who").await, *id, "{id} sees only its own file");
+    }
+
+    // Listed: the two handed out, not the pool's.
+    let l = call(&client, "sandbox_list", json!({})).await.unwrap();
+    let listed: BTreeSet<String> =
+        l["sandboxes"].as_array().unwrap().iter().map(|s| s["sandbox_id"].as_str().unwrap().to_string()).collect();
+    assert_eq!(listed, ids.iter().cloned().collect::<BTreeSet<_>>(), "{l}");
+
+    // The pool refills behind the hand-outs.
+    server.wait_for_pool(2, Duration::from_secs(600));
+    let third = call(&client, "sandbox_create", json!({})).await.unwrap();
+    assert_eq!(third["from_pool"], true, "{third}");
+    let third_id = third["sandbox_id"].as_str().unwrap().to_string();
+    assert!(!ids.contains(&third_id));
+    assert_eq!(stdout_of(&client, &third_id, "cat /root/who 2>/dev/null || echo none").await, "none");
+
+    // Another shape does not come from the pool.
+    let other = call(&client, "sandbox_create", json!({"memory_mib": 256})).await.unwrap();
+    assert!(other.get("from_pool").is_none(), "a 256 MiB sandbox is not the pool's shape: {other}");
+    assert_eq!(other["memory_mib"], 256);
+
+    for id in ids.iter().chain([&third_id, &other["sandbox_id"].as_str().unwrap().to_string()]) {
+        call(&client, "sandbox_kill", json!({"sandbox_id": id})).await.unwrap();
+    }
+    server.wait_for_pool(2, Duration::from_secs(600));
+    assert_eq!(server.healthz()["sandboxes"], 0);
+}
