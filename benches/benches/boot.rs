@@ -10,7 +10,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use tine_benches::{median, qemu_microvm, time_to_marker, which};
+use tine_benches::{median, qemu_microvm, record, time_to_marker, which};
 
 fn main() {
     if !testkit::kvm_available("boot benchmark") {
@@ -63,10 +63,20 @@ fn main() {
     }
     let t = median(&t_samples);
     println!("tine vm run:      median {:.2} s to marker ({} runs)", t.as_secs_f64(), t_samples.len());
+    // A median of no runs (printed as 0) is not recorded: it would read as a figure.
+    if !t_samples.is_empty() {
+        record("boot", "to_marker.tine.p50", t.as_secs_f64(), "s");
+    }
+    record("boot", "to_marker.tine.runs", t_samples.len() as f64, "count");
     if qemu.is_some() && !q_samples.is_empty() {
         let q = median(&q_samples);
         println!("qemu -M microvm:  median {:.2} s to marker ({} runs)", q.as_secs_f64(), q_samples.len());
+        record("boot", "to_marker.qemu.p50", q.as_secs_f64(), "s");
+        record("boot", "to_marker.qemu.runs", q_samples.len() as f64, "count");
         println!("ratio tine/qemu:  {:.3}", t.as_secs_f64() / q.as_secs_f64());
+        if !t_samples.is_empty() {
+            record("boot", "ratio.to_marker.p50.tine_over_qemu", t.as_secs_f64() / q.as_secs_f64(), "x");
+        }
     } else {
         println!("qemu-system-x86_64 not found: install qemu-system-x86 for the comparison");
     }

@@ -20,19 +20,12 @@
 
 use std::time::Duration;
 
-use tine_benches::median;
+use tine_benches::{median, quantile, record};
 use vm_memory::{Bytes, GuestAddress};
 use vmm::BranchMode;
 
 fn env_list(var: &str, default: &str) -> Vec<u64> {
     std::env::var(var).unwrap_or_else(|_| default.into()).split(',').filter_map(|v| v.trim().parse().ok()).collect()
-}
-
-/// The value at quantile `q` (0..=1) of `v`, nearest rank.
-fn quantile(v: &[Duration], q: f64) -> Duration {
-    let mut s = v.to_vec();
-    s.sort();
-    s[((q * s.len() as f64).ceil() as usize).clamp(1, s.len()) - 1]
 }
 
 fn ms(d: Duration) -> f64 {
@@ -106,16 +99,22 @@ fn main() {
                 drop(point);
             }
             vm.resume();
+            let (pause_p50, pause_p99) = (ms(median(&pauses)), ms(quantile(&pauses, 0.99)));
+            let (copy_p50, paused_copy_p50) = (ms(median(&totals)), ms(median(&paused_copies)));
             let row = format!(
-                "{mib:>5} MiB, {pct:>2}% ({:>5} MiB data, {:>5} MiB copied): write-protect pause median {:>7.2} ms, p99 {:>7.2} ms; copy complete median {:>8.1} ms | copy while paused (= pause) median {:>8.1} ms",
+                "{mib:>5} MiB, {pct:>2}% ({:>5} MiB data, {:>5} MiB copied): write-protect pause median {pause_p50:>7.2} ms, p99 {pause_p99:>7.2} ms; copy complete median {copy_p50:>8.1} ms | copy while paused (= pause) median {paused_copy_p50:>8.1} ms",
                 data >> 20,
                 written >> 20,
-                ms(median(&pauses)),
-                ms(quantile(&pauses, 0.99)),
-                ms(median(&totals)),
-                ms(median(&paused_copies)),
             );
             eprintln!("{row}");
+            // Recorded as each row is measured (the rows are printed at the end).
+            let point = format!("mem_{mib}mib.data_{pct}pct");
+            record("branch", &format!("branch.data.{point}"), (data >> 20) as f64, "MiB");
+            record("branch", &format!("branch.copied.{point}"), (written >> 20) as f64, "MiB");
+            record("branch", &format!("branch.pause.p50.{point}"), pause_p50, "ms");
+            record("branch", &format!("branch.pause.p99.{point}"), pause_p99, "ms");
+            record("branch", &format!("branch.copy_complete.p50.{point}"), copy_p50, "ms");
+            record("branch", &format!("branch.copy_while_paused.p50.{point}"), paused_copy_p50, "ms");
             rows.push(row);
         }
         drop(vm);

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 use testkit::mcp::{call, tine_binary, TineServer};
-use tine_benches::median;
+use tine_benches::{median, record};
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
@@ -68,13 +68,24 @@ async fn main() {
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
     let max = |v: &[Duration]| ms(v.iter().max().copied().unwrap_or_default());
     let med = |v: &[Duration]| if v.is_empty() { 0.0 } else { ms(median(v)) };
+    let wall = started.elapsed().as_secs_f64();
     println!(
-        "first_cells: {ok}/{sessions} correct in {:.1} s; create median {:.0} ms max {:.0} ms; \
+        "first_cells: {ok}/{sessions} correct in {wall:.1} s; create median {:.0} ms max {:.0} ms; \
          cell median {:.0} ms max {:.0} ms",
-        started.elapsed().as_secs_f64(),
         med(&creates),
         max(&creates),
         med(&cells),
         max(&cells),
     );
+    // The number of sessions at once is part of each name: it is the load.
+    let load = format!("sessions_{sessions}");
+    record("first_cells", &format!("sessions.correct.{load}"), ok as f64, "count");
+    record("first_cells", &format!("all_sessions.wall.{load}"), wall, "s");
+    // A median or maximum of no samples (printed as 0) is not recorded.
+    for (what, samples) in [("sandbox_create", &creates), ("first_cell", &cells)] {
+        if !samples.is_empty() {
+            record("first_cells", &format!("{what}.p50.{load}"), med(samples), "ms");
+            record("first_cells", &format!("{what}.max.{load}"), max(samples), "ms");
+        }
+    }
 }

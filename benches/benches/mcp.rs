@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 use testkit::mcp::{call, tine_binary, TineServer};
-use tine_benches::median;
+use tine_benches::{median, record};
 
 fn runs(var: &str, default: usize) -> usize {
     std::env::var(var).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
@@ -97,14 +97,23 @@ async fn main() {
 
     let (cold_ms, warm_ms) = (ms(median(&create_times)), ms(median(&restore_times)));
     println!("sandbox_create to ready, cold boot, median of {creates}: {cold_ms:.0} ms");
-    println!("sandbox_create to ready, from the default template, median of {restores}: {warm_ms:.0} ms (min {:.0}, max {:.0})",
-        ms(*restore_times.iter().min().unwrap()), ms(*restore_times.iter().max().unwrap()));
+    record("mcp", "sandbox_create.cold.p50", cold_ms, "ms");
+    let (warm_min, warm_max) = (ms(*restore_times.iter().min().unwrap()), ms(*restore_times.iter().max().unwrap()));
+    println!("sandbox_create to ready, from the default template, median of {restores}: {warm_ms:.0} ms (min {warm_min:.0}, max {warm_max:.0})");
+    record("mcp", "sandbox_create.template.p50", warm_ms, "ms");
+    record("mcp", "sandbox_create.template.min", warm_min, "ms");
+    record("mcp", "sandbox_create.template.max", warm_max, "ms");
     println!("cold boot / template: {:.1}x", cold_ms / warm_ms);
+    record("mcp", "ratio.sandbox_create.p50.cold_over_template", cold_ms / warm_ms, "x");
+    let (exec_p50, exec_min, exec_max) =
+        (ms(median(&exec_times)), ms(*exec_times.iter().min().unwrap()), ms(*exec_times.iter().max().unwrap()));
     println!(
-        "sandbox_exec `true` round trip through MCP, median of {execs}: {:.0} ms (min {:.0}, max {:.0})",
-        ms(median(&exec_times)),
-        ms(*exec_times.iter().min().unwrap()),
-        ms(*exec_times.iter().max().unwrap())
+        "sandbox_exec `true` round trip through MCP, median of {execs}: {exec_p50:.0} ms (min {exec_min:.0}, max {exec_max:.0})"
     );
-    println!("sandbox_list round trip (MCP and HTTP only), median of {execs}: {:.2} ms", ms(median(&list_times)));
+    record("mcp", "sandbox_exec.true.p50", exec_p50, "ms");
+    record("mcp", "sandbox_exec.true.min", exec_min, "ms");
+    record("mcp", "sandbox_exec.true.max", exec_max, "ms");
+    let list_p50 = ms(median(&list_times));
+    println!("sandbox_list round trip (MCP and HTTP only), median of {execs}: {list_p50:.2} ms");
+    record("mcp", "sandbox_list.p50", list_p50, "ms");
 }

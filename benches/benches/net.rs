@@ -58,11 +58,11 @@ fn main() {
     );
 
     let tine = run_tine(&kernel, &rootfs, &program, &cmdline);
-    report("tine (virtio-net + netstack NAT)", &tine);
+    report("tine", "tine (virtio-net + netstack NAT)", &tine);
     let qemu = match tine_benches::which("qemu-system-x86_64") {
         Some(q) => {
             let r = run_qemu(&q, &kernel, &rootfs, &program, &cmdline, profile);
-            report("qemu -M microvm -netdev user (libslirp)", &r);
+            report("qemu", "qemu -M microvm -netdev user (libslirp)", &r);
             r
         }
         None => {
@@ -73,10 +73,14 @@ fn main() {
     if let (Some(t), Some(q)) = (&tine, &qemu) {
         println!("ratios tine/qemu (throughput: higher is better for tine; latency: lower is):");
         for (what, key) in [("upload", "upload_mb_s"), ("download", "download_mb_s")] {
-            println!("  {what:<22} {:.2}", median_of(t, key) / median_of(q, key));
+            let ratio = median_of(t, key) / median_of(q, key);
+            println!("  {what:<22} {ratio:.2}");
+            record(&format!("ratio.{what}.p50.tine_over_qemu"), ratio, "x");
         }
-        for key in ["connect_ms_median", "first_byte_ms_median"] {
-            println!("  {key:<22} {:.2}", num(t, key) / num(q, key));
+        for (key, what) in [("connect_ms_median", "connect"), ("first_byte_ms_median", "first_byte")] {
+            let ratio = num(t, key) / num(q, key);
+            println!("  {key:<22} {ratio:.2}");
+            record(&format!("ratio.{what}.p50.tine_over_qemu"), ratio, "x");
         }
     }
 }
@@ -182,7 +186,9 @@ fn parse_result(text: &str) -> Option<Value> {
     }
 }
 
-fn report(who: &str, r: &Option<Value>) {
+/// Prints `r` under `who` and records its figures under `<key>.` (`tine`,
+/// `qemu`). Throughputs are in MB/s (10^6 bytes), as the guest measures.
+fn report(key: &str, who: &str, r: &Option<Value>) {
     let Some(r) = r else {
         println!("{who}: no result");
         return;
@@ -190,6 +196,10 @@ fn report(who: &str, r: &Option<Value>) {
     println!("{who}:");
     println!("  upload   MB/s {:>8.3} (median of {})", median_of(r, "upload_mb_s"), r["upload_mb_s"]);
     println!("  download MB/s {:>8.3} (median of {})", median_of(r, "download_mb_s"), r["download_mb_s"]);
+    for what in ["upload", "download"] {
+        let v = median_of(r, &format!("{what}_mb_s"));
+        record(&format!("{key}.{what}.p50"), v, "MB/s");
+    }
     println!(
         "  connect        {:.3} ms median, {:.3} ms p90; with a 1-byte round trip {:.3} ms median, {:.3} ms p90 ({} connects)",
         num(r, "connect_ms_median"),
@@ -198,6 +208,22 @@ fn report(who: &str, r: &Option<Value>) {
         num(r, "first_byte_ms_p90"),
         r["connects"]
     );
+    for (field, name) in [
+        ("connect_ms_median", "connect.p50"),
+        ("connect_ms_p90", "connect.p90"),
+        ("first_byte_ms_median", "first_byte.p50"),
+        ("first_byte_ms_p90", "first_byte.p90"),
+    ] {
+        record(&format!("{key}.{name}"), num(r, field), "ms");
+    }
+}
+
+/// Records a figure of this bench (`tine_benches::record`); one that is
+/// missing from a result (NaN) or divides by zero is not recorded.
+fn record(name: &str, value: f64, unit: &str) {
+    if value.is_finite() {
+        tine_benches::record("net", name, value, unit);
+    }
 }
 
 fn num(r: &Value, key: &str) -> f64 {

@@ -16,7 +16,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use tine_agent_client::{AgentClient, AGENT_PORT};
-use tine_benches::{median, mib, process_pss};
+use tine_benches::{median, mib, process_pss, record};
 use tine_protocol::Op;
 use vmm::{MemoryBacking, RunningVm, Snapshot};
 
@@ -68,7 +68,9 @@ async fn main() {
     drop(src);
     let t = Instant::now();
     let snapshot = Snapshot::load(&snap_dir).expect("load");
-    println!("snapshot load and check (both CRC32s): {:.0} ms", t.elapsed().as_secs_f64() * 1e3);
+    let load_ms = t.elapsed().as_secs_f64() * 1e3;
+    println!("snapshot load and check (both CRC32s): {load_ms:.0} ms");
+    record("restore", "snapshot_load", load_ms, "ms");
 
     let mut n = 0usize;
     let mut next = |tag: &str| {
@@ -76,8 +78,11 @@ async fn main() {
         (format!("{tag}{n}"), dir.path().join(format!("{tag}{n}.vsock")))
     };
 
+    // The backings, with the names their figures are recorded under.
+    let backings = [(MemoryBacking::Private, "private"), (MemoryBacking::Userfaultfd, "userfaultfd")];
+
     // Restore timings.
-    for backing in [MemoryBacking::Private, MemoryBacking::Userfaultfd] {
+    for (backing, tag) in backings {
         let (mut restore, mut answer) = (Vec::new(), Vec::new());
         for _ in 0..runs {
             let (name, uds) = next("r");
@@ -91,19 +96,24 @@ async fn main() {
             drop(vm);
         }
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        let stats = |v: &[Duration]| (ms(median(v)), ms(*v.iter().min().unwrap()), ms(*v.iter().max().unwrap()));
+        let (build_p50, build_min, build_max) = stats(&restore);
+        let (answer_p50, answer_min, answer_max) = stats(&answer);
         println!(
-            "{backing:?}: build_from_snapshot median {:.1} ms (min {:.1}, max {:.1}); restore to agent answering median {:.0} ms (min {:.0}, max {:.0}); {runs} runs",
-            ms(median(&restore)),
-            ms(*restore.iter().min().unwrap()),
-            ms(*restore.iter().max().unwrap()),
-            ms(median(&answer)),
-            ms(*answer.iter().min().unwrap()),
-            ms(*answer.iter().max().unwrap()),
+            "{backing:?}: build_from_snapshot median {build_p50:.1} ms (min {build_min:.1}, max {build_max:.1}); restore to agent answering median {answer_p50:.0} ms (min {answer_min:.0}, max {answer_max:.0}); {runs} runs",
         );
+        for (what, (p50, min, max)) in [
+            ("build_from_snapshot", (build_p50, build_min, build_max)),
+            ("restore_to_agent_answer", (answer_p50, answer_min, answer_max)),
+        ] {
+            for (stat, v) in [("p50", p50), ("min", min), ("max", max)] {
+                record("restore", &format!("{what}.{tag}.{stat}"), v, "ms");
+            }
+        }
     }
 
     // Memory per restored idle VM.
-    for backing in [MemoryBacking::Private, MemoryBacking::Userfaultfd] {
+    for (backing, tag) in backings {
         for &count in &counts {
             let pss_before = process_pss(std::process::id());
             let mut vms: Vec<(RunningVm, AgentClient)> = Vec::with_capacity(count);
@@ -126,15 +136,22 @@ async fn main() {
             }
             let process = process_pss(std::process::id()).saturating_sub(pss_before);
             let c = count as u64;
+            let (rss_mib, pss_mib, private_mib, process_mib) =
+                (mib(rss / c), mib(pss / c), mib(private / c), mib(process / c));
             println!(
-                "{backing:?}, {count} idle VMs (ready after {:.1} s, idle {} s): guest RAM per VM: RSS {:.1} MiB, PSS {:.1} MiB, private {:.1} MiB; whole process PSS growth per VM {:.1} MiB",
+                "{backing:?}, {count} idle VMs (ready after {:.1} s, idle {} s): guest RAM per VM: RSS {rss_mib:.1} MiB, PSS {pss_mib:.1} MiB, private {private_mib:.1} MiB; whole process PSS growth per VM {process_mib:.1} MiB",
                 all_ready.as_secs_f64(),
                 idle.as_secs(),
-                mib(rss / c),
-                mib(pss / c),
-                mib(private / c),
-                mib(process / c),
             );
+            record("restore", &format!("idle_vms.{tag}.all_ready.vms_{count}"), all_ready.as_secs_f64(), "s");
+            for (what, v) in [
+                ("guest_ram_rss_per_vm", rss_mib),
+                ("guest_ram_pss_per_vm", pss_mib),
+                ("guest_ram_private_per_vm", private_mib),
+                ("process_pss_growth_per_vm", process_mib),
+            ] {
+                record("restore", &format!("idle_vms.{tag}.{what}.vms_{count}"), v, "MiB");
+            }
             drop(vms);
         }
     }

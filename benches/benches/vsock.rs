@@ -9,7 +9,11 @@
 use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
-fn report(what: &str, s: &testkit::ExchangeStats) {
+use tine_benches::record;
+
+/// Prints `s` under `what` and records its figures under `<key>.`
+/// (`unix_pair`, `vsock`). Throughputs are in MB/s (10^6 bytes).
+fn report(key: &str, what: &str, s: &testkit::ExchangeStats) {
     println!(
         "{what:<24} host->peer {:>9.1} MB/s   peer->host {:>9.1} MB/s   1-byte RTT median {:>8} us   ({} bytes each way, {} pings)",
         s.to_peer_mbps(),
@@ -18,6 +22,9 @@ fn report(what: &str, s: &testkit::ExchangeStats) {
         s.bytes,
         s.rtts.len()
     );
+    record("vsock", &format!("{key}.host_to_peer"), s.to_peer_mbps(), "MB/s");
+    record("vsock", &format!("{key}.peer_to_host"), s.from_peer_mbps(), "MB/s");
+    record("vsock", &format!("{key}.rtt.p50"), s.rtt_median().as_micros() as f64, "us");
 }
 
 fn main() {
@@ -29,7 +36,7 @@ fn main() {
     let peer = std::thread::spawn(move || testkit::exchange_peer(&mut b));
     let base = testkit::exchange(&mut a, bytes, pings);
     peer.join().unwrap();
-    report("unix socket pair (host)", &base);
+    report("unix_pair", "unix socket pair (host)", &base);
 
     if !testkit::kvm_available("vsock benchmark") {
         return;
@@ -40,13 +47,14 @@ fn main() {
     assert!(vm.console().wait_for("TINE-INIT-VSOCK listening", Duration::from_secs(600)), "guest never listened");
     let (mut s, _) = testkit::vsock_connect(&uds, 5000).expect("vsock handshake");
     let guest = testkit::exchange(&mut s, bytes, pings);
-    report("virtio-vsock (guest)", &guest);
-    println!(
-        "ratio vsock/unix:        throughput host->peer {:.4}, peer->host {:.4}; RTT {:.0}x",
-        guest.to_peer_mbps() / base.to_peer_mbps(),
-        guest.from_peer_mbps() / base.from_peer_mbps(),
-        guest.rtt_median().as_secs_f64() / base.rtt_median().as_secs_f64()
-    );
+    report("vsock", "virtio-vsock (guest)", &guest);
+    let to_peer = guest.to_peer_mbps() / base.to_peer_mbps();
+    let from_peer = guest.from_peer_mbps() / base.from_peer_mbps();
+    let rtt = guest.rtt_median().as_secs_f64() / base.rtt_median().as_secs_f64();
+    println!("ratio vsock/unix:        throughput host->peer {to_peer:.4}, peer->host {from_peer:.4}; RTT {rtt:.0}x");
+    record("vsock", "ratio.host_to_peer.vsock_over_unix", to_peer, "x");
+    record("vsock", "ratio.peer_to_host.vsock_over_unix", from_peer, "x");
+    record("vsock", "ratio.rtt.p50.vsock_over_unix", rtt, "x");
     drop(s);
     let _ = vm.wait_timeout(Duration::from_secs(120));
 }
