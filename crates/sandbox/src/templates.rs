@@ -29,6 +29,12 @@ pub const DEFAULT_TEMPLATE: &str = "default";
 pub const RESERVED_PREFIX: &str = "tine-";
 /// The metadata file's name in a template directory.
 const META_FILE: &str = "template.json";
+/// The working set's file in a template directory (JSON of
+/// [`vmm::WorkingSet`]): the pages a sandbox restored from the template
+/// touched until its first exec and Python cell answered, prefetched into
+/// every sandbox restored after. Optional: without it, restores fault
+/// their pages in on first touch. Delete it to record it again.
+pub const WORKING_SET_FILE: &str = "working-set.json";
 /// Longest template name (bytes).
 const MAX_NAME: usize = 63;
 
@@ -195,6 +201,10 @@ pub struct TemplateInfo {
     /// While building: what the build does now.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub step: Option<String>,
+    /// Whether restores prefetch its recorded working set (see
+    /// [`WORKING_SET_FILE`]).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub prefetch: bool,
 }
 
 /// Whether a template can be used.
@@ -219,6 +229,15 @@ pub struct Template {
     pub snapshot: Snapshot,
     /// Identity of the state and memory files when loaded.
     files: (FileIdentity, FileIdentity),
+    /// Its working set ([`WORKING_SET_FILE`]), once recorded.
+    working_set: Mutex<Option<Arc<vmm::WorkingSet>>>,
+}
+
+impl Template {
+    /// The pages to prefetch into a sandbox restored from it, if recorded.
+    pub fn working_set(&self) -> Option<Arc<vmm::WorkingSet>> {
+        lock(&self.working_set).clone()
+    }
 }
 
 /// A loaded template and its share of the memory budget.
@@ -511,9 +530,33 @@ impl TemplateStore {
         let snapshot = Snapshot::load(&self.path(name))
             .and_then(|s| s.into_memory(name))
             .map_err(|source| TemplateError::Snapshot { name: name.to_string(), source })?;
-        let t = Arc::new(Template { meta, snapshot, files });
+        let working_set = Mutex::new(read_working_set(&self.path(name), meta.memory_mib << 20));
+        let t = Arc::new(Template { meta, snapshot, files, working_set });
         lock(&self.cache).insert(name.to_string(), Cached { template: t.clone(), _memory: memory });
         Ok(t)
+    }
+
+    /// Stores `ws` as template `name`'s working set ([`WORKING_SET_FILE`],
+    /// written whole then renamed into place) and gives it to the loaded
+    /// template, so the next restores prefetch it.
+    ///
+    /// Errors: [`TemplateError::NotFound`], [`TemplateError::Io`].
+    pub fn save_working_set(&self, name: &str, ws: vmm::WorkingSet) -> Result<(), TemplateError> {
+        let dir = self.path(name);
+        if !dir.join(META_FILE).exists() {
+            return Err(TemplateError::NotFound(name.to_string()));
+        }
+        let json = serde_json::to_vec(&ws).map_err(|e| TemplateError::Io {
+            what: format!("encode the working set of {name}"),
+            source: std::io::Error::other(e),
+        })?;
+        let tmp = dir.join(format!(".{WORKING_SET_FILE}.tmp"));
+        std::fs::write(&tmp, json).map_err(io(format!("write {}", tmp.display())))?;
+        std::fs::rename(&tmp, dir.join(WORKING_SET_FILE)).map_err(io(format!("rename {}", tmp.display())))?;
+        if let Some(c) = lock(&self.cache).get(name) {
+            *lock(&c.template.working_set) = Some(Arc::new(ws));
+        }
+        Ok(())
     }
 
     /// Every template directory, by name, with why it cannot be used if it
@@ -544,6 +587,7 @@ impl TemplateStore {
                         error,
                         state: TemplateState::Ready,
                         step: None,
+                        prefetch: dir.join(WORKING_SET_FILE).exists(),
                     });
                 }
                 Err(e) => out.push(TemplateInfo {
@@ -556,10 +600,36 @@ impl TemplateStore {
                     error: Some(e.to_string()),
                     state: TemplateState::Ready,
                     step: None,
+                    prefetch: false,
                 }),
             }
         }
         out
+    }
+}
+
+/// The working set in template directory `dir`, if there is one that
+/// parses and fits guest RAM of `size` bytes (a damaged one is ignored
+/// with a warning: restores work without it).
+fn read_working_set(dir: &Path, size: u64) -> Option<Arc<vmm::WorkingSet>> {
+    let text = match std::fs::read(dir.join(WORKING_SET_FILE)) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return None,
+        Err(e) => {
+            tracing::warn!("cannot read {}: {e}", dir.join(WORKING_SET_FILE).display());
+            return None;
+        }
+    };
+    match serde_json::from_slice::<vmm::WorkingSet>(&text) {
+        Ok(ws) if ws.fits(size) => Some(Arc::new(ws)),
+        Ok(_) => {
+            tracing::warn!("{} does not fit the template's memory; ignored", dir.join(WORKING_SET_FILE).display());
+            None
+        }
+        Err(e) => {
+            tracing::warn!("{} is damaged ({e}); ignored", dir.join(WORKING_SET_FILE).display());
+            None
+        }
     }
 }
 

@@ -110,11 +110,15 @@ pub struct TemplatesConfig {
     /// `"private"` (mapped copy-on-write, pages shared through the page
     /// cache) or `"userfaultfd"` (copied in on first touch).
     pub memory_backing: vmm::MemoryBacking,
+    /// Record the working set of the default template and of recipe
+    /// templates (a restore and a first exec and Python cell, once), and
+    /// prefetch it into every sandbox restored from them.
+    pub prefetch: bool,
 }
 
 impl Default for TemplatesConfig {
     fn default() -> Self {
-        TemplatesConfig { build_default: true, memory_backing: vmm::MemoryBacking::Private }
+        TemplatesConfig { build_default: true, memory_backing: vmm::MemoryBacking::Private, prefetch: true }
     }
 }
 
@@ -304,6 +308,7 @@ mod tests {
         let c: FileConfig = toml::from_str(include_str!("../../../deploy/tine.toml")).unwrap();
         assert_eq!(c.limits, Limits::default(), "deploy/tine.toml shows the defaults");
         assert_eq!(c.templates, TemplatesConfig::default(), "deploy/tine.toml shows the template defaults");
+        assert_eq!(c.pool, PoolConfig::default(), "deploy/tine.toml shows the pool's default");
         assert_eq!(
             c.network,
             tine_sandbox::network::NetworkConfig::default(),

@@ -220,6 +220,7 @@ fn open_manager(
         run_dir: r.data_dir.join("sandboxes"),
         templates_dir: r.data_dir.join("templates"),
         memory_backing: r.file.templates.memory_backing,
+        prefetch: r.file.templates.prefetch,
         profile,
         limits: r.file.limits.clone(),
         network: match r.file.network.enabled {

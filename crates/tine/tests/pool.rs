@@ -5,7 +5,8 @@
 //! host's clock, distinct from one another (ids, files); the spec's labels
 //! and environment apply; a create of another shape is restored or booted
 //! instead; the pool refills and `/healthz` shows its level; pooled
-//! sandboxes are not listed.
+//! sandboxes are not listed. `sandbox_exec { argv }` runs a program
+//! without a shell.
 
 use std::collections::BTreeSet;
 use std::path::Path;
@@ -97,6 +98,19 @@ async fn pooled_sandboxes_are_fresh_and_distinct() {
     for id in &ids {
         assert_eq!(stdout_of(&client, id, "cat /root/who").await, *id, "{id} sees only its own file");
     }
+
+    // argv: a program without a shell (no expansion, no quoting), and the
+    // errors for both or neither of command and argv.
+    let x = call(&client, "sandbox_exec", json!({"sandbox_id": ids[0], "argv": ["printf", "%s|", "a b", "$HOME"]}))
+        .await
+        .unwrap();
+    assert_eq!((x["exit_code"].as_i64(), x["stdout"].as_str()), (Some(0), Some("a b|$HOME|")), "{x}");
+    let both = call(&client, "sandbox_exec", json!({"sandbox_id": ids[0], "command": "true", "argv": ["true"]})).await;
+    assert!(both.as_ref().is_err_and(|e| e.contains("not both")), "{both:?}");
+    let neither = call(&client, "sandbox_exec", json!({"sandbox_id": ids[0]})).await;
+    assert!(neither.as_ref().is_err_and(|e| e.contains("give command")), "{neither:?}");
+    let missing = call(&client, "sandbox_exec", json!({"sandbox_id": ids[0], "argv": ["no-such-program"]})).await;
+    assert!(missing.as_ref().is_err_and(|e| e.contains("no-such-program")), "{missing:?}");
 
     // Listed: the two handed out, not the pool's.
     let l = call(&client, "sandbox_list", json!({})).await.unwrap();

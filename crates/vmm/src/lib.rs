@@ -22,6 +22,7 @@ pub mod vcpu;
 pub mod vcpu_state;
 pub mod vm;
 pub mod vm_state;
+pub mod working_set;
 pub mod x86_64;
 
 pub use branch::{BranchMode, BranchReport};
@@ -32,3 +33,4 @@ pub use vm::{
     build_for_boot, build_from_snapshot, BuildError, ControlError, DiskConfig, ExitWatcher, GuestError, NetConfig,
     RunningVm, VmConfig, VmOutcome, VsockConfig,
 };
+pub use working_set::{PrefetchStats, WorkingSet};

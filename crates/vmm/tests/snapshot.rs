@@ -2,7 +2,9 @@
 //! overlay) to disk, load it back as another process would, and restore it
 //! as a second VM from the memory file mapped copy-on-write and as a third
 //! through userfaultfd: the clones have the state, and they diverge. A
-//! snapshot of a restored clone keeps the clone's own writes.
+//! snapshot of a restored clone keeps the clone's own writes. Two more
+//! clones, one per backing, restore with the first clone's working set
+//! prefetched and pass the same checks.
 
 use std::time::{Duration, Instant};
 
@@ -59,10 +61,22 @@ fn a_restored_clone_has_the_state_and_diverges() {
     let snapshot = Snapshot::load(&snap_dir).expect("the snapshot loads");
     eprintln!("snapshot loaded and checked in {:?}", t.elapsed());
 
-    for (name, backing) in [("snap-b", MemoryBacking::Private), ("snap-c", MemoryBacking::Userfaultfd)] {
+    // The first clone's working set (pages touched until its first exec
+    // and Python cell answered) is prefetched into the last two.
+    let mut recorded: Option<std::sync::Arc<vmm::WorkingSet>> = None;
+    for (name, backing, prefetch) in [
+        ("snap-b", MemoryBacking::Private, false),
+        ("snap-c", MemoryBacking::Userfaultfd, false),
+        ("snap-d", MemoryBacking::Private, true),
+        ("snap-e", MemoryBacking::Userfaultfd, true),
+    ] {
         let uds = dir.path().join(format!("{name}.vsock"));
+        let mut cfg = config(name, &uds);
+        if prefetch {
+            cfg.prefetch = Some(recorded.clone().expect("recorded from snap-b"));
+        }
         let t = Instant::now();
-        let vm = vmm::build_from_snapshot(&config(name, &uds), &snapshot, backing).expect("the clone restores");
+        let vm = vmm::build_from_snapshot(&cfg, &snapshot, backing).expect("the clone restores");
         eprintln!("{backing:?}: VM restored in {:?}", t.elapsed());
         let console = vm.console().clone();
         testkit::with_console_on_panic(&console, || {
@@ -73,6 +87,14 @@ fn a_restored_clone_has_the_state_and_diverges() {
                 assert_eq!(marker, "before-snapshot\n");
                 let r = agent.python("x", 0).await.unwrap();
                 assert_eq!(r.value.as_deref(), Some("1234"), "{r:?}");
+                if recorded.is_none() {
+                    let ws = vm.working_set().expect("read the working set");
+                    let (read, written) = ws.bytes();
+                    eprintln!("{backing:?}: working set {} KiB read, {} KiB written", read >> 10, written >> 10);
+                    assert!(read > 0 && written > 0, "the first calls read and wrote guest pages: {ws:?}");
+                    assert!(ws.fits(snapshot.mem_bytes));
+                    recorded = Some(std::sync::Arc::new(ws));
+                }
 
                 // They diverge: a write in the clone is not in the source.
                 assert_eq!(
@@ -88,7 +110,10 @@ fn a_restored_clone_has_the_state_and_diverges() {
             })
         });
         let usage = vm.memory_usage();
-        eprintln!("{backing:?}: clone's guest RAM usage {usage:?}");
+        eprintln!("{backing:?} (prefetch {prefetch}): clone's guest RAM usage {usage:?}");
+        if prefetch {
+            continue;
+        }
 
         // A snapshot of the clone holds the clone's writes, not only the
         // pages of the file it was restored from.

@@ -46,6 +46,8 @@ pub(crate) struct VmSpec {
     pub profile: HostProfile,
     /// How a template's memory file backs a restored guest.
     pub memory_backing: MemoryBacking,
+    /// Prefetch a template's working set, if it has one.
+    pub prefetch: bool,
     /// Where the guest console's output goes.
     pub console_log: PathBuf,
     /// The hybrid-vsock socket the host reaches the agent through.
@@ -132,6 +134,10 @@ pub(crate) trait VmHandle: Send + Sync {
     fn cpu_time(&self) -> Duration;
     /// Host memory backing guest RAM now (bytes).
     fn resident_memory_bytes(&self) -> u64;
+    /// The guest pages it has touched so far (see [`vmm::WorkingSet`]).
+    ///
+    /// Errors: reading the host's page tables.
+    fn working_set(&self) -> Result<vmm::WorkingSet, BackendError>;
     /// Parks every vCPU, waiting up to `timeout`; returns how long it took.
     ///
     /// Errors: a vCPU that did not park in time, or a VM that ended.

@@ -40,8 +40,11 @@ pub(super) const IDLE_CALL_HOLD: Duration = Duration::from_secs(1);
 /// A command to run.
 #[derive(Clone, Debug, Default)]
 pub struct ExecRequest {
-    /// `bash -c` script.
+    /// `bash -c` script (unused when `argv` is not empty).
     pub command: String,
+    /// A program and its arguments, run without a shell (the program is
+    /// looked up in `PATH`); empty: run `command`.
+    pub argv: Vec<String>,
     /// Working directory (default `/`).
     pub cwd: Option<String>,
     /// Extra environment.
@@ -52,6 +55,16 @@ pub struct ExecRequest {
     pub timeout_ms: u32,
     /// Output cap per stream (bytes; 0: the agent's default).
     pub output_limit: u32,
+}
+
+impl ExecRequest {
+    /// What the agent runs: `argv` when given, else `bash -c command`.
+    pub(super) fn shell_or_argv(&self) -> Command {
+        match self.argv.is_empty() {
+            true => Command::Shell(self.command.clone()),
+            false => Command::Argv(self.argv.clone()),
+        }
+    }
 }
 
 impl Manager {
@@ -94,6 +107,7 @@ impl Manager {
         Fut: Future<Output = Result<T, ClientError>>,
     {
         let sb = self.get(id)?;
+        sb.handed_out().await?;
         if sb.state() == SandboxState::Paused {
             tracing::info!(sandbox = %sb.id, "resuming a paused sandbox for a call");
             self.resume(id).await?;
@@ -205,7 +219,7 @@ impl Manager {
         Ok(fresh)
     }
 
-    /// Runs a `bash -c` command.
+    /// Runs a `bash -c` command, or a program without a shell (`argv`).
     ///
     /// Errors: those of agent calls ([`SandboxError::NotFound`],
     /// [`SandboxError::Starting`], [`SandboxError::NotRunning`],
@@ -224,7 +238,7 @@ impl Manager {
     pub async fn exec_with(&self, id: &str, req: ExecRequest, cx: &CallContext) -> Result<ExecReply, SandboxError> {
         let limits = tine_protocol::effective_limits(req.timeout_ms, req.output_limit)?;
         let exec = Exec {
-            command: Command::Shell(req.command),
+            command: req.shell_or_argv(),
             cwd: req.cwd,
             env: req.env,
             stdin: req.stdin,

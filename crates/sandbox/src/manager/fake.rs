@@ -377,6 +377,10 @@ impl VmHandle for FakeVm {
         self.shared.memory_bytes / 4
     }
 
+    fn working_set(&self) -> Result<vmm::WorkingSet, BackendError> {
+        Ok(vmm::WorkingSet { read: vec![(0, 4096)], written: vec![] })
+    }
+
     fn pause(&self, _timeout: Duration) -> Result<Duration, BackendError> {
         if self.shared.is_ended() {
             return Err(BackendError::new(std::io::Error::other("the fake VM has ended")));

@@ -30,7 +30,10 @@ impl VmBackend for KvmBackend {
         config.cmdline = CMDLINE.into();
         let vm = match source {
             VmSource::Boot => vmm::build_for_boot(&config),
-            VmSource::Template(t) => vmm::build_from_snapshot(&config, &t.snapshot, spec.memory_backing),
+            VmSource::Template(t) => {
+                config.prefetch = t.working_set().filter(|_| spec.prefetch);
+                vmm::build_from_snapshot(&config, &t.snapshot, spec.memory_backing)
+            }
             // Children share the branch point's pages (MAP_PRIVATE of its
             // memfd) whatever the templates' backing.
             VmSource::Branch(image) => {
@@ -84,6 +87,10 @@ impl VmHandle for KvmVm {
 
     fn resident_memory_bytes(&self) -> u64 {
         self.vm.resident_memory_bytes()
+    }
+
+    fn working_set(&self) -> Result<vmm::WorkingSet, BackendError> {
+        self.vm.working_set().map_err(BackendError::new)
     }
 
     fn pause(&self, timeout: Duration) -> Result<Duration, BackendError> {

@@ -270,9 +270,13 @@ impl Manager {
 
     /// Makes pooled sandbox `sb` the caller's: into the map (within the
     /// live-sandbox cap; over it, `sb` goes back to the pool), with the
-    /// spec's labels, idle timeout, owner and network policy, then a reseed
-    /// (fresh entropy, the host's clock) and the spec's environment. A
-    /// failure after it entered the map tears it down.
+    /// spec's labels, idle timeout, owner and network policy, and returns.
+    /// The reseed (fresh entropy, the host's clock) and the spec's
+    /// environment go to the guest in the background: every agent call on
+    /// the sandbox waits for them ([`Sandbox::handed_out`]), so no command
+    /// runs before the reseed, and the create does not wait for a guest
+    /// round trip. A failed hand-out tears the sandbox down; the calls
+    /// waiting for it get its error.
     ///
     /// Errors: as [`Manager::create`].
     async fn hand_out(
@@ -283,6 +287,9 @@ impl Manager {
         idle_timeout: Duration,
         cx: &CallContext,
     ) -> Result<SandboxInfo, SandboxError> {
+        let seed = reseed_request()?;
+        let (done, handout) = tokio::sync::watch::channel(None);
+        *lock(&sb.handout) = Some(handout);
         {
             let mut map = lock(&self.sandboxes);
             let live = map.values().filter(|s| s.state().is_live()).count();
@@ -294,6 +301,7 @@ impl Manager {
             }
             if live >= max {
                 drop(map);
+                *lock(&sb.handout) = None;
                 self.return_pooled(sb);
                 self.fill_pool();
                 return Err(SandboxError::TooMany { live, max });
@@ -306,32 +314,45 @@ impl Manager {
         sb.from_pool.store(true, Ordering::SeqCst);
         sb.touch();
         let id = sb.id.clone();
-        let ready = async {
-            if let Some(policy) = &spec.network {
-                self.set_network_policy(&id, policy)?;
-            }
-            let seed = reseed_request()?;
-            self.with_agent(&id, |a| async move { a.reseed(seed, RESEED_TIMEOUT).await }).await?;
-            if !env.is_empty() {
-                self.set_env(&id, env).await?;
-            }
-            Ok::<_, SandboxError>(())
-        };
-        let ready = ready.await;
-        self.fill_pool();
-        match ready {
-            Ok(()) => {
-                ready_event(&sb, format!("pool:{DEFAULT_TEMPLATE}"));
-                tracing::info!(sandbox = %id, "sandbox handed out from the warm pool");
-                Ok(sb.info(None))
-            }
-            Err(e) => {
-                tracing::warn!(sandbox = %id, "hand-out from the pool failed: {e}");
+        if let Some(policy) = &spec.network {
+            if let Err(e) = self.set_network_policy(&id, policy) {
+                done.send_replace(Some(Err(e.to_string())));
                 self.teardown(&sb, Some(format!("creation failed: {e}"))).await;
-                sb.emit(EventKind::CreateFailed { error: e.to_string() });
-                Err(e)
+                self.fill_pool();
+                return Err(e);
             }
         }
+        ready_event(&sb, format!("pool:{DEFAULT_TEMPLATE}"));
+        let info = sb.info(None);
+        let me = self.clone();
+        tokio::spawn(async move {
+            let agent = lock(&sb.status).agent.clone();
+            let r = match agent {
+                None => Err(sb.gone()),
+                Some(agent) => match agent.reseed(seed, RESEED_TIMEOUT).await {
+                    Err(e) => Err(SandboxError::Connection { id: id.clone(), reason: format!("reseed: {e}") }),
+                    Ok(()) if env.is_empty() => Ok(()),
+                    Ok(()) => agent.set_env(env, RESEED_TIMEOUT).await.map_err(|e| SandboxError::Connection {
+                        id: id.clone(),
+                        reason: format!("set the environment: {e}"),
+                    }),
+                },
+            };
+            match r {
+                Ok(()) => {
+                    done.send_replace(Some(Ok(())));
+                    tracing::info!(sandbox = %id, "sandbox handed out from the warm pool");
+                }
+                Err(e) => {
+                    tracing::warn!(sandbox = %id, "hand-out from the pool failed: {e}");
+                    done.send_replace(Some(Err(format!("its hand-out from the warm pool failed: {e}"))));
+                    me.teardown(&sb, Some(format!("hand-out from the warm pool failed: {e}"))).await;
+                    sb.emit(EventKind::CreateFailed { error: e.to_string() });
+                }
+            }
+            me.fill_pool();
+        });
+        Ok(info)
     }
 
     /// A new id, `<prefix>-<n>`, unique in this manager.
@@ -437,6 +458,7 @@ impl Manager {
             memory_mib: sb.memory_mib,
             profile: self.config.profile,
             memory_backing: self.config.memory_backing,
+            prefetch: self.config.prefetch,
             console_log: dir.join("console.log"),
             agent_socket: uds,
             net: self
@@ -589,6 +611,9 @@ impl Manager {
         if !rebuild {
             match self.load_template(DEFAULT_TEMPLATE.into()).await {
                 Ok(_) => {
+                    // A template copied in or made by an older server may
+                    // have none yet.
+                    self.record_working_set(DEFAULT_TEMPLATE).await;
                     self.fill_pool();
                     return self.template_info(DEFAULT_TEMPLATE);
                 }
@@ -633,6 +658,8 @@ impl Manager {
         match r {
             Ok(()) => {
                 tracing::info!("the default template is ready");
+                self.default_build_status.send_replace("recording its working set".into());
+                self.record_working_set(DEFAULT_TEMPLATE).await;
                 self.fill_pool();
                 self.template_info(DEFAULT_TEMPLATE)
             }

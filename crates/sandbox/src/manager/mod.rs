@@ -33,6 +33,7 @@ mod kvm;
 mod lifecycle;
 mod network;
 mod pool;
+mod prefetch;
 mod processes;
 mod recipes;
 mod sandbox;
@@ -74,6 +75,9 @@ pub struct ManagerConfig {
     pub templates_dir: PathBuf,
     /// How restored sandboxes get their memory from a template's file.
     pub memory_backing: MemoryBacking,
+    /// Record working sets of the default and recipe templates and
+    /// prefetch them into restored sandboxes (see [`prefetch`]).
+    pub prefetch: bool,
     /// The host profile.
     pub profile: HostProfile,
     /// Defaults and caps.

@@ -16,8 +16,8 @@ use std::time::Duration;
 use schemars::JsonSchema;
 use serde::Serialize;
 use tine_protocol::{
-    AgentError, Command, ExitStatus, ProcessOutputRequest, ProcessWait, ProcessWrite, Spawn, StreamKind, StreamSet,
-    WaitFor, WaitMatch, WaitOutcome, KILL_ESCALATE_MS, MAX_PROCESS_WRITE, MAX_SPAWN_STDIN,
+    AgentError, ExitStatus, ProcessOutputRequest, ProcessWait, ProcessWrite, Spawn, StreamKind, StreamSet, WaitFor,
+    WaitMatch, WaitOutcome, KILL_ESCALATE_MS, MAX_PROCESS_WRITE, MAX_SPAWN_STDIN,
 };
 
 use super::calls::{ExecRequest, CALL_GRACE, IDLE_CALL_HOLD, PROGRESS_MS, PROGRESS_QUEUE, SHORT_CALL};
@@ -263,7 +263,7 @@ fn wait_target(until: &Option<WaitFor>) -> String {
 }
 
 impl Manager {
-    /// Starts `req.command` (`bash -c`) as a background process in
+    /// Starts `req.command` (`bash -c`; or `req.argv`, no shell) as a background process in
     /// sandbox `id`, in its own process group, with `PYTHONUNBUFFERED=1`
     /// (overridable) and `TINE_PROCESS_ID=p<n>` in its environment;
     /// `req.stdin` (at most 64 KiB) is its initial input, and its stdin
@@ -282,8 +282,7 @@ impl Manager {
                 limit: MAX_SPAWN_STDIN as u64,
             }));
         }
-        let spawn =
-            Spawn { command: Command::Shell(req.command), cwd: req.cwd, env: req.env, stdin: req.stdin, close_stdin };
+        let spawn = Spawn { command: req.shell_or_argv(), cwd: req.cwd, env: req.env, stdin: req.stdin, close_stdin };
         let p = self
             .with_agent(id, |a| async move { a.spawn(spawn, SHORT_CALL).await })
             .await

@@ -122,6 +122,7 @@ impl BuildRecord {
             error: failed.then(|| self.detail.clone()),
             state: self.state,
             step: (!failed).then(|| self.detail.clone()),
+            prefetch: false,
         }
     }
 }
@@ -296,6 +297,8 @@ impl Manager {
         };
         let _ = self.kill(&id).await;
         built?;
+        report(steps, format!("recording the working set of template {}", recipe.name));
+        self.record_working_set(&recipe.name).await;
         tracing::info!(template = recipe.name, "built from its recipe in {:?}", t0.elapsed());
         report(steps, format!("template {} ready", recipe.name));
         self.template_info(&recipe.name)

@@ -280,6 +280,10 @@ pub(super) struct Sandbox {
     owner: Mutex<Option<u64>>,
     /// Whether it was handed out from the warm pool ([`super::pool`]).
     pub from_pool: std::sync::atomic::AtomicBool,
+    /// A pooled sandbox's hand-out (reseed, environment) while it is in
+    /// flight: agent calls wait for it ([`Sandbox::handed_out`]); `None`
+    /// once done, or for a sandbox not from the pool.
+    pub handout: Mutex<Option<tokio::sync::watch::Receiver<Option<Result<(), String>>>>>,
     /// Where its events go.
     events: Option<tokio::sync::broadcast::Sender<SandboxEvent>>,
 }
@@ -297,6 +301,7 @@ impl Sandbox {
             idle_timeout: Mutex::new(idle_timeout),
             owner: Mutex::new(owner),
             from_pool: std::sync::atomic::AtomicBool::new(false),
+            handout: Mutex::new(None),
             events,
             created: Instant::now(),
             created_at_ms: unix_ms(),
@@ -430,6 +435,26 @@ impl Sandbox {
     /// The key of the caller it was made for.
     pub fn owner(&self) -> Option<u64> {
         *lock(&self.owner)
+    }
+
+    /// Waits until a pooled sandbox's hand-out (reseed, environment) is
+    /// done; at once for any other sandbox.
+    ///
+    /// Errors: [`super::SandboxError::Connection`] when the hand-out failed.
+    pub async fn handed_out(&self) -> Result<(), super::SandboxError> {
+        let Some(mut rx) = lock(&self.handout).clone() else { return Ok(()) };
+        let done = rx.wait_for(Option::is_some).await.map(|r| r.clone()).ok().flatten();
+        match done {
+            Some(Ok(())) => {
+                *lock(&self.handout) = None;
+                Ok(())
+            }
+            Some(Err(reason)) => Err(super::SandboxError::Connection { id: self.id.clone(), reason }),
+            None => Err(super::SandboxError::Connection {
+                id: self.id.clone(),
+                reason: "its hand-out from the warm pool ended without a result".into(),
+            }),
+        }
     }
 
     /// Gives it to the caller `owner` (a pooled sandbox at hand-out).

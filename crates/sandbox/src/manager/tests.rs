@@ -35,6 +35,7 @@ fn setup(limits: Limits) -> Setup {
         limits,
         network: None,
         pool_size: 0,
+        prefetch: false,
     };
     let manager = Manager::with_backend(config, backend.clone()).expect("a manager");
     Setup { dir, backend, manager }

@@ -21,6 +21,10 @@ pub enum ToolError {
         /// The limit (s).
         max: u32,
     },
+    /// `sandbox_exec` with both or neither of `command` and `argv`, or an
+    /// empty or too long `argv`.
+    #[error("{0}")]
+    ExecCommand(&'static str),
     /// `sandbox_kill` without an id, and the session has no sandbox.
     #[error("this session has no sandbox of its own to kill")]
     NoOwnSandbox,

@@ -478,7 +478,8 @@ impl TineMcp {
     }
 
     #[tool(
-        description = "Run a bash command in a sandbox and return its exit code, stdout and stderr (each cut \
+        description = "Run a bash command (command) or a program without a shell (argv) in a sandbox and \
+                       return its exit code, stdout and stderr (each cut \
                        at 32 KiB, and further to fit the result budget; truncated says so, stdout_bytes and \
                        stderr_bytes give the full sizes). The command and its children are killed at the \
                        timeout; with a progressToken, progress (elapsed time, output so far, last lines) is \
@@ -491,15 +492,17 @@ impl TineMcp {
     )]
     async fn sandbox_exec(
         &self,
-        Parameters(p): Parameters<ExecParams>,
+        Parameters(mut p): Parameters<ExecParams>,
         ctx: RequestContext<RoleServer>,
     ) -> Result<Json<ExecResult>, ToolError> {
+        let (command, argv) = p.command_or_argv()?;
         if p.background {
-            return self.exec_background(p).await;
+            return self.exec_background(p, command, argv).await;
         }
         let timeout_ms = secs_to_ms(p.timeout_secs)?;
         let req = ExecRequest {
-            command: p.command,
+            command,
+            argv,
             cwd: p.cwd,
             env: p.env.into_iter().collect(),
             stdin: p.stdin.map(String::into_bytes).unwrap_or_default(),

@@ -165,13 +165,21 @@ pub struct ListParams {
     pub labels: BTreeMap<String, String>,
 }
 
+/// Most words of `sandbox_exec`'s `argv`.
+pub const MAX_ARGV_WORDS: usize = 4096;
+
 /// `sandbox_exec`.
 #[derive(Debug, Deserialize, JsonSchema)]
 pub struct ExecParams {
     /// The sandbox (default: this session's own sandbox).
     pub sandbox_id: Option<String>,
-    /// A bash script, run as `bash -c` in its own process group.
-    pub command: String,
+    /// A bash script, run as `bash -c` in its own process group. Give
+    /// this or argv.
+    pub command: Option<String>,
+    /// A program and its arguments, run without a shell (no bash start-up,
+    /// no quoting), e.g. ["python3", "-c", "print(1)"]; the program is
+    /// looked up in PATH. Give this or command.
+    pub argv: Option<Vec<String>>,
     /// Working directory (default `/`).
     pub cwd: Option<String>,
     /// Extra environment variables.
@@ -187,6 +195,29 @@ pub struct ExecParams {
     /// follow it with the sandbox_process_* tools (default false).
     #[serde(default)]
     pub background: bool,
+}
+
+impl ExecParams {
+    /// The bash script or the argv to run: exactly one of `command` and
+    /// `argv` (`argv` not empty, at most [`MAX_ARGV_WORDS`] words).
+    ///
+    /// Errors: [`ToolError::ExecCommand`] saying which rule was broken.
+    pub fn command_or_argv(&mut self) -> Result<(String, Vec<String>), ToolError> {
+        match (self.command.take(), self.argv.take()) {
+            (Some(c), None) => Ok((c, Vec::new())),
+            (None, Some(a)) if a.is_empty() => Err(ToolError::ExecCommand("argv is empty; give the program first")),
+            (None, Some(a)) if a.len() > MAX_ARGV_WORDS => {
+                Err(ToolError::ExecCommand("argv has more than 4096 words; pass long input on stdin"))
+            }
+            (None, Some(a)) => Ok((String::new(), a)),
+            (Some(_), Some(_)) => Err(ToolError::ExecCommand(
+                "give command (a bash script) or argv (a program and its arguments), not both",
+            )),
+            (None, None) => Err(ToolError::ExecCommand(
+                "give command (a bash script, e.g. \"ls -l\") or argv (e.g. [\"ls\", \"-l\"])",
+            )),
+        }
+    }
 }
 
 /// The language of `sandbox_run_code`.

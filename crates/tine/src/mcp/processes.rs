@@ -36,7 +36,12 @@ impl TineMcp {
     ///
     /// Errors: [`ToolError::BackgroundTimeout`] with `timeout_secs`,
     /// [`ToolError::SpawnStdinTooLarge`], and the manager's.
-    pub(super) async fn exec_background(&self, p: ExecParams) -> Result<Json<ExecResult>, ToolError> {
+    pub(super) async fn exec_background(
+        &self,
+        p: ExecParams,
+        command: String,
+        argv: Vec<String>,
+    ) -> Result<Json<ExecResult>, ToolError> {
         if p.timeout_secs.is_some() {
             return Err(ToolError::BackgroundTimeout);
         }
@@ -46,7 +51,8 @@ impl TineMcp {
         }
         let id = self.target(p.sandbox_id).await?;
         let req = ExecRequest {
-            command: p.command,
+            command,
+            argv,
             cwd: p.cwd,
             env: p.env.into_iter().collect(),
             stdin,

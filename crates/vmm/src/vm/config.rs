@@ -87,6 +87,11 @@ pub struct VmConfig {
     pub vsock: Option<VsockConfig>,
     /// An optional virtio-net device (attached after the vsock device).
     pub net: Option<NetConfig>,
+    /// Pages to populate before the vCPUs of a VM restored from a snapshot
+    /// start (the working set recorded from an earlier restore of the same
+    /// snapshot, see [`crate::working_set`]); ignored by a boot, and when
+    /// it does not fit the snapshot's memory.
+    pub prefetch: Option<std::sync::Arc<crate::WorkingSet>>,
 }
 
 impl VmConfig {
@@ -107,6 +112,7 @@ impl VmConfig {
             disks: Vec::new(),
             vsock: None,
             net: None,
+            prefetch: None,
         }
     }
 

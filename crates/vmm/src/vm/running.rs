@@ -162,6 +162,16 @@ impl RunningVm {
         self.memory_usage().map(|u| u.rss_bytes).unwrap_or(0)
     }
 
+    /// The pages of guest RAM this VM has touched so far, read and
+    /// written (see [`crate::working_set`]): recorded from a VM restored
+    /// from a snapshot, the working set to prefetch into the next ones
+    /// ([`crate::VmConfig::prefetch`]).
+    ///
+    /// Errors: reading `/proc/self/pagemap`.
+    pub fn working_set(&self) -> std::io::Result<crate::WorkingSet> {
+        self.ram.working_set()
+    }
+
     /// Resident, proportional (PSS) and private bytes of guest RAM's
     /// mappings, from `/proc/self/smaps` (kernel doc
     /// `Documentation/filesystems/proc.rst`).
