@@ -227,6 +227,10 @@ pub(super) struct MemoryHeld {
     pub branch_point: Option<Arc<Reservation>>,
 }
 
+/// A pooled sandbox's hand-out in flight: `None` until it ends, then
+/// `Ok` or why it failed.
+pub(super) type HandOut = tokio::sync::watch::Receiver<Option<Result<(), String>>>;
+
 /// What a new sandbox is given besides its id, directory and shape.
 pub(super) struct SandboxSetup {
     pub labels: BTreeMap<String, String>,
@@ -283,7 +287,7 @@ pub(super) struct Sandbox {
     /// A pooled sandbox's hand-out (reseed, environment) while it is in
     /// flight: agent calls wait for it ([`Sandbox::handed_out`]); `None`
     /// once done, or for a sandbox not from the pool.
-    pub handout: Mutex<Option<tokio::sync::watch::Receiver<Option<Result<(), String>>>>>,
+    pub handout: Mutex<Option<HandOut>>,
     /// Where its events go.
     events: Option<tokio::sync::broadcast::Sender<SandboxEvent>>,
 }
