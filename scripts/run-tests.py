@@ -37,6 +37,7 @@ EXPECTED_SECONDS = {
     "tine::processes": 390,
     "tine-sandbox::hostile_guest": 203,
     "tine::mcp": 202,
+    "tine::pool": 150,
     "vmm::agent": 193,
     "tine-sandbox::python_warm": 173,
     "vmm::vsock": 121,

@@ -6,7 +6,9 @@
 //! median). Two servers one after the other, same machine, same run; the
 //! pool is off in both so every create restores.
 //!
-//! `cargo bench -p tine-benches --bench prefetch`.
+//! `cargo bench -p tine-benches --bench prefetch`;
+//! `PREFETCH_BACKING=userfaultfd` restores through userfaultfd instead of
+//! the private mapping (`[templates] memory_backing`).
 
 use std::time::{Duration, Instant};
 
@@ -59,13 +61,16 @@ async fn main() {
     }
     let n = std::env::var("PREFETCH_CREATES").ok().and_then(|v| v.parse().ok()).unwrap_or(5);
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    let backing = std::env::var("PREFETCH_BACKING").unwrap_or_else(|_| "private".into());
     let mut warm_all = Vec::new();
     for prefetch in [true, false] {
-        let config = format!("[limits]\nboot_timeout_secs = 900\n[templates]\nprefetch = {prefetch}\n");
+        let config = format!(
+            "[limits]\nboot_timeout_secs = 900\n[templates]\nprefetch = {prefetch}\nmemory_backing = \"{backing}\"\n"
+        );
         let server = TineServer::start_with_default_template(&tine_binary(), None, &config);
         let [create, exec, cell, warm] = firsts(&server, n).await;
         drop(server);
-        let mode = if prefetch { "prefetch" } else { "no_prefetch" };
+        let mode = format!("{backing}.{}", if prefetch { "prefetch" } else { "no_prefetch" });
         let (c, e, p, w) = (ms(median(&create)), ms(median(&exec)), ms(median(&cell)), ms(median(&warm)));
         println!(
             "{mode}: create {c:.0} ms, first exec {e:.0} ms, first Python cell {p:.0} ms, warm exec {w:.0} ms \

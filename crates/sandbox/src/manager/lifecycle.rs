@@ -611,9 +611,6 @@ impl Manager {
         if !rebuild {
             match self.load_template(DEFAULT_TEMPLATE.into()).await {
                 Ok(_) => {
-                    // A template copied in or made by an older server may
-                    // have none yet.
-                    self.record_working_set(DEFAULT_TEMPLATE).await;
                     self.fill_pool();
                     return self.template_info(DEFAULT_TEMPLATE);
                 }
@@ -653,13 +650,17 @@ impl Manager {
             Ok(()) => self.snapshot_sandbox(&sb, DEFAULT_TEMPLATE, true, &steps).await,
             Err(e) => Err(e),
         };
+        if r.is_ok() {
+            // Before the build VM goes: the build ends (its `template-`
+            // directory gone) once the working set is stored too.
+            self.default_build_status.send_replace("recording its working set".into());
+            self.record_working_set(DEFAULT_TEMPLATE).await;
+        }
         self.default_build_status.send_replace("finished".into());
         self.teardown(&sb, None).await;
         match r {
             Ok(()) => {
                 tracing::info!("the default template is ready");
-                self.default_build_status.send_replace("recording its working set".into());
-                self.record_working_set(DEFAULT_TEMPLATE).await;
                 self.fill_pool();
                 self.template_info(DEFAULT_TEMPLATE)
             }

@@ -6,9 +6,11 @@
 //! them before its vCPUs run instead of faulting them in one by one.
 //!
 //! The server records it for the default template and for templates
-//! built from a recipe, right after their snapshot (and for a default
-//! template found without one at start), when
-//! [`ManagerConfig::prefetch`](super::ManagerConfig::prefetch) is on. A failure is logged
+//! built from a recipe, right after their snapshot, when
+//! [`ManagerConfig::prefetch`](super::ManagerConfig::prefetch) is on. A
+//! template without one (made by `sandbox_snapshot`, by an older server,
+//! or whose recording failed) restores without prefetch; `tine template
+//! build` rebuilds the default one with it. A failure is logged
 //! and leaves the template without one: restores work as before.
 
 use std::collections::BTreeMap;

@@ -297,7 +297,7 @@ impl Manager {
         };
         let _ = self.kill(&id).await;
         built?;
-        report(steps, format!("recording the working set of template {}", recipe.name));
+        report(steps - 0.5, format!("recording the working set of template {}", recipe.name));
         self.record_working_set(&recipe.name).await;
         tracing::info!(template = recipe.name, "built from its recipe in {:?}", t0.elapsed());
         report(steps, format!("template {} ready", recipe.name));
