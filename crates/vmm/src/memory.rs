@@ -686,6 +686,38 @@ Rss:                 100 kB
             .collect()
     }
 
+    /// A prefetch through userfaultfd fills the set's pages in runs (data
+    /// pages copied, holes and zero pages as zero pages) before any touch;
+    /// reading them after takes no fault.
+    #[test]
+    fn uffd_prefetch_fills_runs_before_the_first_touch() {
+        let file = snapshot_file(&[1, 2, 3, 10], 5);
+        let Some(ram) = uffd_ram("uffd-prefetch", &file) else { return };
+        let ws = crate::WorkingSet {
+            read: vec![(PAGE, 5 * PAGE)],
+            written: vec![(10 * PAGE, PAGE)],
+            ..crate::WorkingSet::default()
+        };
+        let stats = ram.prefetch(&ws);
+        assert_eq!((stats.read_bytes, stats.written_bytes, stats.failed_ranges), (5 * PAGE, PAGE, 0));
+        let filled = ram.uffd_handler().unwrap().stats();
+        assert_eq!(
+            (filled.pages_copied, filled.pages_zeroed),
+            (4, 2),
+            "pages 1-3 and 10 copied, 4 (a hole) and 5 zero"
+        );
+        for p in [1, 2, 3, 10] {
+            assert_eq!(read_page(&ram, p), pattern(p), "page {p}");
+        }
+        for p in [4, 5] {
+            assert!(read_page(&ram, p).iter().all(|&b| b == 0), "page {p}");
+        }
+        assert_eq!(ram.uffd_handler().unwrap().stats(), filled, "no fault was left for the handler");
+        // A second prefetch finds the pages there and fills nothing.
+        let again = ram.prefetch(&ws);
+        assert_eq!((again.read_bytes, again.written_bytes), (0, 0));
+    }
+
     #[test]
     fn uffd_restore_fills_pages_lazily() {
         let pages = [0, 1, 100, 5000, 12000, 16383];

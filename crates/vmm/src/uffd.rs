@@ -27,6 +27,12 @@ use vmm_sys_util::eventfd::EventFd;
 /// The page size the handler fills pages with (bytes): x86_64 base pages.
 pub const PAGE_SIZE: usize = 4096;
 
+/// Most bytes [`Handler::prefetch`] reads and fills at once.
+pub const PREFETCH_CHUNK: usize = 1 << 20;
+
+/// `EAGAIN`s (the address space changing) one prefetch run retries.
+const PREFETCH_RETRIES: u32 = 16;
+
 /// How many userfaultfd messages one `read(2)` takes at most (messages).
 const EVENT_BATCH: usize = 64;
 
@@ -178,6 +184,100 @@ impl Handler {
             pages_copied: self.shared.pages_copied.load(Ordering::Relaxed),
             pages_zeroed: self.shared.pages_zeroed.load(Ordering::Relaxed),
         }
+    }
+
+    /// Fills the pages of `ranges` (byte ranges `(offset, len)` of the
+    /// memory file's layout, page-aligned) ahead of their first touch: the
+    /// file is read in runs of up to [`PREFETCH_CHUNK`] bytes, all-zero
+    /// pages become `UFFDIO_ZEROPAGE` runs and the rest `UFFDIO_COPY` runs,
+    /// each ioctl filling many pages at once (the handler thread fills one
+    /// page per fault). Pages already there (a fault served first) are
+    /// skipped; waiters are woken. Call it before the guest runs: ranges the
+    /// guest gave back later must not be refilled from the file. Returns the
+    /// pages filled; what fails is left to fault in as usual (logged).
+    ///
+    /// `regions` and `file` are the ones the handler was started with.
+    pub fn prefetch(&self, file: &File, regions: &[Region], ranges: &[(u64, u64)]) -> u64 {
+        let mut buf = vec![PageBuf([0; PAGE_SIZE]); PREFETCH_CHUNK / PAGE_SIZE];
+        let mut filled = 0;
+        for &(offset, len) in ranges {
+            let (mut at, end) = (offset, offset.saturating_add(len));
+            while at < end {
+                let Some(r) = regions.iter().find(|r| at >= r.file_offset && at < r.file_offset + r.len as u64) else {
+                    tracing::warn!("userfaultfd prefetch: offset {at:#x} is outside guest RAM");
+                    break;
+                };
+                let n = (end - at).min(r.file_offset + r.len as u64 - at).min(PREFETCH_CHUNK as u64) as usize;
+                let pages = n / PAGE_SIZE;
+                if pages == 0 {
+                    break;
+                }
+                let bytes = &mut buf[..pages];
+                // SAFETY: `PageBuf` is a plain `[u8; PAGE_SIZE]` (repr(C)),
+                // so `pages` of them are `pages * PAGE_SIZE` initialized bytes.
+                let raw = unsafe { std::slice::from_raw_parts_mut(bytes.as_mut_ptr().cast::<u8>(), pages * PAGE_SIZE) };
+                if let Err(e) = file.read_exact_at(raw, at) {
+                    tracing::warn!("userfaultfd prefetch: cannot read the memory file at {at:#x}: {e}");
+                    break;
+                }
+                let host = r.host_addr + (at - r.file_offset) as usize;
+                // Runs of zero and non-zero pages, each filled by one ioctl.
+                let mut p = 0;
+                while p < pages {
+                    let zero = is_zero(&bytes[p].0);
+                    let mut q = p + 1;
+                    while q < pages && is_zero(&bytes[q].0) == zero {
+                        q += 1;
+                    }
+                    let src = bytes[p].0.as_ptr();
+                    filled += self.fill_run(host + p * PAGE_SIZE, (q - p) * PAGE_SIZE, (!zero).then_some(src));
+                    p = q;
+                }
+                at += (pages * PAGE_SIZE) as u64;
+            }
+        }
+        filled
+    }
+
+    /// Fills `len` bytes at host address `dst` (a run inside a registered
+    /// region) from `src` with `UFFDIO_COPY`, or with zero pages for `None`;
+    /// skips pages already present. Returns the pages filled.
+    fn fill_run(&self, dst: usize, len: usize, src: Option<*const u8>) -> u64 {
+        let (mut done, mut filled, mut retries) = (0usize, 0u64, 0);
+        while done < len {
+            let at = (dst + done) as *mut libc::c_void;
+            let r = match src {
+                // SAFETY: [dst, dst + len) lies in a registered region, which
+                // `Handler::start`'s contract keeps mapped; `src` points to
+                // `len` readable bytes of the caller's buffer, only read.
+                Some(src) => unsafe { self.uffd.copy(src.add(done).cast(), at, len - done, true) },
+                // SAFETY: as above for the destination.
+                None => unsafe { self.uffd.zeropage(at, len - done, true) },
+            };
+            match r {
+                Ok(n) if n > 0 => {
+                    done += n;
+                    filled += (n / PAGE_SIZE) as u64;
+                }
+                Ok(_) => done += PAGE_SIZE,
+                Err(userfaultfd::Error::PartiallyCopied(n)) if retries < PREFETCH_RETRIES => {
+                    done += n;
+                    filled += (n / PAGE_SIZE) as u64;
+                    retries += 1;
+                }
+                Err(e) => match errno(&e) {
+                    // A fault was served first: the page is there.
+                    Some(libc::EEXIST) => done += PAGE_SIZE,
+                    _ => {
+                        tracing::warn!("userfaultfd prefetch at {at:p} stopped: {e:?}");
+                        break;
+                    }
+                },
+            }
+        }
+        let counter = if src.is_some() { &self.shared.pages_copied } else { &self.shared.pages_zeroed };
+        counter.fetch_add(filled, Ordering::Relaxed);
+        filled
     }
 
     /// Why the handler thread stopped serving page faults, if it stopped on
@@ -334,6 +434,7 @@ mod sys {
 }
 
 /// A page-aligned page buffer, so `UFFDIO_COPY` reads one source page.
+#[derive(Clone, Copy)]
 #[repr(C, align(4096))]
 struct PageBuf([u8; PAGE_SIZE]);
 

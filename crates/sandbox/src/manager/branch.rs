@@ -91,6 +91,8 @@ impl Manager {
     ) -> Result<BranchResult, SandboxError> {
         let started = Instant::now();
         let source = self.get(id)?;
+        // Children of a pooled sandbox carry its reseed and environment.
+        source.handed_out().await?;
         match source.state() {
             SandboxState::Running | SandboxState::Paused => {}
             state => return Err(SandboxError::BadState { id: source.id.clone(), state, what: "a branch" }),
@@ -265,6 +267,8 @@ impl Manager {
     /// [`SandboxError::Io`].
     pub async fn merge_into(self: &Arc<Self>, winner: &str, parent: &str) -> Result<SandboxInfo, SandboxError> {
         let (w, p) = (self.get(winner)?, self.get(parent)?);
+        w.handed_out().await?;
+        p.handed_out().await?;
         self.check_descendant(&w, &p)?;
         let me = self.clone();
         let (w2, p2) = (w.clone(), p.clone());

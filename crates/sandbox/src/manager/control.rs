@@ -26,6 +26,8 @@ impl Manager {
     /// [`SandboxError::Pause`].
     pub async fn pause(&self, id: &str) -> Result<SandboxInfo, SandboxError> {
         let sb = self.get(id)?;
+        // A pooled sandbox's reseed must reach running vCPUs first.
+        sb.handed_out().await?;
         tokio::task::spawn_blocking(move || pause_blocking(&sb)).await.map_err(task_failed("pause task"))?
     }
 
@@ -34,6 +36,7 @@ impl Manager {
     /// Errors: [`SandboxError::NotFound`], [`SandboxError::BadState`].
     pub async fn resume(&self, id: &str) -> Result<SandboxInfo, SandboxError> {
         let sb = self.get(id)?;
+        sb.handed_out().await?;
         tokio::task::spawn_blocking(move || resume_blocking(&sb)).await.map_err(task_failed("resume task"))?
     }
 
@@ -117,6 +120,8 @@ impl Manager {
         if sb.state() == SandboxState::Starting {
             return Err(SandboxError::Starting(sb.id.clone()));
         }
+        // A template of a pooled sandbox carries its environment.
+        sb.handed_out().await?;
         sb.touch();
         self.snapshot_sandbox(&sb, name, false, &cx.progress).await?;
         self.template_info(name)

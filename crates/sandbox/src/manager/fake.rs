@@ -378,7 +378,7 @@ impl VmHandle for FakeVm {
     }
 
     fn working_set(&self) -> Result<vmm::WorkingSet, BackendError> {
-        Ok(vmm::WorkingSet { read: vec![(0, 4096)], written: vec![] })
+        Ok(vmm::WorkingSet { read: vec![(0, 4096)], ..vmm::WorkingSet::default() })
     }
 
     fn pause(&self, _timeout: Duration) -> Result<Duration, BackendError> {

@@ -221,7 +221,8 @@ impl Manager {
             return Err(SandboxError::ShuttingDown);
         }
         let net = self.net_control(spec.network.as_ref())?;
-        if self.poolable(&spec) {
+        let poolable = self.poolable(&spec);
+        if poolable {
             if let Some(sb) = self.take_pooled() {
                 return self.hand_out(sb, spec, env, idle_timeout, &cx).await;
             }
@@ -254,6 +255,11 @@ impl Manager {
             Ok(()) if !env.is_empty() => self.set_env(&sandbox.id, env).await,
             started => started,
         };
+        if poolable {
+            // The pool was empty (memory it gave away, fills that failed):
+            // try again now that this create is done.
+            self.fill_pool();
+        }
         match started {
             Ok(()) => {
                 ready_event(&sandbox, from);
@@ -287,7 +293,13 @@ impl Manager {
         idle_timeout: Duration,
         cx: &CallContext,
     ) -> Result<SandboxInfo, SandboxError> {
-        let seed = reseed_request()?;
+        let seed = match reseed_request() {
+            Ok(seed) => seed,
+            Err(e) => {
+                self.return_pooled(sb);
+                return Err(e);
+            }
+        };
         let (done, handout) = tokio::sync::watch::channel(None);
         *lock(&sb.handout) = Some(handout);
         {
@@ -306,13 +318,15 @@ impl Manager {
                 self.fill_pool();
                 return Err(SandboxError::TooMany { live, max });
             }
+            // Its settings before anyone can see it in the map (the
+            // sandbox's setting locks are leaves: see the lock order).
+            sb.set_labels(spec.labels);
+            sb.set_idle_timeout(idle_timeout);
+            sb.set_owner(cx.owner);
+            sb.from_pool.store(true, Ordering::SeqCst);
+            sb.touch();
             map.insert(sb.id.clone(), sb.clone());
         }
-        sb.set_labels(spec.labels);
-        sb.set_idle_timeout(idle_timeout);
-        sb.set_owner(cx.owner);
-        sb.from_pool.store(true, Ordering::SeqCst);
-        sb.touch();
         let id = sb.id.clone();
         if let Some(policy) = &spec.network {
             if let Err(e) = self.set_network_policy(&id, policy) {
@@ -344,10 +358,14 @@ impl Manager {
                     tracing::info!(sandbox = %id, "sandbox handed out from the warm pool");
                 }
                 Err(e) => {
-                    tracing::warn!(sandbox = %id, "hand-out from the pool failed: {e}");
                     done.send_replace(Some(Err(format!("its hand-out from the warm pool failed: {e}"))));
-                    me.teardown(&sb, Some(format!("hand-out from the warm pool failed: {e}"))).await;
-                    sb.emit(EventKind::CreateFailed { error: e.to_string() });
+                    // Killed (or reaped) meanwhile: its kill said it all.
+                    let ours = lock(&me.sandboxes).get(&id).is_some_and(|s| Arc::ptr_eq(s, &sb));
+                    if ours {
+                        tracing::warn!(sandbox = %id, "hand-out from the pool failed: {e}");
+                        me.teardown(&sb, Some(format!("hand-out from the warm pool failed: {e}"))).await;
+                        sb.emit(EventKind::CreateFailed { error: e.to_string() });
+                    }
                 }
             }
             me.fill_pool();
@@ -593,6 +611,8 @@ impl Manager {
         self.leave_parent(&sb);
         self.teardown(&sb, Some("killed".into())).await;
         tracing::info!(sandbox = %id, "sandbox killed");
+        // Its memory may be what a refill of the pool was missing.
+        self.fill_pool();
         sb.emit(match why {
             EndReason::Killed => EventKind::Killed,
             EndReason::Reaped { idle_secs } => EventKind::Reaped { idle_secs },
@@ -661,6 +681,8 @@ impl Manager {
         match r {
             Ok(()) => {
                 tracing::info!("the default template is ready");
+                // A fill that started during the build restored the old one.
+                self.drain_pool("the default template was rebuilt");
                 self.fill_pool();
                 self.template_info(DEFAULT_TEMPLATE)
             }

@@ -128,6 +128,8 @@ pub struct Manager {
     builds: Mutex<BTreeMap<String, recipes::BuildRecord>>,
     /// The warm pool ([`pool`]).
     pool: Mutex<pool::Pool>,
+    /// This manager, for background work started from `&self` methods.
+    me: std::sync::Weak<Manager>,
 }
 
 /// Milliseconds since the Unix epoch, now.
@@ -180,7 +182,8 @@ impl Manager {
         let templates = TemplateStore::new(config.templates_dir.clone(), config.kernel.clone(), config.rootfs.clone())?
             .with_budget(memory.clone())
             .with_guest_setup(config.network.as_ref().map(|n| n.fingerprint()).unwrap_or_default());
-        Ok(Arc::new(Manager {
+        Ok(Arc::new_cyclic(|me| Manager {
+            me: me.clone(),
             templates,
             memory,
             backend,

@@ -12,6 +12,9 @@
 //! takes it back from the pool ([`Manager::admit`](super::Manager)). Fills
 //! take restore slots like any restore, so they queue behind the creates
 //! that came first. A rebuild of the default template empties the pool.
+//! A refill starts after every hand-out, after a create of the pool's
+//! shape that found it empty, and after a kill (whose memory a failed fill
+//! may have missed); three failed fills in a row end a refill.
 
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
@@ -83,19 +86,15 @@ impl Manager {
     /// refill ([`Manager::fill_pool`]) once its hand-out is done: a restore
     /// running beside the hand-out's reseed slows it on a small host.
     pub(super) fn take_pooled(&self) -> Option<Arc<Sandbox>> {
-        let mut taken = None;
-        {
-            let mut pool = lock(&self.pool);
-            while let Some(sb) = pool.ready.pop_front() {
-                if sb.state() == SandboxState::Running && !sb.exit_watch().is_none_or(|w| w.is_stopped()) {
-                    taken = Some(sb);
-                    break;
-                }
-                tracing::warn!(sandbox = %sb.id, "a pooled sandbox ended while it waited; discarding it");
-                discard(sb, "ended in the pool");
+        // One at a time: `pool` is a leaf lock, the checks take others.
+        loop {
+            let sb = lock(&self.pool).ready.pop_front()?;
+            if sb.state() == SandboxState::Running && !sb.exit_watch().is_none_or(|w| w.is_stopped()) {
+                return Some(sb);
             }
+            tracing::warn!(sandbox = %sb.id, "a pooled sandbox ended while it waited; discarding it");
+            discard(sb, "ended in the pool");
         }
-        taken
     }
 
     /// Empties the pool, stopping its sandboxes in the background; returns
@@ -154,7 +153,7 @@ impl Manager {
 
     /// Starts the refill task unless it runs, the pool is full or off, or
     /// the server is shutting down.
-    pub(super) fn fill_pool(self: &Arc<Self>) {
+    pub(super) fn fill_pool(&self) {
         if self.config.pool_size == 0 || self.shutting_down.load(Ordering::SeqCst) {
             return;
         }
@@ -165,11 +164,10 @@ impl Manager {
             }
             pool.filling = true;
         }
-        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+        let (Ok(rt), Some(me)) = (tokio::runtime::Handle::try_current(), self.me.upgrade()) else {
             lock(&self.pool).filling = false;
             return;
         };
-        let me = self.clone();
         rt.spawn(async move {
             me.refill().await;
             lock(&me.pool).filling = false;
@@ -204,6 +202,9 @@ impl Manager {
                     }
                 }
                 Err(e) => {
+                    if self.shutting_down.load(Ordering::SeqCst) {
+                        return;
+                    }
                     failures += 1;
                     tracing::warn!("cannot fill the warm pool ({failures} of {MAX_FILL_FAILURES} tries): {e}");
                     if failures >= MAX_FILL_FAILURES {
@@ -219,6 +220,12 @@ impl Manager {
     /// running, its memory reserved.
     async fn pooled_sandbox(self: &Arc<Self>) -> Result<Arc<Sandbox>, super::SandboxError> {
         let limits = &self.config.limits;
+        // The build ends with a refill of its own.
+        if *self.default_building.borrow() {
+            return Err(super::SandboxError::Template(crate::templates::TemplateError::Building(
+                DEFAULT_TEMPLATE.into(),
+            )));
+        }
         let template = self.load_template(DEFAULT_TEMPLATE.into()).await?;
         let (vcpus, memory_mib) = (template.meta.vcpus, template.meta.memory_mib);
         if vcpus != limits.default_vcpus || memory_mib != limits.default_memory_mib {

@@ -19,6 +19,9 @@
 //! 4. `vm` (the VM handle and its monitor thread),
 //! 5. `lineage`, then `dir`, then `memory`.
 //!
+//! `labels`, `idle_timeout`, `owner`, `handout` and the manager's `pool`
+//! are leaves: nothing else is taken while one is held.
+//!
 //! No lock is held across an `.await`; `vm` is not held while joining the
 //! monitor thread (which takes `vm` and `status` itself).
 
