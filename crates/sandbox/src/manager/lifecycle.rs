@@ -681,8 +681,9 @@ impl Manager {
         match r {
             Ok(()) => {
                 tracing::info!("the default template is ready");
-                // A fill that started during the build restored the old one.
-                self.drain_pool("the default template was rebuilt");
+                // Fills wait for the end of the build (a fill that began
+                // before it finds the pool's generation changed).
+                drop(_building);
                 self.fill_pool();
                 self.template_info(DEFAULT_TEMPLATE)
             }
