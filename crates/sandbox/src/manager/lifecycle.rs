@@ -20,7 +20,7 @@ use super::settings::env_vars;
 use super::{remove_dir, task_failed, Manager, Sandbox, SandboxError, SandboxId, SandboxInfo, SandboxState};
 use crate::events::EventKind;
 use crate::lock;
-use crate::memory::MemoryUse;
+use crate::memory::{MemoryUse, Reservation};
 use crate::progress::{cut, CallContext, ProgressSink};
 use crate::templates::{Template, TemplateError, TemplateInfo, DEFAULT_TEMPLATE};
 
@@ -373,6 +373,26 @@ impl Manager {
         Ok(info)
     }
 
+    /// A sandbox kept out of the map (a default-template build, a
+    /// working-set recording, a pooled sandbox): id `<prefix>-<n>`, its
+    /// directory in the run directory, holding `memory`, with the server's
+    /// default network policy. Not started.
+    ///
+    /// Errors: [`SandboxError::Network`] from the network's set-up.
+    pub(super) fn unlisted_sandbox(
+        &self,
+        prefix: &str,
+        (vcpus, memory_mib): (u8, u64),
+        setup: SandboxSetup,
+        memory: Option<Reservation>,
+    ) -> Result<Arc<Sandbox>, SandboxError> {
+        let id = self.mint_id(prefix);
+        let sb = Arc::new(Sandbox::new(id.clone(), self.config.run_dir.join(&id), vcpus, memory_mib, setup));
+        lock(&sb.memory).own = memory;
+        *lock(&sb.net) = self.net_control(None)?;
+        Ok(sb)
+    }
+
     /// A new id, `<prefix>-<n>`, unique in this manager.
     pub(super) fn mint_id(&self, prefix: &str) -> SandboxId {
         format!("{prefix}-{}", self.next_id.fetch_add(1, Ordering::Relaxed))
@@ -644,8 +664,6 @@ impl Manager {
             tracing::info!("stopped {drained} pooled sandboxes of the old default template");
         }
         let limits = &self.config.limits;
-        let id = self.mint_id("template");
-        let dir = self.config.run_dir.join(&id);
         let (vcpus, memory_mib) = (limits.vcpus(None)?, limits.memory_mib(None)?);
         // Its VM counts in the memory budget like any sandbox's.
         let memory = self.admit("default template build", &[(MemoryUse::Sandbox, memory_mib)])?.pop();
@@ -656,9 +674,7 @@ impl Manager {
             owner: None,
             events: None,
         };
-        let sb = Arc::new(Sandbox::new(id, dir, vcpus, memory_mib, setup));
-        lock(&sb.memory).own = memory;
-        *lock(&sb.net) = self.net_control(None)?;
+        let sb = self.unlisted_sandbox("template", (vcpus, memory_mib), setup, memory)?;
         tracing::info!("building the default template (a cold boot)");
         // Creates waiting for the build quote what it is doing.
         let status = self.default_build_status.clone();

@@ -233,7 +233,6 @@ impl Manager {
         }
         // Not through `admit`: a fill never takes memory from the pool.
         let memory = self.memory.reserve("warm pool", &[(MemoryUse::Sandbox, memory_mib)])?.pop();
-        let id = self.mint_id("sb");
         let setup = SandboxSetup {
             labels: Default::default(),
             template: Some(DEFAULT_TEMPLATE.into()),
@@ -241,9 +240,7 @@ impl Manager {
             owner: None,
             events: Some(self.events.clone()),
         };
-        let sb = Arc::new(Sandbox::new(id.clone(), self.config.run_dir.join(&id), vcpus, memory_mib, setup));
-        lock(&sb.memory).own = memory;
-        *lock(&sb.net) = self.net_control(None)?;
+        let sb = self.unlisted_sandbox("sb", (vcpus, memory_mib), setup, memory)?;
         match self.start(&sb, VmSource::Template(template), &ProgressSink::default(), Instant::now()).await {
             Ok(()) => Ok(sb),
             Err(e) => {

@@ -62,7 +62,6 @@ impl Manager {
         }
         let (vcpus, memory_mib) = (template.meta.vcpus, template.meta.memory_mib);
         let memory = self.admit("working-set recording", &[(MemoryUse::Sandbox, memory_mib)])?.pop();
-        let id = self.mint_id("template");
         let setup = SandboxSetup {
             labels: BTreeMap::new(),
             template: Some(name.to_string()),
@@ -70,9 +69,7 @@ impl Manager {
             owner: None,
             events: None,
         };
-        let sb = Arc::new(Sandbox::new(id.clone(), self.config.run_dir.join(&id), vcpus, memory_mib, setup));
-        lock(&sb.memory).own = memory;
-        *lock(&sb.net) = self.net_control(None)?;
+        let sb = self.unlisted_sandbox("template", (vcpus, memory_mib), setup, memory)?;
         let r = self.record_on(&sb, template).await;
         self.teardown(&sb, None).await;
         r.map(Some)
