@@ -13,6 +13,26 @@ echo "test: cargo clippy --workspace --all-targets -- -D warnings" >&2
 cargo clippy --workspace --all-targets -q -- -D warnings
 # setup.sh made the Python SDK venv: its tests must run, not skip.
 export TINE_REQUIRE_PY_SDK=1 TINE_KERNEL="$kernel"
+# The huge-page tests (vmm: branch and snapshot of guest RAM of 2 MiB
+# pages) need 2 GiB of the host's hugetlbfs pool: as root, grow the pool
+# by what is missing for the run and give it back at exit; then they must
+# run, not skip. Elsewhere they skip with a message.
+hugepages=/proc/sys/vm/nr_hugepages
+if [ "$(id -u)" = 0 ] && [ -w "$hugepages" ]; then
+  want=1024
+  free=$(awk '/^HugePages_Free:/ {print $2}' /proc/meminfo)
+  if [ "$free" -lt "$want" ]; then
+    before=$(cat "$hugepages")
+    echo "test: reserving $((want - free)) huge pages of 2 MiB for the run (vm.nr_hugepages $before -> $((before + want - free)))" >&2
+    echo $((before + want - free)) >"$hugepages"
+    trap 'echo "$before" >"$hugepages"' EXIT
+  fi
+  if [ "$(awk '/^HugePages_Free:/ {print $2}' /proc/meminfo)" -ge "$want" ]; then
+    export TINE_REQUIRE_HUGE_PAGES=1
+  else
+    echo "test: the kernel could not reserve $want huge pages (memory fragmented?); the huge-page tests will skip" >&2
+  fi
+fi
 target=${CARGO_TARGET_DIR:-$root/target}
 echo "test: cargo test --workspace --release --no-run, then --doc" >&2
 cargo test --workspace --release --no-run --message-format=json-render-diagnostics >"$target/test-binaries.json"

@@ -65,6 +65,28 @@ pub fn kvm_available(test: &str) -> bool {
     }
 }
 
+/// Whether the host's hugetlbfs pool has `bytes` of free 2 MiB huge pages
+/// (`HugePages_Free:` of `/proc/meminfo`) for `test`. Without them the test
+/// is skipped with a loud message, unless `TINE_REQUIRE_HUGE_PAGES=1` says
+/// the pool was reserved for the tests (`scripts/test.sh` does, as root):
+/// then it panics.
+pub fn huge_pages_available(test: &str, bytes: u64) -> bool {
+    let free = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines().find_map(|l| l.strip_prefix("HugePages_Free:").and_then(|v| v.trim().parse::<u64>().ok()))
+        })
+        .unwrap_or(0);
+    if free * (2 << 20) >= bytes {
+        return true;
+    }
+    let msg =
+        format!("{test} needs {} free 2 MiB huge pages, the host has {free} (sysctl vm.nr_hugepages)", bytes >> 21);
+    assert!(std::env::var("TINE_REQUIRE_HUGE_PAGES").as_deref() != Ok("1"), "{msg}");
+    eprintln!("\n!!!!!!!! SKIPPED {msg} !!!!!!!!\n");
+    false
+}
+
 /// The guest kernel: `$TINE_KERNEL` if set, else the one
 /// `kernel-config/build-kernel.sh` builds for this host (cached; a build
 /// takes minutes the first time).

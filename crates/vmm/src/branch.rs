@@ -79,13 +79,20 @@ pub(crate) struct WriteProtection {
     pending: Vec<u64>,
     pages_copied_before_write: u64,
     write_faults: u64,
+    /// The host page size of the RAM (bytes): 4 KiB, or 2 MiB for huge
+    /// pages ([`crate::memory::GuestRam::page_size`]). Protection is set,
+    /// faults are reported and protection is lifted in whole pages of this
+    /// size (hugetlbfs refuses anything else).
+    host_page: u64,
 }
 
 impl WriteProtection {
     /// Registers `regions` with a new userfaultfd in write-protect mode and
     /// protects the pages of `ranges` (offsets in the memory file's
-    /// layout). Pages outside `ranges` are zero and stay unprotected: the
-    /// branch point leaves them holes whatever the VM writes there later.
+    /// layout), widened to whole host pages of `host_page` bytes (4096, or
+    /// [`crate::memory::HUGE_PAGE_SIZE`]). Pages outside `ranges` are zero
+    /// and stay unprotected: the branch point leaves them holes whatever the
+    /// VM writes there later.
     ///
     /// Errors: why write protection cannot be used, as a sentence.
     ///
@@ -93,7 +100,7 @@ impl WriteProtection {
     ///
     /// The regions must stay mapped until the returned value is dropped, and
     /// the VM must be paused with its devices locked until this returns.
-    pub(crate) unsafe fn start(regions: &[Region], ranges: &[(u64, u64)]) -> Result<Self, String> {
+    pub(crate) unsafe fn start(regions: &[Region], ranges: &[(u64, u64)], host_page: u64) -> Result<Self, String> {
         let uffd = crate::uffd::create_wp_uffd().map_err(|e| e.to_string())?;
         let total_pages: u64 = regions.iter().map(|r| r.len as u64 / PAGE_SIZE as u64).sum();
         let mut wp = WriteProtection {
@@ -102,6 +109,7 @@ impl WriteProtection {
             pending: vec![0u64; total_pages.div_ceil(64) as usize],
             pages_copied_before_write: 0,
             write_faults: 0,
+            host_page,
         };
         for r in regions {
             let ioctls = wp
@@ -114,7 +122,7 @@ impl WriteProtection {
                 return Err("the kernel does not offer UFFDIO_WRITEPROTECT for this kind of memory".into());
             }
         }
-        for &(start, end) in ranges {
+        for (start, end) in widen(ranges, host_page) {
             for (addr, len) in wp.host_ranges(start, end) {
                 wp.uffd
                     .write_protect(addr as *mut libc::c_void, len)
@@ -138,11 +146,13 @@ impl WriteProtection {
     /// (the protection is lifted anyway, when `self` is dropped).
     pub(crate) fn copy(mut self, ranges: &[(u64, u64)], copier: &mut PageCopier) -> Result<(u64, u64), MemoryError> {
         let mut events = EventBuffer::new(EVENT_BATCH);
-        for &(start, end) in ranges {
+        // A chunk is whole host pages: protection is lifted chunk by chunk.
+        let chunk = (CHUNK_PAGES * PAGE_SIZE as u64).max(self.host_page);
+        for (start, end) in widen(ranges, self.host_page) {
             let mut at = start;
             while at < end {
                 self.serve_faults(&mut events, copier)?;
-                let chunk_end = end.min(at + CHUNK_PAGES * PAGE_SIZE as u64);
+                let chunk_end = end.min(at + chunk);
                 // Copy the runs of pages still pending in the chunk (a write
                 // fault may have taken some already), then unprotect it.
                 let mut page = at;
@@ -185,16 +195,23 @@ impl WriteProtection {
             }
             for addr in faults {
                 self.write_faults += 1;
-                let Some(offset) = self.offset_of(addr & !(PAGE_SIZE - 1)) else {
+                let Some(offset) = self.offset_of(addr & !(self.host_page as usize - 1)) else {
                     tracing::error!("branch: write fault at {addr:#x} outside guest RAM");
                     continue;
                 };
-                if self.is_pending(offset) {
-                    self.clear_pending(offset);
-                    copier.copy(offset, offset + PAGE_SIZE as u64)?;
-                    self.pages_copied_before_write += 1;
+                // The whole host page is protected and lifted at once: copy
+                // every pending 4 KiB page in it first.
+                let end = offset + self.host_page;
+                let mut page = offset;
+                while page < end {
+                    if self.is_pending(page) {
+                        self.clear_pending(page);
+                        copier.copy(page, page + PAGE_SIZE as u64)?;
+                        self.pages_copied_before_write += 1;
+                    }
+                    page += PAGE_SIZE as u64;
                 }
-                self.unprotect(offset, offset + PAGE_SIZE as u64)?;
+                self.unprotect(offset, end)?;
             }
         }
     }
@@ -242,6 +259,20 @@ impl WriteProtection {
     }
 }
 
+/// `ranges` (sorted `(start, end)` byte offsets) widened to whole pages of
+/// `host_page` bytes, overlapping ones merged.
+fn widen(ranges: &[(u64, u64)], host_page: u64) -> Vec<(u64, u64)> {
+    let mut out: Vec<(u64, u64)> = Vec::new();
+    for &(start, end) in ranges {
+        let (s, e) = (start / host_page * host_page, end.div_ceil(host_page) * host_page);
+        match out.last_mut() {
+            Some(last) if last.1 >= s => last.1 = last.1.max(e),
+            _ => out.push((s, e)),
+        }
+    }
+    out
+}
+
 impl Drop for WriteProtection {
     /// Lifts every protection left (after an error) and unregisters, so no
     /// writer of the VM waits for a copy that will not come.
@@ -275,7 +306,7 @@ mod tests {
     fn protection_or_skip(ram: &GuestRam, ranges: &[(u64, u64)]) -> Option<WriteProtection> {
         // SAFETY: `ram` outlives the protection in every test below, and
         // nothing else runs on it until `start` returns.
-        match unsafe { WriteProtection::start(&ram.regions(), ranges) } {
+        match unsafe { WriteProtection::start(&ram.regions(), ranges, ram.page_size()) } {
             Ok(wp) => Some(wp),
             Err(e) if e.contains("unavailable") => {
                 eprintln!("SKIP: userfaultfd unavailable: {e}");
@@ -323,7 +354,9 @@ mod tests {
         stop.store(true, Ordering::Relaxed);
         writer.join().unwrap();
         eprintln!("{early} pages copied before a write, {faults} write faults");
-        assert!(early > 0 && faults >= early, "the writer never waited for a copy ({early}, {faults})");
+        // A fault copies the pending 4 KiB pages of one host page.
+        let per_fault = ram.page_size() / PAGE;
+        assert!(early > 0 && faults * per_fault >= early, "the writer never waited for a copy ({early}, {faults})");
         let mut word = [0u8; 8];
         for p in 0..DATA_PAGES {
             out.read_exact_at(&mut word, p * PAGE).unwrap();
@@ -336,6 +369,17 @@ mod tests {
     #[test]
     fn memfd_ram_copy_is_point_in_time() {
         copy_is_point_in_time(Arc::new(GuestRam::new("wp-memfd", SIZE).unwrap()));
+    }
+
+    /// Huge-page RAM is protected, faulted and lifted 2 MiB at a time; the
+    /// copy is still the memory of one instant.
+    #[test]
+    fn huge_page_ram_copy_is_point_in_time() {
+        if !crate::memory::tests::huge_pages_free("huge_page_ram_copy_is_point_in_time", SIZE) {
+            return;
+        }
+        let ram = GuestRam::new_huge("wp-huge", SIZE).unwrap();
+        copy_is_point_in_time(Arc::new(ram));
     }
 
     /// RAM restored from a branch point maps the memfd `MAP_PRIVATE`:
@@ -363,8 +407,9 @@ mod tests {
             }
         };
         // SAFETY: `ram` outlives the call; nothing runs on it.
-        let err =
-            unsafe { WriteProtection::start(&ram.regions(), &[(0, PAGE)]) }.err().expect("registration must fail");
+        let err = unsafe { WriteProtection::start(&ram.regions(), &[(0, PAGE)], PAGE) }
+            .err()
+            .expect("registration must fail");
         assert!(err.contains("another userfaultfd"), "{err}");
     }
 }

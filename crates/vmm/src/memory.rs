@@ -24,6 +24,9 @@ pub const MMIO_GAP_END: u64 = 1 << 32;
 pub const MIN_MEM_BYTES: u64 = 16 << 20;
 /// Largest guest RAM accepted (bytes).
 pub const MAX_MEM_BYTES: u64 = 1 << 40;
+/// The huge page size guest RAM uses with huge pages (bytes): x86_64's
+/// PMD-mapped 2 MiB pages from the hugetlbfs pool.
+pub const HUGE_PAGE_SIZE: u64 = 2 << 20;
 
 /// Errors of guest memory set-up.
 #[derive(Debug, thiserror::Error)]
@@ -41,6 +44,10 @@ pub enum MemoryError {
     /// ([`MemoryBacking::Userfaultfd`]).
     #[error(transparent)]
     Userfaultfd(#[from] crate::uffd::UffdError),
+    /// Guest RAM of huge pages could not be had: too few free huge pages in
+    /// the host's pool, or a size that is not whole huge pages.
+    #[error("{0}")]
+    HugePages(String),
     /// KVM_SET_USER_MEMORY_REGION failed.
     #[error("KVM_SET_USER_MEMORY_REGION for slot {slot} failed: {source}")]
     RegisterSlot {
@@ -121,6 +128,8 @@ pub struct GuestRam {
     /// Whether `file` is a snapshot's (restored RAM) rather than the memfd
     /// that guest writes reach.
     restored: bool,
+    /// Whether `file` is a hugetlbfs memfd of [`HUGE_PAGE_SIZE`] pages.
+    huge_pages: bool,
 }
 
 impl GuestRam {
@@ -131,16 +140,96 @@ impl GuestRam {
     pub fn new(name: &str, size: u64) -> Result<Self, MemoryError> {
         check_size(size)?;
         let file = new_memfd(&format!("tine-guest-ram-{name}"), size).map_err(MemoryError::Memfd)?;
+        let memory = map_shared(&file, size, libc::MAP_SHARED | libc::MAP_NORESERVE)?;
+        Ok(GuestRam { uffd: None, memory, file, size, restored: false, huge_pages: false })
+    }
 
-        let mut offset = 0u64;
-        let mut ranges = Vec::new();
-        for (gpa, len) in ram_ranges(size) {
-            let dup = file.try_clone().map_err(MemoryError::Memfd)?;
-            ranges.push((gpa, len as usize, Some(FileOffset::new(dup, offset))));
-            offset += len;
+    /// Creates `size` bytes of zeroed guest RAM of [`HUGE_PAGE_SIZE`] pages:
+    /// a hugetlbfs memfd (`MFD_HUGETLB | MFD_HUGE_2MB`, `memfd_create(2)`)
+    /// mapped shared, whose huge pages are reserved from the host's pool
+    /// when it is mapped (no `MAP_NORESERVE`), so a guest can never touch a
+    /// page the pool cannot give (which would be a `SIGBUS` in the VMM).
+    /// Each guest page table entry the host keeps, and each page a branch
+    /// write-protects, covers 2 MiB instead of 4 KiB
+    /// (kernel doc `Documentation/admin-guide/mm/hugetlbpage.rst`).
+    ///
+    /// Errors: [`MemoryError::InvalidSize`]; [`MemoryError::HugePages`] for
+    /// a size that is not whole huge pages or a pool without `size` bytes
+    /// of free huge pages (the message says how to reserve them);
+    /// [`MemoryError::Memfd`].
+    pub fn new_huge(name: &str, size: u64) -> Result<Self, MemoryError> {
+        check_size(size)?;
+        if !size.is_multiple_of(HUGE_PAGE_SIZE) {
+            return Err(MemoryError::HugePages(format!(
+                "guest memory of {size} bytes is not a whole number of 2 MiB huge pages"
+            )));
         }
-        let memory = GuestMemoryMmap::from_ranges_with_files(ranges).map_err(|e| MemoryError::Mmap(e.to_string()))?;
-        Ok(GuestRam { uffd: None, memory, file, size, restored: false })
+        let file = new_hugetlb_memfd(&format!("tine-guest-ram-{name}"), size).map_err(|e| huge_pages_error(size, e))?;
+        let memory = map_shared(&file, size, libc::MAP_SHARED).map_err(|e| match e {
+            MemoryError::Mmap(m) => huge_pages_error(size, std::io::Error::other(m)),
+            other => other,
+        })?;
+        Ok(GuestRam { uffd: None, memory, file, size, restored: false, huge_pages: true })
+    }
+
+    /// Guest RAM of `size` bytes of huge pages ([`GuestRam::new_huge`])
+    /// holding a snapshot's memory (a file as [`GuestRam::write_to`] wrote
+    /// it, or a branch point's memfd): the file's data ranges are read into
+    /// it up front, before any vCPU runs. Huge pages cannot be shared with
+    /// the page cache copy-on-write, so a restore with huge pages costs a
+    /// copy of the snapshot's data (about what it holds, not the RAM size)
+    /// and takes its RAM privately.
+    ///
+    /// Errors: those of [`GuestRam::new_huge`], [`MemoryError::InvalidSize`]
+    /// for a file of another size, [`MemoryError::Memfd`] for read errors.
+    pub fn from_snapshot_huge(
+        name: &str,
+        memory: &crate::snapshot::SnapshotMemory,
+        size: u64,
+    ) -> Result<Self, MemoryError> {
+        use std::os::unix::fs::FileExt;
+        let file = memory.open().map_err(MemoryError::Memfd)?;
+        check_snapshot_file(&file, size)?;
+        let ram = Self::new_huge(name, size)?;
+        for (start, end) in data_ranges(&file, size).map_err(MemoryError::Memfd)? {
+            for (host, len, offset) in ram.host_slices(start, end) {
+                // SAFETY: [host, host + len) lies inside one of `ram`'s
+                // regions (host_slices clips to them), mapped read-write and
+                // alive while `ram` is; no vCPU or device uses the RAM yet,
+                // so nothing else reads or writes these bytes meanwhile.
+                let dest = unsafe { std::slice::from_raw_parts_mut(host as *mut u8, len) };
+                file.read_exact_at(dest, offset).map_err(MemoryError::Memfd)?;
+            }
+        }
+        Ok(ram)
+    }
+
+    /// Whether this RAM is of [`HUGE_PAGE_SIZE`] pages ([`GuestRam::new_huge`]).
+    pub fn huge_pages(&self) -> bool {
+        self.huge_pages
+    }
+
+    /// The size of the pages backing this RAM in the host (bytes): 4096, or
+    /// [`HUGE_PAGE_SIZE`]. Write protection and page faults work on whole
+    /// pages of this size.
+    pub fn page_size(&self) -> u64 {
+        if self.huge_pages {
+            HUGE_PAGE_SIZE
+        } else {
+            4096
+        }
+    }
+
+    /// The host address ranges of the memory file's bytes `[start, end)`:
+    /// `(host address, length, file offset)`, clipped to the regions.
+    fn host_slices(&self, start: u64, end: u64) -> Vec<(usize, usize, u64)> {
+        self.regions()
+            .into_iter()
+            .filter_map(|r| {
+                let (s, e) = (start.max(r.file_offset), end.min(r.file_offset + r.len as u64));
+                (s < e).then(|| (r.host_addr + (s - r.file_offset) as usize, (e - s) as usize, s))
+            })
+            .collect()
     }
 
     /// Registers every region with KVM, slot `i` for region `i`.
@@ -193,7 +282,7 @@ impl GuestRam {
             offset += len;
         }
         let memory = GuestMemoryMmap::from_regions(regions).map_err(|e| MemoryError::Mmap(e.to_string()))?;
-        Ok(GuestRam { uffd: None, memory, file, size, restored: true })
+        Ok(GuestRam { uffd: None, memory, file, size, restored: true, huge_pages: false })
     }
 
     /// Guest RAM of `size` bytes from a snapshot's memory (a file as
@@ -264,7 +353,7 @@ impl GuestRam {
         // `memory` (field order of `GuestRam`), so they stay mapped while it
         // runs.
         let handler = unsafe { crate::uffd::Handler::start(name, handler_file, &uffd_regions) }?;
-        Ok(GuestRam { uffd: Some(handler), memory, file, size, restored: true })
+        Ok(GuestRam { uffd: Some(handler), memory, file, size, restored: true, huge_pages: false })
     }
 
     /// The userfaultfd handler filling this RAM ([`MemoryBacking::Userfaultfd`]
@@ -311,29 +400,103 @@ impl GuestRam {
     /// - memfd RAM: the memfd's data ranges (`SEEK_DATA`/`SEEK_HOLE`).
     /// - Restored RAM lives in three places: pages the guest wrote (private
     ///   copies), pages still read from the snapshot's file, and pages never
-    ///   touched (zero). So: every page in the file's data ranges, or present
-    ///   or swapped in this process's page table (`/proc/self/pagemap`,
-    ///   kernel doc `Documentation/admin-guide/mm/pagemap.rst`: bit 63
-    ///   present, bit 62 swapped).
+    ///   touched (zero). So: every page in the file's data ranges, or
+    ///   mapped (present or swapped) in this process's page table.
+    /// - Huge-page RAM: the huge pages mapped in this process, whole. A
+    ///   hugetlbfs file has no `SEEK_DATA` (all of it reads as data), and
+    ///   reading a hole through the shared mapping would allocate a huge
+    ///   page; guest RAM's mapping is the only one and is never unmapped
+    ///   while the VM lives, so mapped is allocated.
+    ///
+    /// Mapped pages come from the `PAGEMAP_SCAN` ioctl on
+    /// `/proc/self/pagemap` (Linux 6.7; it walks page tables and returns
+    /// ranges, so a hole costs one step per page-table entry above it), or,
+    /// on older kernels, from reading one `/proc/self/pagemap` entry per
+    /// 4 KiB page (kernel doc `Documentation/admin-guide/mm/pagemap.rst`:
+    /// bit 63 present, bit 62 swapped), which costs about 5 ms for 4 GiB.
     ///
     /// The ranges can hold all-zero pages too. The answer is only exact
     /// while the VM (vCPUs and devices) does not run.
     ///
     /// Errors: [`MemoryError::Memfd`] for I/O errors.
     pub fn content_ranges(&self) -> Result<Vec<(u64, u64)>, MemoryError> {
+        if !self.restored && !self.huge_pages {
+            return data_ranges(&self.file, self.size).map_err(MemoryError::Memfd);
+        }
+        let in_file =
+            if self.restored { data_ranges(&self.file, self.size).map_err(MemoryError::Memfd)? } else { Vec::new() };
+        let pagemap = File::open("/proc/self/pagemap").map_err(MemoryError::Memfd)?;
+        let mapped = match self.scan_mapped(&pagemap) {
+            Ok(ranges) => ranges,
+            Err(e) => {
+                tracing::debug!("PAGEMAP_SCAN unavailable ({e}); reading /proc/self/pagemap");
+                self.read_mapped(&pagemap)?
+            }
+        };
+        let mut out = union(&in_file, &mapped);
+        if self.huge_pages {
+            out = out
+                .into_iter()
+                .map(|(s, e)| (s / HUGE_PAGE_SIZE * HUGE_PAGE_SIZE, e.div_ceil(HUGE_PAGE_SIZE) * HUGE_PAGE_SIZE))
+                .collect();
+            out = union(&out, &[]);
+        }
+        Ok(out)
+    }
+
+    /// The pages of guest RAM present or swapped in this process's page
+    /// table, as sorted `(start, end)` offsets of the memory file's layout,
+    /// by the `PAGEMAP_SCAN` ioctl (`pagemap` is `/proc/self/pagemap`).
+    ///
+    /// Errors: the ioctl's (`ENOTTY` before Linux 6.7).
+    fn scan_mapped(&self, pagemap: &File) -> std::io::Result<Vec<(u64, u64)>> {
+        let mut out = Vec::new();
+        let mut found = vec![PageRegion::default(); 256];
+        for region in self.regions() {
+            let end = (region.host_addr + region.len) as u64;
+            let mut at = region.host_addr as u64;
+            while at < end {
+                let mut arg = PmScanArg {
+                    size: std::mem::size_of::<PmScanArg>() as u64,
+                    start: at,
+                    end,
+                    vec: found.as_mut_ptr() as u64,
+                    vec_len: found.len() as u64,
+                    category_anyof_mask: PAGE_IS_PRESENT | PAGE_IS_SWAPPED,
+                    return_mask: PAGE_IS_PRESENT | PAGE_IS_SWAPPED,
+                    ..PmScanArg::default()
+                };
+                // SAFETY: `arg` is a pm_scan_arg of the size it states, and
+                // `vec` points at `found`, `vec_len` page_region entries
+                // that the kernel may write and that live across the call.
+                let n = unsafe { libc::ioctl(pagemap.as_raw_fd(), PAGEMAP_SCAN, &mut arg) };
+                if n < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                for r in &found[..(n as usize).min(found.len())] {
+                    let (s, e) = (r.start.max(at), r.end.min(end));
+                    if s < e {
+                        let offset = region.file_offset - region.host_addr as u64;
+                        push_range(&mut out, (s + offset, e + offset));
+                    }
+                }
+                if arg.walk_end <= at {
+                    return Err(std::io::Error::other("PAGEMAP_SCAN made no progress"));
+                }
+                at = arg.walk_end;
+            }
+        }
+        Ok(out)
+    }
+
+    /// As [`GuestRam::scan_mapped`], by reading one `/proc/self/pagemap`
+    /// entry per 4 KiB page.
+    ///
+    /// Errors: [`MemoryError::Memfd`] for read errors.
+    fn read_mapped(&self, pagemap: &File) -> Result<Vec<(u64, u64)>, MemoryError> {
         use std::os::unix::fs::FileExt;
         const PAGE: u64 = 4096;
-        let in_file = data_ranges(&self.file, self.size).map_err(MemoryError::Memfd)?;
-        if !self.restored {
-            return Ok(in_file);
-        }
-        let pagemap = File::open("/proc/self/pagemap").map_err(MemoryError::Memfd)?;
-        let mut out: Vec<(u64, u64)> = Vec::new();
-        let mut push = |at: u64| match out.last_mut() {
-            Some(last) if last.1 == at => last.1 += PAGE,
-            _ => out.push((at, at + PAGE)),
-        };
-        let mut next_range = 0usize;
+        let mut out = Vec::new();
         let mut entries = vec![0u8; 8 * 4096];
         for region in self.regions() {
             let host_page = region.host_addr as u64 / PAGE;
@@ -343,17 +506,11 @@ impl GuestRam {
                 let n = (pages - i).min(4096);
                 let bytes = &mut entries[..(n * 8) as usize];
                 pagemap.read_exact_at(bytes, (host_page + i) * 8).map_err(MemoryError::Memfd)?;
-                for j in 0..n {
-                    let e = u64::from_le_bytes(
-                        bytes[(j * 8) as usize..(j * 8 + 8) as usize].try_into().unwrap_or_default(),
-                    );
-                    let at = region.file_offset + (i + j) * PAGE;
-                    while next_range < in_file.len() && in_file[next_range].1 <= at {
-                        next_range += 1;
-                    }
-                    let from_file = in_file.get(next_range).is_some_and(|&(start, _)| start <= at);
-                    if e & (3 << 62) != 0 || from_file {
-                        push(at);
+                for (j, entry) in bytes.chunks_exact(8).enumerate() {
+                    let e = u64::from_le_bytes(entry.try_into().unwrap_or_default());
+                    if e & (3 << 62) != 0 {
+                        let at = region.file_offset + (i + j as u64) * PAGE;
+                        push_range(&mut out, (at, at + PAGE));
                     }
                 }
                 i += n;
@@ -430,6 +587,13 @@ fn smaps_usage(smaps: &str, ranges: &[(usize, usize)]) -> MemoryUsage {
             "Rss:" => usage.rss_bytes += bytes,
             "Pss:" => usage.pss_bytes += bytes,
             "Private_Clean:" | "Private_Dirty:" => usage.private_bytes += bytes,
+            // hugetlbfs pages are not in `Rss:` (`proc(5)`); guest RAM of
+            // huge pages is mapped by this process only.
+            "Shared_Hugetlb:" | "Private_Hugetlb:" => {
+                usage.rss_bytes += bytes;
+                usage.pss_bytes += bytes;
+                usage.private_bytes += bytes;
+            }
             _ => {}
         }
     }
@@ -459,6 +623,119 @@ pub fn new_memfd(name: &str, size: u64) -> std::io::Result<File> {
     let file = File::from(fd);
     file.set_len(size)?;
     Ok(file)
+}
+
+/// `struct page_region` of `PAGEMAP_SCAN` (`include/uapi/linux/fs.h`,
+/// Linux 6.7): pages `[start, end)` (host virtual addresses) sharing the
+/// categories `categories`.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct PageRegion {
+    start: u64,
+    end: u64,
+    categories: u64,
+}
+
+/// `struct pm_scan_arg` of `PAGEMAP_SCAN` (`include/uapi/linux/fs.h`,
+/// kernel doc `Documentation/admin-guide/mm/pagemap.rst`, "PAGEMAP_SCAN
+/// IOCTL"): scan `[start, end)`, write at most `vec_len` regions of pages
+/// matching the masks to `vec`; the kernel sets `walk_end` to where it
+/// stopped (`end` when done).
+#[repr(C)]
+#[derive(Default)]
+struct PmScanArg {
+    size: u64,
+    flags: u64,
+    start: u64,
+    end: u64,
+    walk_end: u64,
+    vec: u64,
+    vec_len: u64,
+    max_pages: u64,
+    category_inverted: u64,
+    category_mask: u64,
+    category_anyof_mask: u64,
+    return_mask: u64,
+}
+
+const _: () = assert!(std::mem::size_of::<PageRegion>() == 24 && std::mem::size_of::<PmScanArg>() == 96);
+/// `PAGEMAP_SCAN`: `_IOWR('f', 16, struct pm_scan_arg)`.
+const PAGEMAP_SCAN: libc::Ioctl = nix::request_code_readwrite!(b'f', 16, std::mem::size_of::<PmScanArg>()) as _;
+const _: () = assert!(PAGEMAP_SCAN == 0xc060_6610);
+/// A page present in RAM (`PAGE_IS_PRESENT`).
+const PAGE_IS_PRESENT: u64 = 1 << 3;
+/// A page swapped out (`PAGE_IS_SWAPPED`).
+const PAGE_IS_SWAPPED: u64 = 1 << 4;
+
+/// Appends `r` to the sorted ranges `out`, merging it with the last one
+/// where they touch or overlap.
+fn push_range(out: &mut Vec<(u64, u64)>, r: (u64, u64)) {
+    match out.last_mut() {
+        Some(last) if r.0 <= last.1 => last.1 = last.1.max(r.1),
+        _ => out.push(r),
+    }
+}
+
+/// The union of the sorted ranges `a` and `b`, sorted and merged.
+fn union(a: &[(u64, u64)], b: &[(u64, u64)]) -> Vec<(u64, u64)> {
+    let mut all: Vec<(u64, u64)> = a.iter().chain(b).copied().collect();
+    all.sort_unstable();
+    let mut out = Vec::with_capacity(all.len());
+    for r in all {
+        push_range(&mut out, r);
+    }
+    out
+}
+
+/// A new, empty hugetlbfs memfd (close-on-exec, 2 MiB pages) of `size`
+/// bytes (whole huge pages) named `name`.
+///
+/// Errors: the `memfd_create(2)` or `ftruncate(2)` error.
+fn new_hugetlb_memfd(name: &str, size: u64) -> std::io::Result<File> {
+    use nix::sys::memfd::MemFdCreateFlag as F;
+    let cname = CString::new(name).unwrap_or_default();
+    let fd = nix::sys::memfd::memfd_create(&cname, F::MFD_CLOEXEC | F::MFD_HUGETLB | F::MFD_HUGE_2MB)?;
+    let file = File::from(fd);
+    file.set_len(size)?;
+    Ok(file)
+}
+
+/// The error for huge pages that could not be had, with the pool's state
+/// (`HugePages_Free:` of `/proc/meminfo`) and how to grow it.
+fn huge_pages_error(size: u64, e: std::io::Error) -> MemoryError {
+    let free = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines().find_map(|l| l.strip_prefix("HugePages_Free:").and_then(|v| v.trim().parse::<u64>().ok()))
+        })
+        .map_or_else(|| "unknown".to_string(), |n| n.to_string());
+    MemoryError::HugePages(format!(
+        "cannot get {} huge pages of 2 MiB for guest RAM ({e}); the host has {free} free \
+         (HugePages_Free in /proc/meminfo): reserve more with `sysctl vm.nr_hugepages=N`, or turn huge pages off",
+        size / HUGE_PAGE_SIZE
+    ))
+}
+
+/// Maps `file` (guest RAM's memfd) with `flags` as the regions of
+/// [`ram_ranges`]`(size)`, region `i` at the file offset after regions
+/// `0..i`.
+fn map_shared(file: &File, size: u64, flags: i32) -> Result<GuestMemoryMmap, MemoryError> {
+    use vm_memory::mmap::MmapRegionBuilder;
+    use vm_memory::GuestRegionMmap;
+    let mut offset = 0u64;
+    let mut regions = Vec::new();
+    for (gpa, len) in ram_ranges(size) {
+        let dup = file.try_clone().map_err(MemoryError::Memfd)?;
+        let region = MmapRegionBuilder::new(len as usize)
+            .with_file_offset(FileOffset::new(dup, offset))
+            .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
+            .with_mmap_flags(flags)
+            .build()
+            .map_err(|e| MemoryError::Mmap(e.to_string()))?;
+        regions.push(GuestRegionMmap::new(region, gpa).ok_or_else(|| MemoryError::Mmap("region overflows".into()))?);
+        offset += len;
+    }
+    GuestMemoryMmap::from_regions(regions).map_err(|e| MemoryError::Mmap(e.to_string()))
 }
 
 /// Copies pages of guest RAM (read through the guest mapping) into a
@@ -549,7 +826,7 @@ pub fn data_ranges(file: &File, size: u64) -> std::io::Result<Vec<(u64, u64)>> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use vm_memory::Bytes;
 
@@ -915,5 +1192,90 @@ Rss:                 100 kB
             assert!(read_page(&back, 7000).iter().all(|&b| b == 0));
             assert!(std::fs::metadata(out.path()).unwrap().blocks() * 512 <= 5 * PAGE + 4 * PAGE, "sparse");
         }
+    }
+
+    /// Whether the host's hugetlbfs pool has `bytes` of free 2 MiB pages.
+    /// Without them the huge-page tests skip loudly, or fail where
+    /// `TINE_REQUIRE_HUGE_PAGES=1` says the pool was reserved for them
+    /// (`scripts/test.sh` does, as root).
+    pub(crate) fn huge_pages_free(what: &str, bytes: u64) -> bool {
+        let free = std::fs::read_to_string("/proc/meminfo")
+            .ok()
+            .and_then(|m| {
+                m.lines().find_map(|l| l.strip_prefix("HugePages_Free:").and_then(|v| v.trim().parse::<u64>().ok()))
+            })
+            .unwrap_or(0);
+        if free * HUGE_PAGE_SIZE >= bytes {
+            return true;
+        }
+        let msg = format!(
+            "{what}: needs {} free 2 MiB huge pages, the host has {free} (sysctl vm.nr_hugepages)",
+            bytes / HUGE_PAGE_SIZE
+        );
+        assert!(std::env::var("TINE_REQUIRE_HUGE_PAGES").as_deref() != Ok("1"), "{msg}");
+        eprintln!("\n*** SKIP: {msg} ***\n");
+        false
+    }
+
+    #[test]
+    fn huge_page_ram_snapshots_and_restores() {
+        const SIZE: u64 = 32 << 20;
+        if !huge_pages_free("huge_page_ram_snapshots_and_restores", 2 * SIZE) {
+            return;
+        }
+        let ram = GuestRam::new_huge("huge-test", SIZE).unwrap();
+        assert!(ram.huge_pages());
+        assert_eq!(ram.page_size(), HUGE_PAGE_SIZE);
+        assert!(ram.content_ranges().unwrap().is_empty(), "nothing touched yet");
+        // Two bytes in two huge pages (the 2nd and the 9th).
+        ram.memory.write_slice(&[0x11u8; 8], GuestAddress(HUGE_PAGE_SIZE + 4096)).unwrap();
+        ram.memory.write_slice(&[0x22u8; 8], GuestAddress(8 * HUGE_PAGE_SIZE + 100)).unwrap();
+        let h = HUGE_PAGE_SIZE;
+        assert_eq!(ram.content_ranges().unwrap(), vec![(h, 2 * h), (8 * h, 9 * h)]);
+        assert_eq!(ram.allocated_bytes().unwrap(), 2 * h);
+        let usage = ram.memory_usage().unwrap();
+        assert_eq!(usage.rss_bytes, 2 * h, "{usage:?}");
+        let out = tempfile::NamedTempFile::new().unwrap();
+        assert_eq!(ram.write_to(out.path()).unwrap(), 2 * PAGE, "only the non-zero 4 KiB pages are written");
+        let mem = crate::snapshot::SnapshotMemory::Shared(std::sync::Arc::new(File::open(out.path()).unwrap()));
+        let back = GuestRam::from_snapshot_huge("huge-back", &mem, SIZE).unwrap();
+        let mut word = [0u8; 8];
+        back.memory.read_slice(&mut word, GuestAddress(h + 4096)).unwrap();
+        assert_eq!(word, [0x11; 8]);
+        back.memory.read_slice(&mut word, GuestAddress(8 * h + 100)).unwrap();
+        assert_eq!(word, [0x22; 8]);
+        assert_eq!(back.content_ranges().unwrap(), vec![(h, 2 * h), (8 * h, 9 * h)], "only the data was copied");
+    }
+
+    /// `PAGEMAP_SCAN` (where the kernel has it) and the per-page read of
+    /// `/proc/self/pagemap` agree on which pages are mapped.
+    #[test]
+    fn pagemap_scan_matches_the_pagemap_read() {
+        let file = tempfile::tempfile().unwrap();
+        file.set_len(64 << 20).unwrap();
+        let ram = GuestRam::from_file_private(file, 64 << 20).unwrap();
+        for page in [0u64, 1, 2, 77, 4000, 4001, 16383] {
+            ram.memory.write_slice(&[1u8], GuestAddress(page * PAGE)).unwrap();
+        }
+        let pagemap = File::open("/proc/self/pagemap").unwrap();
+        let read = ram.read_mapped(&pagemap).unwrap();
+        assert_eq!(
+            read,
+            vec![(0, 3 * PAGE), (77 * PAGE, 78 * PAGE), (4000 * PAGE, 4002 * PAGE), (16383 * PAGE, 16384 * PAGE)]
+        );
+        match ram.scan_mapped(&pagemap) {
+            Ok(scanned) => assert_eq!(scanned, read),
+            Err(e) => eprintln!("PAGEMAP_SCAN not available here ({e}): only the read was checked"),
+        }
+        assert_eq!(ram.content_ranges().unwrap(), read);
+    }
+
+    #[test]
+    fn huge_pages_refused_with_a_reason() {
+        let err = GuestRam::new_huge("huge-odd", (32 << 20) + 4096).err().expect("not whole huge pages");
+        assert!(err.to_string().contains("2 MiB huge pages"), "{err}");
+        // More than any test host's pool: the reservation at mmap fails.
+        let err = GuestRam::new_huge("huge-big", 512 << 30).err().expect("the pool is too small");
+        assert!(err.to_string().contains("HugePages_Free") && err.to_string().contains("nr_hugepages"), "{err}");
     }
 }

@@ -5,6 +5,10 @@
 //! with the same checksum as the source only if its memory is the source's
 //! memory at one instant: a page copied after the source wrote it, or
 //! before the source's earlier writes, changes the result.
+//!
+//! Run twice: with 4 KiB pages, and with guest RAM of 2 MiB huge pages
+//! (the source, one child restored into huge pages and its own branch),
+//! where write protection and the copy before a write work 2 MiB at a time.
 
 use std::time::{Duration, Instant};
 
@@ -52,9 +56,34 @@ fn children_of_a_busy_source_see_one_instant() {
     if !testkit::kvm_available("branch") {
         return;
     }
+    busy_source("br", false);
+}
+
+#[test]
+fn children_of_a_busy_huge_page_source_see_one_instant() {
+    // The source, child 0 and the grandchild: 512 MiB each.
+    if !testkit::kvm_available("branch (huge pages)") || !testkit::huge_pages_available("branch (huge pages)", 3 << 29)
+    {
+        return;
+    }
+    busy_source("brh", true);
+}
+
+/// The VM config of `name`, with huge pages or not.
+fn vm_config(name: &str, uds: &std::path::Path, huge_pages: bool) -> vmm::VmConfig {
+    let mut config = testkit::agent_vm_config(name, uds);
+    config.huge_pages = huge_pages;
+    config
+}
+
+/// Branches a source (named `{prefix}-src`) whose writer runs, checks three
+/// children and a branch of the first child. With `huge`, the source, the
+/// first child and the grandchild have RAM of huge pages; the other
+/// children map the branch point privately (4 KiB pages).
+fn busy_source(prefix: &str, huge: bool) {
     let dir = tempfile::tempdir().unwrap();
     let uds = dir.path().join("src.vsock");
-    let source = vmm::build_for_boot(&testkit::agent_vm_config("br-src", &uds)).expect("the source starts");
+    let source = vmm::build_for_boot(&vm_config(&format!("{prefix}-src"), &uds, huge)).expect("the source starts");
     let console = source.console().clone();
     assert!(console.wait_for("listening on vsock port 1024", Duration::from_secs(600)), "agent never started");
     let rt = tokio::runtime::Runtime::new().unwrap();
@@ -75,6 +104,7 @@ fn children_of_a_busy_source_see_one_instant() {
     let (branch, report) = source.branch(Duration::from_secs(5)).expect("branch");
     let after = rt.block_on(generation(&agent));
     eprintln!("branch report: {report:?}; the writer was at generation {before} before and {after} after");
+    assert_eq!(source.ram().huge_pages(), huge);
     assert!(before >= 20 && after < 3000, "the writer must run during the branch (generation {before} -> {after})");
     assert_eq!(report.mode, BranchMode::WriteProtect, "{:?}", report.fallback_reason);
     assert!(report.write_faults > 0, "the source never wrote during the copy: {report:?}");
@@ -82,11 +112,12 @@ fn children_of_a_busy_source_see_one_instant() {
     let mut sums = Vec::new();
     let mut children = Vec::new();
     for i in 0..3 {
-        let name = format!("br-child{i}");
+        let name = format!("{prefix}-child{i}");
         let uds = dir.path().join(format!("{name}.vsock"));
         let t = Instant::now();
-        let vm = vmm::build_from_snapshot(&testkit::agent_vm_config(&name, &uds), &branch, MemoryBacking::Private)
+        let vm = vmm::build_from_snapshot(&vm_config(&name, &uds, huge && i == 0), &branch, MemoryBacking::Private)
             .expect("a child restores");
+        assert_eq!(vm.ram().huge_pages(), huge && i == 0);
         let console = vm.console().clone();
         let sum = testkit::with_console_on_panic(&console, || {
             rt.block_on(async {
@@ -113,9 +144,12 @@ fn children_of_a_busy_source_see_one_instant() {
     let (grandchild_point, report) = child.branch(Duration::from_secs(5)).expect("branch of a child");
     eprintln!("branch of a child: {report:?}");
     assert_eq!(report.mode, BranchMode::WriteProtect, "{:?}", report.fallback_reason);
+    if huge {
+        assert!(report.bytes_examined.is_multiple_of(2 << 20), "whole huge pages: {report:?}");
+    }
     let uds = dir.path().join("br-grandchild.vsock");
     let grandchild = vmm::build_from_snapshot(
-        &testkit::agent_vm_config("br-grandchild", &uds),
+        &vm_config(&format!("{prefix}-grandchild"), &uds, huge),
         &grandchild_point,
         MemoryBacking::Private,
     )

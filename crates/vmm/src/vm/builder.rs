@@ -115,7 +115,11 @@ fn setup(what: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> BuildError {
 /// Errors: any [`BuildError`] set-up variant; nothing is left running on error.
 pub fn build_for_boot(config: &VmConfig) -> Result<RunningVm, BuildError> {
     let b = Builder::new(config)?;
-    let ram = GuestRam::new(&config.name, config.memory_bytes()?)?;
+    let ram = if config.huge_pages {
+        GuestRam::new_huge(&config.name, config.memory_bytes()?)?
+    } else {
+        GuestRam::new(&config.name, config.memory_bytes()?)?
+    };
     ram.register(&b.vm)?;
     let mut cmdline = config.full_cmdline();
     let mmio = b.attach_virtio(&ram, &mut cmdline, |_, dev, memory, interrupt| {
@@ -155,9 +159,13 @@ pub fn build_from_snapshot(
 ) -> Result<RunningVm, BuildError> {
     let b = Builder::new(config)?;
     config.check_fits(snapshot)?;
-    let ram = GuestRam::from_snapshot(&config.name, &snapshot.memory, config.memory_bytes()?, backing)?;
+    let ram = if config.huge_pages {
+        GuestRam::from_snapshot_huge(&config.name, &snapshot.memory, config.memory_bytes()?)?
+    } else {
+        GuestRam::from_snapshot(&config.name, &snapshot.memory, config.memory_bytes()?, backing)?
+    };
     ram.register(&b.vm)?;
-    if let Some(ws) = &config.prefetch {
+    if let Some(ws) = config.prefetch.as_ref().filter(|_| !config.huge_pages) {
         prefetch(&config.name, &ram, ws);
     }
     let mut cmdline = config.full_cmdline();

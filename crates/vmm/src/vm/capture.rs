@@ -122,7 +122,7 @@ impl RunningVm {
                 // `self.ram`, which outlives this call (and the returned
                 // protection, dropped within it); the vCPUs are paused and
                 // every transport is locked until after this returns.
-                unsafe { WriteProtection::start(&ram.regions(), &ranges) }
+                unsafe { WriteProtection::start(&ram.regions(), &ranges, ram.page_size()) }
             };
             let mut copier = PageCopier::new(ram, &memfd);
             if protection.is_err() {

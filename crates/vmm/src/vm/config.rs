@@ -92,6 +92,13 @@ pub struct VmConfig {
     /// snapshot, see [`crate::working_set`]); ignored by a boot, and when
     /// it does not fit the snapshot's memory.
     pub prefetch: Option<std::sync::Arc<crate::WorkingSet>>,
+    /// Guest RAM of 2 MiB huge pages from the host's hugetlbfs pool
+    /// ([`crate::memory::GuestRam::new_huge`]): `memory_mib` must then be
+    /// even, and the pool must hold that much free. A restore with huge
+    /// pages copies the snapshot's data into them up front
+    /// ([`crate::memory::GuestRam::from_snapshot_huge`]), whatever the
+    /// [`crate::MemoryBacking`] asked, and does not prefetch.
+    pub huge_pages: bool,
 }
 
 impl VmConfig {
@@ -113,6 +120,7 @@ impl VmConfig {
             vsock: None,
             net: None,
             prefetch: None,
+            huge_pages: false,
         }
     }
 
@@ -147,7 +155,13 @@ impl VmConfig {
         if self.vcpus == 0 || self.vcpus > MAX_VCPUS {
             return Err(BuildError::Config(format!("vcpus must be 1..={MAX_VCPUS}, got {}", self.vcpus)));
         }
-        self.memory_bytes()?;
+        let bytes = self.memory_bytes()?;
+        if self.huge_pages && !bytes.is_multiple_of(crate::memory::HUGE_PAGE_SIZE) {
+            return Err(BuildError::Config(format!(
+                "with huge pages the memory size must be a multiple of 2 MiB, got {} MiB",
+                self.memory_mib
+            )));
+        }
         let ndev = self.virtio_device_count();
         if ndev > MAX_VIRTIO_DEVICES {
             return Err(BuildError::Config(format!("at most {MAX_VIRTIO_DEVICES} virtio devices, got {ndev}")));
