@@ -114,6 +114,12 @@ pub enum LimitsError {
         /// The limit.
         max: u8,
     },
+    /// An odd memory size while guest RAM is of 2 MiB huge pages.
+    #[error("this server gives sandboxes huge pages: memory_mib must be even (whole 2 MiB pages), got {got}")]
+    HugePageMemory {
+        /// Asked for.
+        got: u64,
+    },
     /// Memory out of range.
     #[error("memory_mib must be {min}..={max}, got {got}")]
     Memory {

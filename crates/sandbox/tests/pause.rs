@@ -27,6 +27,7 @@ async fn a_paused_guest_stops_and_goes_on_after_resume() {
         limits: Limits { boot_timeout_secs: 900, ..Limits::default() },
         network: None,
         pool_size: 0,
+        huge_pages: false,
         prefetch: false,
     })
     .unwrap();

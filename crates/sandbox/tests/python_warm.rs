@@ -31,6 +31,7 @@ async fn restored_sandboxes_have_a_warm_python_with_an_empty_namespace() {
         limits: Limits { boot_timeout_secs: 900, ..Limits::default() },
         network: None,
         pool_size: 0,
+        huge_pages: false,
         prefetch: false,
     })
     .unwrap();

@@ -19,6 +19,9 @@
 //!
 //! [pool]
 //! size = 2                      # sandboxes kept restored and ready; 0: off
+//!
+//! [memory]
+//! huge_pages = false            # guest RAM of 2 MiB pages (vm.nr_hugepages)
 //! ```
 
 use std::net::SocketAddr;
@@ -76,6 +79,8 @@ pub struct FileConfig {
     pub network: tine_sandbox::network::NetworkConfig,
     /// The warm pool.
     pub pool: PoolConfig,
+    /// `[memory]`.
+    pub memory: MemoryConfig,
 }
 
 /// `[pool]`: sandboxes of the default shape restored from the default
@@ -97,6 +102,18 @@ impl Default for PoolConfig {
     fn default() -> Self {
         PoolConfig { size: 2 }
     }
+}
+
+/// `[memory]`.
+#[derive(Clone, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(default, deny_unknown_fields)]
+pub struct MemoryConfig {
+    /// Guest RAM of 2 MiB huge pages from the host's hugetlbfs pool
+    /// (reserve it with `sysctl vm.nr_hugepages=N`; every sandbox's memory
+    /// must fit in it): a branch's pause then no longer grows with the
+    /// source's memory. Restores copy their template's data in up front;
+    /// not with `[templates] memory_backing = "userfaultfd"`.
+    pub huge_pages: bool,
 }
 
 /// `[templates]`.
@@ -309,6 +326,9 @@ mod tests {
         assert_eq!(c.limits, Limits::default(), "deploy/tine.toml shows the defaults");
         assert_eq!(c.templates, TemplatesConfig::default(), "deploy/tine.toml shows the template defaults");
         assert_eq!(c.pool, PoolConfig::default(), "deploy/tine.toml shows the pool's default");
+        assert_eq!(c.memory, MemoryConfig::default(), "deploy/tine.toml shows huge pages off");
+        let huge: FileConfig = toml::from_str("[memory]\nhuge_pages = true\n").unwrap();
+        assert!(huge.memory.huge_pages);
         assert_eq!(
             c.network,
             tine_sandbox::network::NetworkConfig::default(),

@@ -300,6 +300,33 @@ fn check_pool(file: &config::FileConfig) -> Check {
     Check::new("warm pool", Level::Ok, detail, "")
 }
 
+/// `[memory] huge_pages`: the host's hugetlbfs pool must hold the warm
+/// pool and at least one more sandbox of the default size.
+fn check_huge_pages(file: &config::FileConfig) -> Check {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let field = |name: &str| {
+        meminfo.lines().find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().parse::<u64>().ok())).unwrap_or(0)
+    };
+    let (total, free) = (field("HugePages_Total:"), field("HugePages_Free:"));
+    let need_mib = (file.pool.size as u64 + 1) * file.limits.default_memory_mib;
+    let detail = format!(
+        "{free} of {total} huge pages of 2 MiB free ({} MiB); the pool and one sandbox need {need_mib} MiB",
+        free * 2
+    );
+    if free * 2 < need_mib {
+        return Check::new(
+            "huge pages",
+            Level::Fail,
+            detail,
+            format!(
+                "reserve more: sysctl vm.nr_hugepages={} (and in /etc/sysctl.d to keep it)",
+                total + need_mib.div_ceil(2) - free
+            ),
+        );
+    }
+    Check::new("huge pages", Level::Ok, detail, "")
+}
+
 /// Runs every check, prints one line each (with the fix for warnings and
 /// failures) and returns failure if any check failed.
 pub(crate) fn run(r: &crate::Resolved) -> ExitCode {
@@ -312,6 +339,9 @@ pub(crate) fn run(r: &crate::Resolved) -> ExitCode {
     }
     checks.push(check_memory());
     checks.push(check_pool(&r.file));
+    if r.file.memory.huge_pages {
+        checks.push(check_huge_pages(&r.file));
+    }
     let mut failed = 0;
     for c in &checks {
         match c.level {

@@ -211,6 +211,15 @@ fn open_manager(
 ) -> anyhow::Result<(std::sync::Arc<tine_sandbox::Manager>, std::fs::File)> {
     config::check_image(config::KERNEL, &r.kernel)?;
     config::check_image(config::ROOTFS, &r.rootfs)?;
+    if r.file.memory.huge_pages && !r.file.limits.default_memory_mib.is_multiple_of(2) {
+        anyhow::bail!("[memory] huge_pages needs an even [limits] default_memory_mib (whole 2 MiB pages)");
+    }
+    if r.file.memory.huge_pages && r.file.templates.memory_backing == vmm::MemoryBacking::Userfaultfd {
+        anyhow::bail!(
+            "[memory] huge_pages restores by copying into huge pages: it does not go with \
+             [templates] memory_backing = \"userfaultfd\"; drop one of them"
+        );
+    }
     private_files();
     make_private_dir(&r.data_dir)?;
     let lock = lock_data_dir(&r.data_dir)?;
@@ -228,6 +237,7 @@ fn open_manager(
             false => None,
         },
         pool_size,
+        huge_pages: r.file.memory.huge_pages,
     })?;
     Ok((manager, lock))
 }

@@ -48,6 +48,8 @@ pub(crate) struct VmSpec {
     pub memory_backing: MemoryBacking,
     /// Prefetch a template's working set, if it has one.
     pub prefetch: bool,
+    /// Guest RAM of 2 MiB huge pages ([`vmm::VmConfig::huge_pages`]).
+    pub huge_pages: bool,
     /// Where the guest console's output goes.
     pub console_log: PathBuf,
     /// The hybrid-vsock socket the host reaches the agent through.

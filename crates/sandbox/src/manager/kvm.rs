@@ -28,6 +28,7 @@ impl VmBackend for KvmBackend {
         config.vsock = Some(VsockConfig { cid: GUEST_CID, uds_path: spec.agent_socket.clone() });
         config.net = spec.net.clone();
         config.cmdline = CMDLINE.into();
+        config.huge_pages = spec.huge_pages;
         let vm = match source {
             VmSource::Boot => vmm::build_for_boot(&config),
             VmSource::Template(t) => {

@@ -171,6 +171,9 @@ impl Manager {
         }
         let vcpus = limits.vcpus(spec.vcpus)?;
         let memory_mib = limits.memory_mib(spec.memory_mib)?;
+        if self.config.huge_pages && !memory_mib.is_multiple_of(2) {
+            return Err(crate::limits::LimitsError::HugePageMemory { got: memory_mib }.into());
+        }
         if vcpus == limits.default_vcpus && memory_mib == limits.default_memory_mib {
             self.wait_for_default_build(progress, t0).await;
             match self.load_template(DEFAULT_TEMPLATE.into()).await {
@@ -497,6 +500,7 @@ impl Manager {
             profile: self.config.profile,
             memory_backing: self.config.memory_backing,
             prefetch: self.config.prefetch,
+            huge_pages: self.config.huge_pages,
             console_log: dir.join("console.log"),
             agent_socket: uds,
             net: self

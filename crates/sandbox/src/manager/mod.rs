@@ -87,6 +87,12 @@ pub struct ManagerConfig {
     /// Sandboxes of the default shape kept restored and ready for creates
     /// (see [`pool`]); 0: none.
     pub pool_size: usize,
+    /// Guest RAM of 2 MiB huge pages from the host's hugetlbfs pool for
+    /// every sandbox ([`vmm::VmConfig::huge_pages`]): a branch
+    /// write-protects 512 times fewer page table entries; each restore
+    /// copies its template's (or branch point's) data in up front, and no
+    /// working set is recorded or prefetched.
+    pub huge_pages: bool,
 }
 
 /// The sandbox manager. Cheap to share: hold it in an `Arc`.

@@ -35,7 +35,8 @@ impl Manager {
     /// stores it with the template. Logs the outcome; never fails the
     /// caller.
     pub(super) async fn record_working_set(self: &Arc<Self>, name: &str) {
-        if !self.config.prefetch {
+        // With huge pages a restore copies all the data in up front.
+        if !self.config.prefetch || self.config.huge_pages {
             return;
         }
         let t0 = Instant::now();

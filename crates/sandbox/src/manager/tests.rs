@@ -20,6 +20,10 @@ struct Setup {
 }
 
 fn setup(limits: Limits) -> Setup {
+    setup_with(limits, false)
+}
+
+fn setup_with(limits: Limits, huge_pages: bool) -> Setup {
     let dir = tempfile::tempdir().unwrap();
     let (kernel, rootfs) = (dir.path().join("vmlinux"), dir.path().join("rootfs.ext4"));
     std::fs::write(&kernel, b"").unwrap();
@@ -35,6 +39,7 @@ fn setup(limits: Limits) -> Setup {
         limits,
         network: None,
         pool_size: 0,
+        huge_pages,
         prefetch: false,
     };
     let manager = Manager::with_backend(config, backend.clone()).expect("a manager");
@@ -67,6 +72,19 @@ async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
         assert!(Instant::now() < deadline, "timed out waiting for {what}");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+}
+
+/// With huge pages, guest RAM is whole 2 MiB pages: an odd size is refused
+/// up front with a message saying why, an even one is created.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn huge_pages_need_an_even_memory_size() {
+    let s = setup_with(limits(4), true);
+    let odd = SandboxSpec { memory_mib: Some(257), ..SandboxSpec::default() };
+    let err = s.manager.create(odd).await.expect_err("odd MiB with huge pages");
+    assert!(err.to_string().contains("must be even"), "{err}");
+    assert!(s.manager.list(&BTreeMap::new()).is_empty(), "nothing left behind");
+    let even = SandboxSpec { memory_mib: Some(258), ..SandboxSpec::default() };
+    assert_eq!(s.manager.create(even).await.expect("even MiB").memory_mib, 258);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

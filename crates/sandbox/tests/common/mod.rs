@@ -30,6 +30,7 @@ pub async fn manager_with_default_template(dir: &Path, limits: Limits) -> Arc<Ma
         limits: Limits { boot_timeout_secs: 900, ..limits },
         network: None,
         pool_size: 0,
+        huge_pages: false,
         prefetch: false,
     })
     .expect("a manager");

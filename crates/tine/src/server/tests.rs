@@ -59,6 +59,7 @@ fn manager(dir: &tempfile::TempDir) -> std::sync::Arc<Manager> {
         limits: tine_sandbox::Limits::default(),
         network: None,
         pool_size: 0,
+        huge_pages: false,
         prefetch: false,
     })
     .expect("a manager on empty images")
