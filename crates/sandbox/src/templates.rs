@@ -510,7 +510,7 @@ impl TemplateStore {
         if meta.guest_setup != self.guest_setup {
             return Err(TemplateError::Stale {
                 name: meta.name.clone(),
-                what: "guest set-up (network device or CA certificates)",
+                what: "guest set-up (the VMM's machine revision, network device or CA certificates)",
             });
         }
         let memory = match &self.budget {

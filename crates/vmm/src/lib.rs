@@ -34,3 +34,10 @@ pub use vm::{
     RunningVm, VmConfig, VmOutcome, VsockConfig,
 };
 pub use working_set::{PrefetchStats, WorkingSet};
+
+/// The revision of the machine this VMM presents to a guest (CPUID, boot
+/// tables, devices), bumped whenever a change would make a snapshot taken
+/// before it fail to restore or behave differently. Stores of snapshots
+/// (templates) record it and treat snapshots of another revision as stale.
+/// 2: x2APIC and the TSC-deadline timer kept for the pvm host profile.
+pub const MACHINE_REVISION: u32 = 2;

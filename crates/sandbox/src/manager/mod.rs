@@ -187,7 +187,11 @@ impl Manager {
         tracing::info!("guest memory budget: {} MiB", memory.budget_mib());
         let templates = TemplateStore::new(config.templates_dir.clone(), config.kernel.clone(), config.rootfs.clone())?
             .with_budget(memory.clone())
-            .with_guest_setup(config.network.as_ref().map(|n| n.fingerprint()).unwrap_or_default());
+            .with_guest_setup(format!(
+                "machine {};{}",
+                vmm::MACHINE_REVISION,
+                config.network.as_ref().map(|n| n.fingerprint()).unwrap_or_default()
+            ));
         Ok(Arc::new_cyclic(|me| Manager {
             me: me.clone(),
             templates,
