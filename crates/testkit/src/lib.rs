@@ -66,17 +66,12 @@ pub fn kvm_available(test: &str) -> bool {
 }
 
 /// Whether the host's hugetlbfs pool has `bytes` of free 2 MiB huge pages
-/// (`HugePages_Free:` of `/proc/meminfo`) for `test`. Without them the test
+/// available ([`vmm::memory::HugePagePool`]) for `test`. Without them the test
 /// is skipped with a loud message, unless `TINE_REQUIRE_HUGE_PAGES=1` says
 /// the pool was reserved for the tests (`scripts/test.sh` does, as root):
 /// then it panics.
 pub fn huge_pages_available(test: &str, bytes: u64) -> bool {
-    let free = std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|m| {
-            m.lines().find_map(|l| l.strip_prefix("HugePages_Free:").and_then(|v| v.trim().parse::<u64>().ok()))
-        })
-        .unwrap_or(0);
+    let free = vmm::memory::HugePagePool::read().unwrap_or_default().available;
     if free * (2 << 20) >= bytes {
         return true;
     }

@@ -303,14 +303,10 @@ fn check_pool(file: &config::FileConfig) -> Check {
 /// `[memory] huge_pages`: the host's hugetlbfs pool must hold the warm
 /// pool and at least one more sandbox of the default size.
 fn check_huge_pages(file: &config::FileConfig) -> Check {
-    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
-    let field = |name: &str| {
-        meminfo.lines().find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().parse::<u64>().ok())).unwrap_or(0)
-    };
-    let (total, free) = (field("HugePages_Total:"), field("HugePages_Free:"));
+    let vmm::memory::HugePagePool { total, available: free } = vmm::memory::HugePagePool::read().unwrap_or_default();
     let need_mib = (file.pool.size as u64 + 1) * file.limits.default_memory_mib;
     let detail = format!(
-        "{free} of {total} huge pages of 2 MiB free ({} MiB); the pool and one sandbox need {need_mib} MiB",
+        "{free} of {total} huge pages of 2 MiB available ({} MiB); the pool and one sandbox need {need_mib} MiB",
         free * 2
     );
     if free * 2 < need_mib {

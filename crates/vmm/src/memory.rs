@@ -700,18 +700,38 @@ fn new_hugetlb_memfd(name: &str, size: u64) -> std::io::Result<File> {
     Ok(file)
 }
 
+/// The host's default-size (2 MiB) hugetlbfs pool, from `/proc/meminfo`
+/// (kernel doc `Documentation/admin-guide/mm/hugetlbpage.rst`), in pages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct HugePagePool {
+    /// `HugePages_Total:`: pages in the pool.
+    pub total: u64,
+    /// `HugePages_Free:` less `HugePages_Rsvd:`: pages neither in use nor
+    /// promised to a mapping already made (what a new guest can reserve).
+    pub available: u64,
+}
+
+impl HugePagePool {
+    /// Reads the pool's state; `None` where `/proc/meminfo` cannot be read
+    /// or has no huge page lines (a kernel without hugetlbfs).
+    pub fn read() -> Option<Self> {
+        let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+        let field =
+            |name: &str| meminfo.lines().find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().parse::<u64>().ok()));
+        let (total, free, reserved) =
+            (field("HugePages_Total:")?, field("HugePages_Free:")?, field("HugePages_Rsvd:").unwrap_or(0));
+        Some(HugePagePool { total, available: free.saturating_sub(reserved) })
+    }
+}
+
 /// The error for huge pages that could not be had, with the pool's state
-/// (`HugePages_Free:` of `/proc/meminfo`) and how to grow it.
+/// ([`HugePagePool`]) and how to grow it.
 fn huge_pages_error(size: u64, e: std::io::Error) -> MemoryError {
-    let free = std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|m| {
-            m.lines().find_map(|l| l.strip_prefix("HugePages_Free:").and_then(|v| v.trim().parse::<u64>().ok()))
-        })
-        .map_or_else(|| "unknown".to_string(), |n| n.to_string());
+    let available = HugePagePool::read().map_or_else(|| "unknown".to_string(), |p| p.available.to_string());
     MemoryError::HugePages(format!(
-        "cannot get {} huge pages of 2 MiB for guest RAM ({e}); the host has {free} free \
-         (HugePages_Free in /proc/meminfo): reserve more with `sysctl vm.nr_hugepages=N`, or turn huge pages off",
+        "cannot get {} huge pages of 2 MiB for guest RAM ({e}); the host's pool has {available} available \
+         (HugePages_Free less HugePages_Rsvd in /proc/meminfo): reserve more with `sysctl vm.nr_hugepages=N`, \
+         or turn huge pages off",
         size / HUGE_PAGE_SIZE
     ))
 }
@@ -1199,12 +1219,7 @@ Rss:                 100 kB
     /// `TINE_REQUIRE_HUGE_PAGES=1` says the pool was reserved for them
     /// (`scripts/test.sh` does, as root).
     pub(crate) fn huge_pages_free(what: &str, bytes: u64) -> bool {
-        let free = std::fs::read_to_string("/proc/meminfo")
-            .ok()
-            .and_then(|m| {
-                m.lines().find_map(|l| l.strip_prefix("HugePages_Free:").and_then(|v| v.trim().parse::<u64>().ok()))
-            })
-            .unwrap_or(0);
+        let free = HugePagePool::read().unwrap_or_default().available;
         if free * HUGE_PAGE_SIZE >= bytes {
             return true;
         }
@@ -1276,6 +1291,6 @@ Rss:                 100 kB
         assert!(err.to_string().contains("2 MiB huge pages"), "{err}");
         // More than any test host's pool: the reservation at mmap fails.
         let err = GuestRam::new_huge("huge-big", 512 << 30).err().expect("the pool is too small");
-        assert!(err.to_string().contains("HugePages_Free") && err.to_string().contains("nr_hugepages"), "{err}");
+        assert!(err.to_string().contains("HugePages_Rsvd") && err.to_string().contains("nr_hugepages"), "{err}");
     }
 }
