@@ -618,9 +618,13 @@ fn check_snapshot_file(file: &File, size: u64) -> Result<(), MemoryError> {
 ///
 /// Errors: the `memfd_create(2)` or `ftruncate(2)` error.
 pub fn new_memfd(name: &str, size: u64) -> std::io::Result<File> {
+    memfd_with(name, size, nix::sys::memfd::MemFdCreateFlag::MFD_CLOEXEC)
+}
+
+/// A new memfd made with `flags`, of `size` bytes, named `name`.
+fn memfd_with(name: &str, size: u64, flags: nix::sys::memfd::MemFdCreateFlag) -> std::io::Result<File> {
     let cname = CString::new(name).unwrap_or_default();
-    let fd = nix::sys::memfd::memfd_create(&cname, nix::sys::memfd::MemFdCreateFlag::MFD_CLOEXEC)?;
-    let file = File::from(fd);
+    let file = File::from(nix::sys::memfd::memfd_create(&cname, flags)?);
     file.set_len(size)?;
     Ok(file)
 }
@@ -693,11 +697,7 @@ fn union(a: &[(u64, u64)], b: &[(u64, u64)]) -> Vec<(u64, u64)> {
 /// Errors: the `memfd_create(2)` or `ftruncate(2)` error.
 fn new_hugetlb_memfd(name: &str, size: u64) -> std::io::Result<File> {
     use nix::sys::memfd::MemFdCreateFlag as F;
-    let cname = CString::new(name).unwrap_or_default();
-    let fd = nix::sys::memfd::memfd_create(&cname, F::MFD_CLOEXEC | F::MFD_HUGETLB | F::MFD_HUGE_2MB)?;
-    let file = File::from(fd);
-    file.set_len(size)?;
-    Ok(file)
+    memfd_with(name, size, F::MFD_CLOEXEC | F::MFD_HUGETLB | F::MFD_HUGE_2MB)
 }
 
 /// The host's default-size (2 MiB) hugetlbfs pool, from `/proc/meminfo`
