@@ -238,13 +238,7 @@ impl WriteProtection {
 
     /// The host address ranges of the memory file's bytes `[start, end)`.
     fn host_ranges(&self, start: u64, end: u64) -> Vec<(usize, usize)> {
-        self.regions
-            .iter()
-            .filter_map(|r| {
-                let (s, e) = (start.max(r.file_offset), end.min(r.file_offset + r.len as u64));
-                (s < e).then(|| (r.host_addr + (s - r.file_offset) as usize, (e - s) as usize))
-            })
-            .collect()
+        crate::uffd::host_slices(&self.regions, start, end).into_iter().map(|(addr, len, _)| (addr, len)).collect()
     }
 
     /// Lifts the protection of the memory file's bytes `[start, end)` and

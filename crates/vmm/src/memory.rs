@@ -192,7 +192,7 @@ impl GuestRam {
         check_snapshot_file(&file, size)?;
         let ram = Self::new_huge(name, size)?;
         for (start, end) in data_ranges(&file, size).map_err(MemoryError::Memfd)? {
-            for (host, len, offset) in ram.host_slices(start, end) {
+            for (host, len, offset) in crate::uffd::host_slices(&ram.regions(), start, end) {
                 // SAFETY: [host, host + len) lies inside one of `ram`'s
                 // regions (host_slices clips to them), mapped read-write and
                 // alive while `ram` is; no vCPU or device uses the RAM yet,
@@ -218,18 +218,6 @@ impl GuestRam {
         } else {
             4096
         }
-    }
-
-    /// The host address ranges of the memory file's bytes `[start, end)`:
-    /// `(host address, length, file offset)`, clipped to the regions.
-    fn host_slices(&self, start: u64, end: u64) -> Vec<(usize, usize, u64)> {
-        self.regions()
-            .into_iter()
-            .filter_map(|r| {
-                let (s, e) = (start.max(r.file_offset), end.min(r.file_offset + r.len as u64));
-                (s < e).then(|| (r.host_addr + (s - r.file_offset) as usize, (e - s) as usize, s))
-            })
-            .collect()
     }
 
     /// Registers every region with KVM, slot `i` for region `i`.

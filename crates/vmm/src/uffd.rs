@@ -77,6 +77,18 @@ pub struct Region {
     pub file_offset: u64,
 }
 
+/// The host address ranges of the memory file's bytes `[start, end)`, as
+/// `(host address, length, file offset)`, clipped to `regions`.
+pub(crate) fn host_slices(regions: &[Region], start: u64, end: u64) -> Vec<(usize, usize, u64)> {
+    regions
+        .iter()
+        .filter_map(|r| {
+            let (s, e) = (start.max(r.file_offset), end.min(r.file_offset + r.len as u64));
+            (s < e).then(|| (r.host_addr + (s - r.file_offset) as usize, (e - s) as usize, s))
+        })
+        .collect()
+}
+
 impl Region {
     fn contains(&self, addr: usize) -> bool {
         addr >= self.host_addr && addr - self.host_addr < self.len
