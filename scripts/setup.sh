@@ -36,6 +36,14 @@ if ! "$venv/bin/python" -c 'import importlib.metadata as m, sys; sys.exit(not m.
   python3 -m venv "$venv"
   "$venv/bin/pip" install -q --disable-pip-version-check "$mcp_pin"
 fi
+# kubernetes-validate, pinned, in the same venv: it bundles the Kubernetes
+# JSON schemas (no network when run) for crates/tine/tests/deploy.rs,
+# which checks deploy/kubernetes/*.yaml.
+kv_pin='kubernetes-validate==1.37.0'
+if ! "$venv/bin/python" -c 'import importlib.metadata as m, sys; sys.exit(m.version("kubernetes-validate") != "1.37.0")' 2>/dev/null; then
+  echo "setup: installing $kv_pin in $venv" >&2
+  "$venv/bin/pip" install -q --disable-pip-version-check "$kv_pin"
+fi
 # The official MCP conformance suite (npm), pinned, for the server scenarios
 # in crates/tine/tests/mcp.rs (testkit finds it at $TINE_CONFORMANCE or
 # here). 0.1.13: later versions need Node.js 22 (fs.globSync); the
