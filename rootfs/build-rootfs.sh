@@ -12,7 +12,9 @@
 #
 # Cached under ${TINE_CACHE:-~/.cache/tine}/rootfs/ by a hash of the
 # package list, this script and the agent binary; unchanged inputs are not
-# rebuilt. Prints the image's path on the last line of standard output.
+# rebuilt. Prints the image's path on the last line of standard output;
+# progress (what it is doing, every 20 s while mmdebstrap runs, the time it
+# took) goes to standard error.
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -41,7 +43,18 @@ if [ -f "$out" ]; then echo "$out"; exit 0; fi
 
 start=$(date +%s)
 work=$(mktemp -d "$cache/build.XXXXXX")
-trap 'rm -rf "$work"' EXIT
+# mmdebstrap is quiet and takes from ~25 s (a mirror close by) to minutes:
+# a line every 20 s while it runs. The loop's own output is /dev/null so
+# that a sleep outliving it holds no caller's pipe open; it stops with this
+# script (kill -0) if the trap could not kill it. It starts before the
+# EXIT trap is set: a subshell killed by a signal can run the EXIT trap it
+# inherited (here: rm -rf "$work").
+( while sleep 20 </dev/null >/dev/null 2>&1 && kill -0 "$$" 2>/dev/null; do
+    printf -v now '%(%s)T' -1
+    echo "rootfs: mmdebstrap still running, $(( now - start )) s" >&2
+  done ) >/dev/null &
+heartbeat=$!
+trap 'kill "$heartbeat" 2>/dev/null || true; rm -rf "$work"' EXIT
 echo "rootfs: mmdebstrap $suite ($packages)" >&2
 mmdebstrap --quiet --variant=minbase --include="$packages" \
   --dpkgopt='path-exclude=/usr/share/man/*' \
@@ -50,6 +63,9 @@ mmdebstrap --quiet --variant=minbase --include="$packages" \
   --dpkgopt='path-exclude=/usr/share/locale/*' \
   --dpkgopt='path-exclude=/usr/share/info/*' \
   "$suite" "$work/root" >&2
+kill "$heartbeat" 2>/dev/null || true
+wait "$heartbeat" 2>/dev/null || true
+echo "rootfs: mmdebstrap done in $(( $(date +%s) - start )) s" >&2
 
 # The agent is the guest's init (it mounts the overlay, /proc, /sys, /dev,
 # /tmp and /run, reaps orphans and serves the host).
@@ -70,6 +86,7 @@ chmod 0644 "$work/root/etc/resolv.conf" "$work/root/etc/hosts" "$work/root/etc/h
 
 used_mib=$(du -sm "$work/root" | cut -f1)
 size_mib=$(( used_mib + used_mib / 4 + 64 ))
+echo "rootfs: writing the ext4 image (${used_mib} MiB of files)" >&2
 truncate -s "${size_mib}M" "$work/image.ext4"
 mkfs.ext4 -q -F -L tine-root -d "$work/root" "$work/image.ext4"
 mv "$work/image.ext4" "$out"
