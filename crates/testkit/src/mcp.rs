@@ -451,6 +451,22 @@ pub fn python_sdk(test: &str) -> Option<PathBuf> {
     )
 }
 
+/// The venv of [`python_sdk`] (same place) when Python package `package`
+/// is installed there at exactly `version` (`scripts/setup.sh` pins it):
+/// the venv's directory. `None` with a loud SKIPPED line naming `test`
+/// otherwise, or a panic where the tools must be there (as [`python_sdk`]).
+pub fn python_venv_with(test: &str, package: &str, version: &str) -> Option<PathBuf> {
+    let venv = cache_tool("TINE_PY_VENV", "venv");
+    let check = format!("import importlib.metadata as m, sys; sys.exit(m.version({package:?}) != {version:?})");
+    if Command::new(venv.join("bin/python")).args(["-c", &check]).status().is_ok_and(|s| s.success()) {
+        return Some(venv);
+    }
+    skip_unless_required(
+        test,
+        &format!("no venv with {package} {version} at {} (run scripts/setup.sh)", venv.display()),
+    )
+}
+
 /// `$var` if set, else `~/.cache/tine/<name>` (`$XDG_CACHE_HOME` honoured):
 /// where scripts/setup.sh puts the client tools.
 fn cache_tool(var: &str, name: &str) -> PathBuf {
