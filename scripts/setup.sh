@@ -1,40 +1,181 @@
 #!/usr/bin/env bash
 # Everything a fresh Debian bookworm machine needs for Tine: build packages,
-# the guest kernel (cached under ~/.cache/tine) and the release binary.
-# Idempotent; fast when nothing changed.
+# the guest kernel and root filesystem (cached under ~/.cache/tine), the
+# release binary, the guest agent and the test tools (a Python venv, the
+# MCP conformance suite). Then installs the kernel and root filesystem
+# where `tine` looks by default: DATA_DIR/images/vmlinux and rootfs.ext4
+# (and bzImage), with DATA_DIR/images/build-inputs naming the build of
+# each, one line per image: "<file name> <inputs hash> <path built at>".
+# DATA_DIR is $TINE_DATA_DIR if set (scripts/run.sh then passes it as
+# --data-dir), else tine's default: /var/lib/tine as root, else
+# $XDG_DATA_HOME/tine, else ~/.local/share/tine.
+# Idempotent; fast when nothing changed. Progress goes to standard error;
+# the last line of standard output is the kernel's path.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+setup_start=$(printf '%(%s)T' -1)
+
+now() { printf '%(%s)T' -1; }
+# heartbeat WHAT CMD...: runs CMD and, while it runs, says every 20 s that
+# it still is ("setup: still WHAT, 40 s"). The loop is a new bash, not a
+# subshell: a subshell killed by a signal can run this script's EXIT trap
+# (cleanup). Its stdout is /dev/null so that its last sleep holds no
+# caller's pipe open (callers read this script's stdout to its end); it
+# stops with this script (kill -0) if it is not killed.
+heartbeat() {
+  local what=$1 t0 hb rc=0
+  shift
+  t0=$(now)
+  # shellcheck disable=SC2016
+  bash -c 'while sleep 20 </dev/null >/dev/null 2>&1 && kill -0 "$1" 2>/dev/null; do
+             printf -v now "%(%s)T" -1; echo "setup: still $2, $(( now - $3 )) s" >&2
+           done' heartbeat "$$" "$what" "$t0" >/dev/null &
+  hb=$!
+  "$@" || rc=$?
+  kill "$hb" 2>/dev/null || true
+  wait "$hb" 2>/dev/null || true
+  return "$rc"
+}
+
+# What an interrupted run leaves behind: the temporary policy-rc.d and a
+# half-installed image.
+policy_rc=""; image_tmp=""; sudo_cmd=""
+[ "$(id -u)" = 0 ] || sudo_cmd=sudo
+cleanup() {
+  [ "$BASHPID" = "$$" ] || return 0   # not in a subshell
+  if [ -n "$policy_rc" ]; then $sudo_cmd rm -f "$policy_rc" || true; fi
+  if [ -n "$image_tmp" ]; then rm -f "$image_tmp" || true; fi
+}
+trap cleanup EXIT
 
 # qemu-system-x86: the benches' comparisons (boot with -M microvm, network
 # with -netdev user / libslirp); 27 packages, ~81 MiB installed without
 # recommends on bookworm. curl: the file-URL test (crates/tine/tests/files.rs).
-packages=(linux-source-6.1 build-essential bc flex bison libelf-dev libssl-dev cpio xz-utils patch e2fsprogs busybox-static mmdebstrap libclang-dev python3-venv qemu-system-x86 curl)
+# nginx (1.22): tests run their own, with their own configuration, as a
+# child process; see below for the system service.
+packages=(linux-source-6.1 build-essential bc flex bison libelf-dev libssl-dev cpio xz-utils patch e2fsprogs busybox-static mmdebstrap libclang-dev python3-venv qemu-system-x86 curl nginx)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
 if [ ${#missing[@]} -gt 0 ]; then
-  echo "setup: installing ${missing[*]}" >&2
-  sudo_cmd=""; [ "$(id -u)" = 0 ] || sudo_cmd=sudo
-  $sudo_cmd apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  t=$(now)
+  echo "setup: installing ${#missing[@]} packages (apt-get): ${missing[*]} ..." >&2
+  # Installing nginx must not start it as a system service on port 80: a
+  # policy-rc.d that says 101 (action forbidden) keeps invoke-rc.d and
+  # deb-systemd-invoke from starting any service during the install. Only
+  # ours if there is none (a Docker image has its own, also 101); removed
+  # by cleanup.
+  if [[ " ${missing[*]} " == *" nginx "* ]] && [ ! -e /usr/sbin/policy-rc.d ] && [ ! -L /usr/sbin/policy-rc.d ]; then
+    policy_rc=/usr/sbin/policy-rc.d
+    printf '#!/bin/sh\n# Tine scripts/setup.sh, while it installs nginx: start no service.\nexit 101\n' |
+      $sudo_cmd tee "$policy_rc" >/dev/null
+    $sudo_cmd chmod 0755 "$policy_rc"
+  fi
+  heartbeat "installing packages" $sudo_cmd apt-get update -qq >&2
+  heartbeat "installing packages" $sudo_cmd env DEBIAN_FRONTEND=noninteractive \
+    apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  if [ -n "$policy_rc" ]; then $sudo_cmd rm -f "$policy_rc"; policy_rc=""; fi
+  # The package also enables the unit, which would start it at the next
+  # boot; with systemd running, disable it (`systemctl enable --now nginx`
+  # undoes this).
+  if [[ " ${missing[*]} " == *" nginx "* ]] && [ -d /run/systemd/system ]; then
+    $sudo_cmd systemctl disable --quiet nginx.service || true
+  fi
+  echo "setup: packages installed in $(( $(now) - t )) s" >&2
 fi
 command -v cargo >/dev/null || { echo "setup: cargo is missing; install Rust (rustup) first" >&2; exit 1; }
 
+# The builds print their own progress on stderr (cargo: a line per crate).
+t=$(now)
+echo "setup: guest kernel (kernel-config/build-kernel.sh) ..." >&2
 kernel=$("$root/kernel-config/build-kernel.sh" | tail -n 1)
-(cd "$root" && cargo build --release -q -p tine)
+echo "setup: guest kernel ready in $(( $(now) - t )) s" >&2
+t=$(now)
+echo "setup: building tine (cargo build --release -p tine) ..." >&2
+(cd "$root" && cargo build --release -p tine >&2)
+echo "setup: tine built in $(( $(now) - t )) s" >&2
 # The guest agent, static (see crates/testkit build_agent).
-(cd "$root" && RUSTFLAGS="-C target-feature=+crt-static" cargo build --release -q -p tine-agent \
-  --target x86_64-unknown-linux-gnu --target-dir "$root/target/guest")
+t=$(now)
+echo "setup: building the guest agent (cargo build --release -p tine-agent, static) ..." >&2
+(cd "$root" && RUSTFLAGS="-C target-feature=+crt-static" cargo build --release -p tine-agent \
+  --target x86_64-unknown-linux-gnu --target-dir "$root/target/guest" >&2)
+echo "setup: guest agent built in $(( $(now) - t )) s" >&2
+t=$(now)
+echo "setup: root filesystem (rootfs/build-rootfs.sh) ..." >&2
 rootfs=$("$root/rootfs/build-rootfs.sh" | tail -n 1)
+echo "setup: root filesystem ready in $(( $(now) - t )) s" >&2
+
+# Install the images where `tine` looks by default (default_data_dir() in
+# crates/tine/src/config.rs), unless TINE_DATA_DIR says elsewhere.
+if [ -n "${TINE_DATA_DIR:-}" ]; then data_dir=$TINE_DATA_DIR
+elif [ "$(id -u)" = 0 ]; then data_dir=/var/lib/tine
+elif [ -n "${XDG_DATA_HOME:-}" ]; then data_dir=$XDG_DATA_HOME/tine
+else data_dir=$HOME/.local/share/tine
+fi
+images=$data_dir/images
+manifest=$images/build-inputs
+# The data directory as tine makes it (mode 0700), if it is new.
+[ -d "$data_dir" ] || mkdir -p -m 0700 "$data_dir"
+mkdir -p "$images"
+manifest_lines=()
+changed=0
+# install_image NAME SRC HASH: puts SRC at $images/NAME unless build-inputs
+# already names HASH for NAME and the file is there. By rename from a
+# temporary name in the same directory, so a reader (a running server)
+# sees the old image or the new one, never half of one. A hard link when
+# the cache is on the same filesystem: no 500 MiB copy, no second copy on
+# disk. The cache file and the installed one are then one inode; that is
+# safe because both are read-only images that nothing rewrites in place:
+# tine opens them read-only, the build scripts write a new build under a
+# new name (temporary file, then rename) and only unlink superseded ones
+# (the link keeps the installed one), this function replaces by rename,
+# and deploy/install.sh's `install` unlinks before writing. (A chmod or
+# chown of one would change both.) Else a sparse copy.
+install_image() {
+  local name=$1 src=$2 hash=$3 dest=$images/$1 how
+  manifest_lines+=("$name $hash $src")
+  if [ -f "$dest" ] && [ "$(awk -v n="$name" '$1 == n { print $2 }' "$manifest" 2>/dev/null)" = "$hash" ]; then
+    return 0
+  fi
+  image_tmp=$images/.$name.tmp.$$
+  rm -f "$image_tmp"
+  if ln -f "$src" "$image_tmp" 2>/dev/null; then
+    how="hard link to"
+  else
+    cp --sparse=always "$src" "$image_tmp"
+    how="copy of"
+  fi
+  mv -f "$image_tmp" "$dest"
+  image_tmp=""
+  echo "setup: $dest: $how $src" >&2
+  changed=1
+}
+kname=$(basename "$kernel")                           # vmlinux-<profile>-<hash>
+rname=$(basename "$rootfs"); rhash=${rname#rootfs-}   # rootfs-<hash>.ext4
+install_image vmlinux "$kernel" "${kname##*-}"
+install_image rootfs.ext4 "$rootfs" "${rhash%.ext4}"
+bzimage=$(dirname "$kernel")/${kname/vmlinux/bzImage}
+if [ -f "$bzimage" ]; then install_image bzImage "$bzimage" "${kname##*-}"; fi
+if [ "$(cat "$manifest" 2>/dev/null)" != "$(printf '%s\n' "${manifest_lines[@]}")" ]; then
+  printf '%s\n' "${manifest_lines[@]}" > "$manifest.tmp.$$"
+  mv -f "$manifest.tmp.$$" "$manifest"
+fi
+if [ "$changed" = 1 ]; then
+  echo "setup: images installed in $images" >&2
+else
+  echo "setup: images installed in $images (unchanged)" >&2
+fi
 # The official MCP Python SDK, pinned, in a venv for the client tests
 # (crates/tine/tests/python_sdk.rs finds it at $TINE_PY_VENV or here).
 venv="${TINE_PY_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/tine/venv}"
 mcp_pin='mcp==2.3.*'
 if ! "$venv/bin/python" -c 'import importlib.metadata as m, sys; sys.exit(not m.version("mcp").startswith("2.3."))' 2>/dev/null; then
-  echo "setup: making the Python venv $venv ($mcp_pin)" >&2
+  t=$(now)
+  echo "setup: making the Python venv $venv ($mcp_pin) ..." >&2
   python3 -m venv "$venv"
   "$venv/bin/pip" install -q --disable-pip-version-check "$mcp_pin"
+  echo "setup: Python venv made in $(( $(now) - t )) s" >&2
 fi
 # kubernetes-validate, pinned, in the same venv: it bundles the Kubernetes
 # JSON schemas (no network when run) for crates/tine/tests/deploy.rs,
@@ -52,13 +193,18 @@ conformance="${TINE_CONFORMANCE:-${XDG_CACHE_HOME:-$HOME/.cache}/tine/conformanc
 conformance_pin='0.1.13'
 if [ "$(node -p "require('$conformance/node_modules/@modelcontextprotocol/conformance/package.json').version" 2>/dev/null)" != "$conformance_pin" ]; then
   command -v npm >/dev/null || { echo "setup: npm is missing; install Node.js 20+ and npm" >&2; exit 1; }
-  echo "setup: installing the MCP conformance suite $conformance_pin in $conformance" >&2
+  t=$(now)
+  echo "setup: installing the MCP conformance suite $conformance_pin in $conformance (npm) ..." >&2
   mkdir -p "$conformance"
-  npm install --silent --no-audit --no-fund --prefix "$conformance" "@modelcontextprotocol/conformance@$conformance_pin" >/dev/null
+  heartbeat "installing the MCP conformance suite" \
+    npm install --silent --no-audit --no-fund --prefix "$conformance" "@modelcontextprotocol/conformance@$conformance_pin" >/dev/null
+  echo "setup: MCP conformance suite installed in $(( $(now) - t )) s" >&2
 fi
 echo "setup: python venv $venv" >&2
 echo "setup: conformance suite $conformance" >&2
 echo "setup: rootfs $rootfs" >&2
 echo "setup: kernel $kernel" >&2
-echo "setup: binary $root/target/release/tine" >&2
+echo "setup: images $images" >&2
+echo "setup: binary ${CARGO_TARGET_DIR:-$root/target}/release/tine" >&2
+echo "setup: done in $(( $(now) - setup_start )) s" >&2
 echo "$kernel"
