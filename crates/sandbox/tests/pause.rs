@@ -28,6 +28,7 @@ async fn a_paused_guest_stops_and_goes_on_after_resume() {
         network: None,
         pool_size: 0,
         huge_pages: false,
+        host_name: None,
         prefetch: false,
     })
     .unwrap();

@@ -32,6 +32,7 @@ async fn restored_sandboxes_have_a_warm_python_with_an_empty_namespace() {
         network: None,
         pool_size: 0,
         huge_pages: false,
+        host_name: None,
         prefetch: false,
     })
     .unwrap();

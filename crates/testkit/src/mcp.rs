@@ -111,7 +111,8 @@ pub struct TineServer {
     _dir: tempfile::TempDir,
 }
 
-fn free_port() -> u16 {
+/// A TCP port free on 127.0.0.1 now (the kernel's pick).
+pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("bind a free port").port()
 }
 
@@ -122,7 +123,7 @@ impl TineServer {
     /// `[pool]` table in `config`, the warm pool is off. Returns once the
     /// server says it listens.
     pub fn start(binary: &Path, token: Option<&str>, config: &str) -> TineServer {
-        Self::start_seeded(binary, token, config, None)
+        Self::start_seeded(binary, token, config, None, free_port())
     }
 
     /// Like [`TineServer::start`], then waits for the default template;
@@ -138,10 +139,16 @@ impl TineServer {
     /// others wait for its copy, and keeps a copy from being replaced while
     /// another server copies it.
     pub fn start_with_default_template(binary: &Path, token: Option<&str>, config: &str) -> TineServer {
+        Self::start_with_default_template_on(binary, token, config, free_port())
+    }
+
+    /// [`TineServer::start_with_default_template`], listening on
+    /// 127.0.0.1:`port`.
+    pub fn start_with_default_template_on(binary: &Path, token: Option<&str>, config: &str, port: u16) -> TineServer {
         let seed = default_template_seed(binary);
         let _lock = crate::lock_file(&seed.parent().expect("seed parent").with_extension("lock"));
         let seeded = seed.join("template.json").exists();
-        let server = Self::start_seeded(binary, token, config, seeded.then_some(seed.as_path()));
+        let server = Self::start_seeded(binary, token, config, seeded.then_some(seed.as_path()), port);
         server.wait_for_default_template(Duration::from_secs(1200));
         if !seeded {
             // Keep a copy for the next server; only the newest key is kept.
@@ -163,7 +170,13 @@ impl TineServer {
 
     /// [`TineServer::start`], with `default_template` (a template
     /// directory) copied in as the data directory's default template.
-    fn start_seeded(binary: &Path, token: Option<&str>, config: &str, default_template: Option<&Path>) -> TineServer {
+    fn start_seeded(
+        binary: &Path,
+        token: Option<&str>,
+        config: &str,
+        default_template: Option<&Path>,
+        port: u16,
+    ) -> TineServer {
         let dir = tempfile::Builder::new().prefix("tine-srv").tempdir_in("/tmp").expect("temp dir");
         let data_dir = dir.path().join("data");
         if let Some(seed) = default_template {
@@ -178,7 +191,6 @@ impl TineServer {
         let config =
             if config.contains("[pool]") { config.to_string() } else { format!("{config}\n[pool]\nsize = 0\n") };
         std::fs::write(&config_path, config).expect("write config");
-        let port = free_port();
         let mut cmd = Command::new(binary);
         cmd.args(["server", "start", "--listen", &format!("127.0.0.1:{port}")])
             .arg("--data-dir")
@@ -298,12 +310,7 @@ impl TineServer {
 
     /// Connects and initializes a new MCP session.
     pub async fn client(&self) -> McpClient {
-        let mut config = StreamableHttpClientTransportConfig::with_uri(self.url.clone());
-        if let Some(t) = &self.token {
-            config = config.auth_header(t.clone());
-        }
-        let transport = StreamableHttpClientTransport::from_config(config);
-        ().serve(transport).await.expect("MCP initialize")
+        connect(&self.url, self.token.as_deref()).await
     }
 
     /// A client that records the server's progress and log notifications
@@ -373,6 +380,17 @@ impl Drop for TineServer {
             sigterm_and_wait(child, Duration::from_secs(60));
         }
     }
+}
+
+/// Connects to the MCP endpoint `url` (with bearer `token`, if any) and
+/// initializes a new session; panics when that fails.
+pub async fn connect(url: &str, token: Option<&str>) -> McpClient {
+    let mut config = StreamableHttpClientTransportConfig::with_uri(url.to_string());
+    if let Some(t) = token {
+        config = config.auth_header(t.to_string());
+    }
+    let transport = StreamableHttpClientTransport::from_config(config);
+    ().serve(transport).await.unwrap_or_else(|e| panic!("MCP initialize at {url}: {e}"))
 }
 
 /// Calls a tool; `Err(text)` for a tool error (`isError`), panics on a

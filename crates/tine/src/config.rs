@@ -22,6 +22,10 @@
 //!
 //! [memory]
 //! huge_pages = false            # guest RAM of 2 MiB pages (vm.nr_hugepages)
+//!
+//! [cluster]
+//! host_name = "tine-a"          # in sandbox ids, sb-tine-a-<n>; default: the host name
+//! peers = { tine-b = "http://10.0.0.2:5555" }   # where other hosts' calls go
 //! ```
 
 use std::net::SocketAddr;
@@ -81,6 +85,8 @@ pub struct FileConfig {
     pub pool: PoolConfig,
     /// `[memory]`.
     pub memory: MemoryConfig,
+    /// `[cluster]`: this host's name and its peers ([`crate::cluster`]).
+    pub cluster: crate::cluster::ClusterConfig,
 }
 
 /// `[pool]`: sandboxes of the default shape restored from the default

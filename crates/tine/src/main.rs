@@ -7,10 +7,12 @@
 //! - `tine vm run`: boot one microVM with a given kernel and stream its
 //!   serial console to stdout (a developer command).
 
+mod cluster;
 mod config;
 mod doctor;
 mod files_url;
 mod mcp;
+mod metrics;
 mod server;
 
 use std::path::PathBuf;
@@ -173,9 +175,11 @@ fn start(args: StartArgs) -> anyhow::Result<ExitCode> {
     if r.file.pool.size > config::MAX_POOL_SIZE {
         anyhow::bail!("[pool] size = {} is more than {}", r.file.pool.size, config::MAX_POOL_SIZE);
     }
-    let (manager, _lock) = open_manager(&r, profile, r.file.pool.size)?;
+    let cluster = std::sync::Arc::new(cluster::Cluster::new(&r.file.cluster, token.clone())?);
+    let (manager, _lock) = open_manager(&r, profile, r.file.pool.size, Some(cluster.host()))?;
     tracing::info!(
-        "data {}, kernel {}, rootfs {}, host profile {profile}, auth {}",
+        "host {}, data {}, kernel {}, rootfs {}, host profile {profile}, auth {}",
+        cluster.host(),
         r.data_dir.display(),
         r.kernel.display(),
         r.rootfs.display(),
@@ -195,6 +199,7 @@ fn start(args: StartArgs) -> anyhow::Result<ExitCode> {
         session_timeout,
         build_default_template: r.file.templates.build_default,
         public_url: r.file.public_url.clone(),
+        cluster,
     };
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(server::serve(manager, opts))?;
@@ -203,11 +208,13 @@ fn start(args: StartArgs) -> anyhow::Result<ExitCode> {
 
 /// Checks the images, locks the data directory and makes the sandbox
 /// manager on it for host `profile`, with a warm pool of `pool_size`
-/// sandboxes (0 for commands other than the server).
+/// sandboxes (0 for commands other than the server) and `host` in its
+/// sandbox ids.
 fn open_manager(
     r: &Resolved,
     profile: HostProfile,
     pool_size: usize,
+    host: Option<&str>,
 ) -> anyhow::Result<(std::sync::Arc<tine_sandbox::Manager>, std::fs::File)> {
     config::check_image(config::KERNEL, &r.kernel)?;
     config::check_image(config::ROOTFS, &r.rootfs)?;
@@ -238,6 +245,7 @@ fn open_manager(
         },
         pool_size,
         huge_pages: r.file.memory.huge_pages,
+        host_name: host.map(str::to_string),
     })?;
     Ok((manager, lock))
 }
@@ -287,7 +295,7 @@ fn template(cmd: TemplateCommand) -> anyhow::Result<ExitCode> {
         None => None,
     };
     let r = resolve(&args)?;
-    let (manager, _lock) = open_manager(&r, HostProfile::detect(), 0)?;
+    let (manager, _lock) = open_manager(&r, HostProfile::detect(), 0, None)?;
     if build {
         let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
         let info = rt.block_on(async {

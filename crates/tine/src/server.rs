@@ -31,8 +31,10 @@ use subtle::ConstantTimeEq;
 use tine_sandbox::Manager;
 use tokio_util::sync::CancellationToken;
 
+use crate::cluster::{Cluster, HostSessions};
 use crate::files_url::FileUrls;
-use crate::mcp::TineMcp;
+use crate::mcp::{Shared, TineMcp};
+use crate::metrics::Metrics;
 
 /// Largest MCP request body (bytes): an 8 MiB upload in base64 plus JSON.
 pub const MAX_REQUEST_BYTES: usize = 12 << 20;
@@ -70,6 +72,8 @@ pub struct ServeOptions {
     /// Where file URLs point (`scheme://host[:port]`); `None`: the `Host`
     /// of the request that asks for one.
     pub public_url: Option<String>,
+    /// This host's name and its peers ([`crate::cluster`]).
+    pub cluster: Arc<Cluster>,
 }
 
 /// Errors of serving.
@@ -165,13 +169,24 @@ async fn shutdown_signal() {
     }
 }
 
+/// `/metrics` ([`crate::metrics`]): the text exposition.
+async fn metrics_text(
+    State((manager, metrics, sessions)): State<(Arc<Manager>, Arc<Metrics>, Arc<HostSessions>)>,
+) -> Response {
+    let body = metrics.render(&manager, sessions.count().await);
+    ([(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)], body).into_response()
+}
+
 /// The HTTP routes: `/mcp` (Streamable HTTP, behind the bearer check
 /// unless `opts.token` is `None`; `Host` checked against
 /// `opts.allowed_hosts` and `Origin` against `opts.allowed_origins`, 403
 /// otherwise; bodies over [`MAX_REQUEST_BYTES`] answered 413; `DELETE`
-/// answered 200), the open `/healthz` and `/files/{sandbox}`, whose signed
+/// answered 200; a request of another host's session passed to that host,
+/// [`crate::cluster::proxy_foreign_session`]), `/metrics` (behind the same
+/// bearer check), the open `/healthz` and `/files/{sandbox}`, whose signed
 /// URLs (from `files`) need no token. Cancelling `cancel` ends every MCP
-/// session and its streams.
+/// session and its streams. Starts following the manager's events for the
+/// metrics (call it in a Tokio runtime).
 pub fn router(manager: Arc<Manager>, opts: &ServeOptions, files: FileUrls, cancel: &CancellationToken) -> Router {
     let mcp_config = StreamableHttpServerConfig::default()
         .with_allowed_hosts(opts.allowed_hosts.clone())
@@ -179,25 +194,32 @@ pub fn router(manager: Arc<Manager>, opts: &ServeOptions, files: FileUrls, cance
         .enforce_origin_validation()
         .with_cancellation_token(cancel.child_token())
         .with_max_request_body_bytes(MAX_REQUEST_BYTES);
-    let mut sessions = LocalSessionManager::default();
-    sessions.session_config.keep_alive = Some(opts.session_timeout);
-    let factory_manager = manager.clone();
+    let mut local = LocalSessionManager::default();
+    local.session_config.keep_alive = Some(opts.session_timeout);
+    let sessions = Arc::new(HostSessions::new(local, opts.cluster.host()));
+    let cluster = opts.cluster.clone();
+    let metrics = Metrics::new(cluster.host(), &cluster.forwarded);
+    metrics.follow(&manager);
     let files = Arc::new(files);
-    let factory_files = files.clone();
-    let mcp = StreamableHttpService::new(
-        move || Ok(TineMcp::new(factory_manager.clone(), factory_files.clone())),
-        Arc::new(sessions),
-        mcp_config,
-    );
-    let mut mcp_router = Router::new().nest_service("/mcp", mcp).layer(axum::middleware::from_fn(delete_answers_200));
+    let shared =
+        Shared { manager: manager.clone(), files: files.clone(), cluster: cluster.clone(), metrics: metrics.clone() };
+    let mcp = StreamableHttpService::new(move || Ok(TineMcp::new(&shared)), sessions.clone(), mcp_config);
+    let mcp_router = Router::new()
+        .nest_service("/mcp", mcp)
+        .layer(axum::middleware::from_fn(delete_answers_200))
+        .layer(axum::middleware::from_fn_with_state(cluster, crate::cluster::proxy_foreign_session));
+    let mut protected = Router::new()
+        .route("/metrics", get(metrics_text))
+        .with_state((manager.clone(), metrics, sessions))
+        .merge(mcp_router);
     let token = opts.token.clone().map(Arc::new);
     if let Some(token) = &token {
-        mcp_router = mcp_router.layer(axum::middleware::from_fn_with_state(token.clone(), require_bearer));
+        protected = protected.layer(axum::middleware::from_fn_with_state(token.clone(), require_bearer));
     }
     Router::new()
         .route("/healthz", get(healthz))
         .with_state((manager.clone(), token))
-        .merge(mcp_router)
+        .merge(protected)
         .merge(crate::files_url::routes(manager, files))
 }
 

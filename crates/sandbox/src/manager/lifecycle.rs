@@ -401,7 +401,16 @@ impl Manager {
         format!("{prefix}-{}", self.next_id.fetch_add(1, Ordering::Relaxed))
     }
 
-    /// Reserves `n` sandboxes (ids `sb-<n>`, made by `make` from the id
+    /// The prefix of sandbox ids: `sb-<host>` with a host name
+    /// ([`super::ManagerConfig::host_name`]), else `sb`.
+    pub(super) fn sandbox_prefix(&self) -> String {
+        match &self.config.host_name {
+            Some(h) => format!("sb-{h}"),
+            None => "sb".into(),
+        }
+    }
+
+    /// Reserves `n` sandboxes (ids `sb-[<host>-]<n>`, made by `make` from the id
     /// and its directory) in the map, as `starting`, within the
     /// live-sandbox cap: the one place live sandboxes are counted.
     ///
@@ -423,7 +432,7 @@ impl Manager {
         }
         let mut made = Vec::with_capacity(n);
         for _ in 0..n {
-            let id = self.mint_id("sb");
+            let id = self.mint_id(&self.sandbox_prefix());
             let sb = Arc::new(make(id.clone(), self.config.run_dir.join(&id)));
             map.insert(id, sb.clone());
             made.push(sb);

@@ -93,6 +93,9 @@ pub struct ManagerConfig {
     /// copies its template's (or branch point's) data in up front, and no
     /// working set is recorded or prefetched.
     pub huge_pages: bool,
+    /// The host's name in sandbox ids: `sb-<host>-<n>` (`sb-<n>` without
+    /// one). Letters, digits and `-` only; the caller checks it.
+    pub host_name: Option<String>,
 }
 
 /// The sandbox manager. Cheap to share: hold it in an `Arc`.

@@ -240,7 +240,7 @@ impl Manager {
             owner: None,
             events: Some(self.events.clone()),
         };
-        let sb = self.unlisted_sandbox("sb", (vcpus, memory_mib), setup, memory)?;
+        let sb = self.unlisted_sandbox(&self.sandbox_prefix(), (vcpus, memory_mib), setup, memory)?;
         match self.start(&sb, VmSource::Template(template), &ProgressSink::default(), Instant::now()).await {
             Ok(()) => Ok(sb),
             Err(e) => {

@@ -40,6 +40,7 @@ fn setup_with(limits: Limits, huge_pages: bool) -> Setup {
         network: None,
         pool_size: 0,
         huge_pages,
+        host_name: None,
         prefetch: false,
     };
     let manager = Manager::with_backend(config, backend.clone()).expect("a manager");

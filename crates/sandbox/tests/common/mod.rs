@@ -31,6 +31,7 @@ pub async fn manager_with_default_template(dir: &Path, limits: Limits) -> Arc<Ma
         network: None,
         pool_size: 0,
         huge_pages: false,
+        host_name: None,
         prefetch: false,
     })
     .expect("a manager");

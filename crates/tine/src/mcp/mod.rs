@@ -31,15 +31,18 @@ mod session;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use crate::cluster::{Cluster, Route, FORWARDED_HEADER};
 use crate::files_url::FileUrls;
+use crate::metrics::Metrics;
 use base64::Engine as _;
 use rmcp::handler::server::router::tool::ToolRouter;
 use rmcp::handler::server::tool::ToolCallContext;
 use rmcp::handler::server::wrapper::Parameters;
 use rmcp::model::{
-    CallToolRequestParams, CallToolResponse, Implementation, JsonObject, ServerCapabilities, ServerConfig,
+    CallToolRequestParams, CallToolResponse, CallToolResult, Implementation, JsonObject, ServerCapabilities,
+    ServerConfig,
 };
 use rmcp::service::{NotificationContext, RequestContext};
 use rmcp::{tool, tool_handler, tool_router, ErrorData, Json, RoleServer, ServerHandler};
@@ -126,22 +129,42 @@ pub struct TineMcp {
     log: Arc<SessionLog>,
     /// Signs file URLs (`sandbox_files_url`).
     files: Arc<FileUrls>,
+    /// This host and its peers: calls naming another host's sandbox go there.
+    cluster: Arc<Cluster>,
+    /// Tool calls are counted and timed here.
+    metrics: Arc<Metrics>,
     tool_router: ToolRouter<Self>,
+}
+
+/// What a session's handler shares with every other session on the host.
+#[derive(Clone)]
+pub struct Shared {
+    /// The sandboxes.
+    pub manager: Arc<Manager>,
+    /// Signs file URLs (`sandbox_files_url`).
+    pub files: Arc<FileUrls>,
+    /// This host and its peers.
+    pub cluster: Arc<Cluster>,
+    /// The server's metrics.
+    pub metrics: Arc<Metrics>,
 }
 
 #[tool_router]
 impl TineMcp {
-    /// A handler for a new MCP session; `files` signs its file URLs.
-    pub fn new(manager: Arc<Manager>, files: Arc<FileUrls>) -> Self {
+    /// A handler for a new MCP session.
+    pub fn new(shared: &Shared) -> Self {
         static NEXT_KEY: AtomicU64 = AtomicU64::new(1);
         let key = NEXT_KEY.fetch_add(1, Ordering::Relaxed);
+        let manager = shared.manager.clone();
         let tool_router = router_for(&manager);
         TineMcp {
             session: Arc::new(SessionSandbox::new(manager.clone())),
             manager,
             key,
             log: SessionLog::new(key),
-            files,
+            files: shared.files.clone(),
+            cluster: shared.cluster.clone(),
+            metrics: shared.metrics.clone(),
             tool_router,
         }
     }
@@ -668,19 +691,44 @@ impl TineMcp {
 
 #[tool_handler(router = self.tool_router)]
 impl ServerHandler for TineMcp {
-    /// Runs the tool, then [`budget::guard`]: a result over the budget is
-    /// replaced by an error, never sent.
+    /// Runs the tool here, or on the host its ids name ([`Cluster::route`]),
+    /// then [`budget::guard`]: a result over the budget is replaced by an
+    /// error, never sent. Counted and timed in the metrics.
     async fn call_tool(
         &self,
         request: CallToolRequestParams,
         context: RequestContext<RoleServer>,
     ) -> Result<CallToolResponse, ErrorData> {
         let tool = request.name.clone();
-        let tcc = ToolCallContext::new(self, request, context);
-        Ok(match self.tool_router.call(tcc).await? {
+        let started = Instant::now();
+        let forwarded_by = context
+            .extensions
+            .get::<axum::http::request::Parts>()
+            .and_then(|p| p.headers.get(FORWARDED_HEADER))
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string);
+        let refused = |message: String| CallToolResult::error(vec![rmcp::model::ContentBlock::text(message)]);
+        let response = match self.cluster.route(&tool, request.arguments.as_ref(), forwarded_by.as_deref()) {
+            Ok(Route::Local) => {
+                let tcc = ToolCallContext::new(self, request, context);
+                self.tool_router.call(tcc).await
+            }
+            Ok(Route::Forward { host, url }) => match self.cluster.forward(&host, &url, request).await {
+                Ok(r) => Ok(CallToolResponse::Complete(r)),
+                Err(message) => Ok(CallToolResponse::Complete(refused(message))),
+            },
+            Err(message) => Ok(CallToolResponse::Complete(refused(message))),
+        };
+        let response = response.map(|r| match r {
             CallToolResponse::Complete(r) => CallToolResponse::Complete(budget::guard(&tool, r)),
             other => other,
-        })
+        });
+        let ok = matches!(&response, Ok(CallToolResponse::Complete(r)) if r.is_error != Some(true))
+            || matches!(&response, Ok(r) if !matches!(r, CallToolResponse::Complete(_)));
+        // Known tools only: a client's made-up names must not grow the series.
+        let label = if self.tool_router.map.contains_key(tool.as_ref()) { tool.as_ref() } else { "unknown" };
+        self.metrics.tool_call(label, started.elapsed(), ok);
+        response
     }
 
     /// The session is ready: sandbox events start flowing to it as log

@@ -36,6 +36,13 @@ fn options(token: Option<&str>, allowed_origins: Vec<String>) -> ServeOptions {
         session_timeout: Duration::from_secs(60),
         build_default_template: false,
         public_url: None,
+        cluster: std::sync::Arc::new(
+            crate::cluster::Cluster::new(
+                &crate::cluster::ClusterConfig { host_name: Some("t1".into()), ..Default::default() },
+                token.map(str::to_string),
+            )
+            .unwrap(),
+        ),
     }
 }
 
@@ -60,6 +67,7 @@ fn manager(dir: &tempfile::TempDir) -> std::sync::Arc<Manager> {
         network: None,
         pool_size: 0,
         huge_pages: false,
+        host_name: None,
         prefetch: false,
     })
     .expect("a manager on empty images")

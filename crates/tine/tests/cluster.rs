@@ -1,0 +1,317 @@
+//! Two Tine hosts behind a real nginx (Debian's package) with the
+//! consistent-hash configuration of `deploy/nginx/tine.conf`: sessions
+//! through nginx keep their sandbox and Python state whichever host nginx
+//! hashes them to, a call naming the other host's sandbox is forwarded
+//! (and one naming a host nobody knows is refused with its name), a
+//! request of one host's session sent to the other is proxied to it,
+//! `/metrics` holds the expected series after a create, an exec, a branch
+//! and a kill, and killing one host leaves the other's sessions working.
+//!
+//! Needs KVM, the guest images and `/usr/sbin/nginx` (scripts/setup.sh
+//! installs it; `$TINE_NGINX` names another); skips loudly without them unless `TINE_REQUIRE_NGINX`
+//! (scripts/test.sh sets it) or `CI` is set.
+
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use testkit::mcp::{call, connect, free_port, tine_binary, McpClient, TineServer};
+
+const TOKEN: &str = "cluster-test-token-0123456789abcdef0123456789";
+const NGINX: &str = "/usr/sbin/nginx";
+/// Sessions opened through nginx.
+const SESSIONS: usize = 10;
+
+/// nginx (`$TINE_NGINX`, else Debian's), or `None` (with a loud SKIPPED
+/// line) where it is missing and not required.
+fn nginx(test: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("TINE_NGINX").map(PathBuf::from).unwrap_or_else(|| PathBuf::from(NGINX));
+    if path.exists() {
+        return Some(path);
+    }
+    let required = std::env::var_os("TINE_REQUIRE_NGINX").is_some() || std::env::var_os("CI").is_some();
+    assert!(!required, "{test}: {NGINX} is missing; scripts/setup.sh installs Debian's nginx");
+    eprintln!("SKIPPED {test}: {NGINX} is missing (scripts/setup.sh installs it)");
+    None
+}
+
+/// A running nginx with `deploy/nginx/tine.conf` in front of `upstreams`;
+/// stopped on drop.
+struct Nginx {
+    child: Child,
+    port: u16,
+    dir: tempfile::TempDir,
+}
+
+impl Nginx {
+    /// Starts `binary` on 127.0.0.1 with the deploy configuration, its
+    /// listen line and server lines replaced; waits until it accepts.
+    fn start(binary: &Path, upstreams: &[u16]) -> Nginx {
+        let deploy = testkit::workspace_root().join("deploy/nginx/tine.conf");
+        let conf = std::fs::read_to_string(&deploy).expect("read deploy/nginx/tine.conf");
+        let port = free_port();
+        let mut servers = upstreams.iter().map(|p| format!("server 127.0.0.1:{p} max_fails=1 fail_timeout=10s;"));
+        let mut out = Vec::new();
+        for line in conf.lines() {
+            let t = line.trim_start();
+            if t.starts_with("server 10.0.0.") {
+                out.push(format!("    {}", servers.next().expect("as many server lines as upstreams")));
+            } else if t == "listen 80;" {
+                out.push(format!("    listen 127.0.0.1:{port};"));
+            } else {
+                out.push(line.to_string());
+            }
+        }
+        assert!(servers.next().is_none(), "deploy/nginx/tine.conf has a server line per upstream");
+        let text = out.join("\n");
+        assert!(text.contains("hash $http_mcp_session_id consistent;"), "the deploy configuration hashes sessions");
+        assert!(text.contains(&format!("listen 127.0.0.1:{port};")), "the deploy configuration has `listen 80;`");
+        let dir = tempfile::Builder::new().prefix("tine-nginx").tempdir_in("/tmp").expect("temp dir");
+        let d = dir.path().display();
+        std::fs::write(dir.path().join("tine.conf"), text).expect("write tine.conf");
+        let main = format!(
+            "daemon off;\nworker_processes 1;\npid {d}/nginx.pid;\nerror_log {d}/error.log info;\n\
+             events {{ worker_connections 512; }}\n\
+             http {{\n  access_log {d}/access.log;\n  client_body_temp_path {d}/body;\n  proxy_temp_path {d}/proxy;\n\
+             \x20 fastcgi_temp_path {d}/fastcgi;\n  uwsgi_temp_path {d}/uwsgi;\n  scgi_temp_path {d}/scgi;\n\
+             \x20 include {d}/tine.conf;\n}}\n"
+        );
+        std::fs::write(dir.path().join("nginx.conf"), main).expect("write nginx.conf");
+        let conf_path = dir.path().join("nginx.conf");
+        let check = Command::new(binary)
+            .arg("-t")
+            .arg("-p")
+            .arg(dir.path())
+            .arg("-e")
+            .arg(dir.path().join("error.log"))
+            .arg("-c")
+            .arg(&conf_path)
+            .output()
+            .expect("run nginx -t");
+        assert!(check.status.success(), "nginx -t: {}", String::from_utf8_lossy(&check.stderr));
+        let child = Command::new(binary)
+            .arg("-p")
+            .arg(dir.path())
+            .arg("-e")
+            .arg(dir.path().join("error.log"))
+            .arg("-c")
+            .arg(&conf_path)
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start nginx");
+        let t = Instant::now();
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(t.elapsed() < Duration::from_secs(20), "nginx does not listen on {port}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Nginx { child, port, dir }
+    }
+
+    fn url(&self) -> String {
+        format!("http://127.0.0.1:{}/mcp", self.port)
+    }
+}
+
+impl Drop for Nginx {
+    fn drop(&mut self) {
+        // SIGQUIT: graceful stop of the master and its worker.
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGQUIT) };
+        let t = Instant::now();
+        while t.elapsed() < Duration::from_secs(10) {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let log = std::fs::read_to_string(self.dir.path().join("error.log")).unwrap_or_default();
+        eprintln!("nginx error.log (last lines):\n{}", tail(&log, 20));
+    }
+}
+
+fn tail(s: &str, lines: usize) -> String {
+    let v: Vec<&str> = s.lines().collect();
+    v[v.len().saturating_sub(lines)..].join("\n")
+}
+
+/// The host a sandbox id names (`sb-<host>-<n>`).
+fn host_of(id: &str) -> &str {
+    let rest = id.strip_prefix("sb-").unwrap_or_else(|| panic!("{id} starts with sb-"));
+    rest.rsplit_once('-').unwrap_or_else(|| panic!("{id} is sb-<host>-<n>")).0
+}
+
+/// `GET /metrics` of `base` with `token` (or none): status line and body.
+fn scrape(base: &str, token: Option<&str>) -> (String, String) {
+    let addr = base.trim_start_matches("http://");
+    let mut s = std::net::TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let auth = token.map(|t| format!("Authorization: Bearer {t}\r\n")).unwrap_or_default();
+    write!(s, "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n{auth}Connection: close\r\n\r\n").unwrap();
+    let mut resp = String::new();
+    s.read_to_string(&mut resp).unwrap();
+    let (head, body) = resp.split_once("\r\n\r\n").unwrap_or((&resp, ""));
+    (head.lines().next().unwrap_or_default().to_string(), body.to_string())
+}
+
+/// The value of the sample `series` (name with labels, as exposed), or
+/// `None` when it is not there. Chunked bodies are decoded loosely: sample
+/// lines survive the chunk framing intact unless cut, so the value is read
+/// from the first whole line that starts with `series `.
+fn sample(body: &str, series: &str) -> Option<f64> {
+    body.lines().find_map(|l| l.strip_prefix(series).and_then(|v| v.strip_prefix(' ')).and_then(|v| v.parse().ok()))
+}
+
+fn python(out: &Value) -> String {
+    out["stdout"].as_str().unwrap_or_default().to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_hosts_behind_nginx() {
+    let test = "tine::cluster two_hosts_behind_nginx";
+    if !testkit::kvm_available(test) {
+        return;
+    }
+    let Some(nginx_bin) = nginx(test) else { return };
+    let bin = tine_binary();
+    let (p1, p2) = (free_port(), free_port());
+    let config = |me: &str, other: &str, port: u16| {
+        format!("[cluster]\nhost_name = \"{me}\"\npeers = {{ {other} = \"http://127.0.0.1:{port}\" }}\n")
+    };
+    let h1 = TineServer::start_with_default_template_on(&bin, Some(TOKEN), &config("h1", "h2", p2), p1);
+    let mut h2 = TineServer::start_with_default_template_on(&bin, Some(TOKEN), &config("h2", "h1", p1), p2);
+    let lb = Nginx::start(&nginx_bin, &[p1, p2]);
+
+    // Ten sessions through nginx, each with its own sandbox and a value in
+    // its Python state.
+    let mut sessions: Vec<(McpClient, String)> = Vec::new();
+    for i in 0..SESSIONS {
+        let client = connect(&lb.url(), Some(TOKEN)).await;
+        let id = call(&client, "sandbox_create", json!({})).await.unwrap()["sandbox_id"].as_str().unwrap().to_string();
+        assert!(["h1", "h2"].contains(&host_of(&id)), "{id} names h1 or h2");
+        let out = call(&client, "sandbox_run_python", json!({"code": format!("x = {i} * 7\nprint('set', x)")})).await;
+        assert!(python(&out.unwrap()).contains(&format!("set {}", i * 7)));
+        sessions.push((client, id));
+    }
+    let on = |h: &str| sessions.iter().filter(|(_, id)| host_of(id) == h).count();
+    eprintln!("{test}: sessions on h1 {}, on h2 {}", on("h1"), on("h2"));
+    assert!(on("h1") > 0 && on("h2") > 0, "new sessions spread over both hosts (round robin without a session id)");
+    let ids: std::collections::BTreeSet<&String> = sessions.iter().map(|(_, id)| id).collect();
+    assert_eq!(ids.len(), SESSIONS, "every session has its own sandbox");
+    // Later calls of each session (without sandbox_id: the session's own)
+    // find its state, whichever host nginx hashes its session id to.
+    for (i, (client, id)) in sessions.iter().enumerate() {
+        let out = call(client, "sandbox_run_python", json!({"code": "print('x is', x)"})).await.unwrap();
+        assert!(python(&out).contains(&format!("x is {}", i * 7)), "session {i} ({id}): {out}");
+        let info = call(client, "sandbox_info", json!({})).await.unwrap();
+        assert_eq!(info["sandbox_id"], json!(id), "session {i} keeps its sandbox");
+    }
+
+    // A call naming the other host's sandbox is forwarded there.
+    let (i1, (c1, _)) = sessions.iter().enumerate().find(|(_, (_, id))| host_of(id) == "h1").unwrap();
+    let (i2, (_, s2)) = sessions.iter().enumerate().find(|(_, (_, id))| host_of(id) == "h2").unwrap();
+    let out = call(c1, "sandbox_run_python", json!({"sandbox_id": s2, "code": "print('there', x)"})).await.unwrap();
+    assert!(python(&out).contains(&format!("there {}", i2 * 7)), "forwarded to h2: {out}");
+    // A host nobody knows is refused with its name.
+    let e = call(c1, "sandbox_exec", json!({"sandbox_id": "sb-h3-1", "command": "true"})).await.unwrap_err();
+    assert!(e.contains("host h3") && e.contains("no address for h3"), "{e}");
+
+    // A request of h1's session sent straight to h2 is proxied to h1.
+    let direct = connect(&h1.url, Some(TOKEN)).await;
+    call(&direct, "sandbox_run_python", json!({"code": "y = 'direct'"})).await.unwrap();
+    let own = call(&direct, "sandbox_info", json!({})).await.unwrap()["sandbox_id"].as_str().unwrap().to_string();
+    assert_eq!(host_of(&own), "h1");
+    let proxied = raw_call_via(&h1, &h2, "sandbox_run_python", json!({"sandbox_id": own, "code": "print(y)"})).await;
+    assert!(proxied.contains("direct"), "h2 passed h1's session to h1: {proxied}");
+
+    // /metrics after a create, an exec, a branch and a kill (on h1).
+    call(&direct, "sandbox_exec", json!({"command": "true"})).await.unwrap();
+    let kids = call(&direct, "sandbox_branch", json!({"n": 1})).await.unwrap();
+    let kid = kids["children"][0]["sandbox_id"].as_str().unwrap().to_string();
+    assert_eq!(host_of(&kid), "h1", "children stay on their parent's host");
+    call(&direct, "sandbox_kill", json!({"sandbox_id": kid})).await.unwrap();
+    let (status, _) = scrape(&h1.base, None);
+    assert!(status.contains("401"), "/metrics needs the token: {status}");
+    let (status, body) = scrape(&h1.base, Some(TOKEN));
+    assert!(status.contains("200"), "{status}");
+    eprintln!("{test}: h1 /metrics ({} bytes)", body.len());
+    for (series, at_least) in [
+        (r#"tine_sandboxes{state="running"}"#, 1.0),
+        (r#"tine_sandboxes_created_total{how="restore"}"#, 1.0),
+        (r#"tine_sandboxes_created_total{how="branch"}"#, 1.0),
+        (r#"tine_sandboxes_killed_total{reason="kill"}"#, 1.0),
+        (r#"tine_tool_calls_total{tool="sandbox_create",outcome="ok"}"#, 1.0),
+        (r#"tine_tool_calls_total{tool="sandbox_exec",outcome="ok"}"#, 1.0),
+        (r#"tine_tool_calls_total{tool="sandbox_branch",outcome="ok"}"#, 1.0),
+        (r#"tine_tool_calls_total{tool="sandbox_kill",outcome="ok"}"#, 1.0),
+        (r#"tine_tool_call_duration_seconds_count{tool="sandbox_exec"}"#, 1.0),
+        (r#"tine_tool_call_duration_seconds_count{tool="sandbox_branch"}"#, 1.0),
+        (r#"tine_sandbox_start_seconds_count{how="branch"}"#, 1.0),
+        ("tine_guest_memory_bytes", 1.0),
+        ("tine_guest_memory_budget_bytes", 1.0),
+        ("tine_pool_size", 0.0),
+        ("tine_pool_ready", 0.0),
+        ("tine_mcp_sessions", 1.0),
+        (r#"tine_forwarded_calls_total{peer="h2",outcome="ok"}"#, 1.0),
+    ] {
+        let v = sample(&body, series).unwrap_or_else(|| panic!("{series} in h1's /metrics:\n{body}"));
+        assert!(v >= at_least, "{series} = {v}, want at least {at_least}");
+    }
+    assert!(body.contains(r#"tine_tool_call_duration_seconds_bucket{le="#), "histogram buckets:\n{body}");
+    assert!(body.contains(r#"tine_build_info{version=""#) && body.contains(r#"host="h1""#), "{body}");
+
+    // One host dies: the other's sessions go on through nginx; calls for
+    // the dead host's sandboxes say which host is gone.
+    let pid = h2.pid();
+    // SAFETY: kill(2) on the test's own child process.
+    unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    let _ = h2.terminate(); // reaps it
+    for (i, (client, id)) in sessions.iter().enumerate().filter(|(_, (_, id))| host_of(id) == "h1") {
+        let out = call(client, "sandbox_run_python", json!({"code": "print('still', x)"})).await.unwrap();
+        assert!(python(&out).contains(&format!("still {}", i * 7)), "session {i} ({id}) after h2 died: {out}");
+    }
+    let e = call(c1, "sandbox_info", json!({"sandbox_id": s2})).await.unwrap_err();
+    assert!(e.contains("host h2"), "{e}");
+    eprintln!("{test}: h1's sessions work after h2 died (session {i1} among them)");
+    drop(sessions);
+    drop(direct);
+    drop(lb);
+}
+
+/// Sends one `tools/call` of `tool` with `args` in `owner`'s session (a
+/// fresh one, initialized on `owner` directly) to `other`, as raw
+/// Streamable HTTP; the response body (JSON or an SSE stream).
+async fn raw_call_via(owner: &TineServer, other: &TineServer, tool: &str, args: Value) -> String {
+    let http = reqwest::Client::new();
+    let post = |url: &str, session: Option<&str>, body: Value| {
+        let mut r = http
+            .post(url)
+            .bearer_auth(TOKEN)
+            .header("accept", "application/json, text/event-stream")
+            .header("content-type", "application/json")
+            .header("mcp-protocol-version", "2025-06-18")
+            .body(body.to_string());
+        if let Some(s) = session {
+            r = r.header("mcp-session-id", s);
+        }
+        r.send()
+    };
+    let init = json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "raw", "version": "0"}}});
+    let resp = post(&owner.url, None, init).await.expect("initialize");
+    assert!(resp.status().is_success(), "initialize: {}", resp.status());
+    let session = resp.headers()["mcp-session-id"].to_str().unwrap().to_string();
+    assert!(session.starts_with("h1."), "session ids name their host: {session}");
+    let _ = resp.text().await;
+    let note = json!({"jsonrpc": "2.0", "method": "notifications/initialized"});
+    let resp = post(&other.url, Some(&session), note).await.expect("initialized, via the other host");
+    assert!(resp.status().is_success(), "notifications/initialized via the other host: {}", resp.status());
+    let call = json!({"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {"name": tool, "arguments": args}});
+    let resp = post(&other.url, Some(&session), call).await.expect("tools/call via the other host");
+    assert!(resp.status().is_success(), "tools/call via the other host: {}", resp.status());
+    resp.text().await.expect("body")
+}
