@@ -89,9 +89,11 @@ fn check_kvm() -> Check {
                 kvm.get_api_version(),
                 HostProfile::detect()
             );
-            // Root opens it anyway; the service user needs group access.
+            // Root opens it anyway; the service user (once installed)
+            // needs group access.
             let group_rw = owner.as_ref().is_some_and(|(_, m)| m & 0o060 == 0o060);
-            if euid() == 0 && !group_rw {
+            let service_user = matches!(nix::unistd::User::from_name(SERVICE_USER), Ok(Some(_)));
+            if euid() == 0 && !group_rw && service_user {
                 return Check::new(
                     "KVM",
                     Level::Warn,
@@ -251,13 +253,36 @@ fn check_data_dir(dir: &Path) -> Check {
     }
 }
 
+/// The image at `path` and, when `build-inputs` beside it (written by
+/// `scripts/setup.sh`) names it, the hash of its build inputs and where it
+/// was built.
 fn check_image(name: &'static str, what: &'static str, path: &Path) -> Check {
     let (level, detail) = match config::check_image(what, path) {
-        Ok(len) => (Level::Ok, format!("{} ({} MiB)", path.display(), len >> 20)),
+        Ok(len) => {
+            let inputs = match build_inputs(path) {
+                Some((hash, built)) => format!("build inputs {hash}, built as {built}"),
+                None => "build inputs unknown: no build-inputs line for it beside it (scripts/setup.sh writes one)"
+                    .to_string(),
+            };
+            (Level::Ok, format!("{} ({} MiB; {inputs})", path.display(), len >> 20))
+        }
         Err(ConfigError::MissingImage { reason, .. }) => (Level::Fail, format!("{}: {reason}", path.display())),
         Err(e) => (Level::Fail, e.to_string()),
     };
     Check::new(name, level, detail, config::IMAGE_FIX)
+}
+
+/// The line for `image` in the `build-inputs` file of its directory
+/// (`<file name> <inputs hash> <path it was built at>` per line): its
+/// hash and path.
+fn build_inputs(image: &Path) -> Option<(String, String)> {
+    let file_name = image.file_name()?.to_str()?;
+    let text = std::fs::read_to_string(image.parent()?.join("build-inputs")).ok()?;
+    text.lines().find_map(|line| {
+        let mut fields = line.splitn(3, ' ');
+        (fields.next()? == file_name).then_some(())?;
+        Some((fields.next()?.to_string(), fields.next().unwrap_or("?").to_string()))
+    })
 }
 
 fn check_memory() -> Check {
@@ -361,6 +386,27 @@ pub(crate) fn run(r: &crate::Resolved) -> ExitCode {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn images_report_their_build_inputs() {
+        let dir = tempfile::tempdir().unwrap();
+        let kernel = dir.path().join("vmlinux");
+        std::fs::write(&kernel, b"k").unwrap();
+        let missing = check_image("guest kernel", config::KERNEL, &kernel);
+        assert!(missing.detail.contains("build inputs unknown"), "{}", missing.detail);
+        std::fs::write(
+            dir.path().join("build-inputs"),
+            "rootfs.ext4 aaaa /c/rootfs-aaaa.ext4\nvmlinux 09d1571b1996d62a /c/kernel/vmlinux-pvm-09d1571b1996d62a\n",
+        )
+        .unwrap();
+        let c = check_image("guest kernel", config::KERNEL, &kernel);
+        assert!(matches!(c.level, Level::Ok), "{}", c.detail);
+        assert!(
+            c.detail.contains("build inputs 09d1571b1996d62a, built as /c/kernel/vmlinux-pvm-09d1571b1996d62a"),
+            "{}",
+            c.detail
+        );
+    }
 
     fn set_mode(p: &Path, mode: u32) {
         std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).unwrap();

@@ -24,6 +24,9 @@ use crate::memory::{MemoryUse, Reservation};
 use crate::progress::{cut, CallContext, ProgressSink};
 use crate::templates::{Template, TemplateError, TemplateInfo, DEFAULT_TEMPLATE};
 
+/// How often the log says what the default template's build is doing.
+const BUILD_LOG_PERIOD: Duration = Duration::from_secs(10);
+
 /// Pause between attempts to reach a booting guest's agent.
 const AGENT_RETRY: Duration = Duration::from_millis(250);
 /// Timeout of one ping of a booting guest's agent.
@@ -93,6 +96,16 @@ impl<'a> BuildFlag<'a> {
 impl Drop for BuildFlag<'_> {
     fn drop(&mut self) {
         self.0.send_replace(false);
+    }
+}
+
+/// Stops a background task when dropped (the build's log heartbeat, also
+/// when the build's future is dropped half-way).
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 
@@ -695,6 +708,19 @@ impl Manager {
         let steps = ProgressSink::new(move |u| {
             status.send_replace(u.message);
         });
+        // The log says what the build is doing every 10 s: a cold boot
+        // takes a minute or more on slow hosts.
+        let started = Instant::now();
+        let mut watch = self.default_build_status.subscribe();
+        let heartbeat = AbortOnDrop(tokio::spawn(async move {
+            let mut tick = tokio::time::interval(BUILD_LOG_PERIOD);
+            tick.tick().await;
+            loop {
+                tick.tick().await;
+                let now = watch.borrow_and_update().clone();
+                tracing::info!("default template build: {now}, {} s so far", started.elapsed().as_secs());
+            }
+        }));
         let r = match self.start(&sb, VmSource::Boot, &steps, Instant::now()).await {
             Ok(()) => self.snapshot_sandbox(&sb, DEFAULT_TEMPLATE, true, &steps).await,
             Err(e) => Err(e),
@@ -705,11 +731,12 @@ impl Manager {
             self.default_build_status.send_replace("recording its working set".into());
             self.record_working_set(DEFAULT_TEMPLATE).await;
         }
+        drop(heartbeat);
         self.default_build_status.send_replace("finished".into());
         self.teardown(&sb, None).await;
         match r {
             Ok(()) => {
-                tracing::info!("the default template is ready");
+                tracing::info!("the default template is ready, built in {} s", started.elapsed().as_secs());
                 // Fills wait for the end of the build (a fill that began
                 // before it finds the pool's generation changed).
                 drop(_building);
