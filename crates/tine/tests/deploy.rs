@@ -41,6 +41,7 @@ const RESOURCES: [&str; 7] = [
 const FAMILIES: &[(&str, bool, &[&str])] = &[
     ("tine_sandboxes", false, &["state"]),
     ("tine_sandboxes_created_total", false, &["how"]),
+    ("tine_sandbox_start_seconds", true, &["how"]),
     ("tine_sandboxes_killed_total", false, &["reason"]),
     ("tine_tool_calls_total", false, &["tool", "outcome"]),
     ("tine_tool_call_duration_seconds", true, &["tool"]),
@@ -217,7 +218,8 @@ fn the_manifests_agree_with_each_other_and_the_server() {
         assert_eq!(c[probe]["httpGet"]["port"], "http", "{probe}");
     }
 
-    // The token from the Secret as $TINE_TOKEN; the host name from the node.
+    // The token from the Secret as $TINE_TOKEN; the host name is the pod's
+    // IP (which the server writes with dashes, as the DNS names below).
     let env = |name: &str| -> &Value {
         c["env"].as_array().unwrap().iter().find(|e| e["name"] == name).unwrap_or_else(|| panic!("no env {name}"))
     };
@@ -225,7 +227,7 @@ fn the_manifests_agree_with_each_other_and_the_server() {
     assert_eq!(token["name"], secret["metadata"]["name"]);
     let key = token["key"].as_str().unwrap();
     assert!(secret["stringData"][key].is_string(), "the Secret has no {key}");
-    assert_eq!(env("TINE_HOST_NAME")["valueFrom"]["fieldRef"]["fieldPath"], "spec.nodeName");
+    assert_eq!(env("TINE_HOST_NAME")["valueFrom"]["fieldRef"]["fieldPath"], "status.podIP");
 
     // The config file is the ConfigMap's, where the args say.
     let args: Vec<&str> = c["args"].as_array().unwrap().iter().map(|a| a.as_str().unwrap()).collect();
@@ -275,15 +277,36 @@ fn the_manifests_agree_with_each_other_and_the_server() {
         }
         assert_eq!(svc["spec"]["ports"][0]["targetPort"], "http");
     }
-    assert_eq!(find(&docs, "Service", "tine-peers")["spec"]["clusterIP"], "None");
 
-    // The Ingress: its host accepted by the server, sessions hashed, the
-    // client Service behind it.
+    // Peers: the headless Service publishes every ready pod as
+    // <dashed-ip>.<service>.<namespace>.svc.cluster.local, and peer_url
+    // turns a host name (the dashed IP) into that name and the pod's port.
+    let peers = find(&docs, "Service", "tine-peers");
+    assert_eq!(peers["spec"]["clusterIP"], "None");
+    assert_ne!(peers["spec"]["publishNotReadyAddresses"], true, "a pod that is not ready owns no session");
+    let peer_url = toml["cluster"]["peer_url"].as_str().expect("[cluster] peer_url in the ConfigMap");
+    assert!(peer_url.contains("{host}"), "peer_url {peer_url} has no {{host}}");
+    let (name, namespace) =
+        (peers["metadata"]["name"].as_str().unwrap(), peers["metadata"]["namespace"].as_str().unwrap());
+    assert_eq!(namespace, ds["metadata"]["namespace"]);
+    assert_eq!(peer_url, format!("http://{{host}}.{name}.{namespace}.svc.cluster.local:{port}"));
+    // rmcp matches allowed_hosts exactly: a pattern would match nothing.
+    let allowed: Vec<&str> = toml["allowed_hosts"].as_array().unwrap().iter().map(|h| h.as_str().unwrap()).collect();
+    for h in &allowed {
+        assert!(!h.contains(['*', '{', '/']), "allowed_hosts entry {h:?} is not a host name");
+    }
+
+    // The Ingress: its host accepted by the server, sessions kept by a
+    // cookie, not by hashing Mcp-Session-Id (ingress-nginx hashes the
+    // empty key of every `initialize` onto one pod), the client Service
+    // behind it.
     let ingress = find(&docs, "Ingress", "tine");
     let host = ingress["spec"]["rules"][0]["host"].as_str().unwrap();
-    let allowed: Vec<&str> = toml["allowed_hosts"].as_array().unwrap().iter().map(|h| h.as_str().unwrap()).collect();
     assert!(allowed.contains(&host), "{host} is not in allowed_hosts {allowed:?}");
-    assert!(ingress["metadata"]["annotations"]["nginx.ingress.kubernetes.io/upstream-hash-by"].is_string());
+    let annotations = &ingress["metadata"]["annotations"];
+    assert_eq!(annotations["nginx.ingress.kubernetes.io/affinity"], "cookie");
+    assert_eq!(annotations["nginx.ingress.kubernetes.io/affinity-mode"], "persistent");
+    assert!(annotations["nginx.ingress.kubernetes.io/upstream-hash-by"].is_null(), "hashing and cookie affinity");
     let backend = &ingress["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"];
     assert_eq!(backend["name"], "tine");
     assert_eq!(backend["port"]["name"], "http");
