@@ -234,6 +234,14 @@ impl Cluster {
         &self.host
     }
 
+    /// The host name (without port) peers use for this host through
+    /// [`ClusterConfig::peer_url`], if set: the server accepts it as a
+    /// `Host`, since the address is this host's own.
+    pub fn own_peer_host(&self) -> Option<String> {
+        let url = self.peer_url.as_ref()?.replace("{host}", &self.host);
+        reqwest::Url::parse(&url).ok()?.host_str().map(str::to_string)
+    }
+
     /// The base URL of peer `host`, if this host can reach it.
     fn peer(&self, host: &str) -> Option<String> {
         self.peers.get(host).cloned().or_else(|| self.peer_url.as_ref().map(|t| t.replace("{host}", host)))
@@ -606,7 +614,9 @@ mod tests {
         assert!(e.contains("two hosts") && e.contains("sb-h2-2 on h2"), "{e}");
         let e = c.route("sandbox_exec", Some(&args(&[("sandbox_id", "sb-h2-3")])), Some("h3")).unwrap_err();
         assert!(e.contains("forwarded once at most") && e.contains("from h3"), "{e}");
+        assert_eq!(c.own_peer_host(), None);
         let t = cluster(&[], Some("http://{host}.peers:5555"));
+        assert_eq!(t.own_peer_host().as_deref(), Some("h1.peers"));
         assert_eq!(
             t.route("sandbox_kill", Some(&args(&[("sandbox_id", "sb-h9-1")])), None),
             Ok(Route::Forward { host: "h9".into(), url: "http://h9.peers:5555".into() })

@@ -333,6 +333,7 @@ mod tests {
         assert_eq!(c.templates, TemplatesConfig::default(), "deploy/tine.toml shows the template defaults");
         assert_eq!(c.pool, PoolConfig::default(), "deploy/tine.toml shows the pool's default");
         assert_eq!(c.memory, MemoryConfig::default(), "deploy/tine.toml shows huge pages off");
+        assert_eq!(c.cluster, crate::cluster::ClusterConfig::default(), "deploy/tine.toml shows no peers");
         let huge: FileConfig = toml::from_str("[memory]\nhuge_pages = true\n").unwrap();
         assert!(huge.memory.huge_pages);
         assert_eq!(

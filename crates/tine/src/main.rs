@@ -164,6 +164,11 @@ fn start(args: StartArgs) -> anyhow::Result<ExitCode> {
             allowed_hosts.push(listen.ip().to_string());
         }
     }
+    let cluster = std::sync::Arc::new(cluster::Cluster::new(&r.file.cluster, token.clone())?);
+    // Peers reach this host by the name [cluster] peer_url gives it.
+    if let Some(own) = cluster.own_peer_host() {
+        allowed_hosts.push(own);
+    }
     let allowed_origins = if !args.allowed_origins.is_empty() {
         args.allowed_origins.clone()
     } else {
@@ -175,7 +180,6 @@ fn start(args: StartArgs) -> anyhow::Result<ExitCode> {
     if r.file.pool.size > config::MAX_POOL_SIZE {
         anyhow::bail!("[pool] size = {} is more than {}", r.file.pool.size, config::MAX_POOL_SIZE);
     }
-    let cluster = std::sync::Arc::new(cluster::Cluster::new(&r.file.cluster, token.clone())?);
     let (manager, _lock) = open_manager(&r, profile, r.file.pool.size, Some(cluster.host()))?;
     tracing::info!(
         "host {}, data {}, kernel {}, rootfs {}, host profile {profile}, auth {}",
