@@ -19,8 +19,9 @@
 //!   on the peer.
 //!
 //! Both carry the caller's bearer token (every host has the same one) and
-//! [`FORWARDED_HEADER`]: a request that was forwarded once is never
-//! forwarded again, so a wrong peer table cannot make a loop. Sandboxes do
+//! a header naming this host ([`PROXIED_HEADER`], [`FORWARDED_HEADER`]):
+//! a request is proxied once at most and a tool call forwarded once at
+//! most, so a wrong peer table cannot make a loop. Sandboxes do
 //! not move between hosts: a host that stops takes its sandboxes and
 //! sessions with it.
 
@@ -45,9 +46,14 @@ use rmcp::transport::{StreamableHttpClientTransport, WorkerTransport};
 use rmcp::{RoleClient, ServiceExt};
 use serde::Deserialize;
 
-/// The header a forwarded request carries: the name of the host that
-/// forwarded it. A host never forwards a request that has it.
+/// The header a forwarded tool call carries: the name of the host that
+/// made it again here. A host never forwards a call that has it.
 pub const FORWARDED_HEADER: &str = "x-tine-forwarded-by";
+/// The header a proxied session request carries: the name of the host
+/// that passed it on. A host never proxies a request that has it. (A
+/// proxied request may still forward its tool call once: two hops at
+/// most.)
+pub const PROXIED_HEADER: &str = "x-tine-proxied-by";
 /// The environment variable that names this host when the configuration
 /// does not (e.g. a Kubernetes pod's IP or node name).
 pub const HOST_NAME_ENV: &str = "TINE_HOST_NAME";
@@ -150,17 +156,29 @@ pub fn system_host_name() -> String {
     }
 }
 
+/// Whether `h` is a host name as [`host_name`] makes them: ids come from
+/// clients, and the name may go into a peer's URL ([`ClusterConfig::peer_url`]).
+fn is_host_name(h: &str) -> bool {
+    !h.is_empty()
+        && h.len() <= MAX_HOST_NAME
+        && h.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !h.starts_with('-')
+        && !h.ends_with('-')
+}
+
 /// The host a sandbox or process id names: `sb-<host>-<n>[:p<m>]` gives
-/// `<host>`; `None` for an id without one (`sb-3`) or not of that shape.
+/// `<host>`; `None` for an id without one (`sb-3`), not of that shape, or
+/// whose host part is not a host name.
 pub fn host_of(id: &str) -> Option<&str> {
     let sandbox = id.split_once(':').map_or(id, |(s, _)| s);
     let (host, n) = sandbox.strip_prefix("sb-")?.rsplit_once('-')?;
-    (!host.is_empty() && !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit())).then_some(host)
+    (is_host_name(host) && !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit())).then_some(host)
 }
 
-/// The host a session id names: `<host>.<uuid>` gives `<host>`.
+/// The host a session id names: `<host>.<uuid>` gives `<host>` (`None`
+/// when that part is not a host name).
 pub fn session_host(session_id: &str) -> Option<&str> {
-    session_id.split_once('.').map(|(h, _)| h).filter(|h| !h.is_empty())
+    session_id.split_once('.').map(|(h, _)| h).filter(|h| is_host_name(h))
 }
 
 /// Where a tool call runs.
@@ -185,7 +203,9 @@ pub struct Cluster {
     token: Option<String>,
     http: reqwest::Client,
     /// MCP sessions with peers for forwarded tool calls, by peer name.
-    clients: tokio::sync::Mutex<BTreeMap<String, Arc<RunningService<RoleClient, ()>>>>,
+    /// Each peer's slot is locked while its session is made, so a peer
+    /// that is slow to answer holds up only calls to itself.
+    clients: std::sync::Mutex<BTreeMap<String, Arc<PeerClient>>>,
     /// Forwarded calls by peer and outcome, for `/metrics`.
     pub(crate) forwarded: crate::metrics::Forwarded,
 }
@@ -224,7 +244,7 @@ impl Cluster {
             peer_url: config.peer_url.as_ref().map(|t| t.trim_end_matches('/').to_string()),
             token,
             http,
-            clients: tokio::sync::Mutex::new(BTreeMap::new()),
+            clients: std::sync::Mutex::new(BTreeMap::new()),
             forwarded: Default::default(),
         })
     }
@@ -240,6 +260,18 @@ impl Cluster {
     pub fn own_peer_host(&self) -> Option<String> {
         let url = self.peer_url.as_ref()?.replace("{host}", &self.host);
         reqwest::Url::parse(&url).ok()?.host_str().map(str::to_string)
+    }
+
+    /// `host` as the `peer` label of the forwarded-calls metric: a peer of
+    /// `peers`, or one reached through `peer_url`; a failure to reach a
+    /// name only `peer_url` knows counts as `unlisted`, so that clients'
+    /// made-up names do not grow the series.
+    fn peer_label(&self, host: &str, ok: bool) -> String {
+        if ok || self.peers.contains_key(host) {
+            host.to_string()
+        } else {
+            "unlisted".into()
+        }
     }
 
     /// The base URL of peer `host`, if this host can reach it.
@@ -313,7 +345,7 @@ impl Cluster {
             Err(_) => self.forward_once(host, url, request, true).await,
             ok => ok,
         };
-        self.forwarded.observe(host, result.is_ok());
+        self.forwarded.observe(&self.peer_label(host, result.is_ok()), result.is_ok());
         result.map_err(|e| format!("host {host} ({url}) did not take the forwarded call: {e}"))
     }
 
@@ -324,16 +356,17 @@ impl Cluster {
         request: CallToolRequestParams,
         reconnect: bool,
     ) -> Result<CallToolResult, String> {
+        let slot = {
+            let mut clients = self.clients.lock().unwrap_or_else(|p| p.into_inner());
+            clients.entry(host.to_string()).or_default().clone()
+        };
         let client = {
-            let mut clients = self.clients.lock().await;
-            if reconnect {
-                clients.remove(host);
-            }
-            match clients.get(host) {
-                Some(c) if !c.is_transport_closed() => c.clone(),
+            let mut session = slot.lock().await;
+            match session.as_ref() {
+                Some(c) if !reconnect && !c.is_transport_closed() => c.clone(),
                 _ => {
                     let c = Arc::new(self.connect(url).await?);
-                    clients.insert(host.to_string(), c.clone());
+                    *session = Some(c.clone());
                     c
                 }
             }
@@ -356,6 +389,9 @@ impl Cluster {
             .map_err(|e| e.to_string())
     }
 }
+
+/// This host's MCP session with one peer, made on first use.
+type PeerClient = tokio::sync::Mutex<Option<Arc<RunningService<RoleClient, ()>>>>;
 
 /// Sessions named `<host>.<uuid>`, otherwise rmcp's in-process sessions
 /// ([`LocalSessionManager`]), so that any host can tell whose a session
@@ -498,9 +534,9 @@ pub async fn proxy_foreign_session(State(cluster): State<Arc<Cluster>>, req: Req
     else {
         return next.run(req).await;
     };
-    if let Some(by) = req.headers().get(FORWARDED_HEADER).and_then(|v| v.to_str().ok()) {
+    if let Some(by) = req.headers().get(PROXIED_HEADER).and_then(|v| v.to_str().ok()) {
         return session_not_here(format!(
-            "session of host {host}, forwarded here ({}) by {by}: a request is forwarded once at most; check the \
+            "session of host {host}, passed on here ({}) by {by}: a request is passed on once at most; check the \
              hosts' [cluster] peers",
             cluster.host
         ));
@@ -521,7 +557,7 @@ pub async fn proxy_foreign_session(State(cluster): State<Arc<Cluster>>, req: Req
         }
     }
     if let Ok(v) = HeaderValue::from_str(&cluster.host) {
-        headers.insert(HeaderName::from_static(FORWARDED_HEADER), v);
+        headers.insert(HeaderName::from_static(PROXIED_HEADER), v);
     }
     let sent = cluster
         .http
@@ -533,7 +569,7 @@ pub async fn proxy_foreign_session(State(cluster): State<Arc<Cluster>>, req: Req
     let resp = match sent {
         Ok(r) => r,
         Err(e) => {
-            cluster.forwarded.observe(&host, false);
+            cluster.forwarded.observe(&cluster.peer_label(&host, false), false);
             tracing::warn!("session of host {host}: {base} does not answer: {e}");
             return session_not_here(format!(
                 "this session is on host {host}, which does not answer ({e}); its sandboxes are gone with it: start \
@@ -591,6 +627,13 @@ mod tests {
         assert_eq!(host_of("sb-17"), None);
         assert_eq!(host_of("sb-h2-x"), None);
         assert_eq!(host_of("default"), None);
+        // Client-supplied ids cannot point a peer URL elsewhere.
+        for evil in ["sb-evil.com/x-1", "sb-a@b-1", "sb-A-1", "sb--1", "sb-a:b-1"] {
+            assert_eq!(host_of(evil), None, "{evil}");
+        }
+        assert_eq!(session_host("evil.com/x.0f7c"), Some("evil"));
+        assert_eq!(session_host("a/b.0f7c"), None);
+        assert_eq!(session_host("http://x.0f7c"), None);
         assert_eq!(session_host("h2.0f7c"), Some("h2"));
         assert_eq!(session_host("0f7c"), None);
     }

@@ -79,29 +79,17 @@ impl Nginx {
              \x20 include {d}/tine.conf;\n}}\n"
         );
         std::fs::write(dir.path().join("nginx.conf"), main).expect("write nginx.conf");
-        let conf_path = dir.path().join("nginx.conf");
-        let check = Command::new(binary)
-            .arg("-t")
-            .arg("-p")
-            .arg(dir.path())
-            .arg("-e")
-            .arg(dir.path().join("error.log"))
-            .arg("-c")
-            .arg(&conf_path)
-            .output()
-            .expect("run nginx -t");
+        // The prefix, the start-up error log and the configuration: all in
+        // the temporary directory, nothing of the system's nginx.
+        let nginx = || {
+            let mut c = Command::new(binary);
+            c.arg("-p").arg(dir.path()).arg("-e").arg(dir.path().join("error.log"));
+            c.arg("-c").arg(dir.path().join("nginx.conf"));
+            c
+        };
+        let check = nginx().arg("-t").output().expect("run nginx -t");
         assert!(check.status.success(), "nginx -t: {}", String::from_utf8_lossy(&check.stderr));
-        let child = Command::new(binary)
-            .arg("-p")
-            .arg(dir.path())
-            .arg("-e")
-            .arg(dir.path().join("error.log"))
-            .arg("-c")
-            .arg(&conf_path)
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("start nginx");
+        let child = nginx().stdout(Stdio::null()).stderr(Stdio::inherit()).spawn().expect("start nginx");
         let t = Instant::now();
         while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
             assert!(t.elapsed() < Duration::from_secs(20), "nginx does not listen on {port}");
@@ -227,6 +215,11 @@ async fn two_hosts_behind_nginx() {
     assert_eq!(host_of(&own), "h1");
     let proxied = raw_call_via(&h1, &h2, "sandbox_run_python", json!({"sandbox_id": own, "code": "print(y)"})).await;
     assert!(proxied.contains("direct"), "h2 passed h1's session to h1: {proxied}");
+    // Both hops at once: h1's session sent to h2, naming h2's sandbox (h2
+    // passes the request to h1, which forwards the call back to h2).
+    let both =
+        raw_call_via(&h1, &h2, "sandbox_run_python", json!({"sandbox_id": s2, "code": "print('both', x)"})).await;
+    assert!(both.contains(&format!("both {}", i2 * 7)), "proxied, then forwarded: {both}");
 
     // /metrics after a create, an exec, a branch and a kill (on h1).
     call(&direct, "sandbox_exec", json!({"command": "true"})).await.unwrap();
