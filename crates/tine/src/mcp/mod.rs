@@ -713,18 +713,20 @@ impl ServerHandler for TineMcp {
                 let tcc = ToolCallContext::new(self, request, context);
                 self.tool_router.call(tcc).await
             }
-            Ok(Route::Forward { host, url }) => match self.cluster.forward(&host, &url, request).await {
-                Ok(r) => Ok(CallToolResponse::Complete(r)),
-                Err(message) => Ok(CallToolResponse::Complete(refused(message))),
-            },
+            Ok(Route::Forward { host, url }) => {
+                Ok(CallToolResponse::Complete(self.cluster.forward(&host, &url, request).await.unwrap_or_else(refused)))
+            }
             Err(message) => Ok(CallToolResponse::Complete(refused(message))),
         };
         let response = response.map(|r| match r {
             CallToolResponse::Complete(r) => CallToolResponse::Complete(budget::guard(&tool, r)),
             other => other,
         });
-        let ok = matches!(&response, Ok(CallToolResponse::Complete(r)) if r.is_error != Some(true))
-            || matches!(&response, Ok(r) if !matches!(r, CallToolResponse::Complete(_)));
+        let ok = match &response {
+            Ok(CallToolResponse::Complete(r)) => r.is_error != Some(true),
+            Ok(_) => true,
+            Err(_) => false,
+        };
         // Known tools only: a client's made-up names must not grow the series.
         let label = if self.tool_router.map.contains_key(tool.as_ref()) { tool.as_ref() } else { "unknown" };
         self.metrics.tool_call(label, started.elapsed(), ok);
