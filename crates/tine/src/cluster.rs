@@ -287,30 +287,24 @@ impl Cluster {
     /// name two hosts, a host this one cannot reach, or another host in a
     /// call that was already forwarded.
     pub fn route(&self, tool: &str, args: Option<&JsonObject>, forwarded_by: Option<&str>) -> Result<Route, String> {
-        let mut foreign: Option<(&str, &str)> = None;
-        let mut local: Option<&str> = None;
+        // The host of the first id named (an id without one is this
+        // host's); every other id must name the same host.
+        let mut named: Option<(&str, &str)> = None;
         for key in ID_ARGUMENTS {
             let Some(id) = args.and_then(|a| a.get(key)).and_then(|v| v.as_str()) else { continue };
-            match host_of(id) {
-                Some(h) if h != self.host => match foreign {
-                    Some((other, other_id)) if other != h => {
-                        return Err(format!(
-                            "{tool} names sandboxes on two hosts ({other_id} on {other}, {id} on {h}); it works \
-                             within one host"
-                        ))
-                    }
-                    _ => foreign = Some((h, id)),
-                },
-                _ => local = Some(id),
+            let host = host_of(id).unwrap_or(&self.host);
+            match named {
+                Some((first_host, first)) if first_host != host => {
+                    return Err(format!(
+                        "{tool} names sandboxes on two hosts ({first} on {first_host}, {id} on {host}); it works \
+                         within one host"
+                    ))
+                }
+                Some(_) => {}
+                None => named = Some((host, id)),
             }
         }
-        let Some((host, id)) = foreign else { return Ok(Route::Local) };
-        if let Some(local) = local {
-            return Err(format!(
-                "{tool} names sandboxes on two hosts ({local} on {}, {id} on {host}); it works within one host",
-                self.host
-            ));
-        }
+        let Some((host, id)) = named.filter(|(h, _)| *h != self.host) else { return Ok(Route::Local) };
         if let Some(by) = forwarded_by {
             return Err(format!(
                 "{id} is on host {host}, not on {} (which got this call forwarded from {by}); a call is forwarded \

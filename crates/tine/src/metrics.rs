@@ -124,8 +124,7 @@ impl Metrics {
     /// The series of the module's table, `forwarded` among them, with
     /// `host` in `tine_build_info`.
     pub fn new(host: &str, forwarded: &Forwarded) -> Arc<Self> {
-        let mut registry = Registry::default();
-        let m = Metrics {
+        let mut m = Metrics {
             sandboxes: Family::default(),
             created: Family::default(),
             start: Family::new_with_constructor(latency),
@@ -139,41 +138,41 @@ impl Metrics {
             sessions: Gauge::default(),
             registry: Registry::default(),
         };
-        registry.register("tine_sandboxes", "Sandboxes on this host by state", m.sandboxes.clone());
-        registry.register(
+        m.registry.register("tine_sandboxes", "Sandboxes on this host by state", m.sandboxes.clone());
+        m.registry.register(
             "tine_sandboxes_created",
             "Sandboxes made ready, by where their VM came from",
             m.created.clone(),
         );
-        registry.register(
+        m.registry.register(
             "tine_sandbox_start_seconds",
             "VM start to agent ready (s), by where the VM came from",
             m.start.clone(),
         );
-        registry.register("tine_sandboxes_killed", "Sandboxes killed, on request or idle", m.killed.clone());
-        registry.register("tine_tool_calls", "MCP tool calls by tool and outcome", m.tool_calls.clone());
-        registry.register("tine_tool_call_duration_seconds", "MCP tool call time (s)", m.tool_duration.clone());
-        registry.register(
+        m.registry.register("tine_sandboxes_killed", "Sandboxes killed, on request or idle", m.killed.clone());
+        m.registry.register("tine_tool_calls", "MCP tool calls by tool and outcome", m.tool_calls.clone());
+        m.registry.register("tine_tool_call_duration_seconds", "MCP tool call time (s)", m.tool_duration.clone());
+        m.registry.register(
             "tine_guest_memory_bytes",
             "Guest memory reserved by sandboxes, branch points and loaded templates (bytes)",
             m.guest_memory.clone(),
         );
-        registry.register("tine_guest_memory_budget_bytes", "The guest memory budget (bytes)", m.budget.clone());
-        registry.register("tine_pool_ready", "Warm pool sandboxes ready", m.pool_ready.clone());
-        registry.register("tine_pool_size", "Warm pool sandboxes wanted", m.pool_size.clone());
-        registry.register("tine_mcp_sessions", "MCP sessions open on this host", m.sessions.clone());
-        registry.register(
+        m.registry.register("tine_guest_memory_budget_bytes", "The guest memory budget (bytes)", m.budget.clone());
+        m.registry.register("tine_pool_ready", "Warm pool sandboxes ready", m.pool_ready.clone());
+        m.registry.register("tine_pool_size", "Warm pool sandboxes wanted", m.pool_size.clone());
+        m.registry.register("tine_mcp_sessions", "MCP sessions open on this host", m.sessions.clone());
+        m.registry.register(
             "tine_forwarded_calls",
             "Requests and tool calls passed to other hosts, by peer and outcome",
             forwarded.0.clone(),
         );
         let build: Family<BuildLabels, Gauge> = Family::default();
         build.get_or_create(&BuildLabels { version: env!("CARGO_PKG_VERSION"), host: host.to_string() }).set(1);
-        registry.register("tine_build_info", "This server's version and host name", build);
+        m.registry.register("tine_build_info", "This server's version and host name", build);
         for (_, state) in STATES {
             m.sandboxes.get_or_create(&StateLabel { state }).set(0);
         }
-        Arc::new(Metrics { registry, ..m })
+        Arc::new(m)
     }
 
     /// One tool call of `tool` that took `took` and failed or not.
