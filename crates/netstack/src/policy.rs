@@ -80,12 +80,28 @@ pub struct ServerNetPolicy {
 }
 
 /// Errors of a policy.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
 pub enum PolicyError {
     /// An entry is neither a domain, a wildcard domain, an address nor a CIDR.
     #[error("network rule {0:?} is not a domain, *.domain, IP address or CIDR")]
     BadRule(String),
+    /// An allow or deny list is longer than [`MAX_RULES`].
+    #[error("the {list} list has {got} entries, at most {MAX_RULES} are allowed")]
+    TooManyRules {
+        /// "allow" or "deny".
+        list: &'static str,
+        /// Entries given.
+        got: usize,
+    },
 }
+
+/// Longest allow or deny entry (bytes): a domain of 253 (RFC 1035
+/// §2.3.4) with a `*.` prefix; addresses and CIDRs are shorter.
+pub const MAX_RULE_BYTES: usize = 255;
+
+/// Most entries of one allow or deny list. Every new connection is judged
+/// against each entry, so the list's length is work per connection.
+pub const MAX_RULES: usize = 1024;
 
 /// Allowed or denied, with the rule that decided.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -208,9 +224,16 @@ struct Rule {
 
 impl Rule {
     fn parse(entry: &str) -> Result<Self, PolicyError> {
-        let bad = || PolicyError::BadRule(entry.to_string());
+        // The entry as an error shows it: at most 64 characters of it.
+        let bad = || {
+            let mut shown: String = entry.chars().take(64).collect();
+            if shown.len() < entry.len() {
+                shown.push_str("...");
+            }
+            PolicyError::BadRule(shown)
+        };
         let e = entry.trim();
-        if e.is_empty() {
+        if e.is_empty() || entry.len() > MAX_RULE_BYTES {
             return Err(bad());
         }
         if let Ok(ip) = IpAddr::from_str(e) {
@@ -319,9 +342,16 @@ pub struct CompiledPolicy {
 impl CompiledPolicy {
     /// Checks and compiles `policy`.
     ///
-    /// Errors: [`PolicyError::BadRule`] naming the first bad entry (deny
-    /// list first, then allow list).
+    /// Errors: [`PolicyError::TooManyRules`] for a list longer than
+    /// [`MAX_RULES`] (checked before any entry is parsed),
+    /// [`PolicyError::BadRule`] naming the first bad entry (deny list
+    /// first, then allow list).
     pub fn new(policy: &NetworkPolicy, server: &ServerNetPolicy) -> Result<Self, PolicyError> {
+        for (list, rules) in [("deny", &policy.deny), ("allow", &policy.allow)] {
+            if rules.len() > MAX_RULES {
+                return Err(PolicyError::TooManyRules { list, got: rules.len() });
+            }
+        }
         let deny = policy.deny.iter().map(|e| Rule::parse(e)).collect::<Result<Vec<_>, _>>()?;
         let allow = policy.allow.iter().map(|e| Rule::parse(e)).collect::<Result<Vec<_>, _>>()?;
         let blocked = BLOCKED_RANGES.iter().filter_map(|(cidr, _)| IpNet::from_str(cidr).ok()).collect();
@@ -503,15 +533,30 @@ mod tests {
             &long_label,
             &long_name,
         ];
+        // The error shows an entry whole up to 64 characters.
+        let shown = |entry: &str| match entry.len() {
+            0..=64 => entry.to_string(),
+            _ => format!("{}...", &entry[..64]),
+        };
         for entry in bad {
             assert!(
-                matches!(Rule::parse(entry), Err(PolicyError::BadRule(e)) if e == entry),
+                matches!(Rule::parse(entry), Err(PolicyError::BadRule(e)) if e == shown(entry)),
                 "{entry:?} should be refused"
             );
         }
         let p = NetworkPolicy { allow: vec!["ok.com".into(), "no good".into()], ..Default::default() };
         let e = CompiledPolicy::new(&p, &ServerNetPolicy::default()).unwrap_err();
         assert_eq!(e.to_string(), "network rule \"no good\" is not a domain, *.domain, IP address or CIDR");
+        // A megabyte entry is refused by its length, and not echoed.
+        let huge = "a".repeat(1 << 20);
+        let e = Rule::parse(&huge).err().unwrap().to_string();
+        assert!(e.len() < 200, "{e}");
+        // Lists are bounded before any entry is parsed.
+        let p = NetworkPolicy { deny: vec!["not a rule".into(); MAX_RULES + 1], ..Default::default() };
+        let e = CompiledPolicy::new(&p, &ServerNetPolicy::default()).unwrap_err();
+        assert_eq!(e, PolicyError::TooManyRules { list: "deny", got: MAX_RULES + 1 });
+        let p = NetworkPolicy { allow: vec!["a.com".into(); MAX_RULES], ..Default::default() };
+        assert!(CompiledPolicy::new(&p, &ServerNetPolicy::default()).is_ok(), "{MAX_RULES} rules are allowed");
     }
 
     #[test]

@@ -27,7 +27,7 @@ use std::sync::Arc;
 use netstack::control::NetControl;
 pub use netstack::log::{NetRecord, Protocol};
 use netstack::policy::{CompiledPolicy, PolicyError, ServerNetPolicy};
-pub use netstack::policy::{Egress, NetworkPolicy};
+pub use netstack::policy::{Egress, NetworkPolicy, MAX_RULES as MAX_POLICY_RULES};
 use netstack::stack::StackConfig;
 use serde::Deserialize;
 
