@@ -97,16 +97,19 @@ impl Manager {
             SandboxState::Running | SandboxState::Paused => {}
             state => return Err(SandboxError::BadState { id: source.id.clone(), state, what: "a branch" }),
         }
+        // The count first: nothing below may be made n times (memory parts,
+        // network controls, ids) before n is known to fit (`reserve` checks
+        // again under the map's lock).
+        let room = self.config.limits.max_sandboxes.saturating_sub(self.live_count());
+        if n == 0 || n > room {
+            return Err(SandboxError::BranchCount { n, max: room });
+        }
         // Admission: the children and the branch point are reserved before
-        // anything is copied (a count out of range is refused below).
+        // anything is copied.
         let mib = source.memory_mib;
-        let mut memory = if (1..=self.config.limits.max_sandboxes).contains(&n) {
-            let mut parts = vec![(MemoryUse::Sandbox, mib); n];
-            parts.push((MemoryUse::BranchPoint, mib));
-            self.admit("branch", &parts)?
-        } else {
-            Vec::new()
-        };
+        let mut parts = vec![(MemoryUse::Sandbox, mib); n];
+        parts.push((MemoryUse::BranchPoint, mib));
+        let mut memory = self.admit("branch", &parts)?;
         let mut point_memory = memory.pop();
         let children = self.reserve_children(&source, n, cx.owner.or(source.owner()))?;
         for (child, r) in children.iter().zip(memory) {
@@ -204,7 +207,8 @@ impl Manager {
     }
 
     /// Puts `n` children of `source` in the map, starting, within the
-    /// live-sandbox cap.
+    /// live-sandbox cap. The caller has checked `n` against the cap: a
+    /// network control is made per child first.
     fn reserve_children(
         &self,
         source: &Sandbox,

@@ -320,7 +320,7 @@ impl Manager {
         *lock(&sb.handout) = Some(handout);
         {
             let mut map = lock(&self.sandboxes);
-            let live = map.values().filter(|s| s.state().is_live()).count();
+            let live = live_in(&map);
             let max = self.config.limits.max_sandboxes;
             if self.shutting_down.load(Ordering::SeqCst) {
                 drop(map);
@@ -438,9 +438,10 @@ impl Manager {
         if self.shutting_down.load(Ordering::SeqCst) {
             return Err(SandboxError::ShuttingDown);
         }
-        let live = map.values().filter(|s| s.state().is_live()).count();
+        let live = live_in(&map);
         let max = self.config.limits.max_sandboxes;
-        if n == 0 || live + n > max {
+        // Not `live + n > max`: a client's n near usize::MAX would wrap.
+        if n == 0 || n > max.saturating_sub(live) {
             return Err(SandboxError::TooMany { live, max });
         }
         let mut made = Vec::with_capacity(n);
@@ -451,6 +452,11 @@ impl Manager {
             made.push(sb);
         }
         Ok(made)
+    }
+
+    /// Live sandboxes (starting, running or paused) now.
+    pub(super) fn live_count(&self) -> usize {
+        live_in(&lock(&self.sandboxes))
     }
 
     /// Takes `sb` down: forgets it (if the map still holds it), ends it
@@ -777,4 +783,9 @@ fn reseed_request() -> Result<Reseed, SandboxError> {
         .map_err(|source| SandboxError::Io { what: "read /dev/urandom".into(), source })?;
     let unix_time_ns = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
     Ok(Reseed { entropy, unix_time_ns })
+}
+
+/// Live sandboxes (those [`SandboxState::is_live`] counts) in `map`.
+fn live_in(map: &BTreeMap<SandboxId, Arc<Sandbox>>) -> usize {
+    map.values().filter(|s| s.state().is_live()).count()
 }

@@ -226,6 +226,15 @@ async fn branch_children_record_their_parent_and_merge_takes_the_childs_vm() {
     assert!(matches!(e, SandboxError::BranchCount { n: 2, max: 1 }), "{e}");
     let e = s.manager.branch(&parent, 0).await.unwrap_err();
     assert!(matches!(e, SandboxError::BranchCount { n: 0, .. }), "{e}");
+    // Counts a client can send that no cap admits are refused before
+    // anything is made per child (a network control, a memory part, an id)
+    // and without wrapping `live + n`.
+    let before = (s.manager.len(), s.manager.memory_use().1);
+    for n in [1 << 63, usize::MAX, usize::MAX - 1] {
+        let e = s.manager.branch(&parent, n).await.unwrap_err();
+        assert!(matches!(e, SandboxError::BranchCount { max: 1, .. }), "{n}: {e}");
+    }
+    assert_eq!((s.manager.len(), s.manager.memory_use().1), before, "nothing reserved");
     // Children that fail to start are all discarded.
     s.backend.fail_next_starts(1);
     let e = s.manager.branch("sb-2", 1).await.unwrap_err();
