@@ -220,8 +220,12 @@ impl Manager {
     }
 
     /// Runs a `bash -c` command, or a program without a shell (`argv`).
+    /// The call's `env` follows the sandbox environment's rules (at most
+    /// 256 variables and 64 KiB, names of `[A-Za-z0-9_]`), checked before
+    /// anything is sent.
     ///
-    /// Errors: those of agent calls ([`SandboxError::NotFound`],
+    /// Errors: [`SandboxError::Agent`] with `InvalidRequest` for the
+    /// environment, and those of agent calls ([`SandboxError::NotFound`],
     /// [`SandboxError::Starting`], [`SandboxError::NotRunning`],
     /// [`SandboxError::Agent`], [`SandboxError::Timeout`],
     /// [`SandboxError::Connection`]).
@@ -237,6 +241,7 @@ impl Manager {
     /// Errors: as [`Manager::exec`].
     pub async fn exec_with(&self, id: &str, req: ExecRequest, cx: &CallContext) -> Result<ExecReply, SandboxError> {
         let limits = tine_protocol::effective_limits(req.timeout_ms, req.output_limit)?;
+        tine_protocol::check_sandbox_env(&req.env)?;
         let exec = Exec {
             command: req.shell_or_argv(),
             cwd: req.cwd,

@@ -272,9 +272,9 @@ impl Manager {
     /// it ends or is signalled; its buffers hold the last 256 KiB per
     /// stream).
     ///
-    /// Errors: those of agent calls (as [`Manager::exec`]),
-    /// [`SandboxError::TooManyProcesses`], [`SandboxError::Agent`] with
-    /// `TooLarge` (stdin).
+    /// Errors: those of agent calls (as [`Manager::exec`], the
+    /// environment's check included), [`SandboxError::TooManyProcesses`],
+    /// [`SandboxError::Agent`] with `TooLarge` (stdin).
     pub async fn spawn(&self, id: &str, req: ExecRequest, close_stdin: bool) -> Result<ProcessInfo, SandboxError> {
         if req.stdin.len() > MAX_SPAWN_STDIN {
             return Err(SandboxError::Agent(AgentError::TooLarge {
@@ -282,6 +282,7 @@ impl Manager {
                 limit: MAX_SPAWN_STDIN as u64,
             }));
         }
+        tine_protocol::check_sandbox_env(&req.env)?;
         let spawn = Spawn { command: req.shell_or_argv(), cwd: req.cwd, env: req.env, stdin: req.stdin, close_stdin };
         let p = self
             .with_agent(id, |a| async move { a.spawn(spawn, SHORT_CALL).await })
