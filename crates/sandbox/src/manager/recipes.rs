@@ -186,6 +186,17 @@ impl Recipe {
 }
 
 impl Manager {
+    /// [`Recipe::check`], and the recipe's vCPUs and memory within this
+    /// server's limits, before the build's record is made.
+    ///
+    /// Errors: as [`Recipe::check`]; [`SandboxError::Limits`].
+    fn check_recipe(&self, recipe: &Recipe) -> Result<(), SandboxError> {
+        recipe.check()?;
+        self.config.limits.vcpus(recipe.vcpus)?;
+        self.config.limits.memory_mib(recipe.memory_mib)?;
+        Ok(())
+    }
+
     /// Template `name`'s build record, if one runs or failed.
     pub(super) fn build_records(&self) -> Vec<TemplateInfo> {
         lock(&self.builds).iter().map(|(name, r)| r.info(name)).collect()
@@ -206,10 +217,11 @@ impl Manager {
     /// (`building`). Follow it with [`Manager::templates`] or
     /// [`Manager::wait_template_build`].
     ///
-    /// Errors: as [`Recipe::check`]; [`TemplateError::Building`] when a
-    /// build of that name runs.
+    /// Errors: as [`Recipe::check`]; [`SandboxError::Limits`] for vCPUs or
+    /// memory out of range; [`TemplateError::Building`] when a build of
+    /// that name runs.
     pub fn start_template_build(self: &Arc<Self>, recipe: Recipe) -> Result<TemplateInfo, SandboxError> {
-        recipe.check()?;
+        self.check_recipe(&recipe)?;
         let record = BuildRecord {
             state: TemplateState::Building,
             detail: "starting the builder sandbox".into(),
@@ -267,7 +279,7 @@ impl Manager {
         recipe: &Recipe,
         cx: &CallContext,
     ) -> Result<TemplateInfo, SandboxError> {
-        recipe.check()?;
+        self.check_recipe(recipe)?;
         let t0 = Instant::now();
         let steps = recipe.setup.len() as f64 + 2.0;
         let report = |step: f64, message: String| cx.progress.report(step, Some(steps), message);
