@@ -120,6 +120,9 @@ impl Manager {
         if sb.state() == SandboxState::Starting {
             return Err(SandboxError::Starting(sb.id.clone()));
         }
+        // The quotas before the warm-up (checked again under the sandbox's
+        // control, when the template is written).
+        self.check_template_quota(name)?;
         // A template of a pooled sandbox carries its environment.
         sb.handed_out().await?;
         sb.touch();
@@ -150,14 +153,22 @@ impl Manager {
         Ok(())
     }
 
+    /// Whether one more template `name` fits `max_templates` and
+    /// `max_template_disk_mib`.
+    ///
+    /// Errors: [`TemplateError::Quota`].
+    fn check_template_quota(&self, name: &str) -> Result<(), TemplateError> {
+        let limits = &self.config.limits;
+        self.templates.check_quota(name, limits.max_templates, limits.max_template_disk_mib.saturating_mul(1 << 20))
+    }
+
     fn snapshot_blocking(&self, sb: &Sandbox, name: &str, replace: bool) -> Result<(), SandboxError> {
         let _control = sb.control.blocking_lock();
         let state = sb.state();
         if !matches!(state, SandboxState::Running | SandboxState::Paused) {
             return Err(SandboxError::BadState { id: sb.id.clone(), state, what: "a snapshot" });
         }
-        let limits = &self.config.limits;
-        self.templates.check_quota(name, limits.max_templates, limits.max_template_disk_mib << 20)?;
+        self.check_template_quota(name)?;
         let tmp = self.templates.begin(name, replace)?;
         let (kernel, rootfs) = self.templates.images()?;
         let taken = {
