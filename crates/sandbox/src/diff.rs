@@ -29,6 +29,11 @@ pub const MAX_UNIFIED_DIFF_BYTES: usize = 1 << 20;
 /// Most bytes of unified diffs in one report; past it the remaining
 /// files get none and the report is marked `truncated`.
 pub const MAX_UNIFIED_TOTAL_BYTES: usize = 4 << 20;
+/// Most bytes of files read (both sides, by their manifest sizes) for the
+/// unified diffs of one report: 64 MiB, whatever `max_text_bytes` asks
+/// (256 files of 8 MiB on each side would be 4 GiB); past it the remaining
+/// files get none and the report is marked `truncated`.
+pub const MAX_UNIFIED_READ_BYTES: u64 = 64 << 20;
 /// Longest time spent computing one file's line diff; past it the diff is
 /// coarser (still correct).
 const LINE_DIFF_TIMEOUT: Duration = Duration::from_secs(1);

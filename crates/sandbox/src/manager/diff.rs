@@ -8,8 +8,8 @@ use tine_protocol::{Manifest, MAX_FILE_CHUNK};
 
 use super::{task_failed, Manager, SandboxError};
 use crate::diff::{
-    batches, compare, unified_diff, wants_text, DiffOptions, DiffReport, MANIFEST_CALL, MAX_UNIFIED_DIFF_BYTES,
-    MAX_UNIFIED_FILES, MAX_UNIFIED_TOTAL_BYTES,
+    batches, compare, unified_diff, wants_text, DiffOptions, DiffReport, EntrySummary, MANIFEST_CALL,
+    MAX_UNIFIED_DIFF_BYTES, MAX_UNIFIED_FILES, MAX_UNIFIED_READ_BYTES, MAX_UNIFIED_TOTAL_BYTES,
 };
 
 impl Manager {
@@ -27,7 +27,8 @@ impl Manager {
     /// guests answer: manifests of at most
     /// [`tine_protocol::MAX_MANIFEST_ENTRIES`] entries per call (larger
     /// ones are refused), unified diffs of at most [`MAX_UNIFIED_DIFF_BYTES`]
-    /// each and [`MAX_UNIFIED_TOTAL_BYTES`] in all (the rest left out,
+    /// each and [`MAX_UNIFIED_TOTAL_BYTES`] in all, files read for them of
+    /// at most [`MAX_UNIFIED_READ_BYTES`] in all (the rest left out,
     /// `truncated` set); the comparison and the line diffs run on the
     /// blocking pool, off the async threads.
     ///
@@ -58,15 +59,23 @@ impl Manager {
             let max = opts.max_text_bytes.min(MAX_FILE_CHUNK - 1);
             let mut budget = MAX_UNIFIED_FILES;
             let mut bytes_left = MAX_UNIFIED_TOTAL_BYTES;
+            let mut read_left = MAX_UNIFIED_READ_BYTES;
             for c in changes.added.iter_mut().chain(&mut changes.removed).chain(&mut changes.modified) {
                 if budget == 0 {
                     break;
                 }
                 if wants_text(c, max) {
+                    let size = |s: &Option<EntrySummary>| s.as_ref().map_or(0, |s| s.size);
+                    let reads = size(&c.a).saturating_add(size(&c.b));
                     if bytes_left == 0 {
                         truncated = true;
                         break;
                     }
+                    if reads > read_left {
+                        truncated = true;
+                        continue;
+                    }
+                    read_left -= reads;
                     budget -= 1;
                     let (old, new) = tokio::join!(
                         self.text(a, &c.path, c.a.is_some(), max),
