@@ -91,6 +91,9 @@ pub enum ServeError {
     /// The file-URL signing key cannot be made.
     #[error("{0}")]
     Files(crate::files_url::UrlError),
+    /// A tool's input schema does not compile (a bug in a parameter type).
+    #[error("{0}")]
+    Tools(String),
 }
 
 /// Checks `Authorization: Bearer <token>` in constant time (RFC 6750 §2.1);
@@ -187,7 +190,15 @@ async fn metrics_text(
 /// URLs (from `files`) need no token. Cancelling `cancel` ends every MCP
 /// session and its streams. Starts following the manager's events for the
 /// metrics (call it in a Tokio runtime).
-pub fn router(manager: Arc<Manager>, opts: &ServeOptions, files: FileUrls, cancel: &CancellationToken) -> Router {
+///
+/// Errors: [`ServeError::Tools`] for a tool whose input schema does not
+/// compile ([`crate::mcp::Tools`]).
+pub fn router(
+    manager: Arc<Manager>,
+    opts: &ServeOptions,
+    files: FileUrls,
+    cancel: &CancellationToken,
+) -> Result<Router, ServeError> {
     let mcp_config = StreamableHttpServerConfig::default()
         .with_allowed_hosts(opts.allowed_hosts.clone())
         .with_allowed_origins(opts.allowed_origins.clone())
@@ -201,8 +212,14 @@ pub fn router(manager: Arc<Manager>, opts: &ServeOptions, files: FileUrls, cance
     let metrics = Metrics::new(cluster.host(), &cluster.forwarded);
     metrics.follow(&manager);
     let files = Arc::new(files);
-    let shared =
-        Shared { manager: manager.clone(), files: files.clone(), cluster: cluster.clone(), metrics: metrics.clone() };
+    let tools = Arc::new(crate::mcp::Tools::new(&manager).map_err(ServeError::Tools)?);
+    let shared = Shared {
+        manager: manager.clone(),
+        files: files.clone(),
+        cluster: cluster.clone(),
+        metrics: metrics.clone(),
+        tools,
+    };
     let mcp = StreamableHttpService::new(move || Ok(TineMcp::new(&shared)), sessions.clone(), mcp_config);
     let mcp_router = Router::new()
         .nest_service("/mcp", mcp)
@@ -216,11 +233,11 @@ pub fn router(manager: Arc<Manager>, opts: &ServeOptions, files: FileUrls, cance
     if let Some(token) = &token {
         protected = protected.layer(axum::middleware::from_fn_with_state(token.clone(), require_bearer));
     }
-    Router::new()
+    Ok(Router::new()
         .route("/healthz", get(healthz))
         .with_state((manager.clone(), token))
         .merge(protected)
-        .merge(crate::files_url::routes(manager, files))
+        .merge(crate::files_url::routes(manager, files)))
 }
 
 /// Serves until SIGTERM/SIGINT, then ends every session and kills every
@@ -230,7 +247,7 @@ pub fn router(manager: Arc<Manager>, opts: &ServeOptions, files: FileUrls, cance
 pub async fn serve(manager: Arc<Manager>, opts: ServeOptions) -> Result<(), ServeError> {
     let cancel = CancellationToken::new();
     let files = FileUrls::new(opts.public_url.clone(), opts.listen).map_err(ServeError::Files)?;
-    let app = router(manager.clone(), &opts, files, &cancel);
+    let app = router(manager.clone(), &opts, files, &cancel)?;
     let listener = tokio::net::TcpListener::bind(opts.listen)
         .await
         .map_err(|source| ServeError::Bind { addr: opts.listen, source })?;

@@ -50,7 +50,7 @@ pub use lifecycle::SandboxSpec;
 pub use network::NetworkLog;
 pub use pool::PoolStatus;
 pub use processes::{ProcessId, ProcessInfo, ProcessPage, ProcessState, WaitResult, WaitSpec};
-pub use recipes::{Recipe, SetupStep};
+pub use recipes::{Recipe, SetupStep, MAX_FILES, MAX_STEPS};
 use sandbox::Sandbox;
 pub use sandbox::{Lineage, SandboxInfo, SandboxState, Usage};
 pub use settings::SandboxUpdate;

@@ -60,9 +60,10 @@ pub enum ToolError {
         /// Its stderr (cut).
         stderr: String,
     },
-    /// `sandbox_upload`'s data is larger than one call may carry.
-    #[error("{bytes} bytes exceed the 8 MiB upload limit; split the file")]
-    UploadTooLarge {
+    /// `sandbox_upload`'s data or `sandbox_files_write`'s content is larger
+    /// than one call may write.
+    #[error("{bytes} bytes exceed the 8 MiB one call may write; sandbox_files_url moves a file of any size")]
+    WriteTooLargeForOneCall {
         /// The decoded size (bytes).
         bytes: usize,
     },

@@ -14,6 +14,7 @@ use serde::{Deserialize, Serialize};
 use tine_protocol::FileKind;
 use tine_sandbox::ExecRequest;
 
+use super::bounds::{MAX_ID_CHARS, MAX_PATH_CHARS};
 use super::errors::ToolError;
 use super::TineMcp;
 use crate::files_url::{check_path, UrlMethod, DEFAULT_TTL_SECS, MAX_TTL_SECS};
@@ -28,13 +29,16 @@ const TAR_TIMEOUT_MS: u32 = 600_000;
 #[derive(Debug, Deserialize, JsonSchema)]
 pub struct FilesUrlParams {
     /// The sandbox (default: this session's own sandbox).
+    #[schemars(length(max = MAX_ID_CHARS))]
     pub sandbox_id: Option<String>,
     /// Absolute path of the file in the sandbox (for PUT: created or
     /// replaced once the upload completes).
+    #[schemars(length(min = 1, max = MAX_PATH_CHARS))]
     pub path: String,
     /// "GET" to download the file, "PUT" to upload it.
     pub method: UrlMethod,
     /// Seconds the URL stays valid (default 900, at most 86400).
+    #[schemars(range(min = 1, max = MAX_TTL_SECS))]
     pub ttl_secs: Option<u64>,
 }
 
@@ -60,8 +64,10 @@ pub struct FilesUrlResult {
 #[derive(Debug, Deserialize, JsonSchema)]
 pub struct DownloadDirParams {
     /// The sandbox (default: this session's own sandbox).
+    #[schemars(length(max = MAX_ID_CHARS))]
     pub sandbox_id: Option<String>,
     /// Absolute path of the directory in the sandbox.
+    #[schemars(length(min = 1, max = MAX_PATH_CHARS))]
     pub path: String,
 }
 

@@ -18,6 +18,7 @@
 //! log messages about its sandboxes ([`logging`]); background processes
 //! have their own tools ([`processes`]).
 
+pub mod bounds;
 pub mod budget;
 mod errors;
 mod files;
@@ -104,8 +105,9 @@ fn router() -> ToolRouter<TineMcp> {
 /// Tools whose description ends with what network the sandbox has.
 const CODE_TOOLS: [&str; 4] = ["sandbox_create", "sandbox_exec", "sandbox_run_python", "sandbox_run_code"];
 
-/// The router with the server's network stated in the descriptions of the
-/// tools that run code ([`CODE_TOOLS`]).
+/// The router for `manager`'s server: the server's network stated in the
+/// descriptions of the tools that run code ([`CODE_TOOLS`]), and the
+/// bounds of its `[limits]` in the input schemas ([`bounds::apply_limits`]).
 fn router_for(manager: &Manager) -> ToolRouter<TineMcp> {
     let mut router = router();
     let network = manager.network_summary();
@@ -115,7 +117,29 @@ fn router_for(manager: &Manager) -> ToolRouter<TineMcp> {
             route.attr.description = Some(format!("{d} {network}").into());
         }
     }
+    bounds::apply_limits(bounds::input_schemas(&mut router), manager.limits());
     router
+}
+
+/// The tools as this server lists them, and their arguments' check; made
+/// once per server, shared by every session.
+pub struct Tools {
+    router: ToolRouter<TineMcp>,
+    check: bounds::ArgCheck,
+}
+
+impl Tools {
+    /// The tools of `manager`'s server ([`router_for`]), their schemas
+    /// compiled for [`bounds::ArgCheck`].
+    ///
+    /// Errors: a tool whose input schema is not valid JSON Schema (a bug,
+    /// found at start).
+    pub fn new(manager: &Manager) -> Result<Self, String> {
+        let router = router_for(manager);
+        let check =
+            bounds::ArgCheck::new(router.map.values().map(|r| (r.attr.name.as_ref(), r.attr.input_schema.as_ref())))?;
+        Ok(Tools { router, check })
+    }
 }
 
 /// One MCP session's handler.
@@ -133,6 +157,8 @@ pub struct TineMcp {
     cluster: Arc<Cluster>,
     /// Tool calls are counted and timed here.
     metrics: Arc<Metrics>,
+    /// Every call's arguments are checked against its tool's schema first.
+    tools: Arc<Tools>,
     tool_router: ToolRouter<Self>,
 }
 
@@ -147,6 +173,8 @@ pub struct Shared {
     pub cluster: Arc<Cluster>,
     /// The server's metrics.
     pub metrics: Arc<Metrics>,
+    /// The tools and their arguments' check.
+    pub tools: Arc<Tools>,
 }
 
 #[tool_router]
@@ -156,7 +184,7 @@ impl TineMcp {
         static NEXT_KEY: AtomicU64 = AtomicU64::new(1);
         let key = NEXT_KEY.fetch_add(1, Ordering::Relaxed);
         let manager = shared.manager.clone();
-        let tool_router = router_for(&manager);
+        let tool_router = shared.tools.router.clone();
         TineMcp {
             session: Arc::new(SessionSandbox::new(manager.clone())),
             manager,
@@ -165,6 +193,7 @@ impl TineMcp {
             files: shared.files.clone(),
             cluster: shared.cluster.clone(),
             metrics: shared.metrics.clone(),
+            tools: shared.tools.clone(),
             tool_router,
         }
     }
@@ -597,7 +626,10 @@ impl TineMcp {
             // A character cut by the chunk's end is read next time.
             let cut_at_end = e.error_len().is_none() && read as u64 == length && e.valid_up_to() > 0;
             if !cut_at_end {
-                return Err(ToolError::NotUtf8 { path: p.path, offset: p.offset + e.valid_up_to() as u64 });
+                return Err(ToolError::NotUtf8 {
+                    path: p.path,
+                    offset: p.offset.saturating_add(e.valid_up_to() as u64),
+                });
             }
             data.truncate(e.valid_up_to());
         }
@@ -610,9 +642,9 @@ impl TineMcp {
             content,
             offset: p.offset,
             bytes: n,
-            next_offset: p.offset + n,
+            next_offset: p.offset.saturating_add(n),
             size: f.size,
-            remaining: f.size.saturating_sub(p.offset + n),
+            remaining: f.size.saturating_sub(p.offset.saturating_add(n)),
             truncated: n < read as u64,
         }))
     }
@@ -626,6 +658,9 @@ impl TineMcp {
         &self,
         Parameters(p): Parameters<WriteParams>,
     ) -> Result<Json<WriteResult>, ToolError> {
+        if p.content.len() as u64 > MAX_FILE_CHUNK {
+            return Err(ToolError::WriteTooLargeForOneCall { bytes: p.content.len() });
+        }
         let id = self.target(p.sandbox_id).await?;
         let n = self.manager.write_file(&id, p.path.clone(), p.content.into_bytes(), p.mode, p.append).await?;
         Ok(Json(WriteResult { sandbox_id: id, path: p.path, bytes_written: n }))
@@ -658,7 +693,7 @@ impl TineMcp {
     async fn sandbox_upload(&self, Parameters(p): Parameters<UploadParams>) -> Result<Json<WriteResult>, ToolError> {
         let data = base64::engine::general_purpose::STANDARD.decode(p.data_base64.trim())?;
         if data.len() as u64 > MAX_FILE_CHUNK {
-            return Err(ToolError::UploadTooLarge { bytes: data.len() });
+            return Err(ToolError::WriteTooLargeForOneCall { bytes: data.len() });
         }
         let id = self.target(p.sandbox_id).await?;
         let n = self.manager.write_file(&id, p.path.clone(), data, p.mode, false).await?;
@@ -682,18 +717,21 @@ impl TineMcp {
             data_base64: base64::engine::general_purpose::STANDARD.encode(&f.data),
             offset: p.offset,
             bytes: n,
-            next_offset: p.offset + n,
+            next_offset: p.offset.saturating_add(n),
             size: f.size,
-            remaining: f.size.saturating_sub(p.offset + n),
+            remaining: f.size.saturating_sub(p.offset.saturating_add(n)),
         }))
     }
 }
 
 #[tool_handler(router = self.tool_router)]
 impl ServerHandler for TineMcp {
-    /// Runs the tool here, or on the host its ids name ([`Cluster::route`]),
-    /// then [`budget::guard`]: a result over the budget is replaced by an
-    /// error, never sent. Counted and timed in the metrics.
+    /// Checks the arguments against the tool's input schema
+    /// ([`bounds::ArgCheck`]: a call out of bounds is refused before any
+    /// work, here or on a peer), runs the tool here, or on the host its ids
+    /// name ([`Cluster::route`]), then [`budget::guard`]: a result over
+    /// the budget is replaced by an error, never sent. Counted and timed in
+    /// the metrics.
     async fn call_tool(
         &self,
         request: CallToolRequestParams,
@@ -708,7 +746,12 @@ impl ServerHandler for TineMcp {
             .and_then(|v| v.to_str().ok())
             .map(str::to_string);
         let refused = |message: String| CallToolResult::error(vec![rmcp::model::ContentBlock::text(message)]);
-        let response = match self.cluster.route(&tool, request.arguments.as_ref(), forwarded_by.as_deref()) {
+        let route = self
+            .tools
+            .check
+            .check(&tool, request.arguments.as_ref())
+            .and_then(|()| self.cluster.route(&tool, request.arguments.as_ref(), forwarded_by.as_deref()));
+        let response = match route {
             Ok(Route::Local) => {
                 let tcc = ToolCallContext::new(self, request, context);
                 self.tool_router.call(tcc).await
@@ -771,7 +814,94 @@ impl ServerHandler for TineMcp {
 
 #[cfg(test)]
 mod tests {
+    use serde_json::{json, Value};
+
     use super::*;
+
+    /// What in `schema` (at `at`) is not bounded: an integer without
+    /// `minimum` and `maximum`, a string without `maxLength`, a list
+    /// without `maxItems`, a map without `maxProperties` or bounded keys;
+    /// `$ref`s are followed into `defs`.
+    fn unbounded(schema: &Value, defs: &Value, at: &str, out: &mut Vec<String>) {
+        if let Some(r) = schema.get("$ref").and_then(Value::as_str) {
+            let name = r.trim_start_matches("#/$defs/");
+            return unbounded(&defs[name], defs, at, out);
+        }
+        for key in ["anyOf", "oneOf", "allOf"] {
+            for (i, s) in schema.get(key).and_then(Value::as_array).into_iter().flatten().enumerate() {
+                unbounded(s, defs, &format!("{at}/{key}/{i}"), out);
+            }
+        }
+        if schema.get("enum").is_some() || schema.get("const").is_some() {
+            return;
+        }
+        let types: Vec<&str> = match schema.get("type") {
+            Some(Value::String(t)) => vec![t.as_str()],
+            Some(Value::Array(ts)) => ts.iter().filter_map(Value::as_str).collect(),
+            _ => Vec::new(),
+        };
+        let has = |k: &str| schema.get(k).is_some_and(Value::is_number);
+        for t in types {
+            match t {
+                "integer" | "number" if !(has("minimum") && has("maximum")) => {
+                    out.push(format!("{at}: a number without minimum and maximum"))
+                }
+                "string" if !has("maxLength") => out.push(format!("{at}: a string without maxLength")),
+                "array" => {
+                    if !has("maxItems") {
+                        out.push(format!("{at}: a list without maxItems"));
+                    }
+                    if let Some(items) = schema.get("items") {
+                        unbounded(items, defs, &format!("{at}/items"), out);
+                    }
+                }
+                "object" => {
+                    for (name, p) in schema.get("properties").and_then(Value::as_object).into_iter().flatten() {
+                        unbounded(p, defs, &format!("{at}/{name}"), out);
+                    }
+                    if let Some(values) = schema.get("additionalProperties").filter(|v| v.is_object()) {
+                        if !has("maxProperties") {
+                            out.push(format!("{at}: a map without maxProperties"));
+                        }
+                        if !schema["propertyNames"].get("maxLength").is_some_and(Value::is_number) {
+                            out.push(format!("{at}: a map whose keys have no maxLength"));
+                        }
+                        unbounded(values, defs, &format!("{at}/*"), out);
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// Every argument of every tool, as `tools/list` sends it, carries its
+    /// bounds, so a tool added later cannot take an unbounded count or size
+    /// without failing here; and every input schema compiles for the check.
+    #[test]
+    fn every_tool_argument_is_bounded() {
+        let mut router = router();
+        let limits = tine_sandbox::Limits { max_sandboxes: 7, max_labels: 5, ..Default::default() };
+        bounds::apply_limits(bounds::input_schemas(&mut router), &limits);
+        let tools = router.list_all();
+        let mut found = Vec::new();
+        for t in &tools {
+            let schema = Value::Object(JsonObject::clone(&t.input_schema));
+            unbounded(&schema, &schema["$defs"], &t.name, &mut found);
+        }
+        assert!(found.is_empty(), "unbounded arguments:\n{}", found.join("\n"));
+        let schema =
+            |tool: &str| Value::Object(JsonObject::clone(&tools.iter().find(|t| t.name == tool).unwrap().input_schema));
+        // The configured limits are what the schemas say.
+        assert_eq!(schema("sandbox_branch")["properties"]["n"]["maximum"], 7);
+        assert_eq!(schema("sandbox_create")["properties"]["labels"]["maxProperties"], 5);
+        assert_eq!(schema("sandbox_create")["properties"]["memory_mib"]["maximum"], limits.max_memory_mib);
+        let check = bounds::ArgCheck::new(tools.iter().map(|t| (t.name.as_ref(), t.input_schema.as_ref())))
+            .expect("every input schema compiles");
+        let args = |v: Value| v.as_object().cloned();
+        assert!(check.check("sandbox_branch", args(json!({"n": 7})).as_ref()).is_ok());
+        let e = check.check("sandbox_branch", args(json!({"n": 8})).as_ref()).unwrap_err();
+        assert!(e.starts_with("sandbox_branch: n (8) is greater than the maximum of 7"), "{e}");
+    }
 
     /// Every tool's input and output schema, as `tools/list` sends them,
     /// uses only standard JSON Schema keywords and formats.

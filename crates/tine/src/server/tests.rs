@@ -21,7 +21,7 @@ const TOKEN: &str = "router-test-token-0123456789abcdef0123456789abcdef";
 /// A router over a manager on empty images in `dir`; `token: None` is `--dev`.
 fn app(dir: &tempfile::TempDir, token: Option<&str>) -> axum::Router {
     let opts = options(token, vec![]);
-    router(manager(dir), &opts, files(), &CancellationToken::new())
+    router(manager(dir), &opts, files(), &CancellationToken::new()).unwrap()
 }
 
 /// Options as `tine server start` makes them by default.
@@ -231,7 +231,7 @@ async fn a_foreign_origin_is_refused_with_403() {
     }
     // Configured origins pass; others are still refused.
     let opts = options(None, vec!["https://app.example:443".into(), "http://localhost:*".into()]);
-    let app = router(manager(&dir), &opts, files(), &CancellationToken::new());
+    let app = router(manager(&dir), &opts, files(), &CancellationToken::new()).unwrap();
     for origin in ["https://app.example", "http://localhost:3000"] {
         assert_eq!(send(&app, post_from(origin, None)).await.status(), StatusCode::OK, "{origin}");
     }
@@ -275,7 +275,7 @@ async fn serve(
     let mut opts = options(None, vec![]);
     opts.max_connections = max_connections;
     opts.header_read_timeout = header_read_timeout;
-    let app = router(manager(dir), &opts, files(), &CancellationToken::new());
+    let app = router(manager(dir), &opts, files(), &CancellationToken::new()).unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let task = tokio::spawn(async move {
