@@ -35,6 +35,7 @@ use crate::cluster::{Cluster, HostSessions};
 use crate::files_url::FileUrls;
 use crate::mcp::{Shared, TineMcp};
 use crate::metrics::Metrics;
+use body_budget::{BodyBudget, BUDGET_WAIT, MAX_INFLIGHT_BODY_BYTES};
 
 /// Largest MCP request body (bytes): an 8 MiB upload in base64 plus JSON.
 pub const MAX_REQUEST_BYTES: usize = 12 << 20;
@@ -224,7 +225,11 @@ pub fn router(
     let mcp_router = Router::new()
         .nest_service("/mcp", mcp)
         .layer(axum::middleware::from_fn(delete_answers_200))
-        .layer(axum::middleware::from_fn_with_state(cluster, crate::cluster::proxy_foreign_session));
+        .layer(axum::middleware::from_fn_with_state(cluster, crate::cluster::proxy_foreign_session))
+        .layer(axum::middleware::from_fn_with_state(
+            BodyBudget::new(MAX_INFLIGHT_BODY_BYTES, BUDGET_WAIT),
+            body_budget::hold,
+        ));
     let mut protected = Router::new()
         .route("/metrics", get(metrics_text))
         .with_state((manager.clone(), metrics, sessions))
@@ -325,5 +330,6 @@ async fn accept_loop(
     graceful
 }
 
+mod body_budget;
 #[cfg(test)]
 mod tests;
