@@ -41,7 +41,12 @@ fn file_stat(m: &Metadata) -> FileStat {
     } else {
         FileKind::Other
     };
-    FileStat { kind, size: m.len(), mode: m.mode() & 0o7777, mtime_ms: m.mtime() * 1000 + m.mtime_nsec() / 1_000_000 }
+    FileStat {
+        kind,
+        size: m.len(),
+        mode: m.mode() & 0o7777,
+        mtime_ms: m.mtime().saturating_mul(1000).saturating_add(m.mtime_nsec() / 1_000_000),
+    }
 }
 
 /// Reads `req.length` bytes (default: to the end) at `req.offset`.

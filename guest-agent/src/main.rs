@@ -39,7 +39,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tine_protocol::{
-    read_message, write_message, AgentError, Op, Progress, ProtocolError, Reply, Request, Response, AGENT_PORT,
+    encode, read_message, write_message, AgentError, Op, Progress, ProtocolError, Reply, Request, Response, AGENT_PORT,
 };
 
 /// The agent's version.
@@ -118,9 +118,19 @@ fn serve(conn: std::fs::File, started: Instant) {
                 let _ = write_message(&mut *w, &frame).and_then(|()| w.flush().map_err(Into::into));
             };
             let resp = Response { id, result: handle(req.op, started, &progress) };
+            // A reply too large for a frame (a huge directory listing, say)
+            // is answered with that error rather than not at all, so the
+            // host does not wait for it until its deadline.
+            let frame = match encode(&resp) {
+                Err(ProtocolError::FrameTooLarge { len, max }) => {
+                    encode(&Response { id, result: Err(AgentError::TooLarge { size: len, limit: max as u64 }) })
+                }
+                r => r,
+            };
             let mut w = writer.lock().unwrap_or_else(|p| p.into_inner());
-            if let Err(e) = write_message(&mut *w, &resp).and_then(|()| w.flush().map_err(Into::into)) {
-                eprintln!("tine-agent: cannot send response {}: {e}", resp.id);
+            let sent = frame.and_then(|f| w.write_all(&f).and_then(|()| w.flush()).map_err(Into::into));
+            if let Err(e) = sent {
+                eprintln!("tine-agent: cannot send response {id}: {e}");
             }
         });
         if let Err(e) = spawned {

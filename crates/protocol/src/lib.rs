@@ -85,14 +85,15 @@ pub enum ProtocolError {
 
 /// Encodes `msg` as a whole frame (length, version, body).
 ///
-/// Errors: [`ProtocolError::Encode`], including a body over [`MAX_FRAME_BYTES`].
+/// Errors: [`ProtocolError::Encode`], [`ProtocolError::FrameTooLarge`] for a
+/// body over [`MAX_FRAME_BYTES`].
 pub fn encode<T: Serialize>(msg: &T) -> Result<Vec<u8>, ProtocolError> {
     let mut out = vec![0u8; LENGTH_BYTES];
     out.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
     let out = postcard::to_extend(msg, out).map_err(|e| ProtocolError::Encode(e.to_string()))?;
     let body = out.len() - LENGTH_BYTES;
     if body > MAX_FRAME_BYTES {
-        return Err(ProtocolError::Encode(format!("{body}-byte frame exceeds the {MAX_FRAME_BYTES}-byte limit")));
+        return Err(ProtocolError::FrameTooLarge { len: body as u64, max: MAX_FRAME_BYTES });
     }
     let mut out = out;
     out[..LENGTH_BYTES].copy_from_slice(&(body as u32).to_le_bytes());
@@ -161,7 +162,8 @@ pub fn read_message<R: Read, T: DeserializeOwned>(r: &mut R) -> Result<T, Protoc
 
 /// Encodes and writes one message to `w`.
 ///
-/// Errors: [`ProtocolError::Encode`], [`ProtocolError::Io`].
+/// Errors: [`ProtocolError::Encode`], [`ProtocolError::FrameTooLarge`],
+/// [`ProtocolError::Io`].
 pub fn write_message<W: Write, T: Serialize>(w: &mut W, msg: &T) -> Result<(), ProtocolError> {
     w.write_all(&encode(msg)?)?;
     Ok(())

@@ -368,7 +368,7 @@ fn a_frame_over_the_limit_is_not_encoded() {
             create_parents: false,
         }),
     };
-    assert!(matches!(encode(&big), Err(ProtocolError::Encode(_))));
+    assert!(matches!(encode(&big), Err(ProtocolError::FrameTooLarge { max: MAX_FRAME_BYTES, .. })));
     let ok = Request {
         id: 1,
         op: Op::WriteFile(WriteFile {

@@ -162,10 +162,10 @@ impl std::io::Write for Counter {
 /// Keeps the leading items of `items` whose JSON (with a comma each) fits
 /// `max` bytes; returns how many were dropped.
 pub fn fit_list<T: Serialize>(items: &mut Vec<T>, max: usize) -> usize {
-    let mut used = 2; // []
+    let mut used: usize = 2; // []
     let mut keep = items.len();
     for (i, item) in items.iter().enumerate() {
-        used += json_len(item).saturating_add(1);
+        used = used.saturating_add(json_len(item)).saturating_add(1);
         if used > max {
             keep = i;
             break;
