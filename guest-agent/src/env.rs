@@ -6,10 +6,51 @@
 //! child carry it like the rest of the guest. Each change bumps a
 //! generation; an interpreter compares it with the one it last applied
 //! (see [`crate::interp`]).
+//!
+//! Below it lies the environment of a root login shell on Debian
+//! ([`LOGIN_ENV`]), which PID 1 sets for itself at start
+//! ([`set_login_defaults`]) so that the agent and everything it starts
+//! inherit it: a command's environment is the login defaults, then the
+//! sandbox environment, then the call's own `env`, each above the one
+//! before.
 
 use std::sync::Mutex;
 
 use tine_protocol::{check_sandbox_env, AgentError};
+
+/// The environment of a root login on Debian bookworm (`/etc/login.defs`'s
+/// `ENV_SUPATH`, `/etc/passwd`'s home and shell), with `LANG` for UTF-8
+/// text, `TERM=dumb` (output goes to a pipe, not a terminal) and
+/// `NODE_PATH` for packages `npm install -g` puts in
+/// `/usr/local/lib/node_modules` (Debian's Node.js does not look there by
+/// itself).
+pub const LOGIN_ENV: [(&str, &str); 8] = [
+    ("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"),
+    ("HOME", "/root"),
+    ("USER", "root"),
+    ("LOGNAME", "root"),
+    ("SHELL", "/bin/bash"),
+    ("LANG", "C.UTF-8"),
+    ("TERM", "dumb"),
+    ("NODE_PATH", "/usr/local/lib/node_modules"),
+];
+
+/// Sets [`LOGIN_ENV`] in this process's environment, replacing what the
+/// kernel gave init (`HOME=/`, `TERM=linux`; kept: the rest, such as
+/// `GLIBC_TUNABLES` of the host profile). For PID 1 at start only, while it
+/// is the only thread (`setenv(3)` is not thread-safe): the agent forked
+/// from it and every process it starts inherit the result.
+pub fn set_login_defaults() {
+    for (name, value) in LOGIN_ENV {
+        std::env::set_var(name, value);
+    }
+}
+
+/// The login default of variable `name`, if it has one: what a name the
+/// sandbox environment no longer sets goes back to.
+pub fn login_default(name: &str) -> Option<&'static str> {
+    LOGIN_ENV.iter().find(|(n, _)| *n == name).map(|(_, v)| *v)
+}
 
 /// The variables and their generation (0: never set).
 struct SandboxEnv {

@@ -1,4 +1,5 @@
-//! PID 1 duties when the agent is the guest's init: put a writable
+//! PID 1 duties when the agent is the guest's init: set the environment
+//! of a root login ([`crate::env::LOGIN_ENV`]), put a writable
 //! overlay over the read-only root (when the image has `/overlay`), mount
 //! the basic file systems, set up the network ([`crate::net`]), run the
 //! agent in a child, reap every orphan, restart the agent if it dies.
@@ -116,6 +117,8 @@ fn switch_root() -> Result<(), String> {
 /// Never returns in the parent (PID 1); returns in the child, which then
 /// runs the agent.
 pub fn run_as_pid1() {
+    // First, while PID 1 is the only thread: everything inherits it.
+    crate::env::set_login_defaults();
     if std::path::Path::new("/overlay").is_dir() {
         match overlay_root() {
             Ok(()) => println!("tine-agent init: root is an overlay (tmpfs upper) on the read-only image"),

@@ -215,11 +215,20 @@ fn discard(slot: &mut Option<Interpreter>) {
 
 /// What the interpreter does to its environment to go from sandbox
 /// environment `old` to `new`: `{"set": {name: value}, "unset": [names
-/// of old not in new]}`.
+/// of old not in new]}`; a name of old not in new that has a login default
+/// ([`crate::env::login_default`], e.g. `PATH`) goes back to it instead.
 fn env_change(old: &[(String, String)], new: &[(String, String)]) -> serde_json::Value {
-    let set: serde_json::Map<String, serde_json::Value> =
+    let mut set: serde_json::Map<String, serde_json::Value> =
         new.iter().map(|(k, v)| (k.clone(), serde_json::Value::String(v.clone()))).collect();
-    let unset: Vec<&str> = old.iter().map(|(k, _)| k.as_str()).filter(|k| !new.iter().any(|(n, _)| n == k)).collect();
+    let mut unset = Vec::new();
+    for (name, _) in old.iter().filter(|(k, _)| !new.iter().any(|(n, _)| n == k)) {
+        match crate::env::login_default(name) {
+            Some(default) => {
+                set.insert(name.clone(), default.into());
+            }
+            None => unset.push(name.as_str()),
+        }
+    }
     serde_json::json!({ "set": set, "unset": unset })
 }
 
@@ -569,5 +578,24 @@ fn pump(shared: &CaptureShared, stop: &std::io::PipeReader) {
                 open[i] = drain(&shared.pipes[i], out, limit, DRAIN_MAX);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn vars(v: &[(&str, &str)]) -> Vec<(String, String)> {
+        v.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
+    /// A name the sandbox environment drops is unset, unless it has a
+    /// login default, which it then gets back.
+    #[test]
+    fn a_dropped_name_goes_back_to_its_login_default() {
+        let change = env_change(&vars(&[("PATH", "/opt/bin"), ("A", "1"), ("B", "2")]), &vars(&[("B", "3")]));
+        assert_eq!(change["set"]["B"], "3");
+        assert_eq!(change["set"]["PATH"], crate::env::LOGIN_ENV[0].1);
+        assert_eq!(change["unset"], serde_json::json!(["A"]));
     }
 }

@@ -132,6 +132,40 @@ async fn background_processes_progress_and_logging() {
     assert_eq!(exec("echo $TINE_ENV_A-${TINE_ENV_B:-unset}", json!({})).await, "updated-unset\n");
     assert_eq!(cell(env_of).await, "('updated', None)");
 
+    // Under the sandbox environment: a root login's (issue 30, part 2), in
+    // exec, a background process and the interpreters.
+    const LOGIN_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+    let login = format!("/root {LOGIN_PATH} C.UTF-8 root root /bin/bash dumb /usr/local/lib/node_modules\n");
+    let show = "echo $HOME $PATH $LANG $USER $LOGNAME $SHELL $TERM $NODE_PATH";
+    assert_eq!(exec(show, json!({})).await, login);
+    assert_eq!(exec("cd ~ && pwd", json!({})).await, "/root\n");
+    let bg = call(
+        &client,
+        "sandbox_exec",
+        json!({"sandbox_id": sb, "command": format!("echo bg: $({show})"), "background": true}),
+    )
+    .await
+    .unwrap();
+    let w = call(&client, "sandbox_process_wait", json!({"process_id": bg["process_id"], "until_text": "bg:"})).await;
+    assert_eq!(w.unwrap()["matched"]["line"].as_str(), Some(format!("bg: {}", login.trim_end()).as_str()));
+    let py_env = "import os, sys\n(os.environ['HOME'], os.environ['PATH'], '/usr/local/lib/python3.11/dist-packages' in sys.path)";
+    assert_eq!(cell(py_env).await, format!("('/root', '{LOGIN_PATH}', True)"));
+    // Python started by a command finds its own prefix (and so Debian's
+    // /usr/local site directory, where `pip install` puts packages).
+    let prefix = "python3 -c 'import sys; print(sys.prefix, \"/usr/local/lib/python3.11/dist-packages\" in sys.path)'";
+    assert_eq!(exec(prefix, json!({})).await, "/usr True\n");
+    // A sandbox PATH wins over the login's, and goes back to it when the
+    // sandbox environment drops it.
+    let own_path = "/opt/tine-test/bin:/usr/bin:/bin";
+    let tool = "mkdir -p /opt/tine-test/bin && printf '#!/bin/sh\\necho own-tool\\n' > /opt/tine-test/bin/own-tool && chmod +x /opt/tine-test/bin/own-tool";
+    exec(tool, json!({})).await;
+    call(&client, "sandbox_update", json!({"sandbox_id": sb, "env": {"PATH": own_path}})).await.unwrap();
+    assert_eq!(exec("echo $PATH; own-tool", json!({})).await, format!("{own_path}\nown-tool\n"));
+    assert_eq!(cell("import os\nos.environ['PATH']").await, format!("'{own_path}'"));
+    call(&client, "sandbox_update", json!({"sandbox_id": sb, "env": {"TINE_ENV_A": "updated"}})).await.unwrap();
+    assert_eq!(exec("echo $PATH", json!({})).await, format!("{LOGIN_PATH}\n"));
+    assert_eq!(cell("import os\nos.environ['PATH']").await, format!("'{LOGIN_PATH}'"), "back to the login's PATH");
+
     // JavaScript (Node.js): state across calls, a thrown error, a timeout
     // that keeps the state, the sandbox environment.
     let js = async |code: &str, timeout_secs: u32| {
