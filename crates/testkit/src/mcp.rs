@@ -128,7 +128,8 @@ impl TineServer {
 
     /// Like [`TineServer::start`], then waits for the default template;
     /// but when an earlier server of this test run (same `binary`, kernel
-    /// and rootfs, by file identity) built one, its copy is put in the new
+    /// and rootfs, by file identity, and the same guest set-up in `config`:
+    /// its CA certificates) built one, its copy is put in the new
     /// data directory first, so the server loads it (checking its
     /// checksums and image identities, and rebuilding it if they do not
     /// match) instead of a cold boot of a minute or more. Tests that are
@@ -145,7 +146,7 @@ impl TineServer {
     /// [`TineServer::start_with_default_template`], listening on
     /// 127.0.0.1:`port`.
     pub fn start_with_default_template_on(binary: &Path, token: Option<&str>, config: &str, port: u16) -> TineServer {
-        let seed = default_template_seed(binary);
+        let seed = default_template_seed(binary, config);
         let _lock = crate::lock_file(&seed.parent().expect("seed parent").with_extension("lock"));
         let seeded = seed.join("template.json").exists();
         let server = Self::start_seeded(binary, token, config, seeded.then_some(seed.as_path()), port);
@@ -246,6 +247,32 @@ impl TineServer {
         self.child.as_ref().map(|c| c.id()).unwrap_or(0)
     }
 
+    /// The server's resident memory outside guest RAM (bytes): the `Rss`
+    /// of its anonymous mappings (heap, thread stacks, unnamed `mmap`s) in
+    /// `/proc/<pid>/smaps` (proc(5)). Guest RAM, branch points and loaded
+    /// templates are memfd or file mappings, which have a path, and are
+    /// left out; so this is what the daemon itself holds.
+    pub fn heap_rss_bytes(&self) -> u64 {
+        let smaps = std::fs::read_to_string(format!("/proc/{}/smaps", self.pid())).expect("read the server's smaps");
+        let mut total_kib = 0;
+        let mut anonymous = false;
+        for line in smaps.lines() {
+            let mut words = line.split_whitespace();
+            let first = words.next().unwrap_or_default();
+            if first.contains('-') && first.chars().all(|c| c.is_ascii_hexdigit() || c == '-') {
+                // A mapping's header: range, perms, offset, dev, inode, [path].
+                let path = words.nth(4).unwrap_or("");
+                anonymous = path.is_empty()
+                    || path.starts_with("[heap]")
+                    || path.starts_with("[stack")
+                    || path.starts_with("[anon");
+            } else if first == "Rss:" && anonymous {
+                total_kib += words.next().and_then(|n| n.parse::<u64>().ok()).unwrap_or(0);
+            }
+        }
+        total_kib * 1024
+    }
+
     /// Waits until the server's background build of the default template
     /// (a cold boot, started with the server) has written the template and
     /// removed its build VM's directory; panics after `timeout`, or as
@@ -335,9 +362,14 @@ impl TineServer {
 }
 
 /// Where this test run keeps a copy of the default template built by
-/// `binary` from the test kernel and rootfs: next to the binary, under a
-/// key made of the three files' identities (size, mtime, inode).
-fn default_template_seed(binary: &Path) -> PathBuf {
+/// `binary` from the test kernel and rootfs for servers of `config`: next
+/// to the binary, in a directory per guest set-up (the configuration's
+/// lines that change the default template's guest: `ca_certificates` and
+/// the network's `enabled`; "plain" when it has none), under a key made
+/// of the three files' identities (size, mtime, inode). A seed that does
+/// not fit after all (another bundle behind the same path, say) is found
+/// stale by the server, which rebuilds it.
+fn default_template_seed(binary: &Path, config: &str) -> PathBuf {
     use std::hash::{Hash, Hasher};
     use std::os::unix::fs::MetadataExt;
     let mut h = std::collections::hash_map::DefaultHasher::new();
@@ -347,7 +379,19 @@ fn default_template_seed(binary: &Path) -> PathBuf {
             (m.len(), m.mtime(), m.mtime_nsec(), m.ino()).hash(&mut h);
         }
     }
-    let dir = binary.parent().unwrap_or(Path::new("/tmp")).join("tine-test-templates");
+    let setup: Vec<&str> = config
+        .lines()
+        .map(str::trim)
+        .filter(|l| l.starts_with("ca_certificates") || l.starts_with("enabled"))
+        .collect();
+    let variant = if setup.is_empty() {
+        "plain".to_string()
+    } else {
+        let mut v = std::collections::hash_map::DefaultHasher::new();
+        setup.hash(&mut v);
+        format!("setup-{:016x}", v.finish())
+    };
+    let dir = binary.parent().unwrap_or(Path::new("/tmp")).join("tine-test-templates").join(variant);
     dir.join(format!("{:016x}", h.finish()))
 }
 
