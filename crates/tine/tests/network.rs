@@ -16,18 +16,32 @@ use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 use testkit::mcp::{call, TineServer};
 
-/// The download's size (bytes).
-const BLOB_BYTES: usize = 16 << 20;
+/// The transfers' size (bytes): 2 MiB, or 16 MiB with `TINE_TEST_FULL`
+/// set (a guest that emulates its kernel moves 0.15-0.5 MB/s here, so the
+/// full size adds minutes; the stack's own test, `crates/netstack/tests/
+/// nat.rs`, moves 16 MiB each way without a guest).
+fn blob_bytes() -> usize {
+    if std::env::var_os("TINE_TEST_FULL").is_some() {
+        16 << 20
+    } else {
+        2 << 20
+    }
+}
+
+/// How long `GET /slow` takes to send the blob (s), whatever its size: long
+/// enough for a branch to be taken while it runs.
+const SLOW_SECS: u64 = 16;
 
 fn binary() -> &'static Path {
     Path::new(env!("CARGO_BIN_EXE_tine"))
 }
 
-/// The test's deterministic 16 MiB body.
+/// The test's deterministic body of [`blob_bytes`].
 fn blob() -> Vec<u8> {
-    let mut v = Vec::with_capacity(BLOB_BYTES);
+    let bytes = blob_bytes();
+    let mut v = Vec::with_capacity(bytes);
     let mut x: u32 = 0x1234_5678;
-    while v.len() < BLOB_BYTES {
+    while v.len() < bytes {
         x ^= x << 13;
         x ^= x >> 17;
         x ^= x << 5;
@@ -40,8 +54,8 @@ fn hex(d: &[u8]) -> String {
     d.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// A minimal HTTP/1.1 server on 127.0.0.1 for the guests: `GET /blob` (16
-/// MiB), `GET /slow` (the blob at about 2 MiB/s), `GET /small`, `GET
+/// A minimal HTTP/1.1 server on 127.0.0.1 for the guests: `GET /blob`
+/// ([`blob_bytes`]), `GET /slow` (the blob in [`SLOW_SECS`]), `GET /small`, `GET
 /// /hold` (keeps the connection open), `PUT /upload` (answers the body's
 /// SHA-256). Counts held connections.
 struct HostHttp {
@@ -93,9 +107,10 @@ fn serve(conn: TcpStream, body: &[u8], held: &AtomicUsize) -> std::io::Result<()
         (Some("GET"), "/blob") => ok(&mut w, body),
         (Some("GET"), "/slow") => {
             write!(w, "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", body.len())?;
+            let chunks = body.len().div_ceil(64 << 10) as u64;
             for chunk in body.chunks(64 << 10) {
                 w.write_all(chunk)?;
-                std::thread::sleep(Duration::from_millis(30));
+                std::thread::sleep(Duration::from_millis(SLOW_SECS * 1000 / chunks));
             }
             Ok(())
         }
@@ -148,15 +163,11 @@ async fn log_records(client: &testkit::mcp::McpClient, id: &str) -> Vec<Value> {
     v["records"].as_array().cloned().unwrap_or_default()
 }
 
-/// One server at a time on the host's two cores.
-static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn guests_reach_the_host_through_the_nat_under_their_policy() {
     if !testkit::kvm_available("network") {
         return;
     }
-    let _serial = SERIAL.lock().await;
     let http = HostHttp::start();
     let port = http.port;
     let config = "[network]\npermit_ranges = [\"127.0.0.0/8\"]\nmax_connections = 32\n\
@@ -179,7 +190,8 @@ async fn guests_reach_the_host_through_the_nat_under_their_policy() {
         "{r}"
     );
 
-    // 16 MiB down and back up, checksums on both ends.
+    // The blob down and back up, checksums on both ends.
+    let mib = blob_bytes() >> 20;
     let want = hex(&Sha256::digest(blob()));
     let r = exec(
         &client,
@@ -190,10 +202,10 @@ async fn guests_reach_the_host_through_the_nat_under_their_policy() {
     .await;
     assert_eq!(exit_code(&r), 0, "{r}");
     assert!(stdout(&r).starts_with(&want), "download checksum: {r}");
-    phase(&format!("16 MiB downloaded in {} ms (curl in the guest)", r["duration_ms"]));
+    phase(&format!("{mib} MiB downloaded in {} ms (curl in the guest)", r["duration_ms"]));
     let r = exec(&client, &id, &format!("curl -sS --fail -T /tmp/blob http://10.0.2.2:{port}/upload"), 300).await;
     assert_eq!(stdout(&r).trim(), want, "upload checksum: {r}");
-    phase(&format!("16 MiB uploaded in {} ms (curl in the guest)", r["duration_ms"]));
+    phase(&format!("{mib} MiB uploaded in {} ms (curl in the guest)", r["duration_ms"]));
 
     // The gateway's DNS answers the server's names.
     let r = exec(&client, &id, "getent hosts files.test", 60).await;
@@ -211,9 +223,9 @@ async fn guests_reach_the_host_through_the_nat_under_their_policy() {
         .count();
     assert!(blocked >= 4, "refusals logged with their range: {records:?}");
     assert!(
-        records
-            .iter()
-            .any(|r| r["protocol"] == "tcp" && r["allowed"] == true && r["bytes_in"].as_u64() >= Some(16 << 20)),
+        records.iter().any(|r| r["protocol"] == "tcp"
+            && r["allowed"] == true
+            && r["bytes_in"].as_u64() >= Some((mib as u64) << 20)),
         "the download is logged with its bytes: {records:?}"
     );
 
@@ -320,56 +332,5 @@ async fn guests_reach_the_host_through_the_nat_under_their_policy() {
 
     phase("cap checked");
     call(&client, "sandbox_kill", json!({"sandbox_id": child})).await.expect("kill child");
-    call(&client, "sandbox_kill", json!({"sandbox_id": id})).await.expect("kill");
-}
-
-/// `pip install` of a small pure-Python package inside a sandbox, through
-/// the NAT and the gateway's DNS, with the host's CA bundle added to the
-/// guest's trust store (`ca_certificates`): hosts whose traffic goes
-/// through a TLS-inspecting proxy (this one's does) need it. The server
-/// builds its own default template (the CA set-up is part of it).
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn pip_installs_a_package_where_the_index_is_reachable() {
-    if !testkit::kvm_available("pip_install") {
-        return;
-    }
-    if !testkit::package_index_reachable() {
-        eprintln!(
-            "\n*** SKIPPED pip_installs_a_package_where_the_index_is_reachable: pypi.org:443 is not reachable from \
-             this host ***\n"
-        );
-        return;
-    }
-    let _serial = SERIAL.lock().await;
-    let bundle = "/etc/ssl/certs/ca-certificates.crt";
-    let config = if Path::new(bundle).exists() {
-        format!("[network]\nca_certificates = [\"{bundle}\"]\n")
-    } else {
-        String::new()
-    };
-    let server = TineServer::start(binary(), None, &config);
-    server.wait_for_default_template(Duration::from_secs(1200));
-    let client = server.client().await;
-    let sb = call(&client, "sandbox_create", json!({})).await.expect("create");
-    let id = sb["sandbox_id"].as_str().unwrap().to_string();
-    // iniconfig: small, pure Python, and not in the image (six is: npm's
-    // dependencies bring it, and pip then never asks the index).
-    let r = exec(&client, &id, "python3 -c 'import iniconfig' 2>/dev/null || echo absent", 120).await;
-    assert_eq!(stdout(&r), "absent\n", "the package must not be in the image: {r}");
-    let r = exec(
-        &client,
-        &id,
-        "python3 -m pip install --no-cache-dir --break-system-packages --disable-pip-version-check -q iniconfig \
-         && python3 -c 'import iniconfig, importlib.metadata as m; print(\"iniconfig\", m.version(\"iniconfig\"))'",
-        600,
-    )
-    .await;
-    assert_eq!(exit_code(&r), 0, "pip install: {r}");
-    assert!(stdout(&r).starts_with("iniconfig "), "{r}");
-    let records = log_records(&client, &id).await;
-    assert!(
-        records.iter().any(|r| r["protocol"] == "dns" && r["domain"] == "pypi.org"),
-        "the index's name went through the gateway's DNS: {records:?}"
-    );
     call(&client, "sandbox_kill", json!({"sandbox_id": id})).await.expect("kill");
 }

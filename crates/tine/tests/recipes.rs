@@ -8,8 +8,9 @@
 //! recipe runs `pip install` through the sandbox network.
 //!
 //! The server has the host's CA bundle in its guests' trust store (hosts
-//! whose traffic passes a TLS-inspecting proxy need it for pip), so it
-//! builds its own default template.
+//! whose traffic passes a TLS-inspecting proxy need it for pip), so its
+//! default template is not the plain one: it shares one build of it with
+//! `packages.rs`, whose configuration has the same line.
 
 use std::path::Path;
 use std::time::Duration;
@@ -43,8 +44,7 @@ async fn templates_from_recipes() {
     } else {
         "[limits]\nboot_timeout_secs = 1200\n".to_string()
     };
-    let server = TineServer::start(binary(), None, &config);
-    server.wait_for_default_template(Duration::from_secs(1200));
+    let server = TineServer::start_with_default_template(binary(), None, &config);
     let (client, rec) = server.recording_client().await;
 
     // A recipe, built in the background: listed as building, then ready.

@@ -1,0 +1,108 @@
+//! Package managers in a sandbox, as agents use them: `pip install` with
+//! the `pip` script, then the package imported by `python3` in an exec, a
+//! background process and the sandbox's Python interpreter; `npm install
+//! -g`, then `require`d by `node` in an exec (issue 30: commands had no
+//! `PATH` and `HOME=/`, so these landed where the next command did not
+//! look). Through the NAT and the gateway's DNS to the real registries,
+//! with the host's CA bundle added to the guests' trust store
+//! (`ca_certificates`: this host's traffic passes a TLS-inspecting proxy).
+//! Skips loudly where `pypi.org` is not reachable from the host.
+//!
+//! The server's default template has the CA set-up; `recipes.rs` uses the
+//! same configuration line, so the two share one build of it.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use testkit::mcp::{call, McpClient, TineServer};
+
+fn binary() -> &'static Path {
+    Path::new(env!("CARGO_BIN_EXE_tine"))
+}
+
+async fn exec(client: &McpClient, id: &str, command: &str, timeout: u64) -> Value {
+    call(client, "sandbox_exec", json!({"sandbox_id": id, "command": command, "timeout_secs": timeout}))
+        .await
+        .unwrap_or_else(|e| panic!("exec {command:?}: {e}"))
+}
+
+/// Runs `command` in the background and waits for it to end, however long
+/// (npm starts in minutes on a host that emulates the guest's kernel);
+/// returns its exit code and its output's last lines.
+async fn run_long(client: &McpClient, id: &str, command: &str, deadline: Duration) -> (i64, String) {
+    let p = call(client, "sandbox_exec", json!({"sandbox_id": id, "command": command, "background": true}));
+    let process = p.await.expect("background")["process_id"].clone();
+    let started = Instant::now();
+    loop {
+        let w = call(client, "sandbox_process_wait", json!({"process_id": process, "timeout_secs": 600})).await;
+        let w = w.expect("wait");
+        if w["outcome"] == "exited" {
+            let code = w["process"]["exit_code"].as_i64().unwrap_or(-1);
+            return (code, format!("{} {}", w["stdout_tail"], w["stderr_tail"]));
+        }
+        assert!(started.elapsed() < deadline, "{command:?} still runs after {deadline:?}: {w}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn pip_and_npm_install_and_the_next_command_finds_the_package() {
+    if !testkit::kvm_available("pip_and_npm") {
+        return;
+    }
+    if !testkit::package_index_reachable() {
+        eprintln!("\n*** SKIPPED pip_and_npm: pypi.org:443 is not reachable from this host ***\n");
+        return;
+    }
+    let bundle = "/etc/ssl/certs/ca-certificates.crt";
+    let config = if Path::new(bundle).exists() {
+        format!("[limits]\nboot_timeout_secs = 1200\n[network]\nca_certificates = [\"{bundle}\"]\n")
+    } else {
+        "[limits]\nboot_timeout_secs = 1200\n".to_string()
+    };
+    let server = TineServer::start_with_default_template(binary(), None, &config);
+    let client = server.client().await;
+    let sb = call(&client, "sandbox_create", json!({})).await.expect("create");
+    let id = sb["sandbox_id"].as_str().unwrap().to_string();
+
+    // iniconfig: small, pure Python, and not in the image (six is: npm's
+    // dependencies bring it, and pip then never asks the index).
+    let r = exec(&client, &id, "python3 -c 'import iniconfig' 2>/dev/null || echo absent", 120).await;
+    assert_eq!(r["stdout"], "absent\n", "the package must not be in the image: {r}");
+    // The `pip` script, as agents type it.
+    let r = exec(
+        &client,
+        &id,
+        "pip install --no-cache-dir --break-system-packages --disable-pip-version-check -q iniconfig",
+        600,
+    )
+    .await;
+    assert_eq!(r["exit_code"], 0, "pip install: {r}");
+    eprintln!("pip install took {} ms in the guest", r["duration_ms"]);
+    // Found by python3 in an exec, a background process and the sandbox's
+    // interpreter.
+    let import =
+        "python3 -c 'import iniconfig, importlib.metadata as m; print(\"iniconfig\", m.version(\"iniconfig\"))'";
+    let r = exec(&client, &id, import, 300).await;
+    assert!(r["stdout"].as_str().unwrap_or_default().starts_with("iniconfig "), "{r}");
+    let (code, tail) = run_long(&client, &id, import, Duration::from_secs(600)).await;
+    assert!(code == 0 && tail.contains("iniconfig "), "in a background process: {code} {tail}");
+    let p =
+        call(&client, "sandbox_run_python", json!({"sandbox_id": id, "code": "import iniconfig\niniconfig.__name__"}));
+    assert_eq!(p.await.expect("python")["result"], "'iniconfig'");
+    let log = call(&client, "sandbox_network_log", json!({"sandbox_id": id})).await.expect("network log");
+    assert!(
+        log["records"].as_array().unwrap().iter().any(|r| r["protocol"] == "dns" && r["domain"] == "pypi.org"),
+        "the index's name went through the gateway's DNS: {log}"
+    );
+
+    // `npm install -g`, then `require` in node finds it (NODE_PATH).
+    let t = Instant::now();
+    let npm = "npm install -g --no-audit --no-fund --loglevel=error is-number@7.0.0";
+    let (code, tail) = run_long(&client, &id, npm, Duration::from_secs(1800)).await;
+    assert_eq!(code, 0, "npm install -g: {tail}");
+    eprintln!("npm install -g took {:.0} s in the guest", t.elapsed().as_secs_f64());
+    let r = exec(&client, &id, "node -e 'console.log(require(\"is-number\")(5))'", 600).await;
+    assert_eq!(r["stdout"], "true\n", "{r}");
+    call(&client, "sandbox_kill", json!({"sandbox_id": id})).await.expect("kill");
+}
