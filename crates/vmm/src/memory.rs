@@ -464,8 +464,10 @@ impl GuestRam {
                 for r in &found[..(n as usize).min(found.len())] {
                     let (s, e) = (r.start.max(at), r.end.min(end));
                     if s < e {
-                        let offset = region.file_offset - region.host_addr as u64;
-                        push_range(&mut out, (s + offset, e + offset));
+                        // Host address to memory-file offset: `s` and `e`
+                        // lie in the region, so the difference cannot wrap.
+                        let to_file = |a: u64| a - region.host_addr as u64 + region.file_offset;
+                        push_range(&mut out, (to_file(s), to_file(e)));
                     }
                 }
                 if arg.walk_end <= at {
