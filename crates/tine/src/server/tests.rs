@@ -413,14 +413,18 @@ async fn process_tools_refuse_bad_input_with_a_hint() {
         (
             "sandbox_process_wait",
             serde_json::json!({"process_id": "sb-1:p1", "timeout_secs": 601}),
-            "timeout_secs must be 1..=600",
+            "timeout_secs (601) is greater than the maximum of 600",
         ),
         ("sandbox_process_kill", serde_json::json!({"process_id": "sb-1:p1", "signal": "BOOM"}), "unknown signal"),
-        ("sandbox_process_kill", serde_json::json!({"process_id": "sb-1:p1", "signal": 65}), "a number 1..=64"),
+        (
+            "sandbox_process_kill",
+            serde_json::json!({"process_id": "sb-1:p1", "signal": 65}),
+            "signal (65) is greater than the maximum of 64",
+        ),
         (
             "sandbox_process_write",
             serde_json::json!({"process_id": "sb-1:p1", "data": "x".repeat((1 << 20) + 1)}),
-            "split it",
+            "data (a string of 1048577 characters) is longer than 1048576 characters",
         ),
         (
             "sandbox_exec",
