@@ -247,30 +247,10 @@ impl TineServer {
         self.child.as_ref().map(|c| c.id()).unwrap_or(0)
     }
 
-    /// The server's resident memory outside guest RAM (bytes): the `Rss`
-    /// of its anonymous mappings (heap, thread stacks, unnamed `mmap`s) in
-    /// `/proc/<pid>/smaps` (proc(5)). Guest RAM, branch points and loaded
-    /// templates are memfd or file mappings, which have a path, and are
-    /// left out; so this is what the daemon itself holds.
-    pub fn heap_rss_bytes(&self) -> u64 {
-        let smaps = std::fs::read_to_string(format!("/proc/{}/smaps", self.pid())).expect("read the server's smaps");
-        let mut total_kib = 0;
-        let mut anonymous = false;
-        for line in smaps.lines() {
-            let mut words = line.split_whitespace();
-            let first = words.next().unwrap_or_default();
-            if first.contains('-') && first.chars().all(|c| c.is_ascii_hexdigit() || c == '-') {
-                // A mapping's header: range, perms, offset, dev, inode, [path].
-                let path = words.nth(4).unwrap_or("");
-                anonymous = path.is_empty()
-                    || path.starts_with("[heap]")
-                    || path.starts_with("[stack")
-                    || path.starts_with("[anon");
-            } else if first == "Rss:" && anonymous {
-                total_kib += words.next().and_then(|n| n.parse::<u64>().ok()).unwrap_or(0);
-            }
-        }
-        total_kib * 1024
+    /// The server's resident memory outside guest RAM (bytes):
+    /// [`own_rss_kib`] of its process.
+    pub fn own_rss_bytes(&self) -> u64 {
+        own_rss_kib(self.pid()) * 1024
     }
 
     /// Waits until the server's background build of the default template
@@ -359,6 +339,28 @@ impl TineServer {
         sigterm_and_wait(child, Duration::from_secs(120))
             .unwrap_or_else(|| panic!("the server did not exit within 120 s of SIGTERM"))
     }
+}
+
+/// Resident memory of process `pid` outside guest RAM (KiB): the sum of
+/// `Rss` over its mappings (proc(5) `smaps`) but those of guest memory
+/// (memfds named `tine-*`: guest RAM, loaded templates, branch points; a
+/// template's `memory` file mapped copy-on-write). 0 when the process is
+/// gone.
+pub fn own_rss_kib(pid: u32) -> u64 {
+    let Ok(smaps) = std::fs::read_to_string(format!("/proc/{pid}/smaps")) else { return 0 };
+    let mut guest = false;
+    let mut total = 0;
+    for line in smaps.lines() {
+        let mut words = line.split_whitespace();
+        let first = words.next().unwrap_or_default();
+        if first.contains('-') && first.bytes().all(|b| b.is_ascii_hexdigit() || b == b'-') {
+            let path = line.split_whitespace().nth(5).unwrap_or_default();
+            guest = path.starts_with("/memfd:tine-") || path.ends_with("/memory");
+        } else if first == "Rss:" && !guest {
+            total += words.next().and_then(|n| n.parse::<u64>().ok()).unwrap_or(0);
+        }
+    }
+    total
 }
 
 /// Where this test run keeps a copy of the default template built by

@@ -14,8 +14,8 @@
 //! 10,000 entries. Where a value breaks a bound the schema states, the call
 //! must be refused with a message naming the argument and the bound. After
 //! every call: `/healthz` answers, the walker's sandbox still answers a
-//! Python cell with its variable, and the server's anonymous memory is
-//! within 64 MiB of what it was before the walk.
+//! Python cell with its variable, and the server's own memory (all but
+//! guest RAM) is within 64 MiB of what it was before the walk.
 
 use std::collections::BTreeSet;
 use std::path::Path;
@@ -27,7 +27,7 @@ use testkit::mcp::{call, try_call, TineServer};
 /// The live-sandbox cap of the test server: `sandbox_branch`'s `n` has
 /// this as its schema maximum.
 const MAX_SANDBOXES: u64 = 8;
-/// How far the server's anonymous memory may grow over the walk (bytes).
+/// How far the server's own memory may grow over the walk (bytes).
 const RSS_SLACK: u64 = 64 << 20;
 /// Entries of the lists and maps sent.
 const MANY: usize = 10_000;
@@ -296,7 +296,7 @@ async fn every_tool_survives_extreme_arguments() {
         assert_eq!(r.unwrap_or_else(|e| panic!("after {after}: {e}"))["result"], "42", "after {after}");
     };
     healthy("the set-up").await;
-    let rss_before = server.heap_rss_bytes();
+    let rss_before = server.own_rss_bytes();
 
     let tools = client.list_all_tools().await.expect("tools/list");
     assert!(tools.len() >= 25, "{} tools", tools.len());
@@ -348,11 +348,11 @@ async fn every_tool_survives_extreme_arguments() {
                     assert!(!e.contains("Transport") && !e.contains("closed"), "{what}: {e}");
                 }
                 healthy(&what).await;
-                let rss = server.heap_rss_bytes();
+                let rss = server.own_rss_bytes();
                 max_rss = max_rss.max(rss);
                 assert!(
                     rss <= rss_before + RSS_SLACK,
-                    "{what}: the server's anonymous memory grew from {} MiB to {} MiB",
+                    "{what}: the server's own memory grew from {} MiB to {} MiB",
                     rss_before >> 20,
                     rss >> 20
                 );
@@ -366,7 +366,7 @@ async fn every_tool_survives_extreme_arguments() {
     }
     eprintln!(
         "extreme_arguments: {calls} calls over {} tools in {:.0} s, {refused_by_bound} refused by a schema bound; \
-         anonymous memory {} MiB before, at most {} MiB",
+         own memory {} MiB before, at most {} MiB",
         walked.len(),
         started.elapsed().as_secs_f64(),
         rss_before >> 20,
@@ -393,7 +393,7 @@ async fn every_tool_survives_extreme_arguments() {
         );
     }
     assert_eq!((server.healthz()["sandboxes"].clone(), live_ids(&client).await), before, "no child was reserved");
-    let rss = server.heap_rss_bytes();
+    let rss = server.own_rss_bytes();
     assert!(rss <= rss_before + RSS_SLACK, "the refused branches grew the server to {} MiB", rss >> 20);
     // A branch the cap admits still works, and its child's id is the next.
     let b = call(&client, "sandbox_branch", json!({"sandbox_id": ids.walker, "n": 1})).await.expect("branch n = 1");

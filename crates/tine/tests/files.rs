@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 use sha2::{Digest, Sha256};
-use testkit::mcp::{call, TineServer};
+use testkit::mcp::{call, own_rss_kib, TineServer};
 
 const CONFIG: &str = "[limits]\nboot_timeout_secs = 1200\nmax_sandboxes = 4\n";
 /// Most the server's own memory may grow while a file streams through it
@@ -30,27 +30,6 @@ const OWN_MEMORY_GROWTH_KIB: u64 = 48 << 10;
 
 fn binary() -> &'static Path {
     Path::new(env!("CARGO_BIN_EXE_tine"))
-}
-
-/// Resident memory of process `pid` outside guest RAM (KiB): the sum of
-/// `Rss` over its mappings (proc(5) `smaps`) but those of guest memory
-/// (memfds named `tine-*`, a template's `memory` file mapped
-/// copy-on-write).
-fn own_rss_kib(pid: u32) -> u64 {
-    let Ok(smaps) = std::fs::read_to_string(format!("/proc/{pid}/smaps")) else { return 0 };
-    let mut guest = false;
-    let mut total = 0;
-    for line in smaps.lines() {
-        let mut words = line.split_whitespace();
-        let first = words.next().unwrap_or_default();
-        if first.contains('-') && first.bytes().all(|b| b.is_ascii_hexdigit() || b == b'-') {
-            let path = line.split_whitespace().nth(5).unwrap_or_default();
-            guest = path.starts_with("/memfd:tine-") || path.ends_with("/memory");
-        } else if first == "Rss:" && !guest {
-            total += words.next().and_then(|n| n.parse::<u64>().ok()).unwrap_or(0);
-        }
-    }
-    total
 }
 
 /// Samples [`own_rss_kib`] every 100 ms until dropped; `peak` is the most.
