@@ -772,7 +772,9 @@ impl ServerHandler for TineMcp {
         };
         // Known tools only: a client's made-up names must not grow the series.
         let label = if self.tool_router.map.contains_key(tool.as_ref()) { tool.as_ref() } else { "unknown" };
-        self.metrics.tool_call(label, started.elapsed(), ok);
+        let elapsed = started.elapsed();
+        tracing::debug!(tool = label, ok, elapsed_ms = elapsed.as_millis() as u64, "tool call");
+        self.metrics.tool_call(label, elapsed, ok);
         response
     }
 
