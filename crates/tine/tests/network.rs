@@ -10,6 +10,7 @@ use std::net::{TcpListener, TcpStream};
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::sync::{Condvar, Mutex};
 use std::time::Duration;
 
 use serde_json::{json, Value};
@@ -28,9 +29,30 @@ fn blob_bytes() -> usize {
     }
 }
 
-/// How long `GET /slow` takes to send the blob (s), whatever its size: long
-/// enough for a branch to be taken while it runs.
-const SLOW_SECS: u64 = 16;
+/// How long `GET /slow` waits at most for [`HostHttp::release_slow`] before
+/// it sends the rest anyway (so a failed test does not leave a thread).
+const SLOW_GATE: Duration = Duration::from_secs(600);
+
+/// Opened once: `GET /slow` sends its first 64 KiB, then waits here for the
+/// test to say the rest may go (after the branch it wants to land mid-
+/// transfer: no timing to guess).
+#[derive(Default)]
+struct Gate {
+    open: Mutex<bool>,
+    opened: Condvar,
+}
+
+impl Gate {
+    fn open(&self) {
+        *self.open.lock().unwrap() = true;
+        self.opened.notify_all();
+    }
+
+    fn wait(&self) {
+        let guard = self.open.lock().unwrap();
+        let _ = self.opened.wait_timeout_while(guard, SLOW_GATE, |open| !*open);
+    }
+}
 
 fn binary() -> &'static Path {
     Path::new(env!("CARGO_BIN_EXE_tine"))
@@ -55,12 +77,14 @@ fn hex(d: &[u8]) -> String {
 }
 
 /// A minimal HTTP/1.1 server on 127.0.0.1 for the guests: `GET /blob`
-/// ([`blob_bytes`]), `GET /slow` (the blob in [`SLOW_SECS`]), `GET /small`, `GET
-/// /hold` (keeps the connection open), `PUT /upload` (answers the body's
-/// SHA-256). Counts held connections.
+/// ([`blob_bytes`]), `GET /slow` (the blob: 64 KiB, then the rest once
+/// [`HostHttp::release_slow`] is called), `GET /small`, `GET /hold` (keeps
+/// the connection open), `PUT /upload` (answers the body's SHA-256). Counts
+/// held connections.
 struct HostHttp {
     port: u16,
     held: Arc<AtomicUsize>,
+    slow: Arc<Gate>,
 }
 
 impl HostHttp {
@@ -69,21 +93,26 @@ impl HostHttp {
         let port = listener.local_addr().unwrap().port();
         let held = Arc::new(AtomicUsize::new(0));
         let body = Arc::new(blob());
-        let h = held.clone();
+        let slow = Arc::new(Gate::default());
+        let (h, g) = (held.clone(), slow.clone());
         std::thread::spawn(move || {
             for conn in listener.incoming().flatten() {
-                let body = body.clone();
-                let held = h.clone();
+                let (body, held, slow) = (body.clone(), h.clone(), g.clone());
                 std::thread::spawn(move || {
-                    let _ = serve(conn, &body, &held);
+                    let _ = serve(conn, &body, &held, &slow);
                 });
             }
         });
-        HostHttp { port, held }
+        HostHttp { port, held, slow }
+    }
+
+    /// Lets every `GET /slow`, now and later, send the rest of the blob.
+    fn release_slow(&self) {
+        self.slow.open();
     }
 }
 
-fn serve(conn: TcpStream, body: &[u8], held: &AtomicUsize) -> std::io::Result<()> {
+fn serve(conn: TcpStream, body: &[u8], held: &AtomicUsize, slow: &Gate) -> std::io::Result<()> {
     let mut r = BufReader::new(conn.try_clone()?);
     let mut w = conn;
     let mut line = String::new();
@@ -107,12 +136,10 @@ fn serve(conn: TcpStream, body: &[u8], held: &AtomicUsize) -> std::io::Result<()
         (Some("GET"), "/blob") => ok(&mut w, body),
         (Some("GET"), "/slow") => {
             write!(w, "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", body.len())?;
-            let chunks = body.len().div_ceil(64 << 10) as u64;
-            for chunk in body.chunks(64 << 10) {
-                w.write_all(chunk)?;
-                std::thread::sleep(Duration::from_millis(SLOW_SECS * 1000 / chunks));
-            }
-            Ok(())
+            let (first, rest) = body.split_at(body.len().min(64 << 10));
+            w.write_all(first)?;
+            slow.wait();
+            w.write_all(rest)
         }
         (Some("GET"), "/small") => ok(&mut w, b"hello from the host\n"),
         (Some("GET"), "/hold") => {
@@ -266,13 +293,16 @@ async fn guests_reach_the_host_through_the_nat_under_their_policy() {
 
     phase("policies checked");
     // A branch during a transfer: the source's completes intact, the
-    // child's sees a reset; both can connect again.
+    // child's sees a reset; both can connect again. The host holds the
+    // transfer after its first 64 KiB until the branch is taken; curl's
+    // keepalive probes every 2 s idle are what the child's NAT, which has
+    // no such connection, answers with a RST.
     exec(
         &client,
         &id,
         &format!(
-            "setsid sh -c 'curl -sS --fail -o /tmp/slow http://10.0.2.2:{port}/slow; echo $? > /tmp/slow.rc' \
-             </dev/null >/dev/null 2>&1 &"
+            "setsid sh -c 'curl -sS --fail --keepalive-time 2 -o /tmp/slow http://10.0.2.2:{port}/slow; \
+             echo $? > /tmp/slow.rc' </dev/null >/dev/null 2>&1 &"
         ),
         60,
     )
@@ -287,6 +317,7 @@ async fn guests_reach_the_host_through_the_nat_under_their_policy() {
     assert!(stdout(&r).trim().parse::<u64>().unwrap_or(0) > 0, "the transfer started: {r}");
     let b = call(&client, "sandbox_branch", json!({"sandbox_id": id, "n": 1})).await.expect("branch");
     let child = b["children"][0]["sandbox_id"].as_str().expect("child id").to_string();
+    http.release_slow();
     let wait_rc = "for i in $(seq 600); do [ -f /tmp/slow.rc ] && break; sleep 0.5; done; cat /tmp/slow.rc; \
                    sha256sum /tmp/slow";
     let r = exec(&client, &id, wait_rc, 600).await;
