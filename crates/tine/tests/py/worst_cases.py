@@ -77,7 +77,7 @@ async def main(url):
             x = await call(
                 session,
                 "sandbox_exec",
-                command="head -c 10000000 /dev/urandom > /tmp/big && sha256sum /tmp/big",
+                command="openssl rand 10000000 > /tmp/big && sha256sum /tmp/big",
                 timeout_secs=600,
             )
             check("the 10 MB file is written", x["exit_code"] == 0 and x["stdout"], str(x)[:300])
