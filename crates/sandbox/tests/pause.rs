@@ -3,7 +3,9 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use tine_sandbox::{ExecRequest, Limits, Manager, ManagerConfig, SandboxSpec, SandboxState};
+mod common;
+
+use tine_sandbox::{ExecRequest, Limits, Manager, SandboxSpec, SandboxState};
 
 async fn python(m: &Manager, id: &str, code: &str) -> String {
     let r = m.python(id, code.to_string(), 0).await.expect("python");
@@ -17,21 +19,7 @@ async fn a_paused_guest_stops_and_goes_on_after_resume() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let manager = Manager::new(ManagerConfig {
-        kernel: testkit::kernel(),
-        rootfs: testkit::rootfs(),
-        run_dir: dir.path().join("sandboxes"),
-        templates_dir: dir.path().join("templates"),
-        memory_backing: vmm::MemoryBacking::Private,
-        profile: vmm::HostProfile::detect(),
-        limits: Limits { boot_timeout_secs: 900, ..Limits::default() },
-        network: None,
-        pool_size: 0,
-        huge_pages: false,
-        host_name: None,
-        prefetch: false,
-    })
-    .unwrap();
+    let manager = common::manager_with_default_template(dir.path(), Limits::default()).await;
     let id = manager.create(SandboxSpec::default()).await.expect("create").sandbox_id;
 
     // A thread in the guest records a timestamp every 20 ms.

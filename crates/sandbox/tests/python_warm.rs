@@ -4,7 +4,9 @@
 //! gets one too; an interpreter's start is not counted in a cell's
 //! timeout; a cell's `repr` value is capped in the guest.
 
-use tine_sandbox::{ExecRequest, Limits, Manager, ManagerConfig, SandboxSpec};
+mod common;
+
+use tine_sandbox::{ExecRequest, Limits, SandboxSpec};
 
 /// The user-visible names in the cells' namespace.
 const NAMES: &str = "[k for k in globals() if not k.startswith('__')]";
@@ -21,22 +23,8 @@ async fn restored_sandboxes_have_a_warm_python_with_an_empty_namespace() {
     }
     testkit::logging();
     let dir = tempfile::tempdir().unwrap();
-    let manager = Manager::new(ManagerConfig {
-        kernel: testkit::kernel(),
-        rootfs: testkit::rootfs(),
-        run_dir: dir.path().join("sandboxes"),
-        templates_dir: dir.path().join("templates"),
-        memory_backing: vmm::MemoryBacking::Private,
-        profile: vmm::HostProfile::detect(),
-        limits: Limits { boot_timeout_secs: 900, ..Limits::default() },
-        network: None,
-        pool_size: 0,
-        huge_pages: false,
-        host_name: None,
-        prefetch: false,
-    })
-    .unwrap();
-    manager.ensure_default_template(false).await.expect("build the default template");
+    // A copy of the shared default template: this test makes one of its own.
+    let manager = common::manager_with_own_templates(dir.path(), Limits::default()).await;
 
     // The default template's sandboxes: no interpreter start, no names.
     let a = manager.create(SandboxSpec::default()).await.expect("create");

@@ -20,11 +20,38 @@ pub fn shared_templates_dir() -> PathBuf {
 /// directory ([`shared_templates_dir`]), with `limits`; the default
 /// template exists (built if needed) when this returns.
 pub async fn manager_with_default_template(dir: &Path, limits: Limits) -> Arc<Manager> {
+    manager_on(dir, shared_templates_dir(), limits).await
+}
+
+/// Like [`manager_with_default_template`], for tests that make templates
+/// of their own: its templates directory is `dir/templates`, holding a
+/// copy of the shared default template (built first if needed), so what
+/// the test makes stays out of the shared directory.
+pub async fn manager_with_own_templates(dir: &Path, limits: Limits) -> Arc<Manager> {
+    manager_with_default_template(&dir.join("seed"), limits.clone()).await.shutdown().await;
+    let templates = dir.join("templates");
+    std::fs::create_dir_all(&templates).expect("a templates directory");
+    {
+        let _lock = testkit::lock_file(&shared_templates_dir().with_extension("lock"));
+        let copied = std::process::Command::new("cp")
+            .args(["-a", "--sparse=always"])
+            .arg(shared_templates_dir().join("default"))
+            .arg(templates.join("default"))
+            .status();
+        assert!(copied.is_ok_and(|s| s.success()), "copy the shared default template");
+    }
+    manager_on(dir, templates, limits).await
+}
+
+/// A manager on the test kernel and rootfs with `templates_dir`; its
+/// default template is loaded (or built, under the shared directory's
+/// lock) before it is returned.
+async fn manager_on(dir: &Path, templates_dir: PathBuf, limits: Limits) -> Arc<Manager> {
     let manager = Manager::new(ManagerConfig {
         kernel: testkit::kernel(),
         rootfs: testkit::rootfs(),
         run_dir: dir.join("sandboxes"),
-        templates_dir: shared_templates_dir(),
+        templates_dir,
         memory_backing: vmm::MemoryBacking::Private,
         profile: vmm::HostProfile::detect(),
         limits: Limits { boot_timeout_secs: 900, ..limits },
