@@ -111,6 +111,24 @@ pub struct TineServer {
     _dir: tempfile::TempDir,
 }
 
+/// The host's CA bundle (Debian's path), which the guests must trust to
+/// reach the package registries through this host's TLS-inspecting proxy.
+const HOST_CA_BUNDLE: &str = "/etc/ssl/certs/ca-certificates.crt";
+
+/// A server configuration for tests that reach the package registries:
+/// `[limits] boot_timeout_secs = 1200` and, where the host has its CA
+/// bundle, `[network] ca_certificates` naming it (so guests trust what
+/// the host trusts). Servers with this configuration share their default
+/// template ([`TineServer::start_with_default_template`]).
+pub fn registry_config() -> String {
+    let limits = "[limits]\nboot_timeout_secs = 1200\n";
+    if Path::new(HOST_CA_BUNDLE).exists() {
+        format!("{limits}[network]\nca_certificates = [\"{HOST_CA_BUNDLE}\"]\n")
+    } else {
+        limits.to_string()
+    }
+}
+
 /// A TCP port free on 127.0.0.1 now (the kernel's pick).
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("bind a free port").port()

@@ -15,7 +15,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use testkit::mcp::{call, McpClient, TineServer};
+use testkit::mcp::{call, registry_config, McpClient, TineServer};
 
 fn binary() -> &'static Path {
     Path::new(env!("CARGO_BIN_EXE_tine"))
@@ -54,12 +54,7 @@ async fn pip_and_npm_install_and_the_next_command_finds_the_package() {
         eprintln!("\n*** SKIPPED pip_and_npm: pypi.org:443 is not reachable from this host ***\n");
         return;
     }
-    let bundle = "/etc/ssl/certs/ca-certificates.crt";
-    let config = if Path::new(bundle).exists() {
-        format!("[limits]\nboot_timeout_secs = 1200\n[network]\nca_certificates = [\"{bundle}\"]\n")
-    } else {
-        "[limits]\nboot_timeout_secs = 1200\n".to_string()
-    };
+    let config = registry_config();
     let server = TineServer::start_with_default_template(binary(), None, &config);
     let client = server.client().await;
     let sb = call(&client, "sandbox_create", json!({})).await.expect("create");

@@ -16,7 +16,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use serde_json::{json, Value};
-use testkit::mcp::{call, call_with_progress, TineServer};
+use testkit::mcp::{call, call_with_progress, registry_config, TineServer};
 
 fn binary() -> &'static Path {
     Path::new(env!("CARGO_BIN_EXE_tine"))
@@ -38,12 +38,7 @@ async fn templates_from_recipes() {
     if !testkit::kvm_available("templates_from_recipes") {
         return;
     }
-    let bundle = "/etc/ssl/certs/ca-certificates.crt";
-    let config = if Path::new(bundle).exists() {
-        format!("[limits]\nboot_timeout_secs = 1200\n[network]\nca_certificates = [\"{bundle}\"]\n")
-    } else {
-        "[limits]\nboot_timeout_secs = 1200\n".to_string()
-    };
+    let config = registry_config();
     let server = TineServer::start_with_default_template(binary(), None, &config);
     let (client, rec) = server.recording_client().await;
 
