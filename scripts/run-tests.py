@@ -24,33 +24,35 @@ import sys
 import threading
 import time
 
-# Seconds each binary took on the 2-core nested-KVM host (cargo test
-# --release, one at a time, 2026-11-23); only their order matters: the
+# Seconds each binary took on the 2-core nested-KVM host (scripts/test.sh,
+# two at a time, 2026-11-26; pause and python_warm after they moved to the
+# shared template); only their order matters: the
 # longest start first so that the last to end is a short one. Binaries not
 # listed are fast and run last.
 EXPECTED_SECONDS = {
-    "tine::network": 300,
-    "tine::packages": 600,
-    "tine::files": 300,
-    "tine::recipes": 450,
-    "tine::python_sdk": 377,
-    "tine::load": 271,
-    "tine::processes": 390,
-    "tine-sandbox::hostile_guest": 203,
-    "tine::mcp": 202,
-    "tine::pool": 150,
-    "vmm::agent": 193,
-    "tine-sandbox::python_warm": 173,
-    "vmm::vsock": 121,
-    "vmm::snapshot": 117,
-    "vmm::branch": 101,
-    "vmm::device_thread": 89,
-    "tine-sandbox::pause": 77,
-    "vmm::boot": 73,
-    "vmm::vcpu_state": 46,
-    "tine::memory_budget": 46,
-    "tine::extreme_arguments": 150,
-    "vmm::seccomp": 26,
+    "tine::packages": 625,
+    "tine::processes": 430,
+    "tine::recipes": 377,
+    "tine::mcp": 321,
+    "tine::network": 310,
+    "vmm::agent": 287,
+    "tine::load": 256,
+    "tine::files": 233,
+    "vmm::snapshot": 222,
+    "tine::python_sdk": 198,
+    "tine::extreme_arguments": 162,
+    "tine-sandbox::hostile_guest": 154,
+    "vmm::branch": 150,
+    "tine-sandbox::python_warm": 128,
+    "vmm::vsock": 127,
+    "vmm::boot": 109,
+    "tine::pool": 100,
+    "tine::cluster": 96,
+    "vmm::device_thread": 92,
+    "tine::memory_budget": 78,
+    "vmm::vcpu_state": 60,
+    "vmm::seccomp": 29,
+    "tine-sandbox::pause": 15,
 }
 
 
