@@ -165,20 +165,25 @@ impl ArgCheck {
         Ok(ArgCheck { validators })
     }
 
-    /// Checks `args` (absent: `{}`) against `tool`'s input schema. A tool
-    /// it does not know passes (the router answers for it).
+    /// Checks `args` (absent: `{}`) against `tool`'s input schema, and
+    /// leaves them as they were. They are moved into a JSON value for the
+    /// check and back, not copied: a call's arguments may be megabytes. A
+    /// tool it does not know passes (the router answers for it).
     ///
     /// Errors: a message naming the tool, the argument, what was given
     /// (numbers in full, strings, lists and maps by their size) and the
     /// bound it broke.
-    pub fn check(&self, tool: &str, args: Option<&JsonObject>) -> Result<(), String> {
+    pub fn check(&self, tool: &str, args: &mut Option<JsonObject>) -> Result<(), String> {
         let Some(v) = self.validators.get(tool) else { return Ok(()) };
-        let empty = JsonObject::new();
-        let args = Value::Object(args.unwrap_or(&empty).clone());
-        match v.validate(&args) {
-            Ok(()) => Ok(()),
-            Err(e) => Err(format!("{tool}: {}; the tool's inputSchema gives every bound", describe(&e))),
+        let given = args.is_some();
+        let value = Value::Object(args.take().unwrap_or_default());
+        let checked = v
+            .validate(&value)
+            .map_err(|e| format!("{tool}: {}; the tool's inputSchema gives every bound", describe(&e)));
+        if let (true, Value::Object(map)) = (given, value) {
+            *args = Some(map);
         }
+        checked
     }
 }
 
@@ -284,7 +289,11 @@ mod tests {
     fn check_one(schema: Value, args: Value) -> Result<(), String> {
         let schema = schema.as_object().unwrap().clone();
         let check = ArgCheck::new([("t", &schema)]).unwrap();
-        check.check("t", args.as_object())
+        let mut args = args.as_object().cloned();
+        let before = args.clone();
+        let checked = check.check("t", &mut args);
+        assert_eq!(args, before, "the check leaves the arguments as they were");
+        checked
     }
 
     #[test]

@@ -157,9 +157,9 @@ pub struct TineMcp {
     cluster: Arc<Cluster>,
     /// Tool calls are counted and timed here.
     metrics: Arc<Metrics>,
-    /// Every call's arguments are checked against its tool's schema first.
+    /// The tools (shared by every session, made once per server); every
+    /// call's arguments are checked against its tool's schema first.
     tools: Arc<Tools>,
-    tool_router: ToolRouter<Self>,
 }
 
 /// What a session's handler shares with every other session on the host.
@@ -184,7 +184,6 @@ impl TineMcp {
         static NEXT_KEY: AtomicU64 = AtomicU64::new(1);
         let key = NEXT_KEY.fetch_add(1, Ordering::Relaxed);
         let manager = shared.manager.clone();
-        let tool_router = shared.tools.router.clone();
         TineMcp {
             session: Arc::new(SessionSandbox::new(manager.clone())),
             manager,
@@ -194,7 +193,6 @@ impl TineMcp {
             cluster: shared.cluster.clone(),
             metrics: shared.metrics.clone(),
             tools: shared.tools.clone(),
-            tool_router,
         }
     }
 
@@ -724,7 +722,7 @@ impl TineMcp {
     }
 }
 
-#[tool_handler(router = self.tool_router)]
+#[tool_handler(router = self.tools.router)]
 impl ServerHandler for TineMcp {
     /// Checks the arguments against the tool's input schema
     /// ([`bounds::ArgCheck`]: a call out of bounds is refused before any
@@ -734,7 +732,7 @@ impl ServerHandler for TineMcp {
     /// the metrics.
     async fn call_tool(
         &self,
-        request: CallToolRequestParams,
+        mut request: CallToolRequestParams,
         context: RequestContext<RoleServer>,
     ) -> Result<CallToolResponse, ErrorData> {
         let tool = request.name.clone();
@@ -749,12 +747,12 @@ impl ServerHandler for TineMcp {
         let route = self
             .tools
             .check
-            .check(&tool, request.arguments.as_ref())
+            .check(&tool, &mut request.arguments)
             .and_then(|()| self.cluster.route(&tool, request.arguments.as_ref(), forwarded_by.as_deref()));
         let response = match route {
             Ok(Route::Local) => {
                 let tcc = ToolCallContext::new(self, request, context);
-                self.tool_router.call(tcc).await
+                self.tools.router.call(tcc).await
             }
             Ok(Route::Forward { host, url }) => {
                 Ok(CallToolResponse::Complete(self.cluster.forward(&host, &url, request).await.unwrap_or_else(refused)))
@@ -771,7 +769,7 @@ impl ServerHandler for TineMcp {
             Err(_) => false,
         };
         // Known tools only: a client's made-up names must not grow the series.
-        let label = if self.tool_router.map.contains_key(tool.as_ref()) { tool.as_ref() } else { "unknown" };
+        let label = if self.tools.router.map.contains_key(tool.as_ref()) { tool.as_ref() } else { "unknown" };
         let elapsed = started.elapsed();
         tracing::debug!(tool = label, ok, elapsed_ms = elapsed.as_millis() as u64, "tool call");
         self.metrics.tool_call(label, elapsed, ok);
@@ -900,8 +898,8 @@ mod tests {
         let check = bounds::ArgCheck::new(tools.iter().map(|t| (t.name.as_ref(), t.input_schema.as_ref())))
             .expect("every input schema compiles");
         let args = |v: Value| v.as_object().cloned();
-        assert!(check.check("sandbox_branch", args(json!({"n": 7})).as_ref()).is_ok());
-        let e = check.check("sandbox_branch", args(json!({"n": 8})).as_ref()).unwrap_err();
+        assert!(check.check("sandbox_branch", &mut args(json!({"n": 7}))).is_ok());
+        let e = check.check("sandbox_branch", &mut args(json!({"n": 8}))).unwrap_err();
         assert!(e.starts_with("sandbox_branch: n (8) is greater than the maximum of 7"), "{e}");
     }
 
