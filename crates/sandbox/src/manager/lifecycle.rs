@@ -17,6 +17,7 @@ use tine_protocol::Reseed;
 use super::backend::{ExitWatch, VmSource, VmSpec};
 use super::sandbox::{SandboxSetup, Transition, CONSOLE_TAIL_LINES};
 use super::settings::env_vars;
+use super::spec::SandboxSpec;
 use super::{remove_dir, task_failed, Manager, Sandbox, SandboxError, SandboxId, SandboxInfo, SandboxState};
 use crate::events::EventKind;
 use crate::lock;
@@ -59,28 +60,6 @@ pub(super) enum EndReason {
 /// Seconds since `t0`, as a progress value.
 fn secs(t0: Instant) -> f64 {
     t0.elapsed().as_secs_f64()
-}
-
-/// What to create.
-#[derive(Clone, Debug, Default)]
-pub struct SandboxSpec {
-    /// vCPUs (`None`: the default).
-    pub vcpus: Option<u64>,
-    /// Guest memory in MiB (`None`: the default).
-    pub memory_mib: Option<u64>,
-    /// Free-form labels, for `list` filters.
-    pub labels: BTreeMap<String, String>,
-    /// Idle timeout in seconds (`None`: the default).
-    pub idle_timeout_secs: Option<u64>,
-    /// Restore from this template instead of booting (`None`: the default
-    /// template, when it exists and has the requested shape).
-    pub template: Option<String>,
-    /// The egress policy (`None`: the server's default).
-    pub network: Option<netstack::policy::NetworkPolicy>,
-    /// The sandbox environment: variables every exec, background process
-    /// and Python cell gets (see [`Manager::set_env`]); empty: none beyond
-    /// a template's own.
-    pub env: BTreeMap<String, String>,
 }
 
 /// Marks the default template as being built for as long as it lives.

@@ -38,6 +38,7 @@ mod processes;
 mod recipes;
 mod sandbox;
 mod settings;
+mod spec;
 #[cfg(test)]
 mod tests;
 
@@ -46,7 +47,6 @@ use backend::VmBackend;
 pub use branch::BranchResult;
 pub use calls::ExecRequest;
 pub use error::SandboxError;
-pub use lifecycle::SandboxSpec;
 pub use network::NetworkLog;
 pub use pool::PoolStatus;
 pub use processes::{ProcessId, ProcessInfo, ProcessPage, ProcessState, WaitResult, WaitSpec};
@@ -54,6 +54,7 @@ pub use recipes::{Recipe, SetupStep, MAX_FILES, MAX_STEPS};
 use sandbox::Sandbox;
 pub use sandbox::{Lineage, SandboxInfo, SandboxState, Usage};
 pub use settings::SandboxUpdate;
+pub use spec::SandboxSpec;
 
 /// A sandbox's id, `sb-<n>`.
 pub type SandboxId = String;

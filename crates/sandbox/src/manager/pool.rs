@@ -24,8 +24,8 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use super::backend::VmSource;
-use super::lifecycle::SandboxSpec;
 use super::sandbox::{SandboxSetup, SandboxState};
+use super::spec::SandboxSpec;
 use super::{remove_dir, Manager, Sandbox};
 use crate::lock;
 use crate::memory::MemoryUse;

@@ -1,0 +1,28 @@
+//! What a client asks for when it creates a sandbox ([`SandboxSpec`]):
+//! shape, labels, idle timeout, template, egress policy and environment.
+//! Its own file so that the lifecycle and the warm pool both use it
+//! without importing each other.
+
+use std::collections::BTreeMap;
+
+/// What to create.
+#[derive(Clone, Debug, Default)]
+pub struct SandboxSpec {
+    /// vCPUs (`None`: the default).
+    pub vcpus: Option<u64>,
+    /// Guest memory in MiB (`None`: the default).
+    pub memory_mib: Option<u64>,
+    /// Free-form labels, for `list` filters.
+    pub labels: BTreeMap<String, String>,
+    /// Idle timeout in seconds (`None`: the default).
+    pub idle_timeout_secs: Option<u64>,
+    /// Restore from this template instead of booting (`None`: the default
+    /// template, when it exists and has the requested shape).
+    pub template: Option<String>,
+    /// The egress policy (`None`: the server's default).
+    pub network: Option<netstack::policy::NetworkPolicy>,
+    /// The sandbox environment: variables every exec, background process
+    /// and Python cell gets (see [`Manager::set_env`](super::Manager::set_env)); empty: none beyond
+    /// a template's own.
+    pub env: BTreeMap<String, String>,
+}
