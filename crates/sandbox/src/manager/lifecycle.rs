@@ -1,8 +1,8 @@
 //! A sandbox's life: where it comes from ([`SandboxSpec`], template or
 //! boot), the one reservation that counts live sandboxes and mints ids,
-//! the start (VM, agent, reseed), the one teardown (used by a failed
-//! create, kill, discarded branch children and the default template's
-//! build), and the default template.
+//! the start (VM, agent, reseed), taking a sandbox out of the map before
+//! [`Sandbox::retire`] (a failed create, kill, discarded branch children
+//! and the default template's build), and the default template.
 
 use std::collections::BTreeMap;
 use std::io::Read;
@@ -18,7 +18,7 @@ use super::backend::{ExitWatch, VmSource, VmSpec};
 use super::sandbox::{SandboxSetup, Transition, CONSOLE_TAIL_LINES};
 use super::settings::env_vars;
 use super::spec::SandboxSpec;
-use super::{remove_dir, task_failed, Manager, Sandbox, SandboxError, SandboxId, SandboxInfo, SandboxState};
+use super::{task_failed, Manager, Sandbox, SandboxError, SandboxId, SandboxInfo, SandboxState};
 use crate::events::EventKind;
 use crate::lock;
 use crate::memory::{MemoryUse, Reservation};
@@ -303,7 +303,7 @@ impl Manager {
             let max = self.config.limits.max_sandboxes;
             if self.shutting_down.load(Ordering::SeqCst) {
                 drop(map);
-                super::pool::discard(sb, "the server is shutting down");
+                sb.retire_in_background(Some("the server is shutting down".into()));
                 return Err(SandboxError::ShuttingDown);
             }
             if live >= max {
@@ -438,9 +438,8 @@ impl Manager {
         live_in(&lock(&self.sandboxes))
     }
 
-    /// Takes `sb` down: forgets it (if the map still holds it), ends it
-    /// (`stopped`, with `reason`), stops its VM off the async threads and
-    /// removes its files. The one teardown.
+    /// Takes `sb` down: forgets it (if the map still holds it), then
+    /// [`Sandbox::retire`]s it with `reason`.
     pub(super) async fn teardown(&self, sb: &Arc<Sandbox>, reason: Option<String>) {
         {
             let mut map = lock(&self.sandboxes);
@@ -448,10 +447,7 @@ impl Manager {
                 map.remove(&sb.id);
             }
         }
-        sb.end(SandboxState::Stopped, reason);
-        let s = sb.clone();
-        let _ = tokio::task::spawn_blocking(move || s.stop_vm()).await;
-        remove_dir(&sb.dir());
+        sb.retire(reason).await;
     }
 
     /// Starts `sb`'s VM from `source` and waits until its agent answers,

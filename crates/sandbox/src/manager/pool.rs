@@ -26,7 +26,7 @@ use serde::Serialize;
 use super::backend::VmSource;
 use super::sandbox::{SandboxSetup, SandboxState};
 use super::spec::SandboxSpec;
-use super::{remove_dir, Manager, Sandbox};
+use super::{Manager, Sandbox};
 use crate::lock;
 use crate::memory::MemoryUse;
 use crate::progress::ProgressSink;
@@ -93,7 +93,7 @@ impl Manager {
                 return Some(sb);
             }
             tracing::warn!(sandbox = %sb.id, "a pooled sandbox ended while it waited; discarding it");
-            discard(sb, "ended in the pool");
+            sb.retire_in_background(Some("ended in the pool".into()));
         }
     }
 
@@ -107,7 +107,7 @@ impl Manager {
         };
         let n = drained.len();
         for sb in drained {
-            discard(sb, why);
+            sb.retire_in_background(Some(why.into()));
         }
         n
     }
@@ -121,10 +121,7 @@ impl Manager {
         }
         let drained: Vec<_> = lock(&self.pool).ready.drain(..).collect();
         for sb in drained {
-            sb.end(SandboxState::Stopped, Some("the server is shutting down".into()));
-            let s = sb.clone();
-            let _ = tokio::task::spawn_blocking(move || s.stop_vm()).await;
-            remove_dir(&sb.dir());
+            sb.retire(Some("the server is shutting down".into())).await;
         }
     }
 
@@ -136,7 +133,7 @@ impl Manager {
             pool.ready.push_front(sb);
         } else {
             drop(pool);
-            discard(sb, "the pool was emptied");
+            sb.retire_in_background(Some("the pool was emptied".into()));
         }
     }
 
@@ -147,7 +144,7 @@ impl Manager {
         let Some(sb) = lock(&self.pool).ready.pop_back() else { return false };
         tracing::info!(sandbox = %sb.id, "giving a pooled sandbox's memory to a create or branch");
         drop(std::mem::take(&mut *lock(&sb.memory)));
-        discard(sb, "its memory was needed");
+        sb.retire_in_background(Some("its memory was needed".into()));
         true
     }
 
@@ -198,7 +195,7 @@ impl Manager {
                         pool.ready.push_back(sb);
                     } else {
                         drop(pool);
-                        discard(sb, "the pool was emptied while it was restored");
+                        sb.retire_in_background(Some("the pool was emptied while it was restored".into()));
                     }
                 }
                 Err(e) => {
@@ -244,23 +241,9 @@ impl Manager {
         match self.start(&sb, VmSource::Template(template), &ProgressSink::default(), Instant::now()).await {
             Ok(()) => Ok(sb),
             Err(e) => {
-                discard(sb, "its restore failed");
+                sb.retire_in_background(Some("its restore failed".into()));
                 Err(e)
             }
         }
-    }
-}
-
-/// Ends a sandbox that is not in the map (pooled): marks it stopped, stops
-/// its VM and removes its files in the background.
-pub(super) fn discard(sb: Arc<Sandbox>, why: &'static str) {
-    sb.end(SandboxState::Stopped, Some(why.into()));
-    let stop = move || {
-        sb.stop_vm();
-        remove_dir(&sb.dir());
-    };
-    match tokio::runtime::Handle::try_current() {
-        Ok(rt) => drop(rt.spawn_blocking(stop)),
-        Err(_) => stop(),
     }
 }

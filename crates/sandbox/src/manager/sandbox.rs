@@ -38,7 +38,7 @@ use serde::Serialize;
 use tine_agent_client::AgentClient;
 
 use super::backend::{ExitWatch, VmEnd, VmHandle};
-use super::{unix_ms, SandboxId};
+use super::{remove_dir, unix_ms, SandboxId};
 use crate::events::{keep_end, EventKind, SandboxEvent, CONSOLE_TAIL_BYTES};
 use crate::lock;
 use crate::memory::Reservation;
@@ -501,6 +501,36 @@ impl Sandbox {
     /// Marks the sandbox ended (unless it already is) and drops the agent.
     pub fn end(&self, to: SandboxState, error: Option<String>) {
         let _ = self.transition(Transition::End { to, error });
+    }
+
+    /// Ends the sandbox for good and frees what it holds: marks it
+    /// `stopped` with `reason` (unless it already ended), stops its VM off
+    /// the async threads and removes its directory. The one teardown of a
+    /// sandbox's resources: a kill, a failed create, a discarded branch
+    /// child, a pooled sandbox let go and shutdown all come here. Taking it
+    /// out of the manager's map is the caller's part. Waits for the VM's
+    /// threads; see [`Sandbox::retire_in_background`] for callers that
+    /// cannot wait.
+    pub async fn retire(self: &Arc<Self>, reason: Option<String>) {
+        self.end(SandboxState::Stopped, reason);
+        let s = self.clone();
+        let _ = tokio::task::spawn_blocking(move || s.stop_vm()).await;
+        remove_dir(&self.dir());
+    }
+
+    /// [`Sandbox::retire`] without waiting: the VM is stopped and the
+    /// directory removed in a blocking task (or on this thread outside a
+    /// tokio runtime).
+    pub fn retire_in_background(self: Arc<Self>, reason: Option<String>) {
+        self.end(SandboxState::Stopped, reason);
+        let stop = move || {
+            self.stop_vm();
+            remove_dir(&self.dir());
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => drop(rt.spawn_blocking(stop)),
+            Err(_) => stop(),
+        }
     }
 
     /// A watcher of the VM's end, if there is a VM.
