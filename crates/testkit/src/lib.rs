@@ -51,6 +51,14 @@ pub fn package_index_reachable() -> bool {
     addrs.into_iter().any(|a| TcpStream::connect_timeout(&a, std::time::Duration::from_secs(5)).is_ok())
 }
 
+/// Whether the tests move their full sizes (`TINE_TEST_FULL` set): the
+/// sizes the issues name, which take minutes each on a host that emulates
+/// the guest's kernel. Unset (CI, `scripts/test.sh`), transfers are smaller
+/// but still many times every buffer they cross.
+pub fn full_size() -> bool {
+    std::env::var_os("TINE_TEST_FULL").is_some()
+}
+
 /// Whether `/dev/kvm` can be opened. When it cannot, prints a loud SKIPPED
 /// line naming `test` so that a skipped KVM test is never mistaken for a
 /// pass; CI machines have KVM, so there the tests run.
