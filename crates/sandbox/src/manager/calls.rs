@@ -71,7 +71,7 @@ impl Manager {
     /// Runs `call` on the agent of running sandbox `id` (a paused one is
     /// resumed first), keeping the sandbox busy meanwhile.
     ///
-    /// Every call waits for a call slot (`call_slots`, one per host CPU,
+    /// Every call waits for a call slot (`Slots::calls`, one per host CPU,
     /// first come first served) before `call` starts, so before its
     /// timeout, and holds it until the call ends or for `CALL_HOLD` (10 s).
     /// On an idle host a slot is free at once; under load, calls start a
@@ -136,13 +136,13 @@ impl Manager {
                 Ok(agent) => {
                     // Every call waits for a call slot before its timeout
                     // starts (the call's future is made after).
-                    let slot = match self.call_slots.try_acquire() {
+                    let slot = match self.slots.calls.try_acquire() {
                         Ok(slot) => slot,
                         Err(_) => {
                             let waited = Instant::now();
                             tracing::info!(sandbox = %sb.id, "call waits for admission: calls start at most one \
                                 per host CPU at a time");
-                            let slot = self.call_slots.acquire().await.map_err(|_| SandboxError::ShuttingDown)?;
+                            let slot = self.slots.calls.acquire().await.map_err(|_| SandboxError::ShuttingDown)?;
                             tracing::info!(sandbox = %sb.id, "call admitted after {} ms", waited.elapsed().as_millis());
                             slot
                         }

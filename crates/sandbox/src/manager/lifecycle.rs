@@ -62,6 +62,33 @@ fn secs(t0: Instant) -> f64 {
     t0.elapsed().as_secs_f64()
 }
 
+/// The default template's build, as creates waiting for it see it.
+pub(super) struct DefaultBuild {
+    /// Whether it runs now.
+    pub(super) building: tokio::sync::watch::Sender<bool>,
+    /// What it does now (one line).
+    pub(super) status: tokio::sync::watch::Sender<String>,
+}
+
+impl Default for DefaultBuild {
+    fn default() -> Self {
+        DefaultBuild {
+            building: tokio::sync::watch::Sender::new(false),
+            status: tokio::sync::watch::Sender::new(String::from("not started")),
+        }
+    }
+}
+
+/// Kills in progress, whose sandboxes already left the map: shutdown
+/// waits until `in_progress` is 0 (`done` wakes it at each end).
+#[derive(Default)]
+pub(super) struct Kills {
+    /// Kills running now.
+    pub(super) in_progress: std::sync::atomic::AtomicU64,
+    /// Notified when one ends.
+    pub(super) done: tokio::sync::Notify,
+}
+
 /// Marks the default template as being built for as long as it lives.
 struct BuildFlag<'a>(&'a tokio::sync::watch::Sender<bool>);
 
@@ -93,8 +120,8 @@ struct Dying<'a>(&'a Manager);
 
 impl Drop for Dying<'_> {
     fn drop(&mut self) {
-        self.0.dying.fetch_sub(1, Ordering::SeqCst);
-        self.0.dying_done.notify_waiters();
+        self.0.kills.in_progress.fetch_sub(1, Ordering::SeqCst);
+        self.0.kills.done.notify_waiters();
     }
 }
 
@@ -182,7 +209,7 @@ impl Manager {
     /// Waits until the default template is not being built, reporting
     /// every 2 s what the build does.
     async fn wait_for_default_build(&self, progress: &ProgressSink, t0: Instant) {
-        let mut building = self.default_building.subscribe();
+        let mut building = self.default_build.building.subscribe();
         if !progress.is_active() {
             let _ = building.wait_for(|b| !*b).await;
             return;
@@ -191,7 +218,7 @@ impl Manager {
             if !*building.borrow_and_update() {
                 return;
             }
-            let status = self.default_build_status.borrow().clone();
+            let status = self.default_build.status.borrow().clone();
             progress.report(
                 secs(t0),
                 None,
@@ -477,8 +504,8 @@ impl Manager {
         // Wait for a boot or restore slot; the boot timeout starts once
         // the VM does.
         let slots = match source {
-            VmSource::Boot => &self.boot_slots,
-            VmSource::Template(_) | VmSource::Branch(_) => &self.restore_slots,
+            VmSource::Boot => &self.slots.boots,
+            VmSource::Template(_) | VmSource::Branch(_) => &self.slots.restores,
         };
         let _slot = match slots.try_acquire() {
             Ok(slot) => slot,
@@ -632,7 +659,7 @@ impl Manager {
                 return Err(sb.gone());
             }
             map.remove(id);
-            self.dying.fetch_add(1, Ordering::SeqCst);
+            self.kills.in_progress.fetch_add(1, Ordering::SeqCst);
         }
         let _dying = Dying(self);
         self.leave_parent(&sb);
@@ -665,7 +692,7 @@ impl Manager {
                 Err(e) => tracing::warn!("rebuilding the default template: {e}"),
             }
         }
-        let _building = BuildFlag::set(&self.default_building);
+        let _building = BuildFlag::set(&self.default_build.building);
         let drained = self.drain_pool("the default template is being rebuilt");
         if drained > 0 {
             tracing::info!("stopped {drained} pooled sandboxes of the old default template");
@@ -684,7 +711,7 @@ impl Manager {
         let sb = self.unlisted_sandbox("template", (vcpus, memory_mib), setup, memory)?;
         tracing::info!("building the default template (a cold boot)");
         // Creates waiting for the build quote what it is doing.
-        let status = self.default_build_status.clone();
+        let status = self.default_build.status.clone();
         status.send_replace("starting a cold boot".into());
         let steps = ProgressSink::new(move |u| {
             status.send_replace(u.message);
@@ -692,7 +719,7 @@ impl Manager {
         // The log says what the build is doing every 10 s: a cold boot
         // takes a minute or more on slow hosts.
         let started = Instant::now();
-        let mut watch = self.default_build_status.subscribe();
+        let mut watch = self.default_build.status.subscribe();
         let heartbeat = AbortOnDrop(tokio::spawn(async move {
             let mut tick = tokio::time::interval(BUILD_LOG_PERIOD);
             tick.tick().await;
@@ -709,11 +736,11 @@ impl Manager {
         if r.is_ok() {
             // Before the build VM goes: the build ends (its `template-`
             // directory gone) once the working set is stored too.
-            self.default_build_status.send_replace("recording its working set".into());
+            self.default_build.status.send_replace("recording its working set".into());
             self.record_working_set(DEFAULT_TEMPLATE).await;
         }
         drop(heartbeat);
-        self.default_build_status.send_replace("finished".into());
+        self.default_build.status.send_replace("finished".into());
         self.teardown(&sb, None).await;
         match r {
             Ok(()) => {

@@ -38,6 +38,7 @@ mod processes;
 mod recipes;
 mod sandbox;
 mod settings;
+mod slots;
 mod spec;
 #[cfg(test)]
 mod tests;
@@ -58,9 +59,6 @@ pub use spec::SandboxSpec;
 
 /// A sandbox's id, `sb-<n>`.
 pub type SandboxId = String;
-
-/// Restores allowed at once per boot slot ([`Limits::concurrent_boots`]).
-const RESTORES_PER_BOOT_SLOT: usize = 2;
 
 /// Where the manager finds images and keeps its files.
 #[derive(Clone, Debug)]
@@ -108,30 +106,15 @@ pub struct Manager {
     shutting_down: AtomicBool,
     /// Kills in progress (their sandboxes have already left the map);
     /// [`Manager::shutdown`] waits for them.
-    dying: AtomicU64,
-    dying_done: tokio::sync::Notify,
-    /// One permit per boot allowed at once ([`Limits::concurrent_boots`]).
-    boot_slots: tokio::sync::Semaphore,
-    /// Restores (from a template or a branch point) allowed at once, until
-    /// the agent answers: [`RESTORES_PER_BOOT_SLOT`] per boot slot.
-    /// Restored guests all handle their device resets and reconnect at
-    /// once; 32 at a time on 2 host CPUs starved each other for minutes.
-    restore_slots: tokio::sync::Semaphore,
-    /// Agent calls starting at once, one per host CPU
-    /// ([`Limits::concurrent_boots`]), each held until its call ends or for
-    /// 10 s: a new guest faults in the pages its first work touches, and
-    /// many guests working at once on a few CPUs time out on trivial work.
-    /// A caller waits here before its call's timeout starts.
-    call_slots: tokio::sync::Semaphore,
+    kills: lifecycle::Kills,
+    /// Boots, restores and agent calls admitted at once ([`slots`]).
+    slots: slots::Slots,
     templates: TemplateStore,
     /// Guest memory of running sandboxes, branch points and loaded
     /// templates ([`Limits::memory_budget_mib`]).
     memory: Arc<MemoryBudget>,
-    /// Whether the default template is being built.
-    default_building: tokio::sync::watch::Sender<bool>,
-    /// What the default template's build is doing now (one line), for
-    /// creates waiting for it.
-    default_build_status: tokio::sync::watch::Sender<String>,
+    /// The default template's build: whether it runs, what it does.
+    default_build: lifecycle::DefaultBuild,
     /// What happens to sandboxes ([`Manager::subscribe_events`]).
     events: tokio::sync::broadcast::Sender<crate::events::SandboxEvent>,
     /// Recipe builds running or failed, by template name.
@@ -201,19 +184,15 @@ impl Manager {
             templates,
             memory,
             backend,
-            default_building: tokio::sync::watch::Sender::new(false),
-            default_build_status: tokio::sync::watch::Sender::new(String::from("not started")),
+            default_build: lifecycle::DefaultBuild::default(),
             events: tokio::sync::broadcast::Sender::new(crate::events::EVENT_CAPACITY),
             sandboxes: Mutex::new(BTreeMap::new()),
             builds: Mutex::new(BTreeMap::new()),
             pool: Mutex::new(pool::Pool::default()),
             next_id: AtomicU64::new(1),
             shutting_down: AtomicBool::new(false),
-            dying: AtomicU64::new(0),
-            dying_done: tokio::sync::Notify::new(),
-            boot_slots: tokio::sync::Semaphore::new(config.limits.concurrent_boots()),
-            restore_slots: tokio::sync::Semaphore::new(config.limits.concurrent_boots() * RESTORES_PER_BOOT_SLOT),
-            call_slots: tokio::sync::Semaphore::new(config.limits.concurrent_boots()),
+            kills: lifecycle::Kills::default(),
+            slots: slots::Slots::new(&config.limits),
             config,
         }))
     }
@@ -321,9 +300,7 @@ impl Manager {
     pub async fn shutdown(self: &Arc<Self>) {
         self.shutting_down.store(true, Ordering::SeqCst);
         // Boots waiting for a slot give up at once.
-        self.boot_slots.close();
-        self.restore_slots.close();
-        self.call_slots.close();
+        self.slots.close();
         self.shutdown_pool().await;
         let ids: Vec<SandboxId> = lock(&self.sandboxes).keys().cloned().collect();
         let mut kills = tokio::task::JoinSet::new();
@@ -334,14 +311,14 @@ impl Manager {
         while kills.join_next().await.is_some() {}
         // Kills started elsewhere (an MCP session that ended) finish too.
         loop {
-            let done = self.dying_done.notified();
-            if self.dying.load(Ordering::SeqCst) == 0 {
+            let done = self.kills.done.notified();
+            if self.kills.in_progress.load(Ordering::SeqCst) == 0 {
                 break;
             }
             done.await;
         }
         // A default-template build gives up at its next check; wait for it.
-        let mut building = self.default_building.subscribe();
+        let mut building = self.default_build.building.subscribe();
         let _ = tokio::time::timeout(Duration::from_secs(30), building.wait_for(|b| !*b)).await;
         // A boot still starting its VM when its sandbox was killed may have
         // made files after the kill removed its directory.

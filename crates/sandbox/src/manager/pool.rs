@@ -218,7 +218,7 @@ impl Manager {
     async fn pooled_sandbox(self: &Arc<Self>) -> Result<Arc<Sandbox>, super::SandboxError> {
         let limits = &self.config.limits;
         // The build ends with a refill of its own.
-        if *self.default_building.borrow() {
+        if *self.default_build.building.borrow() {
             return Err(super::SandboxError::Template(crate::templates::TemplateError::Building(
                 DEFAULT_TEMPLATE.into(),
             )));

@@ -303,7 +303,7 @@ async fn calls_wait_for_a_call_slot() {
     let (m, id, req) = (s.manager.clone(), a.clone(), exec("sleep 5"));
     let slow = tokio::spawn(async move { m.exec(&id, req).await });
     let m = s.manager.clone();
-    eventually("a's first call holds the slot", || m.call_slots.available_permits() == 0).await;
+    eventually("a's first call holds the slot", || m.slots.calls.available_permits() == 0).await;
     let released = Arc::new(AtomicBool::new(false));
     let (m, id, req, rel) = (s.manager.clone(), b.clone(), exec("true"), released.clone());
     let quick = tokio::spawn(async move {
@@ -316,20 +316,20 @@ async fn calls_wait_for_a_call_slot() {
     let (r, after_release) = quick.await.unwrap();
     r.expect("b's first call");
     assert!(after_release, "b's first call ran while a's held the only slot");
-    assert_eq!(s.manager.call_slots.available_permits(), 1);
+    assert_eq!(s.manager.slots.calls.available_permits(), 1);
 
     // Later calls wait for the slot too, and give it back when they end.
     let (m, id, req) = (s.manager.clone(), a.clone(), exec("sleep 5"));
     let slow = tokio::spawn(async move { m.exec(&id, req).await });
     let m = s.manager.clone();
-    eventually("a's call holds the slot", || m.call_slots.available_permits() == 0).await;
+    eventually("a's call holds the slot", || m.slots.calls.available_permits() == 0).await;
     let (m, id, req) = (s.manager.clone(), b.clone(), exec("true"));
     let later = tokio::spawn(async move { m.exec(&id, req).await });
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(!later.is_finished(), "b's later call ran while a's held the only slot");
     slow.abort();
     later.await.unwrap().expect("b's later call");
-    assert_eq!(s.manager.call_slots.available_permits(), 1);
+    assert_eq!(s.manager.slots.calls.available_permits(), 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -686,8 +686,8 @@ async fn create_with_reports_its_steps_and_the_wait_for_the_default_template() {
 
     // While the default template is being built, a create of the default
     // shape waits for it and says what the build does.
-    s.manager.default_build_status.send_replace("booting template-9".into());
-    s.manager.default_building.send_replace(true);
+    s.manager.default_build.status.send_replace("booting template-9".into());
+    s.manager.default_build.building.send_replace(true);
     let (sink, got) = recorder();
     let cx = crate::CallContext { owner: None, progress: sink };
     let m = s.manager.clone();
@@ -698,7 +698,7 @@ async fn create_with_reports_its_steps_and_the_wait_for_the_default_template() {
     })
     .await;
     assert!(!create.is_finished());
-    s.manager.default_building.send_replace(false);
+    s.manager.default_build.building.send_replace(false);
     let info = create.await.unwrap().unwrap();
     assert!(messages(&got).contains(&format!("booting {}", info.sandbox_id)));
 }
