@@ -38,6 +38,7 @@ mod manager;
 pub mod memory;
 pub mod network;
 pub mod progress;
+pub mod store;
 pub mod templates;
 
 pub use diff::{DiffOptions, DiffReport};

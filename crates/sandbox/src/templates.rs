@@ -5,7 +5,7 @@
 //! `memory`, see [`vmm::snapshot`]) and `template.json` ([`TemplateMeta`]:
 //! shape, origin, and the identity of the kernel and root filesystem image
 //! it was made from). A template is made in `.<name>.tmp` and renamed into
-//! place when whole. Loaded snapshots are cached and reloaded when the
+//! place when whole and synced ([`crate::store`]). Loaded snapshots are cached and reloaded when the
 //! files change.
 
 use std::collections::BTreeMap;
@@ -15,6 +15,7 @@ use std::sync::{Arc, Mutex};
 
 use crate::lock;
 use crate::memory::{MemoryBudget, MemoryUse, OverBudget, Reservation};
+use crate::store;
 
 #[cfg(feature = "schema")]
 use schemars::JsonSchema;
@@ -121,6 +122,15 @@ pub enum TemplateError {
         #[source]
         source: std::io::Error,
     },
+}
+
+impl From<store::StoreError> for TemplateError {
+    fn from(e: store::StoreError) -> Self {
+        match e {
+            store::StoreError::Exists(p) => TemplateError::Exists(p.display().to_string()),
+            store::StoreError::Io { what, source } => TemplateError::Io { what, source },
+        }
+    }
 }
 
 /// Which file, by identity: a changed image must not be used under a
@@ -383,15 +393,11 @@ impl TemplateStore {
         if !dir.exists() {
             return Err(TemplateError::NotFound(name.to_string()));
         }
-        // Renamed out of the way first, so a concurrent load sees it gone
-        // rather than half-removed.
-        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let gone = self.dir.join(format!(".{name}.{}-{n}.deleted", std::process::id()));
-        std::fs::rename(&dir, &gone).map_err(io(format!("rename {} to {}", dir.display(), gone.display())))?;
+        // Renamed out of the way first (store::remove), so a concurrent
+        // load sees it gone rather than half-removed.
+        let removed = store::remove(&dir);
         lock(&self.cache).remove(name);
-        std::fs::remove_dir_all(&gone).map_err(io(format!("remove {}", gone.display())))?;
-        Ok(())
+        Ok(removed?)
     }
 
     /// The directory of template `name`.
@@ -417,11 +423,7 @@ impl TemplateStore {
         }
         // Unique per call: two snapshots under one name may race; the
         // second to commit finds the name taken.
-        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let tmp = self.dir.join(format!(".{name}.{}-{n}.tmp", std::process::id()));
-        std::fs::create_dir(&tmp).map_err(io(format!("create {}", tmp.display())))?;
-        Ok(tmp)
+        Ok(store::begin(&self.dir, name)?)
     }
 
     /// Writes `template.json` into `tmp` and moves it into place as
@@ -432,15 +434,11 @@ impl TemplateStore {
     pub fn commit(&self, tmp: &Path, meta: &TemplateMeta, replace: bool) -> Result<(), TemplateError> {
         let json = serde_json::to_vec_pretty(meta)
             .map_err(|e| TemplateError::Io { what: "encode template.json".into(), source: e.into() })?;
-        std::fs::write(tmp.join(META_FILE), json).map_err(io(format!("write {}", tmp.join(META_FILE).display())))?;
-        let dest = self.path(&meta.name);
-        if dest.exists() {
-            if !replace {
-                return Err(TemplateError::Exists(meta.name.clone()));
-            }
-            std::fs::remove_dir_all(&dest).map_err(io(format!("remove {}", dest.display())))?;
-        }
-        std::fs::rename(tmp, &dest).map_err(io(format!("rename {} to {}", tmp.display(), dest.display())))?;
+        store::write_synced(&tmp.join(META_FILE), &json)?;
+        store::commit(tmp, &self.path(&meta.name), replace).map_err(|e| match e {
+            store::StoreError::Exists(_) => TemplateError::Exists(meta.name.clone()),
+            e => e.into(),
+        })?;
         lock(&self.cache).remove(&meta.name);
         Ok(())
     }
@@ -550,9 +548,7 @@ impl TemplateStore {
             what: format!("encode the working set of {name}"),
             source: std::io::Error::other(e),
         })?;
-        let tmp = dir.join(format!(".{WORKING_SET_FILE}.tmp"));
-        std::fs::write(&tmp, json).map_err(io(format!("write {}", tmp.display())))?;
-        std::fs::rename(&tmp, dir.join(WORKING_SET_FILE)).map_err(io(format!("rename {}", tmp.display())))?;
+        store::replace_file(&dir, WORKING_SET_FILE, &json)?;
         if let Some(c) = lock(&self.cache).get(name) {
             *lock(&c.template.working_set) = Some(Arc::new(ws));
         }
