@@ -80,8 +80,11 @@ impl ClientHandler for Recorder {
     }
 }
 
-/// The `tine` binary, built in release mode by `cargo build` (the tests
-/// of crate `tine` get it from Cargo; others build it here).
+/// The `tine` binary, built in release mode by `cargo build -p tine` (for
+/// the benches). The tests of crate `tine` must use Cargo's
+/// `CARGO_BIN_EXE_tine` instead: `-p tine` unifies features differently
+/// from a workspace build, so this relinks `target/release/tine` under
+/// the other test binaries of a run.
 pub fn tine_binary() -> PathBuf {
     if let Some(p) = std::env::var_os("TINE_BIN").filter(|v| !v.is_empty()) {
         return PathBuf::from(p);

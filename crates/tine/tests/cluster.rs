@@ -17,7 +17,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use testkit::mcp::{call, connect, free_port, tine_binary, McpClient, TineServer};
+use testkit::mcp::{call, connect, free_port, McpClient, TineServer};
 
 const TOKEN: &str = "cluster-test-token-0123456789abcdef0123456789";
 const NGINX: &str = "/usr/sbin/nginx";
@@ -165,7 +165,12 @@ async fn two_hosts_behind_nginx() {
         return;
     }
     let Some(nginx_bin) = nginx(test) else { return };
-    let bin = tine_binary();
+    // Cargo's build of this package's binary: `testkit::mcp::tine_binary`
+    // runs `cargo build -p tine`, whose feature set differs from the
+    // workspace build's, so it relinked `target/release/tine` mid-run
+    // (minutes of compiling, and every server after it started a new
+    // binary and rebuilt its default template).
+    let bin = PathBuf::from(env!("CARGO_BIN_EXE_tine"));
     let (p1, p2) = (free_port(), free_port());
     let config = |me: &str, other: &str, port: u16| {
         format!("[cluster]\nhost_name = \"{me}\"\npeers = {{ {other} = \"http://127.0.0.1:{port}\" }}\n")

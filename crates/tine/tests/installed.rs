@@ -44,7 +44,7 @@ fn doctor_finds_the_images_setup_installed() {
         let hash = name.rsplit('-').next().unwrap();
         assert!(listed.lines().any(|l| l.starts_with(&format!("vmlinux {hash} "))), "{name} in\n{listed}");
     }
-    let out = Command::new(testkit::mcp::tine_binary()).arg("doctor").output().expect("run tine doctor");
+    let out = Command::new(env!("CARGO_BIN_EXE_tine")).arg("doctor").output().expect("run tine doctor");
     let text = String::from_utf8_lossy(&out.stdout);
     eprintln!("{text}{}", String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "tine doctor failed:\n{text}");
