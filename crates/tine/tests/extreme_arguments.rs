@@ -114,6 +114,11 @@ fn base_value(tool: &str, name: &str, schema: &Value, defs: &Value, ids: &Ids) -
         "code" => Some(json!("1")),
         "content" | "data" => Some(json!("x\n")),
         "data_base64" => Some(json!("eA==")),
+        // A cell of 1 MiB takes seconds here (its bytes are copied and
+        // parsed in a guest whose page faults are emulated); one past its
+        // timeout and the 5 s grace after SIGINT restarts the interpreter
+        // empty, as documented, and the walker's variable with it.
+        "timeout_secs" if matches!(tool, "sandbox_run_code" | "sandbox_run_python") => Some(json!(120)),
         "timeout_secs" => Some(json!(5)),
         _ => None,
     };
