@@ -25,34 +25,34 @@ import threading
 import time
 
 # Seconds each binary took on the 2-core nested-KVM host (scripts/test.sh,
-# two at a time, 2026-11-26; pause and python_warm after they moved to the
-# shared template); only their order matters: the
-# longest start first so that the last to end is a short one. Binaries not
-# listed are fast and run last.
+# two at a time, 2026-11-26 after the suite's trims: one pip run, bash's
+# /dev/tcp for small requests, smaller CI sizes); only their order
+# matters: the longest start first so that the last to end is a short
+# one. Binaries not listed are fast and run last.
 EXPECTED_SECONDS = {
-    "tine::packages": 625,
-    "tine::processes": 430,
-    "tine::recipes": 377,
-    "tine::mcp": 321,
-    "tine::network": 310,
-    "vmm::agent": 287,
-    "tine::load": 256,
-    "tine::files": 233,
-    "vmm::snapshot": 222,
-    "tine::python_sdk": 198,
-    "tine::extreme_arguments": 162,
-    "tine-sandbox::hostile_guest": 154,
-    "vmm::branch": 150,
-    "tine-sandbox::python_warm": 128,
-    "vmm::vsock": 127,
-    "vmm::boot": 109,
+    "tine::packages": 672,
+    "tine::processes": 404,
+    "tine::network": 274,
+    "vmm::agent": 272,
+    "tine::mcp": 271,
+    "tine-sandbox::hostile_guest": 200,
+    "tine::python_sdk": 160,
+    "vmm::snapshot": 160,
+    "tine::extreme_arguments": 150,
+    "tine::load": 150,
+    "tine::files": 146,
+    "vmm::branch": 136,
+    "tine-sandbox::python_warm": 130,
+    "tine::cluster": 110,
+    "vmm::boot": 107,
+    "vmm::device_thread": 100,
     "tine::pool": 100,
-    "tine::cluster": 96,
-    "vmm::device_thread": 92,
-    "tine::memory_budget": 78,
-    "vmm::vcpu_state": 60,
-    "vmm::seccomp": 29,
-    "tine-sandbox::pause": 15,
+    "tine::recipes": 91,
+    "vmm::vcpu_state": 52,
+    "vmm::vsock": 51,
+    "tine::memory_budget": 48,
+    "vmm::seccomp": 30,
+    "tine-sandbox::pause": 14,
 }
 
 
