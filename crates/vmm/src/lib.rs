@@ -14,6 +14,7 @@ pub mod event_loop;
 pub mod host;
 pub mod log_limit;
 pub mod memory;
+pub mod pagefile;
 pub mod seccomp;
 pub mod snapshot;
 pub mod sync;
