@@ -432,12 +432,61 @@ impl GuestRam {
         Ok(out)
     }
 
+    /// The pages this VM may have of its own, apart from its snapshot's
+    /// memory file (the base), as sorted `(start, end)` offsets of the
+    /// memory file's layout: what a page file of a hibernation must look
+    /// at (`crate::pagefile`, `docs/design/hibernate.md` §1.2).
+    ///
+    /// - RAM restored into a private mapping of the file: the pages written
+    ///   since (copied on write) or swapped, by `PAGEMAP_SCAN` with
+    ///   `PAGE_IS_FILE | PAGE_IS_PFNZERO` excluded, or reading
+    ///   `/proc/self/pagemap` on kernels before 6.7. Pages only read are
+    ///   the file's and are left out.
+    /// - Every other RAM (booted, userfaultfd, huge pages):
+    ///   [`GuestRam::content_ranges`]; the writer's compare with the base,
+    ///   where there is one, drops the pages equal to it.
+    ///
+    /// Only exact while the VM does not run.
+    ///
+    /// Errors: [`MemoryError::Memfd`] for I/O errors.
+    pub fn own_candidates(&self) -> Result<Vec<(u64, u64)>, MemoryError> {
+        if !self.restored || self.huge_pages || self.uffd.is_some() {
+            return self.content_ranges();
+        }
+        let pagemap = File::open("/proc/self/pagemap").map_err(MemoryError::Memfd)?;
+        match self.scan(&pagemap, PAGE_IS_FILE | PAGE_IS_PFNZERO) {
+            Ok(ranges) => Ok(ranges),
+            Err(e) => {
+                tracing::debug!("PAGEMAP_SCAN unavailable ({e}); reading /proc/self/pagemap");
+                self.read_own(&pagemap)
+            }
+        }
+    }
+
+    /// The bytes of [`GuestRam::own_candidates`]: an upper bound of what
+    /// this VM holds of its own on the host (bytes), for admission by real
+    /// use.
+    ///
+    /// Errors: as [`GuestRam::own_candidates`].
+    pub fn own_bytes(&self) -> Result<u64, MemoryError> {
+        Ok(self.own_candidates()?.iter().map(|(s, e)| e - s).sum())
+    }
+
     /// The pages of guest RAM present or swapped in this process's page
     /// table, as sorted `(start, end)` offsets of the memory file's layout,
     /// by the `PAGEMAP_SCAN` ioctl (`pagemap` is `/proc/self/pagemap`).
     ///
     /// Errors: the ioctl's (`ENOTTY` before Linux 6.7).
     fn scan_mapped(&self, pagemap: &File) -> std::io::Result<Vec<(u64, u64)>> {
+        self.scan(pagemap, 0)
+    }
+
+    /// As [`GuestRam::scan_mapped`], less the pages in any category of
+    /// `excluded` (`PAGE_IS_*` bits): with `PAGE_IS_FILE | PAGE_IS_PFNZERO`,
+    /// the pages a private mapping has of its own (written, so copied on
+    /// write, or swapped), not those still read from the file or the zero
+    /// page.
+    fn scan(&self, pagemap: &File, excluded: u64) -> std::io::Result<Vec<(u64, u64)>> {
         let mut out = Vec::new();
         let mut found = vec![PageRegion::default(); 256];
         for region in self.regions() {
@@ -450,6 +499,11 @@ impl GuestRam {
                     end,
                     vec: found.as_mut_ptr() as u64,
                     vec_len: found.len() as u64,
+                    // A page matches when its categories, with `excluded`'s
+                    // inverted, have all of `excluded` (none of them set)
+                    // and any of present and swapped.
+                    category_inverted: excluded,
+                    category_mask: excluded,
                     category_anyof_mask: PAGE_IS_PRESENT | PAGE_IS_SWAPPED,
                     return_mask: PAGE_IS_PRESENT | PAGE_IS_SWAPPED,
                     ..PmScanArg::default()
@@ -484,6 +538,20 @@ impl GuestRam {
     ///
     /// Errors: [`MemoryError::Memfd`] for read errors.
     fn read_mapped(&self, pagemap: &File) -> Result<Vec<(u64, u64)>, MemoryError> {
+        self.read_pages(pagemap, |e| e & (3 << 62) != 0)
+    }
+
+    /// As [`GuestRam::scan`] with `PAGE_IS_FILE | PAGE_IS_PFNZERO`, by
+    /// reading `/proc/self/pagemap`: present and not file-backed or shared
+    /// (bit 63 set, bit 61 clear), or swapped (bit 62). The zero page reads
+    /// as present and not file-backed here; its pages are all zero, which
+    /// the page-file writer's compare drops.
+    fn read_own(&self, pagemap: &File) -> Result<Vec<(u64, u64)>, MemoryError> {
+        self.read_pages(pagemap, |e| (e & (1 << 63) != 0 && e & (1 << 61) == 0) || e & (1 << 62) != 0)
+    }
+
+    /// The pages whose `/proc/self/pagemap` entry satisfies `keep`.
+    fn read_pages(&self, pagemap: &File, keep: impl Fn(u64) -> bool) -> Result<Vec<(u64, u64)>, MemoryError> {
         use std::os::unix::fs::FileExt;
         const PAGE: u64 = 4096;
         let mut out = Vec::new();
@@ -498,7 +566,7 @@ impl GuestRam {
                 pagemap.read_exact_at(bytes, (host_page + i) * 8).map_err(MemoryError::Memfd)?;
                 for (j, entry) in bytes.chunks_exact(8).enumerate() {
                     let e = u64::from_le_bytes(entry.try_into().unwrap_or_default());
-                    if e & (3 << 62) != 0 {
+                    if keep(e) {
                         let at = region.file_offset + (i + j as u64) * PAGE;
                         push_range(&mut out, (at, at + PAGE));
                     }
@@ -656,10 +724,15 @@ const _: () = assert!(std::mem::size_of::<PageRegion>() == 24 && std::mem::size_
 /// `PAGEMAP_SCAN`: `_IOWR('f', 16, struct pm_scan_arg)`.
 const PAGEMAP_SCAN: libc::Ioctl = nix::request_code_readwrite!(b'f', 16, std::mem::size_of::<PmScanArg>()) as _;
 const _: () = assert!(PAGEMAP_SCAN == 0xc060_6610);
+/// A page of a file or shared memory (`PAGE_IS_FILE`); in a private
+/// mapping, one not (yet) written.
+const PAGE_IS_FILE: u64 = 1 << 2;
 /// A page present in RAM (`PAGE_IS_PRESENT`).
 const PAGE_IS_PRESENT: u64 = 1 << 3;
 /// A page swapped out (`PAGE_IS_SWAPPED`).
 const PAGE_IS_SWAPPED: u64 = 1 << 4;
+/// The shared zero page (`PAGE_IS_PFNZERO`): a read of a hole.
+const PAGE_IS_PFNZERO: u64 = 1 << 5;
 
 /// Appends `r` to the sorted ranges `out`, merging it with the last one
 /// where they touch or overlap.
@@ -1273,6 +1346,37 @@ Rss:                 100 kB
             Err(e) => eprintln!("PAGEMAP_SCAN not available here ({e}): only the read was checked"),
         }
         assert_eq!(ram.content_ranges().unwrap(), read);
+    }
+
+    /// Restored into a private mapping, the pages written since are the
+    /// VM's own; those only read are the file's; the writer needs only the
+    /// former (by `PAGEMAP_SCAN` and by the pagemap read alike).
+    #[test]
+    fn own_candidates_are_the_written_pages_of_a_restored_mapping() {
+        let file = tempfile::tempfile().unwrap();
+        file.set_len(16 << 20).unwrap();
+        std::os::unix::fs::FileExt::write_all_at(&file, &[9u8; 4096], 100 * PAGE).unwrap();
+        let ram = GuestRam::from_file_private(file, 16 << 20).unwrap();
+        let mut byte = [0u8; 1];
+        for page in [100u64, 200, 300] {
+            ram.memory.read_slice(&mut byte, GuestAddress(page * PAGE)).unwrap();
+        }
+        for page in [5u64, 6, 200, 4095] {
+            ram.memory.write_slice(&[1u8], GuestAddress(page * PAGE)).unwrap();
+        }
+        let want = vec![(5 * PAGE, 7 * PAGE), (200 * PAGE, 201 * PAGE), (4095 * PAGE, 4096 * PAGE)];
+        let pagemap = File::open("/proc/self/pagemap").unwrap();
+        assert_eq!(ram.read_own(&pagemap).unwrap(), want, "pagemap: written pages only");
+        match ram.scan(&pagemap, PAGE_IS_FILE | PAGE_IS_PFNZERO) {
+            Ok(scanned) => assert_eq!(scanned, want),
+            Err(e) => eprintln!("PAGEMAP_SCAN not available here ({e}): only the read was checked"),
+        }
+        assert_eq!(ram.own_candidates().unwrap(), want);
+        assert_eq!(ram.own_bytes().unwrap(), 4 * PAGE);
+        // Booted RAM has no base: every page with data is a candidate.
+        let booted = GuestRam::new("own", 16 << 20).unwrap();
+        booted.memory.write_slice(&[1u8], GuestAddress(7 * PAGE)).unwrap();
+        assert_eq!(booted.own_candidates().unwrap(), booted.content_ranges().unwrap());
     }
 
     #[test]
