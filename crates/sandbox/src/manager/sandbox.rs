@@ -514,8 +514,7 @@ impl Sandbox {
     pub async fn retire(self: &Arc<Self>, reason: Option<String>) {
         self.end(SandboxState::Stopped, reason);
         let s = self.clone();
-        let _ = tokio::task::spawn_blocking(move || s.stop_vm()).await;
-        remove_dir(&self.dir());
+        let _ = tokio::task::spawn_blocking(move || s.free()).await;
     }
 
     /// [`Sandbox::retire`] without waiting: the VM is stopped and the
@@ -523,14 +522,17 @@ impl Sandbox {
     /// tokio runtime).
     pub fn retire_in_background(self: Arc<Self>, reason: Option<String>) {
         self.end(SandboxState::Stopped, reason);
-        let stop = move || {
-            self.stop_vm();
-            remove_dir(&self.dir());
-        };
         match tokio::runtime::Handle::try_current() {
-            Ok(rt) => drop(rt.spawn_blocking(stop)),
-            Err(_) => stop(),
+            Ok(rt) => drop(rt.spawn_blocking(move || self.free())),
+            Err(_) => self.free(),
         }
+    }
+
+    /// Stops the VM and removes the sandbox's directory (blocking): the
+    /// work of both retires.
+    fn free(&self) {
+        self.stop_vm();
+        remove_dir(&self.dir());
     }
 
     /// A watcher of the VM's end, if there is a VM.
