@@ -48,6 +48,9 @@ pub enum MemoryError {
     /// the host's pool, or a size that is not whole huge pages.
     #[error("{0}")]
     HugePages(String),
+    /// A hibernated guest's page file could not be laid over its base.
+    #[error(transparent)]
+    PageFile(#[from] crate::pagefile::PageFileError),
     /// KVM_SET_USER_MEMORY_REGION failed.
     #[error("KVM_SET_USER_MEMORY_REGION for slot {slot} failed: {source}")]
     RegisterSlot {
@@ -188,6 +191,14 @@ impl GuestRam {
         size: u64,
     ) -> Result<Self, MemoryError> {
         use std::os::unix::fs::FileExt;
+        if let crate::snapshot::SnapshotMemory::Layered { base, pages } = memory {
+            let ram = match base {
+                Some(base) => Self::from_snapshot_huge(name, base, size)?,
+                None => Self::new_huge(name, size)?,
+            };
+            ram.apply_pages(pages)?;
+            return Ok(ram);
+        }
         let file = memory.open().map_err(MemoryError::Memfd)?;
         check_snapshot_file(&file, size)?;
         let ram = Self::new_huge(name, size)?;
@@ -202,6 +213,25 @@ impl GuestRam {
             }
         }
         Ok(ram)
+    }
+
+    /// Copies a page file's pages over this RAM (region by region in the
+    /// memory file's layout); returns the pages written. Call it before any
+    /// vCPU or device uses the RAM.
+    ///
+    /// Errors: [`MemoryError::PageFile`] (another size, a read error, a
+    /// data CRC that does not match: the RAM must then not run).
+    pub fn apply_pages(&self, pages: &crate::pagefile::PageFile) -> Result<u64, MemoryError> {
+        let mut segments: Vec<&mut [u8]> = self
+            .regions()
+            .iter()
+            // SAFETY: each region is one of this RAM's mappings, read-write
+            // and alive while `self` is; the regions do not overlap, and no
+            // vCPU or device uses the RAM yet (the caller's contract), so
+            // these are the only references to those bytes.
+            .map(|r| unsafe { std::slice::from_raw_parts_mut(r.host_addr as *mut u8, r.len) })
+            .collect();
+        Ok(pages.apply(&mut segments)?)
     }
 
     /// Whether this RAM is of [`HUGE_PAGE_SIZE`] pages ([`GuestRam::new_huge`]).
@@ -279,14 +309,27 @@ impl GuestRam {
     /// [`GuestRam::from_file_uffd`] (whose handler thread is named
     /// `uffd-<name>`).
     ///
-    /// Errors: [`MemoryError::Memfd`] if the file cannot be opened, and
-    /// those of the function it dispatches to.
+    /// A [`SnapshotMemory::Layered`](crate::snapshot::SnapshotMemory::Layered)
+    /// memory is its base restored this way (or [`GuestRam::new`] without
+    /// one) with the page file's pages copied over it before this returns.
+    ///
+    /// Errors: [`MemoryError::Memfd`] if the file cannot be opened,
+    /// [`MemoryError::PageFile`], and those of the function it dispatches
+    /// to.
     pub fn from_snapshot(
         name: &str,
         memory: &crate::snapshot::SnapshotMemory,
         size: u64,
         backing: MemoryBacking,
     ) -> Result<Self, MemoryError> {
+        if let crate::snapshot::SnapshotMemory::Layered { base, pages } = memory {
+            let ram = match base {
+                Some(base) => Self::from_snapshot(name, base, size, backing)?,
+                None => Self::new(name, size)?,
+            };
+            ram.apply_pages(pages)?;
+            return Ok(ram);
+        }
         let file = memory.open().map_err(MemoryError::Memfd)?;
         match backing {
             MemoryBacking::Private => Self::from_file_private(file, size),

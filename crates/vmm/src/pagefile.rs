@@ -115,16 +115,55 @@ fn io(path: &Path, what: &'static str) -> impl FnOnce(std::io::Error) -> PageFil
     move |source| PageFileError::Io { path, what, source }
 }
 
-/// The extents of the pages of `mem` within `candidates` (byte ranges, in
-/// any order, widened to whole pages and cut at the end of `mem`) that
-/// must be kept: with a `base` (the same size as `mem`), those that differ
-/// from it (all-zero ones as [`ExtentKind::Zero`]); without one, the
-/// non-zero ones. Sorted, adjacent runs of a kind joined.
-pub fn own_extents(mem: &[u8], candidates: &[(u64, u64)], base: Option<&[u8]>) -> Vec<Extent> {
-    let total_pages = mem.len() as u64 / PAGE_BYTES;
+/// Guest memory as the host maps it: its regions in the memory file's
+/// layout, in order (the first at offset 0, each next one right after the
+/// one before), each a whole number of pages
+/// ([`crate::memory::GuestRam::regions`]).
+pub type Segments<'a> = [&'a [u8]];
+
+/// The bytes of `mem` (segments as [`Segments`]) from `offset` on, at most
+/// `len` of them and no further than the end of the segment holding
+/// `offset`; empty past the end.
+fn span<'a>(mem: &[&'a [u8]], offset: u64, len: u64) -> &'a [u8] {
+    let mut start = 0u64;
+    for seg in mem {
+        let end = start + seg.len() as u64;
+        if offset < end {
+            let from = (offset - start) as usize;
+            let to = (offset.saturating_add(len).min(end) - start) as usize;
+            return &seg[from..to];
+        }
+        start = end;
+    }
+    &[]
+}
+
+/// As [`span`], writable.
+fn span_mut<'m>(mem: &'m mut [&mut [u8]], offset: u64, len: u64) -> &'m mut [u8] {
+    let mut start = 0u64;
+    for seg in mem.iter_mut() {
+        let end = start + seg.len() as u64;
+        if offset < end {
+            let from = (offset - start) as usize;
+            let to = (offset.saturating_add(len).min(end) - start) as usize;
+            return &mut seg[from..to];
+        }
+        start = end;
+    }
+    &mut []
+}
+
+/// The extents of the pages of `mem` within `candidates` (`(start, end)`
+/// byte offsets of the memory file's layout, in any order, widened to whole
+/// pages and cut at the end of `mem`) that must be kept: with a `base` (as
+/// long as `mem`), those that differ from it (all-zero ones as
+/// [`ExtentKind::Zero`]); without one, the non-zero ones. Sorted, adjacent
+/// runs of a kind joined.
+pub fn own_extents(mem: &Segments<'_>, candidates: &[(u64, u64)], base: Option<&[u8]>) -> Vec<Extent> {
+    let total_pages = mem.iter().map(|s| s.len() as u64).sum::<u64>() / PAGE_BYTES;
     let mut ranges: Vec<(u64, u64)> = candidates
         .iter()
-        .map(|&(off, len)| (off / PAGE_BYTES, off.saturating_add(len).div_ceil(PAGE_BYTES).min(total_pages)))
+        .map(|&(start, end)| (start / PAGE_BYTES, end.div_ceil(PAGE_BYTES).min(total_pages)))
         .filter(|(a, b)| a < b)
         .collect();
     ranges.sort_unstable();
@@ -132,16 +171,16 @@ pub fn own_extents(mem: &[u8], candidates: &[(u64, u64)], base: Option<&[u8]>) -
     let mut next = 0;
     for (first, end) in ranges {
         for page in first.max(next)..end {
-            let at = (page * PAGE_BYTES) as usize;
-            let bytes = &mem[at..at + PAGE_BYTES as usize];
+            let offset = page * PAGE_BYTES;
+            let bytes = span(mem, offset, PAGE_BYTES);
             let zero = bytes.iter().all(|&b| b == 0);
+            let at = offset as usize;
             let kind = match base {
                 Some(b) if b[at..at + PAGE_BYTES as usize] == *bytes => continue,
                 Some(_) if zero => ExtentKind::Zero,
                 None if zero => continue,
                 _ => ExtentKind::Data,
             };
-            let offset = page * PAGE_BYTES;
             match out.last_mut() {
                 Some(e)
                     if e.kind == kind
@@ -162,30 +201,37 @@ pub fn own_extents(mem: &[u8], candidates: &[(u64, u64)], base: Option<&[u8]>) -
 /// syncs it. The space is allocated first, so a full file system fails
 /// before anything else is written; on any error the file is removed.
 ///
-/// Errors: [`PageFileError::Mismatch`] (a base of another size, memory not
-/// a whole number of pages), [`PageFileError::Io`].
+/// Errors: [`PageFileError::Mismatch`] (a base of another size, a segment
+/// not a whole number of pages), [`PageFileError::Io`].
 pub fn write(
     out: &Path,
-    mem: &[u8],
+    mem: &Segments<'_>,
     candidates: &[(u64, u64)],
     base: Option<&[u8]>,
 ) -> Result<PageReport, PageFileError> {
     let mismatch = |reason: String| PageFileError::Mismatch { path: out.to_path_buf(), reason };
-    if !(mem.len() as u64).is_multiple_of(PAGE_BYTES) {
-        return Err(mismatch(format!("guest memory of {} bytes is not whole pages", mem.len())));
+    if let Some(seg) = mem.iter().find(|s| !(s.len() as u64).is_multiple_of(PAGE_BYTES)) {
+        return Err(mismatch(format!("a memory segment of {} bytes is not whole pages", seg.len())));
     }
-    if let Some(b) = base.filter(|b| b.len() != mem.len()) {
-        return Err(mismatch(format!("a base of {} bytes for guest memory of {} bytes", b.len(), mem.len())));
+    let mem_bytes: u64 = mem.iter().map(|s| s.len() as u64).sum();
+    if let Some(b) = base.filter(|b| b.len() as u64 != mem_bytes) {
+        return Err(mismatch(format!("a base of {} bytes for guest memory of {mem_bytes} bytes", b.len())));
     }
     let extents = own_extents(mem, candidates, base);
-    let written = write_extents(out, mem, &extents, base.is_some());
+    let written = write_extents(out, mem, mem_bytes, &extents, base.is_some());
     if written.is_err() {
         let _ = std::fs::remove_file(out);
     }
     written
 }
 
-fn write_extents(out: &Path, mem: &[u8], extents: &[Extent], based: bool) -> Result<PageReport, PageFileError> {
+fn write_extents(
+    out: &Path,
+    mem: &Segments<'_>,
+    mem_bytes: u64,
+    extents: &[Extent],
+    based: bool,
+) -> Result<PageReport, PageFileError> {
     let mut table = Vec::with_capacity(extents.len() * EXTENT_BYTES as usize);
     let (mut data_pages, mut zero_pages) = (0u64, 0u64);
     for e in extents {
@@ -214,12 +260,22 @@ fn write_extents(out: &Path, mem: &[u8], extents: &[Extent], based: bool) -> Res
     let mut data_crc = crc32fast::Hasher::new();
     let mut at = data_offset;
     for e in extents.iter().filter(|e| e.kind == ExtentKind::Data) {
-        let start = e.offset as usize;
-        let bytes = &mem[start..start + e.pages as usize * PAGE_BYTES as usize];
-        for chunk in bytes.chunks(CHUNK_BYTES) {
-            data_crc.update(chunk);
-            f.write_all_at(chunk, at).map_err(io(out, "write pages"))?;
-            at += chunk.len() as u64;
+        let (mut from, mut left) = (e.offset, u64::from(e.pages) * PAGE_BYTES);
+        while left > 0 {
+            let bytes = span(mem, from, left);
+            if bytes.is_empty() {
+                return Err(PageFileError::Mismatch {
+                    path: out.to_path_buf(),
+                    reason: "an extent past the memory".into(),
+                });
+            }
+            for chunk in bytes.chunks(CHUNK_BYTES) {
+                data_crc.update(chunk);
+                f.write_all_at(chunk, at).map_err(io(out, "write pages"))?;
+                at += chunk.len() as u64;
+            }
+            from += bytes.len() as u64;
+            left -= bytes.len() as u64;
         }
     }
     f.sync_data().map_err(io(out, "sync pages"))?;
@@ -228,7 +284,7 @@ fn write_extents(out: &Path, mem: &[u8], extents: &[Extent], based: bool) -> Res
     header.extend_from_slice(MAGIC);
     header.extend_from_slice(&VERSION.to_le_bytes());
     header.extend_from_slice(&(if based { FLAG_BASE } else { 0 }).to_le_bytes());
-    header.extend_from_slice(&(mem.len() as u64).to_le_bytes());
+    header.extend_from_slice(&mem_bytes.to_le_bytes());
     header.extend_from_slice(&(PAGE_BYTES as u32).to_le_bytes());
     header.extend_from_slice(&(extents.len() as u32).to_le_bytes());
     header.extend_from_slice(&data_offset.to_le_bytes());
@@ -350,33 +406,43 @@ impl PageFile {
         &self.extents
     }
 
-    /// Lays the file's pages over `mem` (the base's pages, or zeroed
-    /// memory), checking the data's CRC32 as it reads; returns the pages
-    /// written. On an error `mem` is partly written and must not run.
+    /// Lays the file's pages over `mem` (segments as [`Segments`], holding
+    /// the base's pages or zeroed memory), checking the data's CRC32 as it
+    /// reads; returns the pages written. On an error `mem` is partly
+    /// written and must not run.
     ///
     /// Errors: [`PageFileError::Mismatch`] (another memory size),
     /// [`PageFileError::Io`], [`PageFileError::Damaged`] (the data's CRC).
-    pub fn apply(&self, mem: &mut [u8]) -> Result<u64, PageFileError> {
-        if mem.len() as u64 != self.mem_bytes {
+    pub fn apply(&self, mem: &mut [&mut [u8]]) -> Result<u64, PageFileError> {
+        let mem_bytes: u64 = mem.iter().map(|s| s.len() as u64).sum();
+        if mem_bytes != self.mem_bytes {
             return Err(PageFileError::Mismatch {
                 path: self.path.clone(),
-                reason: format!("{} bytes of memory for a file of {}", mem.len(), self.mem_bytes),
+                reason: format!("{mem_bytes} bytes of memory for a file of {}", self.mem_bytes),
             });
         }
         let mut crc = crc32fast::Hasher::new();
         let (mut at, mut pages) = (self.data_offset, 0u64);
         for e in &self.extents {
-            let start = e.offset as usize;
-            let span = &mut mem[start..start + e.pages as usize * PAGE_BYTES as usize];
-            match e.kind {
-                ExtentKind::Zero => span.fill(0),
-                ExtentKind::Data => {
-                    for chunk in span.chunks_mut(CHUNK_BYTES) {
-                        self.file.read_exact_at(chunk, at).map_err(io(&self.path, "read pages"))?;
-                        crc.update(chunk);
-                        at += chunk.len() as u64;
+            let (mut from, mut left) = (e.offset, u64::from(e.pages) * PAGE_BYTES);
+            while left > 0 {
+                let span = span_mut(mem, from, left);
+                let n = span.len() as u64;
+                if n == 0 {
+                    break; // open() checked every extent against the size
+                }
+                match e.kind {
+                    ExtentKind::Zero => span.fill(0),
+                    ExtentKind::Data => {
+                        for chunk in span.chunks_mut(CHUNK_BYTES) {
+                            self.file.read_exact_at(chunk, at).map_err(io(&self.path, "read pages"))?;
+                            crc.update(chunk);
+                            at += chunk.len() as u64;
+                        }
                     }
                 }
+                from += n;
+                left -= n;
             }
             pages += u64::from(e.pages);
         }
@@ -388,6 +454,16 @@ impl PageFile {
             });
         }
         Ok(pages)
+    }
+
+    /// The guest memory size the file was written for (bytes).
+    pub fn mem_bytes(&self) -> u64 {
+        self.mem_bytes
+    }
+
+    /// The file's path.
+    pub fn path(&self) -> &Path {
+        &self.path
     }
 }
 
@@ -433,7 +509,7 @@ mod tests {
         let (b, mem) = (base(), guest(&base()));
         let all = [(0, mem.len() as u64)];
         let out = d.path().join("pages");
-        let r = write(&out, &mem, &all, Some(&b)).unwrap();
+        let r = write(&out, &[&mem], &all, Some(&b)).unwrap();
         assert_eq!((r.data_pages, r.zero_pages), (3, 1), "pages 3, 4, 5 data; 10 zero");
         assert_eq!(r.file_bytes, 4096 + 3 * 4096, "header and table in one page, then the data");
         let f = PageFile::open(&out, mem.len() as u64).unwrap();
@@ -446,8 +522,29 @@ mod tests {
             ]
         );
         let mut resumed = b.clone();
-        assert_eq!(f.apply(&mut resumed).unwrap(), 4);
+        assert_eq!(f.apply(&mut [&mut resumed]).unwrap(), 4);
         assert!(resumed == mem, "the base with the file's pages laid over it is the guest's memory");
+    }
+
+    /// Guest memory in two regions (RAM above the MMIO gap) round trips,
+    /// with extents that cross from one to the other.
+    #[test]
+    fn memory_in_two_segments_round_trips() {
+        let d = tempfile::tempdir().unwrap();
+        let b = base();
+        let mut mem = guest(&b);
+        page(&mut mem, 7).fill(0x55);
+        page(&mut mem, 8).fill(0x66);
+        let (lo, hi) = mem.split_at(8 * 4096);
+        let out = d.path().join("pages");
+        let r = write(&out, &[lo, hi], &[(0, mem.len() as u64)], Some(&b)).unwrap();
+        assert_eq!((r.data_pages, r.zero_pages), (5, 1), "pages 3, 4, 5, 7, 8 data; 10 zero");
+        let f = PageFile::open(&out, mem.len() as u64).unwrap();
+        assert!(f.extents().contains(&Extent { offset: 7 * 4096, pages: 2, kind: ExtentKind::Data }));
+        let mut resumed = b.clone();
+        let (lo, hi) = resumed.split_at_mut(8 * 4096);
+        f.apply(&mut [lo, hi]).unwrap();
+        assert!(resumed == mem);
     }
 
     #[test]
@@ -456,7 +553,13 @@ mod tests {
         let (b, mem) = (base(), guest(&base()));
         // Only page 10 and a range that ends mid-page 4 (widened to it).
         let out = d.path().join("pages");
-        let r = write(&out, &mem, &[(10 * 4096, 1), (4 * 4096 - 8, 16), (1 << 40, 4096)], Some(&b)).unwrap();
+        let r = write(
+            &out,
+            &[&mem],
+            &[(10 * 4096, 10 * 4096 + 1), (4 * 4096 - 8, 4 * 4096 + 8), (1 << 40, (1 << 40) + 4096)],
+            Some(&b),
+        )
+        .unwrap();
         assert_eq!((r.data_pages, r.zero_pages), (2, 1), "pages 3 and 4 (widened), 10");
     }
 
@@ -465,12 +568,12 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let mem = guest(&base());
         let out = d.path().join("pages");
-        let r = write(&out, &mem, &[(0, mem.len() as u64)], None).unwrap();
+        let r = write(&out, &[&mem], &[(0, mem.len() as u64)], None).unwrap();
         assert_eq!((r.data_pages, r.zero_pages), (PAGES as u64 - 1, 0), "page 10 is zero");
         let f = PageFile::open(&out, mem.len() as u64).unwrap();
         assert!(!f.has_base());
         let mut resumed = vec![0u8; mem.len()];
-        f.apply(&mut resumed).unwrap();
+        f.apply(&mut [&mut resumed]).unwrap();
         assert!(resumed == mem);
     }
 
@@ -479,7 +582,7 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let (b, mem) = (base(), guest(&base()));
         let good = d.path().join("good");
-        write(&good, &mem, &[(0, mem.len() as u64)], Some(&b)).unwrap();
+        write(&good, &[&mem], &[(0, mem.len() as u64)], Some(&b)).unwrap();
         let bytes = std::fs::read(&good).unwrap();
         let n = mem.len() as u64;
         let damaged = |name: &str, edit: &dyn Fn(&mut Vec<u8>)| {
@@ -500,12 +603,15 @@ mod tests {
         assert!(reason(&damaged("tiny", &|v| v.truncate(10))).contains("shorter than its header"));
         let data = damaged("data", &|v| *v.last_mut().unwrap() ^= 1);
         let mut resumed = b.clone();
-        match PageFile::open(&data, n).unwrap().apply(&mut resumed) {
+        match PageFile::open(&data, n).unwrap().apply(&mut [&mut resumed]) {
             Err(PageFileError::Damaged { reason, .. }) => assert!(reason.contains("data's CRC32"), "{reason}"),
             other => panic!("{other:?}"),
         }
         assert!(matches!(PageFile::open(&good, n + 4096), Err(PageFileError::Mismatch { .. })));
-        assert!(matches!(write(&d.path().join("x"), &mem, &[], Some(&b[..4096])), Err(PageFileError::Mismatch { .. })));
+        assert!(matches!(
+            write(&d.path().join("x"), &[&mem], &[], Some(&b[..4096])),
+            Err(PageFileError::Mismatch { .. })
+        ));
     }
 
     /// A full file system fails the write before any page is written, and
@@ -529,7 +635,7 @@ mod tests {
         }
         let mem = guest(&base());
         let out = mnt.join("pages");
-        let e = write(&out, &mem, &[(0, mem.len() as u64)], None).unwrap_err();
+        let e = write(&out, &[&mem], &[(0, mem.len() as u64)], None).unwrap_err();
         let left = out.exists();
         let _ = std::process::Command::new("umount").arg(&mnt).status();
         assert!(!left, "no partial file");

@@ -33,6 +33,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::devices::virtio::mmio::TransportState;
 use crate::devices::LegacyState;
+use crate::pagefile::PageFile;
 use crate::vcpu_state::VcpuState;
 use crate::vm_state::VmState;
 
@@ -48,6 +49,8 @@ pub const FORMAT_VERSION: u32 = 2;
 pub const STATE_FILE: &str = "state";
 /// The memory file's name in a snapshot directory.
 pub const MEMORY_FILE: &str = "memory";
+/// The page file's name in a hibernation's directory ([`crate::pagefile`]).
+pub const PAGES_FILE: &str = "pages";
 /// Header length (bytes).
 pub const HEADER_LEN: usize = 28;
 /// Largest payload accepted (bytes): 32 vCPUs of state are about 1 MiB.
@@ -65,6 +68,10 @@ pub enum SnapshotError {
         #[source]
         source: std::io::Error,
     },
+    /// A hibernated VM's page file is missing, damaged, of another version
+    /// or does not fit its state or base.
+    #[error(transparent)]
+    PageFile(#[from] crate::pagefile::PageFileError),
     /// The state file does not start with [`MAGIC`].
     #[error("{0} is not a Tine snapshot (bad magic number)")]
     NotASnapshot(PathBuf),
@@ -180,17 +187,36 @@ pub enum SnapshotMemory {
     /// it map it `MAP_PRIVATE` and share its pages; it is freed when the
     /// last of them and the last `Snapshot` holding it are gone.
     Shared(Arc<File>),
+    /// A hibernated guest's memory: `pages` laid over `base` (the template
+    /// or branch point it was restored from), or over zeroed memory where
+    /// there is no base ([`crate::pagefile`]). A restore copies the pages
+    /// in before any vCPU runs ([`crate::memory::GuestRam::from_snapshot`]).
+    Layered {
+        /// The memory the page file was written against; `None` for a
+        /// page file that holds every non-zero page.
+        base: Option<Box<SnapshotMemory>>,
+        /// The guest's own pages, checked by [`PageFile::open`].
+        pages: Arc<PageFile>,
+    },
 }
 
 impl SnapshotMemory {
     /// A new file handle on the memory (the file opened read-only, or the
     /// memfd duplicated).
     ///
-    /// Errors: the `open(2)` or `dup(2)` error.
+    /// For [`SnapshotMemory::Layered`], the base's file.
+    ///
+    /// Errors: the `open(2)` or `dup(2)` error; `NotFound` for a layered
+    /// memory without a base.
     pub fn open(&self) -> std::io::Result<File> {
         match self {
             SnapshotMemory::File(path) => File::open(path),
             SnapshotMemory::Shared(file) => file.try_clone(),
+            SnapshotMemory::Layered { base: Some(base), .. } => base.open(),
+            SnapshotMemory::Layered { base: None, pages } => Err(std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                format!("{} holds the whole memory; there is no base file", pages.path().display()),
+            )),
         }
     }
 }
@@ -279,6 +305,50 @@ impl Snapshot {
     ///
     /// Errors: every [`SnapshotError`] but `Encode` and `Cpuid`.
     pub fn load(dir: &Path) -> Result<Snapshot, SnapshotError> {
+        let memory_file = dir.join(MEMORY_FILE);
+        let snapshot = Self::from_payload(Self::read_state(dir)?, SnapshotMemory::File(memory_file.clone()));
+        let mem = File::open(&memory_file).map_err(io(&memory_file))?;
+        let mem_len = mem.metadata().map_err(io(&memory_file))?.len();
+        if mem_len != snapshot.mem_bytes {
+            return Err(SnapshotError::Length { path: memory_file, expected: snapshot.mem_bytes, found: mem_len });
+        }
+        let found = file_crc32(&mem, snapshot.mem_bytes).map_err(io(&memory_file))?;
+        if found != snapshot.memory_crc32 {
+            return Err(SnapshotError::Checksum { path: memory_file, expected: snapshot.memory_crc32, found });
+        }
+        Ok(snapshot)
+    }
+
+    /// Reads and checks a hibernated VM's directory `dir`
+    /// ([`crate::vm::RunningVm::hibernate`]): the state file as
+    /// [`Snapshot::load`] does, and the page file's header and extent table
+    /// ([`PageFile::open`]; its data's CRC is checked as a restore reads
+    /// it). The memory is [`SnapshotMemory::Layered`] over `base`, which
+    /// must be the memory the VM was hibernated against (`None` if it was
+    /// hibernated whole).
+    ///
+    /// Errors: every [`SnapshotError`] but `Encode` and `Cpuid`;
+    /// [`SnapshotError::PageFile`] for the page file, also when it was
+    /// written against a base and none is given, or the other way round.
+    pub fn load_hibernated(dir: &Path, base: Option<SnapshotMemory>) -> Result<Snapshot, SnapshotError> {
+        let p = Self::read_state(dir)?;
+        let pages = PageFile::open(&dir.join(PAGES_FILE), p.mem_bytes)?;
+        if pages.has_base() != base.is_some() {
+            return Err(SnapshotError::PageFile(crate::pagefile::PageFileError::Mismatch {
+                path: pages.path().to_path_buf(),
+                reason: if pages.has_base() {
+                    "written against a base, and none was given".into()
+                } else {
+                    "holds the whole memory, and a base was given".into()
+                },
+            }));
+        }
+        Ok(Self::from_payload(p, SnapshotMemory::Layered { base: base.map(Box::new), pages: Arc::new(pages) }))
+    }
+
+    /// Reads and checks the state file in `dir` (magic, version, length,
+    /// CRC32, a CPUID table per vCPU).
+    fn read_state(dir: &Path) -> Result<PayloadIn, SnapshotError> {
         let path = dir.join(STATE_FILE);
         let mut f = File::open(&path).map_err(io(&path))?;
         let len = f.metadata().map_err(io(&path))?.len();
@@ -316,18 +386,12 @@ impl Snapshot {
                 serde::de::Error::custom(format!("{} vCPUs but {} CPUID tables", p.vcpus.len(), p.cpuid.len()));
             return Err(SnapshotError::Decode { path, source });
         }
+        Ok(p)
+    }
 
-        let memory_file = dir.join(MEMORY_FILE);
-        let mem = File::open(&memory_file).map_err(io(&memory_file))?;
-        let mem_len = mem.metadata().map_err(io(&memory_file))?.len();
-        if mem_len != p.mem_bytes {
-            return Err(SnapshotError::Length { path: memory_file, expected: p.mem_bytes, found: mem_len });
-        }
-        let found = file_crc32(&mem, p.mem_bytes).map_err(io(&memory_file))?;
-        if found != p.memory_crc32 {
-            return Err(SnapshotError::Checksum { path: memory_file, expected: p.memory_crc32, found });
-        }
-        Ok(Snapshot {
+    /// The snapshot of a checked state and guest RAM `memory`.
+    fn from_payload(p: PayloadIn, memory: SnapshotMemory) -> Snapshot {
+        Snapshot {
             vcpus: p.vcpus.into_iter().map(Arc::new).collect(),
             vm: p.vm,
             transports: p.transports,
@@ -335,8 +399,8 @@ impl Snapshot {
             cpuid: p.cpuid,
             mem_bytes: p.mem_bytes,
             memory_crc32: p.memory_crc32,
-            memory: SnapshotMemory::File(memory_file),
-        })
+            memory,
+        }
     }
 
     /// The same snapshot with its memory file copied into a memfd
@@ -349,7 +413,7 @@ impl Snapshot {
     /// Errors: [`SnapshotError::Io`].
     pub fn into_memory(self, name: &str) -> Result<Snapshot, SnapshotError> {
         let path = match &self.memory {
-            SnapshotMemory::Shared(_) => return Ok(self),
+            SnapshotMemory::Shared(_) | SnapshotMemory::Layered { .. } => return Ok(self),
             SnapshotMemory::File(path) => path.clone(),
         };
         let src = File::open(&path).map_err(io(&path))?;

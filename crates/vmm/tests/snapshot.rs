@@ -4,7 +4,9 @@
 //! through userfaultfd: the clones have the state, and they diverge. A
 //! snapshot of a restored clone keeps the clone's own writes. Two more
 //! clones, one per backing, restore with the first clone's working set
-//! prefetched and pass the same checks.
+//! prefetched and pass the same checks. A clone hibernated against the
+//! snapshot it came from writes only its own pages and restores with its
+//! state, and so does the booted source, hibernated whole.
 
 use std::time::{Duration, Instant};
 
@@ -121,7 +123,22 @@ fn a_restored_clone_has_the_state_and_diverges() {
         let again = dir.path().join(format!("{name}-snap"));
         std::fs::create_dir(&again).unwrap();
         vm.snapshot(&again).expect("snapshot of the clone");
+        // Hibernated against the snapshot it was restored from: only the
+        // pages it changed are written.
+        let hib = dir.path().join(format!("{name}-hib"));
+        std::fs::create_dir(&hib).unwrap();
+        let base = snapshot.memory.open().unwrap();
+        let report = vm.hibernate(&hib, Some(&base)).expect("hibernate the clone");
+        eprintln!("{backing:?}: hibernated {report:?}");
+        assert!(report.based && report.pages.data_pages > 0, "{report:?}");
+        assert!(
+            report.pages.file_bytes < snapshot.mem_bytes / 8,
+            "{} bytes written for a clone that changed a few pages of {}",
+            report.pages.file_bytes,
+            snapshot.mem_bytes
+        );
         drop(vm);
+        resume_hibernated(&rt, dir.path(), &format!("{name}-r"), &hib, Some(&snapshot.memory), backing, name);
         let snap2 = Snapshot::load(&again).expect("the clone's snapshot loads");
         let uds2 = dir.path().join(format!("{name}-2.vsock"));
         let vm2 = vmm::build_from_snapshot(&config(&format!("{name}-2"), &uds2), &snap2, backing)
@@ -134,5 +151,40 @@ fn a_restored_clone_has_the_state_and_diverges() {
             })
         });
     }
+    // The booted source has no base: every non-zero page is written.
+    vm_a.pause(Duration::from_secs(5)).expect("pause A");
+    let hib = dir.path().join("a-hib");
+    std::fs::create_dir(&hib).unwrap();
+    let report = vm_a.hibernate(&hib, None).expect("hibernate A");
+    eprintln!("booted: hibernated {report:?}");
+    assert!(!report.based && report.pages.data_pages > 0, "{report:?}");
     drop(vm_a);
+    resume_hibernated(&rt, dir.path(), "snap-a-r", &hib, None, MemoryBacking::Private, "before-snapshot");
+}
+
+/// Restores the VM hibernated in `hib` over `base` and checks its marker
+/// file and that its Python interpreter still has `x`.
+fn resume_hibernated(
+    rt: &tokio::runtime::Runtime,
+    dir: &std::path::Path,
+    name: &str,
+    hib: &std::path::Path,
+    base: Option<&vmm::SnapshotMemory>,
+    backing: MemoryBacking,
+    marker: &str,
+) {
+    let snapshot = Snapshot::load_hibernated(hib, base.cloned()).expect("the hibernated VM loads");
+    let uds = dir.join(format!("{name}.vsock"));
+    let t = Instant::now();
+    let vm = vmm::build_from_snapshot(&config(name, &uds), &snapshot, backing).expect("resume from the page file");
+    let console = vm.console().clone();
+    testkit::with_console_on_panic(&console, || {
+        rt.block_on(async {
+            let agent = connect(&uds).await;
+            assert_eq!(sh(&agent, "cat /tmp/marker").await, format!("{marker}\n"));
+            eprintln!("{name}: resumed to first answer in {:?}", t.elapsed());
+            let r = agent.python("x", 0).await.unwrap();
+            assert!(r.value.as_deref().is_some_and(|v| v.parse::<u32>().unwrap() >= 1234), "{r:?}");
+        })
+    });
 }

@@ -53,7 +53,7 @@ impl RunningVm {
     }
 
     /// A snapshot of `state` with guest RAM in `memory`.
-    fn snapshot_of(&self, state: CapturedState, memory_crc32: u32, memory: SnapshotMemory) -> Snapshot {
+    pub(super) fn snapshot_of(&self, state: CapturedState, memory_crc32: u32, memory: SnapshotMemory) -> Snapshot {
         Snapshot {
             vcpus: state.vcpus,
             vm: state.vm,

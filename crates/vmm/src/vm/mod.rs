@@ -8,10 +8,12 @@
 pub mod builder;
 mod capture;
 pub mod config;
+mod hibernate;
 pub mod outcome;
 pub mod running;
 
 pub use builder::{build_for_boot, build_from_snapshot, BuildError};
 pub use config::{base_cmdline, DiskConfig, NetConfig, VmConfig, VsockConfig, MAX_VIRTIO_DEVICES, VIRTIO_FIRST_IRQ};
+pub use hibernate::HibernateReport;
 pub use outcome::{GuestError, VmOutcome};
 pub use running::{ControlError, ExitWatcher, RunningVm};
