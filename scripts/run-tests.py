@@ -36,6 +36,7 @@ EXPECTED_SECONDS = {
     "vmm::agent": 272,
     "tine::mcp": 271,
     "tine-sandbox::hostile_guest": 200,
+    "tine::keep": 190,
     "tine::python_sdk": 160,
     "vmm::snapshot": 160,
     "tine::extreme_arguments": 150,

@@ -1,4 +1,5 @@
 //! Sandbox events: what happened to a sandbox (ready, paused, resumed,
+//! hibernated, woken,
 //! killed, reaped, merged, crashed, stopped, failed to start), broadcast to
 //! whoever subscribed ([`crate::Manager::subscribe_events`]), e.g. the MCP
 //! layer's log notifications.
@@ -51,6 +52,20 @@ pub enum EventKind {
     Paused,
     /// Its vCPUs run again.
     Resumed,
+    /// Its state went to disk and its VM was freed.
+    Hibernated {
+        /// Why: `request`, `idle` or `shutdown`.
+        why: String,
+        /// The hibernation's page file (bytes).
+        bytes: u64,
+        /// How long the write took (ms).
+        ms: u64,
+    },
+    /// It was restored from its hibernation and runs again.
+    Woken {
+        /// Restore to agent ready (ms).
+        ms: u64,
+    },
     /// It was killed on request.
     Killed,
     /// It was killed because it was idle past its idle timeout.
@@ -58,6 +73,9 @@ pub enum EventKind {
         /// How long it had been idle (s).
         idle_secs: u64,
     },
+    /// It was deleted: hibernated past its retention
+    /// ([`crate::Limits::hibernated_retention_secs`]).
+    Expired,
     /// A descendant's VM took its place (it now runs `winner`'s VM).
     Merged {
         /// The descendant merged into it (gone now).
@@ -102,9 +120,11 @@ impl EventKind {
             EventKind::Ready { .. }
             | EventKind::Paused
             | EventKind::Resumed
+            | EventKind::Hibernated { .. }
+            | EventKind::Woken { .. }
             | EventKind::Killed
             | EventKind::Merged { .. } => Severity::Info,
-            EventKind::Reaped { .. } | EventKind::Stopped { .. } => Severity::Warning,
+            EventKind::Reaped { .. } | EventKind::Expired | EventKind::Stopped { .. } => Severity::Warning,
             EventKind::Crashed { .. } | EventKind::CreateFailed { .. } => Severity::Error,
         }
     }
@@ -115,8 +135,11 @@ impl EventKind {
             EventKind::Ready { .. } => "ready",
             EventKind::Paused => "paused",
             EventKind::Resumed => "resumed",
+            EventKind::Hibernated { .. } => "hibernated",
+            EventKind::Woken { .. } => "woken",
             EventKind::Killed => "killed",
             EventKind::Reaped { .. } => "reaped",
+            EventKind::Expired => "expired",
             EventKind::Merged { .. } => "merged",
             EventKind::Stopped { .. } => "stopped",
             EventKind::Crashed { .. } => "crashed",

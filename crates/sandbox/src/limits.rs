@@ -21,8 +21,9 @@ pub struct Limits {
     pub default_memory_mib: u64,
     /// Guest memory (MiB) one sandbox may ask for.
     pub max_memory_mib: u64,
-    /// A sandbox nobody used for this long (s) is killed; per-sandbox
-    /// overrides may not exceed `max_idle_timeout_secs`.
+    /// A sandbox nobody used for this long (s) is hibernated or killed
+    /// (`idle_action`); per-sandbox overrides may not exceed
+    /// `max_idle_timeout_secs`.
     pub default_idle_timeout_secs: u64,
     /// Longest idle timeout (s) a sandbox may ask for.
     pub max_idle_timeout_secs: u64,
@@ -43,6 +44,27 @@ pub struct Limits {
     pub max_templates: usize,
     /// Disk space (MiB) the templates' files may take together.
     pub max_template_disk_mib: u64,
+    /// What happens to a sandbox idle past its idle timeout.
+    pub idle_action: IdleAction,
+    /// A hibernated sandbox is deleted this long (s) after its hibernation
+    /// unless a call resumes it first.
+    pub hibernated_retention_secs: u64,
+    /// On SIGTERM/SIGINT every running sandbox is hibernated within this
+    /// many seconds (in parallel); one not written in time is stopped and
+    /// listed `failed` after the restart. `deploy/`'s `TimeoutStopSec`
+    /// (systemd) and `terminationGracePeriodSeconds` (Kubernetes) allow it.
+    pub shutdown_hibernate_secs: u64,
+}
+
+/// What happens to an idle sandbox ([`Limits::idle_action`]).
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum IdleAction {
+    /// Its state goes to disk and its VM is freed; its next call resumes it.
+    #[default]
+    Hibernate,
+    /// It is killed, its state lost.
+    Kill,
 }
 
 /// Overcommit of guest memory over the host's usable memory, as
@@ -99,6 +121,9 @@ impl Default for Limits {
             memory_budget_mib: 0,
             max_templates: 32,
             max_template_disk_mib: 32 * 1024,
+            idle_action: IdleAction::Hibernate,
+            hibernated_retention_secs: 7 * 24 * 60 * 60,
+            shutdown_hibernate_secs: 60,
         }
     }
 }
@@ -178,6 +203,12 @@ impl Limits {
         }
         if self.boot_timeout_secs == 0 {
             return bad("boot_timeout_secs must be at least 1".into());
+        }
+        if self.hibernated_retention_secs == 0 {
+            return bad("hibernated_retention_secs must be at least 1".into());
+        }
+        if self.shutdown_hibernate_secs == 0 {
+            return bad("shutdown_hibernate_secs must be at least 1".into());
         }
         Ok(())
     }

@@ -151,12 +151,22 @@ impl FileIdentity {
     ///
     /// Errors: the `stat(2)` error.
     pub fn of(path: &Path) -> std::io::Result<Self> {
-        let m = std::fs::metadata(path)?;
-        Ok(FileIdentity {
+        Ok(Self::from_metadata(&std::fs::metadata(path)?))
+    }
+
+    /// The identity of the open file `file`.
+    ///
+    /// Errors: the `fstat(2)` error.
+    pub fn of_file(file: &std::fs::File) -> std::io::Result<Self> {
+        Ok(Self::from_metadata(&file.metadata()?))
+    }
+
+    fn from_metadata(m: &std::fs::Metadata) -> Self {
+        FileIdentity {
             len: m.len(),
             mtime_ns: i128::from(m.mtime()) * 1_000_000_000 + i128::from(m.mtime_nsec()),
             ino: m.ino(),
-        })
+        }
     }
 }
 
@@ -244,6 +254,12 @@ pub struct Template {
 }
 
 impl Template {
+    /// Its snapshot's files as they were when it was loaded: the state
+    /// file's and the memory file's names and identities.
+    pub fn file_identities(&self) -> [(&'static str, &FileIdentity); 2] {
+        [(STATE_FILE, &self.files.0), (MEMORY_FILE, &self.files.1)]
+    }
+
     /// The pages to prefetch into a sandbox restored from it, if recorded.
     pub fn working_set(&self) -> Option<Arc<vmm::WorkingSet>> {
         lock(&self.working_set).clone()

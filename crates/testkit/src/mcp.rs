@@ -111,7 +111,67 @@ pub struct TineServer {
     pub data_dir: PathBuf,
     /// The bearer token (`None`: `--dev`).
     pub token: Option<String>,
+    /// The command that started it, for [`TineServer::restart`].
+    command: ServerCommand,
     _dir: tempfile::TempDir,
+}
+
+/// How a test server is started (again, after a restart).
+struct ServerCommand {
+    binary: PathBuf,
+    data_dir: PathBuf,
+    config_path: PathBuf,
+    port: u16,
+    token_file: Option<PathBuf>,
+}
+
+impl ServerCommand {
+    /// Starts the server and waits until it says it listens.
+    fn spawn(&self) -> Child {
+        let mut cmd = Command::new(&self.binary);
+        cmd.args(["server", "start", "--listen", &format!("127.0.0.1:{}", self.port)])
+            .arg("--data-dir")
+            .arg(&self.data_dir)
+            .arg("--config")
+            .arg(&self.config_path)
+            .arg("--kernel")
+            .arg(crate::kernel())
+            .arg("--rootfs")
+            .arg(crate::rootfs())
+            .env_remove("TINE_TOKEN")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        match &self.token_file {
+            Some(f) => cmd.arg("--token-file").arg(f),
+            None => cmd.arg("--dev"),
+        };
+        let mut child = cmd.spawn().expect("spawn tine server");
+        let stdout = child.stdout.take().expect("stdout");
+        let mut lines = BufReader::new(stdout).lines();
+        loop {
+            match lines.next() {
+                Some(Ok(l)) if l.starts_with("tine: listening on") => break,
+                Some(Ok(_)) => continue,
+                _ => {
+                    let status = child.wait();
+                    panic!("tine server exited before listening: {status:?}");
+                }
+            }
+        }
+        // Keep draining stdout so the server never blocks on a full pipe.
+        std::thread::spawn(move || for _ in lines.by_ref() {});
+        child
+    }
+}
+
+/// How [`TineServer::restart`] stops the server first.
+#[derive(Clone, Copy, Debug)]
+pub enum Stop {
+    /// SIGTERM, as `systemctl restart` does: the server hibernates its
+    /// sandboxes and exits.
+    Term,
+    /// SIGKILL, as an OOM kill or a crash would.
+    Kill,
 }
 
 /// The host's CA bundle (Debian's path), which the guests must trust to
@@ -213,52 +273,23 @@ impl TineServer {
         let config =
             if config.contains("[pool]") { config.to_string() } else { format!("{config}\n[pool]\nsize = 0\n") };
         std::fs::write(&config_path, config).expect("write config");
-        let mut cmd = Command::new(binary);
-        cmd.args(["server", "start", "--listen", &format!("127.0.0.1:{port}")])
-            .arg("--data-dir")
-            .arg(&data_dir)
-            .arg("--config")
-            .arg(&config_path)
-            .arg("--kernel")
-            .arg(crate::kernel())
-            .arg("--rootfs")
-            .arg(crate::rootfs())
-            .env_remove("TINE_TOKEN")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit());
-        match token {
-            Some(t) => {
-                let f = dir.path().join("token");
-                std::fs::write(&f, t).expect("write token");
-                // The server refuses token files others can read.
-                std::fs::set_permissions(&f, std::os::unix::fs::PermissionsExt::from_mode(0o600)).expect("chmod");
-                cmd.arg("--token-file").arg(f);
-            }
-            None => {
-                cmd.arg("--dev");
-            }
-        }
-        let mut child = cmd.spawn().expect("spawn tine server");
-        let stdout = child.stdout.take().expect("stdout");
-        let mut lines = BufReader::new(stdout).lines();
-        loop {
-            match lines.next() {
-                Some(Ok(l)) if l.starts_with("tine: listening on") => break,
-                Some(Ok(_)) => continue,
-                _ => {
-                    let status = child.wait();
-                    panic!("tine server exited before listening: {status:?}");
-                }
-            }
-        }
-        // Keep draining stdout so the server never blocks on a full pipe.
-        std::thread::spawn(move || for _ in lines.by_ref() {});
+        let token_file = token.map(|t| {
+            let f = dir.path().join("token");
+            std::fs::write(&f, t).expect("write token");
+            // The server refuses token files others can read.
+            std::fs::set_permissions(&f, std::os::unix::fs::PermissionsExt::from_mode(0o600)).expect("chmod");
+            f
+        });
+        let command =
+            ServerCommand { binary: binary.to_path_buf(), data_dir: data_dir.clone(), config_path, port, token_file };
+        let child = command.spawn();
         TineServer {
             child: Some(child),
             url: format!("http://127.0.0.1:{port}/mcp"),
             base: format!("http://127.0.0.1:{port}"),
             data_dir,
             token: token.map(str::to_string),
+            command,
             _dir: dir,
         }
     }
@@ -352,6 +383,25 @@ impl TineServer {
         let client =
             recorder.clone().serve(StreamableHttpClientTransport::from_config(config)).await.expect("MCP initialize");
         (client, recorder)
+    }
+
+    /// Stops the server (`stop`) and starts it again on the same data
+    /// directory, configuration, port and token; returns the stopped
+    /// server's exit status and how long its stop took.
+    pub fn restart(&mut self, stop: Stop) -> (std::process::ExitStatus, Duration) {
+        let mut child = self.child.take().expect("server already stopped");
+        let t = Instant::now();
+        let status = match stop {
+            Stop::Term => sigterm_and_wait(child, Duration::from_secs(120))
+                .unwrap_or_else(|| panic!("the server did not exit within 120 s of SIGTERM")),
+            Stop::Kill => {
+                child.kill().expect("SIGKILL the server");
+                child.wait().expect("wait for the server")
+            }
+        };
+        let took = t.elapsed();
+        self.child = Some(self.command.spawn());
+        (status, took)
     }
 
     /// Sends SIGTERM and waits (up to 120 s) for the exit status.

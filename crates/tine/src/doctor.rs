@@ -253,6 +253,65 @@ fn check_data_dir(dir: &Path) -> Check {
     }
 }
 
+/// Bytes allocated on disk under `dir` (`st_blocks`, hard-linked files
+/// counted once).
+fn disk_use(dir: &Path, seen: &mut std::collections::HashSet<(u64, u64)>) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(entries) = std::fs::read_dir(dir) else { return 0 };
+    let mut total = 0;
+    for e in entries.flatten() {
+        let Ok(m) = e.path().symlink_metadata() else { continue };
+        if m.is_dir() {
+            total += disk_use(&e.path(), seen);
+        } else if seen.insert((m.dev(), m.ino())) {
+            total += m.blocks() * 512;
+        }
+    }
+    total
+}
+
+/// The kept sandboxes' disk use (`<data>/kept`: records, hibernations,
+/// pinned template files) and the free space of its file system: a warning
+/// below 5% free, where hibernations start to fail with ENOSPC.
+fn check_kept(data_dir: &Path) -> Check {
+    let kept = data_dir.join("kept");
+    let sandboxes = std::fs::read_dir(&kept)
+        .map(|d| d.flatten().filter(|e| !e.file_name().to_string_lossy().starts_with('.')).count())
+        .unwrap_or(0);
+    let used = disk_use(&kept, &mut std::collections::HashSet::new());
+    let at = if kept.exists() {
+        kept.clone()
+    } else {
+        data_dir.ancestors().find(|p| p.exists()).unwrap_or(Path::new("/")).to_path_buf()
+    };
+    let Ok(fs) = nix::sys::statvfs::statvfs(&at) else {
+        return Check::new(
+            "kept sandboxes",
+            Level::Warn,
+            format!("cannot statvfs {}", at.display()),
+            "check the data directory",
+        );
+    };
+    let block = fs.fragment_size();
+    let (free, total) = (fs.blocks_available() * block, fs.blocks() * block);
+    let detail = format!(
+        "{sandboxes} in {} use {} MiB; {} MiB of {} MiB free on its file system",
+        kept.display(),
+        used >> 20,
+        free >> 20,
+        total >> 20
+    );
+    if total > 0 && free * 20 < total {
+        return Check::new(
+            "kept sandboxes",
+            Level::Warn,
+            detail,
+            "free disk space, or kill hibernated sandboxes you no longer need: hibernations fail on a full disk",
+        );
+    }
+    Check::new("kept sandboxes", Level::Ok, detail, "")
+}
+
 /// The image at `path` and, when `build-inputs` beside it (written by
 /// `scripts/setup.sh`) names it, the hash of its build inputs and where it
 /// was built.
@@ -355,6 +414,7 @@ pub(crate) fn run(r: &crate::Resolved) -> ExitCode {
     checks.push(check_image("guest kernel", config::KERNEL, &r.kernel));
     checks.push(check_image("root filesystem", config::ROOTFS, &r.rootfs));
     checks.push(check_data_dir(&r.data_dir));
+    checks.push(check_kept(&r.data_dir));
     if let Some(token) = &r.file.token_file {
         checks.push(check_token_file(token));
     }
@@ -439,6 +499,18 @@ mod tests {
         assert_eq!(c.fix, format!("chmod 700 {}", data.display()));
         set_mode(&data, 0o700);
         assert_eq!(check_data_dir(&data).level, Level::Ok);
+    }
+
+    #[test]
+    fn kept_sandboxes_disk_use_counts_hard_links_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let kept = dir.path().join("kept");
+        std::fs::create_dir_all(kept.join("sb-1/hib-1")).unwrap();
+        std::fs::create_dir_all(kept.join(".bases/t-x")).unwrap();
+        std::fs::write(kept.join("sb-1/hib-1/pages"), vec![1u8; 1 << 20]).unwrap();
+        std::fs::hard_link(kept.join("sb-1/hib-1/pages"), kept.join(".bases/t-x/memory")).unwrap();
+        let c = check_kept(dir.path());
+        assert!(c.detail.starts_with("1 in ") && c.detail.contains("use 1 MiB"), "{}", c.detail);
     }
 
     #[test]

@@ -238,6 +238,7 @@ fn open_manager(
         kernel: r.kernel.clone(),
         rootfs: r.rootfs.clone(),
         run_dir: r.data_dir.join("sandboxes"),
+        kept_dir: r.data_dir.join("kept"),
         templates_dir: r.data_dir.join("templates"),
         memory_backing: r.file.templates.memory_backing,
         prefetch: r.file.templates.prefetch,

@@ -5,10 +5,13 @@
 //!
 //! | series | type | labels |
 //! |---|---|---|
-//! | `tine_sandboxes` | gauge | `state`: starting, running, paused, stopped, failed |
+//! | `tine_sandboxes` | gauge | `state`: starting, running, paused, hibernated, stopped, failed |
 //! | `tine_sandboxes_created_total` | counter | `how`: boot, restore, pool, branch |
 //! | `tine_sandbox_start_seconds` | histogram | `how`: VM start to agent ready |
-//! | `tine_sandboxes_killed_total` | counter | `reason`: kill, idle |
+//! | `tine_sandboxes_killed_total` | counter | `reason`: kill, idle, expired |
+//! | `tine_hibernate_seconds` | histogram | `why`: request, idle, shutdown; the write, VM paused |
+//! | `tine_hibernated_bytes` | histogram | `why`: the page files' sizes |
+//! | `tine_resume_seconds` | histogram | `from`: disk; restore to agent ready |
 //! | `tine_tool_calls_total` | counter | `tool`, `outcome`: ok, error |
 //! | `tine_tool_call_duration_seconds` | histogram | `tool` |
 //! | `tine_guest_memory_bytes` | gauge | guest memory reserved (sandboxes, branch points, templates) |
@@ -52,6 +55,16 @@ struct ReasonLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct WhyLabel {
+    why: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct FromLabel {
+    from: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ToolLabel {
     tool: String,
 }
@@ -81,6 +94,11 @@ fn latency() -> Histogram {
     Histogram::new(exponential_buckets(0.001, 2.0, 19))
 }
 
+/// Size buckets (bytes): 64 KiB to 64 GiB, quadrupling.
+fn sizes() -> Histogram {
+    Histogram::new(exponential_buckets(65536.0, 4.0, 11))
+}
+
 /// Requests and tool calls forwarded to other hosts, by peer and outcome
 /// (kept by [`crate::cluster::Cluster`]).
 #[derive(Clone, Default)]
@@ -103,6 +121,9 @@ pub struct Metrics {
     killed: Family<ReasonLabel, Counter>,
     tool_calls: Family<ToolOutcome, Counter>,
     tool_duration: Histograms<ToolLabel>,
+    hibernate: Histograms<WhyLabel>,
+    hibernated_bytes: Family<WhyLabel, Histogram, fn() -> Histogram>,
+    resume: Histograms<FromLabel>,
     guest_memory: Gauge,
     budget: Gauge,
     pool_ready: Gauge,
@@ -112,10 +133,11 @@ pub struct Metrics {
 
 /// Every [`SandboxState`] with its label, so a state with no sandboxes
 /// reads 0 rather than vanishing.
-const STATES: [(SandboxState, &str); 5] = [
+const STATES: [(SandboxState, &str); 6] = [
     (SandboxState::Starting, "starting"),
     (SandboxState::Running, "running"),
     (SandboxState::Paused, "paused"),
+    (SandboxState::Hibernated, "hibernated"),
     (SandboxState::Stopped, "stopped"),
     (SandboxState::Failed, "failed"),
 ];
@@ -131,6 +153,9 @@ impl Metrics {
             killed: Family::default(),
             tool_calls: Family::default(),
             tool_duration: Family::new_with_constructor(latency),
+            hibernate: Family::new_with_constructor(latency),
+            hibernated_bytes: Family::new_with_constructor(sizes),
+            resume: Family::new_with_constructor(latency),
             guest_memory: Gauge::default(),
             budget: Gauge::default(),
             pool_ready: Gauge::default(),
@@ -150,6 +175,13 @@ impl Metrics {
             m.start.clone(),
         );
         m.registry.register("tine_sandboxes_killed", "Sandboxes killed, on request or idle", m.killed.clone());
+        m.registry.register("tine_hibernate_seconds", "Hibernation write time (s), by why", m.hibernate.clone());
+        m.registry.register(
+            "tine_hibernated_bytes",
+            "Hibernation page file sizes (bytes), by why",
+            m.hibernated_bytes.clone(),
+        );
+        m.registry.register("tine_resume_seconds", "Resume from disk to agent ready (s)", m.resume.clone());
         m.registry.register("tine_tool_calls", "MCP tool calls by tool and outcome", m.tool_calls.clone());
         m.registry.register("tine_tool_call_duration_seconds", "MCP tool call time (s)", m.tool_duration.clone());
         m.registry.register(
@@ -182,8 +214,8 @@ impl Metrics {
         self.tool_duration.get_or_create(&ToolLabel { tool: tool.to_string() }).observe(took.as_secs_f64());
     }
 
-    /// Counts what `event` says: a sandbox ready (and its start time), or
-    /// killed.
+    /// Counts what `event` says: a sandbox ready (and its start time),
+    /// killed, hibernated or resumed from disk.
     fn event(&self, event: &EventKind) {
         match event {
             EventKind::Ready { boot_ms, source } => {
@@ -201,6 +233,17 @@ impl Metrics {
             }
             EventKind::Reaped { .. } => {
                 self.killed.get_or_create(&ReasonLabel { reason: "idle" }).inc();
+            }
+            EventKind::Expired => {
+                self.killed.get_or_create(&ReasonLabel { reason: "expired" }).inc();
+            }
+            EventKind::Hibernated { why, bytes, ms } => {
+                let label = WhyLabel { why: why.clone() };
+                self.hibernate.get_or_create(&label).observe(*ms as f64 / 1000.0);
+                self.hibernated_bytes.get_or_create(&label).observe(*bytes as f64);
+            }
+            EventKind::Woken { ms } => {
+                self.resume.get_or_create(&FromLabel { from: "disk" }).observe(*ms as f64 / 1000.0);
             }
             _ => {}
         }

@@ -1,7 +1,8 @@
 //! `tine server start`: the MCP endpoint (Streamable HTTP at `/mcp`, MCP
 //! 2025-06-18 / 2025-11-25 "Transports"), bearer authentication,
 //! `/healthz`, signed file URLs at `/files/` ([`crate::files_url`]), and
-//! shutdown that kills every sandbox on SIGTERM/SIGINT.
+//! shutdown that hibernates every sandbox on SIGTERM/SIGINT (listed again
+//! by the next start, see `tine_sandbox::Manager::shutdown_keeping`).
 //!
 //! HTTP hardening: `Host` and `Origin` are checked (the transport spec's
 //! "Security Warning": servers MUST validate `Origin`; a foreign one gets
@@ -269,6 +270,8 @@ pub async fn serve(manager: Arc<Manager>, opts: ServeOptions) -> Result<(), Serv
     println!("tine: listening on http://{}/mcp", opts.listen);
 
     let graceful = accept_loop(listener, app, &opts, shutdown_signal()).await;
+    // Sessions that end from now on leave their sandboxes to be kept.
+    manager.begin_shutdown();
     // Ends SSE streams and sessions so the connections can finish.
     cancel.cancel();
     tokio::select! {
@@ -276,8 +279,9 @@ pub async fn serve(manager: Arc<Manager>, opts: ServeOptions) -> Result<(), Serv
         _ = tokio::time::sleep(DRAIN_TIMEOUT) => tracing::warn!("connections still open after {DRAIN_TIMEOUT:?}"),
     }
     reaper.abort();
-    tracing::info!("killing every sandbox");
-    manager.shutdown().await;
+    tracing::info!("hibernating every sandbox");
+    let kept = manager.shutdown_keeping().await;
+    tracing::info!("{kept} sandboxes hibernated; the next start lists them again");
     tracing::info!("stopped");
     Ok(())
 }

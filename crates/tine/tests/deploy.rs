@@ -457,7 +457,7 @@ fn the_grafana_dashboard_queries_only_exported_series() {
                     continue;
                 }
                 let known: &[&str] = match label.as_str() {
-                    "state" => &["starting", "running", "paused", "stopped", "failed"],
+                    "state" => &["starting", "running", "paused", "hibernated", "stopped", "failed"],
                     "how" => &["boot", "restore", "pool", "branch"],
                     "outcome" => &["ok", "error"],
                     _ => &[],

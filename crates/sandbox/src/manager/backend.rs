@@ -70,6 +70,53 @@ pub(crate) enum VmSource {
     Template(Arc<Template>),
     /// A branch point of another sandbox (children share its pages).
     Branch(BranchImage),
+    /// A hibernation ([`VmHandle::hibernate`]) in `dir`, written against
+    /// `base`.
+    Hibernated {
+        /// The hibernation's directory.
+        dir: PathBuf,
+        /// What its page file was written against.
+        base: Base,
+    },
+}
+
+/// The memory a VM was restored from, which its hibernations are written
+/// against (only the pages that differ from it are saved).
+#[derive(Clone, Default)]
+pub(crate) enum Base {
+    /// None: booted, or resumed from a whole-memory hibernation.
+    #[default]
+    None,
+    /// A loaded template's memory.
+    Template(Arc<Template>),
+    /// A branch point's memory (in this process only).
+    Branch(BranchImage),
+    /// A template generation's files pinned for hibernated sandboxes: the
+    /// directory holding its `memory` (after a restart).
+    Pinned(PathBuf),
+}
+
+impl Base {
+    /// The base of a VM started from `source`.
+    pub fn of(source: &VmSource) -> Base {
+        match source {
+            VmSource::Boot => Base::None,
+            VmSource::Template(t) => Base::Template(t.clone()),
+            VmSource::Branch(image) => Base::Branch(image.clone()),
+            VmSource::Hibernated { base, .. } => base.clone(),
+        }
+    }
+}
+
+/// What a hibernation wrote.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Hibernation {
+    /// Whether only the pages that differ from the base were written.
+    pub based: bool,
+    /// The page file's size (bytes).
+    pub bytes: u64,
+    /// From the start of the write to the synced directory.
+    pub took: Duration,
 }
 
 /// A branch point and what taking it cost.
@@ -152,6 +199,12 @@ pub(crate) trait VmHandle: Send + Sync {
     ///
     /// Errors: the VMM's (file writes, device state).
     fn snapshot(&self, dir: &Path) -> Result<(), BackendError>;
+    /// Writes the paused VM's state and memory into the empty directory
+    /// `dir`, against `base` (only the pages that differ from it; all of
+    /// them with [`Base::None`]), synced. The VM stays paused.
+    ///
+    /// Errors: the VMM's (a full disk, an I/O error, device state).
+    fn hibernate(&self, dir: &Path, base: &Base) -> Result<Hibernation, BackendError>;
     /// Takes a branch point (pausing for at most `pause_timeout` to park
     /// the vCPUs); a paused VM stays paused.
     ///

@@ -93,6 +93,7 @@ impl Manager {
         let source = self.get(id)?;
         // Children of a pooled sandbox carry its reseed and environment.
         source.handed_out().await?;
+        self.awake(&source).await?;
         match source.state() {
             SandboxState::Running | SandboxState::Paused => {}
             state => return Err(SandboxError::BadState { id: source.id.clone(), state, what: "a branch" }),
@@ -190,7 +191,9 @@ impl Manager {
         lock(&source.lineage).children.extend(children.iter().map(|c| c.id.clone()));
         for child in &children {
             ready_event(child, format!("branch:{}", source.id));
+            self.record_in_background(child);
         }
+        self.record_in_background(&source);
         let ready_ms = started.elapsed().as_millis() as u64;
         tracing::info!(sandbox = %source.id, n, mode = ?point.mode, pause = ?point.pause, "branched; children ready in {ready_ms} ms");
         Ok(BranchResult {
@@ -274,6 +277,9 @@ impl Manager {
         w.handed_out().await?;
         p.handed_out().await?;
         self.check_descendant(&w, &p)?;
+        // The winner's VM moves over: it must run. A hibernated parent's
+        // hibernation is dropped with its VM.
+        self.awake(&w).await?;
         let me = self.clone();
         let (w2, p2) = (w.clone(), p.clone());
         let merged = tokio::task::spawn_blocking(move || me.merge_blocking(&w2, &p2))
@@ -363,6 +369,14 @@ impl Manager {
         let watch = vm.exit_watch();
 
         p.stop_vm();
+        // A hibernated parent's saved state is replaced by the winner's VM.
+        if let Some(old) = lock(&p.hibernation).take() {
+            remove_dir(&old.dir);
+        }
+        let base = std::mem::take(&mut *lock(&w.base));
+        *lock(&p.base) = base;
+        let pin = lock(&w.pin).take();
+        *lock(&p.pin) = pin;
         // The parent's share went with its VM; the winner's comes along.
         let held = std::mem::take(&mut *lock(&w.memory));
         *lock(&p.memory) = held;
@@ -393,6 +407,8 @@ impl Manager {
         // In case the winner's own parent was in between.
         self.leave_parent(w);
         w.end(SandboxState::Stopped, Some(format!("merged into {}", p.id)));
+        self.remove_record(&w.id);
+        self.record_in_background(p);
         p.touch();
         Ok(p.info(None))
     }

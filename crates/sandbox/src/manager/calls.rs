@@ -108,6 +108,7 @@ impl Manager {
     {
         let sb = self.get(id)?;
         sb.handed_out().await?;
+        self.awake(&sb).await?;
         if sb.state() == SandboxState::Paused {
             tracing::info!(sandbox = %sb.id, "resuming a paused sandbox for a call");
             self.resume(id).await?;

@@ -37,6 +37,7 @@ impl Manager {
     pub async fn resume(&self, id: &str) -> Result<SandboxInfo, SandboxError> {
         let sb = self.get(id)?;
         sb.handed_out().await?;
+        self.awake(&sb).await?;
         tokio::task::spawn_blocking(move || resume_blocking(&sb)).await.map_err(task_failed("resume task"))?
     }
 
@@ -125,6 +126,7 @@ impl Manager {
         self.check_template_quota(name)?;
         // A template of a pooled sandbox carries its environment.
         sb.handed_out().await?;
+        self.awake(&sb).await?;
         sb.touch();
         self.snapshot_sandbox(&sb, name, false, &cx.progress).await?;
         self.template_info(name)
@@ -220,7 +222,8 @@ impl Manager {
 fn pause_blocking(sb: &Sandbox) -> Result<SandboxInfo, SandboxError> {
     let _control = sb.control.blocking_lock();
     match sb.state() {
-        SandboxState::Paused => return Ok(sb.info(None)),
+        // A hibernated sandbox is paused on disk.
+        SandboxState::Paused | SandboxState::Hibernated => return Ok(sb.info(None)),
         SandboxState::Running => {}
         state => return Err(SandboxError::BadState { id: sb.id.clone(), state, what: "pause" }),
     }

@@ -127,6 +127,23 @@ pub enum SandboxError {
         #[source]
         source: BackendError,
     },
+    /// Writing a hibernation failed; the sandbox keeps running (or stays
+    /// paused).
+    #[error("hibernating sandbox {id} failed: {reason}; the sandbox keeps running")]
+    Hibernate {
+        /// The id.
+        id: SandboxId,
+        /// Why (a full disk, an I/O error, ...).
+        reason: String,
+    },
+    /// A hibernated sandbox could not be restored.
+    #[error("sandbox {id} could not be resumed from disk: {reason}")]
+    Wake {
+        /// The id.
+        id: SandboxId,
+        /// Why.
+        reason: String,
+    },
     /// Taking the branch point failed.
     #[error("cannot branch sandbox {id}: {source}")]
     Branch {

@@ -22,7 +22,9 @@ use tine_protocol::{
 };
 use vmm::BranchMode;
 
-use super::backend::{BackendError, BranchPoint, ExitWatch, VmBackend, VmEnd, VmHandle, VmSource, VmSpec};
+use super::backend::{
+    BackendError, Base, BranchPoint, ExitWatch, Hibernation, VmBackend, VmEnd, VmHandle, VmSource, VmSpec,
+};
 use crate::lock;
 
 /// A fake guest's files: path -> contents.
@@ -44,16 +46,26 @@ impl Default for Procs {
 /// What a fake branch point holds: the guest's files and process table.
 type Image = (Files, Procs);
 
+/// The file a fake hibernation writes: the guest's files as JSON.
+pub(crate) const FAKE_HIBERNATION: &str = "fake-hibernation.json";
+
 /// Starts fake VMs; tests reach them by name (the sandbox id).
 #[derive(Default)]
 pub(crate) struct FakeBackend {
     /// Starts still to fail.
     fail_starts: AtomicUsize,
+    /// Hibernations still to fail (as a full disk would).
+    fail_hibernations: Arc<AtomicUsize>,
     /// Every VM started, by name.
     vms: Mutex<BTreeMap<String, Arc<Shared>>>,
 }
 
 impl FakeBackend {
+    /// Makes the next `n` hibernations fail with ENOSPC.
+    pub fn fail_next_hibernations(&self, n: usize) {
+        self.fail_hibernations.store(n, Ordering::SeqCst);
+    }
+
     /// Makes the next `n` starts fail.
     pub fn fail_next_starts(&self, n: usize) {
         self.fail_starts.store(n, Ordering::SeqCst);
@@ -88,6 +100,12 @@ impl VmBackend for FakeBackend {
                 .downcast_ref::<Image>()
                 .cloned()
                 .ok_or_else(|| BackendError::new(std::io::Error::other("not a fake branch point")))?,
+            // A fake hibernation keeps the guest's files, not its processes.
+            VmSource::Hibernated { dir, .. } => {
+                let bytes = std::fs::read(dir.join(FAKE_HIBERNATION)).map_err(BackendError::new)?;
+                let files: Files = serde_json::from_slice(&bytes).map_err(BackendError::new)?;
+                (files, Procs::default())
+            }
         };
         let listener = UnixListener::bind(&spec.agent_socket).map_err(BackendError::new)?;
         let shared = Arc::new(Shared {
@@ -102,7 +120,12 @@ impl VmBackend for FakeBackend {
             .spawn(move || agent.serve(listener))
             .map_err(BackendError::new)?;
         lock(&self.vms).insert(spec.name.clone(), shared.clone());
-        Ok(Box::new(FakeVm { shared, started: Instant::now(), agent_socket: spec.agent_socket.clone() }))
+        Ok(Box::new(FakeVm {
+            shared,
+            started: Instant::now(),
+            agent_socket: spec.agent_socket.clone(),
+            fail_hibernations: self.fail_hibernations.clone(),
+        }))
     }
 }
 
@@ -350,6 +373,7 @@ struct FakeVm {
     shared: Arc<Shared>,
     started: Instant,
     agent_socket: PathBuf,
+    fail_hibernations: Arc<AtomicUsize>,
 }
 
 impl VmHandle for FakeVm {
@@ -399,6 +423,21 @@ impl VmHandle for FakeVm {
 
     fn snapshot(&self, dir: &Path) -> Result<(), BackendError> {
         std::fs::write(dir.join("fake-snapshot"), b"").map_err(BackendError::new)
+    }
+
+    fn hibernate(&self, dir: &Path, base: &Base) -> Result<Hibernation, BackendError> {
+        if !self.is_paused() {
+            return Err(BackendError::new(std::io::Error::other("the fake VM is not paused")));
+        }
+        let bytes = serde_json::to_vec(&*lock(&self.shared.files)).map_err(BackendError::new)?;
+        // Half a file, then a full disk.
+        std::fs::write(dir.join(FAKE_HIBERNATION), &bytes[..bytes.len() / 2]).map_err(BackendError::new)?;
+        if self.fail_hibernations.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_ok() {
+            return Err(BackendError::new(std::io::Error::from(std::io::ErrorKind::StorageFull)));
+        }
+        std::fs::write(dir.join(FAKE_HIBERNATION), &bytes).map_err(BackendError::new)?;
+        let based = !matches!(base, Base::None);
+        Ok(Hibernation { based, bytes: bytes.len() as u64, took: Duration::from_micros(3) })
     }
 
     fn branch(&self, _pause_timeout: Duration) -> Result<BranchPoint, BackendError> {

@@ -6,7 +6,9 @@ use std::time::{Duration, Instant};
 
 use vmm::{DiskConfig, MemoryBacking, RunningVm, VmConfig, VmOutcome, VsockConfig};
 
-use super::backend::{BackendError, BranchPoint, ExitWatch, VmBackend, VmEnd, VmHandle, VmSource, VmSpec};
+use super::backend::{
+    BackendError, Base, BranchPoint, ExitWatch, Hibernation, VmBackend, VmEnd, VmHandle, VmSource, VmSpec,
+};
 
 /// The guest CID every sandbox's vsock device gets (each VM has its own
 /// device and host socket, so CIDs need not differ).
@@ -43,10 +45,37 @@ impl VmBackend for KvmBackend {
                 })?;
                 vmm::build_from_snapshot(&config, snapshot, MemoryBacking::Private)
             }
+            // Private over the base whatever the templates' backing, so that
+            // the next hibernation finds the guest's own pages in the page
+            // tables.
+            VmSource::Hibernated { dir, base } => {
+                let snapshot = vmm::Snapshot::load_hibernated(dir, base_memory(base)?).map_err(BackendError::new)?;
+                vmm::build_from_snapshot(&config, &snapshot, MemoryBacking::Private)
+            }
         }
         .map_err(BackendError::new)?;
         Ok(Box::new(KvmVm { vm, agent_socket: spec.agent_socket.clone() }))
     }
+}
+
+/// The memory of `base`, as the VMM takes it.
+///
+/// Errors: a branch point not made by this backend.
+fn base_memory(base: &Base) -> Result<Option<vmm::SnapshotMemory>, BackendError> {
+    Ok(match base {
+        Base::None => None,
+        Base::Template(t) => Some(t.snapshot.memory.clone()),
+        Base::Pinned(dir) => Some(vmm::SnapshotMemory::File(dir.join(vmm::snapshot::MEMORY_FILE))),
+        Base::Branch(image) => Some(
+            image
+                .downcast_ref::<vmm::Snapshot>()
+                .ok_or_else(|| {
+                    BackendError::new(std::io::Error::other("the branch point was not made by this backend"))
+                })?
+                .memory
+                .clone(),
+        ),
+    })
 }
 
 /// A running `vmm` VM.
@@ -108,6 +137,12 @@ impl VmHandle for KvmVm {
 
     fn snapshot(&self, dir: &Path) -> Result<(), BackendError> {
         self.vm.snapshot(dir).map(drop).map_err(BackendError::new)
+    }
+
+    fn hibernate(&self, dir: &Path, base: &Base) -> Result<Hibernation, BackendError> {
+        let base = base_memory(base)?.map(|m| m.open()).transpose().map_err(BackendError::new)?;
+        let r = self.vm.hibernate(dir, base.as_ref()).map_err(BackendError::new)?;
+        Ok(Hibernation { based: r.based, bytes: r.pages.file_bytes, took: r.took })
     }
 
     fn branch(&self, pause_timeout: Duration) -> Result<BranchPoint, BackendError> {

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tine_agent_client::{AgentClient, AGENT_PORT};
 use tine_protocol::Reseed;
 
-use super::backend::{ExitWatch, VmSource, VmSpec};
+use super::backend::{Base, ExitWatch, VmSource, VmSpec};
 use super::sandbox::{SandboxSetup, Transition, CONSOLE_TAIL_LINES};
 use super::settings::env_vars;
 use super::spec::SandboxSpec;
@@ -55,6 +55,8 @@ pub(super) enum EndReason {
         /// How long it was idle (s).
         idle_secs: u64,
     },
+    /// Hibernated past its retention: [`EventKind::Expired`].
+    Expired,
 }
 
 /// Seconds since `t0`, as a progress value.
@@ -252,7 +254,7 @@ impl Manager {
         let (source, vcpus, memory_mib) = self.origin(&spec, &cx.progress, t0).await?;
         let template = match &source {
             VmSource::Template(t) => Some(t.meta.name.clone()),
-            VmSource::Boot | VmSource::Branch(_) => None,
+            VmSource::Boot | VmSource::Branch(_) | VmSource::Hibernated { .. } => None,
         };
         let from = template.as_ref().map_or_else(|| "boot".to_string(), |t| format!("template:{t}"));
         // Admission: its memory is reserved before anything starts.
@@ -285,6 +287,7 @@ impl Manager {
         match started {
             Ok(()) => {
                 ready_event(&sandbox, from);
+                self.record_in_background(&sandbox);
                 Ok(sandbox.info(None))
             }
             Err(e) => {
@@ -359,6 +362,7 @@ impl Manager {
             }
         }
         ready_event(&sb, format!("pool:{DEFAULT_TEMPLATE}"));
+        self.record_in_background(&sb);
         let info = sb.info(None);
         let me = self.clone();
         tokio::spawn(async move {
@@ -475,6 +479,11 @@ impl Manager {
             }
         }
         sb.retire(reason).await;
+        // Its record and hibernations, if it had any.
+        if let Some(me) = self.me.upgrade() {
+            let id = sb.id.clone();
+            let _ = tokio::task::spawn_blocking(move || me.remove_record(&id)).await;
+        }
     }
 
     /// Starts `sb`'s VM from `source` and waits until its agent answers,
@@ -490,7 +499,8 @@ impl Manager {
     ) -> Result<(), SandboxError> {
         let io = |what: String| move |source| SandboxError::Io { what, source };
         let dir = sb.dir();
-        std::fs::create_dir(&dir).map_err(io(format!("create {}", dir.display())))?;
+        // A sandbox resumed from disk keeps its directory (console log).
+        std::fs::create_dir_all(&dir).map_err(io(format!("create {}", dir.display())))?;
         let uds = dir.join("vsock.sock");
         if uds.as_os_str().len() > MAX_UDS_PATH {
             return Err(SandboxError::Io {
@@ -505,7 +515,7 @@ impl Manager {
         // the VM does.
         let slots = match source {
             VmSource::Boot => &self.slots.boots,
-            VmSource::Template(_) | VmSource::Branch(_) => &self.slots.restores,
+            VmSource::Template(_) | VmSource::Branch(_) | VmSource::Hibernated { .. } => &self.slots.restores,
         };
         let _slot = match slots.try_acquire() {
             Ok(slot) => slot,
@@ -548,8 +558,10 @@ impl Manager {
                 VmSource::Boot => format!("booting {}", sb.id),
                 VmSource::Template(t) => format!("restoring {} from template {}", sb.id, t.meta.name),
                 VmSource::Branch(_) => format!("restoring {} from a branch point", sb.id),
+                VmSource::Hibernated { .. } => format!("resuming {} from disk", sb.id),
             },
         );
+        *lock(&sb.base) = Base::of(&source);
         let backend = self.backend.clone();
         let vm = tokio::task::spawn_blocking(move || backend.start(&spec, &source))
             .await
@@ -670,6 +682,7 @@ impl Manager {
         sb.emit(match why {
             EndReason::Killed => EventKind::Killed,
             EndReason::Reaped { idle_secs } => EventKind::Reaped { idle_secs },
+            EndReason::Expired => EventKind::Expired,
         });
         Ok(())
     }

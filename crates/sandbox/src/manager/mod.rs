@@ -3,7 +3,7 @@
 //!
 //! The rest is split by concern, one `impl Manager` per file:
 //! [`lifecycle`] (create, kill, the default template), [`control`] (pause,
-//! resume, snapshot), [`calls`] (agent calls), [`processes`] (background
+//! resume, snapshot), [`hibernate`] (to disk and back), [`calls`] (agent calls), [`processes`] (background
 //! processes), [`branch`] (branch and merge), [`diff`] (file-system diffs). A sandbox and its state machine
 //! are in [`sandbox`], the VM seam in [`backend`] (real: [`kvm`]), the
 //! errors in [`error`].
@@ -29,6 +29,7 @@ mod diff;
 mod error;
 #[cfg(test)]
 mod fake;
+mod hibernate;
 mod kvm;
 mod lifecycle;
 mod network;
@@ -36,6 +37,7 @@ mod pool;
 mod prefetch;
 mod processes;
 mod recipes;
+mod records;
 mod sandbox;
 mod settings;
 mod slots;
@@ -70,6 +72,9 @@ pub struct ManagerConfig {
     /// Directory for per-sandbox files; created if missing, and emptied of
     /// a previous run's leftovers at start.
     pub run_dir: PathBuf,
+    /// Directory of sandboxes' kept state: hibernations
+    /// ([`Manager::hibernate`]); created if missing.
+    pub kept_dir: PathBuf,
     /// Directory of templates (see [`crate::templates`]); created if missing.
     pub templates_dir: PathBuf,
     /// How restored sandboxes get their memory from a template's file.
@@ -121,6 +126,9 @@ pub struct Manager {
     builds: Mutex<BTreeMap<String, recipes::BuildRecord>>,
     /// The warm pool ([`pool`]).
     pool: Mutex<pool::Pool>,
+    /// Held while a sandbox record is written or removed
+    /// ([`records`]).
+    records: Mutex<()>,
     /// This manager, for background work started from `&self` methods.
     me: std::sync::Weak<Manager>,
 }
@@ -165,6 +173,7 @@ impl Manager {
         }
         let io = |what: String| move |source| SandboxError::Io { what, source };
         std::fs::create_dir_all(&config.run_dir).map_err(io(format!("create {}", config.run_dir.display())))?;
+        std::fs::create_dir_all(&config.kept_dir).map_err(io(format!("create {}", config.kept_dir.display())))?;
         let entries = std::fs::read_dir(&config.run_dir).map_err(io(format!("read {}", config.run_dir.display())))?;
         for e in entries.flatten() {
             tracing::info!("removing {} left by an earlier run", e.path().display());
@@ -179,8 +188,9 @@ impl Manager {
                 vmm::MACHINE_REVISION,
                 config.network.as_ref().map(|n| n.fingerprint()).unwrap_or_default()
             ));
-        Ok(Arc::new_cyclic(|me| Manager {
+        let manager = Arc::new_cyclic(|me| Manager {
             me: me.clone(),
+            records: Mutex::new(()),
             templates,
             memory,
             backend,
@@ -194,7 +204,9 @@ impl Manager {
             kills: lifecycle::Kills::default(),
             slots: slots::Slots::new(&config.limits),
             config,
-        }))
+        });
+        manager.recover();
+        Ok(manager)
     }
 
     /// A receiver of every [`crate::SandboxEvent`] from now on (ready,
@@ -330,8 +342,10 @@ impl Manager {
         }
     }
 
-    /// Starts the task that kills sandboxes idle past their timeout; it
-    /// checks every `period` and ends when the manager is dropped.
+    /// Starts the task that hibernates (or, with
+    /// [`crate::IdleAction::Kill`], kills) sandboxes idle past their
+    /// timeout and deletes hibernated ones past their retention; it checks
+    /// every `period` and ends when the manager is dropped.
     pub fn spawn_reaper(self: &Arc<Self>, period: Duration) -> tokio::task::JoinHandle<()> {
         let weak = Arc::downgrade(self);
         tokio::spawn(async move {
@@ -340,18 +354,47 @@ impl Manager {
             loop {
                 tick.tick().await;
                 let Some(me) = weak.upgrade() else { return };
-                let idle: Vec<SandboxId> = lock(&me.sandboxes)
+                let now_ms = unix_ms();
+                let expired: Vec<SandboxId> = lock(&me.sandboxes)
                     .values()
-                    .filter(|s| s.state() != SandboxState::Starting && s.busy.load(Ordering::SeqCst) == 0)
+                    .filter(|s| lock(&s.hibernation).as_ref().is_some_and(|h| h.expires_at_ms <= now_ms))
+                    .map(|s| s.id.clone())
+                    .collect();
+                for id in expired {
+                    tracing::info!(sandbox = %id, "hibernated past its retention: deleting");
+                    let _ = me.kill_with(&id, lifecycle::EndReason::Expired).await;
+                }
+                let hibernate = me.config.limits.idle_action == crate::IdleAction::Hibernate;
+                let idle: Vec<Arc<Sandbox>> = lock(&me.sandboxes)
+                    .values()
+                    .filter(|s| match s.state() {
+                        SandboxState::Starting | SandboxState::Hibernated => false,
+                        SandboxState::Running | SandboxState::Paused => true,
+                        // Nothing to hibernate: a stopped or failed one goes,
+                        // unless it keeps a hibernation (its retention
+                        // applies: the files stay for the operator).
+                        SandboxState::Stopped | SandboxState::Failed => lock(&s.hibernation).is_none(),
+                    })
+                    .filter(|s| s.busy.load(Ordering::SeqCst) == 0)
                     // Not while a pause, snapshot, branch or merge runs.
                     .filter(|s| s.control.try_lock().is_ok())
                     .filter(|s| s.idle() >= s.idle_timeout())
-                    .map(|s| s.id.clone())
+                    .cloned()
                     .collect();
-                for id in idle {
-                    let idle_secs = lock(&me.sandboxes).get(&id).map(|s| s.idle().as_secs()).unwrap_or_default();
-                    tracing::info!(sandbox = %id, "idle timeout: killing");
-                    let _ = me.kill_with(&id, lifecycle::EndReason::Reaped { idle_secs }).await;
+                for sb in idle {
+                    let idle_secs = sb.idle().as_secs();
+                    if hibernate && matches!(sb.state(), SandboxState::Running | SandboxState::Paused) {
+                        tracing::info!(sandbox = %sb.id, "idle timeout: hibernating");
+                        if let Err(e) = me.hibernate_sandbox(&sb, hibernate::HibernateWhy::Idle).await {
+                            // Kept running, not killed: nothing is lost.
+                            // The next try is one idle timeout later.
+                            tracing::warn!(sandbox = %sb.id, "idle hibernation failed, trying again later: {e}");
+                            sb.touch();
+                        }
+                        continue;
+                    }
+                    tracing::info!(sandbox = %sb.id, "idle timeout: killing");
+                    let _ = me.kill_with(&sb.id, lifecycle::EndReason::Reaped { idle_secs }).await;
                 }
             }
         })

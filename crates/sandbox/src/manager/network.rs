@@ -83,6 +83,7 @@ impl Manager {
         let sb = self.get(id)?;
         let control = lock(&sb.net).clone().ok_or(SandboxError::NoNetwork)?;
         control.set_policy(policy)?;
+        self.record_in_background(&sb);
         sb.touch();
         tracing::info!(sandbox = %id, policy = %control.policy().summary(), "network policy changed");
         Ok(control.policy().policy().clone())

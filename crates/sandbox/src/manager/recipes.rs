@@ -26,6 +26,10 @@ use crate::lock;
 use crate::progress::{cut, CallContext, ProgressSink};
 use crate::templates::{TemplateError, TemplateInfo, TemplateState, DEFAULT_TEMPLATE};
 
+/// The label a recipe's builder sandbox carries (its value: the template's
+/// name).
+pub(super) const BUILD_LABEL: &str = "tine.template-build";
+
 /// Default deadline of one setup step (s).
 pub const DEFAULT_STEP_TIMEOUT_SECS: u32 = 600;
 /// Most setup steps of a recipe.
@@ -290,7 +294,7 @@ impl Manager {
         let spec = SandboxSpec {
             vcpus: recipe.vcpus,
             memory_mib: recipe.memory_mib,
-            labels: BTreeMap::from([("tine.template-build".to_string(), recipe.name.clone())]),
+            labels: BTreeMap::from([(BUILD_LABEL.to_string(), recipe.name.clone())]),
             template: recipe.from.clone(),
             env: recipe.env.clone(),
             ..SandboxSpec::default()

@@ -19,8 +19,8 @@
 //! 4. `vm` (the VM handle and its monitor thread),
 //! 5. `lineage`, then `dir`, then `memory`.
 //!
-//! `labels`, `idle_timeout`, `owner`, `handout` and the manager's `pool`
-//! are leaves: nothing else is taken while one is held.
+//! `labels`, `idle_timeout`, `owner`, `handout`, `base`, `hibernation`,
+//! `pin` and the manager's `pool` are leaves: nothing else is taken while one is held.
 //!
 //! No lock is held across an `.await`; `vm` is not held while joining the
 //! monitor thread (which takes `vm` and `status` itself).
@@ -37,7 +37,7 @@ use schemars::JsonSchema;
 use serde::Serialize;
 use tine_agent_client::AgentClient;
 
-use super::backend::{ExitWatch, VmEnd, VmHandle};
+use super::backend::{Base, ExitWatch, VmEnd, VmHandle};
 use super::{remove_dir, unix_ms, SandboxId};
 use crate::events::{keep_end, EventKind, SandboxEvent, CONSOLE_TAIL_BYTES};
 use crate::lock;
@@ -61,6 +61,10 @@ pub enum SandboxState {
     /// The vCPUs are parked; memory and files are kept. Tools that need
     /// the guest resume it by themselves.
     Paused,
+    /// Its memory, vCPU and device state are on disk and its VM is freed
+    /// ([`crate::Manager::hibernate`]). Tools that need the guest resume
+    /// it by themselves.
+    Hibernated,
     /// The guest powered off or rebooted by itself.
     Stopped,
     /// The guest crashed or could not start; `error` says why.
@@ -133,6 +137,13 @@ pub struct SandboxInfo {
     /// that restore).
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub from_pool: bool,
+    /// When it was hibernated, ms since the Unix epoch (hibernated only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hibernated_at_ms: Option<u64>,
+    /// When a hibernated sandbox is deleted unless a call resumes it first,
+    /// ms since the Unix epoch ([`crate::Limits::hibernated_retention_secs`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub expires_at_ms: Option<u64>,
     /// Resource use, from `info` on a running sandbox.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub usage: Option<Usage>,
@@ -194,9 +205,17 @@ pub(super) enum Transition {
     Pause,
     /// `paused` -> `running`.
     Resume,
-    /// `starting`/`running`/`paused` -> `to` (`stopped` or `failed`),
+    /// `running`/`paused` -> `hibernated`: the hibernation is on disk; the
+    /// agent connection is dropped.
+    Hibernate,
+    /// `hibernated` -> `starting`: its VM is being restored from disk.
+    Wake,
+    /// `starting`/`running`/`paused`/`hibernated` -> `to` (`stopped` or `failed`),
     /// with the reason; the agent connection is dropped.
     End { to: SandboxState, error: Option<String> },
+    /// `starting` (a sandbox listed again from its record at start, with
+    /// no VM) -> its kept state.
+    Restored { to: SandboxState, error: Option<String> },
     /// Any state -> the state of the sandbox whose VM this one takes over
     /// (a merge).
     TakeOver { to: SandboxState, boot_ms: Option<u64>, agent: Option<Arc<AgentClient>> },
@@ -228,6 +247,18 @@ pub(super) struct MemoryHeld {
     pub own: Option<Reservation>,
     /// The branch point it was restored from, shared with its siblings.
     pub branch_point: Option<Arc<Reservation>>,
+}
+
+/// Where a hibernated sandbox's state is and how long it is kept.
+#[derive(Clone, Debug)]
+pub(super) struct Hibernated {
+    /// The hibernation's directory (`<kept>/<id>/hib-<g>`).
+    pub dir: PathBuf,
+    /// When it was written, ms since the Unix epoch.
+    pub at_ms: u64,
+    /// When it is deleted unless a call resumes it first, ms since the
+    /// Unix epoch.
+    pub expires_at_ms: u64,
 }
 
 /// A pooled sandbox's hand-out in flight: `None` until it ends, then
@@ -278,6 +309,15 @@ pub(super) struct Sandbox {
     /// Calls in flight ([`Sandbox::mark_busy`]); the reaper leaves busy
     /// sandboxes alone.
     pub busy: AtomicU64,
+    /// The memory its VM was restored from, which a hibernation is
+    /// written against ([`Base`]). A merge gives a sandbox its winner's.
+    pub base: Mutex<Base>,
+    /// Its hibernation while it is hibernated.
+    pub hibernation: Mutex<Option<Hibernated>>,
+    /// The pinned copy of its base (a directory name in the kept
+    /// directory's bases) that its hibernations are written against, once
+    /// it has been hibernated from a template.
+    pub pin: Mutex<Option<String>>,
     /// Its network's policy and log, shared with its VM's NAT (`None`:
     /// no network). A merge gives a sandbox its winner's VM, and with it
     /// the winner's.
@@ -320,6 +360,9 @@ impl Sandbox {
             memory: Mutex::new(MemoryHeld::default()),
             last_used_ms: AtomicU64::new(0),
             busy: AtomicU64::new(0),
+            base: Mutex::new(Base::None),
+            hibernation: Mutex::new(None),
+            pin: Mutex::new(None),
             net: Mutex::new(None),
         }
     }
@@ -400,10 +443,30 @@ impl Sandbox {
                 }
                 st.state = SandboxState::Running;
             }
+            Transition::Hibernate => {
+                if !matches!(from, SandboxState::Running | SandboxState::Paused) {
+                    return refused(&st);
+                }
+                st.state = SandboxState::Hibernated;
+                st.agent = None;
+            }
+            Transition::Wake => {
+                if from != SandboxState::Hibernated {
+                    return refused(&st);
+                }
+                st.state = SandboxState::Starting;
+            }
             Transition::End { to, error } => {
                 // The agent goes whatever the state; the first end's reason stays.
                 st.agent = None;
-                if !from.is_live() {
+                if !from.is_live() && from != SandboxState::Hibernated {
+                    return refused(&st);
+                }
+                st.state = to;
+                st.error = error;
+            }
+            Transition::Restored { to, error } => {
+                if from != SandboxState::Starting {
                     return refused(&st);
                 }
                 st.state = to;
@@ -470,6 +533,7 @@ impl Sandbox {
     }
 
     pub fn info(&self, usage: Option<Usage>) -> SandboxInfo {
+        let hib = lock(&self.hibernation).clone();
         let st = lock(&self.status);
         SandboxInfo {
             sandbox_id: self.id.clone(),
@@ -487,6 +551,8 @@ impl Sandbox {
             idle_ms: self.idle().as_millis() as u64,
             network: lock(&self.net).as_ref().map(|c| c.policy().policy().clone()),
             from_pool: self.from_pool.load(Ordering::SeqCst),
+            hibernated_at_ms: hib.as_ref().map(|h| h.at_ms),
+            expires_at_ms: hib.as_ref().map(|h| h.expires_at_ms),
             usage,
         }
     }

@@ -79,6 +79,7 @@ impl Manager {
         if let Some(t) = idle_timeout {
             sb.set_idle_timeout(t);
         }
+        self.record_in_background(&sb);
         sb.touch();
         self.info(id).await
     }

@@ -25,15 +25,23 @@ fn setup(limits: Limits) -> Setup {
 
 fn setup_with(limits: Limits, huge_pages: bool) -> Setup {
     let dir = tempfile::tempdir().unwrap();
-    let (kernel, rootfs) = (dir.path().join("vmlinux"), dir.path().join("rootfs.ext4"));
+    let backend = Arc::new(FakeBackend::default());
+    let manager = Manager::with_backend(config(dir.path(), limits, huge_pages), backend.clone()).expect("a manager");
+    Setup { dir, backend, manager }
+}
+
+/// A manager's configuration on the data directory `dir` (empty image
+/// files made there).
+fn config(dir: &std::path::Path, limits: Limits, huge_pages: bool) -> ManagerConfig {
+    let (kernel, rootfs) = (dir.join("vmlinux"), dir.join("rootfs.ext4"));
     std::fs::write(&kernel, b"").unwrap();
     std::fs::write(&rootfs, b"").unwrap();
-    let backend = Arc::new(FakeBackend::default());
-    let config = ManagerConfig {
+    ManagerConfig {
         kernel,
         rootfs,
-        run_dir: dir.path().join("run"),
-        templates_dir: dir.path().join("templates"),
+        run_dir: dir.join("run"),
+        kept_dir: dir.join("kept"),
+        templates_dir: dir.join("templates"),
         memory_backing: vmm::MemoryBacking::Private,
         profile: vmm::HostProfile::BareMetal,
         limits,
@@ -42,9 +50,14 @@ fn setup_with(limits: Limits, huge_pages: bool) -> Setup {
         huge_pages,
         host_name: None,
         prefetch: false,
-    };
-    let manager = Manager::with_backend(config, backend.clone()).expect("a manager");
-    Setup { dir, backend, manager }
+    }
+}
+
+/// A second manager on `s`'s data directory, as after a restart of the
+/// server (the first one is left as it is: a SIGKILL, unless the test
+/// shut it down).
+fn restart(s: &Setup) -> Arc<Manager> {
+    Manager::with_backend(config(s.dir.path(), limits(4), false), Arc::new(FakeBackend::default())).expect("a manager")
 }
 
 fn limits(max_sandboxes: usize) -> Limits {
@@ -261,7 +274,7 @@ async fn branch_children_record_their_parent_and_merge_takes_the_childs_vm() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_reaper_kills_sandboxes_idle_past_their_timeout() {
-    let s = setup(limits(4));
+    let s = setup(Limits { idle_action: crate::IdleAction::Kill, ..limits(4) });
     let short = SandboxSpec { idle_timeout_secs: Some(1), ..SandboxSpec::default() };
     let idle = s.manager.create(short).await.unwrap().sandbox_id;
     let kept = s.manager.create(SandboxSpec::default()).await.unwrap().sandbox_id;
@@ -277,7 +290,7 @@ async fn the_reaper_kills_sandboxes_idle_past_their_timeout() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cancelled_call_does_not_keep_its_sandbox_busy() {
-    let s = setup(limits(4));
+    let s = setup(Limits { idle_action: crate::IdleAction::Kill, ..limits(4) });
     let short = SandboxSpec { idle_timeout_secs: Some(1), ..SandboxSpec::default() };
     let id = s.manager.create(short).await.unwrap().sandbox_id;
     // The caller gives up (an MCP request cancelled): the call's future is
@@ -450,7 +463,7 @@ async fn reserved_template_names_quota_and_delete() {
 /// sandbox once it is idle.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_guest_that_stops_reading_fails_one_call_and_the_next_call_and_the_reaper_still_work() {
-    let s = setup(limits(4));
+    let s = setup(Limits { idle_action: crate::IdleAction::Kill, ..limits(4) });
     let short = SandboxSpec { idle_timeout_secs: Some(2), ..SandboxSpec::default() };
     let id = s.manager.create(short).await.unwrap().sandbox_id;
     // The guest's connection thread stops reading (the caller gives up).
@@ -662,7 +675,7 @@ async fn branch_children_are_ready_with_their_parent_and_a_merge_is_told_on_the_
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_reaper_says_reaped_not_killed() {
     use crate::{EventKind, Severity};
-    let s = setup(limits(4));
+    let s = setup(Limits { idle_action: crate::IdleAction::Kill, ..limits(4) });
     let id = s.manager.create(SandboxSpec { idle_timeout_secs: Some(1), ..SandboxSpec::default() }).await.unwrap();
     let mut rx = s.manager.subscribe_events();
     let _reaper = s.manager.spawn_reaper(Duration::from_millis(50));
@@ -787,4 +800,187 @@ async fn background_processes_are_named_by_sandbox_and_carried_into_branch_child
     // A signal out of range is refused before the guest sees it.
     let e = s.manager.process_signal(&pid, Some(65)).await.unwrap_err();
     assert!(matches!(e, SandboxError::Agent(tine_protocol::AgentError::InvalidRequest { .. })), "{e}");
+}
+
+/// The hibernations kept for sandbox `id`.
+fn kept_entries(s: &Setup, id: &str) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(s.dir.path().join("kept").join(id))
+        .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
+        .unwrap_or_default();
+    v.retain(|n| n.starts_with("hib-"));
+    v.sort();
+    v
+}
+
+/// A hibernated sandbox frees its VM and memory share, keeps its files on
+/// disk, and the next call resumes it with its files; a kill removes what
+/// it kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hibernate_frees_the_vm_and_the_next_call_resumes_it() {
+    let s = setup(limits(4));
+    let mut events = s.manager.subscribe_events();
+    let id = s.manager.create(SandboxSpec::default()).await.unwrap().sandbox_id;
+    s.manager.write_file(&id, "/state".into(), b"kept".to_vec(), None, false).await.unwrap();
+    let used = s.manager.memory_use().1;
+    let info = s.manager.hibernate(&id).await.expect("hibernate");
+    assert_eq!(info.state, SandboxState::Hibernated);
+    let (at, expires) = (info.hibernated_at_ms.unwrap(), info.expires_at_ms.unwrap());
+    assert_eq!(expires - at, 7 * 24 * 3600 * 1000, "the default retention");
+    assert_eq!(s.backend.live_vms(), 0, "the VM is freed");
+    assert!(s.manager.memory_use().1.sandboxes.1 < used.sandboxes.1, "its memory share is given back");
+    assert_eq!(kept_entries(&s, &id).len(), 1, "one hibernation: {:?}", kept_entries(&s, &id));
+    assert_eq!(s.manager.list(&BTreeMap::new())[0].state, SandboxState::Hibernated);
+    // Hibernating (or pausing) a hibernated sandbox does nothing.
+    assert_eq!(s.manager.hibernate(&id).await.unwrap().state, SandboxState::Hibernated);
+    assert_eq!(s.manager.pause(&id).await.unwrap().state, SandboxState::Hibernated);
+
+    assert_eq!(s.manager.read_file(&id, "/state".into(), 0, None).await.unwrap().data, b"kept");
+    let info = s.manager.info(&id).await.unwrap();
+    assert_eq!(info.state, SandboxState::Running);
+    assert!(info.hibernated_at_ms.is_none());
+    assert!(kept_entries(&s, &id).is_empty(), "the hibernation is removed once resumed");
+    let names: Vec<&str> =
+        [next_event(&mut events).await, next_event(&mut events).await, next_event(&mut events).await]
+            .iter()
+            .map(|e| e.kind.name())
+            .collect();
+    assert_eq!(names, ["ready", "hibernated", "woken"]);
+
+    s.manager.hibernate(&id).await.unwrap();
+    s.manager.kill(&id).await.unwrap();
+    assert!(!s.dir.path().join("kept").join(&id).exists(), "a kill removes its kept state");
+}
+
+/// A hibernation that cannot be written leaves the sandbox running with
+/// its files, and says why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_hibernation_leaves_the_sandbox_running() {
+    let s = setup(limits(4));
+    let id = s.manager.create(SandboxSpec::default()).await.unwrap().sandbox_id;
+    s.manager.write_file(&id, "/state".into(), b"kept".to_vec(), None, false).await.unwrap();
+    s.backend.fail_next_hibernations(1);
+    let e = s.manager.hibernate(&id).await.unwrap_err();
+    assert!(matches!(e, SandboxError::Hibernate { .. }), "{e}");
+    assert!(e.to_string().contains("keeps running"), "{e}");
+    assert_eq!(s.manager.info(&id).await.unwrap().state, SandboxState::Running);
+    assert!(!s.backend.is_paused(&id), "resumed after the failure");
+    assert_eq!(s.manager.read_file(&id, "/state".into(), 0, None).await.unwrap().data, b"kept");
+    assert!(kept_entries(&s, &id).is_empty(), "nothing half-written is left");
+}
+
+/// Idle means hibernate by default; `kill` keeps the old behaviour.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_reaper_hibernates_idle_sandboxes_and_deletes_expired_ones() {
+    let s = setup(Limits { hibernated_retention_secs: 2, ..limits(4) });
+    let short = SandboxSpec { idle_timeout_secs: Some(1), ..SandboxSpec::default() };
+    let id = s.manager.create(short).await.unwrap().sandbox_id;
+    s.manager.write_file(&id, "/state".into(), b"kept".to_vec(), None, false).await.unwrap();
+    let _reaper = s.manager.spawn_reaper(Duration::from_millis(50));
+    let m = s.manager.clone();
+    eventually("the idle sandbox's hibernation", || {
+        m.list(&BTreeMap::new()).first().is_some_and(|i| i.state == SandboxState::Hibernated)
+    })
+    .await;
+    assert_eq!(s.manager.read_file(&id, "/state".into(), 0, None).await.unwrap().data, b"kept");
+    // Hibernated again, then kept past its retention: deleted.
+    s.manager.hibernate(&id).await.unwrap();
+    eventually("the expired sandbox's end", || !m.contains(&id)).await;
+    let kept = s.dir.path().join("kept").join(&id);
+    eventually("its kept state to go", || !kept.exists()).await;
+}
+
+/// A hibernated parent takes a running child's VM in a merge, and a
+/// hibernated child is resumed to be merged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn merges_resume_a_hibernated_winner_and_replace_a_hibernated_parent() {
+    let s = setup(limits(4));
+    let parent = s.manager.create(SandboxSpec::default()).await.unwrap().sandbox_id;
+    s.manager.write_file(&parent, "/state".into(), b"before".to_vec(), None, false).await.unwrap();
+    let kids = s.manager.branch(&parent, 2).await.unwrap().children;
+    let (a, b) = (kids[0].sandbox_id.clone(), kids[1].sandbox_id.clone());
+    s.manager.write_file(&a, "/state".into(), b"a".to_vec(), None, false).await.unwrap();
+    s.manager.hibernate(&parent).await.unwrap();
+    s.manager.hibernate(&a).await.unwrap();
+    let merged = s.manager.merge_into(&a, &parent).await.expect("merge");
+    assert_eq!(merged.state, SandboxState::Running);
+    assert!(kept_entries(&s, &parent).is_empty(), "the parent's hibernation went with its VM");
+    assert_eq!(s.manager.read_file(&parent, "/state".into(), 0, None).await.unwrap().data, b"a");
+    // The other child, hibernated from a branch point, resumes too.
+    s.manager.hibernate(&b).await.unwrap();
+    assert_eq!(s.manager.read_file(&b, "/state".into(), 0, None).await.unwrap().data, b"before");
+}
+
+/// After a SIGKILL, a hibernated sandbox comes back hibernated with its
+/// files; one that was running is listed `failed` with the crash reason;
+/// a killed one stays gone; new ids are past the kept ones.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_after_a_crash_lists_hibernated_and_lost_sandboxes() {
+    let s = setup(limits(4));
+    let spec = SandboxSpec { idle_timeout_secs: Some(600), ..labeled("k", "v") };
+    let a = s.manager.create(spec).await.unwrap().sandbox_id;
+    let b = s.manager.create(SandboxSpec::default()).await.unwrap().sandbox_id;
+    let c = s.manager.create(SandboxSpec::default()).await.unwrap().sandbox_id;
+    s.manager.write_file(&a, "/state".into(), b"kept".to_vec(), None, false).await.unwrap();
+    s.manager.hibernate(&a).await.unwrap();
+    s.manager.kill(&c).await.unwrap();
+    let record = s.dir.path().join("kept").join(&b).join("sandbox.json");
+    eventually("the running sandbox's record", || record.exists()).await;
+
+    let m = restart(&s);
+    let listed = m.list(&BTreeMap::new());
+    let ids: Vec<&str> = listed.iter().map(|i| i.sandbox_id.as_str()).collect();
+    assert_eq!(ids, [a.as_str(), b.as_str()], "the killed one is not listed");
+    assert_eq!(listed[0].state, SandboxState::Hibernated);
+    assert_eq!(listed[0].labels, labeled("k", "v").labels);
+    assert_eq!(listed[0].idle_timeout_secs, 600);
+    assert_eq!(listed[1].state, SandboxState::Failed);
+    let reason = listed[1].error.as_deref().unwrap_or_default();
+    assert!(reason.contains("lost in a crash"), "{reason}");
+    assert_eq!(m.read_file(&a, "/state".into(), 0, None).await.unwrap().data, b"kept");
+    let d = m.create(SandboxSpec::default()).await.unwrap().sandbox_id;
+    assert_eq!(d, "sb-3", "ids start past the kept ones (sb-3 was killed, not kept)");
+    m.kill(&b).await.unwrap();
+    assert!(!record.exists(), "killing a failed kept sandbox removes its record");
+}
+
+/// A shutdown that keeps hibernates the running and paused sandboxes and
+/// the next start lists them with their labels and files; a damaged
+/// record or a newer format is listed `failed` with the reason, and the
+/// others are not affected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_keeping_hibernates_and_the_next_start_lists_them_again() {
+    let s = setup(limits(4));
+    let a = s.manager.create(labeled("who", "a")).await.unwrap().sandbox_id;
+    let b = s.manager.create(labeled("who", "b")).await.unwrap().sandbox_id;
+    s.manager.write_file(&a, "/state".into(), b"a".to_vec(), None, false).await.unwrap();
+    s.manager.write_file(&b, "/state".into(), b"b".to_vec(), None, false).await.unwrap();
+    s.manager.pause(&b).await.unwrap();
+    assert_eq!(s.manager.shutdown_keeping().await, 2);
+    assert_eq!(s.backend.live_vms(), 0);
+    assert!(s.manager.is_empty());
+    // A third record from "a newer tine", and one damaged.
+    let kept = s.dir.path().join("kept");
+    for (id, body) in [("sb-7", r#"{"format": 99, "id": "sb-7"}"#), ("sb-8", "{not json")] {
+        std::fs::create_dir_all(kept.join(id)).unwrap();
+        std::fs::write(kept.join(id).join("sandbox.json"), body).unwrap();
+    }
+
+    let m = restart(&s);
+    let listed = m.list(&BTreeMap::new());
+    let states: Vec<(&str, SandboxState)> = listed.iter().map(|i| (i.sandbox_id.as_str(), i.state)).collect();
+    assert_eq!(
+        states,
+        [
+            (a.as_str(), SandboxState::Hibernated),
+            (b.as_str(), SandboxState::Hibernated),
+            ("sb-7", SandboxState::Failed),
+            ("sb-8", SandboxState::Failed)
+        ]
+    );
+    assert!(listed[2].error.as_deref().unwrap_or_default().contains("newer tine"), "{:?}", listed[2].error);
+    assert!(listed[3].error.as_deref().unwrap_or_default().contains("damaged"), "{:?}", listed[3].error);
+    assert_eq!(m.list(&labeled("who", "b").labels)[0].sandbox_id, b);
+    assert_eq!(m.read_file(&a, "/state".into(), 0, None).await.unwrap().data, b"a");
+    assert_eq!(m.read_file(&b, "/state".into(), 0, None).await.unwrap().data, b"b");
+    assert_eq!(m.create(SandboxSpec::default()).await.unwrap().sandbox_id, "sb-9");
 }

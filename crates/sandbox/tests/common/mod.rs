@@ -51,6 +51,7 @@ async fn manager_on(dir: &Path, templates_dir: PathBuf, limits: Limits) -> Arc<M
         kernel: testkit::kernel(),
         rootfs: testkit::rootfs(),
         run_dir: dir.join("sandboxes"),
+        kept_dir: dir.join("kept"),
         templates_dir,
         memory_backing: vmm::MemoryBacking::Private,
         profile: vmm::HostProfile::detect(),

@@ -136,6 +136,13 @@ pub fn sandbox_hint(e: &SandboxError) -> Option<String> {
             "; call sandbox_resume, or just sandbox_exec, which resumes it"
         }
         SandboxError::NotRunning { .. } => ". Kill it and create a new one",
+        SandboxError::Hibernate { .. } => {
+            "; it keeps running: pause it in memory (sandbox_pause without to_disk), or ask the operator to free \
+             disk space in the server's data directory"
+        }
+        SandboxError::Wake { .. } => {
+            "; its saved state is kept for the operator; kill it (sandbox_kill) and create a new one"
+        }
         SandboxError::TemplateShape { .. } => {
             "; leave out vcpus and memory_mib, or make a template of the shape you need"
         }

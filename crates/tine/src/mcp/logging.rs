@@ -94,11 +94,21 @@ fn message(e: &SandboxEvent) -> String {
         EventKind::Ready { boot_ms, source } => format!("sandbox {id} is ready ({source}, {boot_ms} ms)"),
         EventKind::Paused => format!("sandbox {id} was paused"),
         EventKind::Resumed => format!("sandbox {id} was resumed"),
+        EventKind::Hibernated { why, bytes, ms } => {
+            format!(
+                "sandbox {id} was hibernated ({why}): {} KiB written in {ms} ms; its next call resumes it",
+                bytes >> 10
+            )
+        }
+        EventKind::Woken { ms } => format!("sandbox {id} was resumed from disk in {ms} ms"),
         EventKind::Killed => format!("sandbox {id} was killed"),
         EventKind::Reaped { idle_secs } => format!(
             "sandbox {id} was killed after {idle_secs} s without a tool call (its idle timeout; background \
              processes do not count as activity)"
         ),
+        EventKind::Expired => {
+            format!("sandbox {id} was deleted: it stayed hibernated past the server's retention without a call")
+        }
         EventKind::Merged { winner } => format!("sandbox {id} took the state of {winner} (merge)"),
         EventKind::Stopped { reason } => format!("sandbox {id} stopped: {}", headline(reason)),
         EventKind::Crashed { error, .. } => {

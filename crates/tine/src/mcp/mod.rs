@@ -57,7 +57,7 @@ use errors::ToolError;
 use logging::SessionLog;
 use params::{
     secs_to_ms, BranchParams, CodeLanguage, CreateParams, DiffParams, ExecParams, ListDirParams, ListParams,
-    MergeParams, NetworkLogParams, PythonParams, ReadParams, RunCodeParams, SandboxParams, SnapshotParams,
+    MergeParams, NetworkLogParams, PauseParams, PythonParams, ReadParams, RunCodeParams, SandboxParams, SnapshotParams,
     UpdateParams, UploadParams, WriteParams,
 };
 use params::{TemplateCreateParams, TemplateDeleteParams};
@@ -498,7 +498,9 @@ impl TineMcp {
 
     #[tool(
         description = "Pause a sandbox: its vCPUs stop and use no CPU; memory, processes, files and Python state \
-                       are kept. sandbox_exec, sandbox_run_python and the file tools resume it by themselves.",
+                       are kept. With to_disk: true it is hibernated: its state goes to disk, its memory is freed, \
+                       and it survives a server restart. sandbox_exec, sandbox_run_python and the file tools \
+                       resume it by themselves.",
         annotations(
             title = "Pause sandbox",
             read_only_hint = false,
@@ -507,9 +509,10 @@ impl TineMcp {
             open_world_hint = false
         )
     )]
-    async fn sandbox_pause(&self, Parameters(p): Parameters<SandboxParams>) -> Result<Json<SandboxInfo>, ToolError> {
+    async fn sandbox_pause(&self, Parameters(p): Parameters<PauseParams>) -> Result<Json<SandboxInfo>, ToolError> {
         let id = self.target(p.sandbox_id).await?;
-        self.manager.pause(&id).await.map(Json).map_err(ToolError::from)
+        let paused = if p.to_disk { self.manager.hibernate(&id).await } else { self.manager.pause(&id).await };
+        paused.map(Json).map_err(ToolError::from)
     }
 
     #[tool(

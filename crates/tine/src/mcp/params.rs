@@ -213,6 +213,19 @@ pub struct SandboxParams {
     pub sandbox_id: Option<String>,
 }
 
+/// `sandbox_pause`.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+pub struct PauseParams {
+    /// The sandbox (default: this session's own sandbox).
+    #[schemars(length(max = MAX_ID_CHARS))]
+    pub sandbox_id: Option<String>,
+    /// Hibernate: write the sandbox's memory and state to disk and free
+    /// its VM (state `hibernated`); it survives a server restart, and the
+    /// next call that needs it resumes it (about as long as a create).
+    #[serde(default)]
+    pub to_disk: bool,
+}
+
 /// `sandbox_list`.
 #[derive(Debug, Default, Deserialize, JsonSchema)]
 pub struct ListParams {

@@ -117,6 +117,13 @@ impl SessionSandbox {
 impl Drop for SessionSandbox {
     fn drop(&mut self) {
         if let Some(id) = self.ids.get_mut().made.take() {
+            if self.manager.is_shutting_down() {
+                // The server stops: the sandbox is hibernated and kept like
+                // the others (its session cannot come back; retention
+                // deletes it unless a client names it).
+                tracing::info!(sandbox = %id, "MCP session ended during shutdown: its sandbox is kept");
+                return;
+            }
             let manager = self.manager.clone();
             tracing::info!(sandbox = %id, "MCP session ended: killing the sandbox it made on first use");
             self.runtime.spawn(async move {

@@ -60,6 +60,7 @@ fn manager(dir: &tempfile::TempDir) -> std::sync::Arc<Manager> {
         kernel,
         rootfs,
         run_dir: dir.path().join("sandboxes"),
+        kept_dir: dir.path().join("kept"),
         templates_dir: dir.path().join("templates"),
         memory_backing: vmm::MemoryBacking::Private,
         profile: vmm::HostProfile::BareMetal,

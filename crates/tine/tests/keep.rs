@@ -1,0 +1,231 @@
+//! Sandboxes that outlive idleness, restarts and crashes (issue 31), end to
+//! end: `tine server start` as a subprocess, real guests, a real MCP
+//! client. One server on one data directory, restarted with SIGTERM and
+//! with SIGKILL:
+//!
+//! - a sandbox with a file, a Python variable, an env var, a network
+//!   policy, labels and a background web server survives a SIGTERM
+//!   restart with all of it, the web server serving again;
+//! - idle means hibernated, and the next exec resumes it;
+//! - a branch child and its parent hibernated over a restart still diff
+//!   and merge;
+//! - the template of a hibernated sandbox can be deleted: the sandbox
+//!   keeps what it needs and resumes after a restart;
+//! - a hibernation on a full disk leaves the sandbox running with a clear
+//!   error; a damaged hibernation gives that sandbox `failed` with the
+//!   reason while the others resume;
+//! - after SIGKILL a hibernated sandbox comes back and a running one is
+//!   listed `failed`, lost in a crash.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use rmcp::{Peer, RoleClient};
+use serde_json::{json, Value};
+use testkit::mcp::{call, Stop, TineServer};
+
+/// Network on (for a policy to keep); the reaper hibernates after the
+/// idle timeout a sandbox is created with.
+const CONFIG: &str = "[limits]\nboot_timeout_secs = 1200\nmax_sandboxes = 12\n";
+
+/// A GET of the guest's own web server on port 8000 through bash's
+/// `/dev/tcp`: its status line.
+const GET: &str = "exec 3<>/dev/tcp/127.0.0.1/8000 && printf 'GET / HTTP/1.0\\r\\n\\r\\n' >&3 && head -n 1 <&3";
+
+async fn exec(client: &Peer<RoleClient>, id: &str, command: &str) -> Result<String, String> {
+    let r = call(client, "sandbox_exec", json!({"sandbox_id": id, "command": command})).await?;
+    Ok(r["stdout"].as_str().unwrap_or_default().to_string())
+}
+
+async fn info(client: &Peer<RoleClient>, id: &str) -> Value {
+    call(client, "sandbox_info", json!({"sandbox_id": id})).await.unwrap()
+}
+
+async fn state(client: &Peer<RoleClient>, id: &str) -> String {
+    info(client, id).await["state"].as_str().unwrap_or_default().to_string()
+}
+
+async fn create(client: &Peer<RoleClient>, args: Value) -> String {
+    let r = call(client, "sandbox_create", args).await.expect("create");
+    r["sandbox_id"].as_str().unwrap().to_string()
+}
+
+async fn hibernate(client: &Peer<RoleClient>, id: &str) -> Value {
+    let r = call(client, "sandbox_pause", json!({"sandbox_id": id, "to_disk": true})).await.expect("hibernate");
+    assert_eq!(r["state"], "hibernated", "{r}");
+    r
+}
+
+/// The one hibernation directory kept for `id`.
+fn hibernation_dir(server: &TineServer, id: &str) -> std::path::PathBuf {
+    let dir = server.data_dir.join("kept").join(id);
+    let found: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with("hib-"))
+        .map(|e| e.path())
+        .collect();
+    assert_eq!(found.len(), 1, "one hibernation in {}: {found:?}", dir.display());
+    found[0].clone()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sandboxes_outlive_idleness_restarts_and_crashes() {
+    if !testkit::kvm_available("sandboxes_outlive_idleness_restarts_and_crashes") {
+        return;
+    }
+    let t0 = Instant::now();
+    let mut server = TineServer::start_with_default_template(Path::new(env!("CARGO_BIN_EXE_tine")), None, CONFIG);
+    let client = server.client().await;
+
+    // A: everything an agent leaves in a sandbox.
+    let a = create(
+        &client,
+        json!({"labels": {"job": "keep"}, "env": {"FOO": "bar"},
+               "network": {"egress": "deny", "allow": ["example.com"]}}),
+    )
+    .await;
+    exec(&client, &a, "mkdir -p /root/work && echo hello > /root/work/f.txt").await.unwrap();
+    let r = call(&client, "sandbox_run_python", json!({"sandbox_id": a, "code": "x = 41"})).await.unwrap();
+    assert!(r.get("exception").is_none_or(Value::is_null), "{r}");
+    let web = call(
+        &client,
+        "sandbox_exec",
+        json!({"sandbox_id": a, "command": "cd /tmp && exec python3 -m http.server 8000", "background": true}),
+    )
+    .await
+    .unwrap();
+    let web_id = web["process_id"].as_str().unwrap().to_string();
+    let w = call(
+        &client,
+        "sandbox_process_wait",
+        json!({"process_id": web_id, "until_text": "Serving HTTP", "timeout_secs": 300}),
+    )
+    .await
+    .unwrap();
+    assert_eq!(w["outcome"], "matched", "{w}");
+    let policy = info(&client, &a).await["network"].clone();
+    eprintln!("A ready with a web server at {:.0} s", t0.elapsed().as_secs_f64());
+
+    // B, a template of it, E from that template; C a branch child of B.
+    let b = create(&client, json!({})).await;
+    exec(&client, &b, "mkdir -p /root/work && echo parent > /root/work/p.txt").await.unwrap();
+    call(&client, "sandbox_snapshot", json!({"sandbox_id": b, "name": "keep-t"})).await.expect("snapshot");
+    let e = create(&client, json!({"template": "keep-t"})).await;
+    exec(&client, &e, "echo from-template > /root/work/e.txt").await.unwrap();
+    let kids = call(&client, "sandbox_branch", json!({"sandbox_id": b, "n": 1})).await.expect("branch");
+    let c = kids["children"][0]["sandbox_id"].as_str().unwrap().to_string();
+    exec(&client, &c, "echo child > /root/work/c.txt").await.unwrap();
+    eprintln!("B, C, E ready at {:.0} s", t0.elapsed().as_secs_f64());
+
+    // Idle means hibernated; the next exec resumes it.
+    let d = create(&client, json!({"idle_timeout_secs": 2})).await;
+    exec(&client, &d, "echo idle > /root/d.txt").await.unwrap();
+    let since = Instant::now();
+    while state(&client, &d).await != "hibernated" {
+        assert!(
+            since.elapsed() < Duration::from_secs(120),
+            "D was not hibernated when idle: {}",
+            info(&client, &d).await
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let i = info(&client, &d).await;
+    assert!(i["expires_at_ms"].as_u64() > i["hibernated_at_ms"].as_u64(), "{i}");
+    assert_eq!(exec(&client, &d, "cat /root/d.txt").await.unwrap(), "idle\n");
+    assert_eq!(state(&client, &d).await, "running");
+
+    // A full disk under one sandbox's kept state: the hibernation fails,
+    // says why, and the sandbox keeps running. (Needs root for the mount.)
+    let kept_d = server.data_dir.join("kept").join(&d);
+    let mounted = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=64k", "tmpfs"])
+        .arg(&kept_d)
+        .status()
+        .is_ok_and(|s| s.success());
+    if mounted {
+        let err = call(&client, "sandbox_pause", json!({"sandbox_id": d, "to_disk": true})).await.unwrap_err();
+        let _ = std::process::Command::new("umount").arg(&kept_d).status();
+        assert!(err.contains("No space left on device") && err.contains("keeps running"), "{err}");
+        assert_eq!(state(&client, &d).await, "running");
+        assert_eq!(exec(&client, &d, "cat /root/d.txt").await.unwrap(), "idle\n");
+    } else {
+        eprintln!("SKIPPED the full-disk hibernation: cannot mount a tmpfs (not root?)");
+    }
+
+    // Parent and child hibernated, and E; its template deleted under it.
+    for id in [&b, &c, &e] {
+        hibernate(&client, id).await;
+    }
+    call(&client, "template_delete", json!({"name": "keep-t"})).await.expect("a template in use can be deleted");
+
+    // SIGTERM: the running ones (A, D) are hibernated, all are kept.
+    drop(client);
+    let (status, took) = server.restart(Stop::Term);
+    eprintln!("SIGTERM restart: exit {status}, stopped in {took:?}");
+    assert!(status.success(), "{status}");
+    let client = server.client().await;
+    let listed = call(&client, "sandbox_list", json!({})).await.unwrap();
+    let states: Vec<(String, String)> = listed["sandboxes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| (s["sandbox_id"].as_str().unwrap().to_string(), s["state"].as_str().unwrap().to_string()))
+        .collect();
+    for id in [&a, &b, &c, &d, &e] {
+        assert!(states.contains(&(id.clone(), "hibernated".into())), "{id} kept hibernated: {listed}");
+    }
+    let i = info(&client, &a).await;
+    assert_eq!(i["labels"], json!({"job": "keep"}), "{i}");
+    assert_eq!(i["network"], policy, "{i}");
+    assert!(i.get("lineage").is_none(), "no lineage: {i}");
+    assert_eq!(info(&client, &c).await["lineage"]["parent"], b.as_str());
+
+    let t = Instant::now();
+    assert_eq!(exec(&client, &a, "cat /root/work/f.txt; echo $FOO").await.unwrap(), "hello\nbar\n");
+    eprintln!("A resumed from disk to its first answer in {:?}", t.elapsed());
+    let r = call(&client, "sandbox_run_python", json!({"sandbox_id": a, "code": "x + 1"})).await.unwrap();
+    assert_eq!(r["result"], "42", "{r}");
+    let got = exec(&client, &a, GET).await.unwrap();
+    assert!(got.starts_with("HTTP/1.0 200"), "the web server serves again: {got}");
+    assert_eq!(exec(&client, &e, "cat /root/work/e.txt").await.unwrap(), "from-template\n");
+
+    // The branch pair diffs and merges after the restart.
+    let diff = call(&client, "sandbox_diff", json!({"a": b, "b": c})).await.expect("diff");
+    let added: Vec<&str> = diff["added"].as_array().unwrap().iter().map(|x| x["path"].as_str().unwrap()).collect();
+    assert_eq!(added, ["/root/work/c.txt"], "{diff}");
+    call(&client, "sandbox_merge_into", json!({"winner": c, "parent": b})).await.expect("merge");
+    assert_eq!(exec(&client, &b, "cat /root/work/c.txt").await.unwrap(), "child\n");
+
+    // A damaged hibernation: that sandbox fails with the reason, the
+    // others go on.
+    hibernate(&client, &d).await;
+    let pages = hibernation_dir(&server, &d).join("pages");
+    let mut bytes = std::fs::read(&pages).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0xff;
+    std::fs::write(&pages, bytes).unwrap();
+    let err = exec(&client, &d, "true").await.unwrap_err();
+    assert!(err.contains("could not be resumed") && err.contains("CRC32"), "{err}");
+    let i = info(&client, &d).await;
+    assert_eq!(i["state"], "failed", "{i}");
+    assert_eq!(exec(&client, &e, "echo ok").await.unwrap(), "ok\n");
+
+    // SIGKILL: hibernated A comes back; B, running, is lost and says so.
+    hibernate(&client, &a).await;
+    drop(client);
+    let (_, _) = server.restart(Stop::Kill);
+    let client = server.client().await;
+    assert_eq!(state(&client, &a).await, "hibernated");
+    let i = info(&client, &b).await;
+    assert_eq!(i["state"], "failed", "{i}");
+    assert!(i["error"].as_str().unwrap_or_default().contains("lost in a crash"), "{i}");
+    assert_eq!(exec(&client, &a, "cat /root/work/f.txt").await.unwrap(), "hello\n");
+    let fresh = create(&client, json!({})).await;
+    for id in [&a, &b, &d, &e] {
+        assert_ne!(&fresh, id, "a new sandbox does not take a kept id");
+    }
+    let i = info(&client, &d).await;
+    assert_eq!(i["state"], "failed", "the damaged one is kept, failed, for the operator: {i}");
+    eprintln!("done in {:.0} s", t0.elapsed().as_secs_f64());
+}
