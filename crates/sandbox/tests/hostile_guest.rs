@@ -71,7 +71,8 @@ async fn a_guest_that_stops_reading_vsock_fails_the_stalled_calls_and_is_still_s
     let _serial = SERIAL.lock().await;
     testkit::logging();
     let dir = tempfile::tempdir().unwrap();
-    let m = manager_with_default_template(dir.path(), Limits::default()).await;
+    let limits = Limits { idle_action: tine_sandbox::IdleAction::Kill, ..Limits::default() };
+    let m = manager_with_default_template(dir.path(), limits).await;
     let run_dir = dir.path().join("sandboxes");
     let idle_secs = 5;
     let id = m.create(SandboxSpec { idle_timeout_secs: Some(idle_secs), ..SandboxSpec::default() }).await.unwrap();
