@@ -12,30 +12,11 @@
 //! (default `1,10,50`) the fleet sizes; `RESTORE_IDLE_SECS` (default 10)
 //! how long the fleet idles before memory is read.
 
-use std::path::Path;
 use std::time::{Duration, Instant};
 
-use tine_agent_client::{AgentClient, AGENT_PORT};
-use tine_benches::{median, mib, process_pss, record};
-use tine_protocol::Op;
+use tine_agent_client::AgentClient;
+use tine_benches::{agent_ready, env_or, median, mib, process_pss, record};
 use vmm::{MemoryBacking, RunningVm, Snapshot};
-
-fn env_or<T: std::str::FromStr>(var: &str, default: T) -> T {
-    std::env::var(var).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
-}
-
-async fn ready(uds: &Path, within: Duration) -> AgentClient {
-    let deadline = Instant::now() + within;
-    loop {
-        if let Ok(a) = AgentClient::connect(uds, AGENT_PORT).await {
-            if a.call(Op::Ping, Duration::from_secs(30)).await.is_ok() {
-                return a;
-            }
-        }
-        assert!(Instant::now() < deadline, "agent at {} not ready within {within:?}", uds.display());
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
@@ -55,7 +36,7 @@ async fn main() {
     let uds = dir.path().join("src.vsock");
     let src = vmm::build_for_boot(&testkit::agent_vm_config("bench-src", &uds)).expect("boot");
     let t = Instant::now();
-    let agent = ready(&uds, Duration::from_secs(900)).await;
+    let agent = agent_ready(&uds, Duration::from_secs(900)).await;
     eprintln!("source booted, agent ready after {:.1} s", t.elapsed().as_secs_f64());
     agent.python("import os, sys", 0).await.expect("python");
     drop(agent);
@@ -90,7 +71,7 @@ async fn main() {
             let t = Instant::now();
             let vm = vmm::build_from_snapshot(&config, &snapshot, backing).expect("restore");
             restore.push(t.elapsed());
-            let a = ready(&uds, Duration::from_secs(300)).await;
+            let a = agent_ready(&uds, Duration::from_secs(300)).await;
             answer.push(t.elapsed());
             drop(a);
             drop(vm);
@@ -122,7 +103,7 @@ async fn main() {
                 let (name, uds) = next("m");
                 let vm = vmm::build_from_snapshot(&testkit::agent_vm_config(&name, &uds), &snapshot, backing)
                     .expect("restore");
-                let a = ready(&uds, Duration::from_secs(600)).await;
+                let a = agent_ready(&uds, Duration::from_secs(600)).await;
                 vms.push((vm, a));
             }
             let all_ready = t.elapsed();

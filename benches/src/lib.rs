@@ -178,3 +178,24 @@ pub fn quantile(samples: &[Duration], q: f64) -> Duration {
     let rank = ((q * s.len() as f64).ceil() as usize).clamp(1, s.len());
     s[rank - 1]
 }
+
+/// The value of environment variable `var` parsed as `T`, else `default`.
+pub fn env_or<T: std::str::FromStr>(var: &str, default: T) -> T {
+    std::env::var(var).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+/// Connects to the agent behind the hybrid-vsock socket `uds`, retrying
+/// every 50 ms until it answers a ping; panics after `within`.
+pub async fn agent_ready(uds: &Path, within: Duration) -> tine_agent_client::AgentClient {
+    use tine_agent_client::{AgentClient, AGENT_PORT};
+    let deadline = std::time::Instant::now() + within;
+    loop {
+        if let Ok(a) = AgentClient::connect(uds, AGENT_PORT).await {
+            if a.call(tine_protocol::Op::Ping, Duration::from_secs(30)).await.is_ok() {
+                return a;
+            }
+        }
+        assert!(std::time::Instant::now() < deadline, "agent at {} not ready within {within:?}", uds.display());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
