@@ -54,7 +54,7 @@ pub enum EventKind {
     Resumed,
     /// Its state went to disk and its VM was freed.
     Hibernated {
-        /// Why: `request`, `idle` or `shutdown`.
+        /// Why: `request`, `idle`, `shutdown` or `memory`.
         why: String,
         /// The hibernation's page file (bytes).
         bytes: u64,

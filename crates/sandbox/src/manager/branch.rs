@@ -110,7 +110,7 @@ impl Manager {
         let mib = source.memory_mib;
         let mut parts = vec![(MemoryUse::Sandbox, mib); n];
         parts.push((MemoryUse::BranchPoint, mib));
-        let mut memory = self.admit("branch", &parts)?;
+        let mut memory = self.admit_or_hibernate("branch", &parts).await?;
         let mut point_memory = memory.pop();
         let children = self.reserve_children(&source, n, cx.owner.or(source.owner()))?;
         for (child, r) in children.iter().zip(memory) {

@@ -258,7 +258,7 @@ impl Manager {
         };
         let from = template.as_ref().map_or_else(|| "boot".to_string(), |t| format!("template:{t}"));
         // Admission: its memory is reserved before anything starts.
-        let memory = self.admit("create", &[(MemoryUse::Sandbox, memory_mib)])?.pop();
+        let memory = self.admit_or_hibernate("create", &[(MemoryUse::Sandbox, memory_mib)]).await?.pop();
         let mut labels = Some(spec.labels);
         let sandbox = self
             .reserve(1, |id, dir| {

@@ -984,3 +984,30 @@ async fn shutdown_keeping_hibernates_and_the_next_start_lists_them_again() {
     assert_eq!(m.read_file(&b, "/state".into(), 0, None).await.unwrap().data, b"b");
     assert_eq!(m.create(SandboxSpec::default()).await.unwrap().sandbox_id, "sb-9");
 }
+
+/// Past the memory budget, a create (or a resume) hibernates the least
+/// recently used idle sandbox instead of failing; one in use is left
+/// alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_pressure_hibernates_the_least_recently_used_idle_sandbox() {
+    let s = setup(Limits { memory_budget_mib: 1024, ..limits(4) });
+    let a = s.manager.create(SandboxSpec::default()).await.unwrap().sandbox_id;
+    let b = s.manager.create(SandboxSpec::default()).await.unwrap().sandbox_id;
+    s.manager.write_file(&a, "/state".into(), b"a".to_vec(), None, false).await.unwrap();
+    // Nobody idle long enough: refused as before.
+    let e = s.manager.create(SandboxSpec::default()).await.unwrap_err();
+    assert!(matches!(e, SandboxError::OverBudget(_)), "{e}");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    s.manager.write_file(&b, "/state".into(), b"b".to_vec(), None, false).await.unwrap();
+    let c = s.manager.create(SandboxSpec::default()).await.expect("a create past the budget hibernates A");
+    let state = |id: &str| s.manager.list(&BTreeMap::new()).into_iter().find(|i| i.sandbox_id == id).unwrap().state;
+    assert_eq!(state(&a), SandboxState::Hibernated);
+    assert_eq!(state(&b), SandboxState::Running);
+    assert_eq!(c.state, SandboxState::Running);
+    // A's next call resumes it, hibernating the least recently used of
+    // the others (B, used before C was made).
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(s.manager.read_file(&a, "/state".into(), 0, None).await.unwrap().data, b"a");
+    assert_eq!(state(&b), SandboxState::Hibernated);
+    assert_eq!(state(&c.sandbox_id), SandboxState::Running);
+}

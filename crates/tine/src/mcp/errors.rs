@@ -155,7 +155,8 @@ pub fn sandbox_hint(e: &SandboxError) -> Option<String> {
              (203.0.113.0/24)"
         }
         SandboxError::OverBudget(_) => {
-            "; kill sandboxes you no longer need (sandbox_kill), ask for less memory_mib, or try again later"
+            "; kill sandboxes you no longer need (sandbox_kill) or hibernate them (sandbox_pause with to_disk: true), \
+             ask for less memory_mib, or try again later"
         }
         SandboxError::BadProcessId(_) | SandboxError::NoSuchProcess { .. } => {
             "; process ids look like sb-3:p7, see sandbox_process_list"
@@ -258,8 +259,8 @@ mod tests {
                     needed_mib: 512,
                 }),
                 "memory budget 1024 MiB: 2 sandboxes use 1024 MiB, 0 templates 0 MiB, 0 branch points 0 MiB; this \
-                 create needs 512 MiB; kill sandboxes you no longer need (sandbox_kill), ask for less memory_mib, or \
-                 try again later",
+                 create needs 512 MiB; kill sandboxes you no longer need (sandbox_kill) or hibernate them \
+                 (sandbox_pause with to_disk: true), ask for less memory_mib, or try again later",
             ),
             (
                 SandboxError::Gone { id: "sb-2".into(), reason: "merged into sb-1".into() },
