@@ -291,7 +291,11 @@ impl Manager {
         // What the hibernation is written against must outlive this process:
         // a template's files are pinned (once per template generation); a
         // branch point lives in this process only, so a child is written whole.
-        let (base, pin) = match lock(&sb.base).clone() {
+        // The pin is made and given to the sandbox under `records`, so a
+        // concurrent kill's removal of unused pins cannot take it.
+        let current = lock(&sb.base).clone();
+        let records = lock(&self.records);
+        let (base, pin) = match current {
             Base::Template(t) => match self.pin_template(&t) {
                 Ok(pin) => (Base::Template(t), Some(pin)),
                 Err(e) => {
@@ -305,6 +309,10 @@ impl Manager {
             }
             Base::Branch(_) | Base::None => (Base::None, None),
         };
+        if pin.is_some() {
+            *lock(&sb.pin) = pin.clone();
+        }
+        drop(records);
         let at_ms = unix_ms();
         let hibernated = Hibernated { dir: dir.clone(), at_ms, expires_at_ms: at_ms.saturating_add(retention_ms) };
         let (was_paused, written) = {
@@ -353,7 +361,6 @@ impl Manager {
             let _ = self.write_record(sb, None, None);
             return Err(SandboxError::BadState { id: sb.id.clone(), state: sb.state(), what: "hibernation" });
         }
-        *lock(&sb.pin) = pin;
         let previous = lock(&sb.hibernation).replace(hibernated).map(|h| h.dir);
         sb.stop_vm();
         // The agent's socket goes with the VM; the console log stays.

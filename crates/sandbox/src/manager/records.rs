@@ -250,15 +250,22 @@ impl Manager {
     pub(super) fn remove_record(&self, id: &str) {
         let _records = lock(&self.records);
         remove_dir(&kept_dir_of(&self.config.kept_dir, id));
+        self.remove_unused_pins(false);
+    }
+
+    /// Removes the pinned bases no sandbox of the map names (its `pin`),
+    /// and, with `with_tmp`, pins left half-made (at start, when none is
+    /// being made). The caller holds `records`, under which pins are made
+    /// and given to their sandbox.
+    fn remove_unused_pins(&self, with_tmp: bool) {
         let used: std::collections::BTreeSet<String> =
             lock(&self.sandboxes).values().filter_map(|s| lock(&s.pin).clone()).collect();
-        if let Ok(entries) = std::fs::read_dir(self.config.kept_dir.join(BASES_DIR)) {
-            for e in entries.flatten() {
-                let name = e.file_name().to_string_lossy().into_owned();
-                if !used.contains(&name) && !name.ends_with(".tmp") {
-                    tracing::info!("removing the pinned base {name}: no kept sandbox needs it");
-                    remove_dir(&e.path());
-                }
+        let Ok(entries) = std::fs::read_dir(self.config.kept_dir.join(BASES_DIR)) else { return };
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if !used.contains(&name) && (with_tmp || !name.ends_with(".tmp")) {
+                tracing::info!("removing the pinned base {name}: no kept sandbox needs it");
+                remove_dir(&e.path());
             }
         }
     }
@@ -272,19 +279,14 @@ impl Manager {
     pub(super) fn recover(&self) {
         let kept = &self.config.kept_dir;
         let found = read_all(kept);
+        let _records = lock(&self.records);
         let mut map = lock(&self.sandboxes);
-        let mut pins = std::collections::BTreeSet::new();
         for f in found {
             if let Some(n) = id_number(&f.id) {
                 self.next_id.fetch_max(n + 1, std::sync::atomic::Ordering::Relaxed);
             }
             let sb = match f.record {
-                Ok(r) => {
-                    if let Some(p) = r.hibernation.as_ref().and_then(|h| h.base.clone()) {
-                        pins.insert(p);
-                    }
-                    self.restored(r, f.mtime_ms)
-                }
+                Ok(r) => self.restored(r, f.mtime_ms),
                 Err(reason) => {
                     let setup = SandboxSetup {
                         labels: BTreeMap::new(),
@@ -302,15 +304,7 @@ impl Manager {
             map.insert(f.id, Arc::new(sb));
         }
         drop(map);
-        if let Ok(entries) = std::fs::read_dir(kept.join(BASES_DIR)) {
-            for e in entries.flatten() {
-                let name = e.file_name().to_string_lossy().into_owned();
-                if !pins.contains(&name) {
-                    tracing::info!("removing the pinned base {name}: no kept sandbox needs it");
-                    remove_dir(&e.path());
-                }
-            }
-        }
+        self.remove_unused_pins(true);
     }
 
     /// The sandbox of record `r` (its file written at `mtime_ms`).
@@ -330,15 +324,15 @@ impl Manager {
             children: r.children.clone(),
             ..Lineage::default()
         };
-        match r.network.as_ref().map(|p| self.net_control(Some(p))) {
-            Some(Ok(c)) => *lock(&sb.net) = c,
-            Some(Err(e)) => tracing::warn!(sandbox = %r.id, "its network policy no longer applies ({e}); the \
-                server's default is used"),
-            None => {}
-        }
-        if r.network.is_none() {
-            *lock(&sb.net) = self.net_control(None).ok().flatten();
-        }
+        *lock(&sb.net) = match r.network.as_ref().map(|p| self.net_control(Some(p))) {
+            Some(Ok(c)) => c,
+            Some(Err(e)) => {
+                tracing::warn!(sandbox = %r.id, "its network policy no longer applies ({e}); the server's default \
+                    is used");
+                self.net_control(None).ok().flatten()
+            }
+            None => self.net_control(None).ok().flatten(),
+        };
         let at = || {
             let secs = mtime_ms / 1000;
             format!("{secs} s after the Unix epoch")

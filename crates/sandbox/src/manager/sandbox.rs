@@ -14,7 +14,8 @@
 //!    the blocking operations take it on the blocking pool
 //!    (`blocking_lock`), a kill awaits it, so no tokio worker waits for a
 //!    snapshot's copy,
-//! 2. the manager's map of sandboxes,
+//! 2. the manager's `records` (a record written or a pin made), then its
+//!    map of sandboxes,
 //! 3. `status` (state, error, boot time, agent),
 //! 4. `vm` (the VM handle and its monitor thread),
 //! 5. `lineage`, then `dir`, then `memory`.
