@@ -54,6 +54,16 @@ pub struct Limits {
     /// listed `failed` after the restart. `deploy/`'s `TimeoutStopSec`
     /// (systemd) and `terminationGracePeriodSeconds` (Kubernetes) allow it.
     pub shutdown_hibernate_secs: u64,
+    /// The host memory watermark (MiB): when the host's `MemAvailable`
+    /// (`/proc/meminfo`, proc(5)) is below it, the least recently used idle
+    /// sandboxes are hibernated until it is not, and a create, branch or
+    /// resume that still finds the host below it fails at once. 0: derived
+    /// ([`derived_min_available_mib`]).
+    pub min_available_mib: u64,
+    /// A sandbox must have had no call for this long (s) before memory
+    /// pressure (the budget or the watermark) hibernates it: an agent
+    /// between two of its calls is not idle.
+    pub pressure_min_idle_secs: u64,
 }
 
 /// What happens to an idle sandbox ([`Limits::idle_action`]).
@@ -90,12 +100,28 @@ pub fn derived_memory_budget_mib(mem_total_mib: u64) -> u64 {
     mem_total_mib.saturating_sub(reserve) * MEMORY_OVERCOMMIT.0 / MEMORY_OVERCOMMIT.1
 }
 
-/// The host's `MemTotal` (MiB) from `/proc/meminfo` (proc(5)).
-fn host_mem_total_mib() -> Option<u64> {
+/// Host memory (MiB) the watermark keeps available at least.
+pub const MIN_AVAILABLE_FLOOR_MIB: u64 = 256;
+
+/// The default host memory watermark for a host of `mem_total_mib` MiB:
+/// 1/20 of its memory, at least [`MIN_AVAILABLE_FLOOR_MIB`] (24 GiB host:
+/// 1228 MiB), well above the kernel's own reclaim watermarks, so that
+/// hibernating idle sandboxes frees memory before the OOM killer would.
+pub fn derived_min_available_mib(mem_total_mib: u64) -> u64 {
+    (mem_total_mib / 20).max(MIN_AVAILABLE_FLOOR_MIB)
+}
+
+/// A field of `/proc/meminfo` (proc(5)) in MiB, such as `MemTotal` or
+/// `MemAvailable`; `None` where the file or the field cannot be read.
+pub fn host_meminfo_mib(field: &str) -> Option<u64> {
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let line = text.lines().find(|l| l.split(':').next() == Some(field))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kib / 1024)
+}
+
+fn host_mem_total_mib() -> Option<u64> {
+    host_meminfo_mib("MemTotal")
 }
 
 /// Guest memory below this (MiB) cannot run the agent and Python.
@@ -124,6 +150,8 @@ impl Default for Limits {
             idle_action: IdleAction::Hibernate,
             hibernated_retention_secs: 7 * 24 * 60 * 60,
             shutdown_hibernate_secs: 60,
+            min_available_mib: 0,
+            pressure_min_idle_secs: 30,
         }
     }
 }
@@ -221,6 +249,21 @@ impl Limits {
             0 => host_mem_total_mib().map(derived_memory_budget_mib).unwrap_or(u64::MAX),
             n => n,
         }
+    }
+
+    /// The host memory watermark (MiB): `min_available_mib`, or when it is
+    /// 0 the [`derived_min_available_mib`] of the host's `MemTotal` (a host
+    /// whose `/proc/meminfo` cannot be read gets none: 0).
+    pub fn min_available_mib(&self) -> u64 {
+        match self.min_available_mib {
+            0 => host_mem_total_mib().map(derived_min_available_mib).unwrap_or(0),
+            n => n,
+        }
+    }
+
+    /// [`Limits::pressure_min_idle_secs`] as a duration.
+    pub fn pressure_min_idle(&self) -> Duration {
+        Duration::from_secs(self.pressure_min_idle_secs)
     }
 
     /// Boots allowed at once: `max_concurrent_boots`, or the host's CPU

@@ -38,8 +38,11 @@ pub enum HibernateWhy {
     Idle,
     /// The server is stopping.
     Shutdown,
-    /// A create, branch or resume needed its memory.
+    /// A create, branch or resume needed its share of the memory budget.
     Memory,
+    /// The host's available memory fell below the watermark
+    /// ([`crate::Limits::min_available_mib`]).
+    Watermark,
 }
 
 impl HibernateWhy {
@@ -49,14 +52,10 @@ impl HibernateWhy {
             HibernateWhy::Idle => "idle",
             HibernateWhy::Shutdown => "shutdown",
             HibernateWhy::Memory => "memory",
+            HibernateWhy::Watermark => "watermark",
         }
     }
 }
-
-/// Idle this long at least before memory pressure hibernates a sandbox: an
-/// agent between two of its calls is not idle.
-const PRESSURE_MIN_IDLE: std::time::Duration =
-    if cfg!(test) { std::time::Duration::from_millis(200) } else { std::time::Duration::from_secs(30) };
 
 /// Numbers the hibernations of this process, so a new one never reuses a
 /// directory name.
@@ -216,47 +215,6 @@ impl Manager {
             remove_dir(&tmp);
         }
         pinned.map(|()| key)
-    }
-
-    /// Reserves `parts` of the memory budget as [`Manager::admit`] does;
-    /// when the budget still refuses, hibernates the least recently used
-    /// idle sandbox (running or paused, no call in flight, no operation on
-    /// it, idle for 30 s at least, not a recipe's builder) and tries again,
-    /// until the reservation fits or no sandbox is left to hibernate.
-    ///
-    /// Errors: [`SandboxError::OverBudget`] (nothing left to hibernate, or
-    /// a hibernation failed: logged).
-    pub(super) async fn admit_or_hibernate(
-        &self,
-        what: &'static str,
-        parts: &[(MemoryUse, u64)],
-    ) -> Result<Vec<crate::memory::Reservation>, SandboxError> {
-        loop {
-            let over = match self.admit(what, parts) {
-                Err(SandboxError::OverBudget(over)) => over,
-                r => return r,
-            };
-            let Some(victim) = self.least_recently_used_idle() else { return Err(SandboxError::OverBudget(over)) };
-            tracing::info!(sandbox = %victim.id, idle_secs = victim.idle().as_secs(),
-                "{what} needs memory: hibernating the least recently used idle sandbox");
-            if let Err(e) = self.hibernate_sandbox(&victim, HibernateWhy::Memory).await {
-                tracing::warn!(sandbox = %victim.id, "hibernation for memory failed: {e}");
-                return Err(SandboxError::OverBudget(over));
-            }
-        }
-    }
-
-    /// The running or paused sandbox unused for longest, if one has been
-    /// idle [`PRESSURE_MIN_IDLE`] with nothing in flight.
-    fn least_recently_used_idle(&self) -> Option<Arc<Sandbox>> {
-        lock(&self.sandboxes)
-            .values()
-            .filter(|s| matches!(s.state(), SandboxState::Running | SandboxState::Paused))
-            .filter(|s| s.busy.load(Ordering::SeqCst) == 0 && s.idle() >= PRESSURE_MIN_IDLE)
-            .filter(|s| !s.labels().contains_key(super::recipes::BUILD_LABEL))
-            .filter(|s| s.control.try_lock().is_ok())
-            .max_by_key(|s| s.idle())
-            .cloned()
     }
 
     /// Restores `sb` if it is hibernated: the first step of every call that

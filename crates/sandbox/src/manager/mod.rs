@@ -3,8 +3,10 @@
 //!
 //! The rest is split by concern, one `impl Manager` per file:
 //! [`lifecycle`] (create, kill, the default template), [`control`] (pause,
-//! resume, snapshot), [`hibernate`] (to disk and back), [`calls`] (agent calls), [`processes`] (background
-//! processes), [`branch`] (branch and merge), [`diff`] (file-system diffs). A sandbox and its state machine
+//! resume, snapshot), [`hibernate`] (to disk and back), [`pressure`] (what
+//! frees memory: the budget and the host's watermark), [`calls`] (agent
+//! calls), [`processes`] (background processes), [`branch`] (branch and
+//! merge), [`diff`] (file-system diffs). A sandbox and its state machine
 //! are in [`sandbox`], the VM seam in [`backend`] (real: [`kvm`]), the
 //! errors in [`error`].
 
@@ -35,6 +37,7 @@ mod lifecycle;
 mod network;
 mod pool;
 mod prefetch;
+mod pressure;
 mod processes;
 mod recipes;
 mod records;
@@ -118,6 +121,8 @@ pub struct Manager {
     /// Guest memory of running sandboxes, branch points and loaded
     /// templates ([`Limits::memory_budget_mib`]).
     memory: Arc<MemoryBudget>,
+    /// The watermark on the host's available memory ([`pressure`]).
+    watermark: pressure::Watermark,
     /// The default template's build: whether it runs, what it does.
     default_build: lifecycle::DefaultBuild,
     /// What happens to sandboxes ([`Manager::subscribe_events`]).
@@ -166,6 +171,16 @@ impl Manager {
 
     /// As [`Manager::new`], with VMs from `backend`.
     fn with_backend(config: ManagerConfig, backend: Arc<dyn VmBackend>) -> Result<Arc<Self>, SandboxError> {
+        Self::with_probe(config, backend, pressure::Watermark::host_probe())
+    }
+
+    /// As [`Manager::with_backend`], reading the host's available memory
+    /// from `probe`.
+    fn with_probe(
+        config: ManagerConfig,
+        backend: Arc<dyn VmBackend>,
+        probe: pressure::Probe,
+    ) -> Result<Arc<Self>, SandboxError> {
         config.limits.validate()?;
         for (what, p) in [("guest kernel", &config.kernel), ("root filesystem image", &config.rootfs)] {
             std::fs::metadata(p)
@@ -180,7 +195,11 @@ impl Manager {
             remove_dir(&e.path());
         }
         let memory = MemoryBudget::new(config.limits.memory_budget_mib());
-        tracing::info!("guest memory budget: {} MiB", memory.budget_mib());
+        tracing::info!(
+            "guest memory budget: {} MiB; host memory watermark: {} MiB available",
+            memory.budget_mib(),
+            config.limits.min_available_mib()
+        );
         let templates = TemplateStore::new(config.templates_dir.clone(), config.kernel.clone(), config.rootfs.clone())?
             .with_budget(memory.clone())
             .with_guest_setup(format!(
@@ -193,6 +212,7 @@ impl Manager {
             records: Mutex::new(()),
             templates,
             memory,
+            watermark: pressure::Watermark::new(config.limits.min_available_mib(), probe),
             backend,
             default_build: lifecycle::DefaultBuild::default(),
             events: tokio::sync::broadcast::Sender::new(crate::events::EVENT_CAPACITY),
@@ -344,7 +364,9 @@ impl Manager {
 
     /// Starts the task that hibernates (or, with
     /// [`crate::IdleAction::Kill`], kills) sandboxes idle past their
-    /// timeout and deletes hibernated ones past their retention; it checks
+    /// timeout, deletes hibernated ones past their retention and, while the
+    /// host is below its memory watermark, hibernates the least recently
+    /// used idle ones ([`pressure`]); it checks
     /// every `period` and ends when the manager is dropped.
     pub fn spawn_reaper(self: &Arc<Self>, period: Duration) -> tokio::task::JoinHandle<()> {
         let weak = Arc::downgrade(self);
@@ -364,6 +386,9 @@ impl Manager {
                     tracing::info!(sandbox = %id, "hibernated past its retention: deleting");
                     let _ = me.kill_with(&id, lifecycle::EndReason::Expired).await;
                 }
+                // The host below its memory watermark: idle sandboxes go to
+                // disk before the kernel's OOM killer picks a process.
+                me.relieve_pressure().await;
                 let hibernate = me.config.limits.idle_action == crate::IdleAction::Hibernate;
                 let idle: Vec<Arc<Sandbox>> = lock(&me.sandboxes)
                     .values()

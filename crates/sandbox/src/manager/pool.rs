@@ -14,7 +14,9 @@
 //! that came first. A rebuild of the default template empties the pool.
 //! A refill starts after every hand-out, after a create of the pool's
 //! shape that found it empty, and after a kill (whose memory a failed fill
-//! may have missed); three failed fills in a row end a refill.
+//! may have missed); three failed fills in a row end a refill, and so does
+//! a host below its memory watermark, which also empties the pool
+//! ([`super::pressure`]).
 
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
@@ -183,6 +185,12 @@ impl Manager {
                 pool.generation
             };
             if self.shutting_down.load(Ordering::SeqCst) {
+                return;
+            }
+            // Not while the host is short of memory (the next hand-out
+            // starts another refill).
+            if self.watermark.is_below() {
+                tracing::info!("the host is below its memory watermark: the warm pool waits");
                 return;
             }
             let t0 = Instant::now();

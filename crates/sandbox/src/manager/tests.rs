@@ -990,14 +990,14 @@ async fn shutdown_keeping_hibernates_and_the_next_start_lists_them_again() {
 /// alone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn memory_pressure_hibernates_the_least_recently_used_idle_sandbox() {
-    let s = setup(Limits { memory_budget_mib: 1024, ..limits(4) });
+    let s = setup(Limits { memory_budget_mib: 1024, pressure_min_idle_secs: 1, ..limits(4) });
     let a = s.manager.create(SandboxSpec::default()).await.unwrap().sandbox_id;
     let b = s.manager.create(SandboxSpec::default()).await.unwrap().sandbox_id;
     s.manager.write_file(&a, "/state".into(), b"a".to_vec(), None, false).await.unwrap();
     // Nobody idle long enough: refused as before.
     let e = s.manager.create(SandboxSpec::default()).await.unwrap_err();
     assert!(matches!(e, SandboxError::OverBudget(_)), "{e}");
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    tokio::time::sleep(Duration::from_millis(1100)).await;
     s.manager.write_file(&b, "/state".into(), b"b".to_vec(), None, false).await.unwrap();
     let c = s.manager.create(SandboxSpec::default()).await.expect("a create past the budget hibernates A");
     let state = |id: &str| s.manager.list(&BTreeMap::new()).into_iter().find(|i| i.sandbox_id == id).unwrap().state;
@@ -1006,8 +1006,60 @@ async fn memory_pressure_hibernates_the_least_recently_used_idle_sandbox() {
     assert_eq!(c.state, SandboxState::Running);
     // A's next call resumes it, hibernating the least recently used of
     // the others (B, used before C was made).
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    tokio::time::sleep(Duration::from_millis(1100)).await;
     assert_eq!(s.manager.read_file(&a, "/state".into(), 0, None).await.unwrap().data, b"a");
     assert_eq!(state(&b), SandboxState::Hibernated);
     assert_eq!(state(&c.sandbox_id), SandboxState::Running);
+}
+
+/// Below the host's memory watermark, a create hibernates idle sandboxes
+/// (least recently used first) until the host is above it again; with
+/// nothing idle left it fails at once with an error that says why; the
+/// reaper relieves the host without any call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn below_the_watermark_idle_sandboxes_are_hibernated_before_a_create_and_by_the_reaper() {
+    let dir = tempfile::tempdir().unwrap();
+    let backend = Arc::new(FakeBackend::default());
+    // The host has 2000 MiB available less 400 MiB per live VM; the
+    // watermark is 1000 MiB: two VMs fit, a third crosses it.
+    let host = backend.clone();
+    let probe: super::pressure::Probe = Box::new(move || Some(2000u64.saturating_sub(400 * host.live_vms() as u64)));
+    let limits = Limits { min_available_mib: 1000, pressure_min_idle_secs: 0, ..limits(8) };
+    let m = Manager::with_probe(config(dir.path(), limits, false), backend.clone(), probe).expect("a manager");
+    let state = |id: &str| m.list(&BTreeMap::new()).into_iter().find(|i| i.sandbox_id == id).unwrap().state;
+    let a = m.create(SandboxSpec::default()).await.unwrap().sandbox_id;
+    let b = m.create(SandboxSpec::default()).await.unwrap().sandbox_id;
+    // Uses a few ms apart, so that the least recently used is A.
+    m.write_file(&a, "/state".into(), b"a".to_vec(), None, false).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    m.write_file(&b, "/state".into(), b"b".to_vec(), None, false).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    // The third create crosses the watermark; the fourth finds the host
+    // below it (800 MiB) and hibernates A, the least recently used.
+    let c = m.create(SandboxSpec::default()).await.unwrap().sandbox_id;
+    assert_eq!(backend.live_vms(), 3);
+    let d = m.create(SandboxSpec::default()).await.expect("a create below the watermark hibernates A").sandbox_id;
+    assert_eq!(state(&a), SandboxState::Hibernated);
+    assert_eq!([state(&b), state(&c), state(&d)], [SandboxState::Running; 3]);
+    // The reaper sees the host below it again (three VMs) and hibernates B.
+    let reaper = m.spawn_reaper(Duration::from_millis(50));
+    eventually("the reaper hibernating B", || state(&b) == SandboxState::Hibernated).await;
+    reaper.abort();
+    assert_eq!(backend.live_vms(), 2);
+    assert_eq!([state(&c), state(&d)], [SandboxState::Running; 2]);
+    // A's next call resumes it (the host is above the watermark with two
+    // VMs): what it wrote is there.
+    assert_eq!(m.read_file(&a, "/state".into(), 0, None).await.unwrap().data, b"a");
+    assert_eq!(backend.live_vms(), 3);
+    // Below the watermark with nothing idle (every sandbox has a call in
+    // flight): a fifth create fails at once, saying why.
+    let held: Vec<Arc<super::Sandbox>> = [&a, &c, &d].iter().map(|id| m.get(id).unwrap()).collect();
+    let guards: Vec<_> = held.iter().map(|sb| sb.mark_busy()).collect();
+    let e = m.create(SandboxSpec::default()).await.unwrap_err();
+    assert!(
+        matches!(e, SandboxError::HostMemoryLow { available_mib: 800, watermark_mib: 1000, what: "create" }),
+        "{e}"
+    );
+    assert!(e.to_string().contains("below the server's watermark of 1000 MiB"), "{e}");
+    drop(guards);
 }

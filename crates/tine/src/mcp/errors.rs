@@ -158,6 +158,10 @@ pub fn sandbox_hint(e: &SandboxError) -> Option<String> {
             "; kill sandboxes you no longer need (sandbox_kill) or hibernate them (sandbox_pause with to_disk: true), \
              ask for less memory_mib, or try again later"
         }
+        SandboxError::HostMemoryLow { .. } => {
+            "; hibernate sandboxes you are not using (sandbox_pause with to_disk: true) or kill them (sandbox_kill), \
+             or try again later"
+        }
         SandboxError::BadProcessId(_) | SandboxError::NoSuchProcess { .. } => {
             "; process ids look like sb-3:p7, see sandbox_process_list"
         }
@@ -261,6 +265,12 @@ mod tests {
                 "memory budget 1024 MiB: 2 sandboxes use 1024 MiB, 0 templates 0 MiB, 0 branch points 0 MiB; this \
                  create needs 512 MiB; kill sandboxes you no longer need (sandbox_kill) or hibernate them \
                  (sandbox_pause with to_disk: true), ask for less memory_mib, or try again later",
+            ),
+            (
+                SandboxError::HostMemoryLow { available_mib: 900, watermark_mib: 1228, what: "create" },
+                "the host has 900 MiB of memory available, below the server's watermark of 1228 MiB, and no sandbox is \
+                 idle enough to hibernate: this create was refused; hibernate sandboxes you are not using \
+                 (sandbox_pause with to_disk: true) or kill them (sandbox_kill), or try again later",
             ),
             (
                 SandboxError::Gone { id: "sb-2".into(), reason: "merged into sb-1".into() },
