@@ -15,6 +15,8 @@ bad input. Arguments after `--` go to every test binary (e.g. a filter).
 Within a binary, tests run as libtest runs them (a static lock still
 keeps two apart); binaries share nothing in memory, and those that share
 files on disk (a default template) lock them (testkit::lock_file).
+Binaries in ALONE run after all the others, one at a time, with nothing
+beside them.
 """
 import argparse
 import json
@@ -55,6 +57,10 @@ EXPECTED_SECONDS = {
     "vmm::seccomp": 30,
     "tine-sandbox::pause": 14,
 }
+
+# Binaries that measure the host itself (its available memory) and would
+# read the other binaries' guests as noise: run last, alone.
+ALONE = {"tine::memory_pressure"}
 
 
 def binaries(messages):
@@ -98,7 +104,8 @@ def main():
 
     lock = threading.Lock()
     results = []
-    queue = list(todo)
+    queue = [b for b in todo if b[0] not in ALONE]
+    alone = [b for b in todo if b[0] in ALONE]
     started = time.monotonic()
 
     def worker():
@@ -107,28 +114,34 @@ def main():
                 if not queue:
                     return
                 name, exe, cwd = queue.pop(0)
-            log_path = os.path.join(opts.logs, name.replace("::", "--") + ".log")
-            t = time.monotonic()
-            with open(log_path, "wb") as log:
-                rc = subprocess.run([exe, *opts.args], cwd=cwd, stdout=log, stderr=subprocess.STDOUT).returncode
-            took = time.monotonic() - t
-            with open(log_path, encoding="utf-8", errors="replace") as log:
-                text = log.read()
-            if rc == 0:
-                shown = [l for l in text.splitlines() if l.startswith(("test ", "running "))]
-                body = "\n".join(shown)
-            else:
-                body = text
-            with lock:
-                results.append((name, rc, took))
-                verdict = "ok" if rc == 0 else f"FAILED (exit {rc})"
-                print(f"\n==> {name}: {verdict} in {took:.0f} s (at {time.monotonic() - started:.0f} s)\n{body}", flush=True)
+            run(name, exe, cwd)
+
+    def run(name, exe, cwd):
+        """Runs one binary, logs its output and prints its result."""
+        log_path = os.path.join(opts.logs, name.replace("::", "--") + ".log")
+        t = time.monotonic()
+        with open(log_path, "wb") as log:
+            rc = subprocess.run([exe, *opts.args], cwd=cwd, stdout=log, stderr=subprocess.STDOUT).returncode
+        took = time.monotonic() - t
+        with open(log_path, encoding="utf-8", errors="replace") as log:
+            text = log.read()
+        if rc == 0:
+            shown = [l for l in text.splitlines() if l.startswith(("test ", "running "))]
+            body = "\n".join(shown)
+        else:
+            body = text
+        with lock:
+            results.append((name, rc, took))
+            verdict = "ok" if rc == 0 else f"FAILED (exit {rc})"
+            print(f"\n==> {name}: {verdict} in {took:.0f} s (at {time.monotonic() - started:.0f} s)\n{body}", flush=True)
 
     threads = [threading.Thread(target=worker) for _ in range(max(1, opts.jobs))]
     for th in threads:
         th.start()
     for th in threads:
         th.join()
+    for name, exe, cwd in alone:
+        run(name, exe, cwd)
 
     failed = [r for r in results if r[1] != 0]
     print(f"\nrun-tests: {len(results)} binaries in {time.monotonic() - started:.0f} s, {opts.jobs} at a time; each:")
