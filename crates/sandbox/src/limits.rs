@@ -11,8 +11,12 @@ use serde::Deserialize;
 #[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
 #[serde(default, deny_unknown_fields)]
 pub struct Limits {
-    /// Live sandboxes (starting or running) at most.
+    /// Live sandboxes (starting, running or paused) at most; hibernated
+    /// ones do not count. A create, branch or resume from disk at the cap
+    /// first hibernates the least recently used idle sandbox.
     pub max_sandboxes: usize,
+    /// Sandboxes kept in any state (live, hibernated, failed) at most.
+    pub max_kept_sandboxes: usize,
     /// vCPUs of a sandbox created without `vcpus`.
     pub default_vcpus: u8,
     /// vCPUs one sandbox may ask for.
@@ -60,6 +64,13 @@ pub struct Limits {
     /// resume that still finds the host below it fails at once. 0: derived
     /// ([`derived_min_available_mib`]).
     pub min_available_mib: u64,
+    /// A running sandbox counts in the memory budget as the host memory it
+    /// holds of its own (guest pages not shared with its template or
+    /// branch point, measured every second) plus this many MiB, at most
+    /// its guest memory; a new one counts its whole guest memory until
+    /// measured. A headroom at least `max_memory_mib` counts every
+    /// sandbox by its size.
+    pub memory_headroom_mib: u64,
     /// A sandbox must have had no call for this long (s) before memory
     /// pressure (the budget or the watermark) hibernates it: an agent
     /// between two of its calls is not idle.
@@ -135,6 +146,7 @@ impl Default for Limits {
     fn default() -> Self {
         Limits {
             max_sandboxes: 16,
+            max_kept_sandboxes: 1000,
             default_vcpus: 1,
             max_vcpus: 8,
             default_memory_mib: 512,
@@ -151,6 +163,7 @@ impl Default for Limits {
             hibernated_retention_secs: 7 * 24 * 60 * 60,
             shutdown_hibernate_secs: 60,
             min_available_mib: 0,
+            memory_headroom_mib: 128,
             pressure_min_idle_secs: 30,
         }
     }
@@ -207,6 +220,9 @@ impl Limits {
         let bad = |m: String| Err(LimitsError::Invalid(m));
         if self.max_sandboxes == 0 {
             return bad("max_sandboxes must be at least 1".into());
+        }
+        if self.max_kept_sandboxes < self.max_sandboxes {
+            return bad("max_kept_sandboxes must be at least max_sandboxes".into());
         }
         if self.max_vcpus == 0 || self.max_vcpus > vmm::x86_64::mptable::MAX_VCPUS {
             return bad(format!("max_vcpus must be 1..={}", vmm::x86_64::mptable::MAX_VCPUS));

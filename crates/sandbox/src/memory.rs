@@ -1,6 +1,8 @@
 //! Memory admission: one server-wide budget of guest memory (MiB) that
 //! every running sandbox, branch point and loaded template takes a share
-//! of ([`MemoryBudget`]). A share is a [`Reservation`]: taken before the
+//! of ([`MemoryBudget`]); a running sandbox's share is set to what it
+//! measurably holds once it runs ([`Reservation::set_mib`], the manager's
+//! `pressure` module). A share is a [`Reservation`]: taken before the
 //! memory is (a create, restore, branch or template load fails at once
 //! when it does not fit), given back when the reservation is dropped, so
 //! every teardown path releases it.
@@ -146,9 +148,19 @@ impl Reservation {
     /// left out zero pages needs less than the guest's size).
     pub fn shrink_to(&mut self, mib: u64) {
         if mib < self.mib {
-            lock(&self.budget.used).slot(self.kind).1 -= self.mib - mib;
-            self.mib = mib;
+            self.set_mib(mib);
         }
+    }
+
+    /// Holds `mib` from now on, more or less than before: a running
+    /// sandbox counted by what it measurably holds. Growing past the
+    /// budget is allowed (the memory is in use already); the next
+    /// reservation then finds the budget full.
+    pub fn set_mib(&mut self, mib: u64) {
+        let mut used = lock(&self.budget.used);
+        let slot = used.slot(self.kind);
+        slot.1 = slot.1.saturating_sub(self.mib).saturating_add(mib);
+        self.mib = mib;
     }
 }
 

@@ -11,10 +11,12 @@ use serde_json::json;
 use testkit::mcp::{call, TineServer};
 
 const TOKEN: &str = "budget-test-token-0123456789abcdef0123456789abcdef";
-/// Room for one 512 MiB sandbox, not two; no default template (its build
+/// Room for one 512 MiB sandbox, not two, each counted by its size (a
+/// headroom past its size; `memory_pressure.rs` and the fake backend's
+/// tests cover counting by measured use); no default template (its build
 /// would be a second guest): sandboxes boot.
-const CONFIG: &str =
-    "[limits]\nboot_timeout_secs = 1200\nmemory_budget_mib = 768\n[templates]\nbuild_default = false\n";
+const CONFIG: &str = "[limits]\nboot_timeout_secs = 1200\nmemory_budget_mib = 768\nmemory_headroom_mib = 8192\n\
+                      [templates]\nbuild_default = false\n";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn creates_beyond_the_memory_budget_fail_at_once_and_the_server_stays_up() {

@@ -183,6 +183,12 @@ pub(crate) trait VmHandle: Send + Sync {
     fn cpu_time(&self) -> Duration;
     /// Host memory backing guest RAM now (bytes).
     fn resident_memory_bytes(&self) -> u64;
+    /// Host memory (bytes) this VM holds of its own: guest RAM pages not
+    /// shared with the template or branch point it was restored from (an
+    /// upper bound while the guest runs; see [`vmm::GuestRam::own_bytes`]);
+    /// `None` where it cannot be read. Admission counts it
+    /// ([`crate::Limits::memory_headroom_mib`]).
+    fn own_memory_bytes(&self) -> Option<u64>;
     /// The guest pages it has touched so far (see [`vmm::WorkingSet`]).
     ///
     /// Errors: reading the host's page tables.

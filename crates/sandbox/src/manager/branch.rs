@@ -91,6 +91,8 @@ impl Manager {
     ) -> Result<BranchResult, SandboxError> {
         let started = Instant::now();
         let source = self.get(id)?;
+        // In use: memory pressure and the cap do not hibernate it meanwhile.
+        let _busy = source.mark_busy();
         // Children of a pooled sandbox carry its reseed and environment.
         source.handed_out().await?;
         self.awake(&source).await?;
@@ -100,7 +102,11 @@ impl Manager {
         }
         // The count first: nothing below may be made n times (memory parts,
         // network controls, ids) before n is known to fit (`reserve` checks
-        // again under the map's lock).
+        // again under the map's lock). At the cap, idle sandboxes make room.
+        if (1..=self.config.limits.max_sandboxes).contains(&n) {
+            self.check_kept(n)?;
+            self.make_room(n).await;
+        }
         let room = self.config.limits.max_sandboxes.saturating_sub(self.live_count());
         if n == 0 || n > room {
             return Err(SandboxError::BranchCount { n, max: room });

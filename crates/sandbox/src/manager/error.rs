@@ -25,10 +25,19 @@ pub enum SandboxError {
         reason: String,
     },
     /// The live-sandbox cap is reached.
-    #[error("{live} sandboxes are live, the limit is {max}")]
+    #[error("{live} sandboxes are running and none is idle enough to hibernate, the limit is {max}")]
     TooMany {
         /// Live sandboxes.
         live: usize,
+        /// The cap.
+        max: usize,
+    },
+    /// The cap on sandboxes kept in any state is reached
+    /// ([`crate::Limits::max_kept_sandboxes`]).
+    #[error("{kept} sandboxes are kept (running, hibernated or failed), the limit is {max}")]
+    TooManyKept {
+        /// Sandboxes kept.
+        kept: usize,
         /// The cap.
         max: usize,
     },

@@ -58,12 +58,19 @@ pub(crate) struct FakeBackend {
     fail_hibernations: Arc<AtomicUsize>,
     /// Every VM started, by name.
     vms: Mutex<BTreeMap<String, Arc<Shared>>>,
+    /// What every VM holds of its own (MiB); 0: unknown.
+    own_mib: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl FakeBackend {
     /// Makes the next `n` hibernations fail with ENOSPC.
     pub fn fail_next_hibernations(&self, n: usize) {
         self.fail_hibernations.store(n, Ordering::SeqCst);
+    }
+
+    /// Makes every VM report `mib` MiB of its own memory (0: unknown).
+    pub fn set_own_memory_mib(&self, mib: u64) {
+        self.own_mib.store(mib, Ordering::SeqCst);
     }
 
     /// Makes the next `n` starts fail.
@@ -125,6 +132,7 @@ impl VmBackend for FakeBackend {
             started: Instant::now(),
             agent_socket: spec.agent_socket.clone(),
             fail_hibernations: self.fail_hibernations.clone(),
+            own_mib: self.own_mib.clone(),
         }))
     }
 }
@@ -374,6 +382,7 @@ struct FakeVm {
     started: Instant,
     agent_socket: PathBuf,
     fail_hibernations: Arc<AtomicUsize>,
+    own_mib: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl VmHandle for FakeVm {
@@ -399,6 +408,10 @@ impl VmHandle for FakeVm {
 
     fn resident_memory_bytes(&self) -> u64 {
         self.shared.memory_bytes / 4
+    }
+
+    fn own_memory_bytes(&self) -> Option<u64> {
+        Some(self.own_mib.load(Ordering::SeqCst) << 20).filter(|&b| b > 0)
     }
 
     fn working_set(&self) -> Result<vmm::WorkingSet, BackendError> {

@@ -43,6 +43,8 @@ pub enum HibernateWhy {
     /// The host's available memory fell below the watermark
     /// ([`crate::Limits::min_available_mib`]).
     Watermark,
+    /// A create, branch or resume from disk found `max_sandboxes` running.
+    Cap,
 }
 
 impl HibernateWhy {
@@ -53,6 +55,7 @@ impl HibernateWhy {
             HibernateWhy::Shutdown => "shutdown",
             HibernateWhy::Memory => "memory",
             HibernateWhy::Watermark => "watermark",
+            HibernateWhy::Cap => "cap",
         }
     }
 }
@@ -115,7 +118,9 @@ impl Manager {
     /// leaves the sandbox `failed` with the reason; its files stay until
     /// it is killed.
     ///
-    /// Errors: [`SandboxError::OverBudget`] (it stays hibernated),
+    /// Errors: [`SandboxError::TooMany`] (`max_sandboxes` running, none
+    /// idle to hibernate), [`SandboxError::OverBudget`],
+    /// [`SandboxError::HostMemoryLow`] (it stays hibernated),
     /// [`SandboxError::Gone`], [`SandboxError::Wake`].
     pub(super) async fn wake(&self, sb: &Arc<Sandbox>) -> Result<(), SandboxError> {
         let _control = sb.control.lock().await;
@@ -129,6 +134,14 @@ impl Manager {
             return Err(SandboxError::Wake { id: sb.id.clone(), reason: "its hibernation is not recorded".into() });
         };
         let t0 = Instant::now();
+        // At the live-sandbox cap, an idle one makes room (it counts
+        // running ones; a soft cap here: a create at the same moment may
+        // pass it by one).
+        self.make_room(1).await;
+        let (live, max) = (self.live_count(), self.config.limits.max_sandboxes);
+        if live >= max {
+            return Err(SandboxError::TooMany { live, max });
+        }
         let memory = self.admit_or_hibernate("resume from disk", &[(MemoryUse::Sandbox, sb.memory_mib)]).await?.pop();
         if sb.transition(Transition::Wake).is_err() {
             return Err(sb.gone());

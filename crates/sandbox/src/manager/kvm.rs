@@ -119,6 +119,10 @@ impl VmHandle for KvmVm {
         self.vm.resident_memory_bytes()
     }
 
+    fn own_memory_bytes(&self) -> Option<u64> {
+        self.vm.ram().own_bytes().ok()
+    }
+
     fn working_set(&self) -> Result<vmm::WorkingSet, BackendError> {
         self.vm.working_set().map_err(BackendError::new)
     }

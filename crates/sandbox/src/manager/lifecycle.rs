@@ -244,6 +244,8 @@ impl Manager {
         if self.shutting_down.load(Ordering::SeqCst) {
             return Err(SandboxError::ShuttingDown);
         }
+        self.check_kept(1)?;
+        self.make_room(1).await;
         let net = self.net_control(spec.network.as_ref())?;
         let poolable = self.poolable(&spec);
         if poolable {
@@ -336,12 +338,17 @@ impl Manager {
                 sb.retire_in_background(Some("the server is shutting down".into()));
                 return Err(SandboxError::ShuttingDown);
             }
-            if live >= max {
+            let (kept, max_kept) = (map.len(), self.config.limits.max_kept_sandboxes);
+            if live >= max || kept >= max_kept {
                 drop(map);
                 *lock(&sb.handout) = None;
                 self.return_pooled(sb);
                 self.fill_pool();
-                return Err(SandboxError::TooMany { live, max });
+                return Err(if live >= max {
+                    SandboxError::TooMany { live, max }
+                } else {
+                    SandboxError::TooManyKept { kept, max: max_kept }
+                });
             }
             // Its settings before anyone can see it in the map (the
             // sandbox's setting locks are leaves: see the lock order).
@@ -454,6 +461,10 @@ impl Manager {
         if n == 0 || n > max.saturating_sub(live) {
             return Err(SandboxError::TooMany { live, max });
         }
+        let (kept, max_kept) = (map.len(), self.config.limits.max_kept_sandboxes);
+        if n > max_kept.saturating_sub(kept) {
+            return Err(SandboxError::TooManyKept { kept, max: max_kept });
+        }
         let mut made = Vec::with_capacity(n);
         for _ in 0..n {
             let id = self.mint_id(&self.sandbox_prefix());
@@ -465,6 +476,19 @@ impl Manager {
     }
 
     /// Live sandboxes (starting, running or paused) now.
+    /// Whether `n` more sandboxes fit under `max_kept_sandboxes`, checked
+    /// before an idle sandbox is hibernated to make room for them (and
+    /// again when they are added to the map).
+    ///
+    /// Errors: [`SandboxError::TooManyKept`].
+    pub(super) fn check_kept(&self, n: usize) -> Result<(), SandboxError> {
+        let (kept, max) = (self.len(), self.config.limits.max_kept_sandboxes);
+        if n > max.saturating_sub(kept) {
+            return Err(SandboxError::TooManyKept { kept, max });
+        }
+        Ok(())
+    }
+
     pub(super) fn live_count(&self) -> usize {
         live_in(&lock(&self.sandboxes))
     }

@@ -388,6 +388,8 @@ impl Manager {
                 }
                 // The host below its memory watermark: idle sandboxes go to
                 // disk before the kernel's OOM killer picks a process.
+                let measuring = me.clone();
+                let _ = tokio::task::spawn_blocking(move || measuring.measure_memory()).await;
                 me.relieve_pressure().await;
                 let hibernate = me.config.limits.idle_action == crate::IdleAction::Hibernate;
                 let idle: Vec<Arc<Sandbox>> = lock(&me.sandboxes)

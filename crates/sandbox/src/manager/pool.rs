@@ -139,6 +139,11 @@ impl Manager {
         }
     }
 
+    /// The sandboxes ready in the pool.
+    pub(super) fn pooled_sandboxes(&self) -> Vec<Arc<Sandbox>> {
+        lock(&self.pool).ready.iter().cloned().collect()
+    }
+
     /// Gives back the memory of one pooled sandbox (its VM stops in the
     /// background); returns whether there was one. For an admission the
     /// memory budget refused.

@@ -7,6 +7,17 @@
 //!   watermark ([`crate::Limits::min_available_mib`]), checked before every
 //!   create, branch and resume from disk and by the reaper every tick.
 //!
+//! What a running sandbox counts in the budget is measured: the host
+//! memory it holds of its own plus a headroom
+//! ([`crate::Limits::memory_headroom_mib`]), at most its guest memory,
+//! updated every reaper tick ([`Manager::measure_memory`]); a sandbox
+//! restored from a template holds a few MiB of its own, so the budget
+//! admits many more of them than their sizes add up to.
+//!
+//! A third signal, `max_sandboxes` (running ones), has the last step of
+//! the same remedy: a create, branch or resume from disk at the cap
+//! hibernates the least recently used idle sandbox ([`Manager::make_room`]).
+//!
 //! The remedy, in order: templates nothing is being made from are
 //! unloaded, the warm pool gives its sandboxes back, then the least
 //! recently used idle sandbox is hibernated ([`Manager::hibernate`]), one
@@ -125,6 +136,52 @@ impl Manager {
             if let Err(e) = self.hibernate_sandbox(&victim, HibernateWhy::Watermark).await {
                 tracing::warn!(sandbox = %victim.id, "hibernation for host memory failed: {e}");
                 return Some(available);
+            }
+        }
+    }
+
+    /// Hibernates the least recently used idle sandboxes while `n` more
+    /// live ones would pass `max_sandboxes` (a create, branch or resume
+    /// from disk at the cap). What it cannot make room for, the cap's own
+    /// check refuses; an `n` past the cap itself is left to that check.
+    pub(super) async fn make_room(&self, n: usize) {
+        let max = self.config.limits.max_sandboxes;
+        if n > max {
+            return;
+        }
+        while self.live_count().saturating_add(n) > max {
+            let Some(victim) = self.least_recently_used_idle() else { return };
+            tracing::info!(sandbox = %victim.id, idle_secs = victim.idle().as_secs(),
+                "{max} sandboxes running: hibernating the least recently used idle one");
+            if let Err(e) = self.hibernate_sandbox(&victim, HibernateWhy::Cap).await {
+                tracing::warn!(sandbox = %victim.id, "hibernation to make room failed: {e}");
+                return;
+            }
+        }
+    }
+
+    /// Counts every running or paused sandbox (and every pooled one) in the
+    /// memory budget by the host memory it holds of its own plus the
+    /// headroom, at most its guest memory. A sandbox whose VM is busy
+    /// (being paused, hibernated, branched) keeps its count until the next
+    /// tick. Blocking: one `PAGEMAP_SCAN` per sandbox.
+    pub(super) fn measure_memory(&self) {
+        let headroom = self.config.limits.memory_headroom_mib;
+        let mut sandboxes: Vec<Arc<Sandbox>> = lock(&self.sandboxes)
+            .values()
+            .filter(|s| matches!(s.state(), SandboxState::Running | SandboxState::Paused))
+            .cloned()
+            .collect();
+        sandboxes.extend(self.pooled_sandboxes());
+        for sb in sandboxes {
+            let own = match sb.vm.try_lock() {
+                Ok(slot) => slot.vm.as_ref().and_then(|vm| vm.own_memory_bytes()),
+                Err(_) => None,
+            };
+            let Some(own) = own else { continue };
+            let mib = own.div_ceil(1 << 20).saturating_add(headroom).min(sb.memory_mib);
+            if let Some(r) = lock(&sb.memory).own.as_mut() {
+                r.set_mib(mib);
             }
         }
     }

@@ -1063,3 +1063,70 @@ async fn below_the_watermark_idle_sandboxes_are_hibernated_before_a_create_and_b
     assert!(e.to_string().contains("below the server's watermark of 1000 MiB"), "{e}");
     drop(guards);
 }
+
+/// A running sandbox counts in the memory budget by what it holds of its
+/// own plus the headroom once measured, so the budget admits more
+/// sandboxes than their sizes add up to; one that grows counts more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_budget_counts_running_sandboxes_by_their_own_memory_and_the_headroom() {
+    let s = setup(Limits { memory_budget_mib: 1024, memory_headroom_mib: 64, ..limits(8) });
+    s.manager.create(SandboxSpec::default()).await.unwrap();
+    s.manager.create(SandboxSpec::default()).await.unwrap();
+    // Not measured yet: each counts its 512 MiB, and a third does not fit.
+    assert_eq!(s.manager.memory_use().1.sandboxes, (2, 1024));
+    assert!(matches!(s.manager.create(SandboxSpec::default()).await, Err(SandboxError::OverBudget(_))));
+    // Measured at 10 MiB of their own: 74 MiB each.
+    s.backend.set_own_memory_mib(10);
+    s.manager.measure_memory();
+    assert_eq!(s.manager.memory_use().1.sandboxes, (2, 148));
+    s.manager.create(SandboxSpec::default()).await.expect("a third fits once the others are measured");
+    s.manager.measure_memory();
+    s.manager.create(SandboxSpec::default()).await.expect("a fourth once the third is measured");
+    s.manager.measure_memory();
+    assert_eq!(s.manager.memory_use().1.sandboxes, (4, 296));
+    // Guests that write their memory count up to their size, no more.
+    s.backend.set_own_memory_mib(600);
+    s.manager.measure_memory();
+    assert_eq!(s.manager.memory_use().1.sandboxes, (4, 2048));
+    let e = s.manager.create(SandboxSpec::default()).await.unwrap_err();
+    assert!(e.to_string().contains("4 sandboxes use 2048 MiB"), "{e}");
+}
+
+/// At `max_sandboxes` running, a create or a resume from disk hibernates
+/// the least recently used idle sandbox; with none idle it is refused,
+/// saying so. `max_kept_sandboxes` caps sandboxes in any state.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_the_cap_an_idle_sandbox_makes_room_and_kept_ones_have_a_cap_of_their_own() {
+    let s = setup(Limits { pressure_min_idle_secs: 0, max_kept_sandboxes: 3, ..limits(2) });
+    let state = |id: &str| s.manager.list(&BTreeMap::new()).into_iter().find(|i| i.sandbox_id == id).unwrap().state;
+    let a = s.manager.create(SandboxSpec::default()).await.unwrap().sandbox_id;
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let b = s.manager.create(SandboxSpec::default()).await.unwrap().sandbox_id;
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let c = s.manager.create(SandboxSpec::default()).await.expect("A makes room").sandbox_id;
+    assert_eq!(
+        [state(&a), state(&b), state(&c)],
+        [SandboxState::Hibernated, SandboxState::Running, SandboxState::Running]
+    );
+    // A's next call resumes it, B making room.
+    s.manager.write_file(&a, "/x".into(), b"a".to_vec(), None, false).await.expect("A resumes");
+    assert_eq!(
+        [state(&a), state(&b), state(&c)],
+        [SandboxState::Running, SandboxState::Hibernated, SandboxState::Running]
+    );
+    // Three kept: a fourth is refused whatever runs, and nothing is
+    // hibernated for it.
+    let e = s.manager.create(SandboxSpec::default()).await.unwrap_err();
+    assert!(matches!(e, SandboxError::TooManyKept { kept: 3, max: 3 }), "{e}");
+    assert_eq!(
+        [state(&a), state(&b), state(&c)],
+        [SandboxState::Running, SandboxState::Hibernated, SandboxState::Running]
+    );
+    // Nothing idle (calls in flight on A and C): B's resume is refused.
+    let held: Vec<Arc<super::Sandbox>> = [&a, &c].iter().map(|id| s.manager.get(id).unwrap()).collect();
+    let guards: Vec<_> = held.iter().map(|sb| sb.mark_busy()).collect();
+    let e = s.manager.read_file(&b, "/x".into(), 0, None).await.unwrap_err();
+    assert!(matches!(e, SandboxError::TooMany { live: 2, max: 2 }), "{e}");
+    assert_eq!(state(&b), SandboxState::Hibernated, "it stays hibernated");
+    drop(guards);
+}

@@ -130,7 +130,12 @@ pub fn with_hint(e: &SandboxError) -> String {
 pub fn sandbox_hint(e: &SandboxError) -> Option<String> {
     let hint = match e {
         SandboxError::NotFound(_) => "; call sandbox_list to see the live ones, or sandbox_create for a new one",
-        SandboxError::TooMany { .. } => "; kill one with sandbox_kill first",
+        SandboxError::TooMany { .. } => {
+            "; hibernate one you are not using (sandbox_pause with to_disk: true) or kill one (sandbox_kill) first"
+        }
+        SandboxError::TooManyKept { .. } => {
+            "; kill sandboxes you no longer need (sandbox_kill; sandbox_list shows them)"
+        }
         SandboxError::Starting(_) => "; try again in a few seconds",
         SandboxError::BadState { state: SandboxState::Paused, .. } => {
             "; call sandbox_resume, or just sandbox_exec, which resumes it"
@@ -207,7 +212,13 @@ mod tests {
             ),
             (
                 SandboxError::TooMany { live: 4, max: 4 },
-                "4 sandboxes are live, the limit is 4; kill one with sandbox_kill first",
+                "4 sandboxes are running and none is idle enough to hibernate, the limit is 4; hibernate one you are \
+                 not using (sandbox_pause with to_disk: true) or kill one (sandbox_kill) first",
+            ),
+            (
+                SandboxError::TooManyKept { kept: 1000, max: 1000 },
+                "1000 sandboxes are kept (running, hibernated or failed), the limit is 1000; kill sandboxes you no \
+                 longer need (sandbox_kill; sandbox_list shows them)",
             ),
             (SandboxError::Starting("sb-2".into()), "sandbox sb-2 is still starting; try again in a few seconds"),
             (
