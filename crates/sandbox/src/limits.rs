@@ -67,9 +67,10 @@ pub struct Limits {
     /// A running sandbox counts in the memory budget as the host memory it
     /// holds of its own (guest pages not shared with its template or
     /// branch point, measured every second) plus this many MiB, at most
-    /// its guest memory; a new one counts its whole guest memory until
-    /// measured. A headroom at least `max_memory_mib` counts every
-    /// sandbox by its size.
+    /// its guest memory. Until measured, a booted one counts its whole
+    /// guest memory and one restored from a template, a branch point or
+    /// its hibernation the headroom (plus its hibernation's pages). A
+    /// headroom at least `max_memory_mib` counts every sandbox by its size.
     pub memory_headroom_mib: u64,
     /// A sandbox must have had no call for this long (s) before memory
     /// pressure (the budget or the watermark) hibernates it: an agent

@@ -157,10 +157,11 @@ async fn below_the_watermark_creates_hibernate_idle_sandboxes_instead_of_failing
     assert!(by_watermark >= 1.0, "hibernations for the watermark in /metrics: {by_watermark}");
     // The budget counts a running sandbox by what it holds of its own plus
     // the 128 MiB headroom (measured every second), not by its 512 MiB:
-    // the loaded default template (512 MiB at most) and 200 MiB a sandbox
-    // bound what is reserved.
+    // the loaded default template (512 MiB at most) and 320 MiB a sandbox
+    // bound what is reserved (by size: 512 MiB each).
     let running = listed.iter().filter(|(_, s)| s == "running").count() as f64;
-    let bound = (running * 200.0 + 512.0) * 1048576.0;
+    assert!(running >= 3.0, "{listed:?}");
+    let bound = (running * 320.0 + 512.0) * 1048576.0;
     let since = Instant::now();
     loop {
         let reserved = metric(&server, "tine_guest_memory_bytes").await;

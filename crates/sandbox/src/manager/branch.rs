@@ -114,7 +114,7 @@ impl Manager {
         // Admission: the children and the branch point are reserved before
         // anything is copied.
         let mib = source.memory_mib;
-        let mut parts = vec![(MemoryUse::Sandbox, mib); n];
+        let mut parts = vec![(MemoryUse::Sandbox, self.restored_charge_mib(mib, 0)); n];
         parts.push((MemoryUse::BranchPoint, mib));
         let mut memory = self.admit_or_hibernate("branch", &parts).await?;
         let mut point_memory = memory.pop();

@@ -70,6 +70,15 @@ static GENERATION: AtomicU64 = AtomicU64::new(1);
 /// also after the template was rebuilt or deleted.
 pub(super) const BASES_DIR: &str = ".bases";
 
+/// The disk space (bytes, allocated blocks: sparse files count what they
+/// hold) of the files in `dir`; 0 where it cannot be read.
+fn disk_bytes(dir: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::read_dir(dir)
+        .map(|entries| entries.flatten().filter_map(|e| e.metadata().ok()).map(|m| m.blocks() * 512).sum())
+        .unwrap_or(0)
+}
+
 /// A sandbox's directory of kept state.
 pub(super) fn kept_dir_of(kept: &Path, id: &str) -> PathBuf {
     kept.join(id)
@@ -142,7 +151,8 @@ impl Manager {
         if live >= max {
             return Err(SandboxError::TooMany { live, max });
         }
-        let memory = self.admit_or_hibernate("resume from disk", &[(MemoryUse::Sandbox, sb.memory_mib)]).await?.pop();
+        let charge = self.restored_charge_mib(sb.memory_mib, disk_bytes(&dir));
+        let memory = self.admit_or_hibernate("resume from disk", &[(MemoryUse::Sandbox, charge)]).await?.pop();
         if sb.transition(Transition::Wake).is_err() {
             return Err(sb.gone());
         }

@@ -260,7 +260,11 @@ impl Manager {
         };
         let from = template.as_ref().map_or_else(|| "boot".to_string(), |t| format!("template:{t}"));
         // Admission: its memory is reserved before anything starts.
-        let memory = self.admit_or_hibernate("create", &[(MemoryUse::Sandbox, memory_mib)]).await?.pop();
+        let charge = match source {
+            VmSource::Template(_) => self.restored_charge_mib(memory_mib, 0),
+            _ => memory_mib,
+        };
+        let memory = self.admit_or_hibernate("create", &[(MemoryUse::Sandbox, charge)]).await?.pop();
         let mut labels = Some(spec.labels);
         let sandbox = self
             .reserve(1, |id, dir| {

@@ -242,7 +242,8 @@ impl Manager {
             return Err(super::SandboxError::TemplateShape { name: DEFAULT_TEMPLATE.into(), vcpus, memory_mib });
         }
         // Not through `admit`: a fill never takes memory from the pool.
-        let memory = self.memory.reserve("warm pool", &[(MemoryUse::Sandbox, memory_mib)])?.pop();
+        let charge = self.restored_charge_mib(memory_mib, 0);
+        let memory = self.memory.reserve("warm pool", &[(MemoryUse::Sandbox, charge)])?.pop();
         let setup = SandboxSetup {
             labels: Default::default(),
             template: Some(DEFAULT_TEMPLATE.into()),

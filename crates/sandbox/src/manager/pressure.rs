@@ -160,6 +160,15 @@ impl Manager {
         }
     }
 
+    /// What a sandbox restored from a template, a branch point or its own
+    /// hibernation is charged until measured: the headroom plus
+    /// `own_bytes` (what it brings of its own: its hibernation's pages), at
+    /// most its guest memory. A restored guest shares the rest with what
+    /// it was restored from; a booted one is charged its whole size.
+    pub(super) fn restored_charge_mib(&self, memory_mib: u64, own_bytes: u64) -> u64 {
+        own_bytes.div_ceil(1 << 20).saturating_add(self.config.limits.memory_headroom_mib).min(memory_mib)
+    }
+
     /// Counts every running or paused sandbox (and every pooled one) in the
     /// memory budget by the host memory it holds of its own plus the
     /// headroom, at most its guest memory. A sandbox whose VM is busy

@@ -363,8 +363,10 @@ async fn shutdown_kills_everything_and_refuses_new_sandboxes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn memory_admission_counts_sandboxes_and_branch_points_and_releases_on_every_teardown() {
     use crate::memory::BudgetUse;
-    // Room for three 512 MiB sandboxes and a 128 MiB branch point.
-    let s = setup(Limits { memory_budget_mib: 1664, ..limits(8) });
+    // Room for three 512 MiB sandboxes and a 128 MiB branch point, every
+    // sandbox counted by its size (a headroom past it; counting by use is
+    // the next test's).
+    let s = setup(Limits { memory_budget_mib: 1664, memory_headroom_mib: 8192, ..limits(8) });
     let used = |s: &Setup| s.manager.memory_use().1;
     let a = s.manager.create(SandboxSpec::default()).await.unwrap().sandbox_id;
     let b = s.manager.create(SandboxSpec::default()).await.unwrap().sandbox_id;
@@ -1090,6 +1092,19 @@ async fn the_budget_counts_running_sandboxes_by_their_own_memory_and_the_headroo
     assert_eq!(s.manager.memory_use().1.sandboxes, (4, 2048));
     let e = s.manager.create(SandboxSpec::default()).await.unwrap_err();
     assert!(e.to_string().contains("4 sandboxes use 2048 MiB"), "{e}");
+}
+
+/// A branch child (restored, sharing its branch point's pages) is charged
+/// the headroom until measured, not its size.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restored_children_are_charged_the_headroom_until_measured() {
+    let s = setup(Limits { memory_budget_mib: 4096, memory_headroom_mib: 64, ..limits(8) });
+    let a = s.manager.create(SandboxSpec::default()).await.unwrap().sandbox_id;
+    s.manager.branch(&a, 2).await.unwrap();
+    // A booted source: 512; two children: 64 each; the point: what the
+    // fake copied (a quarter, 128 MiB).
+    let used = s.manager.memory_use().1;
+    assert_eq!((used.sandboxes, used.branch_points), ((3, 640), (1, 128)));
 }
 
 /// At `max_sandboxes` running, a create or a resume from disk hibernates
