@@ -89,27 +89,21 @@ pub enum IdleAction {
     Kill,
 }
 
-/// Overcommit of guest memory over the host's usable memory, as
-/// numerator/denominator: 3/2. A guest's memory is only backed as it
-/// touches pages, and restored guests share their template's pages until
-/// they write them, so sandboxes measured here use a fraction of their
-/// size (an idle 512 MiB restored guest: 60-120 MiB resident); 1.5x lets
-/// the host run half again as many sandboxes as a strict sum would, while
-/// a server full of guests that touch all their memory still fits in RAM
-/// plus the page cache it can drop.
-pub const MEMORY_OVERCOMMIT: (u64, u64) = (3, 2);
 /// Host memory (MiB) kept out of the budget at least: the daemon, the
 /// host's own services and its page cache.
 pub const MIN_HOST_RESERVE_MIB: u64 = 1024;
 
 /// The default memory budget for a host of `mem_total_mib` MiB: the host
-/// keeps a reserve of 1/8 of its memory (at least [`MIN_HOST_RESERVE_MIB`]),
-/// and the rest is overcommitted by [`MEMORY_OVERCOMMIT`]. A 24 GiB host:
-/// (24576 - 3072) * 1.5 = 32256 MiB; a 4 GiB host: (4096 - 1024) * 1.5 =
-/// 4608 MiB.
+/// keeps a reserve of 1/8 of its memory (at least [`MIN_HOST_RESERVE_MIB`])
+/// and the rest is the budget. No overcommit: running sandboxes count by
+/// the memory they measurably hold of their own plus a headroom
+/// ([`Limits::memory_headroom_mib`]), not by their size, so the budget
+/// admits many more sandboxes than their sizes add up to while what it
+/// counts is real. A 24 GiB host: 24576 - 3072 = 21504 MiB; a 4 GiB host:
+/// 4096 - 1024 = 3072 MiB.
 pub fn derived_memory_budget_mib(mem_total_mib: u64) -> u64 {
     let reserve = (mem_total_mib / 8).max(MIN_HOST_RESERVE_MIB);
-    mem_total_mib.saturating_sub(reserve) * MEMORY_OVERCOMMIT.0 / MEMORY_OVERCOMMIT.1
+    mem_total_mib.saturating_sub(reserve)
 }
 
 /// Host memory (MiB) the watermark keeps available at least.
@@ -365,8 +359,8 @@ mod tests {
 
     #[test]
     fn memory_budget_is_derived_from_the_host() {
-        assert_eq!(derived_memory_budget_mib(24 * 1024), 32256);
-        assert_eq!(derived_memory_budget_mib(4096), 4608);
+        assert_eq!(derived_memory_budget_mib(24 * 1024), 21504);
+        assert_eq!(derived_memory_budget_mib(4096), 3072);
         assert_eq!(derived_memory_budget_mib(512), 0);
         assert_eq!(Limits { memory_budget_mib: 2048, ..Limits::default() }.memory_budget_mib(), 2048);
         let derived = Limits::default().memory_budget_mib();
