@@ -9,7 +9,7 @@
 //! | `tine_sandboxes_created_total` | counter | `how`: boot, restore, pool, branch |
 //! | `tine_sandbox_start_seconds` | histogram | `how`: VM start to agent ready |
 //! | `tine_sandboxes_killed_total` | counter | `reason`: kill, idle, expired |
-//! | `tine_hibernate_seconds` | histogram | `why`: request, idle, shutdown, memory (the budget), watermark (host memory low); the write, VM paused |
+//! | `tine_hibernate_seconds` | histogram | `why`: request, idle, shutdown, memory (the budget), watermark (host memory low), cap (`max_sandboxes` running); the write, VM paused |
 //! | `tine_hibernated_bytes` | histogram | `why`: the page files' sizes |
 //! | `tine_resume_seconds` | histogram | `from`: disk; restore to agent ready |
 //! | `tine_tool_calls_total` | counter | `tool`, `outcome`: ok, error |
