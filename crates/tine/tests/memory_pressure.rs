@@ -8,13 +8,13 @@
 //! ballast of touched pages, as another program on the host would) until
 //! the host is a little above the watermark, and tops it up before each
 //! create until the crossing, so that memory freed elsewhere on the host
-//! does not move it away. Then sandboxes are created one by one: the create that
-//! brings the host below the watermark succeeds, and from then on every
-//! create (and the reaper) hibernates the least recently used idle
-//! sandboxes instead of failing; the hibernated ones answer their next
-//! call with what they wrote (the first under pressure still), running
-//! ones count in the memory budget by what they hold of their own plus
-//! the headroom, and the kernel's OOM killer never ran (`oom_kill` in
+//! does not move it away. Then sandboxes are created one by one: the
+//! create that brings the host below the watermark succeeds, the reaper
+//! and the next create hibernate the least recently used idle sandboxes
+//! instead of failing, and the create made at the watermark succeeds.
+//! The hibernated ones answer their next call with what they wrote,
+//! running ones count in the memory budget by what they hold of their own
+//! plus the headroom, and the kernel's OOM killer never ran (`oom_kill` in
 //! `/proc/vmstat`).
 
 use std::path::Path;
@@ -122,7 +122,10 @@ async fn below_the_watermark_creates_hibernate_idle_sandboxes_instead_of_failing
         t0.elapsed().as_secs_f64()
     );
 
-    // Creates until one finds idle sandboxes hibernated; then two more.
+    // Creates until idle sandboxes are hibernated, then one more, made
+    // with the host at the watermark. (More would find every sandbox
+    // hibernated but those just made: a restored idle sandbox frees only a
+    // few MiB, and the server then refuses, as it should.)
     let mut after = None;
     for n in 0..MAX_CREATES {
         // Up to the crossing, memory freed elsewhere on the host is taken
@@ -143,9 +146,8 @@ async fn below_the_watermark_creates_hibernate_idle_sandboxes_instead_of_failing
             hibernated(&listed)
         );
         match after {
-            None if hibernated(&listed) > 0 => after = Some(2),
-            Some(1) => break,
-            Some(k) => after = Some(k - 1),
+            None if hibernated(&listed) > 0 => after = Some(1),
+            Some(_) => break,
             None => {}
         }
     }
@@ -176,14 +178,12 @@ async fn below_the_watermark_creates_hibernate_idle_sandboxes_instead_of_failing
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 
-    // A, hibernated first, answers with the ballast still held (its
-    // resume hibernates another idle sandbox if the host is below the
-    // watermark again).
+    // A and B, hibernated first, answer with what they wrote once the
+    // other program gave its memory back; the last one made too.
     let a_state = &listed.iter().find(|(id, _)| *id == ids[0]).unwrap().1;
     assert_eq!(a_state, "hibernated", "A, the least recently used, went first: {listed:?}");
-    assert_eq!(exec(&client, &ids[0], "cat /root/mine.txt").await, "a\n");
-    // With the ballast gone, B and the last one made answer too.
     drop(ballast);
+    assert_eq!(exec(&client, &ids[0], "cat /root/mine.txt").await, "a\n");
     assert_eq!(exec(&client, &ids[1], "cat /root/mine.txt").await, "b\n");
     assert_eq!(exec(&client, ids.last().unwrap(), "echo last").await, "last\n");
     server.healthz();
