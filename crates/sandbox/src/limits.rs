@@ -72,6 +72,11 @@ pub struct Limits {
     /// its hibernation the headroom (plus its hibernation's pages). A
     /// headroom at least `max_memory_mib` counts every sandbox by its size.
     pub memory_headroom_mib: u64,
+    /// Disk space (MiB) the kept sandboxes' files (hibernations, records,
+    /// pinned template files) may take; a hibernation past it fails and the
+    /// sandbox keeps running. 0: half the size of the data directory's
+    /// file system.
+    pub max_hibernated_disk_mib: u64,
     /// A sandbox must have had no call for this long (s) before memory
     /// pressure (the budget or the watermark) hibernates it: an agent
     /// between two of its calls is not idle.
@@ -159,6 +164,7 @@ impl Default for Limits {
             shutdown_hibernate_secs: 60,
             min_available_mib: 0,
             memory_headroom_mib: 128,
+            max_hibernated_disk_mib: 0,
             pressure_min_idle_secs: 30,
         }
     }

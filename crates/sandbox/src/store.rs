@@ -118,6 +118,27 @@ pub fn remove(dir: &Path) -> Result<(), StoreError> {
     sync_dir(parent)
 }
 
+/// Bytes allocated on disk under `dir` (`st_blocks` of every file below
+/// it, so sparse files count what they hold; hard-linked files counted
+/// once); what cannot be read counts 0.
+pub fn disk_use(dir: &Path) -> u64 {
+    fn walk(dir: &Path, seen: &mut std::collections::HashSet<(u64, u64)>) -> u64 {
+        use std::os::unix::fs::MetadataExt;
+        let Ok(entries) = std::fs::read_dir(dir) else { return 0 };
+        let mut total = 0;
+        for e in entries.flatten() {
+            let Ok(m) = e.path().symlink_metadata() else { continue };
+            if m.is_dir() {
+                total += walk(&e.path(), seen);
+            } else if seen.insert((m.dev(), m.ino())) {
+                total += m.blocks() * 512;
+            }
+        }
+        total
+    }
+    walk(dir, &mut std::collections::HashSet::new())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

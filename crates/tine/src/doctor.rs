@@ -253,23 +253,6 @@ fn check_data_dir(dir: &Path) -> Check {
     }
 }
 
-/// Bytes allocated on disk under `dir` (`st_blocks`, hard-linked files
-/// counted once).
-fn disk_use(dir: &Path, seen: &mut std::collections::HashSet<(u64, u64)>) -> u64 {
-    use std::os::unix::fs::MetadataExt;
-    let Ok(entries) = std::fs::read_dir(dir) else { return 0 };
-    let mut total = 0;
-    for e in entries.flatten() {
-        let Ok(m) = e.path().symlink_metadata() else { continue };
-        if m.is_dir() {
-            total += disk_use(&e.path(), seen);
-        } else if seen.insert((m.dev(), m.ino())) {
-            total += m.blocks() * 512;
-        }
-    }
-    total
-}
-
 /// The kept sandboxes' disk use (`<data>/kept`: records, hibernations,
 /// pinned template files) and the free space of its file system: a warning
 /// below 5% free, where hibernations start to fail with ENOSPC.
@@ -278,7 +261,7 @@ fn check_kept(data_dir: &Path) -> Check {
     let sandboxes = std::fs::read_dir(&kept)
         .map(|d| d.flatten().filter(|e| !e.file_name().to_string_lossy().starts_with('.')).count())
         .unwrap_or(0);
-    let used = disk_use(&kept, &mut std::collections::HashSet::new());
+    let used = tine_sandbox::store::disk_use(&kept);
     let at = if kept.exists() {
         kept.clone()
     } else {

@@ -254,6 +254,18 @@ impl Manager {
 
 /// Hibernates `sb` (see [`Manager::hibernate`]). Blocking.
 impl Manager {
+    /// The disk budget (MiB) of kept sandboxes' files:
+    /// `max_hibernated_disk_mib`, or half the size of the kept directory's
+    /// file system (no limit where it cannot be read).
+    fn hibernation_disk_budget_mib(&self) -> u64 {
+        match self.config.limits.max_hibernated_disk_mib {
+            0 => nix::sys::statvfs::statvfs(&self.config.kept_dir)
+                .map(|fs| (fs.blocks() as u64).saturating_mul(fs.fragment_size() as u64) / 2 >> 20)
+                .unwrap_or(u64::MAX),
+            n => n,
+        }
+    }
+
     fn hibernate_blocking(&self, sb: &Sandbox, why: HibernateWhy) -> Result<(), SandboxError> {
         let kept = &self.config.kept_dir;
         let retention_ms = self.config.limits.hibernated_retention_secs.saturating_mul(1000);
@@ -265,6 +277,14 @@ impl Manager {
             state => return Err(SandboxError::BadState { id: sb.id.clone(), state, what: "hibernation" }),
         }
         let failed = |reason: String| SandboxError::Hibernate { id: sb.id.clone(), reason };
+        let budget_mib = self.hibernation_disk_budget_mib();
+        let used_mib = crate::store::disk_use(kept) >> 20;
+        if used_mib >= budget_mib {
+            return Err(failed(format!(
+                "the kept sandboxes' files take {used_mib} MiB, the server's hibernation disk budget is {budget_mib} MiB \
+                 (max_hibernated_disk_mib); kill hibernated sandboxes you no longer need"
+            )));
+        }
         let sandbox_dir = kept_dir_of(kept, &sb.id);
         let g = GENERATION.fetch_add(1, Ordering::Relaxed);
         let (tmp, dir) = (sandbox_dir.join(format!("hib-{g}.tmp")), sandbox_dir.join(format!("hib-{g}")));

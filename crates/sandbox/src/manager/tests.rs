@@ -1145,3 +1145,23 @@ async fn at_the_cap_an_idle_sandbox_makes_room_and_kept_ones_have_a_cap_of_their
     assert_eq!(state(&b), SandboxState::Hibernated, "it stays hibernated");
     drop(guards);
 }
+
+/// Past the hibernation disk budget, a hibernation fails saying so and the
+/// sandbox keeps running with what it had.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hibernation_past_the_disk_budget_fails_and_the_sandbox_keeps_running() {
+    let s = setup(Limits { max_hibernated_disk_mib: 1, ..limits(4) });
+    let a = s.manager.create(SandboxSpec::default()).await.unwrap().sandbox_id;
+    s.manager.write_file(&a, "/state".into(), b"a".to_vec(), None, false).await.unwrap();
+    // Another sandbox's kept files already take 2 MiB.
+    let other = s.dir.path().join("kept").join("sb-other");
+    std::fs::create_dir_all(&other).unwrap();
+    std::fs::write(other.join("pages"), vec![1u8; 2 << 20]).unwrap();
+    let e = s.manager.hibernate(&a).await.unwrap_err();
+    assert!(e.to_string().contains("hibernation disk budget is 1 MiB"), "{e}");
+    assert_eq!(s.manager.info(&a).await.unwrap().state, SandboxState::Running);
+    assert_eq!(s.manager.read_file(&a, "/state".into(), 0, None).await.unwrap().data, b"a");
+    // Room again: it hibernates.
+    std::fs::remove_dir_all(&other).unwrap();
+    assert_eq!(s.manager.hibernate(&a).await.unwrap().state, SandboxState::Hibernated);
+}
