@@ -260,7 +260,7 @@ impl Manager {
     fn hibernation_disk_budget_mib(&self) -> u64 {
         match self.config.limits.max_hibernated_disk_mib {
             0 => nix::sys::statvfs::statvfs(&self.config.kept_dir)
-                .map(|fs| (fs.blocks() as u64).saturating_mul(fs.fragment_size() as u64) / 2 / (1 << 20))
+                .map(|fs| fs.blocks().saturating_mul(fs.fragment_size()) / 2 / (1 << 20))
                 .unwrap_or(u64::MAX),
             n => n,
         }
