@@ -121,8 +121,12 @@ impl Manager {
         if sb.state() == SandboxState::Starting {
             return Err(SandboxError::Starting(sb.id.clone()));
         }
-        // The quotas before the warm-up (checked again under the sandbox's
-        // control, when the template is written).
+        // The name and the quotas before the warm-up (checked again under
+        // the sandbox's control, when the template is written): a refusal
+        // does not wait seconds of warming up first.
+        if self.templates.path(name).exists() {
+            return Err(TemplateError::Exists(name.to_string()).into());
+        }
         self.check_template_quota(name)?;
         // A template of a pooled sandbox carries its environment.
         sb.handed_out().await?;
