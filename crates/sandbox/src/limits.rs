@@ -60,9 +60,9 @@ pub struct Limits {
     pub shutdown_hibernate_secs: u64,
     /// The host memory watermark (MiB): when the host's `MemAvailable`
     /// (`/proc/meminfo`, proc(5)) is below it, the least recently used idle
-    /// sandboxes are hibernated until it is not, and a create, branch or
-    /// resume that still finds the host below it fails at once. 0: derived
-    /// ([`derived_min_available_mib`]).
+    /// sandboxes are hibernated until it is not; a create, branch or resume
+    /// that still finds the host below half of it (the floor) fails at
+    /// once. 0: derived ([`derived_min_available_mib`]).
     pub min_available_mib: u64,
     /// A running sandbox counts in the memory budget as the host memory it
     /// holds of its own (guest pages not shared with its template or

@@ -123,9 +123,10 @@ async fn below_the_watermark_creates_hibernate_idle_sandboxes_instead_of_failing
     );
 
     // Creates until idle sandboxes are hibernated, then one more, made
-    // with the host at the watermark. (More would find every sandbox
-    // hibernated but those just made: a restored idle sandbox frees only a
-    // few MiB, and the server then refuses, as it should.)
+    // with the host at the watermark. (A restored idle sandbox frees only
+    // a few MiB: the host may stay below the watermark with every older
+    // sandbox hibernated; creates then go on down to the floor, half the
+    // watermark, 1.5 GiB and more below here.)
     let mut after = None;
     for n in 0..MAX_CREATES {
         // Up to the crossing, memory freed elsewhere on the host is taken

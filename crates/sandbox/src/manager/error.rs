@@ -111,17 +111,18 @@ pub enum SandboxError {
     /// Guest memory beyond the server's budget ([`crate::memory`]).
     #[error(transparent)]
     OverBudget(#[from] crate::memory::OverBudget),
-    /// The host's available memory is below the server's watermark and no
-    /// sandbox is idle to hibernate ([`crate::Limits::min_available_mib`]).
+    /// The host's available memory is below the server's floor (half its
+    /// watermark, [`crate::Limits::min_available_mib`]) and no sandbox is
+    /// idle to hibernate.
     #[error(
-        "the host has {available_mib} MiB of memory available, below the server's watermark of {watermark_mib} MiB, \
-         and no sandbox is idle enough to hibernate: this {what} was refused"
+        "the host has {available_mib} MiB of memory available, below the server's floor of {floor_mib} MiB (half \
+         its watermark), and no sandbox is idle enough to hibernate: this {what} was refused"
     )]
     HostMemoryLow {
         /// `MemAvailable` (MiB).
         available_mib: u64,
-        /// The watermark (MiB).
-        watermark_mib: u64,
+        /// The floor (MiB).
+        floor_mib: u64,
         /// What was refused ("create", "branch", "resume from disk").
         what: &'static str,
     },

@@ -366,9 +366,22 @@ impl Manager {
     /// [`crate::IdleAction::Kill`], kills) sandboxes idle past their
     /// timeout, deletes hibernated ones past their retention and, while the
     /// host is below its memory watermark, hibernates the least recently
-    /// used idle ones ([`pressure`]); it checks
+    /// used idle ones ([`pressure`]); a thread beside it measures what
+    /// running sandboxes hold ([`Manager::measure_memory`]); they check
     /// every `period` and ends when the manager is dropped.
     pub fn spawn_reaper(self: &Arc<Self>, period: Duration) -> tokio::task::JoinHandle<()> {
+        // What running sandboxes hold is measured on a thread of its own
+        // (blocking work every tick: on tokio's blocking pool it would keep
+        // that pool's idle threads alive for ever).
+        let weak = Arc::downgrade(self);
+        let measured = std::thread::Builder::new().name("tine-memory".into()).spawn(move || loop {
+            std::thread::sleep(period);
+            let Some(me) = weak.upgrade() else { return };
+            me.measure_memory();
+        });
+        if let Err(e) = measured {
+            tracing::warn!("cannot start the memory measuring thread (sandboxes count by their size): {e}");
+        }
         let weak = Arc::downgrade(self);
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(period);
@@ -388,8 +401,6 @@ impl Manager {
                 }
                 // The host below its memory watermark: idle sandboxes go to
                 // disk before the kernel's OOM killer picks a process.
-                let measuring = me.clone();
-                let _ = tokio::task::spawn_blocking(move || measuring.measure_memory()).await;
                 me.relieve_pressure().await;
                 let hibernate = me.config.limits.idle_action == crate::IdleAction::Hibernate;
                 let idle: Vec<Arc<Sandbox>> = lock(&me.sandboxes)

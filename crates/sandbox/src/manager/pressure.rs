@@ -10,7 +10,8 @@
 //! What a running sandbox counts in the budget is measured: the host
 //! memory it holds of its own plus a headroom
 //! ([`crate::Limits::memory_headroom_mib`]), at most its guest memory,
-//! updated every reaper tick ([`Manager::measure_memory`]); a sandbox
+//! updated every reaper period on a thread of its own
+//! ([`Manager::measure_memory`]); a sandbox
 //! restored from a template holds a few MiB of its own, so the budget
 //! admits many more of them than their sizes add up to.
 //!
@@ -24,7 +25,8 @@
 //! at a time, until the signal is gone. A sandbox is idle when it has had
 //! no call for [`crate::Limits::pressure_min_idle_secs`], nothing is in
 //! flight or under way on it, and it is not a recipe's builder. When
-//! nothing is left to free, the budget or the watermark refuses the call
+//! nothing is left to free, the budget refuses the call, and so does the
+//! watermark's floor (half the watermark: between the two a call goes on),
 //! with an error that says why.
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -93,16 +95,23 @@ impl Manager {
     /// as [`Manager::admit`] does, hibernating idle sandboxes while the
     /// budget refuses.
     ///
-    /// Errors: [`SandboxError::HostMemoryLow`] (below the watermark with
-    /// nothing left to free), [`SandboxError::OverBudget`] (nothing left to
+    /// Errors: [`SandboxError::HostMemoryLow`] (below half the watermark
+    /// with nothing left to free), [`SandboxError::OverBudget`] (nothing left to
     /// hibernate, or a hibernation failed: logged).
     pub(super) async fn admit_or_hibernate(
         &self,
         what: &'static str,
         parts: &[(MemoryUse, u64)],
     ) -> Result<Vec<Reservation>, SandboxError> {
+        // Below the watermark with nothing left to hibernate, the call goes
+        // on down to the floor (half the watermark), and is refused below
+        // it: the watermark starts reclaim, the floor keeps the host's last
+        // memory from the next guest.
         if let Some(available_mib) = self.relieve_pressure().await {
-            return Err(SandboxError::HostMemoryLow { available_mib, watermark_mib: self.watermark.mib(), what });
+            let floor_mib = self.watermark.mib() / 2;
+            if available_mib < floor_mib {
+                return Err(SandboxError::HostMemoryLow { available_mib, floor_mib, what });
+            }
         }
         loop {
             let over = match self.admit(what, parts) {

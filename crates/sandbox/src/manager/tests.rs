@@ -1016,8 +1016,9 @@ async fn memory_pressure_hibernates_the_least_recently_used_idle_sandbox() {
 
 /// Below the host's memory watermark, a create hibernates idle sandboxes
 /// (least recently used first) until the host is above it again; with
-/// nothing idle left it fails at once with an error that says why; the
-/// reaper relieves the host without any call.
+/// nothing idle left it goes on down to the floor (half the watermark)
+/// and fails at once below it, saying why; the reaper relieves the host
+/// without any call.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn below_the_watermark_idle_sandboxes_are_hibernated_before_a_create_and_by_the_reaper() {
     let dir = tempfile::tempdir().unwrap();
@@ -1054,15 +1055,17 @@ async fn below_the_watermark_idle_sandboxes_are_hibernated_before_a_create_and_b
     assert_eq!(m.read_file(&a, "/state".into(), 0, None).await.unwrap().data, b"a");
     assert_eq!(backend.live_vms(), 3);
     // Below the watermark with nothing idle (every sandbox has a call in
-    // flight): a fifth create fails at once, saying why.
+    // flight): a create goes on above the floor (half the watermark, 500
+    // MiB), and the next one, below it, fails at once, saying why.
     let held: Vec<Arc<super::Sandbox>> = [&a, &c, &d].iter().map(|id| m.get(id).unwrap()).collect();
     let guards: Vec<_> = held.iter().map(|sb| sb.mark_busy()).collect();
+    let e = m.create(SandboxSpec::default()).await.expect("800 MiB: above the floor").sandbox_id;
+    let last = m.get(&e).unwrap();
+    let _last_busy = last.mark_busy();
+    assert_eq!(backend.live_vms(), 4);
     let e = m.create(SandboxSpec::default()).await.unwrap_err();
-    assert!(
-        matches!(e, SandboxError::HostMemoryLow { available_mib: 800, watermark_mib: 1000, what: "create" }),
-        "{e}"
-    );
-    assert!(e.to_string().contains("below the server's watermark of 1000 MiB"), "{e}");
+    assert!(matches!(e, SandboxError::HostMemoryLow { available_mib: 400, floor_mib: 500, what: "create" }), "{e}");
+    assert!(e.to_string().contains("below the server's floor of 500 MiB"), "{e}");
     drop(guards);
 }
 

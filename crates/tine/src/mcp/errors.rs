@@ -278,10 +278,10 @@ mod tests {
                  (sandbox_pause with to_disk: true), ask for less memory_mib, or try again later",
             ),
             (
-                SandboxError::HostMemoryLow { available_mib: 900, watermark_mib: 1228, what: "create" },
-                "the host has 900 MiB of memory available, below the server's watermark of 1228 MiB, and no sandbox is \
-                 idle enough to hibernate: this create was refused; hibernate sandboxes you are not using \
-                 (sandbox_pause with to_disk: true) or kill them (sandbox_kill), or try again later",
+                SandboxError::HostMemoryLow { available_mib: 500, floor_mib: 614, what: "create" },
+                "the host has 500 MiB of memory available, below the server's floor of 614 MiB (half its watermark), \
+                 and no sandbox is idle enough to hibernate: this create was refused; hibernate sandboxes you are not \
+                 using (sandbox_pause with to_disk: true) or kill them (sandbox_kill), or try again later",
             ),
             (
                 SandboxError::Gone { id: "sb-2".into(), reason: "merged into sb-1".into() },
