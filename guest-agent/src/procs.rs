@@ -1131,7 +1131,14 @@ pub(crate) mod tests {
         let _s = serial();
         let (id, _k) = start("sleep 1001 & setsid sleep 1002 & echo up; sleep 1003");
         assert_eq!(wait_for(id, text("up"), (0, 0), 20_000).outcome, WaitOutcome::Matched);
-        let marked = marked_pids(&markers_of(id));
+        // "up" can come before the backgrounded sleeps have been forked
+        // (a loaded host): wait for the three.
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        let mut marked = marked_pids(&markers_of(id));
+        while marked.len() < 3 && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+            marked = marked_pids(&markers_of(id));
+        }
         assert!(marked.len() >= 3, "bash and its sleeps: {marked:?}");
         let info = signal(id, libc::SIGTERM, 3000).unwrap();
         assert_eq!(info.status, Some(ExitStatus::Signal(libc::SIGTERM)));
