@@ -73,8 +73,9 @@ pub struct Limits {
     /// headroom at least `max_memory_mib` counts every sandbox by its size.
     pub memory_headroom_mib: u64,
     /// Disk space (MiB) the kept sandboxes' files (hibernations, records,
-    /// pinned template files) may take; a hibernation past it fails and the
-    /// sandbox keeps running. 0: half the size of the data directory's
+    /// pinned template files) may take; a hibernation past it (but not the
+    /// one at shutdown, which keeps the sandbox) fails and the sandbox keeps
+    /// running. 0: half the size of the data directory's
     /// file system.
     pub max_hibernated_disk_mib: u64,
     /// A sandbox must have had no call for this long (s) before memory

@@ -70,15 +70,6 @@ static GENERATION: AtomicU64 = AtomicU64::new(1);
 /// also after the template was rebuilt or deleted.
 pub(super) const BASES_DIR: &str = ".bases";
 
-/// The disk space (bytes, allocated blocks: sparse files count what they
-/// hold) of the files in `dir`; 0 where it cannot be read.
-fn disk_bytes(dir: &Path) -> u64 {
-    use std::os::unix::fs::MetadataExt;
-    std::fs::read_dir(dir)
-        .map(|entries| entries.flatten().filter_map(|e| e.metadata().ok()).map(|m| m.blocks() * 512).sum())
-        .unwrap_or(0)
-}
-
 /// A sandbox's directory of kept state.
 pub(super) fn kept_dir_of(kept: &Path, id: &str) -> PathBuf {
     kept.join(id)
@@ -151,7 +142,7 @@ impl Manager {
         if live >= max {
             return Err(SandboxError::TooMany { live, max });
         }
-        let charge = self.restored_charge_mib(sb.memory_mib, disk_bytes(&dir));
+        let charge = self.restored_charge_mib(sb.memory_mib, crate::store::disk_use(&dir));
         let memory = self.admit_or_hibernate("resume from disk", &[(MemoryUse::Sandbox, charge)]).await?.pop();
         if sb.transition(Transition::Wake).is_err() {
             return Err(sb.gone());
@@ -277,8 +268,10 @@ impl Manager {
             state => return Err(SandboxError::BadState { id: sb.id.clone(), state, what: "hibernation" }),
         }
         let failed = |reason: String| SandboxError::Hibernate { id: sb.id.clone(), reason };
+        // Not at shutdown: a sandbox not hibernated then is lost, and the
+        // disk itself is the limit.
         let budget_mib = self.hibernation_disk_budget_mib();
-        let used_mib = crate::store::disk_use(kept) >> 20;
+        let used_mib = if why == HibernateWhy::Shutdown { 0 } else { crate::store::disk_use(kept) >> 20 };
         if used_mib >= budget_mib {
             return Err(failed(format!(
                 "the kept sandboxes' files take {used_mib} MiB, the server's hibernation disk budget is {budget_mib} MiB \
