@@ -34,6 +34,8 @@
 #define SYS_write 1
 #define SYS_open 2
 #define SYS_close 3
+#define SYS_ioctl 16
+#define TCSBRK 0x5409
 #define SYS_pread64 17
 #define SYS_pwrite64 18
 #define SYS_fsync 74
@@ -76,6 +78,17 @@ static long len(const char *s)
 static void put(const char *s)
 {
 	syscall5(SYS_write, 1, (long)s, len(s), 0, 0);
+}
+
+/*
+ * Waits until the console has sent what init wrote (tcdrain: TCSBRK with a
+ * non-zero argument, tty_ioctl(4)). The serial driver sends from a buffer
+ * on interrupts; a kernel panic or a power off right after a write would
+ * otherwise cut the last lines off.
+ */
+static void drain(void)
+{
+	syscall5(SYS_ioctl, 1, TCSBRK, 1, 0, 0);
 }
 
 static void put_num(unsigned long v)
@@ -327,10 +340,12 @@ __attribute__((used)) void start_c(long *sp)
 		vsock_exchange(parse_num(vsock));
 	if (action && streq(action, "exit")) {
 		put("TINE-INIT-EXIT\n");
+		drain();
 		syscall5(SYS_exit, 0, 0, 0, 0, 0);
 	}
 	if (action && streq(action, "reset"))
 		cmd = LINUX_REBOOT_CMD_RESTART;
+	drain();
 	r = syscall5(SYS_reboot, LINUX_REBOOT_MAGIC1, LINUX_REBOOT_MAGIC2, cmd, 0, 0);
 	fail("reboot", r);
 }
