@@ -819,9 +819,12 @@ impl ManifestEntry {
     /// An upper bound of this entry's encoded size (bytes), for keeping a
     /// [`Manifest`] reply under [`MAX_FRAME_BYTES`](crate::MAX_FRAME_BYTES).
     pub fn encoded_len_bound(&self) -> usize {
-        // Varint length + path, kind, size (varint <= 10), mode (varint <= 5),
-        // option tag + varint length + hash.
-        10 + self.path.len() + 1 + 10 + 5 + 1 + 10 + self.sha256.as_ref().map_or(0, String::len)
+        // CBOR (RFC 8949 section 3): the map's header (1), its five keys
+        // with their headers (27), the path (header <= 9), the kind (a
+        // variant name of at most 8 bytes, header 1), size (<= 9), mode
+        // (<= 5), the hash (header <= 9, or 1 for null). Version 4's
+        // postcard encoding is smaller, so this bounds it too.
+        1 + 27 + 9 + self.path.len() + 9 + 9 + 5 + 9 + self.sha256.as_ref().map_or(0, String::len)
     }
 }
 

@@ -286,11 +286,30 @@ proptest! {
         prop_assert_eq!(back, resp);
     }
 
+    /// Every message goes through version 4 and back unchanged (re-shaped
+    /// by name to the frozen types, postcard, and back), and through each
+    /// wire's request and response paths.
+    #[test]
+    fn messages_round_trip_through_every_wire(id in any::<u64>(), op in arb_op(), result in arb_result()) {
+        let req = Request { id, op };
+        let resp = Response { id, result };
+        for wire in Wire::ALL {
+            let frame = wire.encode_request(&req).unwrap();
+            let body = read_body(&mut &frame[..]).unwrap();
+            prop_assert_eq!(body_version(&body).unwrap(), wire.version());
+            prop_assert_eq!(wire.decode_request(&body).unwrap(), req.clone());
+            let frame = wire.encode_response(&resp).unwrap();
+            let body = read_body(&mut &frame[..]).unwrap();
+            prop_assert_eq!(wire.decode_response(&body).unwrap(), resp.clone());
+        }
+    }
+
     /// The size bound the agent budgets a manifest reply with holds.
     #[test]
     fn manifest_entries_encode_within_their_bound(m in arb_manifest()) {
         for e in &m.entries {
-            let body = postcard::to_allocvec(e).unwrap();
+            let mut body = Vec::new();
+            ciborium::into_writer(e, &mut body).unwrap();
             prop_assert!(body.len() <= e.encoded_len_bound(), "{} > {}", body.len(), e.encoded_len_bound());
         }
     }
@@ -333,16 +352,24 @@ fn an_oversized_length_is_refused_before_reading_the_body() {
 
 #[test]
 fn a_huge_vec_length_inside_a_small_frame_does_not_allocate_it() {
-    // A WriteFile whose data length prefix claims ~2^63 bytes: postcard
-    // must fail on the short input rather than reserve that much.
+    // A WriteFile whose data byte string claims ~2^63 bytes: the decoder
+    // must fail on the short input rather than reserve that much, also
+    // where the operation is first read as a CBOR value (the agent's
+    // `Wire::decode_request`).
     let mut body = PROTOCOL_VERSION.to_le_bytes().to_vec();
-    body.push(0); // id = 0 (varint)
-    body.push(4); // Op::WriteFile
-    body.push(1); // path length 1
-    body.push(b'/');
-    body.extend_from_slice(&[0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x7f]); // data length varint
+    body.extend_from_slice(&[0xa2, 0x62, b'i', b'd', 0x00, 0x62, b'o', b'p', 0xa1, 0x69]);
+    body.extend_from_slice(b"WriteFile");
+    body.extend_from_slice(&[0xa1, 0x64, b'd', b'a', b't', b'a', 0x5b]);
+    body.extend_from_slice(&[0x7f, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff]);
     body.extend_from_slice(&[1, 2, 3]);
     assert!(matches!(decode_body::<Request>(&body), Err(ProtocolError::Decode(_))));
+    assert!(matches!(Wire::V5.decode_request(&body), Err(ProtocolError::Decode(_))));
+    // The same in version 4 (postcard's varint length).
+    let mut body = v4::VERSION.to_le_bytes().to_vec();
+    body.extend_from_slice(&[0, 4, 1, b'/']); // id 0, Op::WriteFile, path "/"
+    body.extend_from_slice(&[0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x7f]); // data length varint
+    body.extend_from_slice(&[1, 2, 3]);
+    assert!(matches!(Wire::V4.decode_request(&body), Err(ProtocolError::Decode(_))));
 }
 
 #[test]
@@ -420,29 +447,30 @@ fn manifest_request_and_reply_round_trip() {
 }
 
 #[test]
-fn existing_ops_keep_their_wire_tags() {
-    // Op::Manifest is appended: an old host's requests still decode the same.
-    assert_eq!(postcard::to_allocvec(&Op::Ping).unwrap(), [0]);
-    assert_eq!(postcard::to_allocvec(&Op::Info).unwrap(), [9]);
-    assert_eq!(postcard::to_allocvec(&Op::Manifest { paths: None }).unwrap(), [11, 0]);
-    assert_eq!(postcard::to_allocvec(&Reply::Done).unwrap(), [8]);
+fn version_4_keeps_its_wire_tags() {
+    // The frozen version 4 types encode as that release did (postcard is
+    // positional: a tag is the variant's index). Op::Manifest was appended.
+    assert_eq!(postcard::to_allocvec(&v4::Op::Ping).unwrap(), [0]);
+    assert_eq!(postcard::to_allocvec(&v4::Op::Info).unwrap(), [9]);
+    assert_eq!(postcard::to_allocvec(&v4::Op::Manifest { paths: None }).unwrap(), [11, 0]);
+    assert_eq!(postcard::to_allocvec(&v4::Reply::Done).unwrap(), [8]);
     // Protocol 3 appends its operations, replies and errors after them.
-    assert_eq!(postcard::to_allocvec(&Op::PythonWarmUp).unwrap(), [12]);
-    assert_eq!(postcard::to_allocvec(&Op::ProcessList).unwrap(), [15]);
+    assert_eq!(postcard::to_allocvec(&v4::Op::PythonWarmUp).unwrap(), [12]);
+    assert_eq!(postcard::to_allocvec(&v4::Op::ProcessList).unwrap(), [15]);
     assert_eq!(
-        postcard::to_allocvec(&Op::ProcessSignal { id: 1, signal: 15, escalate_ms: 0 }).unwrap(),
+        postcard::to_allocvec(&v4::Op::ProcessSignal { id: 1, signal: 15, escalate_ms: 0 }).unwrap(),
         [19, 1, 30, 0] // i32 is zigzag-encoded
     );
-    assert_eq!(postcard::to_allocvec(&Reply::Processes(vec![])).unwrap(), [13, 0]);
-    assert_eq!(postcard::to_allocvec(&AgentError::NoSuchProcess { id: 7 }).unwrap(), [10, 7]);
+    assert_eq!(postcard::to_allocvec(&v4::Reply::Processes(vec![])).unwrap(), [13, 0]);
+    assert_eq!(postcard::to_allocvec(&v4::AgentError::NoSuchProcess { id: 7 }).unwrap(), [10, 7]);
     // Protocol 4 appends the sandbox environment.
-    assert_eq!(postcard::to_allocvec(&Op::SetEnv { env: vec![] }).unwrap(), [20, 0]);
+    assert_eq!(postcard::to_allocvec(&v4::Op::SetEnv { env: vec![] }).unwrap(), [20, 0]);
     assert_eq!(
-        postcard::to_allocvec(&Op::Rename { from: "/a".into(), to: String::new() }).unwrap(),
+        postcard::to_allocvec(&v4::Op::Rename { from: "/a".into(), to: String::new() }).unwrap(),
         [21, 2, b'/', b'a', 0]
     );
     // ... and the Node.js interpreter, with Op::Python's request shape.
-    let node = Op::Node(Python { code: "1".into(), timeout_ms: 2, output_limit: 3 });
+    let node = v4::Op::Node(v4::Python { code: "1".into(), timeout_ms: 2, output_limit: 3 });
     assert_eq!(postcard::to_allocvec(&node).unwrap(), [22, 1, b'1', 2, 3]);
 }
 
@@ -511,4 +539,73 @@ fn process_limits_are_consistent() {
     };
     let frame = encode(&page).unwrap();
     assert_eq!(read_message::<_, Response>(&mut &frame[..]).unwrap(), page);
+}
+
+/// A CBOR frame body of the current version holding `value`.
+fn cbor_body(value: &ciborium::Value) -> Vec<u8> {
+    let mut body = PROTOCOL_VERSION.to_le_bytes().to_vec();
+    ciborium::into_writer(value, &mut body).unwrap();
+    body
+}
+
+fn text(s: &str) -> ciborium::Value {
+    ciborium::Value::Text(s.into())
+}
+
+#[test]
+fn a_newer_peers_fields_are_ignored_and_its_operations_answered_by_id() {
+    use ciborium::Value;
+    // A request whose Exec carries a field this version does not know.
+    let mut exec = Value::serialized(&Exec {
+        command: Command::Shell("true".into()),
+        cwd: None,
+        env: vec![],
+        stdin: vec![],
+        timeout_ms: 5,
+        output_limit: 6,
+    })
+    .unwrap();
+    if let Value::Map(fields) = &mut exec {
+        fields.push((text("niceness"), Value::Integer(3.into())));
+    }
+    let req = Value::Map(vec![
+        (text("id"), Value::Integer(41.into())),
+        (text("op"), Value::Map(vec![(text("Exec"), exec)])),
+        (text("trace"), text("abc")),
+    ]);
+    let got = Wire::V5.decode_request(&cbor_body(&req)).unwrap();
+    assert_eq!(got.id, 41);
+    assert!(matches!(got.op, Op::Exec(Exec { timeout_ms: 5, output_limit: 6, .. })), "{got:?}");
+    // An operation this version does not know, with and without a body:
+    // the error carries the id to answer.
+    for op in [text("Teleport"), Value::Map(vec![(text("Teleport"), Value::Map(vec![]))])] {
+        let req = Value::Map(vec![(text("id"), Value::Integer(42.into())), (text("op"), op)]);
+        match Wire::V5.decode_request(&cbor_body(&req)) {
+            Err(ProtocolError::UnknownOp { id: 42, reason }) => assert!(reason.contains("Teleport"), "{reason}"),
+            other => panic!("{other:?}"),
+        }
+    }
+    // A reply with a field this version does not know.
+    let mut pong =
+        Value::serialized(&Response { id: 7, result: Ok(Reply::Pong { agent_version: "9".into() }) }).unwrap();
+    if let Value::Map(fields) = &mut pong {
+        fields.push((text("elapsed_us"), Value::Integer(12.into())));
+    }
+    let back = Wire::V5.decode_response(&cbor_body(&pong)).unwrap();
+    assert_eq!(back, Response { id: 7, result: Ok(Reply::Pong { agent_version: "9".into() }) });
+}
+
+#[test]
+fn a_frame_of_another_version_is_refused_by_each_wire() {
+    let v5 = Wire::V5.encode_request(&Request { id: 1, op: Op::Ping }).unwrap();
+    let v4 = Wire::V4.encode_request(&Request { id: 1, op: Op::Ping }).unwrap();
+    let err = Wire::V4.decode_request(&v5[LENGTH_BYTES..]).unwrap_err();
+    assert!(matches!(err, ProtocolError::VersionMismatch { ours: 4, theirs: 5 }), "{err}");
+    let err = Wire::V5.decode_request(&v4[LENGTH_BYTES..]).unwrap_err();
+    assert!(matches!(err, ProtocolError::VersionMismatch { ours: 5, theirs: 4 }), "{err}");
+    assert_eq!(Wire::of_version(4), Some(Wire::V4));
+    assert_eq!(Wire::of_version(5), Some(Wire::V5));
+    assert_eq!(Wire::of_version(6), None);
+    // Version 4's bytes are what that release sent: Ping is variant 0.
+    assert_eq!(&v4[LENGTH_BYTES..], &[4, 0, 1, 0]);
 }
