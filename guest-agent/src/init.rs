@@ -149,6 +149,7 @@ pub fn run_as_pid1() {
         // SAFETY: PID 1 is single-threaded here, so fork is safe.
         let pid = unsafe { libc::fork() };
         if pid == 0 {
+            exec_override();
             return;
         }
         if pid < 0 {
@@ -171,4 +172,29 @@ pub fn run_as_pid1() {
             }
         }
     }
+}
+
+/// A replacement agent in the guest's `/run` (a tmpfs, gone at the next
+/// boot): when it exists, the agent child runs it instead of this binary.
+/// Tests use it to run an agent of another protocol version (the
+/// `protocol-v4` build) in a running sandbox, then kill the agent so that
+/// this loop starts the replacement. It gives the guest nothing it did not
+/// have (root in the guest can replace the agent anyway; the host trusts
+/// no answer of it).
+const AGENT_OVERRIDE: &std::ffi::CStr = c"/run/tine-agent-override";
+
+/// In the forked agent child: execs [`AGENT_OVERRIDE`] when it exists;
+/// returns (to run this binary's agent) when it does not or the exec fails.
+fn exec_override() {
+    let Ok(path) = AGENT_OVERRIDE.to_str() else { return };
+    if !std::path::Path::new(path).exists() {
+        return;
+    }
+    println!("tine-agent init: running the agent in {path}");
+    let argv = [AGENT_OVERRIDE.as_ptr(), std::ptr::null()];
+    // SAFETY: a NUL-terminated path and a NULL-terminated argv of
+    // NUL-terminated strings that outlive the call; execv returns only on
+    // failure.
+    unsafe { libc::execv(AGENT_OVERRIDE.as_ptr(), argv.as_ptr()) };
+    eprintln!("tine-agent init: exec {path}: {}; running the image's agent", std::io::Error::last_os_error());
 }

@@ -38,12 +38,22 @@ use std::io::Write;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use tine_protocol::{
-    encode, read_message, write_message, AgentError, Op, Progress, ProtocolError, Reply, Request, Response, AGENT_PORT,
-};
+use tine_protocol::{read_body, AgentError, Op, Progress, ProtocolError, Reply, Response, Wire, AGENT_PORT};
 
 /// The agent's version.
 pub const AGENT_VERSION: &str = env!("CARGO_PKG_VERSION");
+
+/// The protocol versions this agent answers, newest first: the current one
+/// and the one before (for a host rolled back one release). Built with the
+/// `protocol-v4` feature, it speaks only version 4, as the release before
+/// did: the fixture that tests a host against an agent of that release.
+#[cfg(not(feature = "protocol-v4"))]
+const WIRES: &[Wire] = &[Wire::V5, Wire::V4];
+#[cfg(feature = "protocol-v4")]
+const WIRES: &[Wire] = &[Wire::V4];
+
+/// The newest protocol version this agent speaks (`info` reports it).
+pub const PROTOCOL: Wire = WIRES[0];
 
 /// Runs one request; `progress` sends an interim `Reply::Progress` frame
 /// for it (used by `ExecWithProgress` and `ProcessWait`).
@@ -77,7 +87,19 @@ fn handle(op: Op, started: Instant, progress: &dyn Fn(Progress)) -> Result<Reply
     }
 }
 
-/// Serves one connection until the host closes it.
+/// Sends one whole frame (errors ignored: the connection may be gone,
+/// and after a branch the copy's host side is a new connection).
+fn send(writer: &Mutex<std::fs::File>, frame: &[u8]) -> std::io::Result<()> {
+    let mut w = writer.lock().unwrap_or_else(|p| p.into_inner());
+    w.write_all(frame).and_then(|()| w.flush())
+}
+
+/// Serves one connection until the host closes it. Each request is
+/// answered in its own frame's protocol version; a frame of a version this
+/// agent does not speak, or one without a readable id, is answered with id
+/// `u64::MAX` and `InvalidRequest` in the newest version it speaks (so a
+/// host learns which that is); an operation it does not know, for that
+/// request's id with `Unsupported`.
 fn serve(conn: std::fs::File, started: Instant) {
     let writer = match conn.try_clone() {
         Ok(w) => Arc::new(Mutex::new(w)),
@@ -88,48 +110,60 @@ fn serve(conn: std::fs::File, started: Instant) {
     };
     let mut reader = conn;
     loop {
-        let req: Request = match read_message(&mut reader) {
-            Ok(r) => r,
+        let body = match read_body(&mut reader) {
+            Ok(b) => b,
             Err(ProtocolError::Closed) => return,
-            Err(e @ (ProtocolError::Decode(_) | ProtocolError::VersionMismatch { .. })) => {
-                // The frame was read whole: report it and go on.
-                eprintln!("tine-agent: bad request frame: {e}");
-                let resp = Response { id: u64::MAX, result: Err(AgentError::InvalidRequest { reason: e.to_string() }) };
-                let mut w = writer.lock().unwrap_or_else(|p| p.into_inner());
-                if write_message(&mut *w, &resp).is_err() {
-                    return;
-                }
-                continue;
-            }
             Err(e) => {
                 // Framing is lost (oversized frame, I/O): drop the connection.
                 eprintln!("tine-agent: connection dropped: {e}");
                 return;
             }
         };
+        let wire = tine_protocol::body_version(&body)
+            .ok()
+            .and_then(Wire::of_version)
+            .filter(|w| WIRES.contains(w))
+            .unwrap_or(PROTOCOL);
+        let req = match wire.decode_request(&body) {
+            Ok(r) => r,
+            Err(ProtocolError::UnknownOp { id, reason }) => {
+                eprintln!("tine-agent: request {id}: {reason}");
+                let resp = Response { id, result: Err(AgentError::Unsupported { reason }) };
+                if wire.encode_response(&resp).and_then(|f| send(&writer, &f).map_err(Into::into)).is_err() {
+                    return;
+                }
+                continue;
+            }
+            Err(e) => {
+                // The frame was read whole: report it and go on.
+                eprintln!("tine-agent: bad request frame: {e}");
+                let resp = Response { id: u64::MAX, result: Err(AgentError::InvalidRequest { reason: e.to_string() }) };
+                if wire.encode_response(&resp).and_then(|f| send(&writer, &f).map_err(Into::into)).is_err() {
+                    return;
+                }
+                continue;
+            }
+        };
         let writer = writer.clone();
         let spawned = std::thread::Builder::new().name(format!("req-{}", req.id)).spawn(move || {
             let id = req.id;
-            // Errors are ignored: the connection may be gone (after a
-            // branch the copy's host side is a new connection).
             let progress = |p: Progress| {
-                let frame = Response { id, result: Ok(Reply::Progress(p)) };
-                let mut w = writer.lock().unwrap_or_else(|p| p.into_inner());
-                let _ = write_message(&mut *w, &frame).and_then(|()| w.flush().map_err(Into::into));
+                if let Ok(frame) = wire.encode_response(&Response { id, result: Ok(Reply::Progress(p)) }) {
+                    let _ = send(&writer, &frame);
+                }
             };
             let resp = Response { id, result: handle(req.op, started, &progress) };
             // A reply too large for a frame (a huge directory listing, say)
             // is answered with that error rather than not at all, so the
             // host does not wait for it until its deadline.
-            let frame = match encode(&resp) {
-                Err(ProtocolError::FrameTooLarge { len, max }) => {
-                    encode(&Response { id, result: Err(AgentError::TooLarge { size: len, limit: max as u64 }) })
-                }
+            let frame = match wire.encode_response(&resp) {
+                Err(ProtocolError::FrameTooLarge { len, max }) => wire.encode_response(&Response {
+                    id,
+                    result: Err(AgentError::TooLarge { size: len, limit: max as u64 }),
+                }),
                 r => r,
             };
-            let mut w = writer.lock().unwrap_or_else(|p| p.into_inner());
-            let sent = frame.and_then(|f| w.write_all(&f).and_then(|()| w.flush()).map_err(Into::into));
-            if let Err(e) = sent {
+            if let Err(e) = frame.and_then(|f| send(&writer, &f).map_err(Into::into)) {
                 eprintln!("tine-agent: cannot send response {id}: {e}");
             }
         });
@@ -180,7 +214,9 @@ mod tests {
     use std::os::fd::OwnedFd;
     use std::os::unix::net::UnixStream;
 
-    use tine_protocol::{Command, Exec, ExitStatus, ProcessOutputRequest, StreamKind};
+    use tine_protocol::{
+        read_message, write_message, Command, Exec, ExitStatus, ProcessOutputRequest, Request, StreamKind,
+    };
 
     use super::*;
 
@@ -230,5 +266,44 @@ mod tests {
         write_message(&mut host, &Request { id: 9, op: Op::ProcessList }).unwrap();
         let r: Response = read_message(&mut host).unwrap();
         assert!(matches!(r.result, Ok(Reply::Processes(_))), "{r:?}");
+    }
+
+    /// Each request is answered in its frame's version: version 4 frames
+    /// (a host rolled back one release) get version 4 answers; an unknown
+    /// operation is answered for its id; a frame of an unknown version
+    /// gets `u64::MAX` and `InvalidRequest` in the newest version.
+    #[cfg(not(feature = "protocol-v4"))]
+    #[test]
+    fn answers_each_frame_in_its_version() {
+        use tine_protocol::LENGTH_BYTES;
+        let (agent_end, mut host) = UnixStream::pair().unwrap();
+        let conn = std::fs::File::from(OwnedFd::from(agent_end));
+        std::thread::spawn(move || serve(conn, Instant::now()));
+        let body = |host: &mut UnixStream| read_body(host).unwrap();
+
+        host.write_all(&Wire::V4.encode_request(&Request { id: 3, op: Op::Ping }).unwrap()).unwrap();
+        let resp = Wire::V4.decode_response(&body(&mut host)).unwrap();
+        assert!(matches!(resp, Response { id: 3, result: Ok(Reply::Pong { .. }) }), "{resp:?}");
+
+        // {"id": 4, "op": "Teleport"} in CBOR.
+        let mut frame = Wire::V5.encode_request(&Request { id: 4, op: Op::Ping }).unwrap();
+        frame.truncate(LENGTH_BYTES + 2);
+        frame.extend_from_slice(&[0xa2, 0x62, b'i', b'd', 0x04, 0x62, b'o', b'p', 0x68]);
+        frame.extend_from_slice(b"Teleport");
+        let len = (frame.len() - LENGTH_BYTES) as u32;
+        frame[..LENGTH_BYTES].copy_from_slice(&len.to_le_bytes());
+        host.write_all(&frame).unwrap();
+        let resp = Wire::V5.decode_response(&body(&mut host)).unwrap();
+        assert!(matches!(resp, Response { id: 4, result: Err(AgentError::Unsupported { .. }) }), "{resp:?}");
+
+        let mut frame = Wire::V5.encode_request(&Request { id: 5, op: Op::Ping }).unwrap();
+        frame[LENGTH_BYTES] = 9;
+        host.write_all(&frame).unwrap();
+        let resp = Wire::V5.decode_response(&body(&mut host)).unwrap();
+        assert!(matches!(resp, Response { id: u64::MAX, result: Err(AgentError::InvalidRequest { .. }) }), "{resp:?}");
+        // The connection goes on in version 5.
+        write_message(&mut host, &Request { id: 6, op: Op::Ping }).unwrap();
+        let r: Response = read_message(&mut host).unwrap();
+        assert!(matches!(r, Response { id: 6, result: Ok(Reply::Pong { .. }) }), "{r:?}");
     }
 }

@@ -4,9 +4,9 @@ use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::time::Instant;
 
-use tine_protocol::{AgentError, AgentInfo, Reseed, MAX_ENTROPY_BYTES, PROTOCOL_VERSION};
+use tine_protocol::{AgentError, AgentInfo, Reseed, MAX_ENTROPY_BYTES};
 
-use crate::AGENT_VERSION;
+use crate::{AGENT_VERSION, PROTOCOL};
 
 const fn ioc(dir: u64, ty: u8, nr: u8, size: u64) -> u64 {
     (dir << 30) | (size << 16) | ((ty as u64) << 8) | nr as u64
@@ -37,7 +37,7 @@ pub fn info(started: Instant) -> AgentInfo {
     let (disk_total, disk_free) = if ok { (vfs.f_blocks * vfs.f_frsize, vfs.f_bavail * vfs.f_frsize) } else { (0, 0) };
     AgentInfo {
         agent_version: AGENT_VERSION.to_string(),
-        protocol_version: PROTOCOL_VERSION,
+        protocol_version: PROTOCOL.version(),
         uptime_ms: started.elapsed().as_millis() as u64,
         mem_total: meminfo_kib(&mem, "MemTotal:") * 1024,
         mem_available: meminfo_kib(&mem, "MemAvailable:") * 1024,
