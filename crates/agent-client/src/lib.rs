@@ -1,7 +1,10 @@
 //! Async client of Tine's guest agent.
 //!
 //! Connects through a VM's hybrid-vsock Unix socket (`CONNECT <port>\n`,
-//! answered `OK <host port>\n`), then speaks `tine-protocol`. One task
+//! answered `OK <host port>\n`), then speaks `tine-protocol`: a first
+//! `Ping` in the current version tells which version the agent speaks (an
+//! agent of the release before answers in version 4), and the connection
+//! keeps that version ([`AgentClient::wire`]). One task
 //! reads responses and hands each to the caller waiting on its request id,
 //! so calls from many tasks run concurrently on one connection. Interim
 //! [`tine_protocol::Reply::Progress`] frames (of `ExecWithProgress` and a
@@ -29,10 +32,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tine_protocol::{
-    body_len, decode_body, encode, AgentError, AgentInfo, Command, DirEntry, Exec, ExecReply, FileData, FileStat,
-    Manifest, Op, ProcessInfo, ProcessOutput, ProcessOutputRequest, ProcessWait, ProcessWaited, ProcessWrite, Progress,
-    ProtocolError, Python, PythonReply, ReadFile, Reply, Request, Reseed, Response, Spawn, WriteFile, LENGTH_BYTES,
-    MAX_FILE_CHUNK, MAX_MANIFEST_ENTRIES, MAX_PROCESSES, MAX_PROCESS_CHUNK, PROGRESS_TAIL_BYTES, WAIT_LINE_BYTES,
+    body_len, body_version, AgentError, AgentInfo, Command, DirEntry, Exec, ExecReply, FileData, FileStat, Manifest,
+    Op, ProcessInfo, ProcessOutput, ProcessOutputRequest, ProcessWait, ProcessWaited, ProcessWrite, Progress,
+    ProtocolError, Python, PythonReply, ReadFile, Reply, Request, Reseed, Response, Spawn, Wire, WriteFile,
+    LENGTH_BYTES, MAX_FILE_CHUNK, MAX_MANIFEST_ENTRIES, MAX_PROCESSES, MAX_PROCESS_CHUNK, PROGRESS_TAIL_BYTES,
+    WAIT_LINE_BYTES,
 };
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
@@ -41,7 +45,8 @@ use tokio::sync::{mpsc, oneshot};
 
 /// The agent's vsock port (defined by the protocol).
 pub use tine_protocol::AGENT_PORT;
-/// Longest wait for the `OK` of the hybrid-vsock handshake.
+/// Longest wait for the `OK` of the hybrid-vsock handshake, and then for
+/// the agent's answer to the first `Ping` (each).
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Errors of the client.
@@ -107,6 +112,8 @@ pub struct AgentClient {
     reader: tokio::task::JoinHandle<()>,
     /// Set when a request write was cut off midway ([`ClientError::Abandoned`]).
     abandoned: AtomicBool,
+    /// The protocol version the agent speaks.
+    wire: Wire,
 }
 
 /// Marks the connection abandoned if dropped before the write it guards
@@ -169,9 +176,9 @@ async fn read_frame(r: &mut BufReader<OwnedReadHalf>) -> Result<Vec<u8>, Protoco
     Ok(body)
 }
 
-async fn read_loop(mut r: BufReader<OwnedReadHalf>, waiters: Waiters) {
+async fn read_loop(mut r: BufReader<OwnedReadHalf>, waiters: Waiters, wire: Wire) {
     loop {
-        let resp: Response = match read_frame(&mut r).await.and_then(|b| decode_body(&b)) {
+        let resp: Response = match read_frame(&mut r).await.and_then(|b| wire.decode_response(&b)) {
             Ok(resp) => resp,
             Err(ProtocolError::Closed) => break,
             Err(e) => {
@@ -193,6 +200,41 @@ async fn read_loop(mut r: BufReader<OwnedReadHalf>, waiters: Waiters) {
     }
     // Wake every waiter: their senders drop here.
     waiters.lock().unwrap_or_else(|p| p.into_inner()).clear();
+}
+
+/// Sends a `Ping` (id 0) in the current version and reads the one frame
+/// that answers it: a `Pong` in the current version, or (from an agent of
+/// the release before, which refuses a frame of another version with id
+/// `u64::MAX`) a frame of version 4. Returns the version to speak.
+///
+/// Errors: a description of what went wrong (I/O, a closed connection, a
+/// version this host does not speak, a frame that does not decode).
+async fn agent_wire(r: &mut BufReader<OwnedReadHalf>, w: &mut OwnedWriteHalf) -> Result<Wire, String> {
+    let ping = Wire::V5.encode_request(&Request { id: 0, op: Op::Ping }).map_err(|e| e.to_string())?;
+    w.write_all(&ping).await.map_err(|e| format!("sending the first ping: {e}"))?;
+    let body = read_frame(r).await.map_err(|e| format!("reading the answer to the first ping: {e}"))?;
+    let version = body_version(&body).map_err(|e| e.to_string())?;
+    let Some(wire) = Wire::of_version(version) else {
+        return Err(format!(
+            "the agent speaks protocol version {version}; this host speaks {}",
+            Wire::ALL.map(|w| w.version().to_string()).join(" and ")
+        ));
+    };
+    let resp = wire.decode_response(&body).map_err(|e| format!("the answer to the first ping: {e}"))?;
+    match (wire, resp) {
+        (Wire::V5, Response { id: 0, result: Ok(Reply::Pong { .. }) }) => Ok(wire),
+        (Wire::V4, Response { id: u64::MAX, result: Err(AgentError::InvalidRequest { .. }) }) => {
+            tracing::debug!("the agent speaks protocol version 4 (the release before)");
+            Ok(wire)
+        }
+        (_, other) => Err(format!(
+            "unexpected answer to the first ping in protocol version {version}: {}",
+            match other.result {
+                Ok(r) => reply_kind(&r).to_string(),
+                Err(e) => e.to_string(),
+            }
+        )),
+    }
 }
 
 /// Hands an interim progress frame to the call `id` waits on, if it asked
@@ -237,15 +279,27 @@ impl AgentClient {
             Ok(Err(e)) => return Err(fail(e.to_string())),
             Err(_) => return Err(fail(format!("no answer within {CONNECT_TIMEOUT:?}"))),
         }
+        let wire = match tokio::time::timeout(CONNECT_TIMEOUT, agent_wire(&mut r, &mut w)).await {
+            Ok(Ok(wire)) => wire,
+            Ok(Err(reason)) => return Err(fail(reason)),
+            Err(_) => return Err(fail(format!("the agent did not answer its first ping within {CONNECT_TIMEOUT:?}"))),
+        };
         let waiters: Waiters = Arc::default();
-        let reader = tokio::spawn(read_loop(r, waiters.clone()));
+        let reader = tokio::spawn(read_loop(r, waiters.clone(), wire));
         Ok(AgentClient {
             writer: tokio::sync::Mutex::new(w),
             waiters,
             next_id: AtomicU64::new(1),
             reader,
             abandoned: AtomicBool::new(false),
+            wire,
         })
+    }
+
+    /// The protocol version the agent speaks ([`Wire::V5`], or
+    /// [`Wire::V4`] for an agent of the release before).
+    pub fn wire(&self) -> Wire {
+        self.wire
     }
 
     /// Whether the connection can take no more calls (closed, or
@@ -279,7 +333,12 @@ impl AgentClient {
             return Err(ClientError::Abandoned);
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let frame = encode(&Request { id, op })?;
+        let frame = match self.wire.encode_request(&Request { id, op }) {
+            Ok(f) => f,
+            // An operation the agent's version lacks: nothing is sent.
+            Err(ProtocolError::UnknownOp { reason, .. }) => return Err(AgentError::Unsupported { reason }.into()),
+            Err(e) => return Err(e.into()),
+        };
         let (tx, rx) = oneshot::channel();
         self.waiters.lock().unwrap_or_else(|p| p.into_inner()).insert(id, Waiter { done: tx, progress });
         let forget = || {
@@ -781,7 +840,7 @@ mod tests {
     use std::io::{BufRead, Write};
     use std::os::unix::net::UnixListener;
 
-    use tine_protocol::{write_message, FileData};
+    use tine_protocol::FileData;
 
     use super::*;
 
@@ -795,6 +854,13 @@ mod tests {
     /// As [`peer`], answering each request with several frames (interim
     /// progress frames, then the final reply).
     fn peer_frames(dir: &Path, answers: Vec<Vec<Reply>>) -> std::path::PathBuf {
+        peer_speaking(dir, Wire::V5, answers)
+    }
+
+    /// As [`peer_frames`], speaking `wire` as an agent of that version
+    /// does: version 4 refuses the first ping (a version 5 frame) with id
+    /// `u64::MAX` in version 4, as the release before did.
+    fn peer_speaking(dir: &Path, wire: Wire, answers: Vec<Vec<Reply>>) -> std::path::PathBuf {
         let path = dir.join("vsock.sock");
         let listener = UnixListener::bind(&path).unwrap();
         std::thread::spawn(move || {
@@ -804,10 +870,17 @@ mod tests {
             let mut line = String::new();
             r.read_line(&mut line).unwrap();
             w.write_all(b"OK 1\n").unwrap();
+            let ping = tine_protocol::read_body(&mut r).unwrap();
+            let answer = match wire.decode_request(&ping) {
+                Ok(req) => Response { id: req.id, result: Ok(Reply::Pong { agent_version: "peer".into() }) },
+                Err(e) => Response { id: u64::MAX, result: Err(AgentError::InvalidRequest { reason: e.to_string() }) },
+            };
+            w.write_all(&wire.encode_response(&answer).unwrap()).unwrap();
             for (i, frames) in answers.into_iter().enumerate() {
-                let _: Request = tine_protocol::read_message(&mut r).unwrap();
+                let req = wire.decode_request(&tine_protocol::read_body(&mut r).unwrap()).unwrap();
+                assert_eq!(req.id, i as u64 + 1);
                 for reply in frames {
-                    write_message(&mut w, &Response { id: i as u64 + 1, result: Ok(reply) }).unwrap();
+                    w.write_all(&wire.encode_response(&Response { id: req.id, result: Ok(reply) }).unwrap()).unwrap();
                 }
             }
             // Never read again; keep the socket open.
@@ -815,6 +888,32 @@ mod tests {
             drop(r);
         });
         path
+    }
+
+    /// An agent of the release before (protocol version 4) is recognised
+    /// by its answer to the first ping, and then spoken to in version 4.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_agent_of_the_release_before_is_spoken_to_in_its_version() {
+        let dir = tempfile::tempdir().unwrap();
+        let path =
+            peer_speaking(dir.path(), Wire::V4, vec![vec![Reply::Progress(progress(1, b"a")), exec_reply(b"v4\n")]]);
+        let c = AgentClient::connect(&path, AGENT_PORT).await.unwrap();
+        assert_eq!(c.wire(), Wire::V4);
+        let exec = Exec {
+            command: Command::Shell("echo v4".into()),
+            cwd: None,
+            env: Vec::new(),
+            stdin: Vec::new(),
+            timeout_ms: 0,
+            output_limit: 0,
+        };
+        let (tx, mut rx) = mpsc::channel(8);
+        let r = c.run_with_progress(exec, 500, Duration::from_secs(5), tx).await.unwrap();
+        assert_eq!(r.stdout.data, b"v4\n");
+        assert_eq!(rx.recv().await.unwrap().stdout_tail, b"a");
+        let dir = tempfile::tempdir().unwrap();
+        let c = AgentClient::connect(&peer(dir.path(), Vec::new()), AGENT_PORT).await.unwrap();
+        assert_eq!(c.wire(), Wire::V5);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

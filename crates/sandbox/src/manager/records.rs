@@ -73,6 +73,12 @@ pub(super) struct HibernationRecord {
     /// it holds the whole memory).
     #[serde(default)]
     pub base: Option<String>,
+    /// The agent protocol version the sandbox's agent spoke when it was
+    /// hibernated (4 for an agent of the release before protocol 5); the
+    /// host learns it again when it connects after the resume. `None` in
+    /// records written before this field, or without a connection.
+    #[serde(default)]
+    pub agent_protocol: Option<u16>,
 }
 
 fn state_name(s: SandboxState) -> &'static str {
@@ -90,9 +96,9 @@ fn state_name(s: SandboxState) -> &'static str {
 /// `hibernated`, the record of `sb` hibernated there (written before the
 /// state changes: the record is the hibernation's commit point).
 fn record_of(sb: &Sandbox, pin: Option<String>, hibernated: Option<&Hibernated>) -> Record {
-    let (mut state, error) = {
+    let (mut state, error, agent_protocol) = {
         let st = lock(&sb.status);
-        (st.state, st.error.clone())
+        (st.state, st.error.clone(), st.agent.as_ref().map(|a| a.wire().version()))
     };
     let lineage = lock(&sb.lineage).clone();
     let hib = match hibernated {
@@ -107,6 +113,7 @@ fn record_of(sb: &Sandbox, pin: Option<String>, hibernated: Option<&Hibernated>)
         at_ms: h.at_ms,
         expires_at_ms: h.expires_at_ms,
         base: pin,
+        agent_protocol,
     });
     Record {
         format: RECORD_FORMAT,
