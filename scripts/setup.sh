@@ -98,8 +98,20 @@ echo "setup: tine built in $(( $(now) - t )) s" >&2
 # The guest agent, static (see crates/testkit build_agent).
 t=$(now)
 echo "setup: building the guest agent (cargo build --release -p tine-agent, static) ..." >&2
-(cd "$root" && RUSTFLAGS="-C target-feature=+crt-static" cargo build --release -p tine-agent \
-  --target x86_64-unknown-linux-gnu --target-dir "$root/target/guest" >&2)
+guest_agent() {
+  (cd "$root" && RUSTFLAGS="-C target-feature=+crt-static" cargo build --release -p tine-agent \
+    --target x86_64-unknown-linux-gnu --target-dir "$root/target/guest" "$@" >&2)
+}
+# First the fixture of the release before protocol 5 (an agent that speaks
+# only version 4; crates/tine/tests/keep.rs runs it in a sandbox), set
+# aside, then the agent itself (its dependencies are shared, so the second
+# build compiles only the agent again, or nothing).
+guest_agent --features protocol-v4
+cp "$root/target/guest/x86_64-unknown-linux-gnu/release/tine-agent" \
+  "$root/target/guest/x86_64-unknown-linux-gnu/release/tine-agent-protocol-v4.tmp"
+mv "$root/target/guest/x86_64-unknown-linux-gnu/release/tine-agent-protocol-v4.tmp" \
+  "$root/target/guest/x86_64-unknown-linux-gnu/release/tine-agent-protocol-v4"
+guest_agent
 echo "setup: guest agent built in $(( $(now) - t )) s" >&2
 t=$(now)
 echo "setup: root filesystem (rootfs/build-rootfs.sh) ..." >&2

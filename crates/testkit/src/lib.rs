@@ -249,6 +249,17 @@ pub fn build_agent() -> PathBuf {
     target_dir.join("x86_64-unknown-linux-gnu/release/tine-agent")
 }
 
+/// The guest agent built with `--features protocol-v4`: it speaks only
+/// protocol version 4, as the release before version 5 did (the fixture
+/// of a sandbox made by that release). `scripts/setup.sh` builds it; it is
+/// not built here, because building it uplifts over the path
+/// [`build_agent`] returns while other tests may be copying it.
+pub fn protocol_v4_agent() -> PathBuf {
+    let path = workspace_root().join("target/guest/x86_64-unknown-linux-gnu/release/tine-agent-protocol-v4");
+    assert!(path.exists(), "{} is missing: scripts/setup.sh builds it", path.display());
+    path
+}
+
 /// Builds an ext4 image of `size_mib` MiB in `dir` whose `/sbin/init` is
 /// the guest agent, with Debian's static busybox and its applets in
 /// `/bin` (a shell and tools for the tests). Returns the image's path.

@@ -15,10 +15,16 @@
 //!   error; a damaged hibernation gives that sandbox `failed` with the
 //!   reason while the others resume;
 //! - after SIGKILL a hibernated sandbox comes back and a running one is
-//!   listed `failed`, lost in a crash.
+//!   listed `failed`, lost in a crash;
+//! - a sandbox whose agent is of the release before protocol 5 (the
+//!   `protocol-v4` fixture that `scripts/setup.sh` builds, run by the
+//!   guest's init in place of the image's agent) is hibernated, survives
+//!   the SIGTERM restart, and answers exec, Python and files in version 4.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
+
+use base64::Engine;
 
 use rmcp::{Peer, RoleClient};
 use serde_json::{json, Value};
@@ -31,6 +37,9 @@ const CONFIG: &str = "[limits]\nboot_timeout_secs = 1200\nmax_sandboxes = 12\n";
 /// A GET of the guest's own web server on port 8000 through bash's
 /// `/dev/tcp`: its status line.
 const GET: &str = "exec 3<>/dev/tcp/127.0.0.1/8000 && printf 'GET / HTTP/1.0\\r\\n\\r\\n' >&3 && head -n 1 <&3";
+
+/// The executable of the agent that runs an exec (the shell's parent).
+const AGENT_EXE: &str = "readlink /proc/$PPID/exe";
 
 async fn exec(client: &Peer<RoleClient>, id: &str, command: &str) -> Result<String, String> {
     let r = call(client, "sandbox_exec", json!({"sandbox_id": id, "command": command})).await?;
@@ -153,6 +162,38 @@ async fn sandboxes_outlive_idleness_restarts_and_crashes() {
         eprintln!("SKIPPED the full-disk hibernation: cannot mount a tmpfs (not root?)");
     }
 
+    // V runs an agent of the release before protocol 5: the fixture is put
+    // where init looks for a replacement, and the agent is killed; init
+    // starts the replacement, and the host's next connection finds it
+    // speaks version 4.
+    let v = create(&client, json!({})).await;
+    let fixture = std::fs::read(testkit::protocol_v4_agent()).unwrap();
+    let data = base64::engine::general_purpose::STANDARD.encode(&fixture);
+    call(
+        &client,
+        "sandbox_upload",
+        json!({"sandbox_id": v, "path": "/run/tine-agent-override", "data_base64": data, "mode": 0o755}),
+    )
+    .await
+    .expect("upload the version 4 agent");
+    exec(&client, &v, "p=$PPID; setsid sh -c \"sleep 1; kill $p\" </dev/null >/dev/null 2>&1 &").await.unwrap();
+    let since = Instant::now();
+    loop {
+        // Fails while no agent listens; the old one answers until killed.
+        match exec(&client, &v, AGENT_EXE).await {
+            Ok(exe) if exe == "/run/tine-agent-override\n" => break,
+            r => assert!(since.elapsed() < Duration::from_secs(120), "the version 4 agent did not start: {r:?}"),
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    exec(&client, &v, "echo four > /root/v.txt").await.unwrap();
+    hibernate(&client, &v).await;
+    let record: Value =
+        serde_json::from_slice(&std::fs::read(server.data_dir.join("kept").join(&v).join("sandbox.json")).unwrap())
+            .unwrap();
+    assert_eq!(record["hibernation"]["agent_protocol"], 4, "{record}");
+    eprintln!("V runs the version 4 agent, hibernated, at {:.0} s", t0.elapsed().as_secs_f64());
+
     // Parent and child hibernated, and E; its template deleted under it.
     for id in [&b, &c, &e] {
         hibernate(&client, id).await;
@@ -172,7 +213,7 @@ async fn sandboxes_outlive_idleness_restarts_and_crashes() {
         .iter()
         .map(|s| (s["sandbox_id"].as_str().unwrap().to_string(), s["state"].as_str().unwrap().to_string()))
         .collect();
-    for id in [&a, &b, &c, &d, &e] {
+    for id in [&a, &b, &c, &d, &e, &v] {
         assert!(states.contains(&(id.clone(), "hibernated".into())), "{id} kept hibernated: {listed}");
     }
     let i = info(&client, &a).await;
@@ -189,6 +230,18 @@ async fn sandboxes_outlive_idleness_restarts_and_crashes() {
     let got = exec(&client, &a, GET).await.unwrap();
     assert!(got.starts_with("HTTP/1.0 200"), "the web server serves again: {got}");
     assert_eq!(exec(&client, &e, "cat /root/work/e.txt").await.unwrap(), "from-template\n");
+
+    // V resumes with its version 4 agent and answers exec, Python and
+    // files through it.
+    let out = exec(&client, &v, &format!("cat /root/v.txt; {AGENT_EXE}")).await.unwrap();
+    assert_eq!(out, "four\n/run/tine-agent-override\n");
+    let r = call(&client, "sandbox_run_python", json!({"sandbox_id": v, "code": "6 * 7"})).await.unwrap();
+    assert_eq!(r["result"], "42", "{r}");
+    call(&client, "sandbox_files_write", json!({"sandbox_id": v, "path": "/root/w.txt", "content": "via v4"}))
+        .await
+        .expect("write through the version 4 agent");
+    let r = call(&client, "sandbox_files_read", json!({"sandbox_id": v, "path": "/root/w.txt"})).await.unwrap();
+    assert_eq!(r["content"], "via v4", "{r}");
 
     // The branch pair diffs and merges after the restart.
     let diff = call(&client, "sandbox_diff", json!({"a": b, "b": c})).await.expect("diff");
