@@ -2,9 +2,11 @@
 //!
 //! Connects through a VM's hybrid-vsock Unix socket (`CONNECT <port>\n`,
 //! answered `OK <host port>\n`), then speaks `tine-protocol`: a first
-//! `Ping` in the current version tells which version the agent speaks (an
-//! agent of the release before answers in version 4), and the connection
-//! keeps that version ([`AgentClient::wire`]). One task
+//! `Ping` in the current version, sent at once, tells which version the
+//! agent speaks (an agent of the release before answers in version 4), and
+//! the connection keeps that version ([`AgentClient::wire`]). Calls wait
+//! for that answer within their own deadlines, so a guest slow to answer
+//! after a reconnect costs a call no more than its timeout. One task
 //! reads responses and hands each to the caller waiting on its request id,
 //! so calls from many tasks run concurrently on one connection. Interim
 //! [`tine_protocol::Reply::Progress`] frames (of `ExecWithProgress` and a
@@ -45,8 +47,7 @@ use tokio::sync::{mpsc, oneshot};
 
 /// The agent's vsock port (defined by the protocol).
 pub use tine_protocol::AGENT_PORT;
-/// Longest wait for the `OK` of the hybrid-vsock handshake, and then for
-/// the agent's answer to the first `Ping` (each).
+/// Longest wait for the `OK` of the hybrid-vsock handshake.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Errors of the client.
@@ -112,8 +113,9 @@ pub struct AgentClient {
     reader: tokio::task::JoinHandle<()>,
     /// Set when a request write was cut off midway ([`ClientError::Abandoned`]).
     abandoned: AtomicBool,
-    /// The protocol version the agent speaks.
-    wire: Wire,
+    /// The protocol version the agent speaks: `None` until the answer to
+    /// the first ping (set by the reader task; its end drops the sender).
+    wire: tokio::sync::watch::Receiver<Option<Wire>>,
 }
 
 /// Marks the connection abandoned if dropped before the write it guards
@@ -176,7 +178,21 @@ async fn read_frame(r: &mut BufReader<OwnedReadHalf>) -> Result<Vec<u8>, Protoco
     Ok(body)
 }
 
-async fn read_loop(mut r: BufReader<OwnedReadHalf>, waiters: Waiters, wire: Wire) {
+async fn read_loop(
+    mut r: BufReader<OwnedReadHalf>,
+    waiters: Waiters,
+    wire_tx: tokio::sync::watch::Sender<Option<Wire>>,
+) {
+    let wire = match read_frame(&mut r).await.map_err(|e| e.to_string()).and_then(|b| wire_of_first_answer(&b)) {
+        Ok(wire) => {
+            wire_tx.send_replace(Some(wire));
+            wire
+        }
+        Err(e) => {
+            tracing::warn!("agent connection: {e}; closing it");
+            return;
+        }
+    };
     loop {
         let resp: Response = match read_frame(&mut r).await.and_then(|b| wire.decode_response(&b)) {
             Ok(resp) => resp,
@@ -202,25 +218,22 @@ async fn read_loop(mut r: BufReader<OwnedReadHalf>, waiters: Waiters, wire: Wire
     waiters.lock().unwrap_or_else(|p| p.into_inner()).clear();
 }
 
-/// Sends a `Ping` (id 0) in the current version and reads the one frame
-/// that answers it: a `Pong` in the current version, or (from an agent of
-/// the release before, which refuses a frame of another version with id
-/// `u64::MAX`) a frame of version 4. Returns the version to speak.
+/// The version the agent speaks, from its answer to the first ping (id 0,
+/// sent in the current version): a `Pong` in the current version, or, from
+/// an agent of the release before (which refuses a frame of another
+/// version with id `u64::MAX`), a frame of version 4.
 ///
-/// Errors: a description of what went wrong (I/O, a closed connection, a
-/// version this host does not speak, a frame that does not decode).
-async fn agent_wire(r: &mut BufReader<OwnedReadHalf>, w: &mut OwnedWriteHalf) -> Result<Wire, String> {
-    let ping = Wire::V5.encode_request(&Request { id: 0, op: Op::Ping }).map_err(|e| e.to_string())?;
-    w.write_all(&ping).await.map_err(|e| format!("sending the first ping: {e}"))?;
-    let body = read_frame(r).await.map_err(|e| format!("reading the answer to the first ping: {e}"))?;
-    let version = body_version(&body).map_err(|e| e.to_string())?;
+/// Errors: a description of what is wrong (a version this host does not
+/// speak, a frame that does not decode, another answer).
+fn wire_of_first_answer(body: &[u8]) -> Result<Wire, String> {
+    let version = body_version(body).map_err(|e| e.to_string())?;
     let Some(wire) = Wire::of_version(version) else {
         return Err(format!(
             "the agent speaks protocol version {version}; this host speaks {}",
             Wire::ALL.map(|w| w.version().to_string()).join(" and ")
         ));
     };
-    let resp = wire.decode_response(&body).map_err(|e| format!("the answer to the first ping: {e}"))?;
+    let resp = wire.decode_response(body).map_err(|e| format!("the answer to the first ping: {e}"))?;
     match (wire, resp) {
         (Wire::V5, Response { id: 0, result: Ok(Reply::Pong { .. }) }) => Ok(wire),
         (Wire::V4, Response { id: u64::MAX, result: Err(AgentError::InvalidRequest { .. }) }) => {
@@ -279,13 +292,11 @@ impl AgentClient {
             Ok(Err(e)) => return Err(fail(e.to_string())),
             Err(_) => return Err(fail(format!("no answer within {CONNECT_TIMEOUT:?}"))),
         }
-        let wire = match tokio::time::timeout(CONNECT_TIMEOUT, agent_wire(&mut r, &mut w)).await {
-            Ok(Ok(wire)) => wire,
-            Ok(Err(reason)) => return Err(fail(reason)),
-            Err(_) => return Err(fail(format!("the agent did not answer its first ping within {CONNECT_TIMEOUT:?}"))),
-        };
+        let ping = Wire::V5.encode_request(&Request { id: 0, op: Op::Ping })?;
+        w.write_all(&ping).await.map_err(|e| fail(format!("sending the first ping: {e}")))?;
         let waiters: Waiters = Arc::default();
-        let reader = tokio::spawn(read_loop(r, waiters.clone(), wire));
+        let (wire_tx, wire) = tokio::sync::watch::channel(None);
+        let reader = tokio::spawn(read_loop(r, waiters.clone(), wire_tx));
         Ok(AgentClient {
             writer: tokio::sync::Mutex::new(w),
             waiters,
@@ -297,9 +308,32 @@ impl AgentClient {
     }
 
     /// The protocol version the agent speaks ([`Wire::V5`], or
-    /// [`Wire::V4`] for an agent of the release before).
-    pub fn wire(&self) -> Wire {
-        self.wire
+    /// [`Wire::V4`] for an agent of the release before); `None` until it
+    /// answered the first ping.
+    pub fn wire(&self) -> Option<Wire> {
+        *self.wire.borrow()
+    }
+
+    /// Waits until the agent answered the first ping, at most `timeout`;
+    /// returns the version it speaks. A booting guest's agent is up once
+    /// this returns.
+    ///
+    /// Errors: [`ClientError::Timeout`], [`ClientError::Closed`] (the
+    /// connection ended, or the answer was not one this host speaks).
+    pub async fn handshake(&self, timeout: Duration) -> Result<Wire, ClientError> {
+        self.wire_by(tokio::time::Instant::now() + timeout, timeout).await
+    }
+
+    /// [`AgentClient::handshake`] with a deadline; `timeout` is what the
+    /// error reports.
+    async fn wire_by(&self, deadline: tokio::time::Instant, timeout: Duration) -> Result<Wire, ClientError> {
+        let mut rx = self.wire.clone();
+        let known = tokio::time::timeout_at(deadline, async { rx.wait_for(Option::is_some).await.map(|w| *w) }).await;
+        match known {
+            Ok(Ok(wire)) => wire.ok_or(ClientError::Closed),
+            Ok(Err(_)) => Err(ClientError::Closed),
+            Err(_) => Err(ClientError::Timeout(timeout)),
+        }
     }
 
     /// Whether the connection can take no more calls (closed, or
@@ -332,8 +366,9 @@ impl AgentClient {
         if self.abandoned.load(Ordering::SeqCst) {
             return Err(ClientError::Abandoned);
         }
+        let wire = self.wire_by(deadline, timeout).await?;
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let frame = match self.wire.encode_request(&Request { id, op }) {
+        let frame = match wire.encode_request(&Request { id, op }) {
             Ok(f) => f,
             // An operation the agent's version lacks: nothing is sent.
             Err(ProtocolError::UnknownOp { reason, .. }) => return Err(AgentError::Unsupported { reason }.into()),
@@ -898,7 +933,8 @@ mod tests {
         let path =
             peer_speaking(dir.path(), Wire::V4, vec![vec![Reply::Progress(progress(1, b"a")), exec_reply(b"v4\n")]]);
         let c = AgentClient::connect(&path, AGENT_PORT).await.unwrap();
-        assert_eq!(c.wire(), Wire::V4);
+        assert_eq!(c.handshake(Duration::from_secs(5)).await.unwrap(), Wire::V4);
+        assert_eq!(c.wire(), Some(Wire::V4));
         let exec = Exec {
             command: Command::Shell("echo v4".into()),
             cwd: None,
@@ -913,7 +949,43 @@ mod tests {
         assert_eq!(rx.recv().await.unwrap().stdout_tail, b"a");
         let dir = tempfile::tempdir().unwrap();
         let c = AgentClient::connect(&peer(dir.path(), Vec::new()), AGENT_PORT).await.unwrap();
-        assert_eq!(c.wire(), Wire::V5);
+        assert_eq!(c.handshake(Duration::from_secs(5)).await.unwrap(), Wire::V5);
+    }
+
+    /// Connecting does not wait for the agent's answer to the first ping:
+    /// a call waits for it within its own timeout (a stopped agent after
+    /// a reconnect costs the call its timeout, no more, no less).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn calls_wait_for_the_first_answer_within_their_own_timeout() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("vsock.sock");
+        let listener = UnixListener::bind(&path).unwrap();
+        std::thread::spawn(move || {
+            let (stream, _) = listener.accept().unwrap();
+            let mut w = stream.try_clone().unwrap();
+            let mut r = std::io::BufReader::new(stream);
+            let mut line = String::new();
+            r.read_line(&mut line).unwrap();
+            w.write_all(b"OK 1\n").unwrap();
+            // The first ping is answered 1.5 s late.
+            let ping = tine_protocol::read_body(&mut r).unwrap();
+            std::thread::sleep(Duration::from_millis(1500));
+            let id = Wire::V5.decode_request(&ping).unwrap().id;
+            let pong = Response { id, result: Ok(Reply::Pong { agent_version: "late".into() }) };
+            w.write_all(&Wire::V5.encode_response(&pong).unwrap()).unwrap();
+            let req = Wire::V5.decode_request(&tine_protocol::read_body(&mut r).unwrap()).unwrap();
+            let pong = Response { id: req.id, result: Ok(Reply::Pong { agent_version: "late".into() }) };
+            w.write_all(&Wire::V5.encode_response(&pong).unwrap()).unwrap();
+            std::thread::sleep(Duration::from_secs(60));
+        });
+        let t = std::time::Instant::now();
+        let c = AgentClient::connect(&path, AGENT_PORT).await.unwrap();
+        assert!(t.elapsed() < Duration::from_millis(1000), "connect waited for the ping: {:?}", t.elapsed());
+        assert_eq!(c.wire(), None);
+        let e = c.ping(Duration::from_millis(300)).await.unwrap_err();
+        assert!(matches!(e, ClientError::Timeout(d) if d == Duration::from_millis(300)), "{e}");
+        assert_eq!(c.ping(Duration::from_secs(10)).await.unwrap(), "late");
+        assert_eq!(c.wire(), Some(Wire::V5));
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -30,6 +30,9 @@ const BUILD_LOG_PERIOD: Duration = Duration::from_secs(10);
 
 /// Pause between attempts to reach a booting guest's agent.
 const AGENT_RETRY: Duration = Duration::from_millis(250);
+/// Longest wait for a booting guest's agent to answer the first ping of
+/// a connection.
+const PING_TIMEOUT: Duration = Duration::from_secs(10);
 /// Timeout of the reseed call.
 const RESEED_TIMEOUT: Duration = Duration::from_secs(60);
 /// Entropy handed to each new guest (bytes).
@@ -664,9 +667,11 @@ impl Manager {
                     console,
                 });
             }
-            // A connection has had its first ping answered.
             match AgentClient::connect(uds, AGENT_PORT).await {
-                Ok(client) => return Ok(client),
+                Ok(client) => match client.handshake(PING_TIMEOUT).await {
+                    Ok(_) => return Ok(client),
+                    Err(e) => last_error = e.to_string(),
+                },
                 Err(e) => last_error = e.to_string(),
             }
             tokio::time::sleep(AGENT_RETRY).await;

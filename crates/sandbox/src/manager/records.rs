@@ -98,7 +98,7 @@ fn state_name(s: SandboxState) -> &'static str {
 fn record_of(sb: &Sandbox, pin: Option<String>, hibernated: Option<&Hibernated>) -> Record {
     let (mut state, error, agent_protocol) = {
         let st = lock(&sb.status);
-        (st.state, st.error.clone(), st.agent.as_ref().map(|a| a.wire().version()))
+        (st.state, st.error.clone(), st.agent.as_ref().and_then(|a| a.wire()).map(|w| w.version()))
     };
     let lineage = lock(&sb.lineage).clone();
     let hib = match hibernated {
