@@ -8,6 +8,14 @@
 //! answers and its bytearray is there. Compared with a restore from the
 //! template itself.
 //!
+//! Where `FIRECRACKER=/path/to/firecracker` is given, the same guest (512
+//! MiB, the same kernel, root filesystem and agent) in Firecracker: booted,
+//! a full snapshot taken (its template), the same share written, a diff
+//! snapshot (the pages written since: Firecracker's counterpart of a
+//! hibernation that writes only the sandbox's own pages), and the full
+//! snapshot loaded in a new process to a first answered exec. Target:
+//! Tine's hibernation at most 1.0x Firecracker's diff snapshot.
+//!
 //! `cargo bench -p tine-benches --bench hibernate`. `HIBERNATE_RUNS=N`
 //! (default 3) runs per share; `HIBERNATE_PERCENTS` (default `10,50`) the
 //! shares of RAM written. Writing is slow where the guest kernel is
@@ -16,6 +24,7 @@
 
 use std::time::{Duration, Instant};
 
+use tine_benches::firecracker::{allocated_bytes, Firecracker};
 use tine_benches::{agent_ready, env_or, median, mib, record};
 use vmm::{MemoryBacking, Snapshot};
 
@@ -78,6 +87,7 @@ async fn main() {
     report("template_restore_to_first_exec", &restores);
 
     let base = template.memory.open().expect("the template's memfd");
+    let mut tine_hibernate_p50 = Vec::new();
     for &pct in &percents {
         let bytes = mem_bytes * pct / 100;
         let (mut writes, mut hibernates, mut resumes, mut sizes) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
@@ -90,7 +100,7 @@ async fn main() {
             let a = agent_ready(&uds, Duration::from_secs(300)).await;
             let t = Instant::now();
             let code = format!("b = bytearray({bytes}); b[::4096] = b'\\x01' * len(b[::4096]); len(b)");
-            let r = a.python(&code, 3_600_000).await.expect("write guest memory");
+            let r = a.python(&code, tine_protocol::MAX_TIMEOUT_MS).await.expect("write guest memory");
             assert!(r.exception.is_none(), "{r:?}");
             writes.push(t.elapsed());
             drop(a);
@@ -128,9 +138,72 @@ async fn main() {
         );
         record("hibernate", &format!("page_file.pct_{pct}"), file_mib, "MiB");
         report(&format!("hibernate.pct_{pct}"), &hibernates);
+        tine_hibernate_p50.push((pct, ms(median(&hibernates))));
         report(&format!("resume_to_first_exec.pct_{pct}"), &resumes);
         let ratio = ms(median(&resumes)) / ms(median(&restores));
         println!("resume / template restore (medians): {ratio:.2}x");
         record("hibernate", &format!("resume_over_restore.pct_{pct}"), ratio, "x");
+    }
+
+    drop(base);
+    drop(template);
+    let Some(fc_bin) = tine_benches::firecracker::binary() else {
+        println!("firecracker: no binary given (FIRECRACKER=/path/to/firecracker; see docs/hosts.md)");
+        return;
+    };
+    for (pct, tine_p50) in tine_hibernate_p50 {
+        let bytes = mem_bytes * pct / 100;
+        let code = format!("b = bytearray({bytes}); b[::4096] = b'\\x01' * len(b[::4096]); len(b)");
+        let (mut fulls, mut diffs, mut sizes, mut loads, mut firsts) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for i in 0..runs {
+            let name = format!("fc{pct}-{i}");
+            let vsock = dir.path().join(format!("{name}.vsock"));
+            let file = |what: &str| dir.path().join(format!("{name}.{what}"));
+            let fc = Firecracker::start(&fc_bin, dir.path(), &name).await;
+            fc.boot_agent_guest(mem_bytes >> 20, &vsock).await;
+            let a = agent_ready(&vsock, Duration::from_secs(900)).await;
+            a.python("import os, sys", 0).await.expect("python");
+            fc.set_paused(true).await;
+            fulls.push(fc.snapshot("Full", &file("state"), &file("mem")).await);
+            fc.set_paused(false).await;
+            // Firecracker resets the guest's vsock connections when it
+            // takes a snapshot (its docs/snapshotting): connect again.
+            drop(a);
+            let a = agent_ready(&vsock, Duration::from_secs(300)).await;
+            let r = a.python(&code, tine_protocol::MAX_TIMEOUT_MS).await.expect("write guest memory");
+            assert!(r.exception.is_none(), "{r:?}");
+            fc.set_paused(true).await;
+            diffs.push(fc.snapshot("Diff", &file("diff-state"), &file("diff-mem")).await);
+            sizes.push(allocated_bytes(&file("diff-mem")));
+            drop(a);
+            drop(fc);
+
+            // The full snapshot loaded in a new process (its vsock socket
+            // is made again at the same path).
+            let _ = std::fs::remove_file(&vsock);
+            let fc = Firecracker::start(&fc_bin, dir.path(), &format!("{name}l")).await;
+            let t = Instant::now();
+            loads.push(fc.load(&file("state"), &file("mem")).await);
+            let a = agent_ready(&vsock, Duration::from_secs(300)).await;
+            a.exec("true", 60_000, 0).await.expect("exec");
+            firsts.push(t.elapsed());
+            drop(a);
+            drop(fc);
+            for what in ["state", "mem", "diff-state", "diff-mem"] {
+                let _ = std::fs::remove_file(file(what));
+            }
+            let _ = std::fs::remove_file(&vsock);
+        }
+        let diff_mib = mib(*sizes.iter().max().unwrap());
+        println!("firecracker {pct}%: diff memory file {diff_mib:.1} MiB allocated");
+        record("hibernate", &format!("firecracker.diff_file.pct_{pct}"), diff_mib, "MiB");
+        report(&format!("firecracker.full_snapshot.pct_{pct}"), &fulls);
+        report(&format!("firecracker.diff_snapshot.pct_{pct}"), &diffs);
+        report(&format!("firecracker.load.pct_{pct}"), &loads);
+        report(&format!("firecracker.load_to_first_exec.pct_{pct}"), &firsts);
+        let ratio = tine_p50 / ms(median(&diffs));
+        println!("tine hibernate / firecracker diff snapshot (medians): {ratio:.2}x");
+        record("hibernate", &format!("hibernate_over_firecracker_diff.pct_{pct}"), ratio, "x");
     }
 }

@@ -1,5 +1,7 @@
 //! Shared helpers for Tine's benchmarks.
 
+pub mod firecracker;
+
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
