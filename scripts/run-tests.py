@@ -45,7 +45,7 @@ EXPECTED_SECONDS = {
     "tine::extreme_arguments": 150,
     "vmm::branch": 144,
     "tine::pool": 122,
-    "tine::keep": 119,
+    "tine::keep": 225,
     "tine::python_sdk": 119,
     "vmm::boot": 114,
     "vmm::device_thread": 93,

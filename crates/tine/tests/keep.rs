@@ -176,7 +176,8 @@ async fn sandboxes_outlive_idleness_restarts_and_crashes() {
     )
     .await
     .expect("upload the version 4 agent");
-    exec(&client, &v, "p=$PPID; setsid sh -c \"sleep 1; kill $p\" </dev/null >/dev/null 2>&1 &").await.unwrap();
+    let kill_agent = "echo four > /root/v.txt; p=$PPID; setsid sh -c \"sleep 1; kill $p\" </dev/null >/dev/null 2>&1 &";
+    exec(&client, &v, kill_agent).await.unwrap();
     let since = Instant::now();
     loop {
         // Fails while no agent listens; the old one answers until killed.
@@ -186,7 +187,6 @@ async fn sandboxes_outlive_idleness_restarts_and_crashes() {
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
-    exec(&client, &v, "echo four > /root/v.txt").await.unwrap();
     hibernate(&client, &v).await;
     let record: Value =
         serde_json::from_slice(&std::fs::read(server.data_dir.join("kept").join(&v).join("sandbox.json")).unwrap())

@@ -3,7 +3,7 @@
 //! real MCP client, no mock of `/proc`.
 //!
 //! The test reads `MemAvailable` at its start and sets the server's
-//! watermark 3 GiB below it (less on a small host). Five sandboxes run and
+//! watermark 3 GiB below it (less on a small host). Three sandboxes run and
 //! count in the memory budget by what they hold of their own plus the
 //! headroom, not by their size. Then the test process takes host memory
 //! of its own (a ballast of written pages, as another program on the host
@@ -28,8 +28,8 @@ use testkit::mcp::{call, TineServer};
 /// the create (a few MiB here).
 const BELOW_MIB: u64 = 64;
 /// Sandboxes running before the ballast: A and B, which write a file, and
-/// three more.
-const RUNNING: usize = 5;
+/// one more.
+const RUNNING: usize = 3;
 
 /// A field of `/proc/meminfo` in MiB.
 fn meminfo_mib(field: &str) -> u64 {
