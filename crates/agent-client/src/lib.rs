@@ -892,6 +892,20 @@ mod tests {
         peer_speaking(dir, Wire::V5, answers)
     }
 
+    /// Accepts one connection on `listener` and answers its hybrid-vsock
+    /// `CONNECT` line: the writer and a reader for the frames.
+    fn accept_connect(
+        listener: &UnixListener,
+    ) -> (std::os::unix::net::UnixStream, std::io::BufReader<std::os::unix::net::UnixStream>) {
+        let (stream, _) = listener.accept().unwrap();
+        let mut w = stream.try_clone().unwrap();
+        let mut r = std::io::BufReader::new(stream);
+        let mut line = String::new();
+        r.read_line(&mut line).unwrap();
+        w.write_all(b"OK 1\n").unwrap();
+        (w, r)
+    }
+
     /// As [`peer_frames`], speaking `wire` as an agent of that version
     /// does: version 4 refuses the first ping (a version 5 frame) with id
     /// `u64::MAX` in version 4, as the release before did.
@@ -899,12 +913,7 @@ mod tests {
         let path = dir.join("vsock.sock");
         let listener = UnixListener::bind(&path).unwrap();
         std::thread::spawn(move || {
-            let (stream, _) = listener.accept().unwrap();
-            let mut w = stream.try_clone().unwrap();
-            let mut r = std::io::BufReader::new(stream);
-            let mut line = String::new();
-            r.read_line(&mut line).unwrap();
-            w.write_all(b"OK 1\n").unwrap();
+            let (mut w, mut r) = accept_connect(&listener);
             let ping = tine_protocol::read_body(&mut r).unwrap();
             let answer = match wire.decode_request(&ping) {
                 Ok(req) => Response { id: req.id, result: Ok(Reply::Pong { agent_version: "peer".into() }) },
@@ -961,12 +970,7 @@ mod tests {
         let path = dir.path().join("vsock.sock");
         let listener = UnixListener::bind(&path).unwrap();
         std::thread::spawn(move || {
-            let (stream, _) = listener.accept().unwrap();
-            let mut w = stream.try_clone().unwrap();
-            let mut r = std::io::BufReader::new(stream);
-            let mut line = String::new();
-            r.read_line(&mut line).unwrap();
-            w.write_all(b"OK 1\n").unwrap();
+            let (mut w, mut r) = accept_connect(&listener);
             // The first ping is answered 1.5 s late.
             let ping = tine_protocol::read_body(&mut r).unwrap();
             std::thread::sleep(Duration::from_millis(1500));

@@ -218,9 +218,7 @@ impl Wire {
             Wire::V5 => encode(req),
             Wire::V4 => {
                 let old = v4::to_v4_request(req)?;
-                let out = frame_start(v4::VERSION);
-                let out = postcard::to_extend(&old, out).map_err(|e| ProtocolError::Encode(e.to_string()))?;
-                frame_end(out)
+                postcard_frame(&old)
             }
         }
     }
@@ -245,8 +243,7 @@ impl Wire {
                 })
             }
             Wire::V4 => {
-                let old: v4::Request =
-                    postcard::from_bytes(&body[VERSION_BYTES..]).map_err(|e| ProtocolError::Decode(e.to_string()))?;
+                let old: v4::Request = postcard_body(body)?;
                 v4::from_v4_request(&old)
             }
         }
@@ -261,9 +258,7 @@ impl Wire {
             Wire::V5 => encode(resp),
             Wire::V4 => {
                 let old = v4::to_v4_response(resp);
-                let out = frame_start(v4::VERSION);
-                let out = postcard::to_extend(&old, out).map_err(|e| ProtocolError::Encode(e.to_string()))?;
-                frame_end(out)
+                postcard_frame(&old)
             }
         }
     }
@@ -278,8 +273,7 @@ impl Wire {
         match self {
             Wire::V5 => cbor(&body[VERSION_BYTES..]),
             Wire::V4 => {
-                let old: v4::Response =
-                    postcard::from_bytes(&body[VERSION_BYTES..]).map_err(|e| ProtocolError::Decode(e.to_string()))?;
+                let old: v4::Response = postcard_body(body)?;
                 v4::from_v4_response(&old)
             }
         }
@@ -293,6 +287,17 @@ impl Wire {
         }
         Ok(())
     }
+}
+
+/// A whole version 4 frame of `msg` (postcard).
+fn postcard_frame<T: Serialize>(msg: &T) -> Result<Vec<u8>, ProtocolError> {
+    let out = postcard::to_extend(msg, frame_start(v4::VERSION)).map_err(|e| ProtocolError::Encode(e.to_string()))?;
+    frame_end(out)
+}
+
+/// The version 4 message (postcard) of a frame body already checked.
+fn postcard_body<T: DeserializeOwned>(body: &[u8]) -> Result<T, ProtocolError> {
+    postcard::from_bytes(&body[VERSION_BYTES..]).map_err(|e| ProtocolError::Decode(e.to_string()))
 }
 
 /// A version 5 request with its operation not yet decoded, so that an
