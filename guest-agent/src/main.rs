@@ -87,8 +87,9 @@ fn handle(op: Op, started: Instant, progress: &dyn Fn(Progress)) -> Result<Reply
     }
 }
 
-/// Sends one whole frame (errors ignored: the connection may be gone,
-/// and after a branch the copy's host side is a new connection).
+/// Sends one whole frame under the writer's lock. Progress frames ignore
+/// its error (the connection may be gone: after a branch the copy's host
+/// side is a new connection); a final answer's error is logged.
 fn send(writer: &Mutex<std::fs::File>, frame: &[u8]) -> std::io::Result<()> {
     let mut w = writer.lock().unwrap_or_else(|p| p.into_inner());
     w.write_all(frame).and_then(|()| w.flush())
