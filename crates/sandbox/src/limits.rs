@@ -58,6 +58,9 @@ pub struct Limits {
     /// listed `failed` after the restart. `deploy/`'s `TimeoutStopSec`
     /// (systemd) and `terminationGracePeriodSeconds` (Kubernetes) allow it.
     pub shutdown_hibernate_secs: u64,
+    /// What one tenant may hold at once unless the tenants file says
+    /// otherwise for it (`[limits.tenant]`).
+    pub tenant: Quota,
     /// The host memory watermark (MiB): when the host's `MemAvailable`
     /// (`/proc/meminfo`, proc(5)) is below it, the least recently used idle
     /// sandboxes are hibernated until it is not; a create, branch or resume
@@ -167,6 +170,47 @@ impl Default for Limits {
             memory_headroom_mib: 128,
             max_hibernated_disk_mib: 0,
             pressure_min_idle_secs: 30,
+            tenant: Quota::default(),
+        }
+    }
+}
+
+/// What one tenant may hold at once: its sandboxes, their vCPUs and guest
+/// memory, its templates and builds, its MCP sessions. The server's own
+/// sandboxes and the operator's calls are bound by [`Limits`] alone. A
+/// call past a quota fails at once with [`crate::SandboxError::Quota`],
+/// naming the quota and what uses it.
+#[derive(Clone, Debug, Deserialize, serde::Serialize, PartialEq, Eq)]
+#[serde(default, deny_unknown_fields)]
+pub struct Quota {
+    /// Sandboxes in any state (live, hibernated, failed).
+    pub max_sandboxes: usize,
+    /// Live sandboxes (starting, running or paused). A hibernated one that
+    /// a call resumes is not refused by it.
+    pub max_running: usize,
+    /// vCPUs of its live sandboxes together.
+    pub max_vcpus: u64,
+    /// Guest memory (MiB) of its live sandboxes together, by their size.
+    pub max_memory_mib: u64,
+    /// Templates of its own (snapshots and recipe builds, building ones
+    /// included).
+    pub max_templates: usize,
+    /// Template builds at once.
+    pub max_builds: usize,
+    /// MCP sessions at once (checked by the server's HTTP layer).
+    pub max_sessions: usize,
+}
+
+impl Default for Quota {
+    fn default() -> Self {
+        Quota {
+            max_sandboxes: 100,
+            max_running: 8,
+            max_vcpus: 16,
+            max_memory_mib: 8192,
+            max_templates: 16,
+            max_builds: 2,
+            max_sessions: 64,
         }
     }
 }

@@ -68,6 +68,12 @@ pub struct CallContext {
     /// The caller's key (an MCP session), recorded as the owner of the
     /// sandboxes it creates and named in their [`crate::SandboxEvent`]s.
     pub owner: Option<u64>,
+    /// The caller's tenant, recorded as the tenant of the sandboxes it
+    /// creates (`None`: the server's own, seen only by the operator).
+    pub tenant: Option<String>,
+    /// The tenant's quota, checked when the call makes sandboxes or
+    /// templates for it (`None`: only the server's [`crate::Limits`]).
+    pub quota: Option<std::sync::Arc<crate::limits::Quota>>,
     /// Where the call's progress goes.
     pub progress: ProgressSink,
 }

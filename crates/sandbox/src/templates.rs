@@ -284,23 +284,55 @@ pub struct TemplateStore {
 }
 
 /// Whether `name` is one only the server may write or delete:
-/// [`DEFAULT_TEMPLATE`] and names starting with [`RESERVED_PREFIX`].
+/// [`DEFAULT_TEMPLATE`] and names starting with [`RESERVED_PREFIX`]. A
+/// tenant's template ([`qualified`]) never is.
 pub fn is_reserved(name: &str) -> bool {
     name == DEFAULT_TEMPLATE || name.starts_with(RESERVED_PREFIX)
 }
 
-/// Checks a template name: `[a-z0-9][a-z0-9_-]{0,62}`.
+/// Between a tenant and its template's name in the name the store keeps:
+/// tenant `acme`'s template `data` is `acme~data` (a character no name has,
+/// so tenants' names never meet each other's or the server's).
+pub const TENANT_SEPARATOR: char = '~';
+
+/// The name the store keeps for template `name` of `tenant` (`None`: the
+/// server's, kept as `name`).
+pub fn qualified(tenant: Option<&str>, name: &str) -> String {
+    match tenant {
+        Some(t) => format!("{t}{TENANT_SEPARATOR}{name}"),
+        None => name.to_string(),
+    }
+}
+
+/// A stored name's tenant and name: `acme~data` gives `(Some("acme"),
+/// "data")`, `default` gives `(None, "default")`.
+pub fn split_qualified(stored: &str) -> (Option<&str>, &str) {
+    match stored.split_once(TENANT_SEPARATOR) {
+        Some((t, n)) => (Some(t), n),
+        None => (None, stored),
+    }
+}
+
+/// Checks a template name as the store keeps it: `[a-z0-9][a-z0-9_-]{0,62}`,
+/// or such a name behind a tenant's name and [`TENANT_SEPARATOR`] (the
+/// tenant's name of the same characters, at most 32 bytes).
 ///
 /// Errors: [`TemplateError::BadName`].
-pub fn check_name(name: &str) -> Result<(), TemplateError> {
-    let ok = !name.is_empty()
-        && name.len() <= MAX_NAME
-        && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
-        && name.as_bytes()[0].is_ascii_alphanumeric();
+pub fn check_name(stored: &str) -> Result<(), TemplateError> {
+    let plain = |name: &str, max: usize| {
+        !name.is_empty()
+            && name.len() <= max
+            && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
+            && name.as_bytes()[0].is_ascii_alphanumeric()
+    };
+    let ok = match split_qualified(stored) {
+        (Some(tenant), name) => plain(tenant, 32) && plain(name, MAX_NAME),
+        (None, name) => plain(name, MAX_NAME),
+    };
     if ok {
         Ok(())
     } else {
-        Err(TemplateError::BadName(name.to_string()))
+        Err(TemplateError::BadName(stored.to_string()))
     }
 }
 
@@ -664,12 +696,18 @@ mod tests {
 
     #[test]
     fn names() {
-        for ok in ["default", "py-3", "a", "x_1", "0abc"] {
+        for ok in ["default", "py-3", "a", "x_1", "0abc", "acme~data", "t-1~default"] {
             check_name(ok).unwrap();
         }
-        for bad in ["", "-a", "_a", "A", "a/b", "..", ".x", "a b", &"x".repeat(64)] {
+        let long_tenant = format!("{}~a", "t".repeat(33));
+        for bad in ["", "-a", "_a", "A", "a/b", "..", ".x", "a b", &"x".repeat(64), "~a", "a~", "a~b~c", &long_tenant] {
             assert!(matches!(check_name(bad), Err(TemplateError::BadName(_))), "{bad:?}");
         }
+        // A tenant's names are its own and never reserved.
+        assert_eq!(qualified(Some("acme"), "default"), "acme~default");
+        assert!(!is_reserved("acme~default") && !is_reserved("acme~tine-x"));
+        assert_eq!(split_qualified("acme~data"), (Some("acme"), "data"));
+        assert_eq!(split_qualified("default"), (None, "default"));
     }
 
     fn store() -> (tempfile::TempDir, TemplateStore) {

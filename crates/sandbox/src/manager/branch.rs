@@ -105,6 +105,9 @@ impl Manager {
         // again under the map's lock). At the cap, idle sandboxes make room.
         if (1..=self.config.limits.max_sandboxes).contains(&n) {
             self.check_kept(n)?;
+            if let Some(claim) = super::quota::Claim::of(cx, source.vcpus, source.memory_mib) {
+                claim.check(&lock(&self.sandboxes), n)?;
+            }
             self.make_room(n).await;
         }
         let room = self.config.limits.max_sandboxes.saturating_sub(self.live_count());
@@ -118,7 +121,7 @@ impl Manager {
         parts.push((MemoryUse::BranchPoint, mib));
         let mut memory = self.admit_or_hibernate("branch", &parts).await?;
         let mut point_memory = memory.pop();
-        let children = self.reserve_children(&source, n, cx.owner.or(source.owner()))?;
+        let children = self.reserve_children(&source, n, cx)?;
         for (child, r) in children.iter().zip(memory) {
             lock(&child.memory).own = Some(r);
         }
@@ -222,16 +225,20 @@ impl Manager {
         &self,
         source: &Sandbox,
         n: usize,
-        owner: Option<u64>,
+        cx: &CallContext,
     ) -> Result<Vec<Arc<Sandbox>>, SandboxError> {
+        let owner = cx.owner.or(source.owner());
         let branched_at = unix_ms();
         let mut nets = (0..n).map(|_| self.inherit_net(source)).collect::<Result<Vec<_>, _>>()?;
-        let made = self.reserve(n, |id, dir| {
+        let claim = super::quota::Claim::of(cx, source.vcpus, source.memory_mib);
+        let made = self.reserve(n, claim.as_ref(), |id, dir| {
             let setup = SandboxSetup {
                 labels: source.labels(),
                 template: source.template.clone(),
                 idle_timeout: source.idle_timeout(),
                 owner,
+                // A child belongs to its source's tenant, whoever branched.
+                tenant: source.tenant(),
                 events: Some(self.events.clone()),
             };
             let child = Sandbox::new(id, dir, source.vcpus, source.memory_mib, setup);

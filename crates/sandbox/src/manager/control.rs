@@ -128,6 +128,7 @@ impl Manager {
             return Err(TemplateError::Exists(name.to_string()).into());
         }
         self.check_template_quota(name)?;
+        self.check_template_claim(cx, false)?;
         // A template of a pooled sandbox carries its environment.
         sb.handed_out().await?;
         self.awake(&sb).await?;

@@ -44,6 +44,25 @@ pub enum SandboxError {
     /// The request is outside the limits.
     #[error(transparent)]
     Limits(#[from] LimitsError),
+    /// The call would take a tenant past one of its quotas
+    /// ([`crate::limits::Quota`]).
+    #[error(
+        "tenant {tenant} is at its quota of {quota}: {used} in use, {asked} more asked, the quota is {max}; {hint}"
+    )]
+    Quota {
+        /// The tenant.
+        tenant: String,
+        /// The quota, e.g. "live sandboxes", "vCPUs".
+        quota: &'static str,
+        /// What its objects use now.
+        used: u64,
+        /// What the call asks for on top.
+        asked: u64,
+        /// The quota.
+        max: u64,
+        /// What frees some.
+        hint: &'static str,
+    },
     /// The sandbox is still booting.
     #[error("sandbox {0} is still starting")]
     Starting(SandboxId),

@@ -246,6 +246,12 @@ impl Manager {
             return Err(SandboxError::ShuttingDown);
         }
         self.check_kept(1)?;
+        // The quota before anything is hibernated to make room (`reserve`
+        // checks again with the shape the template gives).
+        let vcpus = spec.vcpus.map_or(limits.default_vcpus, |v| u8::try_from(v).unwrap_or(u8::MAX));
+        if let Some(claim) = super::quota::Claim::of(&cx, vcpus, spec.memory_mib.unwrap_or(limits.default_memory_mib)) {
+            claim.check(&lock(&self.sandboxes), 1)?;
+        }
         self.make_room(1).await;
         let net = self.net_control(spec.network.as_ref())?;
         let poolable = self.poolable(&spec);
@@ -268,12 +274,13 @@ impl Manager {
         let memory = self.admit_or_hibernate("create", &[(MemoryUse::Sandbox, charge)]).await?.pop();
         let mut labels = Some(spec.labels);
         let sandbox = self
-            .reserve(1, |id, dir| {
+            .reserve(1, super::quota::Claim::of(&cx, vcpus, memory_mib).as_ref(), |id, dir| {
                 let setup = SandboxSetup {
                     labels: labels.take().unwrap_or_default(),
                     template: template.clone(),
                     idle_timeout,
                     owner: cx.owner,
+                    tenant: cx.tenant.clone(),
                     events: Some(self.events.clone()),
                 };
                 let sb = Sandbox::new(id, dir, vcpus, memory_mib, setup);
@@ -355,11 +362,18 @@ impl Manager {
                     SandboxError::TooManyKept { kept, max: max_kept }
                 });
             }
+            if let Some(Err(e)) = super::quota::Claim::of(cx, sb.vcpus, sb.memory_mib).map(|c| c.check(&map, 1)) {
+                drop(map);
+                *lock(&sb.handout) = None;
+                self.return_pooled(sb);
+                return Err(e);
+            }
             // Its settings before anyone can see it in the map (the
             // sandbox's setting locks are leaves: see the lock order).
             sb.set_labels(spec.labels);
             sb.set_idle_timeout(idle_timeout);
             sb.set_owner(cx.owner);
+            sb.set_tenant(cx.tenant.clone());
             sb.from_pool.store(true, Ordering::SeqCst);
             sb.touch();
             map.insert(sb.id.clone(), sb.clone());
@@ -454,6 +468,7 @@ impl Manager {
     pub(super) fn reserve(
         &self,
         n: usize,
+        claim: Option<&super::quota::Claim<'_>>,
         mut make: impl FnMut(SandboxId, PathBuf) -> Sandbox,
     ) -> Result<Vec<Arc<Sandbox>>, SandboxError> {
         let mut map = lock(&self.sandboxes);
@@ -469,6 +484,9 @@ impl Manager {
         let (kept, max_kept) = (map.len(), self.config.limits.max_kept_sandboxes);
         if n > max_kept.saturating_sub(kept) {
             return Err(SandboxError::TooManyKept { kept, max: max_kept });
+        }
+        if let Some(claim) = claim {
+            claim.check(&map, n)?;
         }
         let mut made = Vec::with_capacity(n);
         for _ in 0..n {
@@ -748,6 +766,7 @@ impl Manager {
             template: None,
             idle_timeout: Duration::MAX,
             owner: None,
+            tenant: None,
             events: None,
         };
         let sb = self.unlisted_sandbox("template", (vcpus, memory_mib), setup, memory)?;

@@ -39,6 +39,7 @@ mod pool;
 mod prefetch;
 mod pressure;
 mod processes;
+mod quota;
 mod recipes;
 mod records;
 mod sandbox;

@@ -249,6 +249,7 @@ impl Manager {
             template: Some(DEFAULT_TEMPLATE.into()),
             idle_timeout: limits.idle_timeout(None)?,
             owner: None,
+            tenant: None,
             events: Some(self.events.clone()),
         };
         let sb = self.unlisted_sandbox(&self.sandbox_prefix(), (vcpus, memory_mib), setup, memory)?;

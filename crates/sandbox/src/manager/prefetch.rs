@@ -68,6 +68,7 @@ impl Manager {
             template: Some(name.to_string()),
             idle_timeout: Duration::MAX,
             owner: None,
+            tenant: None,
             events: None,
         };
         let sb = self.unlisted_sandbox("template", (vcpus, memory_mib), setup, memory)?;

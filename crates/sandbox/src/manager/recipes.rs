@@ -221,11 +221,19 @@ impl Manager {
     /// (`building`). Follow it with [`Manager::templates`] or
     /// [`Manager::wait_template_build`].
     ///
+    /// The builder sandbox belongs to `cx.tenant`, and the build counts
+    /// against `cx.quota`.
+    ///
     /// Errors: as [`Recipe::check`]; [`SandboxError::Limits`] for vCPUs or
     /// memory out of range; [`TemplateError::Building`] when a build of
-    /// that name runs.
-    pub fn start_template_build(self: &Arc<Self>, recipe: Recipe) -> Result<TemplateInfo, SandboxError> {
+    /// that name runs; [`SandboxError::Quota`].
+    pub fn start_template_build(
+        self: &Arc<Self>,
+        recipe: Recipe,
+        cx: &CallContext,
+    ) -> Result<TemplateInfo, SandboxError> {
         self.check_recipe(&recipe)?;
+        self.check_template_claim(cx, true)?;
         let record = BuildRecord {
             state: TemplateState::Building,
             detail: "starting the builder sandbox".into(),
@@ -244,6 +252,7 @@ impl Manager {
         let info = record.info(&recipe.name);
         let me = self.clone();
         let name = recipe.name.clone();
+        let (tenant, quota) = (cx.tenant.clone(), cx.quota.clone());
         tokio::spawn(async move {
             let progress = {
                 let (me, name) = (me.clone(), name.clone());
@@ -255,7 +264,7 @@ impl Manager {
                     }
                 })
             };
-            let cx = CallContext { progress, ..CallContext::default() };
+            let cx = CallContext { progress, tenant, quota, ..CallContext::default() };
             match me.build_template(&recipe, &cx).await {
                 Ok(_) => {
                     lock(&me.builds).remove(&name);
@@ -299,7 +308,10 @@ impl Manager {
             env: recipe.env.clone(),
             ..SandboxSpec::default()
         };
-        let id = self.create_with(spec, &CallContext { owner: cx.owner, ..CallContext::default() }).await?.sandbox_id;
+        let id = self
+            .create_with(spec, &CallContext { owner: cx.owner, tenant: cx.tenant.clone(), ..CallContext::default() })
+            .await?
+            .sandbox_id;
         let built = self.run_recipe(&id, recipe, &report).await;
         let built = match built {
             Ok(()) => {

@@ -44,6 +44,9 @@ pub(super) struct Record {
     pub memory_mib: u64,
     #[serde(default)]
     pub labels: BTreeMap<String, String>,
+    /// The tenant it belongs to (`None`: the server's own).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<String>,
     #[serde(default)]
     pub template: Option<String>,
     #[serde(default)]
@@ -123,6 +126,7 @@ fn record_of(sb: &Sandbox, pin: Option<String>, hibernated: Option<&Hibernated>)
         vcpus: sb.vcpus,
         memory_mib: sb.memory_mib,
         labels: sb.labels(),
+        tenant: sb.tenant(),
         template: sb.template.clone(),
         parent: lineage.parent,
         branched_at_ms: lineage.branched_at_ms,
@@ -300,6 +304,7 @@ impl Manager {
                         template: None,
                         idle_timeout: Duration::from_secs(self.config.limits.default_idle_timeout_secs),
                         owner: None,
+                        tenant: None,
                         events: Some(self.events.clone()),
                     };
                     let sb = Sandbox::new(f.id.clone(), self.config.run_dir.join(&f.id), 0, 0, setup);
@@ -321,6 +326,7 @@ impl Manager {
             template: r.template.clone(),
             idle_timeout: Duration::from_secs(r.idle_timeout_secs),
             owner: None,
+            tenant: r.tenant.clone(),
             events: Some(self.events.clone()),
         };
         let mut sb = Sandbox::new(r.id.clone(), self.config.run_dir.join(&r.id), r.vcpus, r.memory_mib, setup);

@@ -101,6 +101,10 @@ pub struct Usage {
 pub struct SandboxInfo {
     /// The id.
     pub sandbox_id: SandboxId,
+    /// The tenant it belongs to (shown to the operator; `None`: the
+    /// server's own).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<String>,
     /// The state.
     pub state: SandboxState,
     /// Why it failed or stopped (with the guest console's last lines).
@@ -275,6 +279,8 @@ pub(super) struct SandboxSetup {
     pub idle_timeout: Duration,
     /// The key of the caller it is made for ([`crate::CallContext::owner`]).
     pub owner: Option<u64>,
+    /// The tenant it belongs to ([`crate::CallContext::tenant`]).
+    pub tenant: Option<String>,
     /// Where its events go (`None`: nowhere, e.g. the default template's
     /// build VM).
     pub events: Option<tokio::sync::broadcast::Sender<SandboxEvent>>,
@@ -326,6 +332,9 @@ pub(super) struct Sandbox {
     /// The key of the caller it was made for (a pooled sandbox gets its
     /// owner when it is handed out).
     owner: Mutex<Option<u64>>,
+    /// The tenant it belongs to (a pooled sandbox gets its tenant when it
+    /// is handed out; `None`: the server's own).
+    tenant: Mutex<Option<String>>,
     /// Whether it was handed out from the warm pool ([`super::pool`]).
     pub from_pool: std::sync::atomic::AtomicBool,
     /// A pooled sandbox's hand-out (reseed, environment) while it is in
@@ -339,7 +348,7 @@ pub(super) struct Sandbox {
 impl Sandbox {
     /// A sandbox in state `starting`, created now, with no VM yet.
     pub fn new(id: SandboxId, dir: PathBuf, vcpus: u8, memory_mib: u64, setup: SandboxSetup) -> Self {
-        let SandboxSetup { labels, template, idle_timeout, owner, events } = setup;
+        let SandboxSetup { labels, template, idle_timeout, owner, tenant, events } = setup;
         Sandbox {
             id,
             vcpus,
@@ -348,6 +357,7 @@ impl Sandbox {
             template,
             idle_timeout: Mutex::new(idle_timeout),
             owner: Mutex::new(owner),
+            tenant: Mutex::new(tenant),
             from_pool: std::sync::atomic::AtomicBool::new(false),
             handout: Mutex::new(None),
             events,
@@ -533,11 +543,22 @@ impl Sandbox {
         *lock(&self.owner) = owner;
     }
 
+    /// The tenant it belongs to (`None`: the server's own).
+    pub fn tenant(&self) -> Option<String> {
+        lock(&self.tenant).clone()
+    }
+
+    /// Gives it to `tenant` (a pooled sandbox at hand-out).
+    pub fn set_tenant(&self, tenant: Option<String>) {
+        *lock(&self.tenant) = tenant;
+    }
+
     pub fn info(&self, usage: Option<Usage>) -> SandboxInfo {
         let hib = lock(&self.hibernation).clone();
         let st = lock(&self.status);
         SandboxInfo {
             sandbox_id: self.id.clone(),
+            tenant: self.tenant(),
             state: st.state,
             error: st.error.clone(),
             vcpus: self.vcpus,

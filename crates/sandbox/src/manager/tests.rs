@@ -691,7 +691,7 @@ async fn the_reaper_says_reaped_not_killed() {
 async fn create_with_reports_its_steps_and_the_wait_for_the_default_template() {
     let s = setup(limits(4));
     let (sink, got) = recorder();
-    let cx = crate::CallContext { owner: None, progress: sink };
+    let cx = crate::CallContext { owner: None, progress: sink, ..Default::default() };
     s.manager.create_with(SandboxSpec::default(), &cx).await.unwrap();
     let m = messages(&got);
     assert!(m.iter().any(|l| l == "booting sb-1"), "{m:?}");
@@ -704,7 +704,7 @@ async fn create_with_reports_its_steps_and_the_wait_for_the_default_template() {
     s.manager.default_build.status.send_replace("booting template-9".into());
     s.manager.default_build.building.send_replace(true);
     let (sink, got) = recorder();
-    let cx = crate::CallContext { owner: None, progress: sink };
+    let cx = crate::CallContext { owner: None, progress: sink, ..Default::default() };
     let m = s.manager.clone();
     let create = tokio::spawn(async move { m.create_with(SandboxSpec::default(), &cx).await });
     let g = got.clone();
@@ -723,7 +723,7 @@ async fn branch_with_reports_the_branch_point_and_children_ready() {
     let s = setup(limits(4));
     let id = s.manager.create(SandboxSpec::default()).await.unwrap().sandbox_id;
     let (sink, got) = recorder();
-    let cx = crate::CallContext { owner: None, progress: sink };
+    let cx = crate::CallContext { owner: None, progress: sink, ..Default::default() };
     s.manager.branch_with(&id, 2, &cx).await.unwrap();
     let got = got.lock().unwrap().clone();
     let m: Vec<&str> = got.iter().map(|u| u.message.as_str()).collect();
@@ -741,7 +741,7 @@ async fn exec_with_progress_reports_the_agents_frames_with_the_latest_lines() {
     let s = setup(limits(4));
     let id = s.manager.create(SandboxSpec::default()).await.unwrap().sandbox_id;
     let (sink, got) = recorder();
-    let cx = crate::CallContext { owner: None, progress: sink };
+    let cx = crate::CallContext { owner: None, progress: sink, ..Default::default() };
     let req = super::ExecRequest { command: "make".into(), ..Default::default() };
     let r = s.manager.exec_with(&id, req, &cx).await.unwrap();
     assert_eq!(r.stdout.data, br#"Shell("make")"#);
@@ -784,7 +784,7 @@ async fn background_processes_are_named_by_sandbox_and_carried_into_branch_child
     let (n, after) = s.manager.process_write(&pid, b"hello\n".to_vec(), true).await.unwrap();
     assert_eq!((n, after.stdin_open), (6, false));
     let (sink, got) = recorder();
-    let cx = crate::CallContext { owner: None, progress: sink };
+    let cx = crate::CallContext { owner: None, progress: sink, ..Default::default() };
     let spec = super::WaitSpec {
         timeout_ms: 30_000,
         until: Some(crate::WaitFor::Text("Serving HTTP".into())),
@@ -1167,4 +1167,31 @@ async fn a_hibernation_past_the_disk_budget_fails_and_the_sandbox_keeps_running(
     // Room again: it hibernates.
     std::fs::remove_dir_all(&other).unwrap();
     assert_eq!(s.manager.hibernate(&a).await.unwrap().state, SandboxState::Hibernated);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenants_quota_refuses_what_would_pass_it_and_its_children_are_its_own() {
+    let s = setup(limits(6));
+    let quota = crate::limits::Quota { max_running: 2, max_vcpus: 2, ..Default::default() };
+    let cx = crate::CallContext { tenant: Some("acme".into()), quota: Some(Arc::new(quota)), ..Default::default() };
+    let a = s.manager.create_with(SandboxSpec::default(), &cx).await.unwrap();
+    assert_eq!(a.tenant.as_deref(), Some("acme"));
+    // Two more children would make three live sandboxes of acme.
+    let e = s.manager.branch_with(&a.sandbox_id, 2, &cx).await.unwrap_err();
+    assert!(
+        e.to_string()
+            .starts_with("tenant acme is at its quota of live sandboxes: 1 in use, 2 more asked, the quota is 2"),
+        "{e}"
+    );
+    let kid = s.manager.branch_with(&a.sandbox_id, 1, &cx).await.unwrap().children.remove(0);
+    assert_eq!(kid.tenant.as_deref(), Some("acme"), "a child is its source's tenant's");
+    let e = s.manager.create_with(SandboxSpec::default(), &cx).await.unwrap_err();
+    assert!(matches!(e, SandboxError::Quota { quota: "live sandboxes", used: 2, max: 2, .. }), "{e}");
+    // Another tenant, and the server's own calls, are not bound by acme's.
+    let other = crate::CallContext { tenant: Some("beta".into()), ..cx.clone() };
+    assert_eq!(s.manager.create_with(SandboxSpec::default(), &other).await.unwrap().tenant.as_deref(), Some("beta"));
+    assert_eq!(s.manager.create(SandboxSpec::default()).await.unwrap().tenant, None);
+    // A kill frees its place.
+    s.manager.kill(&kid.sandbox_id).await.unwrap();
+    s.manager.create_with(SandboxSpec::default(), &cx).await.expect("room again");
 }

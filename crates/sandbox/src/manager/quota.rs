@@ -1,0 +1,126 @@
+//! Tenants' quotas ([`Quota`]) on what a call makes: checked with the
+//! sandbox map locked, where the sandboxes are put in it (a create, a
+//! branch's children, a hand-out from the warm pool), so two calls of one
+//! tenant cannot both pass the last free place.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use super::{Sandbox, SandboxError, SandboxId};
+use crate::limits::Quota;
+use crate::CallContext;
+
+/// What a call asks of its tenant's quota: `n` sandboxes of this shape.
+pub(super) struct Claim<'a> {
+    /// The tenant.
+    pub tenant: &'a str,
+    /// Its quota.
+    pub quota: &'a Quota,
+    /// vCPUs of each sandbox.
+    pub vcpus: u8,
+    /// Guest memory of each sandbox (MiB).
+    pub memory_mib: u64,
+}
+
+impl<'a> Claim<'a> {
+    /// The claim of a call for sandboxes of `vcpus` and `memory_mib` each;
+    /// `None` for a call of no tenant or without a quota.
+    pub fn of(cx: &'a CallContext, vcpus: u8, memory_mib: u64) -> Option<Self> {
+        Some(Claim { tenant: cx.tenant.as_deref()?, quota: cx.quota.as_deref()?, vcpus, memory_mib })
+    }
+
+    /// Checks that `n` more sandboxes fit the tenant's quota, given the
+    /// sandboxes in `map`.
+    ///
+    /// Errors: [`SandboxError::Quota`] naming the first quota it passes.
+    pub fn check(&self, map: &BTreeMap<SandboxId, Arc<Sandbox>>, n: usize) -> Result<(), SandboxError> {
+        let (mut all, mut live, mut vcpus, mut memory) = (0u64, 0u64, 0u64, 0u64);
+        for sb in map.values().filter(|s| s.tenant().as_deref() == Some(self.tenant)) {
+            all += 1;
+            if sb.state().is_live() {
+                live += 1;
+                vcpus += u64::from(sb.vcpus);
+                memory += sb.memory_mib;
+            }
+        }
+        let n = n as u64;
+        let over = |quota, used: u64, asked: u64, max: u64, hint| {
+            (asked > max.saturating_sub(used)).then(|| SandboxError::Quota {
+                tenant: self.tenant.to_string(),
+                quota,
+                used,
+                asked,
+                max,
+                hint,
+            })
+        };
+        let q = self.quota;
+        let refused = over("sandboxes", all, n, q.max_sandboxes as u64, "kill sandboxes it no longer needs")
+            .or_else(|| {
+                over("live sandboxes", live, n, q.max_running as u64, "kill or hibernate (sandbox_pause to_disk) one")
+            })
+            .or_else(|| {
+                over("vCPUs", vcpus, n * u64::from(self.vcpus), q.max_vcpus, "kill or hibernate a live sandbox")
+            })
+            .or_else(|| {
+                over(
+                    "guest memory (MiB)",
+                    memory,
+                    n.saturating_mul(self.memory_mib),
+                    q.max_memory_mib,
+                    "ask for less memory_mib, or kill or hibernate a live sandbox",
+                )
+            });
+        refused.map_or(Ok(()), Err)
+    }
+}
+
+impl super::Manager {
+    /// Checks that one more template of the call's tenant fits its quota
+    /// (with `build`: one more build at once too). Its templates are those
+    /// named `<tenant>~...` ([`crate::templates::qualified`]), ready,
+    /// building or failed.
+    ///
+    /// Errors: [`SandboxError::Quota`].
+    pub(super) fn check_template_claim(&self, cx: &CallContext, build: bool) -> Result<(), SandboxError> {
+        let (Some(tenant), Some(quota)) = (cx.tenant.as_deref(), cx.quota.as_deref()) else { return Ok(()) };
+        let all = self.templates();
+        let own: Vec<_> = all.iter().filter(|t| crate::templates::split_qualified(&t.name).0 == Some(tenant)).collect();
+        let builds = if build { own.iter().filter(|t| t.state == crate::TemplateState::Building).count() } else { 0 };
+        check_template(tenant, quota, own.len(), builds, build)
+    }
+}
+
+/// Checks that one more template of `tenant` fits its quota, given how
+/// many it has now and (with `build`) how many of them are building.
+///
+/// Errors: [`SandboxError::Quota`].
+fn check_template(
+    tenant: &str,
+    quota: &Quota,
+    templates: usize,
+    builds: usize,
+    build: bool,
+) -> Result<(), SandboxError> {
+    if templates >= quota.max_templates {
+        return Err(SandboxError::Quota {
+            tenant: tenant.into(),
+            quota: "templates",
+            used: templates as u64,
+            asked: 1,
+            max: quota.max_templates as u64,
+            hint: "delete a template it no longer needs (template_delete)",
+        });
+    }
+    if build && builds >= quota.max_builds {
+        return Err(SandboxError::Quota {
+            tenant: tenant.into(),
+            quota: "template builds at once",
+            used: builds as u64,
+            asked: 1,
+            max: quota.max_builds as u64,
+            hint: "wait for a build to end (template_list shows them)",
+        });
+    }
+    Ok(())
+}
