@@ -101,7 +101,7 @@ fn run_tine(kernel: &Path, rootfs: &Path, program: &Path, cmdline: &str) -> Opti
         permit_ranges: vec!["127.0.0.0/8".parse().unwrap()],
         host_addrs: vec![],
     });
-    let control = netstack::control::NetControl::new(&netstack::policy::NetworkPolicy::default(), server, 1024)
+    let control = netstack::control::NetControl::new(&netstack::policy::NetworkPolicy::default(), None, server, 1024)
         .expect("the default policy compiles");
     let stack = netstack::stack::StackConfig {
         dns_upstreams: vec![],

@@ -23,15 +23,18 @@ pub struct NetControl {
 }
 
 impl NetControl {
-    /// A control with `policy` and a log of `log_capacity` records.
+    /// A control with `policy` under `ceiling` (see [`crate::policy`]) and
+    /// a log of `log_capacity` records.
     ///
     /// Errors: [`PolicyError`] for a bad rule.
     pub fn new(
         policy: &NetworkPolicy,
+        ceiling: Option<&NetworkPolicy>,
         server: Arc<ServerNetPolicy>,
         log_capacity: usize,
     ) -> Result<Arc<Self>, PolicyError> {
-        let compiled = CompiledPolicy::new(policy, &server)?;
+        let ceiling = ceiling.map(|c| CompiledPolicy::new(c, &server).map(Arc::new)).transpose()?;
+        let compiled = CompiledPolicy::new(policy, &server)?.with_ceiling(ceiling);
         Ok(Arc::new(Self {
             server,
             policy: RwLock::new(Arc::new(compiled)),
@@ -44,14 +47,26 @@ impl NetControl {
         &self.server
     }
 
-    /// Replaces the policy; connections opened from now on follow it
-    /// (open ones are not cut).
+    /// Replaces the policy, under the same ceiling; connections opened
+    /// from now on follow it (open ones are not cut).
     ///
     /// Errors: [`PolicyError`]; the old policy stays.
     pub fn set_policy(&self, policy: &NetworkPolicy) -> Result<(), PolicyError> {
-        let compiled = Arc::new(CompiledPolicy::new(policy, &self.server)?);
+        let ceiling = self.policy().ceiling().cloned();
+        let compiled = Arc::new(CompiledPolicy::new(policy, &self.server)?.with_ceiling(ceiling));
         let mut guard = self.policy.write().unwrap_or_else(|e| e.into_inner());
         *guard = compiled;
+        Ok(())
+    }
+
+    /// Replaces the ceiling (`None`: none), keeping the policy.
+    ///
+    /// Errors: [`PolicyError`]; the old ceiling stays.
+    pub fn set_ceiling(&self, ceiling: Option<&NetworkPolicy>) -> Result<(), PolicyError> {
+        let ceiling = ceiling.map(|c| CompiledPolicy::new(c, &self.server).map(Arc::new)).transpose()?;
+        let own = self.policy().policy().clone();
+        let compiled = Arc::new(CompiledPolicy::new(&own, &self.server)?.with_ceiling(ceiling));
+        *self.policy.write().unwrap_or_else(|e| e.into_inner()) = compiled;
         Ok(())
     }
 
@@ -94,7 +109,7 @@ mod tests {
 
     #[test]
     fn set_policy_replaces_and_keeps_old_on_error() {
-        let ctl = NetControl::new(&NetworkPolicy::default(), Arc::default(), 16).unwrap();
+        let ctl = NetControl::new(&NetworkPolicy::default(), None, Arc::default(), 16).unwrap();
         assert!(ctl.policy().check_addr(public(), 443, &[]).allowed);
         let held = ctl.policy();
 
@@ -113,12 +128,12 @@ mod tests {
     #[test]
     fn new_rejects_bad_rule() {
         let bad = NetworkPolicy { deny: vec!["10.0.0.0/33".into()], ..Default::default() };
-        assert!(NetControl::new(&bad, Arc::default(), 16).is_err());
+        assert!(NetControl::new(&bad, None, Arc::default(), 16).is_err());
     }
 
     #[test]
     fn log_through_control_and_poisoned_lock_does_not_panic() {
-        let ctl = NetControl::new(&NetworkPolicy::default(), Arc::default(), 4).unwrap();
+        let ctl = NetControl::new(&NetworkPolicy::default(), None, Arc::default(), 4).unwrap();
         let id = ctl.record(NetRecord {
             id: 0,
             time_ms: 5,

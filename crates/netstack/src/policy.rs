@@ -22,6 +22,13 @@
 //!
 //! IPv4-mapped IPv6 addresses (`::ffff:a.b.c.d`, RFC 4291 §2.5.5.2) are
 //! judged as the IPv4 address they carry, by every rule.
+//!
+//! A policy may have a ceiling ([`CompiledPolicy::with_ceiling`]: the
+//! operator's limit for a tenant's sandboxes): what the policy allows is
+//! judged again by the ceiling, and refused with the ceiling's rule
+//! prefixed `ceiling:` when the ceiling denies it. Both are enforced on
+//! every connection, name and query; no intersection of the two rule sets
+//! is computed.
 
 use std::fmt;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
@@ -337,6 +344,18 @@ pub struct CompiledPolicy {
     blocked: Vec<IpNet>,
     permit: Vec<IpNet>,
     host_addrs: Vec<IpAddr>,
+    /// The operator's limit over this policy (see the module doc).
+    ceiling: Option<std::sync::Arc<CompiledPolicy>>,
+}
+
+/// The verdict of a policy that allowed (`own`) under its ceiling's
+/// (`ceiling`): the ceiling's refusal, marked, or the policy's own rule.
+fn under_ceiling(own: Verdict, ceiling: Verdict) -> Verdict {
+    if ceiling.allowed {
+        own
+    } else {
+        Verdict::new(false, format!("ceiling:{}", ceiling.rule))
+    }
 }
 
 impl CompiledPolicy {
@@ -358,7 +377,21 @@ impl CompiledPolicy {
         let mut host_addrs: Vec<IpAddr> = server.host_addrs.iter().map(|a| canonical(*a)).collect();
         host_addrs.sort();
         host_addrs.dedup();
-        Ok(Self { policy: policy.clone(), allow, deny, blocked, permit: server.permit_ranges.clone(), host_addrs })
+        Ok(Self {
+            policy: policy.clone(),
+            allow,
+            deny,
+            blocked,
+            permit: server.permit_ranges.clone(),
+            host_addrs,
+            ceiling: None,
+        })
+    }
+
+    /// This policy under `ceiling` (see the module doc; `None`: none).
+    pub fn with_ceiling(mut self, ceiling: Option<std::sync::Arc<CompiledPolicy>>) -> Self {
+        self.ceiling = ceiling;
+        self
     }
 
     /// The policy as written.
@@ -366,17 +399,55 @@ impl CompiledPolicy {
         &self.policy
     }
 
-    /// Whether any allow/deny entry is a domain (the stack sniffs the
-    /// SNI/`Host` of connections only then).
+    /// The ceiling over it, if any.
+    pub fn ceiling(&self) -> Option<&std::sync::Arc<CompiledPolicy>> {
+        self.ceiling.as_ref()
+    }
+
+    /// Whether any allow/deny entry (the ceiling's included) is a domain
+    /// (the stack sniffs the SNI/`Host` of connections only then).
     pub fn has_domain_rules(&self) -> bool {
         self.allow.iter().chain(&self.deny).any(Rule::is_domain)
+            || self.ceiling.as_ref().is_some_and(|c| c.has_domain_rules())
     }
 
     /// A one-line summary for logs, e.g.
-    /// `egress:deny allow=[*.pypi.org, 203.0.113.0/24] deny=[]`.
+    /// `egress:deny allow=[*.pypi.org, 203.0.113.0/24] deny=[]`, with the
+    /// ceiling's after `ceiling:` if there is one.
     pub fn summary(&self) -> String {
         let list = |rules: &[Rule]| rules.iter().map(|r| r.text.as_str()).collect::<Vec<_>>().join(", ");
-        format!("egress:{} allow=[{}] deny=[{}]", self.policy.egress, list(&self.allow), list(&self.deny))
+        let own = format!("egress:{} allow=[{}] deny=[{}]", self.policy.egress, list(&self.allow), list(&self.deny));
+        match &self.ceiling {
+            Some(c) => format!("{own} ceiling:({})", c.summary()),
+            None => own,
+        }
+    }
+
+    /// Why `wider` allows more than this policy does, if it visibly does:
+    /// egress `allow` under egress `deny`, or an allow entry this policy
+    /// refuses (a domain judged by name, a wildcard by a name below it, an
+    /// address or CIDR by its first and last address). Deny entries of
+    /// this policy that `wider` lacks are not counted: as a ceiling, this
+    /// policy enforces them anyway.
+    pub fn refuses_more_than(&self, wider: &NetworkPolicy) -> Option<String> {
+        if wider.egress == Egress::Allow && self.policy.egress == Egress::Deny {
+            return Some("egress \"allow\" where the ceiling's egress is \"deny\"".into());
+        }
+        for entry in &wider.allow {
+            let probes: Vec<String> = match Rule::parse(entry).map(|r| r.matcher) {
+                Ok(Matcher::Net(net)) => vec![net.network().to_string(), net.broadcast().to_string()],
+                Ok(Matcher::Below(base)) => vec![format!("tine-probe.{base}")],
+                Ok(Matcher::Domain(d)) => vec![d],
+                Err(_) => continue,
+            };
+            for probe in probes {
+                let v = self.check_name(&probe);
+                if !v.allowed {
+                    return Some(format!("allow entry {entry:?}, which the ceiling denies ({})", v.rule));
+                }
+            }
+        }
+        None
     }
 
     fn permitted(&self, ip: IpAddr, original: IpAddr) -> bool {
@@ -407,7 +478,15 @@ impl CompiledPolicy {
     /// the names in `names` (those the sandbox's DNS answers gave for
     /// `ip`; empty when dialled by address). Domain entries match if any
     /// of `names` matches; the port takes no part in the verdict today.
-    pub fn check_addr(&self, ip: IpAddr, _port: u16, names: &[String]) -> Verdict {
+    pub fn check_addr(&self, ip: IpAddr, port: u16, names: &[String]) -> Verdict {
+        let own = self.check_addr_own(ip, port, names);
+        match &self.ceiling {
+            Some(c) if own.allowed => under_ceiling(own, c.check_addr(ip, port, names)),
+            _ => own,
+        }
+    }
+
+    fn check_addr_own(&self, ip: IpAddr, _port: u16, names: &[String]) -> Verdict {
         if let Some(rule) = self.blocked_rule(ip) {
             return Verdict::new(false, rule);
         }
@@ -432,6 +511,14 @@ impl CompiledPolicy {
     /// and need not be valid host names (`_srv._tcp.example.com` meets
     /// `*.example.com`). The blocked ranges do not apply.
     pub fn check_name(&self, name: &str) -> Verdict {
+        let own = self.check_name_own(name);
+        match &self.ceiling {
+            Some(c) if own.allowed => under_ceiling(own, c.check_name(name)),
+            _ => own,
+        }
+    }
+
+    fn check_name_own(&self, name: &str) -> Verdict {
         if let Ok(ip) = IpAddr::from_str(name.trim()) {
             let ip = canonical(ip);
             if let Some(r) = self.deny.iter().find(|r| r.matches_ip(ip)) {
@@ -714,5 +801,37 @@ mod tests {
         let server = ServerNetPolicy { permit_ranges: vec![], host_addrs: addrs };
         let p = compile(Egress::Allow, &[], &[], &server);
         assert!(!p.check_addr(ip("127.0.0.1"), 80, &[]).allowed);
+    }
+
+    #[test]
+    fn a_ceiling_refuses_what_it_denies_and_names_itself() {
+        let server = ServerNetPolicy::default();
+        let ceiling = std::sync::Arc::new(compile(
+            Egress::Deny,
+            &["pypi.org", "*.pythonhosted.org", "203.0.113.0/24"],
+            &[],
+            &server,
+        ));
+        let own = compile(Egress::Allow, &[], &["evil.example"], &server).with_ceiling(Some(ceiling.clone()));
+        assert!(own.check_name("pypi.org").allowed);
+        assert_eq!(own.check_name("example.com").rule, "ceiling:egress:deny");
+        assert_eq!(own.check_name("evil.example").rule, "deny:evil.example", "its own refusal first");
+        assert!(own.check_addr(ip("203.0.113.9"), 443, &[]).allowed);
+        assert_eq!(own.check_addr(ip("198.51.100.1"), 443, &[]).rule, "ceiling:egress:deny");
+        assert!(own.check_addr(ip("198.51.100.1"), 443, &["files.pythonhosted.org".into()]).allowed);
+        assert!(own.summary().contains("ceiling:(egress:deny"), "{}", own.summary());
+
+        let wider = |egress, allow: &[&str]| NetworkPolicy {
+            egress,
+            allow: allow.iter().map(|s| s.to_string()).collect(),
+            deny: vec![],
+        };
+        assert!(ceiling.refuses_more_than(&wider(Egress::Allow, &[])).unwrap().contains("egress"));
+        assert!(ceiling.refuses_more_than(&wider(Egress::Deny, &["pypi.org", "*.pythonhosted.org"])).is_none());
+        assert!(ceiling.refuses_more_than(&wider(Egress::Deny, &["203.0.113.128/25"])).is_none());
+        let e = ceiling.refuses_more_than(&wider(Egress::Deny, &["203.0.112.0/23"])).unwrap();
+        assert!(e.contains("203.0.112.0/23"), "{e}");
+        assert!(ceiling.refuses_more_than(&wider(Egress::Deny, &["*.pypi.org"])).is_some());
+        assert!(ceiling.refuses_more_than(&wider(Egress::Deny, &["example.com"])).is_some());
     }
 }

@@ -106,7 +106,7 @@ impl World {
             permit_ranges: if permit_loopback { vec!["127.0.0.0/8".parse().unwrap()] } else { Vec::new() },
             host_addrs: Vec::new(),
         };
-        let control = NetControl::new(&policy, Arc::new(server), 1024).unwrap();
+        let control = NetControl::new(&policy, None, Arc::new(server), 1024).unwrap();
         let stack = NetStack::new(config, Arc::clone(&control)).unwrap();
         let mut dev = GuestDev { rx: VecDeque::new(), tx: VecDeque::new() };
         let mut cfg = Config::new(EthernetAddress(GUEST_MAC).into());
@@ -748,6 +748,7 @@ mod props {
             // this machine); a domain rule turns sniffing on.
             let control = NetControl::new(
                 &policy(Egress::Deny, &["127.0.0.0/8"], &["x.test"]),
+                None,
                 Arc::new(ServerNetPolicy {
                     permit_ranges: vec!["127.0.0.0/8".parse().unwrap()],
                     host_addrs: Vec::new(),
@@ -786,6 +787,7 @@ mod props {
             cfg.static_hosts.insert("s.test".into(), IpAddr::V4(Ipv4Addr::new(203, 0, 113, 1)));
             let control = NetControl::new(
                 &policy(Egress::Allow, &[], &["x.test"]),
+                None,
                 Arc::new(ServerNetPolicy::default()),
                 64,
             ).unwrap();

@@ -44,7 +44,7 @@ pub mod templates;
 pub use diff::{DiffOptions, DiffReport};
 pub use events::{EventKind, SandboxEvent, Severity};
 pub use limits::{
-    derived_memory_budget_mib, IdleAction, Limits, LimitsError, MAX_LABEL_KEY, MAX_LABEL_VALUE, MIN_MEMORY_MIB,
+    derived_memory_budget_mib, IdleAction, Limits, LimitsError, Quota, MAX_LABEL_KEY, MAX_LABEL_VALUE, MIN_MEMORY_MIB,
 };
 pub use manager::{
     BackendError, BranchResult, ExecRequest, Lineage, Manager, ManagerConfig, NetworkLog, PoolStatus, ProcessId,

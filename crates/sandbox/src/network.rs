@@ -169,12 +169,32 @@ impl NetworkSetup {
         }
     }
 
-    /// A new sandbox's control with `policy` (`None`: the default policy).
+    /// A new sandbox's control with `policy` (`None`: the default policy)
+    /// under `ceiling` (a tenant's, [`netstack::policy`]).
     ///
     /// Errors: [`PolicyError`] for a bad rule.
-    pub fn control(&self, policy: Option<&NetworkPolicy>) -> Result<Arc<NetControl>, PolicyError> {
-        NetControl::new(policy.unwrap_or(&self.default_policy), self.server_policy.clone(), self.config.log_records)
+    pub fn control(
+        &self,
+        policy: Option<&NetworkPolicy>,
+        ceiling: Option<&NetworkPolicy>,
+    ) -> Result<Arc<NetControl>, PolicyError> {
+        let policy = policy.unwrap_or(&self.default_policy);
+        NetControl::new(policy, ceiling, self.server_policy.clone(), self.config.log_records)
     }
+}
+
+/// Checks that `policy`'s rules compile.
+///
+/// Errors: [`PolicyError`] naming the first bad rule.
+pub fn check_policy(policy: &NetworkPolicy) -> Result<(), PolicyError> {
+    CompiledPolicy::new(policy, &ServerNetPolicy::default()).map(|_| ())
+}
+
+/// Why `asked` allows more than `ceiling` does, if it visibly does
+/// ([`CompiledPolicy::refuses_more_than`]); `None` when it fits, or when
+/// `ceiling` does not compile (it was checked when it was read).
+pub fn wider_than_ceiling(asked: &NetworkPolicy, ceiling: &NetworkPolicy) -> Option<String> {
+    CompiledPolicy::new(ceiling, &ServerNetPolicy::default()).ok()?.refuses_more_than(asked)
 }
 
 #[cfg(test)]
@@ -213,10 +233,10 @@ mod tests {
     #[test]
     fn a_sandbox_policy_starts_from_the_default_and_can_be_its_own() {
         let setup = NetworkSetup::new(NetworkConfig { egress: Egress::Deny, ..Default::default() }).unwrap();
-        assert_eq!(setup.control(None).unwrap().policy().policy().egress, Egress::Deny);
+        assert_eq!(setup.control(None, None).unwrap().policy().policy().egress, Egress::Deny);
         let own = NetworkPolicy { egress: Egress::Allow, allow: vec![], deny: vec!["*.example.com".into()] };
-        assert_eq!(setup.control(Some(&own)).unwrap().policy().policy(), &own);
+        assert_eq!(setup.control(Some(&own), None).unwrap().policy().policy(), &own);
         let bad = NetworkPolicy { deny: vec!["1.2.3".into()], ..Default::default() };
-        assert!(setup.control(Some(&bad)).is_err());
+        assert!(setup.control(Some(&bad), None).is_err());
     }
 }

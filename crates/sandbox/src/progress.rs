@@ -74,6 +74,9 @@ pub struct CallContext {
     /// The tenant's quota, checked when the call makes sandboxes or
     /// templates for it (`None`: only the server's [`crate::Limits`]).
     pub quota: Option<std::sync::Arc<crate::limits::Quota>>,
+    /// The tenant's network ceiling over the sandboxes the call makes
+    /// ([`netstack::policy`]: both are enforced on every connection).
+    pub ceiling: Option<netstack::policy::NetworkPolicy>,
     /// Where the call's progress goes.
     pub progress: ProgressSink,
 }

@@ -18,8 +18,12 @@
 //!   keeps with it ([`Cluster::forward`]); its progress notifications stay
 //!   on the peer.
 //!
-//! Both carry the caller's bearer token (every host has the same one) and
-//! a header naming this host ([`PROXIED_HEADER`], [`FORWARDED_HEADER`]):
+//! Both authenticate with the peer key (`[cluster] peer_key_file`, by
+//! default the operator's token; never the caller's credential), name the
+//! caller's principal in [`crate::auth::TENANT_HEADER`] (which a host
+//! believes only with the peer key), so the peer acts for the same tenant
+//! and checks its objects as its own calls, and carry a header naming
+//! this host ([`PROXIED_HEADER`], [`FORWARDED_HEADER`]):
 //! a request is proxied once at most and a tool call forwarded once at
 //! most, so a wrong peer table cannot make a loop. Sandboxes do
 //! not move between hosts: a host that stops takes its sandboxes and
@@ -46,6 +50,8 @@ use rmcp::transport::{StreamableHttpClientTransport, WorkerTransport};
 use rmcp::{RoleClient, ServiceExt};
 use serde::Deserialize;
 
+use crate::auth::{Principal, TENANT_HEADER};
+
 /// The header a forwarded tool call carries: the name of the host that
 /// made it again here. A host never forwards a call that has it.
 pub const FORWARDED_HEADER: &str = "x-tine-forwarded-by";
@@ -71,6 +77,7 @@ const ID_ARGUMENTS: [&str; 6] = ["sandbox_id", "process_id", "a", "b", "winner",
 /// host_name = "tine-a"          # default: $TINE_HOST_NAME, else the system's host name
 /// peers = { tine-b = "http://10.0.0.2:5555" }
 /// peer_url = "http://{host}.tine-peers:5555"   # for hosts not in peers
+/// peer_key_file = "/etc/tine/peer-key"         # default: the operator's token
 /// ```
 #[derive(Clone, Debug, Default, Deserialize, PartialEq, Eq)]
 #[serde(default, deny_unknown_fields)]
@@ -87,6 +94,10 @@ pub struct ClusterConfig {
     /// its name (e.g. a DNS name per host). Unset: only `peers` are
     /// reached, and calls for other hosts are refused with their name.
     pub peer_url: Option<String>,
+    /// The file holding the key hosts present to each other (at least 32
+    /// printable bytes, mode 0600; the same on every host). Unset: the
+    /// operator's token.
+    pub peer_key_file: Option<std::path::PathBuf>,
 }
 
 /// Errors of the cluster configuration and of forwarding.
@@ -175,6 +186,12 @@ pub fn host_of(id: &str) -> Option<&str> {
     (is_host_name(host) && !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit())).then_some(host)
 }
 
+/// The sandbox and process ids a tool call's arguments name (by
+/// [`ID_ARGUMENTS`]).
+pub fn named_ids(args: Option<&JsonObject>) -> impl Iterator<Item = &str> {
+    ID_ARGUMENTS.iter().filter_map(move |key| args.and_then(|a| a.get(*key)).and_then(|v| v.as_str()))
+}
+
 /// The host a session id names: `<host>.<uuid>` gives `<host>` (`None`
 /// when that part is not a host name).
 pub fn session_host(session_id: &str) -> Option<&str> {
@@ -200,23 +217,24 @@ pub struct Cluster {
     host: String,
     peers: BTreeMap<String, String>,
     peer_url: Option<String>,
-    token: Option<String>,
+    /// The key this host presents to peers (`None`: `--dev`).
+    peer_key: Option<String>,
     http: reqwest::Client,
-    /// MCP sessions with peers for forwarded tool calls, by peer name.
+    /// MCP sessions with peers for forwarded tool calls, by peer name and
+    /// the principal they act for.
     /// Each peer's slot is locked while its session is made, so a peer
     /// that is slow to answer holds up only calls to itself.
-    clients: std::sync::Mutex<BTreeMap<String, Arc<PeerClient>>>,
+    clients: std::sync::Mutex<BTreeMap<(String, String), Arc<PeerClient>>>,
     /// Forwarded calls by peer and outcome, for `/metrics`.
     pub(crate) forwarded: crate::metrics::Forwarded,
 }
 
 impl Cluster {
     /// This host as `config` names it (see [`ClusterConfig::host_name`]);
-    /// `token` goes with forwarded requests that do not carry the
-    /// caller's.
+    /// `peer_key` authenticates its requests to peers.
     ///
     /// Errors: [`ClusterError`] for a bad name or peer URL.
-    pub fn new(config: &ClusterConfig, token: Option<String>) -> Result<Self, ClusterError> {
+    pub fn new(config: &ClusterConfig, peer_key: Option<String>) -> Result<Self, ClusterError> {
         let host = match config.host_name.clone().or_else(|| std::env::var(HOST_NAME_ENV).ok()) {
             Some(raw) if !raw.trim().is_empty() => host_name(&raw)?,
             _ => system_host_name(),
@@ -236,13 +254,15 @@ impl Cluster {
         }
         let http = reqwest::Client::builder()
             .connect_timeout(PEER_CONNECT_TIMEOUT)
+            // A peer's redirect could send the peer key elsewhere.
+            .redirect(reqwest::redirect::Policy::none())
             .build()
             .map_err(|e| ClusterError::Client(e.to_string()))?;
         Ok(Cluster {
             host,
             peers,
             peer_url: config.peer_url.as_ref().map(|t| t.trim_end_matches('/').to_string()),
-            token,
+            peer_key,
             http,
             clients: std::sync::Mutex::new(BTreeMap::new()),
             forwarded: Default::default(),
@@ -290,8 +310,7 @@ impl Cluster {
         // The host of the first id named (an id without one is this
         // host's); every other id must name the same host.
         let mut named: Option<(&str, &str)> = None;
-        for key in ID_ARGUMENTS {
-            let Some(id) = args.and_then(|a| a.get(key)).and_then(|v| v.as_str()) else { continue };
+        for id in named_ids(args) {
             let host = host_of(id).unwrap_or(&self.host);
             match named {
                 Some((first_host, first)) if first_host != host => {
@@ -333,10 +352,11 @@ impl Cluster {
         host: &str,
         url: &str,
         request: CallToolRequestParams,
+        caller: &Principal,
     ) -> Result<CallToolResult, String> {
-        let result = self.forward_once(host, url, request.clone(), false).await;
+        let result = self.forward_once((host, url), request.clone(), caller, false).await;
         let result = match result {
-            Err(_) => self.forward_once(host, url, request, true).await,
+            Err(_) => self.forward_once((host, url), request, caller, true).await,
             ok => ok,
         };
         self.forwarded.observe(&self.peer_label(host, result.is_ok()), result.is_ok());
@@ -345,21 +365,21 @@ impl Cluster {
 
     async fn forward_once(
         &self,
-        host: &str,
-        url: &str,
+        (host, url): (&str, &str),
         request: CallToolRequestParams,
+        caller: &Principal,
         reconnect: bool,
     ) -> Result<CallToolResult, String> {
         let slot = {
             let mut clients = self.clients.lock().unwrap_or_else(|p| p.into_inner());
-            clients.entry(host.to_string()).or_default().clone()
+            clients.entry((host.to_string(), caller.name().to_string())).or_default().clone()
         };
         let client = {
             let mut session = slot.lock().await;
             match session.as_ref() {
                 Some(c) if !reconnect && !c.is_transport_closed() => c.clone(),
                 _ => {
-                    let c = Arc::new(self.connect(url).await?);
+                    let c = Arc::new(self.connect(url, caller).await?);
                     *session = Some(c.clone());
                     c
                 }
@@ -368,14 +388,16 @@ impl Cluster {
         client.call_tool(request).await.map_err(|e| e.to_string())
     }
 
-    /// A new MCP session with the peer at `url`.
-    async fn connect(&self, url: &str) -> Result<RunningService<RoleClient, ()>, String> {
+    /// A new MCP session with the peer at `url`, acting for `caller`.
+    async fn connect(&self, url: &str, caller: &Principal) -> Result<RunningService<RoleClient, ()>, String> {
         let mut config = StreamableHttpClientTransportConfig::with_uri(format!("{url}/mcp"));
-        if let Some(t) = &self.token {
+        if let Some(t) = &self.peer_key {
             config = config.auth_header(t.clone());
         }
         let value = HeaderValue::from_str(&self.host).map_err(|e| e.to_string())?;
         config.custom_headers.insert(HeaderName::from_static(FORWARDED_HEADER), value);
+        let tenant = HeaderValue::from_str(caller.name()).map_err(|e| e.to_string())?;
+        config.custom_headers.insert(HeaderName::from_static(TENANT_HEADER), tenant);
         let transport = StreamableHttpClientTransport::with_client(self.http.clone(), config);
         tokio::time::timeout(Duration::from_secs(30), ().serve(transport))
             .await
@@ -404,6 +426,11 @@ impl HostSessions {
     /// Sessions open now.
     pub async fn count(&self) -> usize {
         self.inner.sessions.read().await.len()
+    }
+
+    /// The ids of the sessions open now.
+    pub async fn ids(&self) -> std::collections::HashSet<String> {
+        self.inner.sessions.read().await.keys().map(|id| id.to_string()).collect()
     }
 }
 
@@ -544,11 +571,21 @@ pub async fn proxy_foreign_session(State(cluster): State<Arc<Cluster>>, req: Req
     };
     let (parts, body) = req.into_parts();
     let path = parts.uri.path_and_query().map(|p| p.as_str()).unwrap_or("/mcp");
+    let caller = parts.extensions.get::<Principal>().cloned().unwrap_or(Principal::Admin);
     let mut headers = HeaderMap::new();
     for (name, value) in &parts.headers {
-        if !hop_by_hop(name) {
+        // The caller's credential stays here; the peer key goes instead.
+        if !hop_by_hop(name) && name != header::AUTHORIZATION && name.as_str() != TENANT_HEADER {
             headers.append(name.clone(), value.clone());
         }
+    }
+    if let Some(key) = &cluster.peer_key {
+        if let Ok(v) = HeaderValue::from_str(&format!("Bearer {key}")) {
+            headers.insert(header::AUTHORIZATION, v);
+        }
+    }
+    if let Ok(v) = HeaderValue::from_str(caller.name()) {
+        headers.insert(HeaderName::from_static(TENANT_HEADER), v);
     }
     if let Ok(v) = HeaderValue::from_str(&cluster.host) {
         headers.insert(HeaderName::from_static(PROXIED_HEADER), v);
@@ -594,6 +631,7 @@ mod tests {
             host_name: Some("h1".into()),
             peers: peers.iter().map(|(a, b)| (a.to_string(), b.to_string())).collect(),
             peer_url: peer_url.map(str::to_string),
+            peer_key_file: None,
         };
         Cluster::new(&config, None).unwrap()
     }

@@ -87,6 +87,29 @@ pub struct FileConfig {
     pub memory: MemoryConfig,
     /// `[cluster]`: this host's name and its peers ([`crate::cluster`]).
     pub cluster: crate::cluster::ClusterConfig,
+    /// `[auth]`: where the tenants are ([`crate::auth`]).
+    pub auth: AuthFileConfig,
+}
+
+/// `[auth]` in the configuration file.
+///
+/// ```toml
+/// [auth]
+/// tenants_file = "/etc/tine/tenants.toml"   # default: DATA_DIR/tenants.toml
+/// ```
+#[derive(Clone, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(default, deny_unknown_fields)]
+pub struct AuthFileConfig {
+    /// The tenants file ([`crate::auth::tenants`]); the same file on every
+    /// host of a cluster. Default: `tenants.toml` in the data directory.
+    pub tenants_file: Option<PathBuf>,
+}
+
+impl AuthFileConfig {
+    /// The tenants file for a server on `data_dir`.
+    pub fn tenants_file(&self, data_dir: &Path) -> PathBuf {
+        self.tenants_file.clone().unwrap_or_else(|| data_dir.join(crate::auth::tenants::TENANTS_FILE))
+    }
 }
 
 /// `[pool]`: sandboxes of the default shape restored from the default

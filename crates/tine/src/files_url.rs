@@ -5,10 +5,12 @@
 //!
 //! A URL is `<base>/files/<sandbox_id>?path=<path>&exp=<unix s>&sig=<hex>`,
 //! where `sig` is HMAC-SHA256 (RFC 2104) under a key drawn from the kernel
-//! at server start over the method, sandbox id, path and expiry. So a URL
-//! needs no bearer token, works only for its method, sandbox and path and
-//! only until `exp`, and dies with the server process (a restart draws a
-//! new key). Whoever holds a URL can use it until it expires: hand it only
+//! at server start over the method, sandbox id, path, expiry and the
+//! sandbox's grant (its tenant and the SHA-256 of that tenant's API key,
+//! [`crate::auth::Auth::url_grant`]). So a URL needs no bearer token, works
+//! only for its method, sandbox and path and only until `exp`, ends when
+//! the tenant's key is rotated or the tenant removed, and dies with the
+//! server process (a restart draws a new key). Whoever holds a URL can use it until it expires: hand it only
 //! to what should read or write that file.
 //!
 //! `GET` answers the file's bytes (`Content-Length` from its size when the
@@ -158,11 +160,11 @@ impl FileUrls {
         })
     }
 
-    fn mac(&self, method: UrlMethod, sandbox: &str, path: &str, exp: u64) -> HmacSha256 {
+    fn mac(&self, method: UrlMethod, sandbox: &str, path: &str, exp: u64, grant: &str) -> HmacSha256 {
         // HMAC takes keys of any length (RFC 2104 §2): this cannot fail.
         let mut mac = HmacSha256::new_from_slice(&self.key).expect("HMAC takes a key of any length");
         // NUL separates the fields: none of them can hold one.
-        for part in ["tine-file-url-v1", method.as_str(), sandbox, path, &exp.to_string()] {
+        for part in ["tine-file-url-v2", method.as_str(), sandbox, path, &exp.to_string(), grant] {
             mac.update(part.as_bytes());
             mac.update(&[0]);
         }
@@ -189,14 +191,15 @@ impl FileUrls {
         }
     }
 
-    /// A URL for `method` on `path` of `sandbox`, valid `ttl_secs` from now.
+    /// A URL for `method` on `path` of `sandbox`, valid `ttl_secs` from now
+    /// while the sandbox's `grant` ([`crate::auth::Auth::url_grant`]) holds.
     ///
     /// Errors: [`UrlError::BadPath`], [`UrlError::BadTtl`].
     pub fn url(
         &self,
         base: &str,
         method: UrlMethod,
-        sandbox: &str,
+        (sandbox, grant): (&str, &str),
         path: &str,
         ttl_secs: u64,
     ) -> Result<SignedUrl, UrlError> {
@@ -205,7 +208,7 @@ impl FileUrls {
             return Err(UrlError::BadTtl(ttl_secs));
         }
         let exp = unix_secs() + ttl_secs;
-        let sig = hex(&self.mac(method, sandbox, path, exp).finalize().into_bytes());
+        let sig = hex(&self.mac(method, sandbox, path, exp, grant).finalize().into_bytes());
         let query: String = form_urlencoded::Serializer::new(String::new())
             .append_pair("path", path)
             .append_pair("exp", &exp.to_string())
@@ -215,21 +218,21 @@ impl FileUrls {
         Ok(SignedUrl { url: format!("{base}/files/{id}?{query}"), expires_at_ms: exp * 1000 })
     }
 
-    /// Checks a URL's fields at `now` (Unix s): the signature first (in
-    /// constant time), then the expiry.
+    /// Checks a URL's fields at `now` (Unix s) against the sandbox's grant
+    /// now: the signature first (in constant time), then the expiry.
     ///
     /// Errors: [`UrlError::BadSignature`], [`UrlError::Expired`].
     pub fn verify(
         &self,
         method: UrlMethod,
-        sandbox: &str,
+        (sandbox, grant): (&str, &str),
         path: &str,
         exp: u64,
         sig: &str,
         now: u64,
     ) -> Result<(), UrlError> {
         let sig = unhex(sig).ok_or(UrlError::BadSignature)?;
-        self.mac(method, sandbox, path, exp).verify_slice(&sig).map_err(|_| UrlError::BadSignature)?;
+        self.mac(method, sandbox, path, exp, grant).verify_slice(&sig).map_err(|_| UrlError::BadSignature)?;
         if now > exp {
             return Err(UrlError::Expired { secs_ago: now - exp });
         }
@@ -242,12 +245,13 @@ impl FileUrls {
 struct FilesState {
     manager: Arc<Manager>,
     urls: Arc<FileUrls>,
+    auth: Arc<crate::auth::Auth>,
 }
 
 /// `/files/{sandbox_id}`: `GET` and `PUT` of signed URLs (no bearer token;
 /// the signature is the credential).
-pub fn routes(manager: Arc<Manager>, urls: Arc<FileUrls>) -> Router {
-    Router::new().route("/files/{sandbox}", get(download).put(upload)).with_state(FilesState { manager, urls })
+pub fn routes(manager: Arc<Manager>, urls: Arc<FileUrls>, auth: Arc<crate::auth::Auth>) -> Router {
+    Router::new().route("/files/{sandbox}", get(download).put(upload)).with_state(FilesState { manager, urls, auth })
 }
 
 /// A refused request: its status and message, answered as JSON
@@ -281,7 +285,7 @@ fn sandbox_refusal(e: &SandboxError) -> Refusal {
 }
 
 /// Verifies the request's URL for `method`; returns the path it names.
-fn verified(urls: &FileUrls, method: UrlMethod, sandbox: &str, q: &HashMap<String, String>) -> Result<String, Refusal> {
+fn verified(s: &FilesState, method: UrlMethod, sandbox: &str, q: &HashMap<String, String>) -> Result<String, Refusal> {
     let (Some(path), Some(exp), Some(sig)) = (q.get("path"), q.get("exp"), q.get("sig")) else {
         return Err(refuse(
             StatusCode::BAD_REQUEST,
@@ -289,7 +293,10 @@ fn verified(urls: &FileUrls, method: UrlMethod, sandbox: &str, q: &HashMap<Strin
         ));
     };
     let exp: u64 = exp.parse().map_err(|_| refuse(StatusCode::FORBIDDEN, UrlError::BadSignature))?;
-    urls.verify(method, sandbox, path, exp, sig, unix_secs()).map_err(|e| refuse(StatusCode::FORBIDDEN, e))?;
+    let grant = s.auth.url_grant(s.manager.tenant_of(sandbox).flatten().as_deref());
+    s.urls
+        .verify(method, (sandbox, &grant), path, exp, sig, unix_secs())
+        .map_err(|e| refuse(StatusCode::FORBIDDEN, e))?;
     Ok(path.clone())
 }
 
@@ -298,7 +305,7 @@ async fn download(
     Path(sandbox): Path<String>,
     Query(q): Query<HashMap<String, String>>,
 ) -> Result<Response, Refusal> {
-    let path = verified(&s.urls, UrlMethod::Get, &sandbox, &q)?;
+    let path = verified(&s, UrlMethod::Get, &sandbox, &q)?;
     let stat = s.manager.stat(&sandbox, path.clone()).await.map_err(|e| sandbox_refusal(&e))?;
     if stat.kind != FileKind::File {
         return Err(refuse(StatusCode::CONFLICT, format!("{path} is not a regular file")));
@@ -350,7 +357,7 @@ async fn upload(
     req: Request,
 ) -> Result<Response, Refusal> {
     debug_assert_eq!(req.method(), Method::PUT);
-    let path = verified(&s.urls, UrlMethod::Put, &sandbox, &q)?;
+    let path = verified(&s, UrlMethod::Put, &sandbox, &q)?;
     let n = s.urls.next_upload.fetch_add(1, Ordering::Relaxed);
     let part = format!("{path}.tine-upload-{n}");
     let moved = match receive(&s.manager, &sandbox, &part, req.into_body()).await {
@@ -439,7 +446,7 @@ mod tests {
     fn a_url_is_good_for_its_method_sandbox_and_path_until_it_expires() {
         let u = urls();
         let path = "/root/data dir/file #1?.bin";
-        let s = u.url("http://h:1", UrlMethod::Put, "sb-3", path, 60).unwrap();
+        let s = u.url("http://h:1", UrlMethod::Put, ("sb-3", "acme:k1"), path, 60).unwrap();
         assert!(
             s.url.starts_with("http://h:1/files/sb-3?path=%2Froot%2Fdata+dir%2Ffile+%231%3F.bin&exp="),
             "{}",
@@ -449,35 +456,55 @@ mod tests {
         let exp: u64 = q["exp"].parse().unwrap();
         assert_eq!(s.expires_at_ms, exp * 1000);
         let now = exp - 60;
-        assert_eq!(u.verify(UrlMethod::Put, &id, &q["path"], exp, &q["sig"], now), Ok(()));
+        assert_eq!(u.verify(UrlMethod::Put, (&id, "acme:k1"), &q["path"], exp, &q["sig"], now), Ok(()));
         // Another method, sandbox, path or expiry: refused.
-        assert_eq!(u.verify(UrlMethod::Get, &id, &q["path"], exp, &q["sig"], now), Err(UrlError::BadSignature));
-        assert_eq!(u.verify(UrlMethod::Put, "sb-4", &q["path"], exp, &q["sig"], now), Err(UrlError::BadSignature));
-        assert_eq!(u.verify(UrlMethod::Put, &id, "/root/other", exp, &q["sig"], now), Err(UrlError::BadSignature));
-        assert_eq!(u.verify(UrlMethod::Put, &id, &q["path"], exp + 1, &q["sig"], now), Err(UrlError::BadSignature));
-        assert_eq!(u.verify(UrlMethod::Put, &id, &q["path"], exp, "zz", now), Err(UrlError::BadSignature));
+        assert_eq!(
+            u.verify(UrlMethod::Get, (&id, "acme:k1"), &q["path"], exp, &q["sig"], now),
+            Err(UrlError::BadSignature)
+        );
+        assert_eq!(
+            u.verify(UrlMethod::Put, ("sb-4", "acme:k1"), &q["path"], exp, &q["sig"], now),
+            Err(UrlError::BadSignature)
+        );
+        assert_eq!(
+            u.verify(UrlMethod::Put, (&id, "acme:k1"), "/root/other", exp, &q["sig"], now),
+            Err(UrlError::BadSignature)
+        );
+        assert_eq!(
+            u.verify(UrlMethod::Put, (&id, "acme:k1"), &q["path"], exp + 1, &q["sig"], now),
+            Err(UrlError::BadSignature)
+        );
+        assert_eq!(u.verify(UrlMethod::Put, (&id, "acme:k1"), &q["path"], exp, "zz", now), Err(UrlError::BadSignature));
+        // The tenant's key rotated: another grant.
+        assert_eq!(
+            u.verify(UrlMethod::Put, (&id, "acme:k2"), &q["path"], exp, &q["sig"], now),
+            Err(UrlError::BadSignature)
+        );
         // Expired.
         assert_eq!(
-            u.verify(UrlMethod::Put, &id, &q["path"], exp, &q["sig"], exp + 5),
+            u.verify(UrlMethod::Put, (&id, "acme:k1"), &q["path"], exp, &q["sig"], exp + 5),
             Err(UrlError::Expired { secs_ago: 5 })
         );
         // Another server process (another key) does not take it.
-        assert_eq!(urls().verify(UrlMethod::Put, &id, &q["path"], exp, &q["sig"], now), Err(UrlError::BadSignature));
+        assert_eq!(
+            urls().verify(UrlMethod::Put, (&id, "acme:k1"), &q["path"], exp, &q["sig"], now),
+            Err(UrlError::BadSignature)
+        );
     }
 
     #[test]
     fn bad_paths_and_lifetimes_are_refused() {
         let u = urls();
         for p in ["relative", "", "/a\0b"] {
-            assert_eq!(u.url("http://h", UrlMethod::Get, "sb-1", p, 60), Err(UrlError::BadPath), "{p:?}");
+            assert_eq!(u.url("http://h", UrlMethod::Get, ("sb-1", "acme:k1"), p, 60), Err(UrlError::BadPath), "{p:?}");
         }
         assert_eq!(
-            u.url("http://h", UrlMethod::Get, "sb-1", &format!("/{}", "a".repeat(4096)), 60),
+            u.url("http://h", UrlMethod::Get, ("sb-1", "acme:k1"), &format!("/{}", "a".repeat(4096)), 60),
             Err(UrlError::BadPath)
         );
-        assert_eq!(u.url("http://h", UrlMethod::Get, "sb-1", "/a", 0), Err(UrlError::BadTtl(0)));
+        assert_eq!(u.url("http://h", UrlMethod::Get, ("sb-1", "acme:k1"), "/a", 0), Err(UrlError::BadTtl(0)));
         assert_eq!(
-            u.url("http://h", UrlMethod::Get, "sb-1", "/a", MAX_TTL_SECS + 1),
+            u.url("http://h", UrlMethod::Get, ("sb-1", "acme:k1"), "/a", MAX_TTL_SECS + 1),
             Err(UrlError::BadTtl(MAX_TTL_SECS + 1))
         );
     }

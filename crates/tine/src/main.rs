@@ -3,10 +3,14 @@
 //! - `tine server start`: the MCP server (see [`server`]).
 //! - `tine server keygen`: make a bearer token.
 //! - `tine template build|list`: the default template, offline.
+//! - `tine tenant add|list|rotate-key|remove`: the tenants and their API
+//!   keys ([`tenant_cmd`]).
 //! - `tine doctor`: check the host and say how to fix what is missing.
 //! - `tine vm run`: boot one microVM with a given kernel and stream its
 //!   serial console to stdout (a developer command).
 
+mod audit;
+mod auth;
 mod cluster;
 mod config;
 mod doctor;
@@ -14,6 +18,7 @@ mod files_url;
 mod mcp;
 mod metrics;
 mod server;
+mod tenant_cmd;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -39,6 +44,10 @@ enum Command {
     /// Templates: snapshots of a ready sandbox that sandboxes start from.
     #[command(subcommand)]
     Template(TemplateCommand),
+    /// Tenants: who may use the server besides the operator, with their
+    /// API keys and quotas.
+    #[command(subcommand)]
+    Tenant(tenant_cmd::TenantCommand),
     /// Work with single VMs directly.
     #[command(subcommand)]
     Vm(VmCommand),
@@ -164,7 +173,21 @@ fn start(args: StartArgs) -> anyhow::Result<ExitCode> {
             allowed_hosts.push(listen.ip().to_string());
         }
     }
-    let cluster = std::sync::Arc::new(cluster::Cluster::new(&r.file.cluster, token.clone())?);
+    let peer_key = match (&r.file.cluster.peer_key_file, &token) {
+        (Some(f), Some(_)) => config::load_token(Some(f))?,
+        _ => None,
+    };
+    let tenants_file = r.file.auth.tenants_file(&r.data_dir);
+    let auth = std::sync::Arc::new(auth::Auth::new(auth::AuthConfig {
+        admin_token: token.clone(),
+        peer_key,
+        tenants_file: tenants_file.clone(),
+        default_quota: r.file.limits.tenant.clone(),
+    })?);
+    if !auth.required() && auth.roster().names().next().is_some() {
+        tracing::warn!("--dev: no authentication, the tenants in {} are not used", tenants_file.display());
+    }
+    let cluster = std::sync::Arc::new(cluster::Cluster::new(&r.file.cluster, auth.peer_key().map(str::to_string))?);
     // Peers reach this host by the name [cluster] peer_url gives it.
     if let Some(own) = cluster.own_peer_host() {
         allowed_hosts.push(own);
@@ -187,11 +210,15 @@ fn start(args: StartArgs) -> anyhow::Result<ExitCode> {
         r.data_dir.display(),
         r.kernel.display(),
         r.rootfs.display(),
-        if token.is_some() { "bearer token" } else { "none (--dev)" }
+        if token.is_some() {
+            format!("operator token and {} tenants ({})", auth.roster().names().count(), tenants_file.display())
+        } else {
+            "none (--dev)".into()
+        }
     );
     let opts = server::ServeOptions {
         listen,
-        token,
+        auth,
         allowed_hosts,
         allowed_origins,
         max_connections: r.file.max_connections.unwrap_or(server::DEFAULT_MAX_CONNECTIONS),
@@ -467,6 +494,7 @@ fn main() -> ExitCode {
         Command::Server(ServerCommand::Start(args)) => start(args),
         Command::Server(ServerCommand::Keygen { out }) => keygen(out),
         Command::Template(cmd) => template(cmd),
+        Command::Tenant(cmd) => tenant_cmd::run(cmd),
         Command::Doctor(args) => resolve(&args).map(|r| doctor::run(&r)),
     };
     match result {

@@ -12,7 +12,8 @@
 //! | `tine_hibernate_seconds` | histogram | `why`: request, idle, shutdown, memory (the budget), watermark (host memory low), cap (`max_sandboxes` running); the write, VM paused |
 //! | `tine_hibernated_bytes` | histogram | `why`: the page files' sizes |
 //! | `tine_resume_seconds` | histogram | `from`: disk; restore to agent ready |
-//! | `tine_tool_calls_total` | counter | `tool`, `outcome`: ok, error |
+//! | `tine_tool_calls_total` | counter | `tool`, `tenant` (`admin`: the operator), `outcome`: ok, error |
+//! | `tine_tenant_sandboxes` | gauge | `tenant`, `state`: each tenant's sandboxes (the server's own under `admin`) |
 //! | `tine_tool_call_duration_seconds` | histogram | `tool` |
 //! | `tine_guest_memory_bytes` | gauge | guest memory reserved (sandboxes, branch points, templates) |
 //! | `tine_guest_memory_budget_bytes` | gauge | |
@@ -72,7 +73,14 @@ struct ToolLabel {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ToolOutcome {
     tool: String,
+    tenant: String,
     outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TenantState {
+    tenant: String,
+    state: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -116,6 +124,7 @@ impl Forwarded {
 pub struct Metrics {
     registry: Registry,
     sandboxes: Family<StateLabel, Gauge>,
+    tenant_sandboxes: Family<TenantState, Gauge>,
     created: Family<HowLabel, Counter>,
     start: Histograms<HowLabel>,
     killed: Family<ReasonLabel, Counter>,
@@ -148,6 +157,7 @@ impl Metrics {
     pub fn new(host: &str, forwarded: &Forwarded) -> Arc<Self> {
         let mut m = Metrics {
             sandboxes: Family::default(),
+            tenant_sandboxes: Family::default(),
             created: Family::default(),
             start: Family::new_with_constructor(latency),
             killed: Family::default(),
@@ -164,6 +174,11 @@ impl Metrics {
             registry: Registry::default(),
         };
         m.registry.register("tine_sandboxes", "Sandboxes on this host by state", m.sandboxes.clone());
+        m.registry.register(
+            "tine_tenant_sandboxes",
+            "Sandboxes on this host by tenant and state",
+            m.tenant_sandboxes.clone(),
+        );
         m.registry.register(
             "tine_sandboxes_created",
             "Sandboxes made ready, by where their VM came from",
@@ -208,9 +223,11 @@ impl Metrics {
     }
 
     /// One tool call of `tool` that took `took` and failed or not.
-    pub fn tool_call(&self, tool: &str, took: Duration, ok: bool) {
+    pub fn tool_call(&self, tool: &str, tenant: &str, took: Duration, ok: bool) {
         let outcome = if ok { "ok" } else { "error" };
-        self.tool_calls.get_or_create(&ToolOutcome { tool: tool.to_string(), outcome }).inc();
+        self.tool_calls
+            .get_or_create(&ToolOutcome { tool: tool.to_string(), tenant: tenant.to_string(), outcome })
+            .inc();
         self.tool_duration.get_or_create(&ToolLabel { tool: tool.to_string() }).observe(took.as_secs_f64());
     }
 
@@ -270,9 +287,14 @@ impl Metrics {
     /// MCP sessions open.
     pub fn render(&self, manager: &Manager, sessions: usize) -> String {
         let infos = manager.list(&Default::default());
+        self.tenant_sandboxes.clear();
         for (state, label) in STATES {
             let n = infos.iter().filter(|i| i.state == state).count();
             self.sandboxes.get_or_create(&StateLabel { state: label }).set(n as i64);
+            for i in infos.iter().filter(|i| i.state == state) {
+                let tenant = i.tenant.clone().unwrap_or_else(|| crate::auth::tenants::ADMIN.into());
+                self.tenant_sandboxes.get_or_create(&TenantState { tenant, state: label }).inc();
+            }
         }
         let (budget_mib, used) = manager.memory_use();
         self.guest_memory.set((used.total_mib() << 20) as i64);
@@ -300,8 +322,8 @@ mod tests {
         m.event(&EventKind::Ready { boot_ms: 250, source: "template:default".into() });
         m.event(&EventKind::Ready { boot_ms: 3, source: "branch:sb-h1-1".into() });
         m.event(&EventKind::Killed);
-        m.tool_call("sandbox_exec", Duration::from_millis(20), true);
-        m.tool_call("sandbox_exec", Duration::from_millis(20), false);
+        m.tool_call("sandbox_exec", "acme", Duration::from_millis(20), true);
+        m.tool_call("sandbox_exec", "acme", Duration::from_millis(20), false);
         forwarded.observe("h2", true);
         let mut out = String::new();
         prometheus_client::encoding::text::encode(&mut out, &m.registry).unwrap();
@@ -310,7 +332,7 @@ mod tests {
             r#"tine_sandboxes_created_total{how="branch"} 1"#,
             r#"tine_sandbox_start_seconds_count{how="restore"} 1"#,
             r#"tine_sandboxes_killed_total{reason="kill"} 1"#,
-            r#"tine_tool_calls_total{tool="sandbox_exec",outcome="error"} 1"#,
+            r#"tine_tool_calls_total{tool="sandbox_exec",tenant="acme",outcome="error"} 1"#,
             r#"tine_tool_call_duration_seconds_count{tool="sandbox_exec"} 2"#,
             r#"tine_forwarded_calls_total{peer="h2",outcome="ok"} 1"#,
             r#"tine_sandboxes{state="paused"} 0"#,

@@ -1,5 +1,6 @@
 //! `tine server start`: the MCP endpoint (Streamable HTTP at `/mcp`, MCP
-//! 2025-06-18 / 2025-11-25 "Transports"), bearer authentication,
+//! 2025-06-18 / 2025-11-25 "Transports"), bearer authentication of the
+//! operator, tenants and peers ([`crate::auth`]),
 //! `/healthz`, signed file URLs at `/files/` ([`crate::files_url`]), and
 //! shutdown that hibernates every sandbox on SIGTERM/SIGINT (listed again
 //! by the next start, see `tine_sandbox::Manager::shutdown_keeping`).
@@ -17,7 +18,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::extract::{Request, State};
-use axum::http::{header, HeaderValue, StatusCode};
+use axum::http::{header, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
@@ -28,10 +29,11 @@ use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
 use rmcp::transport::streamable_http_server::{StreamableHttpServerConfig, StreamableHttpService};
-use subtle::ConstantTimeEq;
 use tine_sandbox::Manager;
 use tokio_util::sync::CancellationToken;
 
+use crate::auth::sessions::SessionOwners;
+use crate::auth::{Auth, Principal};
 use crate::cluster::{Cluster, HostSessions};
 use crate::files_url::FileUrls;
 use crate::mcp::{Shared, TineMcp};
@@ -53,8 +55,9 @@ const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 pub struct ServeOptions {
     /// Listen address.
     pub listen: SocketAddr,
-    /// The bearer token; `None` serves without auth (`--dev`, loopback only).
-    pub token: Option<String>,
+    /// The credentials: the operator's token (none: `--dev`, loopback
+    /// only), the tenants, the peer key.
+    pub auth: Arc<Auth>,
     /// `Host` header values accepted.
     pub allowed_hosts: Vec<String>,
     /// `Origin` header values accepted (RFC 6454 serializations such as
@@ -98,52 +101,15 @@ pub enum ServeError {
     Tools(String),
 }
 
-/// Checks `Authorization: Bearer <token>` in constant time (RFC 6750 §2.1);
-/// answers 401 with `WWW-Authenticate: Bearer` (RFC 6750 §3) otherwise.
-async fn require_bearer(State(token): State<Arc<String>>, req: Request, next: Next) -> Response {
-    let given = req
-        .headers()
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
-        .map(str::trim);
-    let ok = match given {
-        Some(g) => bool::from(g.as_bytes().ct_eq(token.as_bytes())),
-        None => false,
-    };
-    if ok {
-        return next.run(req).await;
-    }
-    let challenge =
-        if given.is_some() { r#"Bearer realm="tine", error="invalid_token""# } else { r#"Bearer realm="tine""# };
-    let mut resp = (
-        StatusCode::UNAUTHORIZED,
-        [(header::CONTENT_TYPE, "application/json")],
-        r#"{"error":"unauthorized","message":"send Authorization: Bearer <token> (the server's token file)"}"#,
-    )
-        .into_response();
-    resp.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static(challenge));
-    resp
-}
-
-/// Whether `req` carries `Authorization: Bearer <token>` (RFC 6750 §2.1),
-/// compared in constant time.
-fn has_token(req: &Request, token: &str) -> bool {
-    req.headers()
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
-        .map(str::trim)
-        .is_some_and(|g| bool::from(g.as_bytes().ct_eq(token.as_bytes())))
-}
-
-/// `/healthz`: `{"status":"ok"}` to anyone; with the bearer token (or
-/// under `--dev`) also how many sandboxes exist and the warm pool,
+/// `/healthz`: `{"status":"ok"}` to anyone; to the operator (or under
+/// `--dev`) also how many sandboxes exist and the warm pool,
 /// `{"status":"ok","sandboxes":3,"pool":{"size":2,"ready":2,"filling":false}}`.
-async fn healthz(State((manager, token)): State<(Arc<Manager>, Option<Arc<String>>)>, req: Request) -> Response {
-    let body = match &token {
-        Some(t) if !has_token(&req, t) => r#"{"status":"ok"}"#.to_string(),
-        _ => serde_json::json!({"status": "ok", "sandboxes": manager.len(), "pool": manager.pool_status()}).to_string(),
+async fn healthz(State((manager, auth)): State<(Arc<Manager>, Arc<Auth>)>, req: Request) -> Response {
+    let body = match auth.authenticate(req.headers()) {
+        Ok(Principal::Admin) => {
+            serde_json::json!({"status": "ok", "sandboxes": manager.len(), "pool": manager.pool_status()}).to_string()
+        }
+        _ => r#"{"status":"ok"}"#.to_string(),
     };
     ([(header::CONTENT_TYPE, "application/json")], body).into_response()
 }
@@ -174,10 +140,16 @@ async fn shutdown_signal() {
     }
 }
 
-/// `/metrics` ([`crate::metrics`]): the text exposition.
+/// `/metrics` ([`crate::metrics`]): the text exposition, for the
+/// operator (a tenant gets 403: the series name every tenant).
 async fn metrics_text(
     State((manager, metrics, sessions)): State<(Arc<Manager>, Arc<Metrics>, Arc<HostSessions>)>,
+    req: Request,
 ) -> Response {
+    if !matches!(req.extensions().get::<Principal>(), None | Some(Principal::Admin)) {
+        let body = r#"{"error":"forbidden","message":"/metrics is the operator's: use the operator's token"}"#;
+        return (StatusCode::FORBIDDEN, [(header::CONTENT_TYPE, "application/json")], body).into_response();
+    }
     let body = metrics.render(&manager, sessions.count().await);
     ([(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)], body).into_response()
 }
@@ -215,35 +187,36 @@ pub fn router(
     metrics.follow(&manager);
     let files = Arc::new(files);
     let tools = Arc::new(crate::mcp::Tools::new(&manager).map_err(ServeError::Tools)?);
+    let auth = opts.auth.clone();
     let shared = Shared {
         manager: manager.clone(),
         files: files.clone(),
         cluster: cluster.clone(),
         metrics: metrics.clone(),
         tools,
+        auth: auth.clone(),
     };
+    let owners = SessionOwners::new(sessions.clone());
     let mcp = StreamableHttpService::new(move || Ok(TineMcp::new(&shared)), sessions.clone(), mcp_config);
     let mcp_router = Router::new()
         .nest_service("/mcp", mcp)
         .layer(axum::middleware::from_fn(delete_answers_200))
+        .layer(axum::middleware::from_fn_with_state(owners, crate::auth::sessions::bind))
         .layer(axum::middleware::from_fn_with_state(cluster, crate::cluster::proxy_foreign_session))
         .layer(axum::middleware::from_fn_with_state(
             BodyBudget::new(MAX_INFLIGHT_BODY_BYTES, BUDGET_WAIT),
             body_budget::hold,
         ));
-    let mut protected = Router::new()
+    let protected = Router::new()
         .route("/metrics", get(metrics_text))
         .with_state((manager.clone(), metrics, sessions))
-        .merge(mcp_router);
-    let token = opts.token.clone().map(Arc::new);
-    if let Some(token) = &token {
-        protected = protected.layer(axum::middleware::from_fn_with_state(token.clone(), require_bearer));
-    }
+        .merge(mcp_router)
+        .layer(axum::middleware::from_fn_with_state(auth.clone(), crate::auth::authenticate));
     Ok(Router::new()
         .route("/healthz", get(healthz))
-        .with_state((manager.clone(), token))
+        .with_state((manager.clone(), auth.clone()))
         .merge(protected)
-        .merge(crate::files_url::routes(manager, files)))
+        .merge(crate::files_url::routes(manager, files, auth)))
 }
 
 /// Serves until SIGTERM/SIGINT, then ends every session and kills every
@@ -258,6 +231,8 @@ pub async fn serve(manager: Arc<Manager>, opts: ServeOptions) -> Result<(), Serv
         .await
         .map_err(|source| ServeError::Bind { addr: opts.listen, source })?;
     let reaper = manager.spawn_reaper(REAP_PERIOD);
+    let reload = opts.auth.spawn_reload();
+    let sweeper = tokio::spawn(remove_tenants(manager.clone(), opts.auth.subscribe()));
     if opts.build_default_template {
         let m = manager.clone();
         tokio::spawn(async move {
@@ -279,11 +254,49 @@ pub async fn serve(manager: Arc<Manager>, opts: ServeOptions) -> Result<(), Serv
         _ = tokio::time::sleep(DRAIN_TIMEOUT) => tracing::warn!("connections still open after {DRAIN_TIMEOUT:?}"),
     }
     reaper.abort();
+    reload.abort();
+    sweeper.abort();
     tracing::info!("hibernating every sandbox");
     let kept = manager.shutdown_keeping().await;
     tracing::info!("{kept} sandboxes hibernated; the next start lists them again");
     tracing::info!("stopped");
     Ok(())
+}
+
+/// Deletes the sandboxes and templates of tenants the tenants file marks
+/// removed, each time it is read (the first time at start). What cannot be
+/// deleted now is logged and tried again at the next read.
+async fn remove_tenants(
+    manager: Arc<Manager>,
+    mut roster: tokio::sync::watch::Receiver<Arc<crate::auth::tenants::Roster>>,
+) {
+    loop {
+        let removed = roster.borrow_and_update().removed.clone();
+        for tenant in removed {
+            let theirs: Vec<_> = manager
+                .list(&Default::default())
+                .into_iter()
+                .filter(|s| s.tenant.as_deref() == Some(tenant.as_str()))
+                .collect();
+            for s in theirs {
+                match manager.kill(&s.sandbox_id).await {
+                    Ok(()) => crate::audit::change("sandbox deleted: its tenant was removed", &s.sandbox_id),
+                    Err(e) => tracing::warn!(sandbox = %s.sandbox_id, "removed tenant {tenant}: {e}"),
+                }
+            }
+            for t in manager.templates() {
+                if tine_sandbox::templates::split_qualified(&t.name).0 == Some(tenant.as_str()) {
+                    match manager.template_delete(&t.name).await {
+                        Ok(()) => crate::audit::change("template deleted: its tenant was removed", &t.name),
+                        Err(e) => tracing::warn!(template = %t.name, "removed tenant {tenant}: {e}"),
+                    }
+                }
+            }
+        }
+        if roster.changed().await.is_err() {
+            return;
+        }
+    }
 }
 
 /// Serves `app` on `listener` until `shutdown` resolves: at most

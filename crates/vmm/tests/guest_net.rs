@@ -153,8 +153,8 @@ fn with_a_nic_eth0_has_the_fixed_addressing_and_reaches_the_host() {
         permit_ranges: vec!["127.0.0.0/8".parse().unwrap()],
         host_addrs: vec![],
     });
-    let control =
-        netstack::control::NetControl::new(&netstack::policy::NetworkPolicy::default(), server, 256).expect("a policy");
+    let control = netstack::control::NetControl::new(&netstack::policy::NetworkPolicy::default(), None, server, 256)
+        .expect("a policy");
     let stack = netstack::stack::StackConfig {
         dns_upstreams: vec![],
         static_hosts: [("host.tine.test".to_string(), IpAddr::V4(Ipv4Addr::new(10, 0, 2, 2)))].into(),

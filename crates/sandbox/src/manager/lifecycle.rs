@@ -253,7 +253,7 @@ impl Manager {
             claim.check(&lock(&self.sandboxes), 1)?;
         }
         self.make_room(1).await;
-        let net = self.net_control(spec.network.as_ref())?;
+        let net = self.net_control(spec.network.as_ref(), cx.ceiling.as_ref())?;
         let poolable = self.poolable(&spec);
         if poolable {
             if let Some(sb) = self.take_pooled() {
@@ -339,6 +339,14 @@ impl Manager {
                 return Err(e);
             }
         };
+        // The tenant's ceiling before anything of the caller's runs in it.
+        let net = lock(&sb.net).clone();
+        if let (Some(ceiling), Some(net)) = (&cx.ceiling, net) {
+            if let Err(e) = net.set_ceiling(Some(ceiling)) {
+                self.return_pooled(sb);
+                return Err(e.into());
+            }
+        }
         let (done, handout) = tokio::sync::watch::channel(None);
         *lock(&sb.handout) = Some(handout);
         {
@@ -441,7 +449,7 @@ impl Manager {
         let id = self.mint_id(prefix);
         let sb = Arc::new(Sandbox::new(id.clone(), self.config.run_dir.join(&id), vcpus, memory_mib, setup));
         lock(&sb.memory).own = memory;
-        *lock(&sb.net) = self.net_control(None)?;
+        *lock(&sb.net) = self.net_control(None, None)?;
         Ok(sb)
     }
 

@@ -275,6 +275,12 @@ impl Manager {
         lock(&self.sandboxes).contains_key(id)
     }
 
+    /// The tenant sandbox `id` belongs to: `None` when there is no such
+    /// sandbox, `Some(None)` for the server's own.
+    pub fn tenant_of(&self, id: &str) -> Option<Option<String>> {
+        lock(&self.sandboxes).get(id).map(|sb| sb.tenant())
+    }
+
     /// How many sandboxes exist (in any state).
     pub fn len(&self) -> usize {
         lock(&self.sandboxes).len()

@@ -38,12 +38,22 @@ impl Manager {
     ///
     /// Errors: [`SandboxError::Network`] for a bad rule;
     /// [`SandboxError::NoNetwork`] for a policy on a server without network.
-    pub(super) fn net_control(&self, policy: Option<&NetworkPolicy>) -> Result<Option<Arc<NetControl>>, SandboxError> {
+    pub(super) fn net_control(
+        &self,
+        policy: Option<&NetworkPolicy>,
+        ceiling: Option<&NetworkPolicy>,
+    ) -> Result<Option<Arc<NetControl>>, SandboxError> {
         match &self.config.network {
-            Some(n) => Ok(Some(n.control(policy)?)),
+            Some(n) => Ok(Some(n.control(policy, ceiling)?)),
             None if policy.is_some() => Err(SandboxError::NoNetwork),
             None => Ok(None),
         }
+    }
+
+    /// The egress policy of new sandboxes that name none (`None`: no
+    /// network).
+    pub fn default_network_policy(&self) -> Option<&NetworkPolicy> {
+        self.config.network.as_ref().map(|n| &n.default_policy)
     }
 
     /// One sentence for tool descriptions: what network sandboxes of
@@ -70,8 +80,10 @@ impl Manager {
     /// A branch child's control: its parent's policy as it is now, a log
     /// of its own.
     pub(super) fn inherit_net(&self, parent: &Sandbox) -> Result<Option<Arc<NetControl>>, SandboxError> {
-        let policy = lock(&parent.net).as_ref().map(|c| c.policy().policy().clone());
-        self.net_control(policy.as_ref())
+        let compiled = lock(&parent.net).as_ref().map(|c| c.policy());
+        let policy = compiled.as_ref().map(|c| c.policy().clone());
+        let ceiling = compiled.as_ref().and_then(|c| c.ceiling()).map(|c| c.policy().clone());
+        self.net_control(policy.as_ref(), ceiling.as_ref())
     }
 
     /// Replaces the egress policy of sandbox `id`; connections opened from

@@ -60,6 +60,9 @@ pub(super) struct Record {
     /// The egress policy (`None`: no network device).
     #[serde(default)]
     pub network: Option<netstack::policy::NetworkPolicy>,
+    /// The tenant's network ceiling over it, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network_ceiling: Option<netstack::policy::NetworkPolicy>,
     /// The hibernation (state `hibernated`).
     #[serde(default)]
     pub hibernation: Option<HibernationRecord>,
@@ -104,6 +107,7 @@ fn record_of(sb: &Sandbox, pin: Option<String>, hibernated: Option<&Hibernated>)
         (st.state, st.error.clone(), st.agent.as_ref().and_then(|a| a.wire()).map(|w| w.version()))
     };
     let lineage = lock(&sb.lineage).clone();
+    let policy = lock(&sb.net).as_ref().map(|c| c.policy());
     let hib = match hibernated {
         Some(h) => {
             state = SandboxState::Hibernated;
@@ -133,7 +137,8 @@ fn record_of(sb: &Sandbox, pin: Option<String>, hibernated: Option<&Hibernated>)
         children: lineage.children,
         created_at_ms: sb.created_at_ms,
         idle_timeout_secs: sb.idle_timeout().as_secs(),
-        network: lock(&sb.net).as_ref().map(|c| c.policy().policy().clone()),
+        network: policy.as_ref().map(|c| c.policy().clone()),
+        network_ceiling: policy.as_ref().and_then(|c| c.ceiling().map(|c| c.policy().clone())),
         hibernation,
     }
 }
@@ -337,14 +342,15 @@ impl Manager {
             children: r.children.clone(),
             ..Lineage::default()
         };
-        *lock(&sb.net) = match r.network.as_ref().map(|p| self.net_control(Some(p))) {
+        let ceiling = r.network_ceiling.as_ref();
+        *lock(&sb.net) = match r.network.as_ref().map(|p| self.net_control(Some(p), ceiling)) {
             Some(Ok(c)) => c,
             Some(Err(e)) => {
                 tracing::warn!(sandbox = %r.id, "its network policy no longer applies ({e}); the server's default \
                     is used");
-                self.net_control(None).ok().flatten()
+                self.net_control(None, ceiling).ok().flatten()
             }
-            None => self.net_control(None).ok().flatten(),
+            None => self.net_control(None, ceiling).ok().flatten(),
         };
         let at = || {
             let secs = mtime_ms / 1000;

@@ -137,6 +137,11 @@ pub struct SandboxInfo {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[cfg_attr(feature = "schema", schemars(with = "Option<serde_json::Value>"))]
     pub network: Option<netstack::policy::NetworkPolicy>,
+    /// The operator's ceiling over `network` for its tenant: a connection
+    /// must pass both (`None`: no ceiling).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "schema", schemars(with = "Option<serde_json::Value>"))]
+    pub network_ceiling: Option<netstack::policy::NetworkPolicy>,
     /// Whether it was handed out ready from the warm pool (restored from
     /// the default template ahead of the create; `uptime_ms` counts from
     /// that restore).
@@ -555,6 +560,7 @@ impl Sandbox {
 
     pub fn info(&self, usage: Option<Usage>) -> SandboxInfo {
         let hib = lock(&self.hibernation).clone();
+        let policy = lock(&self.net).as_ref().map(|c| c.policy());
         let st = lock(&self.status);
         SandboxInfo {
             sandbox_id: self.id.clone(),
@@ -571,7 +577,8 @@ impl Sandbox {
             boot_ms: st.boot_ms,
             idle_timeout_secs: self.idle_timeout().as_secs(),
             idle_ms: self.idle().as_millis() as u64,
-            network: lock(&self.net).as_ref().map(|c| c.policy().policy().clone()),
+            network: policy.as_ref().map(|c| c.policy().clone()),
+            network_ceiling: policy.as_ref().and_then(|c| c.ceiling().map(|c| c.policy().clone())),
             from_pool: self.from_pool.load(Ordering::SeqCst),
             hibernated_at_ms: hib.as_ref().map(|h| h.at_ms),
             expires_at_ms: hib.as_ref().map(|h| h.expires_at_ms),

@@ -102,6 +102,15 @@ pub enum ToolError {
         /// The limit (bytes).
         max: usize,
     },
+    /// A `network` policy wider than the caller's ceiling.
+    #[error(
+        "this network policy allows more than the operator's ceiling for your key: {why}; ask within it \
+         (sandbox_info shows it as network_ceiling)"
+    )]
+    AboveCeiling {
+        /// What exceeds it.
+        why: String,
+    },
     /// `sandbox_process_kill`'s signal is not one it knows.
     #[error("unknown signal {0:?}; use TERM, KILL, INT, HUP, QUIT, USR1, USR2, STOP, CONT or a number 1..=64")]
     Signal(String),

@@ -105,6 +105,11 @@ impl TineMcp {
     fn url_base(&self, ctx: &RequestContext<RoleServer>) -> String {
         self.files.base_for(ctx.extensions.get::<axum::http::request::Parts>())
     }
+
+    /// The grant file URLs of sandbox `id` are signed over.
+    fn url_grant(&self, id: &str) -> String {
+        self.auth.url_grant(self.manager.tenant_of(id).flatten().as_deref())
+    }
 }
 
 #[tool_router(router = files_router, vis = "pub(super)")]
@@ -135,7 +140,7 @@ impl TineMcp {
                 return Err(ToolError::NotAFile { path: p.path });
             }
         }
-        let signed = self.files.url(&self.url_base(&ctx), p.method, &id, &p.path, ttl)?;
+        let signed = self.files.url(&self.url_base(&ctx), p.method, (&id, &self.url_grant(&id)), &p.path, ttl)?;
         let curl = match p.method {
             UrlMethod::Get => format!("curl -fsS -o FILE {}", shell_quote(&signed.url)),
             UrlMethod::Put => format!("curl -fsS -T FILE {}", shell_quote(&signed.url)),
@@ -197,7 +202,9 @@ impl TineMcp {
             let _ = self.manager.remove(&id, archive, false).await;
             r.data_base64 = Some(base64::engine::general_purpose::STANDARD.encode(&f.data));
         } else {
-            let signed = self.files.url(&self.url_base(&ctx), UrlMethod::Get, &id, &archive, DEFAULT_TTL_SECS)?;
+            let grant = self.url_grant(&id);
+            let signed =
+                self.files.url(&self.url_base(&ctx), UrlMethod::Get, (&id, &grant), &archive, DEFAULT_TTL_SECS)?;
             r.url = Some(signed.url);
             r.expires_at_ms = Some(signed.expires_at_ms);
             r.archive_path = Some(archive);

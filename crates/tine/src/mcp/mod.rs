@@ -34,6 +34,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
+use crate::auth::{Auth, Principal};
 use crate::cluster::{Cluster, Route, FORWARDED_HEADER};
 use crate::files_url::FileUrls;
 use crate::metrics::Metrics;
@@ -160,6 +161,11 @@ pub struct TineMcp {
     /// The tools (shared by every session, made once per server); every
     /// call's arguments are checked against its tool's schema first.
     tools: Arc<Tools>,
+    /// Who the session's calls act as: set from each call's request
+    /// (every request of a session is its opener's, [`crate::auth::sessions`]).
+    principal: Arc<std::sync::Mutex<Principal>>,
+    /// The server's credentials (a tenant's key signs its file URLs).
+    auth: Arc<Auth>,
 }
 
 /// What a session's handler shares with every other session on the host.
@@ -175,6 +181,8 @@ pub struct Shared {
     pub metrics: Arc<Metrics>,
     /// The tools and their arguments' check.
     pub tools: Arc<Tools>,
+    /// The server's credentials.
+    pub auth: Arc<Auth>,
 }
 
 #[tool_router]
@@ -193,14 +201,100 @@ impl TineMcp {
             cluster: shared.cluster.clone(),
             metrics: shared.metrics.clone(),
             tools: shared.tools.clone(),
+            principal: Arc::new(std::sync::Mutex::new(Principal::Admin)),
+            auth: shared.auth.clone(),
         }
+    }
+
+    /// Who this call acts as.
+    fn caller(&self) -> Principal {
+        self.principal.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// The call context for the manager: this session's key, the caller's
+    /// tenant and quota, no progress.
+    fn cx(&self) -> CallContext {
+        let caller = self.caller();
+        CallContext {
+            owner: Some(self.key),
+            tenant: caller.tenant().map(str::to_string),
+            quota: caller.quota(),
+            ceiling: self.ceiling(),
+            ..CallContext::default()
+        }
+    }
+
+    /// The caller's network ceiling: a tenant's own, else the server's
+    /// default policy; none for the operator.
+    fn ceiling(&self) -> Option<tine_sandbox::network::NetworkPolicy> {
+        match self.caller() {
+            Principal::Admin => None,
+            Principal::Tenant(t) => t.ceiling.clone().or_else(|| self.manager.default_network_policy().cloned()),
+        }
+    }
+
+    /// Refuses a `network` the caller asks for that allows more than its
+    /// ceiling ([`tine_sandbox::network::wider_than_ceiling`]).
+    fn check_ceiling(&self, asked: Option<&tine_sandbox::network::NetworkPolicy>) -> Result<(), ToolError> {
+        let (Some(asked), Some(ceiling)) = (asked, self.ceiling()) else { return Ok(()) };
+        match tine_sandbox::network::wider_than_ceiling(asked, &ceiling) {
+            Some(why) => Err(ToolError::AboveCeiling { why }),
+            None => Ok(()),
+        }
+    }
+
+    /// The name the template store keeps for the caller's template `name`
+    /// (a tenant's are `<tenant>~<name>`; the operator's are the server's).
+    fn own_template(&self, name: &str) -> String {
+        tine_sandbox::templates::qualified(self.caller().tenant(), name)
+    }
+
+    /// The template `name` means to the caller: its own of that name if it
+    /// has one, else the server's.
+    fn resolve_template(&self, name: &str) -> String {
+        let own = self.own_template(name);
+        if own != name && self.manager.templates().iter().any(|t| t.name == own) {
+            own
+        } else {
+            name.to_string()
+        }
+    }
+
+    /// `t` as the caller sees it: a tenant's own templates under their
+    /// plain names.
+    fn shown_template(&self, mut t: TemplateInfo) -> TemplateInfo {
+        if self.caller().tenant().is_some() {
+            t.name = tine_sandbox::templates::split_qualified(&t.name).1.to_string();
+        }
+        t
+    }
+
+    /// Refuses a call that names a sandbox or process of another tenant
+    /// with exactly the error of an id that does not exist; ids of other
+    /// hosts are checked there.
+    fn check_owner(&self, args: Option<&JsonObject>) -> Result<(), ToolError> {
+        let caller = self.caller();
+        if matches!(caller, Principal::Admin) {
+            return Ok(());
+        }
+        for id in crate::cluster::named_ids(args) {
+            if crate::cluster::host_of(id).is_some_and(|h| h != self.cluster.host()) {
+                continue;
+            }
+            let sandbox = id.split_once(':').map_or(id, |(s, _)| s);
+            if let Some(owner) = self.manager.tenant_of(sandbox) {
+                if !caller.owns(owner.as_deref()) {
+                    return Err(tine_sandbox::SandboxError::NotFound(sandbox.to_string()).into());
+                }
+            }
+        }
+        Ok(())
     }
 
     /// The sandbox a call is about: the given id, or the session's
     /// sandbox (see [`session`]); made on first use without progress.
     async fn target(&self, id: Option<String>) -> Result<String, ToolError> {
-        let cx = CallContext { owner: Some(self.key), ..CallContext::default() };
-        self.target_with(id, &cx).await
+        self.target_with(id, &self.cx()).await
     }
 
     /// As [`TineMcp::target`], a first-use creation reporting to `cx`. The
@@ -242,11 +336,12 @@ impl TineMcp {
             memory_mib: p.memory_mib,
             labels: p.labels,
             idle_timeout_secs: p.idle_timeout_secs,
-            template: p.template,
+            template: p.template.map(|t| self.resolve_template(&t)),
             network: p.network.map(|n| n.into_policy()),
             env: p.env,
         };
-        let info = Reporter::around(&ctx, self.key, async |cx| self.manager.create_with(spec, cx).await).await?;
+        self.check_ceiling(spec.network.as_ref())?;
+        let info = Reporter::around(&ctx, self.cx(), async |cx| self.manager.create_with(spec, cx).await).await?;
         self.log.watch(&info.sandbox_id);
         self.session.created(&info.sandbox_id).await;
         Ok(Json(info))
@@ -258,7 +353,17 @@ impl TineMcp {
         annotations(title = "List templates", read_only_hint = true, open_world_hint = false)
     )]
     async fn template_list(&self) -> Result<Json<TemplateListResult>, ToolError> {
-        let mut templates = self.manager.templates();
+        let caller = self.caller();
+        let mut templates: Vec<TemplateInfo> = self
+            .manager
+            .templates()
+            .into_iter()
+            .filter(|t| match tine_sandbox::templates::split_qualified(&t.name).0 {
+                None => true,
+                owner => caller.owns(owner),
+            })
+            .map(|t| self.shown_template(t))
+            .collect();
         let truncated = budget::fit_list(&mut templates, budget::CONTENT_BUDGET - 64) > 0;
         Ok(Json(TemplateListResult { templates, truncated }))
     }
@@ -284,8 +389,8 @@ impl TineMcp {
         ctx: RequestContext<RoleServer>,
     ) -> Result<Json<TemplateInfo>, ToolError> {
         let recipe = Recipe {
-            name: p.name,
-            from: p.from,
+            name: self.own_template(&p.name),
+            from: p.from.map(|f| self.resolve_template(&f)),
             vcpus: p.vcpus,
             memory_mib: p.memory_mib,
             env: p.env,
@@ -294,16 +399,16 @@ impl TineMcp {
             step_timeout_secs: p.step_timeout_secs,
         };
         let name = recipe.name.clone();
-        let started = self.manager.start_template_build(recipe)?;
+        let started = self.manager.start_template_build(recipe, &self.cx())?;
         let wait = Duration::from_secs(p.wait_secs.unwrap_or(0).min(MAX_TEMPLATE_WAIT_SECS));
         if wait.is_zero() {
-            return Ok(Json(started));
+            return Ok(Json(self.shown_template(started)));
         }
-        let info = Reporter::around(&ctx, self.key, async |cx| {
+        let info = Reporter::around(&ctx, self.cx(), async |cx| {
             self.manager.wait_template_build(&name, wait, &cx.progress).await
         })
         .await?;
-        Ok(Json(info))
+        Ok(Json(self.shown_template(info)))
     }
 
     #[tool(
@@ -321,7 +426,7 @@ impl TineMcp {
         &self,
         Parameters(p): Parameters<TemplateDeleteParams>,
     ) -> Result<Json<TemplateDeleteResult>, ToolError> {
-        self.manager.template_delete(&p.name).await.map_err(ToolError::from)?;
+        self.manager.template_delete(&self.own_template(&p.name)).await.map_err(ToolError::from)?;
         Ok(Json(TemplateDeleteResult { name: p.name, deleted: true }))
     }
 
@@ -342,9 +447,10 @@ impl TineMcp {
         Parameters(p): Parameters<SnapshotParams>,
         ctx: RequestContext<RoleServer>,
     ) -> Result<Json<TemplateInfo>, ToolError> {
-        Reporter::around(&ctx, self.key, async |cx| {
+        Reporter::around(&ctx, self.cx(), async |cx| {
             let id = self.target_with(p.sandbox_id, cx).await?;
-            Ok(Json(self.manager.snapshot_with(&id, &p.name, cx).await?))
+            let made = self.manager.snapshot_with(&id, &self.own_template(&p.name), cx).await?;
+            Ok(Json(self.shown_template(made)))
         })
         .await
     }
@@ -367,7 +473,7 @@ impl TineMcp {
         Parameters(p): Parameters<BranchParams>,
         ctx: RequestContext<RoleServer>,
     ) -> Result<Json<BranchResult>, ToolError> {
-        Reporter::around(&ctx, self.key, async |cx| {
+        Reporter::around(&ctx, self.cx(), async |cx| {
             let id = self.target_with(p.sandbox_id, cx).await?;
             Ok(Json(self.manager.branch_with(&id, p.n, cx).await?))
         })
@@ -412,11 +518,14 @@ impl TineMcp {
     }
 
     #[tool(
-        description = "List sandboxes (all sessions'), optionally only those carrying all the given labels.",
+        description = "List your sandboxes (every session's of your key), optionally only those carrying all the \
+                       given labels.",
         annotations(title = "List sandboxes", read_only_hint = true, open_world_hint = false)
     )]
     async fn sandbox_list(&self, Parameters(p): Parameters<ListParams>) -> Result<Json<ListResult>, ToolError> {
+        let caller = self.caller();
         let mut sandboxes = self.manager.list(&p.labels);
+        sandboxes.retain(|s| caller.owns(s.tenant.as_deref()));
         let total = sandboxes.len() as u64;
         let truncated = budget::fit_list(&mut sandboxes, budget::CONTENT_BUDGET - 128) > 0;
         Ok(Json(ListResult { sandboxes, total, truncated }))
@@ -454,6 +563,7 @@ impl TineMcp {
             env: p.env,
             network: p.network.map(|n| n.into_policy()),
         };
+        self.check_ceiling(update.network.as_ref())?;
         self.manager.update(&id, update).await.map(Json).map_err(ToolError::from)
     }
 
@@ -562,7 +672,7 @@ impl TineMcp {
             timeout_ms,
             output_limit: 0,
         };
-        Reporter::around(&ctx, self.key, async |cx| {
+        Reporter::around(&ctx, self.cx(), async |cx| {
             let id = self.target_with(p.sandbox_id, cx).await?;
             let r = self.manager.exec_with(&id, req, cx).await?;
             Ok(Json(ExecResult::new(id, r)))
@@ -584,7 +694,7 @@ impl TineMcp {
     ) -> Result<Json<PythonResult>, ToolError> {
         let timeout_ms = secs_to_ms(p.timeout_secs)?;
         // Progress only for a sandbox made on first use.
-        let id = Reporter::around(&ctx, self.key, async |cx| self.target_with(p.sandbox_id, cx).await).await?;
+        let id = Reporter::around(&ctx, self.cx(), async |cx| self.target_with(p.sandbox_id, cx).await).await?;
         let r = self.manager.python(&id, p.code, timeout_ms).await?;
         Ok(Json(PythonResult::new(id, r)))
     }
@@ -603,7 +713,7 @@ impl TineMcp {
         ctx: RequestContext<RoleServer>,
     ) -> Result<Json<PythonResult>, ToolError> {
         let timeout_ms = secs_to_ms(p.timeout_secs)?;
-        let id = Reporter::around(&ctx, self.key, async |cx| self.target_with(p.sandbox_id, cx).await).await?;
+        let id = Reporter::around(&ctx, self.cx(), async |cx| self.target_with(p.sandbox_id, cx).await).await?;
         let r = match p.language {
             CodeLanguage::Python => self.manager.python(&id, p.code, timeout_ms).await?,
             CodeLanguage::Javascript => self.manager.node(&id, p.code, timeout_ms).await?,
@@ -740,26 +850,29 @@ impl ServerHandler for TineMcp {
     ) -> Result<CallToolResponse, ErrorData> {
         let tool = request.name.clone();
         let started = Instant::now();
-        let forwarded_by = context
-            .extensions
-            .get::<axum::http::request::Parts>()
-            .and_then(|p| p.headers.get(FORWARDED_HEADER))
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_string);
+        let parts = context.extensions.get::<axum::http::request::Parts>();
+        let forwarded_by =
+            parts.and_then(|p| p.headers.get(FORWARDED_HEADER)).and_then(|v| v.to_str().ok()).map(str::to_string);
+        // No principal: a request that did not come through the server's
+        // HTTP layer (unit tests), which has the operator's rights there.
+        let caller = parts.and_then(|p| p.extensions.get::<Principal>()).cloned().unwrap_or(Principal::Admin);
+        *self.principal.lock().unwrap_or_else(|p| p.into_inner()) = caller.clone();
         let refused = |message: String| CallToolResult::error(vec![rmcp::model::ContentBlock::text(message)]);
+        let ids: Vec<String> = crate::cluster::named_ids(request.arguments.as_ref()).map(str::to_string).collect();
         let route = self
             .tools
             .check
             .check(&tool, &mut request.arguments)
+            .and_then(|()| self.check_owner(request.arguments.as_ref()).map_err(|e| e.to_string()))
             .and_then(|()| self.cluster.route(&tool, request.arguments.as_ref(), forwarded_by.as_deref()));
         let response = match route {
             Ok(Route::Local) => {
                 let tcc = ToolCallContext::new(self, request, context);
                 self.tools.router.call(tcc).await
             }
-            Ok(Route::Forward { host, url }) => {
-                Ok(CallToolResponse::Complete(self.cluster.forward(&host, &url, request).await.unwrap_or_else(refused)))
-            }
+            Ok(Route::Forward { host, url }) => Ok(CallToolResponse::Complete(
+                self.cluster.forward(&host, &url, request, &caller).await.unwrap_or_else(refused),
+            )),
             Err(message) => Ok(CallToolResponse::Complete(refused(message))),
         };
         let response = response.map(|r| match r {
@@ -774,8 +887,8 @@ impl ServerHandler for TineMcp {
         // Known tools only: a client's made-up names must not grow the series.
         let label = if self.tools.router.map.contains_key(tool.as_ref()) { tool.as_ref() } else { "unknown" };
         let elapsed = started.elapsed();
-        tracing::debug!(tool = label, ok, elapsed_ms = elapsed.as_millis() as u64, "tool call");
-        self.metrics.tool_call(label, elapsed, ok);
+        crate::audit::tool_call(&caller, self.key, label, &ids, ok, elapsed);
+        self.metrics.tool_call(label, caller.name(), elapsed, ok);
         response
     }
 

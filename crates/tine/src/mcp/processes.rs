@@ -169,7 +169,7 @@ impl TineMcp {
         let pid = self.process(&p.process_id)?;
         let from = (p.stdout_offset.unwrap_or(0), p.stderr_offset.unwrap_or(0));
         let spec = WaitSpec { timeout_ms, until, streams: p.stream.set(), stdout_from: from.0, stderr_from: from.1 };
-        let r = Reporter::around(&ctx, self.key, async |cx| self.manager.process_wait(&pid, spec, cx).await).await?;
+        let r = Reporter::around(&ctx, self.cx(), async |cx| self.manager.process_wait(&pid, spec, cx).await).await?;
         Ok(Json(ProcessWaitResult::new(pid.to_string(), r)))
     }
 

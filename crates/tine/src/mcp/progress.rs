@@ -154,10 +154,10 @@ impl Reporter {
         Reporter { tx: Some(Arc::new(tx)), stop, task: Some(task) }
     }
 
-    /// The call context to give the sandbox manager: sandboxes made are
-    /// owned by `owner` (the session's key), progress goes to this
+    /// The call context to give the sandbox manager: `base` (the caller's
+    /// session key, tenant and quota) with progress going to this
     /// reporter.
-    pub fn context(&self, owner: u64) -> CallContext {
+    pub fn context(&self, base: CallContext) -> CallContext {
         let progress = match &self.tx {
             Some(tx) => {
                 let tx = tx.clone();
@@ -167,19 +167,19 @@ impl Reporter {
             }
             None => ProgressSink::none(),
         };
-        CallContext { owner: Some(owner), progress }
+        CallContext { progress, ..base }
     }
 
-    /// Runs `call` with a call context owned by `owner` whose progress goes
-    /// to the request's client, and ends reporting before it returns
-    /// `call`'s output: no notification can follow the tool's result.
+    /// Runs `call` with the call context `base` whose progress goes to the
+    /// request's client, and ends reporting before it returns `call`'s
+    /// output: no notification can follow the tool's result.
     pub async fn around<T>(
         ctx: &RequestContext<RoleServer>,
-        owner: u64,
+        base: CallContext,
         call: impl AsyncFnOnce(&CallContext) -> T,
     ) -> T {
         let reporter = Reporter::start(ctx);
-        let out = call(&reporter.context(owner)).await;
+        let out = call(&reporter.context(base)).await;
         reporter.finish().await;
         out
     }

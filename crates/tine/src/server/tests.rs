@@ -28,7 +28,15 @@ fn app(dir: &tempfile::TempDir, token: Option<&str>) -> axum::Router {
 fn options(token: Option<&str>, allowed_origins: Vec<String>) -> ServeOptions {
     ServeOptions {
         listen: "127.0.0.1:5555".parse().unwrap(),
-        token: token.map(str::to_string),
+        auth: std::sync::Arc::new(
+            crate::auth::Auth::new(crate::auth::AuthConfig {
+                admin_token: token.map(str::to_string),
+                peer_key: None,
+                tenants_file: "/nonexistent/tenants.toml".into(),
+                default_quota: Default::default(),
+            })
+            .unwrap(),
+        ),
         allowed_hosts: vec!["localhost".into(), "127.0.0.1".into(), "::1".into()],
         allowed_origins,
         max_connections: super::DEFAULT_MAX_CONNECTIONS,

@@ -1,0 +1,343 @@
+//! Who a request acts as: the only place a credential is read.
+//!
+//! Every request to `/mcp` and `/metrics` passes [`authenticate`], which
+//! puts the caller's [`Principal`] into the request's extensions (or
+//! answers 401 with `WWW-Authenticate: Bearer`, RFC 6750 §3):
+//!
+//! - the operator's token (`token_file`, `$TINE_TOKEN`, the systemd
+//!   credential) is [`Principal::Admin`], which sees and may change every
+//!   object;
+//! - a tenant's API key (`tine tenant add`, [`tenants`]) is that
+//!   [`Principal::Tenant`], which sees only its own sandboxes, templates,
+//!   processes and URLs;
+//! - the peer key (`[cluster] peer_key_file`, default: the operator's
+//!   token) is a peer host passing on a call: it acts as the principal
+//!   named by [`TENANT_HEADER`] (none: the operator). The header counts on
+//!   no other request.
+//!
+//! `--dev` has no credentials: every request is the operator's.
+//!
+//! A session is bound to the principal that opened it ([`sessions`]).
+
+pub mod sessions;
+pub mod tenants;
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, SystemTime};
+
+use axum::extract::{Request, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use subtle::ConstantTimeEq;
+use tine_sandbox::Quota;
+
+use tenants::{Roster, Tenant, TenantsError, TenantsFile};
+
+/// The header with which a peer host names the tenant it passes a call on
+/// for (`admin`, or absent: the operator). Believed only on a request
+/// that carries the peer key.
+pub const TENANT_HEADER: &str = "x-tine-tenant";
+/// How often the tenants file is checked for a change.
+const RELOAD_EVERY: Duration = Duration::from_secs(1);
+
+/// Who a request acts as.
+#[derive(Clone, Debug)]
+pub enum Principal {
+    /// The operator: every object, every tenant's included.
+    Admin,
+    /// A tenant: its own objects and the server's templates.
+    Tenant(Arc<Tenant>),
+}
+
+impl Principal {
+    /// The tenant's name; `None` for the operator.
+    pub fn tenant(&self) -> Option<&str> {
+        match self {
+            Principal::Admin => None,
+            Principal::Tenant(t) => Some(&t.name),
+        }
+    }
+
+    /// Whether it may see and act on an object of tenant `owner` (`None`:
+    /// the server's own, which only the operator may).
+    pub fn owns(&self, owner: Option<&str>) -> bool {
+        match self {
+            Principal::Admin => true,
+            Principal::Tenant(t) => owner == Some(t.name.as_str()),
+        }
+    }
+
+    /// Its name in logs, metrics and session bindings: the tenant's name,
+    /// or [`tenants::ADMIN`].
+    pub fn name(&self) -> &str {
+        self.tenant().unwrap_or(tenants::ADMIN)
+    }
+
+    /// Its quota (`None`: the operator, bound by the server's limits only).
+    pub fn quota(&self) -> Option<Arc<Quota>> {
+        match self {
+            Principal::Admin => None,
+            Principal::Tenant(t) => Some(t.quota.clone()),
+        }
+    }
+}
+
+/// Errors of authentication and of reading the tenants file.
+#[derive(Debug, thiserror::Error)]
+pub enum AuthError {
+    /// No `Authorization: Bearer` header.
+    #[error("send Authorization: Bearer <key> (a tenant's API key from `tine tenant add`, or the operator's token)")]
+    Missing,
+    /// A credential that is no one's.
+    #[error("the bearer credential is not valid here (a rotated or removed key?)")]
+    Invalid,
+    /// The tenants file cannot be used.
+    #[error(transparent)]
+    Tenants(#[from] TenantsError),
+}
+
+/// What [`Auth`] is made from.
+pub struct AuthConfig {
+    /// The operator's token (`None`: `--dev`, no authentication).
+    pub admin_token: Option<String>,
+    /// The key peers present (`None`: the operator's token).
+    pub peer_key: Option<String>,
+    /// The tenants file ([`tenants`]).
+    pub tenants_file: PathBuf,
+    /// Every tenant's quota unless the file says otherwise (`[limits.tenant]`).
+    pub default_quota: Quota,
+}
+
+/// A file's identity and change time, to tell when it was replaced.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Stamp {
+    dev: u64,
+    ino: u64,
+    len: u64,
+    mtime: Option<SystemTime>,
+}
+
+fn stamp(path: &std::path::Path) -> Option<Stamp> {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(path).ok()?;
+    Some(Stamp { dev: m.dev(), ino: m.ino(), len: m.len(), mtime: m.modified().ok() })
+}
+
+/// The server's credentials: the operator's token, the peer key and the
+/// tenants, read again when their file changes.
+pub struct Auth {
+    admin_token: Option<String>,
+    peer_key: Option<String>,
+    tenants_file: PathBuf,
+    default_quota: Quota,
+    roster: RwLock<Arc<Roster>>,
+    stamp: Mutex<Option<Stamp>>,
+    changed: tokio::sync::watch::Sender<Arc<Roster>>,
+}
+
+impl Auth {
+    /// The credentials of `config`, the tenants file read now.
+    ///
+    /// Errors: [`AuthError::Tenants`] for a tenants file that cannot be
+    /// read or is not one (a server does not start on a broken file; it
+    /// keeps its last good roster when the file breaks later).
+    pub fn new(config: AuthConfig) -> Result<Self, AuthError> {
+        let st = stamp(&config.tenants_file);
+        let file = TenantsFile::load(&config.tenants_file)?;
+        let roster = Arc::new(Roster::new(&file, &config.default_quota));
+        Ok(Auth {
+            admin_token: config.admin_token,
+            peer_key: config.peer_key,
+            tenants_file: config.tenants_file,
+            default_quota: config.default_quota,
+            roster: RwLock::new(roster.clone()),
+            stamp: Mutex::new(st),
+            changed: tokio::sync::watch::channel(roster).0,
+        })
+    }
+
+    /// Whether requests need a credential (not `--dev`).
+    pub fn required(&self) -> bool {
+        self.admin_token.is_some()
+    }
+
+    /// The tenants now.
+    pub fn roster(&self) -> Arc<Roster> {
+        self.roster.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Follows the roster: a new one each time the file is read again.
+    pub fn subscribe(&self) -> tokio::sync::watch::Receiver<Arc<Roster>> {
+        self.changed.subscribe()
+    }
+
+    /// The key this host presents to its peers (`None` under `--dev`).
+    pub fn peer_key(&self) -> Option<&str> {
+        self.peer_key.as_deref().or(self.admin_token.as_deref())
+    }
+
+    /// What a file URL of a sandbox of `tenant` is signed over besides its
+    /// own fields ([`crate::files_url`]): the tenant and the SHA-256 of its
+    /// key now, so that a new key or the tenant's removal ends its URLs;
+    /// empty for the server's own sandboxes.
+    pub fn url_grant(&self, tenant: Option<&str>) -> String {
+        match tenant {
+            None => String::new(),
+            Some(t) => match self.roster().by_name(t) {
+                Some(live) => format!("{t}:{}", live.key_sha256),
+                None => format!("{t}:removed"),
+            },
+        }
+    }
+
+    /// Who `headers` (`Authorization: Bearer ...`, RFC 6750 §2.1) act as.
+    ///
+    /// Errors: [`AuthError::Missing`], [`AuthError::Invalid`].
+    pub fn authenticate(&self, headers: &HeaderMap) -> Result<Principal, AuthError> {
+        let Some(admin) = &self.admin_token else { return Ok(Principal::Admin) };
+        let given = bearer(headers).ok_or(AuthError::Missing)?;
+        let peer = self.peer_key.as_deref().unwrap_or(admin);
+        if bool::from(given.as_bytes().ct_eq(peer.as_bytes())) {
+            return match headers.get(TENANT_HEADER).and_then(|v| v.to_str().ok()) {
+                None | Some(tenants::ADMIN) => Ok(Principal::Admin),
+                Some(name) => self.roster().by_name(name).map(Principal::Tenant).ok_or(AuthError::Invalid),
+            };
+        }
+        if bool::from(given.as_bytes().ct_eq(admin.as_bytes())) {
+            return Ok(Principal::Admin);
+        }
+        self.roster().by_key(given).map(Principal::Tenant).ok_or(AuthError::Invalid)
+    }
+
+    /// Reads the tenants file again if it changed since the last read
+    /// (another inode, size or change time). Returns whether it did; a
+    /// broken file leaves the roster as it was.
+    ///
+    /// Errors: [`TenantsError`] of a changed file that cannot be used.
+    pub fn reload(&self, force: bool) -> Result<bool, TenantsError> {
+        let now = stamp(&self.tenants_file);
+        {
+            let mut last = self.stamp.lock().unwrap_or_else(|p| p.into_inner());
+            if !force && *last == now {
+                return Ok(false);
+            }
+            *last = now;
+        }
+        let file = TenantsFile::load(&self.tenants_file)?;
+        let roster = Arc::new(Roster::new(&file, &self.default_quota));
+        *self.roster.write().unwrap_or_else(|p| p.into_inner()) = roster.clone();
+        self.changed.send_replace(roster);
+        Ok(true)
+    }
+
+    /// Reads the tenants file again every [`RELOAD_EVERY`] when it changed,
+    /// and on SIGHUP; errors are logged (call in a Tokio runtime).
+    pub fn spawn_reload(self: &Arc<Self>) -> tokio::task::JoinHandle<()> {
+        let me = self.clone();
+        tokio::spawn(async move {
+            use tokio::signal::unix::{signal, SignalKind};
+            let mut hup = signal(SignalKind::hangup()).ok();
+            loop {
+                let force = tokio::select! {
+                    _ = tokio::time::sleep(RELOAD_EVERY) => false,
+                    Some(()) = async { match hup.as_mut() { Some(h) => h.recv().await, None => std::future::pending().await } } => true,
+                };
+                match me.reload(force) {
+                    Ok(true) => tracing::info!(
+                        file = %me.tenants_file.display(),
+                        tenants = me.roster().names().count(),
+                        "tenants read again"
+                    ),
+                    Ok(false) => {}
+                    Err(e) => tracing::error!("{e}; the tenants read before stay in force"),
+                }
+            }
+        })
+    }
+}
+
+/// The token of `Authorization: Bearer <token>` (RFC 6750 §2.1; the
+/// scheme's case is not significant, RFC 9110 §11.1).
+pub fn bearer(headers: &HeaderMap) -> Option<&str> {
+    let v = headers.get(header::AUTHORIZATION)?.to_str().ok()?;
+    let (scheme, token) = v.split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then(|| token.trim()).filter(|t| !t.is_empty())
+}
+
+/// The middleware: puts the request's [`Principal`] into its extensions,
+/// or answers 401 with `WWW-Authenticate: Bearer` (RFC 6750 §3).
+pub async fn authenticate(State(auth): State<Arc<Auth>>, mut req: Request, next: Next) -> Response {
+    match auth.authenticate(req.headers()) {
+        Ok(p) => {
+            req.extensions_mut().insert(p);
+            next.run(req).await
+        }
+        Err(e) => unauthorized(&e),
+    }
+}
+
+/// 401 for `e`, with the challenge RFC 6750 §3 asks for.
+fn unauthorized(e: &AuthError) -> Response {
+    let challenge = match e {
+        AuthError::Missing => r#"Bearer realm="tine""#,
+        _ => r#"Bearer realm="tine", error="invalid_token""#,
+    };
+    let body = serde_json::json!({"error": "unauthorized", "message": e.to_string()}).to_string();
+    let mut resp = (StatusCode::UNAUTHORIZED, [(header::CONTENT_TYPE, "application/json")], body).into_response();
+    resp.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static(challenge));
+    resp
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (k, v) in pairs {
+            h.insert(axum::http::HeaderName::from_bytes(k.as_bytes()).unwrap(), v.parse().unwrap());
+        }
+        h
+    }
+
+    #[test]
+    fn a_credential_gives_its_principal_and_the_tenant_header_counts_only_with_the_peer_key() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tenants.toml");
+        let mut file = TenantsFile::default();
+        let key = file.add("acme", Default::default(), &path).unwrap();
+        file.save(&path).unwrap();
+        let auth = Auth::new(AuthConfig {
+            admin_token: Some("admin-token".into()),
+            peer_key: Some("peer-key".into()),
+            tenants_file: path.clone(),
+            default_quota: Quota::default(),
+        })
+        .unwrap();
+        let who = |h: &[(&str, &str)]| auth.authenticate(&headers(h)).map(|p| p.name().to_string());
+        assert!(matches!(auth.authenticate(&HeaderMap::new()), Err(AuthError::Missing)));
+        assert_eq!(who(&[("authorization", "Bearer admin-token")]).unwrap(), "admin");
+        assert_eq!(who(&[("authorization", &format!("bearer {key}"))]).unwrap(), "acme");
+        assert!(matches!(who(&[("authorization", "Bearer nope")]), Err(AuthError::Invalid)));
+        // A tenant cannot name another principal; the peer key can.
+        let as_admin = [("authorization", &*format!("Bearer {key}")), (TENANT_HEADER, "admin")];
+        assert_eq!(who(&as_admin).unwrap(), "acme");
+        assert_eq!(who(&[("authorization", "Bearer peer-key"), (TENANT_HEADER, "acme")]).unwrap(), "acme");
+        assert_eq!(who(&[("authorization", "Bearer peer-key")]).unwrap(), "admin");
+        assert!(who(&[("authorization", "Bearer peer-key"), (TENANT_HEADER, "ghost")]).is_err());
+
+        // A new key works once the file is read again; the old one ends.
+        let new = file.rotate("acme", &path).unwrap();
+        file.save(&path).unwrap();
+        assert!(auth.reload(false).unwrap(), "the file changed");
+        assert!(!auth.reload(false).unwrap(), "and not again");
+        assert!(who(&[("authorization", &format!("Bearer {key}"))]).is_err());
+        assert_eq!(who(&[("authorization", &format!("Bearer {new}"))]).unwrap(), "acme");
+        // A broken file keeps the roster in force.
+        std::fs::write(&path, "not toml [").unwrap();
+        assert!(auth.reload(true).is_err());
+        assert_eq!(who(&[("authorization", &format!("Bearer {new}"))]).unwrap(), "acme");
+    }
+}
