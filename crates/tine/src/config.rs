@@ -17,6 +17,7 @@
 //! http2_keep_alive_timeout_secs = 20
 //! http2_max_concurrent_streams = 100
 //! session_timeout_secs = 900
+//! max_sessions = 1024
 //!
 //! [limits]
 //! max_sandboxes = 16
@@ -100,6 +101,9 @@ pub struct FileConfig {
     pub http2_max_concurrent_streams: Option<u32>,
     /// An MCP session idle this long (s) ends, and its own sandbox with it.
     pub session_timeout_secs: Option<u64>,
+    /// MCP sessions open at once (default 1024; at least 1); an
+    /// `initialize` past it is answered 503.
+    pub max_sessions: Option<usize>,
     /// Sandbox limits.
     pub limits: Limits,
     /// Templates.
@@ -375,6 +379,7 @@ mod tests {
         assert_eq!(c.http2_keep_alive_interval_secs, Some(srv::DEFAULT_HTTP2_KEEP_ALIVE_INTERVAL.as_secs()));
         assert_eq!(c.http2_keep_alive_timeout_secs, Some(srv::DEFAULT_HTTP2_KEEP_ALIVE_TIMEOUT.as_secs()));
         assert_eq!(c.http2_max_concurrent_streams, Some(srv::DEFAULT_HTTP2_MAX_CONCURRENT_STREAMS));
+        assert_eq!(c.max_sessions, Some(srv::DEFAULT_MAX_SESSIONS));
     }
 
     #[test]

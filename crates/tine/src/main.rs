@@ -210,6 +210,7 @@ fn start(args: StartArgs) -> anyhow::Result<ExitCode> {
             .unwrap_or(server::DEFAULT_HTTP2_MAX_CONCURRENT_STREAMS)
             .max(1),
         session_timeout,
+        max_sessions: r.file.max_sessions.unwrap_or(server::DEFAULT_MAX_SESSIONS).max(1),
         build_default_template: r.file.templates.build_default,
         public_url: r.file.public_url.clone(),
         cluster,

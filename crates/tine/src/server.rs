@@ -11,16 +11,17 @@
 //! [`ServeOptions::max_connections_per_address`] from one address), a
 //! connection has [`ServeOptions::header_read_timeout`] to send its first
 //! request, whatever its HTTP version, and is closed after
-//! [`ServeOptions::idle_timeout`] without one ([`connection`]), and
-//! `DELETE /mcp` answers 200 (the official Python SDK takes only 200 or
-//! 204 as a clean close).
+//! [`ServeOptions::idle_timeout`] without one ([`connection`]), at most
+//! [`ServeOptions::max_sessions`] MCP sessions are open (an `initialize`
+//! past it gets 503 saying what to do), and `DELETE /mcp` answers 200 (the
+//! official Python SDK takes only 200 or 204 as a clean close).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::extract::{Request, State};
-use axum::http::{header, HeaderValue, StatusCode};
+use axum::http::{header, HeaderValue, Method, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
@@ -57,6 +58,8 @@ pub const DEFAULT_HTTP2_KEEP_ALIVE_TIMEOUT: Duration = Duration::from_secs(20);
 /// Default for [`ServeOptions::http2_max_concurrent_streams`]: 100 (RFC
 /// 9113 §6.5.2 advises no fewer).
 pub const DEFAULT_HTTP2_MAX_CONCURRENT_STREAMS: u32 = 100;
+/// Default for [`ServeOptions::max_sessions`].
+pub const DEFAULT_MAX_SESSIONS: usize = 1024;
 /// How long a shutdown waits for open connections to finish.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -100,6 +103,9 @@ pub struct ServeOptions {
     pub http2_keep_alive_timeout: Duration,
     /// HTTP/2: requests (streams) open at once on one connection.
     pub http2_max_concurrent_streams: u32,
+    /// MCP sessions open at once; an `initialize` past it is refused with
+    /// 503 saying to end sessions (`DELETE /mcp`) or raise it.
+    pub max_sessions: usize,
     /// An MCP session idle this long ends (and its own sandbox with it).
     pub session_timeout: Duration,
     /// Build the default template in the background if it is missing.
@@ -194,6 +200,26 @@ async fn delete_answers_200(req: Request, next: Next) -> Response {
     resp
 }
 
+/// Refuses a new MCP session, a `POST /mcp` without `Mcp-Session-Id` (an
+/// `initialize`), with 503 and a JSON-RPC error saying what to do when
+/// `sessions` has as many as it may. (Two initializes at once may both
+/// pass here with one place left; [`HostSessions`] then refuses the
+/// second, which rmcp answers with 500 and the same message.)
+async fn cap_sessions(State(sessions): State<Arc<HostSessions>>, req: Request, next: Next) -> Response {
+    if req.method() == Method::POST && !req.headers().contains_key("mcp-session-id") && sessions.is_full().await {
+        let message = sessions.full_error().to_string();
+        tracing::warn!("initialize refused: {message}");
+        let body = serde_json::json!({
+            "jsonrpc": "2.0",
+            "id": null,
+            "error": {"code": -32000, "message": message},
+        });
+        return (StatusCode::SERVICE_UNAVAILABLE, [(header::CONTENT_TYPE, "application/json")], body.to_string())
+            .into_response();
+    }
+    next.run(req).await
+}
+
 /// Resolves when SIGTERM or SIGINT arrives.
 async fn shutdown_signal() {
     use tokio::signal::unix::{signal, SignalKind};
@@ -219,7 +245,7 @@ async fn metrics_text(
 /// unless `opts.token` is `None`; `Host` checked against
 /// `opts.allowed_hosts` and `Origin` against `opts.allowed_origins`, 403
 /// otherwise; bodies over [`MAX_REQUEST_BYTES`] answered 413; `DELETE`
-/// answered 200; a request of another host's session passed to that host,
+/// answered 200; an `initialize` past `opts.max_sessions` answered 503; a request of another host's session passed to that host,
 /// [`crate::cluster::proxy_foreign_session`]), `/metrics` (behind the same
 /// bearer check), the open `/healthz` and `/files/{sandbox}`, whose signed
 /// URLs (from `files`) need no token. Cancelling `cancel` ends every MCP
@@ -242,7 +268,7 @@ pub fn router(
         .with_max_request_body_bytes(MAX_REQUEST_BYTES);
     let mut local = LocalSessionManager::default();
     local.session_config.keep_alive = Some(opts.session_timeout);
-    let sessions = Arc::new(HostSessions::new(local, opts.cluster.host()));
+    let sessions = Arc::new(HostSessions::new(local, opts.cluster.host(), opts.max_sessions));
     let cluster = opts.cluster.clone();
     let metrics = Metrics::new(cluster.host(), &cluster.forwarded);
     metrics.follow(&manager);
@@ -259,6 +285,7 @@ pub fn router(
     let mcp_router = Router::new()
         .nest_service("/mcp", mcp)
         .layer(axum::middleware::from_fn(delete_answers_200))
+        .layer(axum::middleware::from_fn_with_state(sessions.clone(), cap_sessions))
         .layer(axum::middleware::from_fn_with_state(cluster, crate::cluster::proxy_foreign_session))
         .layer(axum::middleware::from_fn_with_state(
             BodyBudget::new(MAX_INFLIGHT_BODY_BYTES, BUDGET_WAIT),

@@ -39,6 +39,7 @@ fn options(token: Option<&str>, allowed_origins: Vec<String>) -> ServeOptions {
         http2_keep_alive_timeout: super::DEFAULT_HTTP2_KEEP_ALIVE_TIMEOUT,
         http2_max_concurrent_streams: super::DEFAULT_HTTP2_MAX_CONCURRENT_STREAMS,
         session_timeout: Duration::from_secs(60),
+        max_sessions: super::DEFAULT_MAX_SESSIONS,
         build_default_template: false,
         public_url: None,
         cluster: std::sync::Arc::new(
@@ -564,4 +565,35 @@ async fn a_failed_create_is_logged_to_its_session() {
     assert_eq!(params["data"]["event"], "create_failed", "{message}");
     assert!(params["data"]["message"].as_str().unwrap().starts_with("creating sandbox"), "{message}");
     task.abort();
+}
+
+#[tokio::test]
+async fn an_initialize_past_max_sessions_gets_503_saying_what_to_do() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut opts = options(Some(TOKEN), vec![]);
+    opts.max_sessions = 2;
+    let app = router(manager(&dir), &opts, files(), &CancellationToken::new()).unwrap();
+    let (first, _) = initialized_session(&app).await;
+    let _second = initialized_session(&app).await;
+    let r = send(&app, post("localhost", Some(&bearer(TOKEN)), initialize())).await;
+    assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert!(r.headers().get("mcp-session-id").is_none());
+    let body = axum::body::to_bytes(r.into_body(), 4096).await.unwrap();
+    let body: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    let message = body["error"]["message"].as_str().unwrap_or_default();
+    for part in ["2 MCP sessions open", "DELETE /mcp", "raise max_sessions", "after 60 s without a request"] {
+        assert!(message.contains(part), "{part:?} in {body}");
+    }
+    // Requests in open sessions still pass.
+    let list = serde_json::json!({"jsonrpc": "2.0", "id": 2, "method": "tools/list"});
+    assert_eq!(send(&app, in_session(&first, list)).await.status(), StatusCode::OK);
+    // Once one ends, a new session is accepted.
+    let delete = Request::delete("/mcp")
+        .header(header::HOST, "localhost")
+        .header(header::AUTHORIZATION, bearer(TOKEN))
+        .header("mcp-session-id", first)
+        .body(Body::empty())
+        .unwrap();
+    assert_eq!(send(&app, delete).await.status(), StatusCode::OK);
+    initialized_session(&app).await;
 }
