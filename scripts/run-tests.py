@@ -57,6 +57,7 @@ EXPECTED_SECONDS = {
     "tine::cluster": 27,
     "tine-agent::bin": 19,
     "tine-sandbox::pause": 17,
+    "tine::connections": 5,
 }
 
 # Binaries that measure the host itself (its available memory) and would

@@ -100,7 +100,8 @@ pub struct ClusterConfig {
     pub peer_key_file: Option<std::path::PathBuf>,
 }
 
-/// Errors of the cluster configuration and of forwarding.
+/// Errors of the cluster configuration, of forwarding and of this host's
+/// MCP sessions ([`HostSessions`]).
 #[derive(Debug, thiserror::Error)]
 pub enum ClusterError {
     /// A host name that cannot be used in ids.
@@ -125,6 +126,21 @@ pub enum ClusterError {
     /// The HTTP client cannot be made.
     #[error("cannot make the HTTP client for peers: {0}")]
     Client(String),
+    /// A new MCP session would be one more than `max_sessions`.
+    #[error(
+        "this server has {max} MCP sessions open, as many as its max_sessions allows: end sessions you no longer \
+         use (DELETE /mcp with their Mcp-Session-Id header; a session also ends after {idle_secs} s without a \
+         request), or raise max_sessions in the server's configuration"
+    )]
+    TooManySessions {
+        /// The cap.
+        max: usize,
+        /// After how long without a request a session ends (s).
+        idle_secs: u64,
+    },
+    /// rmcp's session error (an unknown session, a session that ended).
+    #[error(transparent)]
+    Session(#[from] LocalSessionManagerError),
 }
 
 /// `raw` as a host name: lowercased, `.` turned into `-`.
@@ -411,16 +427,20 @@ type PeerClient = tokio::sync::Mutex<Option<Arc<RunningService<RoleClient, ()>>>
 
 /// Sessions named `<host>.<uuid>`, otherwise rmcp's in-process sessions
 /// ([`LocalSessionManager`]), so that any host can tell whose a session
-/// is from its `Mcp-Session-Id`.
+/// is from its `Mcp-Session-Id`; at most `max` open at once. A session
+/// ends on `DELETE /mcp` or after the session configuration's
+/// `keep_alive` without a request (rmcp then removes it).
 pub struct HostSessions {
     inner: LocalSessionManager,
     host: String,
+    max: usize,
 }
 
 impl HostSessions {
-    /// Sessions of `host`, configured as `inner`.
-    pub fn new(inner: LocalSessionManager, host: &str) -> Self {
-        HostSessions { inner, host: host.to_string() }
+    /// Sessions of `host`, configured as `inner`, at most `max` (at least
+    /// 1) open at once.
+    pub fn new(inner: LocalSessionManager, host: &str, max: usize) -> Self {
+        HostSessions { inner, host: host.to_string(), max: max.max(1) }
     }
 
     /// Sessions open now.
@@ -432,16 +452,33 @@ impl HostSessions {
     pub async fn ids(&self) -> std::collections::HashSet<String> {
         self.inner.sessions.read().await.keys().map(|id| id.to_string()).collect()
     }
+
+    /// Whether as many sessions as allowed are open now.
+    pub async fn is_full(&self) -> bool {
+        self.count().await >= self.max
+    }
+
+    /// The error of a session refused at the cap, which says what to do.
+    pub fn full_error(&self) -> ClusterError {
+        let idle_secs = self.inner.session_config.keep_alive.map_or(0, |d| d.as_secs());
+        ClusterError::TooManySessions { max: self.max, idle_secs }
+    }
 }
 
 impl SessionManager for HostSessions {
-    type Error = LocalSessionManagerError;
+    type Error = ClusterError;
     type Transport = WorkerTransport<LocalSessionWorker>;
 
+    /// Errors: [`ClusterError::TooManySessions`] when `max` are open.
     async fn create_session(&self) -> Result<(SessionId, Self::Transport), Self::Error> {
         let id: SessionId = format!("{}.{}", self.host, uuid::Uuid::new_v4()).into();
+        let mut sessions = self.inner.sessions.write().await;
+        if sessions.len() >= self.max {
+            return Err(self.full_error());
+        }
         let (handle, worker) = create_local_session(id.clone(), self.inner.session_config.clone());
-        self.inner.sessions.write().await.insert(id.clone(), handle);
+        sessions.insert(id.clone(), handle);
+        drop(sessions);
         Ok((id, WorkerTransport::spawn(worker)))
     }
 
@@ -450,15 +487,15 @@ impl SessionManager for HostSessions {
         id: &SessionId,
         message: rmcp::model::ClientJsonRpcMessage,
     ) -> Result<rmcp::model::ServerJsonRpcMessage, Self::Error> {
-        self.inner.initialize_session(id, message).await
+        Ok(self.inner.initialize_session(id, message).await?)
     }
 
     async fn has_session(&self, id: &SessionId) -> Result<bool, Self::Error> {
-        self.inner.has_session(id).await
+        Ok(self.inner.has_session(id).await?)
     }
 
     async fn close_session(&self, id: &SessionId) -> Result<(), Self::Error> {
-        self.inner.close_session(id).await
+        Ok(self.inner.close_session(id).await?)
     }
 
     async fn create_stream(
@@ -472,7 +509,7 @@ impl SessionManager for HostSessions {
             + 'static,
         Self::Error,
     > {
-        self.inner.create_stream(id, message).await
+        Ok(self.inner.create_stream(id, message).await?)
     }
 
     async fn accept_message(
@@ -480,7 +517,7 @@ impl SessionManager for HostSessions {
         id: &SessionId,
         message: rmcp::model::ClientJsonRpcMessage,
     ) -> Result<(), Self::Error> {
-        self.inner.accept_message(id, message).await
+        Ok(self.inner.accept_message(id, message).await?)
     }
 
     async fn create_standalone_stream(
@@ -493,7 +530,7 @@ impl SessionManager for HostSessions {
             + 'static,
         Self::Error,
     > {
-        self.inner.create_standalone_stream(id).await
+        Ok(self.inner.create_standalone_stream(id).await?)
     }
 
     async fn resume(
@@ -507,7 +544,7 @@ impl SessionManager for HostSessions {
             + 'static,
         Self::Error,
     > {
-        self.inner.resume(id, last_event_id).await
+        Ok(self.inner.resume(id, last_event_id).await?)
     }
 }
 
@@ -696,6 +733,23 @@ mod tests {
             t.route("sandbox_kill", Some(&args(&[("sandbox_id", "sb-h9-1")])), None),
             Ok(Route::Forward { host: "h9".into(), url: "http://h9.peers:5555".into() })
         );
+    }
+
+    #[tokio::test]
+    async fn sessions_past_the_cap_are_not_made() {
+        let mut local = LocalSessionManager::default();
+        local.session_config.keep_alive = Some(Duration::from_secs(30));
+        let sessions = HostSessions::new(local, "h1", 2);
+        let (a, _ta) = sessions.create_session().await.unwrap();
+        assert!(a.starts_with("h1."), "{a}");
+        let _b = sessions.create_session().await.unwrap();
+        assert!(sessions.is_full().await);
+        let e = sessions.create_session().await.err().expect("a third is refused");
+        assert!(matches!(e, ClusterError::TooManySessions { max: 2, idle_secs: 30 }), "{e}");
+        assert_eq!(sessions.count().await, 2);
+        sessions.close_session(&a).await.unwrap();
+        assert!(!sessions.is_full().await);
+        sessions.create_session().await.expect("a place came free");
     }
 
     #[test]

@@ -10,8 +10,14 @@
 //! allowed_hosts = ["tine.example.com"]
 //! allowed_origins = []          # browser origins allowed; none by default
 //! max_connections = 256
+//! max_connections_per_address = 0   # 0: no cap (behind a proxy every client has its address)
 //! header_read_timeout_secs = 10
+//! idle_timeout_secs = 60
+//! http2_keep_alive_interval_secs = 30
+//! http2_keep_alive_timeout_secs = 20
+//! http2_max_concurrent_streams = 100
 //! session_timeout_secs = 900
+//! max_sessions = 1024
 //!
 //! [limits]
 //! max_sandboxes = 16
@@ -71,10 +77,33 @@ pub struct FileConfig {
     /// Connections served at once (default 256); more wait in the listen
     /// backlog.
     pub max_connections: Option<usize>,
-    /// Seconds a client has to send a request's headers (default 10).
+    /// Connections served at once from one client IP address (default 0:
+    /// no cap); more are closed when accepted. Behind nginx or a
+    /// Kubernetes Ingress every client has the proxy's address, so keep it
+    /// 0 there.
+    pub max_connections_per_address: Option<usize>,
+    /// Seconds a new connection has to send its first request (HTTP/1:
+    /// its headers; HTTP/2: the preface, SETTINGS and first request), and
+    /// an HTTP/1 connection its next request's headers after a response
+    /// (default 10; at least 1).
     pub header_read_timeout_secs: Option<u64>,
+    /// Seconds a connection may carry no request (none in progress, no
+    /// response stream open) before it is closed (default 60; at least 1).
+    pub idle_timeout_secs: Option<u64>,
+    /// Seconds between HTTP/2 keep-alive PINGs on a connection (default
+    /// 30; 0: none).
+    pub http2_keep_alive_interval_secs: Option<u64>,
+    /// Seconds an HTTP/2 PING may go unanswered before the connection is
+    /// closed (default 20; at least 1).
+    pub http2_keep_alive_timeout_secs: Option<u64>,
+    /// HTTP/2 requests (streams) open at once on one connection (default
+    /// 100; at least 1).
+    pub http2_max_concurrent_streams: Option<u32>,
     /// An MCP session idle this long (s) ends, and its own sandbox with it.
     pub session_timeout_secs: Option<u64>,
+    /// MCP sessions open at once (default 1024; at least 1); an
+    /// `initialize` past it is answered 503.
+    pub max_sessions: Option<usize>,
     /// Sandbox limits.
     pub limits: Limits,
     /// Templates.
@@ -365,6 +394,15 @@ mod tests {
             "deploy/tine.toml shows the network defaults"
         );
         assert_eq!(c.listen, Some(DEFAULT_LISTEN.parse().unwrap()));
+        use crate::server as srv;
+        assert_eq!(c.max_connections, Some(srv::DEFAULT_MAX_CONNECTIONS));
+        assert_eq!(c.max_connections_per_address, Some(0), "no cap per address by default");
+        assert_eq!(c.header_read_timeout_secs, Some(srv::DEFAULT_HEADER_READ_TIMEOUT.as_secs()));
+        assert_eq!(c.idle_timeout_secs, Some(srv::DEFAULT_IDLE_TIMEOUT.as_secs()));
+        assert_eq!(c.http2_keep_alive_interval_secs, Some(srv::DEFAULT_HTTP2_KEEP_ALIVE_INTERVAL.as_secs()));
+        assert_eq!(c.http2_keep_alive_timeout_secs, Some(srv::DEFAULT_HTTP2_KEEP_ALIVE_TIMEOUT.as_secs()));
+        assert_eq!(c.http2_max_concurrent_streams, Some(srv::DEFAULT_HTTP2_MAX_CONCURRENT_STREAMS));
+        assert_eq!(c.max_sessions, Some(srv::DEFAULT_MAX_SESSIONS));
     }
 
     #[test]

@@ -222,12 +222,22 @@ fn start(args: StartArgs) -> anyhow::Result<ExitCode> {
         allowed_hosts,
         allowed_origins,
         max_connections: r.file.max_connections.unwrap_or(server::DEFAULT_MAX_CONNECTIONS),
-        header_read_timeout: r
+        max_connections_per_address: r.file.max_connections_per_address.unwrap_or(0),
+        header_read_timeout: secs(r.file.header_read_timeout_secs, server::DEFAULT_HEADER_READ_TIMEOUT),
+        idle_timeout: secs(r.file.idle_timeout_secs, server::DEFAULT_IDLE_TIMEOUT),
+        http2_keep_alive_interval: match r.file.http2_keep_alive_interval_secs {
+            Some(0) => None,
+            Some(s) => Some(Duration::from_secs(s)),
+            None => Some(server::DEFAULT_HTTP2_KEEP_ALIVE_INTERVAL),
+        },
+        http2_keep_alive_timeout: secs(r.file.http2_keep_alive_timeout_secs, server::DEFAULT_HTTP2_KEEP_ALIVE_TIMEOUT),
+        http2_max_concurrent_streams: r
             .file
-            .header_read_timeout_secs
-            .map(|s| Duration::from_secs(s.max(1)))
-            .unwrap_or(server::DEFAULT_HEADER_READ_TIMEOUT),
+            .http2_max_concurrent_streams
+            .unwrap_or(server::DEFAULT_HTTP2_MAX_CONCURRENT_STREAMS)
+            .max(1),
         session_timeout,
+        max_sessions: r.file.max_sessions.unwrap_or(server::DEFAULT_MAX_SESSIONS).max(1),
         build_default_template: r.file.templates.build_default,
         public_url: r.file.public_url.clone(),
         cluster,
@@ -235,6 +245,11 @@ fn start(args: StartArgs) -> anyhow::Result<ExitCode> {
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(server::serve(manager, opts))?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// A duration of `configured` seconds (at least 1), else `default`.
+fn secs(configured: Option<u64>, default: Duration) -> Duration {
+    configured.map_or(default, |s| Duration::from_secs(s.max(1)))
 }
 
 /// Checks the images, locks the data directory and makes the sandbox

@@ -8,25 +8,27 @@
 //! HTTP hardening: `Host` and `Origin` are checked (the transport spec's
 //! "Security Warning": servers MUST validate `Origin`; a foreign one gets
 //! 403), at most [`ServeOptions::max_connections`] connections are served
-//! at once (more wait in the listen backlog), a client has
-//! [`ServeOptions::header_read_timeout`] to send a request's headers, and
-//! `DELETE /mcp` answers 200 (the official Python SDK takes only 200 or
-//! 204 as a clean close).
+//! at once (more wait in the listen backlog; at most
+//! [`ServeOptions::max_connections_per_address`] from one address), a
+//! connection has [`ServeOptions::header_read_timeout`] to send its first
+//! request, whatever its HTTP version, and is closed after
+//! [`ServeOptions::idle_timeout`] without one ([`connection`]), at most
+//! [`ServeOptions::max_sessions`] MCP sessions are open (an `initialize`
+//! past it gets 503 saying what to do), and `DELETE /mcp` answers 200 (the
+//! official Python SDK takes only 200 or 204 as a clean close).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::extract::{Request, State};
-use axum::http::{header, StatusCode};
+use axum::http::{header, Method, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::Router;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::rt::{TokioExecutor, TokioTimer};
 use hyper_util::server::conn::auto;
-use hyper_util::server::graceful::GracefulShutdown;
-use hyper_util::service::TowerToHyperService;
 use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
 use rmcp::transport::streamable_http_server::{StreamableHttpServerConfig, StreamableHttpService};
 use tine_sandbox::Manager;
@@ -39,6 +41,7 @@ use crate::files_url::FileUrls;
 use crate::mcp::{Shared, TineMcp};
 use crate::metrics::Metrics;
 use body_budget::{BodyBudget, BUDGET_WAIT, MAX_INFLIGHT_BODY_BYTES};
+use connection::{ConnError, ConnLimits, PerAddress};
 
 /// Largest MCP request body (bytes): an 8 MiB upload in base64 plus JSON.
 pub const MAX_REQUEST_BYTES: usize = 12 << 20;
@@ -48,6 +51,17 @@ const REAP_PERIOD: Duration = Duration::from_secs(1);
 pub const DEFAULT_MAX_CONNECTIONS: usize = 256;
 /// Default for [`ServeOptions::header_read_timeout`]: 10 s.
 pub const DEFAULT_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// Default for [`ServeOptions::idle_timeout`]: 60 s.
+pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+/// Default for [`ServeOptions::http2_keep_alive_interval`]: 30 s.
+pub const DEFAULT_HTTP2_KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(30);
+/// Default for [`ServeOptions::http2_keep_alive_timeout`]: 20 s.
+pub const DEFAULT_HTTP2_KEEP_ALIVE_TIMEOUT: Duration = Duration::from_secs(20);
+/// Default for [`ServeOptions::http2_max_concurrent_streams`]: 100 (RFC
+/// 9113 §6.5.2 advises no fewer).
+pub const DEFAULT_HTTP2_MAX_CONCURRENT_STREAMS: u32 = 100;
+/// Default for [`ServeOptions::max_sessions`].
+pub const DEFAULT_MAX_SESSIONS: usize = 1024;
 /// How long a shutdown waits for open connections to finish.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -67,9 +81,34 @@ pub struct ServeOptions {
     pub allowed_origins: Vec<String>,
     /// Connections served at once; more wait in the listen backlog.
     pub max_connections: usize,
-    /// A connection that has not sent a request's headers within this is
-    /// closed (HTTP/1).
+    /// Connections served at once from one client address (0: no cap);
+    /// more are closed as soon as they are accepted. Behind a reverse
+    /// proxy (nginx, a Kubernetes Ingress) every client has the proxy's
+    /// address: leave it 0 there, or set it above the number of
+    /// connections the proxy keeps open to this server.
+    pub max_connections_per_address: usize,
+    /// A new connection that has not sent its first request within this
+    /// is closed, whatever its HTTP version (HTTP/1: its request line and
+    /// headers; HTTP/2: the preface, SETTINGS and first HEADERS); so is an
+    /// HTTP/1 connection whose next request's headers have not arrived
+    /// this long after the previous response (hyper's timer).
     pub header_read_timeout: Duration,
+    /// A connection that carries no request (none being read or answered,
+    /// no response stream open) this long is closed (HTTP/2 with a
+    /// GOAWAY). HTTP/1 ones are closed by `header_read_timeout` if it is
+    /// shorter.
+    pub idle_timeout: Duration,
+    /// HTTP/2: a PING this often on every connection, to find peers that
+    /// are gone (`None`: no PINGs).
+    pub http2_keep_alive_interval: Option<Duration>,
+    /// HTTP/2: a connection whose PING is not answered within this is
+    /// closed.
+    pub http2_keep_alive_timeout: Duration,
+    /// HTTP/2: requests (streams) open at once on one connection.
+    pub http2_max_concurrent_streams: u32,
+    /// MCP sessions open at once; an `initialize` past it is refused with
+    /// 503 saying to end sessions (`DELETE /mcp`) or raise it.
+    pub max_sessions: usize,
     /// An MCP session idle this long ends (and its own sandbox with it).
     pub session_timeout: Duration,
     /// Build the default template in the background if it is missing.
@@ -127,6 +166,26 @@ async fn delete_answers_200(req: Request, next: Next) -> Response {
     resp
 }
 
+/// Refuses a new MCP session, a `POST /mcp` without `Mcp-Session-Id` (an
+/// `initialize`), with 503 and a JSON-RPC error saying what to do when
+/// `sessions` has as many as it may. (Two initializes at once may both
+/// pass here with one place left; [`HostSessions`] then refuses the
+/// second, which rmcp answers with 500 and the same message.)
+async fn cap_sessions(State(sessions): State<Arc<HostSessions>>, req: Request, next: Next) -> Response {
+    if req.method() == Method::POST && !req.headers().contains_key("mcp-session-id") && sessions.is_full().await {
+        let message = sessions.full_error().to_string();
+        tracing::warn!("initialize refused: {message}");
+        let body = serde_json::json!({
+            "jsonrpc": "2.0",
+            "id": null,
+            "error": {"code": -32000, "message": message},
+        });
+        return (StatusCode::SERVICE_UNAVAILABLE, [(header::CONTENT_TYPE, "application/json")], body.to_string())
+            .into_response();
+    }
+    next.run(req).await
+}
+
 /// Resolves when SIGTERM or SIGINT arrives.
 async fn shutdown_signal() {
     use tokio::signal::unix::{signal, SignalKind};
@@ -158,7 +217,7 @@ async fn metrics_text(
 /// unless `opts.token` is `None`; `Host` checked against
 /// `opts.allowed_hosts` and `Origin` against `opts.allowed_origins`, 403
 /// otherwise; bodies over [`MAX_REQUEST_BYTES`] answered 413; `DELETE`
-/// answered 200; a request of another host's session passed to that host,
+/// answered 200; an `initialize` past `opts.max_sessions` answered 503; a request of another host's session passed to that host,
 /// [`crate::cluster::proxy_foreign_session`]), `/metrics` (behind the same
 /// bearer check), the open `/healthz` and `/files/{sandbox}`, whose signed
 /// URLs (from `files`) need no token. Cancelling `cancel` ends every MCP
@@ -181,7 +240,7 @@ pub fn router(
         .with_max_request_body_bytes(MAX_REQUEST_BYTES);
     let mut local = LocalSessionManager::default();
     local.session_config.keep_alive = Some(opts.session_timeout);
-    let sessions = Arc::new(HostSessions::new(local, opts.cluster.host()));
+    let sessions = Arc::new(HostSessions::new(local, opts.cluster.host(), opts.max_sessions));
     let cluster = opts.cluster.clone();
     let metrics = Metrics::new(cluster.host(), &cluster.forwarded);
     metrics.follow(&manager);
@@ -202,6 +261,7 @@ pub fn router(
         .nest_service("/mcp", mcp)
         .layer(axum::middleware::from_fn(delete_answers_200))
         .layer(axum::middleware::from_fn_with_state(owners, crate::auth::sessions::bind))
+        .layer(axum::middleware::from_fn_with_state(sessions.clone(), cap_sessions))
         .layer(axum::middleware::from_fn_with_state(cluster, crate::cluster::proxy_foreign_session))
         .layer(axum::middleware::from_fn_with_state(
             BodyBudget::new(MAX_INFLIGHT_BODY_BYTES, BUDGET_WAIT),
@@ -244,13 +304,13 @@ pub async fn serve(manager: Arc<Manager>, opts: ServeOptions) -> Result<(), Serv
     // Tests and scripts wait for this line on stdout.
     println!("tine: listening on http://{}/mcp", opts.listen);
 
-    let graceful = accept_loop(listener, app, &opts, shutdown_signal()).await;
+    let open = accept_loop(listener, app, &opts, shutdown_signal()).await;
     // Sessions that end from now on leave their sandboxes to be kept.
     manager.begin_shutdown();
     // Ends SSE streams and sessions so the connections can finish.
     cancel.cancel();
     tokio::select! {
-        _ = graceful.shutdown() => {}
+        _ = open.close() => {}
         _ = tokio::time::sleep(DRAIN_TIMEOUT) => tracing::warn!("connections still open after {DRAIN_TIMEOUT:?}"),
     }
     reaper.abort();
@@ -299,21 +359,55 @@ async fn remove_tenants(
     }
 }
 
+/// The connections [`accept_loop`] left open when it returned.
+struct OpenConnections {
+    /// Asks every connection to close gracefully.
+    shutdown: CancellationToken,
+    /// A permit per connection slot, held while a connection is open.
+    slots: Arc<tokio::sync::Semaphore>,
+    /// Slots in all.
+    total: u32,
+}
+
+impl OpenConnections {
+    /// Asks every open connection to close gracefully (requests in
+    /// progress finish; HTTP/2 gets a GOAWAY) and waits until all have
+    /// closed. The caller bounds the wait.
+    async fn close(self) {
+        self.shutdown.cancel();
+        // Fails only if the semaphore was closed, which nothing does.
+        let _ = self.slots.acquire_many(self.total).await;
+    }
+}
+
 /// Serves `app` on `listener` until `shutdown` resolves: at most
 /// `opts.max_connections` connections at once (the next is accepted when
-/// one closes), each HTTP/1 request's headers within
-/// `opts.header_read_timeout`. Returns the open connections' shutdown
-/// handle. Accept errors (such as `EMFILE`) are logged and retried.
+/// one closes), at most `opts.max_connections_per_address` of them from
+/// one address (more are closed at once), each under
+/// [`connection::serve_connection`]'s deadlines (first request within
+/// `opts.header_read_timeout`, closed after `opts.idle_timeout` without
+/// one) with the HTTP/2 keep-alive and stream limits of `opts`. Returns
+/// the open connections, to be closed. Accept errors (such as `EMFILE`)
+/// are logged and retried.
 async fn accept_loop(
     listener: tokio::net::TcpListener,
     app: Router,
     opts: &ServeOptions,
     shutdown: impl std::future::Future<Output = ()>,
-) -> GracefulShutdown {
-    let slots = Arc::new(tokio::sync::Semaphore::new(opts.max_connections.max(1)));
-    let graceful = GracefulShutdown::new();
+) -> OpenConnections {
+    let total = u32::try_from(opts.max_connections.max(1)).unwrap_or(u32::MAX);
+    let slots = Arc::new(tokio::sync::Semaphore::new(total as usize));
+    let open = OpenConnections { shutdown: CancellationToken::new(), slots: slots.clone(), total };
+    let per_address = PerAddress::new(opts.max_connections_per_address);
+    let limits = ConnLimits { first_request: opts.header_read_timeout, idle: opts.idle_timeout };
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder.http1().timer(TokioTimer::new()).header_read_timeout(opts.header_read_timeout);
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .keep_alive_interval(opts.http2_keep_alive_interval)
+        .keep_alive_timeout(opts.http2_keep_alive_timeout)
+        .max_concurrent_streams(opts.http2_max_concurrent_streams);
     tokio::pin!(shutdown);
     loop {
         let slot = tokio::select! {
@@ -323,9 +417,9 @@ async fn accept_loop(
             },
             _ = &mut shutdown => break,
         };
-        let stream = tokio::select! {
+        let (stream, peer) = tokio::select! {
             r = listener.accept() => match r {
-                Ok((stream, _)) => stream,
+                Ok(accepted) => accepted,
                 Err(e) => {
                     // EMFILE and the like: wait a moment rather than spin.
                     tracing::warn!("accept: {e}");
@@ -335,18 +429,28 @@ async fn accept_loop(
             },
             _ = &mut shutdown => break,
         };
-        let service = TowerToHyperService::new(app.clone());
-        let conn = graceful.watch(builder.serve_connection(TokioIo::new(stream), service).into_owned());
+        let Some(address_slot) = per_address.take(peer.ip()) else {
+            tracing::debug!(
+                "{peer}: closed, {} connections from its address are open (max_connections_per_address)",
+                opts.max_connections_per_address
+            );
+            continue;
+        };
+        let conn = connection::serve_connection(&builder, stream, app.clone(), limits, open.shutdown.clone());
         tokio::spawn(async move {
-            if let Err(e) = conn.await {
-                tracing::debug!("connection: {e}");
+            match conn.await {
+                Ok(()) => {}
+                Err(e @ (ConnError::NoFirstRequest(_) | ConnError::CloseTimeout)) => tracing::debug!("{peer}: {e}"),
+                Err(e) => tracing::debug!("connection from {peer}: {e}"),
             }
+            drop(address_slot);
             drop(slot);
         });
     }
-    graceful
+    open
 }
 
 mod body_budget;
+pub mod connection;
 #[cfg(test)]
 mod tests;

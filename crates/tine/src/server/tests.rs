@@ -40,8 +40,14 @@ fn options(token: Option<&str>, allowed_origins: Vec<String>) -> ServeOptions {
         allowed_hosts: vec!["localhost".into(), "127.0.0.1".into(), "::1".into()],
         allowed_origins,
         max_connections: super::DEFAULT_MAX_CONNECTIONS,
+        max_connections_per_address: 0,
         header_read_timeout: super::DEFAULT_HEADER_READ_TIMEOUT,
+        idle_timeout: super::DEFAULT_IDLE_TIMEOUT,
+        http2_keep_alive_interval: Some(super::DEFAULT_HTTP2_KEEP_ALIVE_INTERVAL),
+        http2_keep_alive_timeout: super::DEFAULT_HTTP2_KEEP_ALIVE_TIMEOUT,
+        http2_max_concurrent_streams: super::DEFAULT_HTTP2_MAX_CONCURRENT_STREAMS,
         session_timeout: Duration::from_secs(60),
+        max_sessions: super::DEFAULT_MAX_SESSIONS,
         build_default_template: false,
         public_url: None,
         cluster: std::sync::Arc::new(
@@ -281,9 +287,21 @@ async fn serve(
     max_connections: usize,
     header_read_timeout: Duration,
 ) -> (std::net::SocketAddr, tokio::task::JoinHandle<()>) {
+    serve_with(dir, |opts| {
+        opts.max_connections = max_connections;
+        opts.header_read_timeout = header_read_timeout;
+    })
+    .await
+}
+
+/// Runs the accept loop on a loopback port with the default options as
+/// `change` leaves them; returns the address and the loop's task.
+async fn serve_with(
+    dir: &tempfile::TempDir,
+    change: impl FnOnce(&mut ServeOptions),
+) -> (std::net::SocketAddr, tokio::task::JoinHandle<()>) {
     let mut opts = options(None, vec![]);
-    opts.max_connections = max_connections;
-    opts.header_read_timeout = header_read_timeout;
+    change(&mut opts);
     let app = router(manager(dir), &opts, files(), &CancellationToken::new()).unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -338,6 +356,39 @@ async fn connections_over_the_cap_wait_for_a_free_slot() {
     drop(idle);
     let answer = tokio::time::timeout(Duration::from_secs(60), read_all(&mut waiting)).await.expect("served");
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    task.abort();
+}
+
+#[tokio::test]
+async fn connections_over_the_per_address_cap_are_closed_when_accepted() {
+    use tokio::io::AsyncWriteExt as _;
+    let dir = tempfile::tempdir().unwrap();
+    let (addr, task) = serve_with(&dir, |opts| {
+        opts.max_connections_per_address = 2;
+        opts.header_read_timeout = Duration::from_secs(600);
+    })
+    .await;
+    // Two idle connections from 127.0.0.1 are held; a third is closed
+    // unanswered, well before any timeout.
+    let first = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let _second = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let mut third = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let _ = third.write_all(GET_HEALTHZ).await;
+    let answer = tokio::time::timeout(Duration::from_secs(30), read_all(&mut third)).await.expect("closed at once");
+    assert!(answer.is_empty(), "{answer}");
+    // When one closes, a new connection from the address is served.
+    drop(first);
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let mut next = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let _ = next.write_all(GET_HEALTHZ).await;
+        let answer = tokio::time::timeout(Duration::from_secs(30), read_all(&mut next)).await.unwrap();
+        if answer.starts_with("HTTP/1.1 200") {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "no place for a new connection after one closed");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     task.abort();
 }
 
@@ -522,4 +573,35 @@ async fn a_failed_create_is_logged_to_its_session() {
     assert_eq!(params["data"]["event"], "create_failed", "{message}");
     assert!(params["data"]["message"].as_str().unwrap().starts_with("creating sandbox"), "{message}");
     task.abort();
+}
+
+#[tokio::test]
+async fn an_initialize_past_max_sessions_gets_503_saying_what_to_do() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut opts = options(Some(TOKEN), vec![]);
+    opts.max_sessions = 2;
+    let app = router(manager(&dir), &opts, files(), &CancellationToken::new()).unwrap();
+    let (first, _) = initialized_session(&app).await;
+    let _second = initialized_session(&app).await;
+    let r = send(&app, post("localhost", Some(&bearer(TOKEN)), initialize())).await;
+    assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert!(r.headers().get("mcp-session-id").is_none());
+    let body = axum::body::to_bytes(r.into_body(), 4096).await.unwrap();
+    let body: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    let message = body["error"]["message"].as_str().unwrap_or_default();
+    for part in ["2 MCP sessions open", "DELETE /mcp", "raise max_sessions", "after 60 s without a request"] {
+        assert!(message.contains(part), "{part:?} in {body}");
+    }
+    // Requests in open sessions still pass.
+    let list = serde_json::json!({"jsonrpc": "2.0", "id": 2, "method": "tools/list"});
+    assert_eq!(send(&app, in_session(&first, list)).await.status(), StatusCode::OK);
+    // Once one ends, a new session is accepted.
+    let delete = Request::delete("/mcp")
+        .header(header::HOST, "localhost")
+        .header(header::AUTHORIZATION, bearer(TOKEN))
+        .header("mcp-session-id", first)
+        .body(Body::empty())
+        .unwrap();
+    assert_eq!(send(&app, delete).await.status(), StatusCode::OK);
+    initialized_session(&app).await;
 }

@@ -1,0 +1,222 @@
+//! Connection hygiene of a real `tine server start` over real sockets:
+//!
+//! - 300 connections that send nothing and 300 that send half an HTTP/2
+//!   preface (`PRI * HTTP/2.0\r\n`) do not keep a well-behaved MCP client
+//!   from initializing and calling a tool, nor `/healthz` from answering,
+//!   and the server closes every one of them at its header read timeout
+//!   (2 s here);
+//! - with the default `max_connections` (256) taken by such connections,
+//!   a client still gets through once the server has closed them;
+//! - past `max_sessions` an `initialize` is refused with 503 and a message
+//!   saying what to do, and after a `DELETE /mcp` a new session is made.
+//!
+//! No sandbox is made (the tool called is `sandbox_list`), no default
+//! template is built and the warm pool is off, so no guest boots and KVM
+//! is not needed; the server needs the guest images' paths (testkit finds
+//! them).
+
+use std::path::Path;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use testkit::mcp::{call, connect, TineServer};
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::net::TcpStream;
+use tokio::time::Instant;
+
+const TOKEN: &str = "connections-test-token-0123456789abcdef012345";
+/// The servers' `header_read_timeout_secs`.
+const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(2);
+/// How late a close may come after its deadline on a busy test host.
+const SLACK: Duration = Duration::from_secs(3);
+/// How long a well-behaved client's initialize, tool call and `/healthz`
+/// may take with the bad connections open (they take milliseconds).
+const USUAL: Duration = Duration::from_secs(5);
+/// Connections of each bad kind.
+const BAD: usize = 300;
+/// A server without the default template's build and without the pool,
+/// so that no guest boots.
+const QUIET: &str = "[templates]\nbuild_default = false\n[pool]\nsize = 0\n";
+
+fn binary() -> &'static Path {
+    Path::new(env!("CARGO_BIN_EXE_tine"))
+}
+
+/// Raises this process's open file limit (and so its servers', started
+/// after) to `want`, or as near as the hard limit allows; panics when
+/// that is below `need`.
+fn raise_open_files(want: u64, need: u64) {
+    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit(2) writes the struct passed, which lives on this stack frame.
+    assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) }, 0, "getrlimit");
+    if limit.rlim_cur < want {
+        limit.rlim_cur = want.min(limit.rlim_max);
+        // SAFETY: setrlimit(2) reads the struct passed; it changes only this process's limit.
+        unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &limit) };
+        // SAFETY: as above.
+        assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) }, 0, "getrlimit");
+    }
+    assert!(limit.rlim_cur >= need, "open file limit {} < {need}; raise it (ulimit -n)", limit.rlim_cur);
+}
+
+/// `host:port` of `server`.
+fn addr(server: &TineServer) -> String {
+    server.base.trim_start_matches("http://").to_string()
+}
+
+/// A connection that sent `first` (nothing if empty) and then nothing
+/// more, and when it was opened.
+async fn bad_connection(addr: &str, first: &[u8]) -> (TcpStream, Instant) {
+    let opened = Instant::now();
+    let mut s = TcpStream::connect(addr).await.expect("connect");
+    if !first.is_empty() {
+        s.write_all(first).await.expect("send");
+    }
+    (s, opened)
+}
+
+/// `BAD` connections that send nothing and `BAD` that send half an
+/// HTTP/2 preface.
+async fn bad_connections(addr: &str) -> Vec<(TcpStream, Instant, &'static str)> {
+    let mut out = Vec::with_capacity(2 * BAD);
+    for _ in 0..BAD {
+        let (s, t) = bad_connection(addr, b"").await;
+        out.push((s, t, "silent"));
+        let (s, t) = bad_connection(addr, b"PRI * HTTP/2.0\r\n").await;
+        out.push((s, t, "half preface"));
+    }
+    out
+}
+
+/// A well-behaved client's session: initialize, `sandbox_list`, and
+/// `/healthz` with the token; each within `within`. Returns how long the
+/// three took.
+async fn well_behaved_client(server: &TineServer, within: Duration) -> Duration {
+    let start = Instant::now();
+    let client = tokio::time::timeout(within, connect(&server.url, Some(TOKEN)))
+        .await
+        .unwrap_or_else(|_| panic!("no MCP initialize within {within:?}"));
+    let listed = tokio::time::timeout(within, call(client.peer(), "sandbox_list", json!({})))
+        .await
+        .unwrap_or_else(|_| panic!("no sandbox_list answer within {within:?}"))
+        .expect("sandbox_list");
+    assert!(listed["sandboxes"].is_array(), "{listed}");
+    let health = tokio::time::timeout(
+        within,
+        reqwest::Client::new().get(format!("{}/healthz", server.base)).bearer_auth(TOKEN).send(),
+    )
+    .await
+    .unwrap_or_else(|_| panic!("no /healthz answer within {within:?}"))
+    .expect("GET /healthz");
+    assert_eq!(health.status(), 200);
+    assert_eq!(health.json::<Value>().await.unwrap()["status"], "ok");
+    let took = start.elapsed();
+    let _ = client.cancel().await;
+    took
+}
+
+/// Waits until the server closes `s` (EOF or a reset), until `deadline`;
+/// returns when it saw the close.
+async fn closed_by(s: &mut TcpStream, deadline: Instant, what: &str) -> Instant {
+    let mut buf = [0u8; 256];
+    match tokio::time::timeout_at(deadline, s.read(&mut buf)).await {
+        Ok(Ok(0)) | Ok(Err(_)) => Instant::now(),
+        Ok(Ok(n)) => panic!("{what}: the server sent {n} bytes to a connection that asked nothing"),
+        Err(_) => panic!("{what}: still open {:?} after its deadline", deadline.elapsed()),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn idle_and_half_preface_connections_neither_starve_clients_nor_stay_open() {
+    raise_open_files(8192, 4 * BAD as u64 + 512);
+    let config = format!("header_read_timeout_secs = 2\nmax_connections = 1024\n{QUIET}");
+    let server = TineServer::start(binary(), Some(TOKEN), &config);
+    let mut bad = bad_connections(&addr(&server)).await;
+
+    let took = well_behaved_client(&server, USUAL).await;
+    eprintln!("initialize, sandbox_list and /healthz beside {} bad connections: {took:?}", bad.len());
+
+    for (i, (s, opened, kind)) in bad.iter_mut().enumerate() {
+        let seen = closed_by(s, *opened + HEADER_READ_TIMEOUT + SLACK, &format!("{kind} connection {i}")).await;
+        if i == 0 {
+            let after = seen - *opened;
+            assert!(after + Duration::from_millis(100) >= HEADER_READ_TIMEOUT, "closed after {after:?} only");
+            eprintln!("the first bad connection was closed after {after:?}");
+        }
+    }
+    // The server still serves.
+    well_behaved_client(&server, USUAL).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_server_whose_connections_are_all_taken_by_idle_ones_recovers() {
+    raise_open_files(8192, 4 * BAD as u64 + 512);
+    // The default max_connections (256): the bad connections take every
+    // slot, and the rest (and the client's) wait in the listen backlog
+    // until the server closes them, 256 every 2 s.
+    let config = format!("header_read_timeout_secs = 2\n{QUIET}");
+    let server = TineServer::start(binary(), Some(TOKEN), &config);
+    let start = Instant::now();
+    let bad = bad_connections(&addr(&server)).await;
+    let opened = start.elapsed();
+    let waves = (bad.len() / 256 + 1) as u32;
+    let within = HEADER_READ_TIMEOUT * waves + SLACK * 2;
+    well_behaved_client(&server, within).await;
+    let took = start.elapsed();
+    eprintln!(
+        "a client behind {} bad connections (opened in {opened:?}) on 256 slots got through {took:?} after the first",
+        bad.len()
+    );
+    assert!(took <= within, "{took:?}");
+    drop(bad);
+}
+
+/// `POST /mcp` `initialize`.
+async fn initialize(http: &reqwest::Client, server: &TineServer) -> reqwest::Response {
+    let body = json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "raw", "version": "0"}}});
+    http.post(&server.url)
+        .bearer_auth(TOKEN)
+        .header("content-type", "application/json")
+        .header("accept", "application/json, text/event-stream")
+        .body(body.to_string())
+        .send()
+        .await
+        .expect("POST /mcp")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_initialize_past_max_sessions_is_refused_until_a_session_ends() {
+    let config = format!("max_sessions = 5\nsession_timeout_secs = 600\n{QUIET}");
+    let server = TineServer::start(binary(), Some(TOKEN), &config);
+    let http = reqwest::Client::new();
+    let mut sessions = Vec::new();
+    for _ in 0..5 {
+        let r = initialize(&http, &server).await;
+        assert_eq!(r.status(), 200);
+        sessions.push(r.headers()["mcp-session-id"].to_str().unwrap().to_string());
+        r.text().await.unwrap();
+    }
+    let refused = initialize(&http, &server).await;
+    assert_eq!(refused.status(), 503);
+    assert!(refused.headers().get("mcp-session-id").is_none());
+    let body: Value = refused.json().await.unwrap();
+    let message = body["error"]["message"].as_str().unwrap_or_default();
+    for part in ["5 MCP sessions open", "max_sessions", "DELETE /mcp", "after 600 s without a request"] {
+        assert!(message.contains(part), "{part:?} in {body}");
+    }
+    let deleted = http
+        .delete(&server.url)
+        .bearer_auth(TOKEN)
+        .header("mcp-session-id", &sessions[0])
+        .header("mcp-protocol-version", "2025-06-18")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(deleted.status(), 200);
+    // A new session is accepted and works; it takes the place again.
+    let client = tokio::time::timeout(USUAL, connect(&server.url, Some(TOKEN))).await.expect("initialize");
+    let listed = call(client.peer(), "sandbox_list", json!({})).await.expect("sandbox_list");
+    assert!(listed["sandboxes"].is_array(), "{listed}");
+    assert_eq!(initialize(&http, &server).await.status(), 503);
+}
