@@ -54,6 +54,7 @@ EXPECTED_SECONDS = {
     "vmm::vcpu_state": 49,
     "tine::memory_budget": 46,
     "vmm::seccomp": 28,
+    "tine::tenants": 60,
     "tine::cluster": 27,
     "tine-agent::bin": 19,
     "tine-sandbox::pause": 17,

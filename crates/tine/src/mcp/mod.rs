@@ -269,9 +269,11 @@ impl TineMcp {
         t
     }
 
-    /// Refuses a call that names a sandbox or process of another tenant
-    /// with exactly the error of an id that does not exist; ids of other
-    /// hosts are checked there.
+    /// Refuses a tenant's call that names a sandbox or process that is not
+    /// its own, whether another tenant's or none at all, with the same
+    /// error at the same point (after the arguments' check, before the
+    /// tool runs), so a call tells nothing about other tenants' ids; ids
+    /// of other hosts are checked there.
     fn check_owner(&self, args: Option<&JsonObject>) -> Result<(), ToolError> {
         let caller = self.caller();
         if matches!(caller, Principal::Admin) {
@@ -282,10 +284,9 @@ impl TineMcp {
                 continue;
             }
             let sandbox = id.split_once(':').map_or(id, |(s, _)| s);
-            if let Some(owner) = self.manager.tenant_of(sandbox) {
-                if !caller.owns(owner.as_deref()) {
-                    return Err(tine_sandbox::SandboxError::NotFound(sandbox.to_string()).into());
-                }
+            match self.manager.tenant_of(sandbox) {
+                Some(owner) if caller.owns(owner.as_deref()) => {}
+                _ => return Err(tine_sandbox::SandboxError::NotFound(sandbox.to_string()).into()),
             }
         }
         Ok(())
@@ -835,6 +836,21 @@ impl TineMcp {
     }
 }
 
+/// A failed call's message as a tenant sees it: its templates under their
+/// own names (`"data"`, not the stored `"acme~data"`).
+fn own_names(caller: &Principal, mut r: CallToolResult) -> CallToolResult {
+    let Some(tenant) = caller.tenant() else { return r };
+    if r.is_error == Some(true) {
+        let stored = format!("\"{tenant}{}", tine_sandbox::templates::TENANT_SEPARATOR);
+        for c in &mut r.content {
+            if let rmcp::model::ContentBlock::Text(t) = c {
+                t.text = t.text.replace(&stored, "\"");
+            }
+        }
+    }
+    r
+}
+
 #[tool_handler(router = self.tools.router)]
 impl ServerHandler for TineMcp {
     /// Checks the arguments against the tool's input schema
@@ -876,7 +892,7 @@ impl ServerHandler for TineMcp {
             Err(message) => Ok(CallToolResponse::Complete(refused(message))),
         };
         let response = response.map(|r| match r {
-            CallToolResponse::Complete(r) => CallToolResponse::Complete(budget::guard(&tool, r)),
+            CallToolResponse::Complete(r) => CallToolResponse::Complete(budget::guard(&tool, own_names(&caller, r))),
             other => other,
         });
         let ok = match &response {
