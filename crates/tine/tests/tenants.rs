@@ -155,8 +155,8 @@ async fn tenants_see_and_touch_only_their_own() {
     let listed = |v: &Value| -> Vec<String> {
         v["sandboxes"].as_array().unwrap().iter().map(|s| s["sandbox_id"].as_str().unwrap().to_string()).collect()
     };
-    assert_eq!(listed(&call(&b, "sandbox_list", json!({})).await.unwrap()), [id_b.clone()]);
-    assert_eq!(listed(&call(&a, "sandbox_list", json!({})).await.unwrap()), [id_a.clone()]);
+    assert_eq!(listed(&call(&b, "sandbox_list", json!({})).await.unwrap()), [id_b.as_str()]);
+    assert_eq!(listed(&call(&a, "sandbox_list", json!({})).await.unwrap()), [id_a.as_str()]);
     let all = listed(&call(&admin, "sandbox_list", json!({})).await.unwrap());
     assert!(all.contains(&id_a) && all.contains(&id_b), "{all:?}");
 
@@ -228,7 +228,7 @@ async fn tenants_see_and_touch_only_their_own() {
     }
     assert_eq!(http.get(&url).send().await.unwrap().status(), 403, "a URL of the old key");
     let a2 = connect(&server.url, Some(&new_key)).await;
-    assert_eq!(listed(&call(&a2, "sandbox_list", json!({})).await.unwrap()), [id_a.clone()]);
+    assert_eq!(listed(&call(&a2, "sandbox_list", json!({})).await.unwrap()), [id_a.as_str()]);
 
     // Removed: its sandboxes and templates go.
     tenant_cli(&tenants, &["remove", "acme", "--yes"]);
