@@ -5,7 +5,9 @@
 //! (and one naming a host nobody knows is refused with its name), a
 //! request of one host's session sent to the other is proxied to it,
 //! `/metrics` holds the expected series after a create, an exec, a branch
-//! and a kill, and killing one host leaves the other's sessions working.
+//! and a kill, a tenant's call forwarded to the other host acts as that
+//! tenant there (and another tenant's is refused as for an unknown id),
+//! and killing one host leaves the other's sessions working.
 //!
 //! Needs KVM, the guest images and `/usr/sbin/nginx` (scripts/setup.sh
 //! installs it; `$TINE_NGINX` names another); skips loudly without them unless `TINE_REQUIRE_NGINX`
@@ -172,8 +174,21 @@ async fn two_hosts_behind_nginx() {
     // binary and rebuilt its default template).
     let bin = PathBuf::from(env!("CARGO_BIN_EXE_tine"));
     let (p1, p2) = (free_port(), free_port());
+    // One tenants file for both hosts, as a shared mount would give them.
+    let dir = tempfile::tempdir().unwrap();
+    let tenants = dir.path().join("tenants.toml");
+    let key = |name: &str| {
+        let out = Command::new(&bin).args(["tenant", "add", name, "--tenants-file"]).arg(&tenants).output().unwrap();
+        assert!(out.status.success(), "tine tenant add: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap().trim().to_string()
+    };
+    let (acme, beta) = (key("acme"), key("beta"));
     let config = |me: &str, other: &str, port: u16| {
-        format!("[cluster]\nhost_name = \"{me}\"\npeers = {{ {other} = \"http://127.0.0.1:{port}\" }}\n")
+        format!(
+            "[cluster]\nhost_name = \"{me}\"\npeers = {{ {other} = \"http://127.0.0.1:{port}\" }}\n[auth]\n\
+             tenants_file = \"{}\"\n",
+            tenants.display()
+        )
     };
     let h1 = TineServer::start_with_default_template_on(&bin, Some(TOKEN), &config("h1", "h2", p2), p1);
     let mut h2 = TineServer::start_with_default_template_on(&bin, Some(TOKEN), &config("h2", "h1", p1), p2);
@@ -225,6 +240,31 @@ async fn two_hosts_behind_nginx() {
     let both =
         raw_call_via(&h1, &h2, "sandbox_run_python", json!({"sandbox_id": s2, "code": "print('both', x)"})).await;
     assert!(both.contains(&format!("both {}", i2 * 7)), "proxied, then forwarded: {both}");
+
+    // A tenant's call on h2 naming its sandbox on h1 is forwarded and acts
+    // as that tenant there; another tenant's is refused by h1 as for an
+    // unknown id.
+    let acme_h1 = connect(&h1.url, Some(&acme)).await;
+    let theirs = call(&acme_h1, "sandbox_create", json!({})).await.unwrap();
+    let theirs = theirs["sandbox_id"].as_str().unwrap().to_string();
+    assert_eq!(host_of(&theirs), "h1");
+    let acme_h2 = connect(&h2.url, Some(&acme)).await;
+    let out = call(&acme_h2, "sandbox_exec", json!({"sandbox_id": theirs, "command": "echo acme"})).await.unwrap();
+    assert_eq!(out["stdout"], "acme\n", "forwarded as acme: {out}");
+    let listed = call(&acme_h2, "sandbox_list", json!({})).await.unwrap();
+    assert_eq!(listed["total"], 0, "h2 holds none of acme's: {listed}");
+    let beta_h2 = connect(&h2.url, Some(&beta)).await;
+    let e = call(&beta_h2, "sandbox_exec", json!({"sandbox_id": theirs, "command": "true"})).await.unwrap_err();
+    let ghost = format!("sb-h1-{}", u32::MAX);
+    let unknown = call(&beta_h2, "sandbox_exec", json!({"sandbox_id": ghost, "command": "true"})).await.unwrap_err();
+    assert_eq!(e.replace(&theirs, &ghost), unknown, "beta's forwarded call on acme's sandbox");
+    // The operator's forwarded call reaches any tenant's.
+    let op_h2 = connect(&h2.url, Some(TOKEN)).await;
+    let op = call(&op_h2, "sandbox_info", json!({"sandbox_id": theirs})).await.unwrap();
+    assert_eq!(op["tenant"], "acme", "{op}");
+    for c in [acme_h1, acme_h2, beta_h2, op_h2] {
+        let _ = c.cancel().await;
+    }
 
     // /metrics after a create, an exec, a branch and a kill (on h1).
     call(&direct, "sandbox_exec", json!({"command": "true"})).await.unwrap();
