@@ -220,3 +220,66 @@ async fn an_initialize_past_max_sessions_is_refused_until_a_session_ends() {
     assert!(listed["sandboxes"].is_array(), "{listed}");
     assert_eq!(initialize(&http, &server).await.status(), 503);
 }
+
+/// 300 `initialize`s with one tenant's key: the tenant's quota of MCP
+/// sessions (20 here) takes the first 20, the rest are refused with 429
+/// naming the quota, and the operator's client and `/healthz` are served
+/// as usual meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn three_hundred_sessions_of_one_key_stop_at_its_quota() {
+    let dir = tempfile::tempdir().unwrap();
+    let tenants = dir.path().join("tenants.toml");
+    let out = std::process::Command::new(binary())
+        .args(["tenant", "add", "busy", "--max-sessions", "20", "--tenants-file"])
+        .arg(&tenants)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let key = String::from_utf8(out.stdout).unwrap().trim().to_string();
+    let config = format!("[auth]\ntenants_file = \"{}\"\n{QUIET}", tenants.display());
+    let server = TineServer::start(binary(), Some(TOKEN), &config);
+    let http = reqwest::Client::new();
+    let body = json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "raw", "version": "0"}}})
+    .to_string();
+    let attempts = (0..300).map(|_| {
+        http.post(&server.url)
+            .bearer_auth(&key)
+            .header("content-type", "application/json")
+            .header("accept", "application/json, text/event-stream")
+            .body(body.clone())
+            .send()
+    });
+    let (mut made, mut refused) = (0, 0);
+    for r in futures_util::future::join_all(attempts).await {
+        let r = r.expect("POST /mcp");
+        match r.status().as_u16() {
+            200 => made += 1,
+            429 => {
+                let v: Value = r.json().await.unwrap();
+                let m = v["message"].as_str().unwrap_or_default();
+                assert!(m.contains("tenant busy is at its quota of MCP sessions") && m.contains("DELETE /mcp"), "{v}");
+                refused += 1;
+            }
+            s => panic!("initialize answered {s}"),
+        }
+    }
+    // Initializes in flight count: the quota holds exactly.
+    assert_eq!((made, refused), (20, 280));
+    let late = http
+        .post(&server.url)
+        .bearer_auth(&key)
+        .header("content-type", "application/json")
+        .header("accept", "application/json, text/event-stream")
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(late.status(), 429, "at the quota");
+    let t = Instant::now();
+    let client = tokio::time::timeout(USUAL, connect(&server.url, Some(TOKEN))).await.expect("initialize");
+    call(client.peer(), "sandbox_list", json!({})).await.expect("sandbox_list");
+    let health = http.get(format!("{}/healthz", server.base)).send().await.unwrap();
+    assert_eq!(health.status(), 200);
+    assert!(t.elapsed() <= USUAL, "the operator waited {:?}", t.elapsed());
+}

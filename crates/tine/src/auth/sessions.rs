@@ -25,27 +25,56 @@ const SESSION_HEADER: &str = "mcp-session-id";
 
 /// Which principal opened each session of this host.
 pub struct SessionOwners {
-    owners: Mutex<HashMap<String, String>>,
+    state: Mutex<Owners>,
     sessions: Arc<HostSessions>,
+}
+
+/// Sessions by owner, and `initialize`s in flight by principal (counted
+/// against the quota until their session is recorded).
+#[derive(Default)]
+struct Owners {
+    by_session: HashMap<String, String>,
+    pending: HashMap<String, usize>,
 }
 
 impl SessionOwners {
     /// Owners of the sessions in `sessions`.
     pub fn new(sessions: Arc<HostSessions>) -> Arc<Self> {
-        Arc::new(SessionOwners { owners: Mutex::new(HashMap::new()), sessions })
+        Arc::new(SessionOwners { state: Mutex::new(Owners::default()), sessions })
     }
 
-    fn owners(&self) -> std::sync::MutexGuard<'_, HashMap<String, String>> {
-        self.owners.lock().unwrap_or_else(|p| p.into_inner())
+    fn state(&self) -> std::sync::MutexGuard<'_, Owners> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Forgets the owners of sessions that ended, and returns how many
-    /// sessions `principal` has open.
-    async fn open_of(&self, principal: &str) -> usize {
+    /// Takes a place for a new session of `principal` if it has fewer than
+    /// `max` open or being opened (forgetting the owners of sessions that
+    /// ended); otherwise how many it has.
+    async fn reserve(&self, principal: &str, max: usize) -> Result<(), usize> {
         let live = self.sessions.ids().await;
-        let mut owners = self.owners();
-        owners.retain(|id, _| live.contains(id.as_str()));
-        owners.values().filter(|o| o.as_str() == principal).count()
+        let mut st = self.state();
+        st.by_session.retain(|id, _| live.contains(id.as_str()));
+        let open = st.by_session.values().filter(|o| o.as_str() == principal).count()
+            + st.pending.get(principal).copied().unwrap_or(0);
+        if open >= max {
+            return Err(open);
+        }
+        *st.pending.entry(principal.to_string()).or_default() += 1;
+        Ok(())
+    }
+
+    /// Ends a reservation of `principal`; `session`: the session it made.
+    fn settle(&self, principal: &str, session: Option<String>) {
+        let mut st = self.state();
+        if let Some(n) = st.pending.get_mut(principal) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                st.pending.remove(principal);
+            }
+        }
+        if let Some(id) = session {
+            st.by_session.insert(id, principal.to_string());
+        }
     }
 }
 
@@ -56,7 +85,7 @@ pub async fn bind(State(owners): State<Arc<SessionOwners>>, req: Request, next: 
     let name = principal.name().to_string();
     let session = req.headers().get(SESSION_HEADER).and_then(|v| v.to_str().ok()).map(str::to_string);
     if let Some(id) = session {
-        let owner = owners.owners().get(&id).cloned();
+        let owner = owners.state().by_session.get(&id).cloned();
         if owner.is_some_and(|o| o != name) {
             return (StatusCode::NOT_FOUND, "Not Found: Session not found").into_response();
         }
@@ -66,24 +95,28 @@ pub async fn bind(State(owners): State<Arc<SessionOwners>>, req: Request, next: 
         return next.run(req).await;
     }
     // A request without a session: an `initialize` makes one.
-    if let Some(quota) = principal.quota() {
-        let open = owners.open_of(&name).await;
-        if open >= quota.max_sessions {
-            let message = format!(
-                "tenant {name} is at its quota of MCP sessions: {open} open, the quota is {}; end sessions it no \
-                 longer uses (DELETE /mcp with their Mcp-Session-Id) or wait for them to time out",
-                quota.max_sessions
-            );
-            let body = serde_json::json!({"error": "quota", "message": message}).to_string();
-            let mut resp =
-                (StatusCode::TOO_MANY_REQUESTS, [(header::CONTENT_TYPE, "application/json")], body).into_response();
-            resp.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("60"));
-            return resp;
+    let max = principal.quota().map_or(usize::MAX, |q| q.max_sessions);
+    if let Err(open) = owners.reserve(&name, max).await {
+        let message = format!(
+            "tenant {name} is at its quota of MCP sessions: {open} open, the quota is {max}; end sessions it no \
+             longer uses (DELETE /mcp with their Mcp-Session-Id) or wait for them to time out"
+        );
+        let body = serde_json::json!({"error": "quota", "message": message}).to_string();
+        let mut resp =
+            (StatusCode::TOO_MANY_REQUESTS, [(header::CONTENT_TYPE, "application/json")], body).into_response();
+        resp.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("60"));
+        return resp;
+    }
+    // Settled even when the request is dropped half-way (a client gone).
+    struct Reservation<'a>(&'a SessionOwners, &'a str, Option<String>);
+    impl Drop for Reservation<'_> {
+        fn drop(&mut self) {
+            self.0.settle(self.1, self.2.take());
         }
     }
+    let mut reservation = Reservation(&owners, &name, None);
     let resp = next.run(req).await;
-    if let Some(id) = resp.headers().get(SESSION_HEADER).and_then(|v| v.to_str().ok()) {
-        owners.owners().insert(id.to_string(), name);
-    }
+    reservation.2 = resp.headers().get(SESSION_HEADER).and_then(|v| v.to_str().ok()).map(str::to_string);
+    drop(reservation);
     resp
 }
