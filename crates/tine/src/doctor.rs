@@ -1,9 +1,9 @@
 //! `tine doctor`: checks what the server needs on this host and says how to
 //! fix each missing piece: KVM, userfaultfd, seccomp, least privilege (not
-//! root, `/dev/kvm` through a group), the images, the token file's and the
-//! data directory's modes, free memory. Run it as the user the server runs
-//! as (`sudo -u tine tine doctor --config /etc/tine/tine.toml` for the
-//! systemd service).
+//! root, `/dev/kvm` through a group), the images, the token file's, the
+//! tenants file's and the data directory's modes, free memory. Run it as
+//! the user the server runs as (`sudo -u tine tine doctor --config
+//! /etc/tine/tine.toml` for the systemd service).
 
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::Path;
@@ -217,6 +217,30 @@ fn check_token_file(path: &Path) -> Check {
     }
 }
 
+/// The tenants file ([`crate::auth::tenants`]) must be its owner's only
+/// and readable as one: the server refuses it otherwise. A missing file
+/// is fine (no tenants).
+fn check_tenants_file(path: &Path) -> Check {
+    match crate::auth::tenants::TenantsFile::load(path) {
+        Err(crate::auth::tenants::TenantsError::Open { mode, .. }) => Check::new(
+            "tenants file",
+            Level::Fail,
+            format!("{} has mode {mode:04o}: group or others can read the tenants' key hashes", path.display()),
+            format!("chmod 600 {}", path.display()),
+        ),
+        Err(e) => Check::new("tenants file", Level::Fail, e.to_string(), "fix or remove the file (tine tenant list)"),
+        Ok(_) if !path.exists() => {
+            Check::new("tenants file", Level::Ok, format!("{} (none yet: tine tenant add)", path.display()), "")
+        }
+        Ok(f) => Check::new(
+            "tenants file",
+            Level::Ok,
+            format!("{} ({} tenants, mode 0600)", path.display(), f.tenant.values().filter(|t| !t.removed).count()),
+            "",
+        ),
+    }
+}
+
 /// The data directory (guest memory, snapshots, templates, sockets) must
 /// be the server's only.
 fn check_data_dir(dir: &Path) -> Check {
@@ -401,6 +425,7 @@ pub(crate) fn run(r: &crate::Resolved) -> ExitCode {
     if let Some(token) = &r.file.token_file {
         checks.push(check_token_file(token));
     }
+    checks.push(check_tenants_file(&r.file.auth.tenants_file(&r.data_dir)));
     checks.push(check_memory());
     checks.push(check_pool(&r.file));
     if r.file.memory.huge_pages {
@@ -468,6 +493,22 @@ mod tests {
         set_mode(&token, 0o600);
         assert_eq!(check_token_file(&token).level, Level::Ok);
         assert_eq!(check_token_file(&dir.path().join("missing")).level, Level::Fail);
+    }
+
+    #[test]
+    fn a_tenants_file_others_can_read_fails_with_the_chmod() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tenants.toml");
+        assert_eq!(check_tenants_file(&path).level, Level::Ok, "none yet");
+        let mut f = crate::auth::tenants::TenantsFile::default();
+        f.add("acme", Default::default(), &path).unwrap();
+        f.save(&path).unwrap();
+        let c = check_tenants_file(&path);
+        assert!(c.level == Level::Ok && c.detail.contains("1 tenants"), "{}", c.detail);
+        set_mode(&path, 0o640);
+        let c = check_tenants_file(&path);
+        assert_eq!(c.level, Level::Fail);
+        assert_eq!(c.fix, format!("chmod 600 {}", path.display()));
     }
 
     #[test]

@@ -24,9 +24,10 @@ const VALIDATOR_VERSION: &str = "1.37.0";
 const KUBERNETES_VERSION: &str = "1.33.0";
 
 /// Every resource in `deploy/kubernetes/`, as the validator names them.
-const RESOURCES: [&str; 7] = [
+const RESOURCES: [&str; 8] = [
     "namespace/tine",
     "secret/tine-token",
+    "secret/tine-tenants",
     "configmap/tine-config",
     "daemonset/tine",
     "service/tine",
