@@ -59,6 +59,7 @@ EXPECTED_SECONDS = {
     "tine-agent::bin": 19,
     "tine-sandbox::pause": 17,
     "tine::connections": 5,
+    "tine::oauth": 2,
 }
 
 # Binaries that measure the host itself (its available memory) and would

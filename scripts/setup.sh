@@ -197,6 +197,14 @@ if ! "$venv/bin/python" -c 'import importlib.metadata as m, sys; sys.exit(m.vers
   echo "setup: installing $kv_pin in $venv" >&2
   "$venv/bin/pip" install -q --disable-pip-version-check "$kv_pin"
 fi
+# Authlib, pinned, in the same venv: the authorization server that
+# crates/tine/tests/oauth.rs runs (tests/py/oauth_sdk.py) for the SDK's
+# OAuth client.
+authlib_pin='authlib==1.9.10'
+if ! "$venv/bin/python" -c 'import importlib.metadata as m, sys; sys.exit(m.version("authlib") != "1.9.10")' 2>/dev/null; then
+  echo "setup: installing $authlib_pin in $venv" >&2
+  "$venv/bin/pip" install -q --disable-pip-version-check "$authlib_pin"
+fi
 # The official MCP conformance suite (npm), pinned, for the server scenarios
 # in crates/tine/tests/mcp.rs (testkit finds it at $TINE_CONFORMANCE or
 # here). 0.1.13: later versions need Node.js 22 (fs.globSync); the

@@ -207,6 +207,13 @@ impl TineServer {
         Self::start_seeded(binary, token, config, None, free_port())
     }
 
+    /// [`TineServer::start`], listening on 127.0.0.1:`port` (for a
+    /// configuration that names the server's own URL, such as
+    /// `[auth.oauth] resource`).
+    pub fn start_on(binary: &Path, token: Option<&str>, config: &str, port: u16) -> TineServer {
+        Self::start_seeded(binary, token, config, None, port)
+    }
+
     /// Like [`TineServer::start`], then waits for the default template;
     /// but when an earlier server of this test run (same `binary`, kernel
     /// and rootfs, by file identity, and the same guest set-up in `config`:

@@ -125,6 +125,10 @@ pub struct FileConfig {
 /// ```toml
 /// [auth]
 /// tenants_file = "/etc/tine/tenants.toml"   # default: DATA_DIR/tenants.toml
+///
+/// [auth.oauth]                              # optional: OAuth 2.1 access tokens
+/// issuer = "https://keycloak.example.com/realms/tine"
+/// resource = "https://tine.example.com/mcp"
 /// ```
 #[derive(Clone, Debug, Default, Deserialize, PartialEq, Eq)]
 #[serde(default, deny_unknown_fields)]
@@ -132,6 +136,9 @@ pub struct AuthFileConfig {
     /// The tenants file ([`crate::auth::tenants`]); the same file on every
     /// host of a cluster. Default: `tenants.toml` in the data directory.
     pub tenants_file: Option<PathBuf>,
+    /// `[auth.oauth]`: OAuth access tokens of the operator's authorization
+    /// server ([`crate::auth::oauth::OAuthConfig`]). Default: none.
+    pub oauth: Option<crate::auth::oauth::OAuthConfig>,
 }
 
 impl AuthFileConfig {
@@ -403,6 +410,39 @@ mod tests {
         assert_eq!(c.http2_keep_alive_timeout_secs, Some(srv::DEFAULT_HTTP2_KEEP_ALIVE_TIMEOUT.as_secs()));
         assert_eq!(c.http2_max_concurrent_streams, Some(srv::DEFAULT_HTTP2_MAX_CONCURRENT_STREAMS));
         assert_eq!(c.max_sessions, Some(srv::DEFAULT_MAX_SESSIONS));
+        assert_eq!(c.auth, AuthFileConfig::default(), "deploy/tine.toml shows [auth] commented out");
+    }
+
+    #[test]
+    fn the_shipped_oauth_table_parses_when_uncommented_and_states_the_defaults() {
+        // The commented settings from `# [auth]` on, uncommented; prose
+        // lines are left out.
+        let text = include_str!("../../../deploy/tine.toml");
+        let start = text.find("# [auth]\n").expect("deploy/tine.toml shows [auth]");
+        let uncommented: String = text[start..]
+            .lines()
+            .filter_map(|l| l.strip_prefix("# "))
+            .filter(|l| l.starts_with('[') || l.split_once(" = ").is_some_and(|(k, _)| !k.contains(' ')))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        let c: FileConfig = toml::from_str(&uncommented).unwrap_or_else(|e| panic!("{uncommented}\n{e}"));
+        let o = c.auth.oauth.expect("[auth.oauth] is shown");
+        use crate::auth::oauth as oa;
+        assert_eq!(o.tenant_claim, oa::DEFAULT_TENANT_CLAIM);
+        assert!(!o.create_tenants);
+        assert!(o.scopes_supported.as_ref().is_none_or(Vec::is_empty));
+        assert_eq!(o.allowed_algs, oa::DEFAULT_ALLOWED_ALGS);
+        assert_eq!(o.leeway_secs, oa::DEFAULT_LEEWAY_SECS);
+        assert!(o.jwks_uri.is_some() && o.issuer.starts_with("https://") && o.resource.ends_with("/mcp"));
+        oa::Verifier::new(o).expect("the example is usable");
+        // And the defaults are the same when left out.
+        let least = "[auth.oauth]\nissuer = \"https://id.example.com\"\nresource = \"https://t.example.com/mcp\"\n";
+        let d = toml::from_str::<FileConfig>(least).unwrap().auth.oauth.unwrap();
+        assert_eq!(
+            (d.tenant_claim.as_str(), d.create_tenants, d.scopes_supported, d.leeway_secs, d.jwks_uri),
+            (oa::DEFAULT_TENANT_CLAIM, false, None, oa::DEFAULT_LEEWAY_SECS, None)
+        );
+        assert_eq!(d.allowed_algs, oa::DEFAULT_ALLOWED_ALGS);
     }
 
     #[test]

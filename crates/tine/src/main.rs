@@ -183,14 +183,25 @@ fn start(args: StartArgs) -> anyhow::Result<ExitCode> {
         peer_key,
         tenants_file: tenants_file.clone(),
         default_quota: r.file.limits.tenant.clone(),
+        // --dev has no authentication: no OAuth either.
+        oauth: token.as_ref().and(r.file.auth.oauth.clone()),
     })?);
     if !auth.required() && auth.roster().names().next().is_some() {
         tracing::warn!("--dev: no authentication, the tenants in {} are not used", tenants_file.display());
+    }
+    if !auth.required() && r.file.auth.oauth.is_some() {
+        tracing::warn!("--dev: no authentication, [auth.oauth] is not used");
     }
     let cluster = std::sync::Arc::new(cluster::Cluster::new(&r.file.cluster, auth.peer_key().map(str::to_string))?);
     // Peers reach this host by the name [cluster] peer_url gives it.
     if let Some(own) = cluster.own_peer_host() {
         allowed_hosts.push(own);
+    }
+    // OAuth clients reach this server by the host of its resource URI.
+    if let Some(host) = auth.oauth().and_then(|o| o.resource_host()) {
+        if !allowed_hosts.contains(&host) {
+            allowed_hosts.push(host);
+        }
     }
     let allowed_origins = if !args.allowed_origins.is_empty() {
         args.allowed_origins.clone()
@@ -211,7 +222,16 @@ fn start(args: StartArgs) -> anyhow::Result<ExitCode> {
         r.kernel.display(),
         r.rootfs.display(),
         if token.is_some() {
-            format!("operator token and {} tenants ({})", auth.roster().names().count(), tenants_file.display())
+            let oauth = match auth.oauth() {
+                Some(o) => format!(
+                    ", OAuth tokens of {} for {} (metadata at {})",
+                    o.config().issuer,
+                    o.config().resource,
+                    o.metadata_url()
+                ),
+                None => String::new(),
+            };
+            format!("operator token and {} tenants ({}){oauth}", auth.roster().names().count(), tenants_file.display())
         } else {
             "none (--dev)".into()
         }

@@ -1,6 +1,8 @@
 //! `tine server start`: the MCP endpoint (Streamable HTTP at `/mcp`, MCP
 //! 2025-06-18 / 2025-11-25 "Transports"), bearer authentication of the
-//! operator, tenants and peers ([`crate::auth`]),
+//! operator, tenants and peers, and OAuth access tokens with `[auth.oauth]`
+//! ([`crate::auth`]; their protected resource metadata at
+//! `/.well-known/oauth-protected-resource[/mcp]`, RFC 9728),
 //! `/healthz`, signed file URLs at `/files/` ([`crate::files_url`]), and
 //! shutdown that hibernates every sandbox on SIGTERM/SIGINT (listed again
 //! by the next start, see `tine_sandbox::Manager::shutdown_keeping`).
@@ -220,7 +222,9 @@ async fn metrics_text(
 /// answered 200; an `initialize` past `opts.max_sessions` answered 503; a request of another host's session passed to that host,
 /// [`crate::cluster::proxy_foreign_session`]), `/metrics` (behind the same
 /// bearer check), the open `/healthz` and `/files/{sandbox}`, whose signed
-/// URLs (from `files`) need no token. Cancelling `cancel` ends every MCP
+/// URLs (from `files`) need no token, and with `[auth.oauth]` the open
+/// protected resource metadata ([`crate::auth::oauth::METADATA_PATH`] and
+/// the same followed by `/mcp`, RFC 9728 §3). Cancelling `cancel` ends every MCP
 /// session and its streams. Starts following the manager's events for the
 /// metrics (call it in a Tokio runtime).
 ///
@@ -272,11 +276,17 @@ pub fn router(
         .with_state((manager.clone(), metrics, sessions))
         .merge(mcp_router)
         .layer(axum::middleware::from_fn_with_state(auth.clone(), crate::auth::authenticate));
-    Ok(Router::new()
-        .route("/healthz", get(healthz))
-        .with_state((manager.clone(), auth.clone()))
-        .merge(protected)
-        .merge(crate::files_url::routes(manager, files, auth)))
+    let mut open = Router::new().route("/healthz", get(healthz)).with_state((manager.clone(), auth.clone()));
+    if auth.oauth().is_some() {
+        let path = crate::auth::oauth::METADATA_PATH;
+        open = open.merge(
+            Router::new()
+                .route(path, get(crate::auth::resource_metadata))
+                .route(&format!("{path}/mcp"), get(crate::auth::resource_metadata))
+                .with_state(auth.clone()),
+        );
+    }
+    Ok(open.merge(protected).merge(crate::files_url::routes(manager, files, auth)))
 }
 
 /// Serves until SIGTERM/SIGINT, then ends every session and kills every
@@ -292,6 +302,7 @@ pub async fn serve(manager: Arc<Manager>, opts: ServeOptions) -> Result<(), Serv
         .map_err(|source| ServeError::Bind { addr: opts.listen, source })?;
     let reaper = manager.spawn_reaper(REAP_PERIOD);
     let reload = opts.auth.spawn_reload();
+    let jwks = opts.auth.spawn_oauth_refresh();
     let sweeper = tokio::spawn(remove_tenants(manager.clone(), opts.auth.subscribe()));
     if opts.build_default_template {
         let m = manager.clone();
@@ -315,6 +326,9 @@ pub async fn serve(manager: Arc<Manager>, opts: ServeOptions) -> Result<(), Serv
     }
     reaper.abort();
     reload.abort();
+    if let Some(j) = jwks {
+        j.abort();
+    }
     sweeper.abort();
     tracing::info!("hibernating every sandbox");
     let kept = manager.shutdown_keeping().await;

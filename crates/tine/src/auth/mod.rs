@@ -13,15 +13,22 @@
 //! - the peer key (`[cluster] peer_key_file`, default: the operator's
 //!   token) is a peer host passing on a call: it acts as the principal
 //!   named by [`TENANT_HEADER`] (none: the operator). The header counts on
-//!   no other request.
+//!   no other request;
+//! - with `[auth.oauth]`, any other credential shaped as a JWT is an OAuth
+//!   access token of the operator's authorization server, checked by
+//!   [`oauth::Verifier`]: it acts as the tenant its tenant claim names
+//!   (never the operator), and 401s then name the protected resource
+//!   metadata (RFC 9728 §5.1).
 //!
 //! `--dev` has no credentials: every request is the operator's.
 //!
 //! A session is bound to the principal that opened it ([`sessions`]).
 
+pub mod oauth;
 pub mod sessions;
 pub mod tenants;
 
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, SystemTime};
@@ -96,6 +103,9 @@ pub enum AuthError {
     /// The tenants file cannot be used.
     #[error(transparent)]
     Tenants(#[from] TenantsError),
+    /// An OAuth access token refused, or `[auth.oauth]` that cannot be used.
+    #[error(transparent)]
+    OAuth(#[from] oauth::OAuthError),
 }
 
 /// What [`Auth`] is made from.
@@ -108,6 +118,8 @@ pub struct AuthConfig {
     pub tenants_file: PathBuf,
     /// Every tenant's quota unless the file says otherwise (`[limits.tenant]`).
     pub default_quota: Quota,
+    /// `[auth.oauth]`: OAuth access tokens accepted too ([`oauth`]).
+    pub oauth: Option<oauth::OAuthConfig>,
 }
 
 /// A file's identity and change time, to tell when it was replaced.
@@ -135,6 +147,9 @@ pub struct Auth {
     roster: RwLock<Arc<Roster>>,
     stamp: Mutex<Option<Stamp>>,
     changed: tokio::sync::watch::Sender<Arc<Roster>>,
+    oauth: Option<oauth::Verifier>,
+    /// Tenants made from OAuth tokens (`create_tenants = true`), by name.
+    created: Mutex<HashMap<String, Arc<Tenant>>>,
 }
 
 impl Auth {
@@ -142,11 +157,14 @@ impl Auth {
     ///
     /// Errors: [`AuthError::Tenants`] for a tenants file that cannot be
     /// read or is not one (a server does not start on a broken file; it
-    /// keeps its last good roster when the file breaks later).
+    /// keeps its last good roster when the file breaks later);
+    /// [`AuthError::OAuth`] for `[auth.oauth]` that cannot be used
+    /// ([`oauth::Verifier::new`]).
     pub fn new(config: AuthConfig) -> Result<Self, AuthError> {
         let st = stamp(&config.tenants_file);
         let file = TenantsFile::load(&config.tenants_file)?;
         let roster = Arc::new(Roster::new(&file, &config.default_quota));
+        let oauth = config.oauth.map(oauth::Verifier::new).transpose()?;
         Ok(Auth {
             admin_token: config.admin_token,
             peer_key: config.peer_key,
@@ -155,7 +173,63 @@ impl Auth {
             roster: RwLock::new(roster.clone()),
             stamp: Mutex::new(st),
             changed: tokio::sync::watch::channel(roster).0,
+            oauth,
+            created: Mutex::new(HashMap::new()),
         })
+    }
+
+    /// The OAuth verifier (`None`: no `[auth.oauth]`).
+    pub fn oauth(&self) -> Option<&oauth::Verifier> {
+        self.oauth.as_ref()
+    }
+
+    /// Live tenant `name`: of the tenants file, else one made from an
+    /// OAuth token before. `None` for a name of neither.
+    pub fn tenant_by_name(&self, name: &str) -> Option<Arc<Tenant>> {
+        self.roster().by_name(name).or_else(|| self.lock_created().get(name).cloned())
+    }
+
+    fn lock_created(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<Tenant>>> {
+        self.created.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The tenant an OAuth token or a peer names: of the tenants file;
+    /// else, with `create_tenants = true`, one of that name with the
+    /// default quota, made now if need be and kept in memory.
+    ///
+    /// Errors: [`oauth::OAuthError::UnknownTenant`] (also for a name that
+    /// cannot be a tenant's, `admin` included),
+    /// [`oauth::OAuthError::RemovedTenant`],
+    /// [`oauth::OAuthError::TooManyTenants`].
+    fn named_tenant(&self, name: &str) -> Result<Arc<Tenant>, oauth::OAuthError> {
+        use oauth::OAuthError as E;
+        let roster = self.roster();
+        if let Some(t) = roster.by_name(name) {
+            return Ok(t);
+        }
+        if roster.removed.iter().any(|r| r == name) {
+            return Err(E::RemovedTenant(name.to_string()));
+        }
+        let create = self.oauth.as_ref().is_some_and(|o| o.config().create_tenants);
+        if !create || tenants::check_name(name).is_err() {
+            return Err(E::UnknownTenant(name.to_string()));
+        }
+        let mut created = self.lock_created();
+        if let Some(t) = created.get(name) {
+            return Ok(t.clone());
+        }
+        if created.len() >= oauth::MAX_CREATED_TENANTS {
+            return Err(E::TooManyTenants(name.to_string()));
+        }
+        let t = Arc::new(Tenant {
+            name: name.to_string(),
+            key_sha256: String::new(),
+            quota: Arc::new(self.default_quota.clone()),
+            ceiling: None,
+        });
+        created.insert(name.to_string(), t.clone());
+        crate::audit::change("tenant made from an OAuth token (create_tenants)", name);
+        Ok(t)
     }
 
     /// Whether requests need a credential (not `--dev`).
@@ -185,14 +259,16 @@ impl Auth {
     pub fn url_grant(&self, tenant: Option<&str>) -> String {
         match tenant {
             None => String::new(),
-            Some(t) => match self.roster().by_name(t) {
+            Some(t) => match self.tenant_by_name(t) {
                 Some(live) => format!("{t}:{}", live.key_sha256),
                 None => format!("{t}:removed"),
             },
         }
     }
 
-    /// Who `headers` (`Authorization: Bearer ...`, RFC 6750 §2.1) act as.
+    /// Who `headers` (`Authorization: Bearer ...`, RFC 6750 §2.1) act as,
+    /// by the operator's token, the peer key or a tenant's API key (not
+    /// OAuth tokens: [`Auth::authenticate_request`]).
     ///
     /// Errors: [`AuthError::Missing`], [`AuthError::Invalid`].
     pub fn authenticate(&self, headers: &HeaderMap) -> Result<Principal, AuthError> {
@@ -202,13 +278,83 @@ impl Auth {
         if bool::from(given.as_bytes().ct_eq(peer.as_bytes())) {
             return match headers.get(TENANT_HEADER).and_then(|v| v.to_str().ok()) {
                 None | Some(tenants::ADMIN) => Ok(Principal::Admin),
-                Some(name) => self.roster().by_name(name).map(Principal::Tenant).ok_or(AuthError::Invalid),
+                Some(name) => self.named_tenant(name).map(Principal::Tenant).map_err(|_| AuthError::Invalid),
             };
         }
         if bool::from(given.as_bytes().ct_eq(admin.as_bytes())) {
             return Ok(Principal::Admin);
         }
         self.roster().by_key(given).map(Principal::Tenant).ok_or(AuthError::Invalid)
+    }
+
+    /// Who `headers` act as: [`Auth::authenticate`], then, with
+    /// `[auth.oauth]`, a bearer token shaped as a JWT checked as an OAuth
+    /// access token ([`oauth::Verifier::verify`], which may fetch the
+    /// issuer's keys) and mapped to the tenant it names.
+    ///
+    /// Errors: [`AuthError::Missing`], [`AuthError::Invalid`],
+    /// [`AuthError::OAuth`] saying why a token was refused.
+    pub async fn authenticate_request(&self, headers: &HeaderMap) -> Result<Principal, AuthError> {
+        let err = match self.authenticate(headers) {
+            Err(AuthError::Invalid) => AuthError::Invalid,
+            other => return other,
+        };
+        let (Some(verifier), Some(token)) = (self.oauth.as_ref(), bearer(headers)) else { return Err(err) };
+        if !oauth::looks_like_jwt(token) {
+            return Err(err);
+        }
+        let verified = verifier.verify(token).await?;
+        let tenant = self.named_tenant(&verified.tenant)?;
+        tracing::debug!(tenant = %tenant.name, sub = verified.subject.as_deref().unwrap_or(""), "OAuth token accepted");
+        Ok(Principal::Tenant(tenant))
+    }
+
+    /// Fetches the OAuth issuer's keys now and every
+    /// [`oauth::JWKS_REFRESH_EVERY`] (key rotation); errors are logged
+    /// (call in a Tokio runtime). `None` without `[auth.oauth]`.
+    pub fn spawn_oauth_refresh(self: &Arc<Self>) -> Option<tokio::task::JoinHandle<()>> {
+        self.oauth.as_ref()?;
+        let me = self.clone();
+        Some(tokio::spawn(async move {
+            let Some(verifier) = me.oauth.as_ref() else { return };
+            loop {
+                match verifier.refresh().await {
+                    Ok(()) => {}
+                    Err(e) => tracing::warn!("OAuth: {e}; tokens are refused until the issuer's keys can be had"),
+                }
+                tokio::time::sleep(oauth::JWKS_REFRESH_EVERY).await;
+            }
+        }))
+    }
+
+    /// The answer to a request refused with `e`: 401 with the challenge RFC
+    /// 6750 §3 asks for (naming the protected resource metadata with
+    /// `[auth.oauth]`, RFC 9728 §5.1), or 503 when the OAuth issuer's keys
+    /// cannot be had.
+    pub fn unauthorized(&self, e: &AuthError) -> Response {
+        let invalid = !matches!(e, AuthError::Missing);
+        if matches!(e, AuthError::OAuth(o) if o.unavailable()) {
+            let body = serde_json::json!({"error": "unavailable", "message": e.to_string()}).to_string();
+            let mut resp =
+                (StatusCode::SERVICE_UNAVAILABLE, [(header::CONTENT_TYPE, "application/json")], body).into_response();
+            resp.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("10"));
+            return resp;
+        }
+        let body = serde_json::json!({"error": "unauthorized", "message": e.to_string()}).to_string();
+        let challenge = match &self.oauth {
+            Some(v) => HeaderValue::from_str(&v.challenge(invalid)).ok(),
+            None => None,
+        };
+        let challenge = challenge.unwrap_or_else(|| {
+            HeaderValue::from_static(if invalid {
+                r#"Bearer realm="tine", error="invalid_token""#
+            } else {
+                r#"Bearer realm="tine""#
+            })
+        });
+        let mut resp = (StatusCode::UNAUTHORIZED, [(header::CONTENT_TYPE, "application/json")], body).into_response();
+        resp.headers_mut().insert(header::WWW_AUTHENTICATE, challenge);
+        resp
     }
 
     /// Reads the tenants file again if it changed since the last read
@@ -267,27 +413,31 @@ pub fn bearer(headers: &HeaderMap) -> Option<&str> {
 }
 
 /// The middleware: puts the request's [`Principal`] into its extensions,
-/// or answers 401 with `WWW-Authenticate: Bearer` (RFC 6750 §3).
+/// or answers as [`Auth::unauthorized`] says (401 with `WWW-Authenticate:
+/// Bearer`, RFC 6750 §3 and RFC 9728 §5.1).
 pub async fn authenticate(State(auth): State<Arc<Auth>>, mut req: Request, next: Next) -> Response {
-    match auth.authenticate(req.headers()) {
+    match auth.authenticate_request(req.headers()).await {
         Ok(p) => {
             req.extensions_mut().insert(p);
             next.run(req).await
         }
-        Err(e) => unauthorized(&e),
+        Err(e) => {
+            if let AuthError::OAuth(o) = &e {
+                tracing::debug!("bearer token refused: {o}");
+            }
+            auth.unauthorized(&e)
+        }
     }
 }
 
-/// 401 for `e`, with the challenge RFC 6750 §3 asks for.
-fn unauthorized(e: &AuthError) -> Response {
-    let challenge = match e {
-        AuthError::Missing => r#"Bearer realm="tine""#,
-        _ => r#"Bearer realm="tine", error="invalid_token""#,
-    };
-    let body = serde_json::json!({"error": "unauthorized", "message": e.to_string()}).to_string();
-    let mut resp = (StatusCode::UNAUTHORIZED, [(header::CONTENT_TYPE, "application/json")], body).into_response();
-    resp.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static(challenge));
-    resp
+/// `GET /.well-known/oauth-protected-resource[/mcp]`: the protected
+/// resource metadata (RFC 9728 §3.2, 200 with JSON), open to anyone; 404
+/// without `[auth.oauth]`.
+pub async fn resource_metadata(State(auth): State<Arc<Auth>>) -> Response {
+    match &auth.oauth {
+        Some(v) => ([(header::CONTENT_TYPE, "application/json")], v.metadata().to_string()).into_response(),
+        None => StatusCode::NOT_FOUND.into_response(),
+    }
 }
 
 #[cfg(test)]
@@ -314,6 +464,7 @@ mod tests {
             peer_key: Some("peer-key".into()),
             tenants_file: path.clone(),
             default_quota: Quota::default(),
+            oauth: None,
         })
         .unwrap();
         let who = |h: &[(&str, &str)]| auth.authenticate(&headers(h)).map(|p| p.name().to_string());

@@ -34,6 +34,7 @@ fn options(token: Option<&str>, allowed_origins: Vec<String>) -> ServeOptions {
                 peer_key: None,
                 tenants_file: "/nonexistent/tenants.toml".into(),
                 default_quota: Default::default(),
+                oauth: None,
             })
             .unwrap(),
         ),
