@@ -44,26 +44,17 @@ impl<'a> Claim<'a> {
             }
         }
         let n = n as u64;
-        let over = |quota, used: u64, asked: u64, max: u64, hint| {
-            (asked > max.saturating_sub(used)).then(|| SandboxError::Quota {
-                tenant: self.tenant.to_string(),
-                quota,
-                used,
-                asked,
-                max,
-                hint,
-            })
-        };
+        let past = |quota, used, asked, max, hint| over(self.tenant, quota, (used, asked, max), hint);
         let q = self.quota;
-        let refused = over("sandboxes", all, n, q.max_sandboxes as u64, "kill sandboxes it no longer needs")
+        let refused = past("sandboxes", all, n, q.max_sandboxes as u64, "kill sandboxes it no longer needs")
             .or_else(|| {
-                over("live sandboxes", live, n, q.max_running as u64, "kill or hibernate (sandbox_pause to_disk) one")
+                past("live sandboxes", live, n, q.max_running as u64, "kill or hibernate (sandbox_pause to_disk) one")
             })
             .or_else(|| {
-                over("vCPUs", vcpus, n * u64::from(self.vcpus), q.max_vcpus, "kill or hibernate a live sandbox")
+                past("vCPUs", vcpus, n * u64::from(self.vcpus), q.max_vcpus, "kill or hibernate a live sandbox")
             })
             .or_else(|| {
-                over(
+                past(
                     "guest memory (MiB)",
                     memory,
                     n.saturating_mul(self.memory_mib),
@@ -102,25 +93,31 @@ fn check_template(
     builds: usize,
     build: bool,
 ) -> Result<(), SandboxError> {
-    if templates >= quota.max_templates {
-        return Err(SandboxError::Quota {
-            tenant: tenant.into(),
-            quota: "templates",
-            used: templates as u64,
-            asked: 1,
-            max: quota.max_templates as u64,
-            hint: "delete a template it no longer needs (template_delete)",
-        });
+    let templates = (templates as u64, 1, quota.max_templates as u64);
+    if let Some(e) = over(tenant, "templates", templates, "delete a template it no longer needs (template_delete)") {
+        return Err(e);
     }
-    if build && builds >= quota.max_builds {
-        return Err(SandboxError::Quota {
-            tenant: tenant.into(),
-            quota: "template builds at once",
-            used: builds as u64,
-            asked: 1,
-            max: quota.max_builds as u64,
-            hint: "wait for a build to end (template_list shows them)",
-        });
+    let builds = (builds as u64, 1, quota.max_builds as u64);
+    match over(tenant, "template builds at once", builds, "wait for a build to end (template_list shows them)") {
+        Some(e) if build => Err(e),
+        _ => Ok(()),
     }
-    Ok(())
+}
+
+/// The refusal of `asked` more of `quota` where `used` of `max` are in use
+/// (`(used, asked, max)`), if they do not fit; `hint` says what frees some.
+fn over(
+    tenant: &str,
+    quota: &'static str,
+    (used, asked, max): (u64, u64, u64),
+    hint: &'static str,
+) -> Option<SandboxError> {
+    (asked > max.saturating_sub(used)).then(|| SandboxError::Quota {
+        tenant: tenant.to_string(),
+        quota,
+        used,
+        asked,
+        max,
+        hint,
+    })
 }
