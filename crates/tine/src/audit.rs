@@ -8,18 +8,16 @@
 
 use std::time::Duration;
 
-use crate::auth::Principal;
-
 /// The tracing target of audit lines.
 pub const TARGET: &str = "tine::audit";
 
-/// One tool call: who (`principal`, MCP session `session`), which `tool`,
-/// the sandbox and process `ids` its arguments named, whether it
-/// succeeded, and how long it took.
-pub fn tool_call(principal: &Principal, session: u64, tool: &str, ids: &[String], ok: bool, took: Duration) {
+/// One tool call: who (`tenant`, `admin` for the operator; MCP session
+/// `session`), which `tool`, the sandbox and process `ids` its arguments
+/// named, whether it succeeded, and how long it took.
+pub fn tool_call(tenant: &str, session: u64, tool: &str, ids: &[String], ok: bool, took: Duration) {
     tracing::info!(
         target: TARGET,
-        tenant = principal.name(),
+        tenant,
         session,
         tool,
         ids = %ids.join(","),

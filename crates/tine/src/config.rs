@@ -120,6 +120,10 @@ pub struct FileConfig {
     pub auth: AuthFileConfig,
 }
 
+/// The tenants file's name in the data directory, where
+/// `[auth] tenants_file` does not name another.
+pub const TENANTS_FILE: &str = "tenants.toml";
+
 /// `[auth]` in the configuration file.
 ///
 /// ```toml
@@ -144,7 +148,7 @@ pub struct AuthFileConfig {
 impl AuthFileConfig {
     /// The tenants file for a server on `data_dir`.
     pub fn tenants_file(&self, data_dir: &Path) -> PathBuf {
-        self.tenants_file.clone().unwrap_or_else(|| data_dir.join(crate::auth::tenants::TENANTS_FILE))
+        self.tenants_file.clone().unwrap_or_else(|| data_dir.join(TENANTS_FILE))
     }
 }
 
@@ -359,16 +363,6 @@ pub fn load_token(token_file: Option<&Path>) -> Result<Option<String>, ConfigErr
     Ok(Some(token))
 }
 
-/// A new random token: 32 bytes from the kernel's CSPRNG, as 64 hex digits.
-///
-/// Errors: reading `/dev/urandom`.
-pub fn new_token() -> std::io::Result<String> {
-    use std::io::Read;
-    let mut bytes = [0u8; 32];
-    std::fs::File::open("/dev/urandom")?.read_exact(&mut bytes)?;
-    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -466,7 +460,7 @@ mod tests {
         std::fs::write(&f, "short\n").unwrap();
         std::fs::set_permissions(&f, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
         assert!(matches!(load_token(Some(&f)), Err(ConfigError::BadToken { .. })));
-        let good = new_token().unwrap();
+        let good = crate::auth::new_token().unwrap();
         assert_eq!(good.len(), 64);
         use std::os::unix::fs::PermissionsExt;
         std::fs::write(&f, format!("{good}\n")).unwrap();

@@ -408,7 +408,7 @@ fn lock_data_dir(dir: &std::path::Path) -> anyhow::Result<std::fs::File> {
 }
 
 fn keygen(out: Option<PathBuf>) -> anyhow::Result<ExitCode> {
-    let token = config::new_token()?;
+    let token = auth::new_token()?;
     match out {
         None => println!("{token}"),
         Some(path) => {

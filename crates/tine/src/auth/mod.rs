@@ -404,6 +404,18 @@ impl Auth {
     }
 }
 
+/// A new random token: 32 bytes from the kernel's CSPRNG, as 64 hex
+/// digits (the operator's token from `tine server keygen`, and the body of
+/// tenants' API keys).
+///
+/// Errors: reading `/dev/urandom`.
+pub fn new_token() -> std::io::Result<String> {
+    use std::io::Read;
+    let mut bytes = [0u8; 32];
+    std::fs::File::open("/dev/urandom")?.read_exact(&mut bytes)?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+}
+
 /// The token of `Authorization: Bearer <token>` (RFC 6750 §2.1; the
 /// scheme's case is not significant, RFC 9110 §11.1).
 pub fn bearer(headers: &HeaderMap) -> Option<&str> {

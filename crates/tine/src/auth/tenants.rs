@@ -33,9 +33,6 @@ use sha2::{Digest, Sha256};
 use tine_sandbox::network::NetworkPolicy;
 use tine_sandbox::Quota;
 
-/// The tenants file's name in the data directory, where
-/// `[auth] tenants_file` does not name another.
-pub const TENANTS_FILE: &str = "tenants.toml";
 /// Longest tenant name (bytes).
 pub const MAX_TENANT_NAME: usize = 32;
 /// The tenant name the operator's key acts as: reserved.
@@ -199,7 +196,7 @@ pub fn key_hash(key: &str) -> String {
 ///
 /// Errors: reading `/dev/urandom`.
 pub fn new_key() -> std::io::Result<String> {
-    Ok(format!("{KEY_PREFIX}{}", crate::config::new_token()?))
+    Ok(format!("{KEY_PREFIX}{}", super::new_token()?))
 }
 
 fn unix_ms() -> u64 {

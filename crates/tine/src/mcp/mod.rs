@@ -903,7 +903,7 @@ impl ServerHandler for TineMcp {
         // Known tools only: a client's made-up names must not grow the series.
         let label = if self.tools.router.map.contains_key(tool.as_ref()) { tool.as_ref() } else { "unknown" };
         let elapsed = started.elapsed();
-        crate::audit::tool_call(&caller, self.key, label, &ids, ok, elapsed);
+        crate::audit::tool_call(caller.name(), self.key, label, &ids, ok, elapsed);
         self.metrics.tool_call(label, caller.name(), elapsed, ok);
         response
     }
