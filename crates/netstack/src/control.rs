@@ -64,8 +64,8 @@ impl NetControl {
     /// Errors: [`PolicyError`]; the old ceiling stays.
     pub fn set_ceiling(&self, ceiling: Option<&NetworkPolicy>) -> Result<(), PolicyError> {
         let ceiling = ceiling.map(|c| CompiledPolicy::new(c, &self.server).map(Arc::new)).transpose()?;
-        let own = self.policy().policy().clone();
-        let compiled = Arc::new(CompiledPolicy::new(&own, &self.server)?.with_ceiling(ceiling));
+        // The policy as compiled already: only the ceiling is new.
+        let compiled = Arc::new(CompiledPolicy::clone(&self.policy()).with_ceiling(ceiling));
         *self.policy.write().unwrap_or_else(|e| e.into_inner()) = compiled;
         Ok(())
     }

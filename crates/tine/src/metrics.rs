@@ -289,12 +289,13 @@ impl Metrics {
         let infos = manager.list(&Default::default());
         self.tenant_sandboxes.clear();
         for (state, label) in STATES {
-            let n = infos.iter().filter(|i| i.state == state).count();
-            self.sandboxes.get_or_create(&StateLabel { state: label }).set(n as i64);
+            let mut n = 0;
             for i in infos.iter().filter(|i| i.state == state) {
+                n += 1;
                 let tenant = i.tenant.clone().unwrap_or_else(|| crate::auth::tenants::ADMIN.into());
                 self.tenant_sandboxes.get_or_create(&TenantState { tenant, state: label }).inc();
             }
+            self.sandboxes.get_or_create(&StateLabel { state: label }).set(n);
         }
         let (budget_mib, used) = manager.memory_use();
         self.guest_memory.set((used.total_mib() << 20) as i64);
