@@ -278,6 +278,23 @@ impl FileConfig {
     }
 }
 
+/// The configuration file at `config` (none: the defaults) and the data
+/// directory: `data_dir` (a flag), else the file's, else
+/// [`default_data_dir`].
+///
+/// Errors: [`FileConfig::load`]'s.
+pub fn load_with_data_dir(
+    config: Option<&Path>,
+    data_dir: Option<&Path>,
+) -> Result<(FileConfig, PathBuf), ConfigError> {
+    let file = match config {
+        Some(p) => FileConfig::load(p)?,
+        None => FileConfig::default(),
+    };
+    let dir = data_dir.map(Path::to_path_buf).or(file.data_dir.clone()).unwrap_or_else(default_data_dir);
+    Ok((file, dir))
+}
+
 /// The default data directory: `/var/lib/tine` for root, otherwise
 /// `$XDG_DATA_HOME/tine` or `~/.local/share/tine`.
 pub fn default_data_dir() -> PathBuf {

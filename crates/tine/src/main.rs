@@ -136,11 +136,7 @@ struct Resolved {
 }
 
 fn resolve(args: &ImageArgs) -> anyhow::Result<Resolved> {
-    let file = match &args.config {
-        Some(p) => config::FileConfig::load(p)?,
-        None => config::FileConfig::default(),
-    };
-    let data_dir = args.data_dir.clone().or(file.data_dir.clone()).unwrap_or_else(config::default_data_dir);
+    let (file, data_dir) = config::load_with_data_dir(args.config.as_deref(), args.data_dir.as_deref())?;
     let (dk, dr) = config::default_images(&data_dir);
     let kernel = args.kernel.clone().or(file.kernel.clone()).unwrap_or(dk);
     let rootfs = args.rootfs.clone().or(file.rootfs.clone()).unwrap_or(dr);

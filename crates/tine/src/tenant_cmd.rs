@@ -20,8 +20,9 @@ pub enum TenantCommand {
         name: String,
         #[command(flatten)]
         file: FileArgs,
+        /// Quotas that differ from `[limits.tenant]`.
         #[command(flatten)]
-        quota: QuotaArgs,
+        quota: QuotaOverride,
     },
     /// List the tenants (names, key ages, quotas; never keys).
     List {
@@ -64,42 +65,12 @@ pub struct FileArgs {
     tenants_file: Option<PathBuf>,
 }
 
-/// Quotas of a new tenant that differ from `[limits.tenant]`.
-#[derive(Args)]
-pub struct QuotaArgs {
-    /// Sandboxes in any state.
-    #[arg(long)]
-    max_sandboxes: Option<usize>,
-    /// Live sandboxes.
-    #[arg(long)]
-    max_running: Option<usize>,
-    /// vCPUs of its live sandboxes together.
-    #[arg(long)]
-    max_vcpus: Option<u64>,
-    /// Guest memory (MiB) of its live sandboxes together.
-    #[arg(long)]
-    max_memory_mib: Option<u64>,
-    /// Templates of its own.
-    #[arg(long)]
-    max_templates: Option<usize>,
-    /// Template builds at once.
-    #[arg(long)]
-    max_builds: Option<usize>,
-    /// MCP sessions at once.
-    #[arg(long)]
-    max_sessions: Option<usize>,
-}
-
 impl FileArgs {
     fn path(&self) -> anyhow::Result<PathBuf> {
         if let Some(p) = &self.tenants_file {
             return Ok(p.clone());
         }
-        let file = match &self.config {
-            Some(p) => crate::config::FileConfig::load(p)?,
-            None => crate::config::FileConfig::default(),
-        };
-        let data_dir = self.data_dir.clone().or(file.data_dir.clone()).unwrap_or_else(crate::config::default_data_dir);
+        let (file, data_dir) = crate::config::load_with_data_dir(self.config.as_deref(), self.data_dir.as_deref())?;
         Ok(file.auth.tenants_file(&data_dir))
     }
 }
@@ -116,16 +87,7 @@ pub fn run(cmd: TenantCommand) -> anyhow::Result<ExitCode> {
         TenantCommand::Add { name, file, quota } => {
             let path = file.path()?;
             let mut tenants = TenantsFile::load(&path)?;
-            let q = QuotaOverride {
-                max_sandboxes: quota.max_sandboxes,
-                max_running: quota.max_running,
-                max_vcpus: quota.max_vcpus,
-                max_memory_mib: quota.max_memory_mib,
-                max_templates: quota.max_templates,
-                max_builds: quota.max_builds,
-                max_sessions: quota.max_sessions,
-            };
-            let key = tenants.add(&name, q, &path)?;
+            let key = tenants.add(&name, quota, &path)?;
             tenants.save(&path)?;
             crate::audit::change("tenant added", &name);
             eprintln!("tine: tenant {name} added to {}; its API key (shown once):", path.display());

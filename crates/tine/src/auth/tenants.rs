@@ -90,30 +90,39 @@ pub enum TenantsError {
     },
 }
 
-/// Quotas of one tenant that differ from `[limits.tenant]`.
-#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
+/// Quotas of one tenant that differ from `[limits.tenant]`
+/// ([`Quota`]'s fields), as the tenants file keeps them and as
+/// `tine tenant add` takes them (`--max-running 4`).
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq, Eq, clap::Args)]
 #[serde(default, deny_unknown_fields)]
 pub struct QuotaOverride {
-    /// [`Quota::max_sandboxes`].
+    /// Sandboxes in any state.
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[arg(long)]
     pub max_sandboxes: Option<usize>,
-    /// [`Quota::max_running`].
+    /// Live sandboxes.
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[arg(long)]
     pub max_running: Option<usize>,
-    /// [`Quota::max_vcpus`].
+    /// vCPUs of its live sandboxes together.
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[arg(long)]
     pub max_vcpus: Option<u64>,
-    /// [`Quota::max_memory_mib`].
+    /// Guest memory (MiB) of its live sandboxes together.
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[arg(long)]
     pub max_memory_mib: Option<u64>,
-    /// [`Quota::max_templates`].
+    /// Templates of its own.
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[arg(long)]
     pub max_templates: Option<usize>,
-    /// [`Quota::max_builds`].
+    /// Template builds at once.
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[arg(long)]
     pub max_builds: Option<usize>,
-    /// [`Quota::max_sessions`].
+    /// MCP sessions at once.
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[arg(long)]
     pub max_sessions: Option<usize>,
 }
 
