@@ -2,7 +2,7 @@
 //!
 //! A sandbox is a microVM booted from the guest kernel and the shared,
 //! read-only root filesystem image, with the guest agent reached over
-//! hybrid vsock. The [`Manager`] gives sandboxes ids (`sb-1`, `sb-2`, ...),
+//! hybrid vsock. The [`Manager`] gives sandboxes unguessable ids (`sb-<host>-<random>`, [`ids`]),
 //! tracks their [`SandboxState`], enforces [`Limits`] (vCPUs, memory, how
 //! many live at once), reaps sandboxes left idle past their idle timeout,
 //! turns a crashed guest into a `failed` sandbox that carries the console's
@@ -33,6 +33,7 @@
 
 pub mod diff;
 pub mod events;
+pub mod ids;
 mod limits;
 mod manager;
 pub mod memory;

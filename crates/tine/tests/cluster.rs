@@ -129,10 +129,10 @@ fn tail(s: &str, lines: usize) -> String {
     v[v.len().saturating_sub(lines)..].join("\n")
 }
 
-/// The host a sandbox id names (`sb-<host>-<n>`).
+/// The host a sandbox id names (`sb-<host>-<random>`).
 fn host_of(id: &str) -> &str {
     let rest = id.strip_prefix("sb-").unwrap_or_else(|| panic!("{id} starts with sb-"));
-    rest.rsplit_once('-').unwrap_or_else(|| panic!("{id} is sb-<host>-<n>")).0
+    rest.rsplit_once('-').unwrap_or_else(|| panic!("{id} is sb-<host>-<random>")).0
 }
 
 /// `GET /metrics` of `base` with `token` (or none): status line and body.

@@ -229,6 +229,9 @@ pub enum SandboxError {
     /// A network rule is bad.
     #[error("bad network policy: {0}")]
     Network(#[from] netstack::policy::PolicyError),
+    /// A new id could not be minted (no random bytes from the kernel).
+    #[error(transparent)]
+    Id(#[from] crate::ids::IdError),
     /// The server gives sandboxes no network.
     #[error("this server gives sandboxes no network ([network] enabled = false in its configuration)")]
     NoNetwork,

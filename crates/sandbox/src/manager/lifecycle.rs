@@ -446,28 +446,21 @@ impl Manager {
         setup: SandboxSetup,
         memory: Option<Reservation>,
     ) -> Result<Arc<Sandbox>, SandboxError> {
-        let id = self.mint_id(prefix);
+        let id = crate::ids::mint(prefix)?;
         let sb = Arc::new(Sandbox::new(id.clone(), self.config.run_dir.join(&id), vcpus, memory_mib, setup));
         lock(&sb.memory).own = memory;
         *lock(&sb.net) = self.net_control(None, None)?;
         Ok(sb)
     }
 
-    /// A new id, `<prefix>-<n>`, unique in this manager.
-    pub(super) fn mint_id(&self, prefix: &str) -> SandboxId {
-        format!("{prefix}-{}", self.next_id.fetch_add(1, Ordering::Relaxed))
-    }
-
     /// The prefix of sandbox ids: `sb-<host>` with a host name
     /// ([`super::ManagerConfig::host_name`]), else `sb`.
     pub(super) fn sandbox_prefix(&self) -> String {
-        match &self.config.host_name {
-            Some(h) => format!("sb-{h}"),
-            None => "sb".into(),
-        }
+        crate::ids::sandbox_prefix(self.config.host_name.as_deref())
     }
 
-    /// Reserves `n` sandboxes (ids `sb-[<host>-]<n>`, made by `make` from the id
+    /// Reserves `n` sandboxes (new ids `sb-[<host>-]<random>` ([`crate::ids`]),
+    /// none of them in the map; made by `make` from the id
     /// and its directory) in the map, as `starting`, within the
     /// live-sandbox cap: the one place live sandboxes are counted.
     ///
@@ -497,8 +490,14 @@ impl Manager {
             claim.check(&map, n)?;
         }
         let mut made = Vec::with_capacity(n);
+        let prefix = self.sandbox_prefix();
         for _ in 0..n {
-            let id = self.mint_id(&self.sandbox_prefix());
+            // 80 random bits: a repeat is not expected, but one would
+            // replace a live sandbox in the map.
+            let mut id = crate::ids::mint(&prefix)?;
+            while map.contains_key(&id) {
+                id = crate::ids::mint(&prefix)?;
+            }
             let sb = Arc::new(make(id.clone(), self.config.run_dir.join(&id)));
             map.insert(id, sb.clone());
             made.push(sb);

@@ -12,7 +12,7 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -63,7 +63,7 @@ pub use sandbox::{Lineage, SandboxInfo, SandboxState, Usage};
 pub use settings::SandboxUpdate;
 pub use spec::SandboxSpec;
 
-/// A sandbox's id, `sb-<n>`.
+/// A sandbox's id, `sb-[<host>-]<random>` ([`crate::ids`]).
 pub type SandboxId = String;
 
 /// Where the manager finds images and keeps its files.
@@ -101,8 +101,8 @@ pub struct ManagerConfig {
     /// copies its template's (or branch point's) data in up front, and no
     /// working set is recorded or prefetched.
     pub huge_pages: bool,
-    /// The host's name in sandbox ids: `sb-<host>-<n>` (`sb-<n>` without
-    /// one). Letters, digits and `-` only; the caller checks it.
+    /// The host's name in sandbox ids: `sb-<host>-<random>` (`sb-<random>`
+    /// without one). Letters, digits and `-` only; the caller checks it.
     pub host_name: Option<String>,
 }
 
@@ -111,7 +111,6 @@ pub struct Manager {
     config: ManagerConfig,
     backend: Arc<dyn VmBackend>,
     sandboxes: Mutex<BTreeMap<SandboxId, Arc<Sandbox>>>,
-    next_id: AtomicU64,
     shutting_down: AtomicBool,
     /// Kills in progress (their sandboxes have already left the map);
     /// [`Manager::shutdown`] waits for them.
@@ -132,6 +131,11 @@ pub struct Manager {
     builds: Mutex<BTreeMap<String, recipes::BuildRecord>>,
     /// The warm pool ([`pool`]).
     pool: Mutex<pool::Pool>,
+    /// Tenants' quotas by tenant name, as the server last gave them
+    /// ([`Manager::set_tenant_quotas`]): checked where a call has no
+    /// [`CallContext`] of its tenant, e.g. a hibernated sandbox resumed by
+    /// any call.
+    tenant_quotas: Mutex<BTreeMap<String, Arc<crate::limits::Quota>>>,
     /// Held while a sandbox record is written or removed
     /// ([`records`]).
     records: Mutex<()>,
@@ -220,7 +224,7 @@ impl Manager {
             sandboxes: Mutex::new(BTreeMap::new()),
             builds: Mutex::new(BTreeMap::new()),
             pool: Mutex::new(pool::Pool::default()),
-            next_id: AtomicU64::new(1),
+            tenant_quotas: Mutex::new(BTreeMap::new()),
             shutting_down: AtomicBool::new(false),
             kills: lifecycle::Kills::default(),
             slots: slots::Slots::new(&config.limits),
@@ -275,6 +279,14 @@ impl Manager {
         lock(&self.sandboxes).contains_key(id)
     }
 
+    /// Replaces the tenants' quotas (by tenant name) that calls without a
+    /// tenant's [`CallContext`] are held to: resuming a hibernated sandbox
+    /// counts against its tenant's live sandboxes, vCPUs and memory. A
+    /// tenant not in `quotas` is held to none there.
+    pub fn set_tenant_quotas(&self, quotas: BTreeMap<String, Arc<crate::limits::Quota>>) {
+        *lock(&self.tenant_quotas) = quotas;
+    }
+
     /// The tenant sandbox `id` belongs to: `None` when there is no such
     /// sandbox, `Some(None)` for the server's own.
     pub fn tenant_of(&self, id: &str) -> Option<Option<String>> {
@@ -291,16 +303,20 @@ impl Manager {
         self.len() == 0
     }
 
-    /// Every sandbox whose labels include all of `labels`, by id.
+    /// Every sandbox whose labels include all of `labels`, oldest first
+    /// (by creation time, then id).
     pub fn list(&self, labels: &BTreeMap<String, String>) -> Vec<SandboxInfo> {
         let all: Vec<Arc<Sandbox>> = lock(&self.sandboxes).values().cloned().collect();
-        all.iter()
+        let mut listed: Vec<SandboxInfo> = all
+            .iter()
             .filter(|s| {
                 let own = s.labels();
                 labels.iter().all(|(k, v)| own.get(k) == Some(v))
             })
             .map(|s| s.info(None))
-            .collect()
+            .collect();
+        listed.sort_by(|a, b| (a.created_at_ms, &a.sandbox_id).cmp(&(b.created_at_ms, &b.sandbox_id)));
+        listed
     }
 
     /// One sandbox, with its resource use if it is running.

@@ -223,11 +223,6 @@ fn parse(bytes: &[u8], path: &Path) -> Result<Record, String> {
     serde_json::from_slice(bytes).map_err(|e| format!("its record {} is damaged: {e}", path.display()))
 }
 
-/// The numeric suffix of an id (`sb-host-12` -> 12).
-pub(super) fn id_number(id: &str) -> Option<u64> {
-    id.rsplit('-').next()?.parse().ok()
-}
-
 impl Manager {
     /// Writes `sb`'s record now, if it is still this manager's (a record
     /// never outlives the kill that removed it). Blocking.
@@ -290,7 +285,7 @@ impl Manager {
     /// start, before anything else runs): hibernated ones as `hibernated`,
     /// others as they were when the server stopped, and those that were
     /// running when it died without hibernating them as `failed` with the
-    /// reason. Ids minted from now on are past every kept one. Pinned bases
+    /// reason. Pinned bases
     /// no record names are removed.
     pub(super) fn recover(&self) {
         let kept = &self.config.kept_dir;
@@ -298,9 +293,6 @@ impl Manager {
         let _records = lock(&self.records);
         let mut map = lock(&self.sandboxes);
         for f in found {
-            if let Some(n) = id_number(&f.id) {
-                self.next_id.fetch_max(n + 1, std::sync::atomic::Ordering::Relaxed);
-            }
             let sb = match f.record {
                 Ok(r) => self.restored(r, f.mtime_ms),
                 Err(reason) => {

@@ -69,6 +69,13 @@ fn labeled(k: &str, v: &str) -> SandboxSpec {
 }
 
 /// The entries of the run directory (one per sandbox with files).
+/// `ids` in the order [`run_entries`] lists directories.
+fn sorted<'a>(ids: impl IntoIterator<Item = &'a String>) -> Vec<String> {
+    let mut v: Vec<String> = ids.into_iter().cloned().collect();
+    v.sort();
+    v
+}
+
 fn run_entries(s: &Setup) -> Vec<String> {
     let mut v: Vec<String> = std::fs::read_dir(s.dir.path().join("run"))
         .unwrap()
@@ -105,56 +112,57 @@ async fn huge_pages_need_an_even_memory_size() {
 async fn create_list_info_call_and_kill() {
     let s = setup(limits(4));
     let a = s.manager.create(labeled("team", "a")).await.expect("create");
-    assert_eq!(a.sandbox_id, "sb-1");
+    let part = a.sandbox_id.strip_prefix("sb-").expect("ids start with sb-");
+    assert!(crate::ids::is_id_part(part) && part.len() == crate::ids::RANDOM_CHARS, "{}", a.sandbox_id);
     assert_eq!(a.state, SandboxState::Running);
     assert!(a.boot_ms.is_some());
     assert_eq!((a.vcpus, a.memory_mib), (s.manager.limits().default_vcpus, s.manager.limits().default_memory_mib));
     let b = s.manager.create(labeled("team", "b")).await.expect("create");
-    assert_eq!(b.sandbox_id, "sb-2");
-    assert_eq!(run_entries(&s), ["sb-1", "sb-2"]);
+    assert_ne!(b.sandbox_id, a.sandbox_id);
+    assert_eq!(run_entries(&s), sorted([&a.sandbox_id, &b.sandbox_id]));
 
     assert_eq!(s.manager.list(&BTreeMap::new()).len(), 2);
     let only_a = s.manager.list(&labeled("team", "a").labels);
-    assert_eq!(only_a.iter().map(|i| i.sandbox_id.as_str()).collect::<Vec<_>>(), ["sb-1"]);
+    assert_eq!(only_a.iter().map(|i| i.sandbox_id.as_str()).collect::<Vec<_>>(), [a.sandbox_id.as_str()]);
 
-    let info = s.manager.info("sb-1").await.unwrap();
+    let info = s.manager.info(&a.sandbox_id).await.unwrap();
     let usage = info.usage.expect("a running sandbox reports its use");
     assert_eq!(usage.guest_memory_total_bytes, Some(a.memory_mib << 20));
     assert!(usage.disk_free_bytes.is_some());
 
     // Agent calls go through the typed client to the fake agent.
-    let written = s.manager.write_file("sb-1", "/tmp/x".into(), b"hello".to_vec(), None, false).await.unwrap();
+    let written = s.manager.write_file(&a.sandbox_id, "/tmp/x".into(), b"hello".to_vec(), None, false).await.unwrap();
     assert_eq!(written, 5);
-    assert_eq!(s.manager.read_file("sb-1", "/tmp/x".into(), 0, None).await.unwrap().data, b"hello");
-    let missing = s.manager.read_file("sb-1", "/nope".into(), 0, None).await.unwrap_err();
+    assert_eq!(s.manager.read_file(&a.sandbox_id, "/tmp/x".into(), 0, None).await.unwrap().data, b"hello");
+    let missing = s.manager.read_file(&a.sandbox_id, "/nope".into(), 0, None).await.unwrap_err();
     assert!(matches!(missing, SandboxError::Agent(tine_protocol::AgentError::NotFound { .. })), "{missing}");
-    let r = s.manager.exec("sb-1", super::ExecRequest { command: "true".into(), ..Default::default() }).await;
+    let r = s.manager.exec(&a.sandbox_id, super::ExecRequest { command: "true".into(), ..Default::default() }).await;
     assert_eq!(r.unwrap().status, tine_protocol::ExitStatus::Code(0));
 
-    s.manager.kill("sb-1").await.unwrap();
-    assert!(matches!(s.manager.info("sb-1").await, Err(SandboxError::NotFound(_))));
-    assert!(matches!(s.manager.kill("sb-1").await, Err(SandboxError::NotFound(_))));
-    assert_eq!(run_entries(&s), ["sb-2"]);
-    assert!(s.manager.contains("sb-2") && s.manager.len() == 1);
+    s.manager.kill(&a.sandbox_id).await.unwrap();
+    assert!(matches!(s.manager.info(&a.sandbox_id).await, Err(SandboxError::NotFound(_))));
+    assert!(matches!(s.manager.kill(&a.sandbox_id).await, Err(SandboxError::NotFound(_))));
+    assert_eq!(run_entries(&s), std::slice::from_ref(&b.sandbox_id));
+    assert!(s.manager.contains(&b.sandbox_id) && s.manager.len() == 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_live_sandbox_cap_holds_and_a_failed_start_gives_its_slot_back() {
     let s = setup(limits(2));
-    s.manager.create(SandboxSpec::default()).await.unwrap();
-    s.manager.create(SandboxSpec::default()).await.unwrap();
+    let first = s.manager.create(SandboxSpec::default()).await.unwrap().sandbox_id;
+    let second = s.manager.create(SandboxSpec::default()).await.unwrap().sandbox_id;
     let e = s.manager.create(SandboxSpec::default()).await.unwrap_err();
     assert!(matches!(e, SandboxError::TooMany { live: 2, max: 2 }), "{e}");
-    s.manager.kill("sb-1").await.unwrap();
+    s.manager.kill(&first).await.unwrap();
 
     // The VM does not start: no sandbox, no files, the slot is free again.
     s.backend.fail_next_starts(1);
     let e = s.manager.create(SandboxSpec::default()).await.unwrap_err();
     assert!(matches!(e, SandboxError::Start(_)), "{e}");
     assert_eq!(s.manager.len(), 1);
-    assert_eq!(run_entries(&s), ["sb-2"]);
+    assert_eq!(run_entries(&s), std::slice::from_ref(&second));
     let c = s.manager.create(SandboxSpec::default()).await.expect("the failed create's slot is free");
-    assert_eq!(c.sandbox_id, "sb-4", "ids are not reused");
+    assert!(![&first, &second].contains(&&c.sandbox_id), "ids are not reused");
 
     // Requests outside the limits are refused before any reservation.
     let e = s.manager.create(SandboxSpec { vcpus: Some(99), ..SandboxSpec::default() }).await.unwrap_err();
@@ -191,7 +199,7 @@ async fn pause_and_resume_move_between_running_and_paused() {
     assert!(s.backend.is_paused(&id));
     assert!(s.manager.templates().iter().any(|t| t.name == "t1"));
 
-    assert!(matches!(s.manager.pause("sb-9").await, Err(SandboxError::NotFound(_))));
+    assert!(matches!(s.manager.pause("sb-0000000000000009").await, Err(SandboxError::NotFound(_))));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -223,7 +231,8 @@ async fn branch_children_record_their_parent_and_merge_takes_the_childs_vm() {
     assert_eq!(r.sandbox_id, parent);
     assert_eq!(r.mode, vmm::BranchMode::CopyWhilePaused);
     let kids: Vec<String> = r.children.iter().map(|c| c.sandbox_id.clone()).collect();
-    assert_eq!(kids, ["sb-2", "sb-3"]);
+    assert_eq!(kids.len(), 2);
+    assert!(kids[0] != kids[1] && !kids.contains(&parent), "{kids:?}");
     for c in &r.children {
         assert_eq!(c.state, SandboxState::Running);
         assert_eq!(c.lineage.parent.as_deref(), Some(parent.as_str()));
@@ -250,26 +259,26 @@ async fn branch_children_record_their_parent_and_merge_takes_the_childs_vm() {
     assert_eq!((s.manager.len(), s.manager.memory_use().1), before, "nothing reserved");
     // Children that fail to start are all discarded.
     s.backend.fail_next_starts(1);
-    let e = s.manager.branch("sb-2", 1).await.unwrap_err();
+    let e = s.manager.branch(&kids[0], 1).await.unwrap_err();
     assert!(matches!(e, SandboxError::BranchChildren { failed: 1, n: 1, .. }), "{e}");
     assert_eq!(s.manager.len(), 3);
-    assert!(s.manager.info("sb-2").await.unwrap().lineage.children.is_empty());
+    assert!(s.manager.info(&kids[0]).await.unwrap().lineage.children.is_empty());
 
     // A killed child leaves its parent's list.
-    s.manager.kill("sb-3").await.unwrap();
-    assert_eq!(s.manager.info(&parent).await.unwrap().lineage.children, ["sb-2"]);
+    s.manager.kill(&kids[1]).await.unwrap();
+    assert_eq!(s.manager.info(&parent).await.unwrap().lineage.children, [kids[0].as_str()]);
 
     // Merge: the parent now runs the child's VM; the child is gone.
-    s.manager.write_file("sb-2", "/state".into(), b"after".to_vec(), None, false).await.unwrap();
-    let e = s.manager.merge_into(&parent, "sb-2").await.unwrap_err();
+    s.manager.write_file(&kids[0], "/state".into(), b"after".to_vec(), None, false).await.unwrap();
+    let e = s.manager.merge_into(&parent, &kids[0]).await.unwrap_err();
     assert!(matches!(e, SandboxError::NotDescendant { .. }), "{e}");
-    let merged = s.manager.merge_into("sb-2", &parent).await.expect("merge");
+    let merged = s.manager.merge_into(&kids[0], &parent).await.expect("merge");
     assert_eq!(merged.state, SandboxState::Running);
-    assert_eq!(merged.lineage.merged_from.as_deref(), Some("sb-2"));
+    assert_eq!(merged.lineage.merged_from.as_deref(), Some(kids[0].as_str()));
     assert!(merged.lineage.children.is_empty());
-    assert!(!s.manager.contains("sb-2"));
+    assert!(!s.manager.contains(&kids[0]));
     assert_eq!(s.manager.read_file(&parent, "/state".into(), 0, None).await.unwrap().data, b"after");
-    assert_eq!(run_entries(&s), ["sb-2"], "the parent keeps the winner's directory");
+    assert_eq!(run_entries(&s), [kids[0].as_str()], "the parent keeps the winner's directory");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -692,10 +701,10 @@ async fn create_with_reports_its_steps_and_the_wait_for_the_default_template() {
     let s = setup(limits(4));
     let (sink, got) = recorder();
     let cx = crate::CallContext { owner: None, progress: sink, ..Default::default() };
-    s.manager.create_with(SandboxSpec::default(), &cx).await.unwrap();
+    let id = s.manager.create_with(SandboxSpec::default(), &cx).await.unwrap().sandbox_id;
     let m = messages(&got);
-    assert!(m.iter().any(|l| l == "booting sb-1"), "{m:?}");
-    assert!(m.iter().any(|l| l == "sb-1: agent ready; reseeding"), "{m:?}");
+    assert!(m.iter().any(|l| *l == format!("booting {id}")), "{m:?}");
+    assert!(m.iter().any(|l| *l == format!("{id}: agent ready; reseeding")), "{m:?}");
     let p: Vec<f64> = got.lock().unwrap().iter().map(|u| u.progress).collect();
     assert!(p.windows(2).all(|w| w[0] <= w[1]), "elapsed seconds never fall: {p:?}");
 
@@ -759,16 +768,19 @@ async fn background_processes_are_named_by_sandbox_and_carried_into_branch_child
     let id = s.manager.create(SandboxSpec::default()).await.unwrap().sandbox_id;
     let req = super::ExecRequest { command: "python3 -m http.server".into(), ..Default::default() };
     let p = s.manager.spawn(&id, req, false).await.unwrap();
-    assert_eq!((p.process_id.as_str(), p.state, p.stdin_open), ("sb-1:p1", ProcessState::Running, true));
+    assert_eq!(
+        (p.process_id.as_str(), p.state, p.stdin_open),
+        (format!("{id}:p1").as_str(), ProcessState::Running, true)
+    );
     let pid: ProcessId = p.process_id.parse().unwrap();
     assert_eq!(s.manager.processes(&id).await.unwrap(), std::slice::from_ref(&p));
 
     // An id the guest's table lacks: named with its sandbox.
     let e = s.manager.process_output(&ProcessId::new(&id, 9), crate::StreamKind::Stdout, None, 0).await.unwrap_err();
-    assert!(matches!(&e, SandboxError::NoSuchProcess { process_id } if process_id == "sb-1:p9"), "{e}");
+    assert!(matches!(&e, SandboxError::NoSuchProcess { process_id } if *process_id == format!("{id}:p9")), "{e}");
     let e = s.manager.process_signal(&ProcessId::new(&id, 9), None).await.unwrap_err();
     assert!(matches!(e, SandboxError::NoSuchProcess { .. }), "{e}");
-    let e = s.manager.processes("sb-9").await.unwrap_err();
+    let e = s.manager.processes("sb-0000000000000009").await.unwrap_err();
     assert!(matches!(e, SandboxError::NotFound(_)), "{e}");
 
     // A branch child has its own copy, under its own id.
@@ -792,12 +804,12 @@ async fn background_processes_are_named_by_sandbox_and_carried_into_branch_child
     };
     let w = s.manager.process_wait(&pid, spec, &cx).await.unwrap();
     assert_eq!(w.outcome, crate::WaitOutcome::TimedOut);
-    assert_eq!(w.info.process_id, "sb-1:p1");
+    assert_eq!(w.info.process_id, format!("{id}:p1"));
     let m = messages(&got);
     assert_eq!(m.len(), 2, "{m:?}");
     assert_eq!(
         m[1],
-        "waiting for text \"Serving HTTP\" in sb-1:p1: 4 s of 30 s; stdout 12 B, stderr 0 B\nline1\nline2"
+        format!("waiting for text \"Serving HTTP\" in {id}:p1: 4 s of 30 s; stdout 12 B, stderr 0 B\nline1\nline2")
     );
     // A signal out of range is refused before the guest sees it.
     let e = s.manager.process_signal(&pid, Some(65)).await.unwrap_err();
@@ -931,7 +943,13 @@ async fn a_restart_after_a_crash_lists_hibernated_and_lost_sandboxes() {
     let m = restart(&s);
     let listed = m.list(&BTreeMap::new());
     let ids: Vec<&str> = listed.iter().map(|i| i.sandbox_id.as_str()).collect();
-    assert_eq!(ids, [a.as_str(), b.as_str()], "the killed one is not listed");
+    assert_eq!(
+        sorted(ids.iter().map(|i| i.to_string()).collect::<Vec<_>>().iter()),
+        sorted([&a, &b]),
+        "the killed one is not listed"
+    );
+    let listed: Vec<_> =
+        [&a, &b].iter().map(|id| listed.iter().find(|i| &&i.sandbox_id == id).unwrap().clone()).collect();
     assert_eq!(listed[0].state, SandboxState::Hibernated);
     assert_eq!(listed[0].labels, labeled("k", "v").labels);
     assert_eq!(listed[0].idle_timeout_secs, 600);
@@ -940,7 +958,7 @@ async fn a_restart_after_a_crash_lists_hibernated_and_lost_sandboxes() {
     assert!(reason.contains("lost in a crash"), "{reason}");
     assert_eq!(m.read_file(&a, "/state".into(), 0, None).await.unwrap().data, b"kept");
     let d = m.create(SandboxSpec::default()).await.unwrap().sandbox_id;
-    assert_eq!(d, "sb-3", "ids start past the kept ones (sb-3 was killed, not kept)");
+    assert!(![&a, &b, &c].contains(&&d), "a new id is none of the kept ones, nor the killed one's");
     m.kill(&b).await.unwrap();
     assert!(!record.exists(), "killing a failed kept sandbox removes its record");
 }
@@ -969,22 +987,25 @@ async fn shutdown_keeping_hibernates_and_the_next_start_lists_them_again() {
 
     let m = restart(&s);
     let listed = m.list(&BTreeMap::new());
-    let states: Vec<(&str, SandboxState)> = listed.iter().map(|i| (i.sandbox_id.as_str(), i.state)).collect();
-    assert_eq!(
-        states,
-        [
-            (a.as_str(), SandboxState::Hibernated),
-            (b.as_str(), SandboxState::Hibernated),
-            ("sb-7", SandboxState::Failed),
-            ("sb-8", SandboxState::Failed)
-        ]
-    );
-    assert!(listed[2].error.as_deref().unwrap_or_default().contains("newer tine"), "{:?}", listed[2].error);
-    assert!(listed[3].error.as_deref().unwrap_or_default().contains("damaged"), "{:?}", listed[3].error);
+    let mut states: Vec<(&str, SandboxState)> = listed.iter().map(|i| (i.sandbox_id.as_str(), i.state)).collect();
+    states.sort_by_key(|(id, _)| *id);
+    let mut want = [
+        (a.as_str(), SandboxState::Hibernated),
+        (b.as_str(), SandboxState::Hibernated),
+        ("sb-7", SandboxState::Failed),
+        ("sb-8", SandboxState::Failed),
+    ];
+    want.sort_by_key(|(id, _)| *id);
+    assert_eq!(states, want);
+    let error_of =
+        |id: &str| listed.iter().find(|i| i.sandbox_id == id).and_then(|i| i.error.clone()).unwrap_or_default();
+    assert!(error_of("sb-7").contains("newer tine"), "{}", error_of("sb-7"));
+    assert!(error_of("sb-8").contains("damaged"), "{}", error_of("sb-8"));
     assert_eq!(m.list(&labeled("who", "b").labels)[0].sandbox_id, b);
     assert_eq!(m.read_file(&a, "/state".into(), 0, None).await.unwrap().data, b"a");
     assert_eq!(m.read_file(&b, "/state".into(), 0, None).await.unwrap().data, b"b");
-    assert_eq!(m.create(SandboxSpec::default()).await.unwrap().sandbox_id, "sb-9");
+    let new = m.create(SandboxSpec::default()).await.unwrap().sandbox_id;
+    assert!(![a.as_str(), b.as_str(), "sb-7", "sb-8"].contains(&new.as_str()), "{new}");
 }
 
 /// Past the memory budget, a create (or a resume) hibernates the least
@@ -1194,4 +1215,26 @@ async fn a_tenants_quota_refuses_what_would_pass_it_and_its_children_are_its_own
     // A kill frees its place.
     s.manager.kill(&kid.sandbox_id).await.unwrap();
     s.manager.create_with(SandboxSpec::default(), &cx).await.expect("room again");
+}
+
+/// A hibernated sandbox resumed by any call counts against its tenant's
+/// live sandboxes again (the quota the server last gave the manager).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resuming_a_hibernated_sandbox_is_held_to_its_tenants_quota() {
+    let s = setup(limits(6));
+    let quota = Arc::new(crate::limits::Quota { max_running: 1, ..Default::default() });
+    let cx = crate::CallContext { tenant: Some("acme".into()), quota: Some(quota.clone()), ..Default::default() };
+    s.manager.set_tenant_quotas(BTreeMap::from([("acme".to_string(), quota)]));
+    let a = s.manager.create_with(SandboxSpec::default(), &cx).await.unwrap().sandbox_id;
+    s.manager.hibernate(&a).await.unwrap();
+    let b = s.manager.create_with(SandboxSpec::default(), &cx).await.unwrap().sandbox_id;
+    // A call that needs a's guest would run two of acme's sandboxes.
+    let e = s.manager.resume(&a).await.unwrap_err();
+    assert!(matches!(e, SandboxError::Quota { quota: "live sandboxes", used: 1, max: 1, .. }), "{e}");
+    let e = s.manager.read_file(&a, "/etc/hostname".into(), 0, None).await.unwrap_err();
+    assert!(matches!(e, SandboxError::Quota { .. }), "{e}");
+    assert_eq!(s.manager.info(&a).await.unwrap().state, SandboxState::Hibernated, "it stays hibernated");
+    // A kill frees its place.
+    s.manager.kill(&b).await.unwrap();
+    assert_eq!(s.manager.resume(&a).await.unwrap().state, SandboxState::Running, "room again");
 }

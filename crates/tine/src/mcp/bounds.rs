@@ -26,7 +26,7 @@ use serde_json::{json, Value};
 use tine_sandbox::Limits;
 
 /// Longest sandbox or process id (characters). Ids are
-/// `sb-<host>-<n>[:p<m>]` with host names of at most 40 characters
+/// `sb-<host>-<random>[:p<m>]` with host names of at most 40 characters
 /// (`cluster::MAX_HOST_NAME`).
 pub const MAX_ID_CHARS: u64 = 128;
 /// Longest path in a sandbox (characters): Linux's `PATH_MAX`, 4096 bytes

@@ -880,14 +880,18 @@ impl ServerHandler for TineMcp {
             .check
             .check(&tool, &mut request.arguments)
             .and_then(|()| self.check_owner(request.arguments.as_ref()).map_err(|e| e.to_string()))
-            .and_then(|()| self.cluster.route(&tool, request.arguments.as_ref(), forwarded_by.as_deref()));
+            .and_then(|()| {
+                self.cluster
+                    .route(&tool, request.arguments.as_ref(), forwarded_by.as_deref())
+                    .map_err(|e| e.to_string())
+            });
         let response = match route {
             Ok(Route::Local) => {
                 let tcc = ToolCallContext::new(self, request, context);
                 self.tools.router.call(tcc).await
             }
             Ok(Route::Forward { host, url }) => Ok(CallToolResponse::Complete(
-                self.cluster.forward(&host, &url, request, &caller).await.unwrap_or_else(refused),
+                self.cluster.forward(&host, &url, request, &caller).await.unwrap_or_else(|e| refused(e.to_string())),
             )),
             Err(message) => Ok(CallToolResponse::Complete(refused(message))),
         };

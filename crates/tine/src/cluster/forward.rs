@@ -1,0 +1,197 @@
+//! Where a tool call runs, and forwarding it: a call naming another
+//! host's sandbox is made again on that host, over an MCP session this host
+//! keeps with it per caller, authenticated with the peer key and carrying
+//! the caller's tenant ([`crate::auth::TENANT_HEADER`]).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::http::{HeaderName, HeaderValue};
+use rmcp::model::{CallToolRequestParams, CallToolResult, JsonObject};
+use rmcp::service::RunningService;
+use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
+use rmcp::transport::StreamableHttpClientTransport;
+use rmcp::{RoleClient, ServiceExt};
+
+use super::{host_of, named_ids, Cluster, ClusterError, FORWARDED_HEADER};
+use crate::auth::{Principal, TENANT_HEADER};
+
+/// Where a tool call runs.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Route {
+    /// On this host.
+    Local,
+    /// On the named peer, at this base URL.
+    Forward {
+        /// The peer's name.
+        host: String,
+        /// Its base URL.
+        url: String,
+    },
+}
+
+impl Cluster {
+    /// Where a call of `tool` with `args` runs: here unless its ids name
+    /// another host. `forwarded_by`: the host that forwarded this call, if
+    /// any (it is not forwarded again).
+    ///
+    /// Errors: [`ClusterError::TwoHosts`], [`ClusterError::NoPeerAddress`],
+    /// [`ClusterError::ForwardedTwice`] (another host in a call that was
+    /// already forwarded).
+    pub fn route(
+        &self,
+        tool: &str,
+        args: Option<&JsonObject>,
+        forwarded_by: Option<&str>,
+    ) -> Result<Route, ClusterError> {
+        // The host of the first id named (an id without one is this
+        // host's); every other id must name the same host.
+        let mut named: Option<(&str, &str)> = None;
+        for id in named_ids(args) {
+            let host = host_of(id).unwrap_or(&self.host);
+            match named {
+                Some((first_host, first)) if first_host != host => {
+                    return Err(ClusterError::TwoHosts {
+                        tool: tool.into(),
+                        first: first.into(),
+                        first_host: first_host.into(),
+                        id: id.into(),
+                        host: host.into(),
+                    })
+                }
+                Some(_) => {}
+                None => named = Some((host, id)),
+            }
+        }
+        let Some((host, id)) = named.filter(|(h, _)| *h != self.host) else { return Ok(Route::Local) };
+        if let Some(by) = forwarded_by {
+            return Err(ClusterError::ForwardedTwice {
+                id: id.into(),
+                host: host.into(),
+                this: self.host.clone(),
+                by: by.into(),
+            });
+        }
+        match self.peer(host) {
+            Some(url) => Ok(Route::Forward { host: host.to_string(), url }),
+            None => Err(ClusterError::NoPeerAddress { id: id.into(), host: host.into(), this: self.host.clone() }),
+        }
+    }
+
+    /// Calls `request` on peer `host` at `url` over this host's MCP
+    /// session with it (made on first use, made again once if it broke),
+    /// marked as forwarded by this host.
+    ///
+    /// Errors: [`ClusterError::Peer`] when the peer cannot be reached or the
+    /// call fails at the protocol level (a tool error is a result).
+    pub async fn forward(
+        &self,
+        host: &str,
+        url: &str,
+        request: CallToolRequestParams,
+        caller: &Principal,
+    ) -> Result<CallToolResult, ClusterError> {
+        let result = self.forward_once((host, url), request.clone(), caller, false).await;
+        let result = match result {
+            Err(_) => self.forward_once((host, url), request, caller, true).await,
+            ok => ok,
+        };
+        self.forwarded.observe(&self.peer_label(host, result.is_ok()), result.is_ok());
+        result.map_err(|reason| ClusterError::Peer { host: host.into(), url: url.into(), reason })
+    }
+
+    async fn forward_once(
+        &self,
+        (host, url): (&str, &str),
+        request: CallToolRequestParams,
+        caller: &Principal,
+        reconnect: bool,
+    ) -> Result<CallToolResult, String> {
+        let slot = {
+            let mut clients = self.clients.lock().unwrap_or_else(|p| p.into_inner());
+            clients.entry((host.to_string(), caller.name().to_string())).or_default().clone()
+        };
+        let client = {
+            let mut session = slot.lock().await;
+            match session.as_ref() {
+                Some(c) if !reconnect && !c.is_transport_closed() => c.clone(),
+                _ => {
+                    let c = Arc::new(self.connect(url, caller).await?);
+                    *session = Some(c.clone());
+                    c
+                }
+            }
+        };
+        client.call_tool(request).await.map_err(|e| e.to_string())
+    }
+
+    /// A new MCP session with the peer at `url`, acting for `caller`.
+    async fn connect(&self, url: &str, caller: &Principal) -> Result<RunningService<RoleClient, ()>, String> {
+        let mut config = StreamableHttpClientTransportConfig::with_uri(format!("{url}/mcp"));
+        if let Some(t) = &self.peer_key {
+            config = config.auth_header(t.clone());
+        }
+        let value = HeaderValue::from_str(&self.host).map_err(|e| e.to_string())?;
+        config.custom_headers.insert(HeaderName::from_static(FORWARDED_HEADER), value);
+        let tenant = HeaderValue::from_str(caller.name()).map_err(|e| e.to_string())?;
+        config.custom_headers.insert(HeaderName::from_static(TENANT_HEADER), tenant);
+        let transport = StreamableHttpClientTransport::with_client(self.http.clone(), config);
+        tokio::time::timeout(Duration::from_secs(30), ().serve(transport))
+            .await
+            .map_err(|_| "no MCP initialize answer within 30 s".to_string())?
+            .map_err(|e| e.to_string())
+    }
+}
+
+/// This host's MCP session with one peer, made on first use.
+pub(super) type PeerClient = tokio::sync::Mutex<Option<Arc<RunningService<RoleClient, ()>>>>;
+
+#[cfg(test)]
+mod tests {
+    use super::super::ClusterConfig;
+    use super::*;
+
+    fn cluster(peers: &[(&str, &str)], peer_url: Option<&str>) -> Cluster {
+        let config = ClusterConfig {
+            host_name: Some("h1".into()),
+            peers: peers.iter().map(|(a, b)| (a.to_string(), b.to_string())).collect(),
+            peer_url: peer_url.map(str::to_string),
+            peer_key_file: None,
+        };
+        Cluster::new(&config, None).unwrap()
+    }
+
+    fn args(pairs: &[(&str, &str)]) -> JsonObject {
+        pairs.iter().map(|(k, v)| (k.to_string(), serde_json::Value::from(*v))).collect()
+    }
+
+    #[test]
+    fn calls_route_by_the_hosts_their_ids_name() {
+        let c = cluster(&[("h2", "http://10.0.0.2:5555/")], None);
+        assert_eq!(c.route("sandbox_exec", None, None).unwrap(), Route::Local);
+        assert_eq!(c.route("sandbox_exec", Some(&args(&[("sandbox_id", "sb-h1-3")])), None).unwrap(), Route::Local);
+        assert_eq!(
+            c.route("sandbox_exec", Some(&args(&[("sandbox_id", "sb-h2-3")])), None).unwrap(),
+            Route::Forward { host: "h2".into(), url: "http://10.0.0.2:5555".into() }
+        );
+        assert_eq!(
+            c.route("sandbox_process_wait", Some(&args(&[("process_id", "sb-h2-3:p1")])), None).unwrap(),
+            Route::Forward { host: "h2".into(), url: "http://10.0.0.2:5555".into() }
+        );
+        let e = c.route("sandbox_exec", Some(&args(&[("sandbox_id", "sb-h3-3")])), None).unwrap_err();
+        let e = e.to_string();
+        assert!(e.contains("sb-h3-3 is on host h3; this is host h1, which has no address for h3"), "{e}");
+        let e =
+            c.route("sandbox_diff", Some(&args(&[("a", "sb-h1-1"), ("b", "sb-h2-2")])), None).unwrap_err().to_string();
+        assert!(e.contains("two hosts") && e.contains("sb-h2-2 on h2"), "{e}");
+        let e = c.route("sandbox_exec", Some(&args(&[("sandbox_id", "sb-h2-3")])), Some("h3")).unwrap_err().to_string();
+        assert!(e.contains("forwarded once at most") && e.contains("from h3"), "{e}");
+        assert_eq!(c.own_peer_host(), None);
+        let t = cluster(&[], Some("http://{host}.peers:5555"));
+        assert_eq!(t.own_peer_host().as_deref(), Some("h1.peers"));
+        assert_eq!(
+            t.route("sandbox_kill", Some(&args(&[("sandbox_id", "sb-h9-1")])), None).unwrap(),
+            Route::Forward { host: "h9".into(), url: "http://h9.peers:5555".into() }
+        );
+    }
+}
