@@ -186,7 +186,8 @@ pub struct Quota {
     /// Sandboxes in any state (live, hibernated, failed).
     pub max_sandboxes: usize,
     /// Live sandboxes (starting, running or paused). A hibernated one that
-    /// a call resumes is not refused by it.
+    /// a call resumes counts again: past it, the call is refused and the
+    /// sandbox stays hibernated.
     pub max_running: usize,
     /// vCPUs of its live sandboxes together.
     pub max_vcpus: u64,
@@ -199,6 +200,10 @@ pub struct Quota {
     pub max_builds: usize,
     /// MCP sessions at once (checked by the server's HTTP layer).
     pub max_sessions: usize,
+    /// Requests on its MCP sessions open at once, SSE streams included (a
+    /// session's `GET` stream, a `POST` answered as a stream, each while it
+    /// is open; checked by the server's HTTP layer).
+    pub max_streams: usize,
 }
 
 impl Default for Quota {
@@ -211,6 +216,7 @@ impl Default for Quota {
             max_templates: 16,
             max_builds: 2,
             max_sessions: 64,
+            max_streams: 256,
         }
     }
 }

@@ -303,7 +303,7 @@ pub async fn serve(manager: Arc<Manager>, opts: ServeOptions) -> Result<(), Serv
     let reaper = manager.spawn_reaper(REAP_PERIOD);
     let reload = opts.auth.spawn_reload();
     let jwks = opts.auth.spawn_oauth_refresh();
-    let sweeper = tokio::spawn(remove_tenants(manager.clone(), opts.auth.subscribe()));
+    let sweeper = tokio::spawn(follow_tenants(manager.clone(), opts.auth.subscribe()));
     if opts.build_default_template {
         let m = manager.clone();
         tokio::spawn(async move {
@@ -337,15 +337,21 @@ pub async fn serve(manager: Arc<Manager>, opts: ServeOptions) -> Result<(), Serv
     Ok(())
 }
 
-/// Deletes the sandboxes and templates of tenants the tenants file marks
-/// removed, each time it is read (the first time at start). What cannot be
-/// deleted now is logged and tried again at the next read.
-async fn remove_tenants(
+/// Follows the tenants file each time it is read (the first time at
+/// start): gives the manager the tenants' quotas (a resumed sandbox counts
+/// against them) and deletes the sandboxes and templates of tenants it
+/// marks removed. What cannot be deleted now is logged and tried again at
+/// the next read.
+async fn follow_tenants(
     manager: Arc<Manager>,
     mut roster: tokio::sync::watch::Receiver<Arc<crate::auth::tenants::Roster>>,
 ) {
     loop {
-        let removed = roster.borrow_and_update().removed.clone();
+        let removed = {
+            let now = roster.borrow_and_update();
+            manager.set_tenant_quotas(now.quotas());
+            now.removed.clone()
+        };
         for tenant in removed {
             let theirs: Vec<_> = manager
                 .list(&Default::default())

@@ -283,3 +283,91 @@ async fn three_hundred_sessions_of_one_key_stop_at_its_quota() {
     assert_eq!(health.status(), 200);
     assert!(t.elapsed() <= USUAL, "the operator waited {:?}", t.elapsed());
 }
+
+/// A tenant's quota of requests open at once on its sessions holds SSE
+/// streams too: with `--max-streams 2`, two sessions' `GET` streams take
+/// both places, a third session's `GET` gets 429 naming the quota, and
+/// ending one session (its stream ends with it) gives the place back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_tenants_open_streams_stop_at_its_quota() {
+    let dir = tempfile::tempdir().unwrap();
+    let tenants = dir.path().join("tenants.toml");
+    let out = std::process::Command::new(binary())
+        .args(["tenant", "add", "streamer", "--max-streams", "2", "--tenants-file"])
+        .arg(&tenants)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let key = String::from_utf8(out.stdout).unwrap().trim().to_string();
+    let config = format!("[auth]\ntenants_file = \"{}\"\n{QUIET}", tenants.display());
+    let server = TineServer::start(binary(), Some(TOKEN), &config);
+    let http = reqwest::Client::new();
+    let mut sessions = Vec::new();
+    for _ in 0..3 {
+        let body = json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+            "protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "raw", "version": "0"}}});
+        let r = http
+            .post(&server.url)
+            .bearer_auth(&key)
+            .header("content-type", "application/json")
+            .header("accept", "application/json, text/event-stream")
+            .body(body.to_string())
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let id = r.headers()["mcp-session-id"].to_str().unwrap().to_string();
+        r.text().await.unwrap();
+        let done = http
+            .post(&server.url)
+            .bearer_auth(&key)
+            .header("mcp-session-id", &id)
+            .header("mcp-protocol-version", "2025-06-18")
+            .header("content-type", "application/json")
+            .header("accept", "application/json, text/event-stream")
+            .body(json!({"jsonrpc": "2.0", "method": "notifications/initialized"}).to_string())
+            .send()
+            .await
+            .unwrap();
+        assert!(done.status().is_success(), "{}", done.status());
+        sessions.push(id);
+    }
+    let stream = |id: &str| {
+        http.get(&server.url)
+            .bearer_auth(&key)
+            .header("mcp-session-id", id)
+            .header("mcp-protocol-version", "2025-06-18")
+            .header("accept", "text/event-stream")
+            .send()
+    };
+    let first = stream(&sessions[0]).await.unwrap();
+    let second = stream(&sessions[1]).await.unwrap();
+    assert_eq!((first.status().as_u16(), second.status().as_u16()), (200, 200));
+    let refused = stream(&sessions[2]).await.unwrap();
+    assert_eq!(refused.status(), 429);
+    let v: Value = refused.json().await.unwrap();
+    let m = v["message"].as_str().unwrap_or_default();
+    assert!(m.contains("tenant streamer is at its quota of requests open at once") && m.contains("2 open"), "{v}");
+    // Ending the first session ends its stream and frees its place.
+    let deleted = http
+        .delete(&server.url)
+        .bearer_auth(&key)
+        .header("mcp-session-id", &sessions[0])
+        .header("mcp-protocol-version", "2025-06-18")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(deleted.status(), 200);
+    let ended = tokio::time::timeout(USUAL, first.bytes()).await.expect("the stream ends with its session");
+    drop(ended);
+    let deadline = Instant::now() + USUAL;
+    loop {
+        let r = stream(&sessions[2]).await.unwrap();
+        if r.status() == 200 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no place freed: {}", r.status());
+        tokio::task::yield_now().await;
+    }
+    drop(second);
+}

@@ -119,7 +119,8 @@ impl Manager {
     /// it is killed.
     ///
     /// Errors: [`SandboxError::TooMany`] (`max_sandboxes` running, none
-    /// idle to hibernate), [`SandboxError::OverBudget`],
+    /// idle to hibernate), [`SandboxError::Quota`] (its tenant's live
+    /// sandboxes, vCPUs or memory), [`SandboxError::OverBudget`],
     /// [`SandboxError::HostMemoryLow`] (it stays hibernated),
     /// [`SandboxError::Gone`], [`SandboxError::Wake`].
     pub(super) async fn wake(&self, sb: &Arc<Sandbox>) -> Result<(), SandboxError> {
@@ -142,6 +143,7 @@ impl Manager {
         if live >= max {
             return Err(SandboxError::TooMany { live, max });
         }
+        self.check_wake_claim(sb)?;
         let charge = self.restored_charge_mib(sb.memory_mib, crate::store::disk_use(&dir));
         let memory = self.admit_or_hibernate("resume from disk", &[(MemoryUse::Sandbox, charge)]).await?.pop();
         if sb.transition(Transition::Wake).is_err() {

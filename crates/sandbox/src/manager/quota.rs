@@ -34,6 +34,25 @@ impl<'a> Claim<'a> {
     ///
     /// Errors: [`SandboxError::Quota`] naming the first quota it passes.
     pub fn check(&self, map: &BTreeMap<SandboxId, Arc<Sandbox>>, n: usize) -> Result<(), SandboxError> {
+        self.check_counts(map, n, n)
+    }
+
+    /// Checks that one sandbox of `map` that is not live (hibernated) may
+    /// run again: live sandboxes, vCPUs and memory; it is already counted
+    /// among the tenant's sandboxes.
+    ///
+    /// Errors: [`SandboxError::Quota`].
+    pub fn check_wake(&self, map: &BTreeMap<SandboxId, Arc<Sandbox>>) -> Result<(), SandboxError> {
+        self.check_counts(map, 1, 0)
+    }
+
+    /// Checks `live_n` more live sandboxes, of which `new_n` are new ones.
+    fn check_counts(
+        &self,
+        map: &BTreeMap<SandboxId, Arc<Sandbox>>,
+        live_n: usize,
+        new_n: usize,
+    ) -> Result<(), SandboxError> {
         let (mut all, mut live, mut vcpus, mut memory) = (0u64, 0u64, 0u64, 0u64);
         for sb in map.values().filter(|s| s.tenant().as_deref() == Some(self.tenant)) {
             all += 1;
@@ -43,10 +62,11 @@ impl<'a> Claim<'a> {
                 memory += sb.memory_mib;
             }
         }
-        let n = n as u64;
+        let (n, new_n) = (live_n as u64, new_n as u64);
         let past = |quota, used, asked, max, hint| over(self.tenant, quota, (used, asked, max), hint);
         let q = self.quota;
-        let refused = past("sandboxes", all, n, q.max_sandboxes as u64, "kill sandboxes it no longer needs")
+        let all_fit = || past("sandboxes", all, new_n, q.max_sandboxes as u64, "kill sandboxes it no longer needs");
+        let refused = (if new_n > 0 { all_fit() } else { None })
             .or_else(|| {
                 past("live sandboxes", live, n, q.max_running as u64, "kill or hibernate (sandbox_pause to_disk) one")
             })
@@ -67,6 +87,18 @@ impl<'a> Claim<'a> {
 }
 
 impl super::Manager {
+    /// Checks that hibernated sandbox `sb` may run again within its
+    /// tenant's quota ([`super::Manager::set_tenant_quotas`]); nothing to
+    /// check for the server's own sandboxes or a tenant with no quota set.
+    ///
+    /// Errors: [`SandboxError::Quota`].
+    pub(super) fn check_wake_claim(&self, sb: &Sandbox) -> Result<(), SandboxError> {
+        let Some(tenant) = sb.tenant() else { return Ok(()) };
+        let Some(quota) = crate::lock(&self.tenant_quotas).get(&tenant).cloned() else { return Ok(()) };
+        let claim = Claim { tenant: &tenant, quota: &quota, vcpus: sb.vcpus, memory_mib: sb.memory_mib };
+        claim.check_wake(&crate::lock(&self.sandboxes))
+    }
+
     /// Checks that one more template of the call's tenant fits its quota
     /// (with `build`: one more build at once too). Its templates are those
     /// named `<tenant>~...` ([`crate::templates::qualified`]), ready,

@@ -7,7 +7,10 @@
 //! another principal on it exactly as rmcp answers an unknown session (404
 //! `Not Found: Session not found`). It also holds each tenant to its
 //! quota of sessions ([`tine_sandbox::Quota::max_sessions`]): an
-//! `initialize` past it is answered 429 with the quota's name.
+//! `initialize` past it is answered 429 with the quota's name, and to its
+//! quota of requests open at once on its sessions
+//! ([`tine_sandbox::Quota::max_streams`]: a session's `GET` SSE stream and
+//! each `POST` count until their answer's body ends or is dropped).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -16,6 +19,7 @@ use axum::extract::{Request, State};
 use axum::http::{header, HeaderValue, Method, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
+use futures_util::StreamExt as _;
 
 use super::Principal;
 use crate::cluster::HostSessions;
@@ -29,12 +33,33 @@ pub struct SessionOwners {
     sessions: Arc<HostSessions>,
 }
 
-/// Sessions by owner, and `initialize`s in flight by principal (counted
-/// against the quota until their session is recorded).
+/// Sessions by owner, `initialize`s in flight by principal (counted
+/// against the quota until their session is recorded), and requests open
+/// on sessions by principal.
 #[derive(Default)]
 struct Owners {
     by_session: HashMap<String, String>,
     pending: HashMap<String, usize>,
+    streams: HashMap<String, usize>,
+}
+
+/// One open request of a principal on a session, counted until dropped
+/// (with the answer's body).
+struct StreamSlot {
+    owners: Arc<SessionOwners>,
+    principal: String,
+}
+
+impl Drop for StreamSlot {
+    fn drop(&mut self) {
+        let mut st = self.owners.state();
+        if let Some(n) = st.streams.get_mut(&self.principal) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                st.streams.remove(&self.principal);
+            }
+        }
+    }
 }
 
 impl SessionOwners {
@@ -63,6 +88,18 @@ impl SessionOwners {
         Ok(())
     }
 
+    /// A slot for one more open request of `principal` if it has fewer
+    /// than `max`; otherwise how many it has.
+    fn open_stream(self: &Arc<Self>, principal: &str, max: usize) -> Result<StreamSlot, usize> {
+        let mut st = self.state();
+        let n = st.streams.entry(principal.to_string()).or_default();
+        if *n >= max {
+            return Err(*n);
+        }
+        *n += 1;
+        Ok(StreamSlot { owners: self.clone(), principal: principal.to_string() })
+    }
+
     /// Ends a reservation of `principal`; `session`: the session it made.
     fn settle(&self, principal: &str, session: Option<String>) {
         let mut st = self.state();
@@ -89,7 +126,26 @@ pub async fn bind(State(owners): State<Arc<SessionOwners>>, req: Request, next: 
         if owner.is_some_and(|o| o != name) {
             return (StatusCode::NOT_FOUND, "Not Found: Session not found").into_response();
         }
-        return next.run(req).await;
+        let Some(max) = principal.quota().map(|q| q.max_streams) else { return next.run(req).await };
+        let slot = match owners.open_stream(&name, max) {
+            Ok(slot) => slot,
+            Err(open) => {
+                let message = format!(
+                    "tenant {name} is at its quota of requests open at once on its MCP sessions: {open} open (SSE \
+                     streams included), the quota is {max}; close streams it no longer reads, or wait for calls to \
+                     end"
+                );
+                return too_many(message);
+            }
+        };
+        // The slot goes with the answer's body: an SSE stream holds it
+        // while it is open.
+        let (parts, body) = next.run(req).await.into_parts();
+        let stream = body.into_data_stream().map(move |chunk| {
+            let _held = &slot;
+            chunk
+        });
+        return Response::from_parts(parts, axum::body::Body::from_stream(stream));
     }
     if req.method() != Method::POST {
         return next.run(req).await;
@@ -101,11 +157,7 @@ pub async fn bind(State(owners): State<Arc<SessionOwners>>, req: Request, next: 
             "tenant {name} is at its quota of MCP sessions: {open} open, the quota is {max}; end sessions it no \
              longer uses (DELETE /mcp with their Mcp-Session-Id) or wait for them to time out"
         );
-        let body = serde_json::json!({"error": "quota", "message": message}).to_string();
-        let mut resp =
-            (StatusCode::TOO_MANY_REQUESTS, [(header::CONTENT_TYPE, "application/json")], body).into_response();
-        resp.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("60"));
-        return resp;
+        return too_many(message);
     }
     // Settled even when the request is dropped half-way (a client gone).
     struct Reservation<'a>(&'a SessionOwners, &'a str, Option<String>);
@@ -118,5 +170,13 @@ pub async fn bind(State(owners): State<Arc<SessionOwners>>, req: Request, next: 
     let resp = next.run(req).await;
     reservation.2 = resp.headers().get(SESSION_HEADER).and_then(|v| v.to_str().ok()).map(str::to_string);
     drop(reservation);
+    resp
+}
+
+/// A 429 with `message` in a JSON body and `Retry-After: 60`.
+fn too_many(message: String) -> Response {
+    let body = serde_json::json!({"error": "quota", "message": message}).to_string();
+    let mut resp = (StatusCode::TOO_MANY_REQUESTS, [(header::CONTENT_TYPE, "application/json")], body).into_response();
+    resp.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("60"));
     resp
 }

@@ -124,6 +124,10 @@ pub struct QuotaOverride {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[arg(long)]
     pub max_sessions: Option<usize>,
+    /// Requests and SSE streams open at once on its MCP sessions.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[arg(long)]
+    pub max_streams: Option<usize>,
 }
 
 impl QuotaOverride {
@@ -137,6 +141,7 @@ impl QuotaOverride {
             max_templates: self.max_templates.unwrap_or(base.max_templates),
             max_builds: self.max_builds.unwrap_or(base.max_builds),
             max_sessions: self.max_sessions.unwrap_or(base.max_sessions),
+            max_streams: self.max_streams.unwrap_or(base.max_streams),
         }
     }
 }
@@ -348,6 +353,12 @@ pub struct Roster {
 }
 
 impl Roster {
+    /// Each live tenant's quota, by name (for
+    /// [`tine_sandbox::Manager::set_tenant_quotas`]).
+    pub fn quotas(&self) -> BTreeMap<String, Arc<Quota>> {
+        self.by_name.iter().map(|(name, t)| (name.clone(), t.quota.clone())).collect()
+    }
+
     /// The roster of `file`, each tenant's quota `defaults` with its
     /// overrides.
     pub fn new(file: &TenantsFile, defaults: &Quota) -> Self {
