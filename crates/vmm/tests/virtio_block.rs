@@ -303,20 +303,21 @@ fn a_layered_disk_reads_through_writes_on_top_and_discards() {
 fn bad_discard_and_write_zeroes_requests_fail_with_a_status() {
     use vmm::devices::virtio::block::{MAX_DISCARD_SECTORS, MAX_DISCARD_SEG};
     let (_dir, _base, mut d) = layered();
-    let sectors = 8192u64;
-    let cases: &[(u32, &[(u64, u32, u32)], u8)] = &[
+    const SECTORS: u64 = 8192;
+    type Case = (u32, &'static [(u64, u32, u32)], u8);
+    let cases: &[Case] = &[
         // The unmap flag on a discard; an unknown flag.
         (req::DISCARD, &[(0, 8, 1)], status::UNSUPP),
         (req::DISCARD, &[(0, 8, 2)], status::UNSUPP),
         (req::WRITE_ZEROES, &[(0, 8, 0x8000_0000)], status::UNSUPP),
         // Past the end, overflowing, too long.
-        (req::DISCARD, &[(sectors - 4, 8, 0)], status::IOERR),
-        (req::WRITE_ZEROES, &[(sectors, 1, 0)], status::IOERR),
+        (req::DISCARD, &[(SECTORS - 4, 8, 0)], status::IOERR),
+        (req::WRITE_ZEROES, &[(SECTORS, 1, 0)], status::IOERR),
         (req::DISCARD, &[(u64::MAX, 1, 0)], status::IOERR),
         (req::WRITE_ZEROES, &[(u64::MAX - 3, u32::MAX, 0)], status::IOERR),
         (req::DISCARD, &[(0, MAX_DISCARD_SECTORS + 1, 0)], status::IOERR),
         // A bad segment after a good one: nothing is applied.
-        (req::DISCARD, &[(0, 8, 0), (sectors, 8, 0)], status::IOERR),
+        (req::DISCARD, &[(0, 8, 0), (SECTORS, 8, 0)], status::IOERR),
     ];
     for (i, &(kind, segs, want)) in cases.iter().enumerate() {
         let n = segments(&d, segs);

@@ -194,7 +194,7 @@ impl Delta {
         let cluster_bits = u32_at(12);
         let size = u64_at(16);
         let flags = u64_at(24);
-        if !(MIN_CLUSTER_BITS..=MAX_CLUSTER_BITS).contains(&cluster_bits) || size == 0 || size % 512 != 0 {
+        if !(MIN_CLUSTER_BITS..=MAX_CLUSTER_BITS).contains(&cluster_bits) || size == 0 || !size.is_multiple_of(512) {
             return Err(corrupt("bad cluster size or virtual size"));
         }
         let (clusters, map_bytes, data_offset) = geometry(size, cluster_bits).ok_or_else(|| corrupt("geometry"))?;

@@ -154,7 +154,7 @@ impl Block {
     /// 512 bytes).
     pub fn with_disk(disk: LayeredDisk, path: &Path, id: &str) -> Result<Self, BlockError> {
         let size = disk.size();
-        if size % SECTOR_SIZE != 0 {
+        if !size.is_multiple_of(SECTOR_SIZE) {
             return Err(BlockError::Size { path: path.to_path_buf(), size });
         }
         let mut id_bytes = [0u8; ID_BYTES];
@@ -305,7 +305,7 @@ impl Block {
         }
         let total: u64 = data.iter().map(|s| u64::from(s.len)).sum();
         let count = total / DISCARD_SEGMENT_BYTES;
-        if total == 0 || total % DISCARD_SEGMENT_BYTES != 0 || count > u64::from(MAX_DISCARD_SEG) {
+        if total == 0 || !total.is_multiple_of(DISCARD_SEGMENT_BYTES) || count > u64::from(MAX_DISCARD_SEG) {
             return Err(RequestError::Status(status::IOERR));
         }
         // Gather the segments' bytes (at most 512) from the buffers.
