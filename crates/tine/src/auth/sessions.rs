@@ -10,7 +10,8 @@
 //! `initialize` past it is answered 429 with the quota's name, and to its
 //! quota of requests open at once on its sessions
 //! ([`tine_sandbox::Quota::max_streams`]: a session's `GET` SSE stream and
-//! each `POST` count until their answer's body ends or is dropped).
+//! each `POST` count until their answer's body ends or is dropped; a
+//! `DELETE` that ends a session is never refused).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -126,7 +127,10 @@ pub async fn bind(State(owners): State<Arc<SessionOwners>>, req: Request, next: 
         if owner.is_some_and(|o| o != name) {
             return (StatusCode::NOT_FOUND, "Not Found: Session not found").into_response();
         }
-        let Some(max) = principal.quota().map(|q| q.max_streams) else { return next.run(req).await };
+        // Ending a session is never refused: it is how a client frees places.
+        let Some(max) = principal.quota().filter(|_| req.method() != Method::DELETE).map(|q| q.max_streams) else {
+            return next.run(req).await;
+        };
         let slot = match owners.open_stream(&name, max) {
             Ok(slot) => slot,
             Err(open) => {
