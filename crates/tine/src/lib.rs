@@ -4,7 +4,8 @@
 //! parses the command line and runs the command. The rest is the crate's
 //! own:
 //!
-//! - [`cli`]: the commands (`tine server|doctor|template|tenant|vm`).
+//! - [`cli`]: the commands (`tine server|doctor|template|tenant|vm`), each
+//!   in its own file.
 //! - `server`: the HTTP server (routes, connections, shutdown) that serves
 //!   the MCP tools at `/mcp`.
 //! - `mcp`: the MCP tools, grouped by family in `mcp/tools/`, and the
@@ -15,7 +16,6 @@
 //! - `config`: the configuration file and the data directory.
 //! - `files_url`: signed URLs that stream one sandbox file in or out.
 //! - `metrics` and `audit`: `/metrics` and the audit log.
-//! - `doctor` and `tenant_cmd`: `tine doctor` and `tine tenant`.
 
 pub mod cli;
 
@@ -23,9 +23,7 @@ mod audit;
 mod auth;
 mod cluster;
 mod config;
-mod doctor;
 mod files_url;
 mod mcp;
 mod metrics;
 mod server;
-mod tenant_cmd;

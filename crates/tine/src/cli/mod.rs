@@ -1,20 +1,23 @@
 //! The `tine` command line.
 //!
-//! - `tine server start`: the MCP server (`crate::server`).
+//! - `tine server start`: the MCP server (`cli::server`, over `crate::server`).
 //! - `tine server keygen`: make a bearer token.
 //! - `tine template build|list`: the default template, offline.
 //! - `tine tenant add|list|rotate-key|remove`: the tenants and their API
-//!   keys (`crate::tenant_cmd`).
-//! - `tine doctor`: check the host and say how to fix what is missing.
+//!   keys (`cli::tenant`).
+//! - `tine doctor`: check the host and say how to fix what is missing
+//!   (`cli::doctor`).
 //! - `tine vm run`: boot one microVM with a given kernel and stream its
 //!   serial console to stdout (a developer command).
 //!
 //! This module holds the clap definitions shared by the commands and the
 //! dispatch; each command's own arguments and body are in its submodule.
 
+mod doctor;
 mod manager;
 mod server;
 mod template;
+mod tenant;
 mod vm;
 
 use std::path::PathBuf;
@@ -22,7 +25,7 @@ use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
 
-use crate::{config, doctor, tenant_cmd};
+use crate::config;
 
 #[derive(Parser)]
 #[command(name = "tine", version, about = "KVM microVM sandboxes for AI agents")]
@@ -44,7 +47,7 @@ enum Command {
     /// Tenants: who may use the server besides the operator, with their
     /// API keys and quotas.
     #[command(subcommand)]
-    Tenant(tenant_cmd::TenantCommand),
+    Tenant(tenant::TenantCommand),
     /// Work with single VMs directly.
     #[command(subcommand)]
     Vm(vm::VmCommand),
@@ -67,15 +70,15 @@ struct ImageArgs {
 }
 
 /// The configuration after file and flags are merged.
-pub(crate) struct Resolved {
+struct Resolved {
     /// The configuration file as read (defaults where it is silent).
-    pub(crate) file: config::FileConfig,
+    file: config::FileConfig,
     /// The data directory.
-    pub(crate) data_dir: PathBuf,
+    data_dir: PathBuf,
     /// The guest kernel.
-    pub(crate) kernel: PathBuf,
+    kernel: PathBuf,
     /// The guest root filesystem image.
-    pub(crate) rootfs: PathBuf,
+    rootfs: PathBuf,
 }
 
 /// The configuration `args` name, merged with their flags: a flag wins
@@ -107,7 +110,7 @@ pub fn main() -> ExitCode {
         Command::Server(server::ServerCommand::Start(args)) => server::start(args),
         Command::Server(server::ServerCommand::Keygen { out }) => server::keygen(out),
         Command::Template(cmd) => template::run(cmd),
-        Command::Tenant(cmd) => tenant_cmd::run(cmd),
+        Command::Tenant(cmd) => tenant::run(cmd),
         Command::Doctor(args) => resolve(&args).map(|r| doctor::run(&r)),
     };
     match result {
