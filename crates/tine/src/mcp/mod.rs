@@ -1,8 +1,12 @@
 //! The MCP tools (MCP 2025-06-18 / 2025-11-25, "Tools"): one
-//! [`TineMcp`] per MCP session, all sharing the sandbox [`Manager`]. This
-//! file owns the tool router (each tool's name, description, annotations
-//! and body) and the [`ServerHandler`]; the session's own sandbox, the
-//! parameter and result types, and the error messages live in the
+//! [`TineMcp`] per MCP session, all sharing the sandbox [`Manager`]. The
+//! tools themselves (each one's name, description, annotations, body,
+//! parameter and result types) are in [`tools`], one file per family;
+//! this file owns the handler: [`TineMcp`] and what every tool uses (the
+//! caller, the call context, the owner check, the sandbox a call is
+//! about), the router as the server lists it ([`Tools`]), and the
+//! [`ServerHandler`] that checks, routes, runs and measures each call.
+//! The session's own sandbox and the error messages live in the other
 //! submodules.
 //!
 //! Every tool that takes `sandbox_id` also works without it, on the
@@ -15,80 +19,45 @@
 //! next. Schemas are standard JSON Schema ([`schema`]).
 //!
 //! Long calls report progress when asked ([`progress`]); the session gets
-//! log messages about its sandboxes ([`logging`]); background processes
-//! have their own tools ([`processes`]).
+//! log messages about its sandboxes ([`logging`]).
 
 pub mod bounds;
 pub mod budget;
 mod errors;
-mod files;
 pub mod logging;
-mod params;
-mod processes;
 pub mod progress;
-mod results;
 pub mod schema;
 mod session;
+mod tools;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use crate::auth::{Auth, Principal};
 use crate::cluster::{Cluster, Route, FORWARDED_HEADER};
 use crate::files_url::FileUrls;
 use crate::metrics::Metrics;
-use base64::Engine as _;
 use rmcp::handler::server::router::tool::ToolRouter;
 use rmcp::handler::server::tool::ToolCallContext;
-use rmcp::handler::server::wrapper::Parameters;
 use rmcp::model::{
     CallToolRequestParams, CallToolResponse, CallToolResult, Implementation, JsonObject, ServerCapabilities,
     ServerConfig,
 };
 use rmcp::service::{NotificationContext, RequestContext};
-use rmcp::{tool, tool_handler, tool_router, ErrorData, Json, RoleServer, ServerHandler};
-use tine_protocol::MAX_FILE_CHUNK;
-use tine_sandbox::{
-    BranchResult, CallContext, DiffOptions, DiffReport, ExecRequest, Manager, Recipe, SandboxInfo, SandboxSpec,
-    SandboxUpdate, SetupStep, TemplateInfo,
-};
+use rmcp::{tool_handler, ErrorData, RoleServer, ServerHandler};
+use tine_sandbox::{CallContext, Manager, TemplateInfo};
 
 use errors::ToolError;
 use logging::SessionLog;
-use params::{
-    secs_to_ms, BranchParams, CodeLanguage, CreateParams, DiffParams, ExecParams, ListDirParams, ListParams,
-    MergeParams, NetworkLogParams, PauseParams, PythonParams, ReadParams, RunCodeParams, SandboxParams, SnapshotParams,
-    UpdateParams, UploadParams, WriteParams,
-};
-use params::{TemplateCreateParams, TemplateDeleteParams};
-use progress::Reporter;
-use results::TemplateDeleteResult;
-use results::{
-    DiffResult, DownloadResult, Entry, ExecResult, KillResult, ListDirResult, ListResult, NetworkLogResult,
-    PythonResult, ReadResult, TemplateListResult, WriteResult, NETWORK_LOG_MAX,
-};
 use session::SessionSandbox;
-
-/// Largest chunk `sandbox_files_read` reads at once (bytes): 160 KiB;
-/// less is returned when its JSON escape would not fit the content budget
-/// (control characters take up to 6 bytes each).
-pub const MAX_READ_BYTES: u64 = 160 << 10;
-/// Bytes of JSON the text of one `sandbox_files_read` may take: 160 KiB.
-const READ_TEXT_BUDGET: usize = 160 << 10;
-/// Largest chunk `sandbox_download` returns at once (bytes): 128 KiB, i.e.
-/// 171 KiB of base64, sent twice (structured and text), well within
-/// [`budget::RESULT_BUDGET`].
-pub const MAX_DOWNLOAD_BYTES: u64 = 128 << 10;
-/// Longest `template_create { wait_secs }` waits (s): 10 minutes.
-pub const MAX_TEMPLATE_WAIT_SECS: u64 = 600;
 
 /// The tool router with standard schemas, built once.
 fn router() -> ToolRouter<TineMcp> {
     static ROUTER: OnceLock<ToolRouter<TineMcp>> = OnceLock::new();
     ROUTER
         .get_or_init(|| {
-            let mut router = TineMcp::tool_router() + TineMcp::process_router() + TineMcp::files_router();
+            let mut router = tools::router();
             fn standard(s: &Arc<JsonObject>) -> Arc<JsonObject> {
                 let mut s = JsonObject::clone(s);
                 schema::standardize(&mut s);
@@ -185,7 +154,6 @@ pub struct Shared {
     pub auth: Arc<Auth>,
 }
 
-#[tool_router]
 impl TineMcp {
     /// A handler for a new MCP session.
     pub fn new(shared: &Shared) -> Self {
@@ -313,526 +281,6 @@ impl TineMcp {
         if self.manager.contains(id) {
             self.log.watch(id);
         }
-    }
-
-    #[tool(
-        description = "Create a new sandbox: an isolated Linux microVM (Debian, bash, Python 3, Node.js) with its own \
-                       kernel. Returns its sandbox_id. It becomes this session's sandbox: tools called without \
-                       sandbox_id use the sandbox this session created last. Reports progress (cold boot, \
-                       waiting for the default template) when the request has a progressToken.",
-        annotations(
-            title = "Create sandbox",
-            read_only_hint = false,
-            destructive_hint = false,
-            open_world_hint = false
-        )
-    )]
-    async fn sandbox_create(
-        &self,
-        Parameters(p): Parameters<CreateParams>,
-        ctx: RequestContext<RoleServer>,
-    ) -> Result<Json<SandboxInfo>, ToolError> {
-        let spec = SandboxSpec {
-            vcpus: p.vcpus,
-            memory_mib: p.memory_mib,
-            labels: p.labels,
-            idle_timeout_secs: p.idle_timeout_secs,
-            template: p.template.map(|t| self.resolve_template(&t)),
-            network: p.network.map(|n| n.into_policy()),
-            env: p.env,
-        };
-        self.check_ceiling(spec.network.as_ref())?;
-        let info = Reporter::around(&ctx, self.cx(), async |cx| self.manager.create_with(spec, cx).await).await?;
-        self.log.watch(&info.sandbox_id);
-        self.session.created(&info.sandbox_id).await;
-        Ok(Json(info))
-    }
-
-    #[tool(
-        description = "List templates: snapshots of a ready sandbox that sandbox_create { template } starts from \
-                       in a fraction of a boot's time. 'default' is what sandbox_create uses when none is named.",
-        annotations(title = "List templates", read_only_hint = true, open_world_hint = false)
-    )]
-    async fn template_list(&self) -> Result<Json<TemplateListResult>, ToolError> {
-        let caller = self.caller();
-        let mut templates: Vec<TemplateInfo> = self
-            .manager
-            .templates()
-            .into_iter()
-            .filter(|t| match tine_sandbox::templates::split_qualified(&t.name).0 {
-                None => true,
-                owner => caller.owns(owner),
-            })
-            .map(|t| self.shown_template(t))
-            .collect();
-        let truncated = budget::fit_list(&mut templates, budget::CONTENT_BUDGET - 64) > 0;
-        Ok(Json(TemplateListResult { templates, truncated }))
-    }
-
-    #[tool(
-        description = "Build a template from a recipe in the background: start a sandbox from `from` (default: \
-                       the default template) with env, write files, run each setup command in order (each with its \
-                       own deadline; the first failure stops the build and is reported with its output), and \
-                       snapshot the result as `name`. Returns at once with state \"building\" (or waits up to \
-                       wait_secs); template_list shows building (with the step), ready or failed (with the \
-                       reason). Then sandbox_create { template: name }.",
-        annotations(
-            title = "Build template",
-            read_only_hint = false,
-            destructive_hint = false,
-            idempotent_hint = false,
-            open_world_hint = true
-        )
-    )]
-    async fn template_create(
-        &self,
-        Parameters(p): Parameters<TemplateCreateParams>,
-        ctx: RequestContext<RoleServer>,
-    ) -> Result<Json<TemplateInfo>, ToolError> {
-        let recipe = Recipe {
-            name: self.own_template(&p.name),
-            from: p.from.map(|f| self.resolve_template(&f)),
-            vcpus: p.vcpus,
-            memory_mib: p.memory_mib,
-            env: p.env,
-            files: p.files,
-            setup: p.setup.into_iter().map(SetupStep::Command).collect(),
-            step_timeout_secs: p.step_timeout_secs,
-        };
-        let name = recipe.name.clone();
-        let started = self.manager.start_template_build(recipe, &self.cx())?;
-        let wait = Duration::from_secs(p.wait_secs.unwrap_or(0).min(MAX_TEMPLATE_WAIT_SECS));
-        if wait.is_zero() {
-            return Ok(Json(self.shown_template(started)));
-        }
-        let info = Reporter::around(&ctx, self.cx(), async |cx| {
-            self.manager.wait_template_build(&name, wait, &cx.progress).await
-        })
-        .await?;
-        Ok(Json(self.shown_template(info)))
-    }
-
-    #[tool(
-        description = "Delete a template made with sandbox_snapshot. Sandboxes made from it keep running. \
-                       'default' and names starting with 'tine-' are the server's and cannot be deleted.",
-        annotations(
-            title = "Delete template",
-            read_only_hint = false,
-            destructive_hint = true,
-            idempotent_hint = false,
-            open_world_hint = false
-        )
-    )]
-    async fn template_delete(
-        &self,
-        Parameters(p): Parameters<TemplateDeleteParams>,
-    ) -> Result<Json<TemplateDeleteResult>, ToolError> {
-        self.manager.template_delete(&self.own_template(&p.name)).await.map_err(ToolError::from)?;
-        Ok(Json(TemplateDeleteResult { name: p.name, deleted: true }))
-    }
-
-    #[tool(
-        description = "Save a running sandbox as a new template under a name: its memory, running processes, \
-                       files and Python state as they are now. The sandbox pauses for the copy and goes on. \
-                       Then sandbox_create { template: name } makes copies of it, each with fresh randomness \
-                       and the current clock.",
-        annotations(
-            title = "Snapshot sandbox",
-            read_only_hint = false,
-            destructive_hint = false,
-            open_world_hint = false
-        )
-    )]
-    async fn sandbox_snapshot(
-        &self,
-        Parameters(p): Parameters<SnapshotParams>,
-        ctx: RequestContext<RoleServer>,
-    ) -> Result<Json<TemplateInfo>, ToolError> {
-        Reporter::around(&ctx, self.cx(), async |cx| {
-            let id = self.target_with(p.sandbox_id, cx).await?;
-            let made = self.manager.snapshot_with(&id, &self.own_template(&p.name), cx).await?;
-            Ok(Json(self.shown_template(made)))
-        })
-        .await
-    }
-
-    #[tool(
-        description = "Branch a running sandbox into n children: each child starts from the sandbox's exact \
-                       state at this instant (memory, running processes, Python variables, files) and then goes \
-                       its own way; the source keeps running, paused for milliseconds. Children share unchanged \
-                       memory. Returns the children's ids. Compare children with sandbox_diff, keep the best with \
-                       sandbox_merge_into, kill the rest with sandbox_kill.",
-        annotations(
-            title = "Branch sandbox",
-            read_only_hint = false,
-            destructive_hint = false,
-            open_world_hint = false
-        )
-    )]
-    async fn sandbox_branch(
-        &self,
-        Parameters(p): Parameters<BranchParams>,
-        ctx: RequestContext<RoleServer>,
-    ) -> Result<Json<BranchResult>, ToolError> {
-        Reporter::around(&ctx, self.cx(), async |cx| {
-            let id = self.target_with(p.sandbox_id, cx).await?;
-            Ok(Json(self.manager.branch_with(&id, p.n, cx).await?))
-        })
-        .await
-    }
-
-    #[tool(
-        description = "Compare two sandboxes' filesystems (everything written since boot, and /tmp): the paths \
-                       added, removed and modified from a to b, with size, mode and SHA-256, and on request a \
-                       unified diff of small text files. A report larger than the result budget is cut \
-                       (report_truncated, total_changes).",
-        annotations(title = "Diff sandboxes", read_only_hint = true, open_world_hint = false)
-    )]
-    async fn sandbox_diff(&self, Parameters(p): Parameters<DiffParams>) -> Result<Json<DiffResult>, ToolError> {
-        let mut opts = DiffOptions { unified: p.unified, ..DiffOptions::default() };
-        if let Some(max) = p.max_text_bytes {
-            opts.max_text_bytes = max;
-        }
-        self.watch(&p.a);
-        self.watch(&p.b);
-        let report: DiffReport = self.manager.diff(&p.a, &p.b, opts).await?;
-        Ok(Json(DiffResult::new(report, budget::CONTENT_BUDGET)))
-    }
-
-    #[tool(
-        description = "Merge a branched sandbox (winner) into the sandbox it was branched from (parent): the \
-                       parent's VM is replaced by the winner's, so the parent's id now has the winner's memory, \
-                       processes, Python state and files; the winner's id ceases to exist; other children are \
-                       untouched. A session that used the winner as its sandbox now uses the parent.",
-        annotations(
-            title = "Merge sandbox into its parent",
-            read_only_hint = false,
-            destructive_hint = true,
-            open_world_hint = false
-        )
-    )]
-    async fn sandbox_merge_into(&self, Parameters(p): Parameters<MergeParams>) -> Result<Json<SandboxInfo>, ToolError> {
-        self.watch(&p.parent);
-        let info = self.manager.merge_into(&p.winner, &p.parent).await?;
-        self.session.merged(&p.winner, &p.parent).await;
-        Ok(Json(info))
-    }
-
-    #[tool(
-        description = "List your sandboxes (every session's of your key), optionally only those carrying all the \
-                       given labels.",
-        annotations(title = "List sandboxes", read_only_hint = true, open_world_hint = false)
-    )]
-    async fn sandbox_list(&self, Parameters(p): Parameters<ListParams>) -> Result<Json<ListResult>, ToolError> {
-        let caller = self.caller();
-        let mut sandboxes = self.manager.list(&p.labels);
-        sandboxes.retain(|s| caller.owns(s.tenant.as_deref()));
-        let total = sandboxes.len() as u64;
-        let truncated = budget::fit_list(&mut sandboxes, budget::CONTENT_BUDGET - 128) > 0;
-        Ok(Json(ListResult { sandboxes, total, truncated }))
-    }
-
-    #[tool(
-        description = "A sandbox's state (starting, running, paused, stopped, failed), vCPUs, memory, uptime, labels, \
-                       outbound network policy, and CPU and memory use.",
-        annotations(title = "Sandbox info", read_only_hint = true, open_world_hint = false)
-    )]
-    async fn sandbox_info(&self, Parameters(p): Parameters<SandboxParams>) -> Result<Json<SandboxInfo>, ToolError> {
-        let id = self.target(p.sandbox_id).await?;
-        self.manager.info(&id).await.map(Json).map_err(ToolError::from)
-    }
-
-    #[tool(
-        description = "Change a sandbox's settings; each one given replaces the old: env (variables every \
-                       later exec, background process and Python cell gets), labels, idle_timeout_secs, and \
-                       network (egress \"allow\" or \"deny\", allow and deny lists of domains, *.domains, \
-                       addresses and CIDRs; connections opened from then on follow it). A refused value changes \
-                       nothing. Returns the sandbox's info.",
-        annotations(
-            title = "Update sandbox",
-            read_only_hint = false,
-            destructive_hint = false,
-            idempotent_hint = true,
-            open_world_hint = false
-        )
-    )]
-    async fn sandbox_update(&self, Parameters(p): Parameters<UpdateParams>) -> Result<Json<SandboxInfo>, ToolError> {
-        let id = self.target(p.sandbox_id).await?;
-        let update = SandboxUpdate {
-            labels: p.labels,
-            idle_timeout_secs: p.idle_timeout_secs,
-            env: p.env,
-            network: p.network.map(|n| n.into_policy()),
-        };
-        self.check_ceiling(update.network.as_ref())?;
-        self.manager.update(&id, update).await.map(Json).map_err(ToolError::from)
-    }
-
-    #[tool(
-        description = "A sandbox's network log: its outbound connections, UDP flows and DNS queries, oldest \
-                       first, each with time, protocol, destination, domain, verdict and the rule that decided, \
-                       bytes each way and duration. Page with since_ms and limit (at most 200).",
-        annotations(title = "Network log", read_only_hint = true, open_world_hint = false)
-    )]
-    async fn sandbox_network_log(
-        &self,
-        Parameters(p): Parameters<NetworkLogParams>,
-    ) -> Result<Json<NetworkLogResult>, ToolError> {
-        let id = self.target(p.sandbox_id).await?;
-        let limit = p.limit.unwrap_or(NETWORK_LOG_MAX).clamp(1, NETWORK_LOG_MAX);
-        let log = self.manager.network_log(&id, p.since_ms.unwrap_or(0), limit)?;
-        Ok(Json(NetworkLogResult::new(id, log, limit)))
-    }
-
-    #[tool(
-        description = "Kill a sandbox: stop its VM and delete everything in it. Without sandbox_id, kills this \
-                       session's sandbox (the one it created last, or the one made on first use; a new one is \
-                       made on next use).",
-        annotations(
-            title = "Kill sandbox",
-            read_only_hint = false,
-            destructive_hint = true,
-            idempotent_hint = true,
-            open_world_hint = false
-        )
-    )]
-    async fn sandbox_kill(&self, Parameters(p): Parameters<SandboxParams>) -> Result<Json<KillResult>, ToolError> {
-        let id = match p.sandbox_id {
-            Some(id) => id,
-            None => self.session.current().await.ok_or(ToolError::NoOwnSandbox)?,
-        };
-        self.watch(&id);
-        self.manager.kill(&id).await?;
-        self.session.forget(&id).await;
-        Ok(Json(KillResult { sandbox_id: id, killed: true }))
-    }
-
-    #[tool(
-        description = "Pause a sandbox: its vCPUs stop and use no CPU; memory, processes, files and Python state \
-                       are kept. With to_disk: true it is hibernated: its state goes to disk, its memory is freed, \
-                       and it survives a server restart. sandbox_exec, sandbox_run_python and the file tools \
-                       resume it by themselves.",
-        annotations(
-            title = "Pause sandbox",
-            read_only_hint = false,
-            destructive_hint = false,
-            idempotent_hint = true,
-            open_world_hint = false
-        )
-    )]
-    async fn sandbox_pause(&self, Parameters(p): Parameters<PauseParams>) -> Result<Json<SandboxInfo>, ToolError> {
-        let id = self.target(p.sandbox_id).await?;
-        let paused = if p.to_disk { self.manager.hibernate(&id).await } else { self.manager.pause(&id).await };
-        paused.map(Json).map_err(ToolError::from)
-    }
-
-    #[tool(
-        description = "Resume a paused sandbox where it left off.",
-        annotations(
-            title = "Resume sandbox",
-            read_only_hint = false,
-            destructive_hint = false,
-            idempotent_hint = true,
-            open_world_hint = false
-        )
-    )]
-    async fn sandbox_resume(&self, Parameters(p): Parameters<SandboxParams>) -> Result<Json<SandboxInfo>, ToolError> {
-        let id = self.target(p.sandbox_id).await?;
-        self.manager.resume(&id).await.map(Json).map_err(ToolError::from)
-    }
-
-    #[tool(
-        description = "Run a bash command (command) or a program without a shell (argv) in a sandbox and \
-                       return its exit code, stdout and stderr (each cut \
-                       at 32 KiB, and further to fit the result budget; truncated says so, stdout_bytes and \
-                       stderr_bytes give the full sizes). The command and its children are killed at the \
-                       timeout; with a progressToken, progress (elapsed time, output so far, last lines) is \
-                       reported while it runs. background: true returns at once with a process_id instead (no \
-                       timeout; stdin stays open): follow it with sandbox_process_wait, _output, _write, _kill \
-                       and _list. Background processes get PYTHONUNBUFFERED=1, keep the last 256 KiB of each \
-                       stream, survive pause/resume, snapshots, templates and branches, and do not keep the \
-                       sandbox alive: its idle timeout counts tool calls only.",
-        annotations(title = "Run command", read_only_hint = false, destructive_hint = true, open_world_hint = true)
-    )]
-    async fn sandbox_exec(
-        &self,
-        Parameters(mut p): Parameters<ExecParams>,
-        ctx: RequestContext<RoleServer>,
-    ) -> Result<Json<ExecResult>, ToolError> {
-        let (command, argv) = p.command_or_argv()?;
-        if p.background {
-            return self.exec_background(p, command, argv).await;
-        }
-        let timeout_ms = secs_to_ms(p.timeout_secs)?;
-        let req = ExecRequest {
-            command,
-            argv,
-            cwd: p.cwd,
-            env: p.env.into_iter().collect(),
-            stdin: p.stdin.map(String::into_bytes).unwrap_or_default(),
-            timeout_ms,
-            output_limit: 0,
-        };
-        Reporter::around(&ctx, self.cx(), async |cx| {
-            let id = self.target_with(p.sandbox_id, cx).await?;
-            let r = self.manager.exec_with(&id, req, cx).await?;
-            Ok(Json(ExecResult::new(id, r)))
-        })
-        .await
-    }
-
-    #[tool(
-        description = "Run Python code in the sandbox's persistent interpreter: variables, imports and functions \
-                       stay defined between calls. Returns the final expression's repr (cut at 64 KiB: \
-                       result_truncated, result_bytes), printed output (cut at 32 KiB per stream), and any \
-                       exception with its traceback.",
-        annotations(title = "Run Python", read_only_hint = false, destructive_hint = true, open_world_hint = true)
-    )]
-    async fn sandbox_run_python(
-        &self,
-        Parameters(p): Parameters<PythonParams>,
-        ctx: RequestContext<RoleServer>,
-    ) -> Result<Json<PythonResult>, ToolError> {
-        let timeout_ms = secs_to_ms(p.timeout_secs)?;
-        // Progress only for a sandbox made on first use.
-        let id = Reporter::around(&ctx, self.cx(), async |cx| self.target_with(p.sandbox_id, cx).await).await?;
-        let r = self.manager.python(&id, p.code, timeout_ms).await?;
-        Ok(Json(PythonResult::new(id, r)))
-    }
-
-    #[tool(
-        description = "Run code in one of the sandbox's persistent interpreters, language \"python\" (as \
-                       sandbox_run_python) or \"javascript\" (Node.js: top-level let/const/function and await \
-                       work; variables stay defined between calls). Returns the final expression's value (Python \
-                       repr, JS util.inspect; cut at 64 KiB), printed output (cut at 32 KiB per stream, child \
-                       processes included), and any error with its traceback or stack.",
-        annotations(title = "Run code", read_only_hint = false, destructive_hint = true, open_world_hint = true)
-    )]
-    async fn sandbox_run_code(
-        &self,
-        Parameters(p): Parameters<RunCodeParams>,
-        ctx: RequestContext<RoleServer>,
-    ) -> Result<Json<PythonResult>, ToolError> {
-        let timeout_ms = secs_to_ms(p.timeout_secs)?;
-        let id = Reporter::around(&ctx, self.cx(), async |cx| self.target_with(p.sandbox_id, cx).await).await?;
-        let r = match p.language {
-            CodeLanguage::Python => self.manager.python(&id, p.code, timeout_ms).await?,
-            CodeLanguage::Javascript => self.manager.node(&id, p.code, timeout_ms).await?,
-        };
-        Ok(Json(PythonResult::new(id, r)))
-    }
-
-    #[tool(
-        description = "Read a text file from a sandbox (UTF-8, up to 160 KiB per call, less when the text \
-                       needs much JSON escaping; read on with offset: next_offset). For binary files use \
-                       sandbox_download.",
-        annotations(title = "Read file", read_only_hint = true, open_world_hint = false)
-    )]
-    async fn sandbox_files_read(&self, Parameters(p): Parameters<ReadParams>) -> Result<Json<ReadResult>, ToolError> {
-        let id = self.target(p.sandbox_id).await?;
-        let length = p.length.unwrap_or(MAX_READ_BYTES).min(MAX_READ_BYTES);
-        let f = self.manager.read_file(&id, p.path.clone(), p.offset, Some(length)).await?;
-        let read = f.data.len();
-        let mut data = f.data;
-        if let Err(e) = std::str::from_utf8(&data) {
-            // A character cut by the chunk's end is read next time.
-            let cut_at_end = e.error_len().is_none() && read as u64 == length && e.valid_up_to() > 0;
-            if !cut_at_end {
-                return Err(ToolError::NotUtf8 {
-                    path: p.path,
-                    offset: p.offset.saturating_add(e.valid_up_to() as u64),
-                });
-            }
-            data.truncate(e.valid_up_to());
-        }
-        let text = String::from_utf8(data).unwrap_or_default();
-        let content = budget::cut(text, READ_TEXT_BUDGET).text;
-        let n = content.len() as u64;
-        Ok(Json(ReadResult {
-            sandbox_id: id,
-            path: p.path,
-            content,
-            offset: p.offset,
-            bytes: n,
-            next_offset: p.offset.saturating_add(n),
-            size: f.size,
-            remaining: f.size.saturating_sub(p.offset.saturating_add(n)),
-            truncated: n < read as u64,
-        }))
-    }
-
-    #[tool(
-        description = "Write a text file in a sandbox (replacing it, or appending), making missing parent \
-                       directories. For binary data use sandbox_upload.",
-        annotations(title = "Write file", read_only_hint = false, destructive_hint = true, open_world_hint = false)
-    )]
-    async fn sandbox_files_write(
-        &self,
-        Parameters(p): Parameters<WriteParams>,
-    ) -> Result<Json<WriteResult>, ToolError> {
-        if p.content.len() as u64 > MAX_FILE_CHUNK {
-            return Err(ToolError::WriteTooLargeForOneCall { bytes: p.content.len() });
-        }
-        let id = self.target(p.sandbox_id).await?;
-        let n = self.manager.write_file(&id, p.path.clone(), p.content.into_bytes(), p.mode, p.append).await?;
-        Ok(Json(WriteResult { sandbox_id: id, path: p.path, bytes_written: n }))
-    }
-
-    #[tool(
-        description = "List a directory in a sandbox: names, kinds, sizes, modes and modification times. A \
-                       directory too large for the result budget lists its first entries (truncated, \
-                       total_entries).",
-        annotations(title = "List directory", read_only_hint = true, open_world_hint = false)
-    )]
-    async fn sandbox_files_list(
-        &self,
-        Parameters(p): Parameters<ListDirParams>,
-    ) -> Result<Json<ListDirResult>, ToolError> {
-        let id = self.target(p.sandbox_id).await?;
-        let path = p.path.unwrap_or_else(|| "/".into());
-        let entries = self.manager.list_dir(&id, path.clone()).await?;
-        let mut entries: Vec<Entry> = entries.into_iter().map(Entry::from).collect();
-        let total_entries = entries.len() as u64;
-        let room = budget::CONTENT_BUDGET.saturating_sub(256 + budget::escaped_len(&path) + budget::escaped_len(&id));
-        let truncated = budget::fit_list(&mut entries, room) > 0;
-        Ok(Json(ListDirResult { sandbox_id: id, path, entries, total_entries, truncated }))
-    }
-
-    #[tool(
-        description = "Upload bytes (base64) to a file in a sandbox, at most 8 MiB per call.",
-        annotations(title = "Upload file", read_only_hint = false, destructive_hint = true, open_world_hint = false)
-    )]
-    async fn sandbox_upload(&self, Parameters(p): Parameters<UploadParams>) -> Result<Json<WriteResult>, ToolError> {
-        let data = base64::engine::general_purpose::STANDARD.decode(p.data_base64.trim())?;
-        if data.len() as u64 > MAX_FILE_CHUNK {
-            return Err(ToolError::WriteTooLargeForOneCall { bytes: data.len() });
-        }
-        let id = self.target(p.sandbox_id).await?;
-        let n = self.manager.write_file(&id, p.path.clone(), data, p.mode, false).await?;
-        Ok(Json(WriteResult { sandbox_id: id, path: p.path, bytes_written: n }))
-    }
-
-    #[tool(
-        description = "Download a file from a sandbox as base64, at most 128 KiB (131072 bytes) per call: call \
-                       again with offset: next_offset until remaining is 0.",
-        annotations(title = "Download file", read_only_hint = true, open_world_hint = false)
-    )]
-    async fn sandbox_download(&self, Parameters(p): Parameters<ReadParams>) -> Result<Json<DownloadResult>, ToolError> {
-        let id = self.target(p.sandbox_id).await?;
-        let max = MAX_DOWNLOAD_BYTES;
-        let length = p.length.unwrap_or(max).min(max);
-        let f = self.manager.read_file(&id, p.path.clone(), p.offset, Some(length)).await?;
-        let n = f.data.len() as u64;
-        Ok(Json(DownloadResult {
-            sandbox_id: id,
-            path: p.path,
-            data_base64: base64::engine::general_purpose::STANDARD.encode(&f.data),
-            offset: p.offset,
-            bytes: n,
-            next_offset: p.offset.saturating_add(n),
-            size: f.size,
-            remaining: f.size.saturating_sub(p.offset.saturating_add(n)),
-        }))
     }
 }
 
@@ -1064,7 +512,7 @@ mod tests {
         }
         assert!(found.is_empty(), "non-standard JSON Schema:\n{}", found.join("\n"));
         // The raw schemars output has them; the check would catch them.
-        let raw = (TineMcp::tool_router() + TineMcp::process_router()).list_all();
+        let raw = tools::router().list_all();
         let raw_found: usize =
             raw.iter().filter_map(|t| t.output_schema.as_ref()).map(|s| schema::nonstandard(s, "#").len()).sum();
         assert!(raw_found > 0, "schemars emits width formats; the check finds them");

@@ -416,7 +416,7 @@ fn check_huge_pages(file: &config::FileConfig) -> Check {
 
 /// Runs every check, prints one line each (with the fix for warnings and
 /// failures) and returns failure if any check failed.
-pub(crate) fn run(r: &crate::Resolved) -> ExitCode {
+pub(super) fn run(r: &super::Resolved) -> ExitCode {
     let mut checks = vec![check_user(), check_kvm(), check_userfaultfd(), check_seccomp()];
     checks.push(check_image("guest kernel", config::KERNEL, &r.kernel));
     checks.push(check_image("root filesystem", config::ROOTFS, &r.rootfs));

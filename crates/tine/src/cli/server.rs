@@ -1,0 +1,206 @@
+//! `tine server start` (the MCP server, [`crate::server`]) and `tine
+//! server keygen` (a bearer token).
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Args, Subcommand};
+use vmm::HostProfile;
+
+use super::manager::open_manager;
+use super::{resolve, ImageArgs};
+use crate::{auth, cluster, config, server};
+
+// `tine server ...` (no doc comment: clap would read it).
+#[derive(Subcommand)]
+pub(super) enum ServerCommand {
+    /// Serve sandboxes to MCP clients over Streamable HTTP at /mcp.
+    Start(StartArgs),
+    /// Write a new random bearer token (64 hex digits) to a file (mode 0600),
+    /// or print it.
+    Keygen {
+        /// The file to write; without it the token is printed.
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
+}
+
+// `tine server start`'s flags.
+#[derive(Args)]
+pub(super) struct StartArgs {
+    #[command(flatten)]
+    images: ImageArgs,
+    /// Development mode: loopback only, no authentication.
+    #[arg(long)]
+    dev: bool,
+    /// Listen address [default: 127.0.0.1:5555].
+    #[arg(long)]
+    listen: Option<std::net::SocketAddr>,
+    /// File holding the bearer token (else $TINE_TOKEN, else systemd's
+    /// credential `tine-token`).
+    #[arg(long)]
+    token_file: Option<PathBuf>,
+    /// Accepted Host header (repeatable) [default: localhost, 127.0.0.1, ::1
+    /// and the listen address].
+    #[arg(long = "allowed-host")]
+    allowed_hosts: Vec<String>,
+    /// Accepted Origin header (repeatable), e.g. https://app.example.com:443
+    /// [default: none; requests carrying an Origin get 403].
+    #[arg(long = "allowed-origin")]
+    allowed_origins: Vec<String>,
+}
+
+/// `tine server start`: the configuration and flags merged, the data
+/// directory locked, the sandbox manager opened, then [`server::serve`]
+/// until shutdown.
+pub(super) fn start(args: StartArgs) -> anyhow::Result<ExitCode> {
+    let r = resolve(&args.images)?;
+    let listen = match args.listen.or(r.file.listen) {
+        Some(a) => a,
+        None => config::DEFAULT_LISTEN.parse()?,
+    };
+    let token = if args.dev {
+        if !listen.ip().is_loopback() {
+            return Err(config::ConfigError::DevNotLoopback(listen).into());
+        }
+        None
+    } else {
+        let token_file = args.token_file.clone().or(r.file.token_file.clone());
+        Some(config::load_token(token_file.as_deref())?.ok_or(config::ConfigError::NoToken)?)
+    };
+    let mut allowed_hosts = if !args.allowed_hosts.is_empty() {
+        args.allowed_hosts.clone()
+    } else {
+        r.file.allowed_hosts.clone().unwrap_or_default()
+    };
+    if allowed_hosts.is_empty() {
+        allowed_hosts = vec!["localhost".into(), "127.0.0.1".into(), "::1".into()];
+        if !listen.ip().is_unspecified() {
+            allowed_hosts.push(listen.ip().to_string());
+        }
+    }
+    let peer_key = match (&r.file.cluster.peer_key_file, &token) {
+        (Some(f), Some(_)) => config::load_token(Some(f))?,
+        _ => None,
+    };
+    let tenants_file = r.file.auth.tenants_file(&r.data_dir);
+    let auth = std::sync::Arc::new(auth::Auth::new(auth::AuthConfig {
+        admin_token: token.clone(),
+        peer_key,
+        tenants_file: tenants_file.clone(),
+        default_quota: r.file.limits.tenant.clone(),
+        // --dev has no authentication: no OAuth either.
+        oauth: token.as_ref().and(r.file.auth.oauth.clone()),
+    })?);
+    if !auth.required() && auth.roster().names().next().is_some() {
+        tracing::warn!("--dev: no authentication, the tenants in {} are not used", tenants_file.display());
+    }
+    if !auth.required() && r.file.auth.oauth.is_some() {
+        tracing::warn!("--dev: no authentication, [auth.oauth] is not used");
+    }
+    let cluster = std::sync::Arc::new(cluster::Cluster::new(&r.file.cluster, auth.peer_key().map(str::to_string))?);
+    // Peers reach this host by the name [cluster] peer_url gives it.
+    if let Some(own) = cluster.own_peer_host() {
+        allowed_hosts.push(own);
+    }
+    // OAuth clients reach this server by the host of its resource URI.
+    if let Some(host) = auth.oauth().and_then(|o| o.resource_host()) {
+        if !allowed_hosts.contains(&host) {
+            allowed_hosts.push(host);
+        }
+    }
+    let allowed_origins = if !args.allowed_origins.is_empty() {
+        args.allowed_origins.clone()
+    } else {
+        r.file.allowed_origins.clone().unwrap_or_default()
+    };
+    let session_timeout =
+        Duration::from_secs(r.file.session_timeout_secs.unwrap_or(r.file.limits.default_idle_timeout_secs).max(1));
+    let profile = HostProfile::detect();
+    if r.file.pool.size > config::MAX_POOL_SIZE {
+        anyhow::bail!("[pool] size = {} is more than {}", r.file.pool.size, config::MAX_POOL_SIZE);
+    }
+    let (manager, _lock) = open_manager(&r, profile, r.file.pool.size, Some(cluster.host()))?;
+    tracing::info!(
+        "host {}, data {}, kernel {}, rootfs {}, host profile {profile}, auth {}",
+        cluster.host(),
+        r.data_dir.display(),
+        r.kernel.display(),
+        r.rootfs.display(),
+        if token.is_some() {
+            let oauth = match auth.oauth() {
+                Some(o) => format!(
+                    ", OAuth tokens of {} for {} (metadata at {})",
+                    o.config().issuer,
+                    o.config().resource,
+                    o.metadata_url()
+                ),
+                None => String::new(),
+            };
+            format!("operator token and {} tenants ({}){oauth}", auth.roster().names().count(), tenants_file.display())
+        } else {
+            "none (--dev)".into()
+        }
+    );
+    let opts = server::ServeOptions {
+        listen,
+        auth,
+        allowed_hosts,
+        allowed_origins,
+        max_connections: r.file.max_connections.unwrap_or(server::DEFAULT_MAX_CONNECTIONS),
+        max_connections_per_address: r.file.max_connections_per_address.unwrap_or(0),
+        header_read_timeout: secs(r.file.header_read_timeout_secs, server::DEFAULT_HEADER_READ_TIMEOUT),
+        idle_timeout: secs(r.file.idle_timeout_secs, server::DEFAULT_IDLE_TIMEOUT),
+        http2_keep_alive_interval: match r.file.http2_keep_alive_interval_secs {
+            Some(0) => None,
+            Some(s) => Some(Duration::from_secs(s)),
+            None => Some(server::DEFAULT_HTTP2_KEEP_ALIVE_INTERVAL),
+        },
+        http2_keep_alive_timeout: secs(r.file.http2_keep_alive_timeout_secs, server::DEFAULT_HTTP2_KEEP_ALIVE_TIMEOUT),
+        http2_max_concurrent_streams: r
+            .file
+            .http2_max_concurrent_streams
+            .unwrap_or(server::DEFAULT_HTTP2_MAX_CONCURRENT_STREAMS)
+            .max(1),
+        session_timeout,
+        max_sessions: r.file.max_sessions.unwrap_or(server::DEFAULT_MAX_SESSIONS).max(1),
+        build_default_template: r.file.templates.build_default,
+        public_url: r.file.public_url.clone(),
+        cluster,
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    rt.block_on(server::serve(manager, opts))?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// A duration of `configured` seconds (at least 1), else `default`.
+fn secs(configured: Option<u64>, default: Duration) -> Duration {
+    configured.map_or(default, |s| Duration::from_secs(s.max(1)))
+}
+
+/// `tine server keygen`: a new token ([`auth::new_token`]) printed, or
+/// written to a new file `out` (mode 0600; never over an existing one).
+pub(super) fn keygen(out: Option<PathBuf>) -> anyhow::Result<ExitCode> {
+    let token = auth::new_token()?;
+    match out {
+        None => println!("{token}"),
+        Some(path) => {
+            use std::io::Write;
+            use std::os::unix::fs::OpenOptionsExt;
+            if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+                std::fs::create_dir_all(parent)?;
+            }
+            let mut f =
+                std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&path).map_err(|e| {
+                    anyhow::anyhow!(
+                        "cannot create {}: {e} (an existing token file is never overwritten)",
+                        path.display()
+                    )
+                })?;
+            writeln!(f, "{token}")?;
+            eprintln!("tine: wrote a new token to {}", path.display());
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
