@@ -10,7 +10,6 @@
 
 pub mod branch;
 pub mod devices;
-pub mod disk;
 pub mod event_loop;
 pub mod host;
 pub mod log_limit;
