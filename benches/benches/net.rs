@@ -110,10 +110,7 @@ fn run_tine(kernel: &Path, rootfs: &Path, program: &Path, cmdline: &str) -> Opti
     };
     let mut config = vmm::VmConfig::new("netbench", kernel);
     config.memory_mib = 512;
-    config.disks = vec![
-        vmm::DiskConfig { path: rootfs.into(), read_only: true, id: "root".into() },
-        vmm::DiskConfig { path: program.into(), read_only: true, id: "program".into() },
-    ];
+    config.disks = vec![vmm::DiskConfig::raw(rootfs, true, "root"), vmm::DiskConfig::raw(program, true, "program")];
     config.cmdline = cmdline.into();
     config.net = Some(vmm::vm::config::NetConfig { stack, control });
     let mut vm = match vmm::build_for_boot(&config) {

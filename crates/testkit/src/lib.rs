@@ -214,7 +214,7 @@ pub fn rootfs() -> PathBuf {
 pub fn agent_vm_config(name: &str, uds: &Path) -> vmm::VmConfig {
     let mut config = vmm::VmConfig::new(name, kernel());
     config.memory_mib = 512;
-    config.disks = vec![vmm::DiskConfig { path: rootfs(), read_only: true, id: "root".into() }];
+    config.disks = vec![vmm::DiskConfig::raw(rootfs(), true, "root")];
     config.vsock = Some(vmm::VsockConfig { cid: 3, uds_path: uds.to_path_buf() });
     config.cmdline = "root=/dev/vda ro rootfstype=ext4".into();
     config
@@ -227,7 +227,7 @@ pub fn vsock_exchange_guest(dir: &Path, name: &str, port: u32) -> (vmm::VmConfig
     let uds = dir.join("vm.vsock");
     let mut config = vmm::VmConfig::new(name, kernel());
     let rootfs = build_test_rootfs(dir, 16);
-    config.disks = vec![vmm::DiskConfig { path: rootfs, read_only: true, id: "tine-root".into() }];
+    config.disks = vec![vmm::DiskConfig::raw(rootfs, true, "tine-root")];
     config.vsock = Some(vmm::VsockConfig { cid: 3, uds_path: uds.clone() });
     config.cmdline = format!("root=/dev/vda ro rootfstype=ext4 tine_init_vsock={port}");
     (config, uds)

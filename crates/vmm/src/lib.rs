@@ -31,8 +31,8 @@ pub use host::HostProfile;
 pub use memory::MemoryBacking;
 pub use snapshot::{Snapshot, SnapshotError, SnapshotMemory};
 pub use vm::{
-    build_for_boot, build_from_snapshot, BuildError, ControlError, DiskConfig, ExitWatcher, GuestError, NetConfig,
-    RunningVm, VmConfig, VmOutcome, VsockConfig,
+    build_for_boot, build_from_snapshot, BuildError, ControlError, DiskConfig, DiskImage, ExitWatcher, GuestError,
+    NetConfig, RunningVm, VmConfig, VmOutcome, VsockConfig,
 };
 pub use working_set::{PrefetchStats, WorkingSet};
 

@@ -457,6 +457,17 @@ fn rules(kind: ThreadKind) -> Rules {
         ThreadKind::Devices => {
             // Sockets set non-blocking (Rust's set_nonblocking).
             r.insert(libc::SYS_ioctl, ioctl_rules(&[FIONBIO]));
+            // virtio-blk DISCARD and WRITE_ZEROES: punching holes in the
+            // disk's top layer, no other fallocate mode.
+            r.insert(
+                libc::SYS_fallocate,
+                vec![rule(vec![cond(
+                    1,
+                    SeccompCmpArgLen::Dword,
+                    SeccompCmpOp::Eq,
+                    (libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE) as u64,
+                )])],
+            );
             // vsock: connections the guest opens to host port P go to the
             // Unix socket `<uds>_P`; no other address family.
             r.insert(

@@ -241,6 +241,13 @@ pub struct Snapshot {
     pub memory_crc32: u32,
     /// Guest RAM.
     pub memory: SnapshotMemory,
+    /// Each disk's checkpoint at the capture, in disk order
+    /// ([`tine_storage::Disk::checkpoint`]): the frozen chain of a
+    /// copy-on-write disk (a VM restored from this snapshot goes on on a new
+    /// top over it), the image of a read-only disk, `None` for a raw disk
+    /// written in place. Empty in snapshots written before disks were
+    /// recorded.
+    pub disks: Vec<Option<tine_storage::ChainSpec>>,
 }
 
 #[derive(Serialize)]
@@ -252,6 +259,7 @@ struct PayloadOut<'a> {
     cpuid: &'a [Vec<CpuidLeaf>],
     mem_bytes: u64,
     memory_crc32: u32,
+    disks: &'a [Option<tine_storage::ChainSpec>],
 }
 
 #[derive(Deserialize)]
@@ -264,6 +272,8 @@ struct PayloadIn {
     cpuid: Vec<Vec<CpuidLeaf>>,
     mem_bytes: u64,
     memory_crc32: u32,
+    #[serde(default)]
+    disks: Vec<Option<tine_storage::ChainSpec>>,
 }
 
 impl Snapshot {
@@ -280,6 +290,7 @@ impl Snapshot {
             cpuid: &self.cpuid,
             mem_bytes: self.mem_bytes,
             memory_crc32: self.memory_crc32,
+            disks: &self.disks,
         })
         .map_err(SnapshotError::Encode)?;
         let mut header = Vec::with_capacity(HEADER_LEN);
@@ -400,6 +411,7 @@ impl Snapshot {
             mem_bytes: p.mem_bytes,
             memory_crc32: p.memory_crc32,
             memory,
+            disks: p.disks,
         }
     }
 
@@ -569,6 +581,7 @@ mod tests {
             mem_bytes: MEM,
             memory_crc32: file_crc32(&mem, MEM).unwrap(),
             memory: SnapshotMemory::File(dir.path().join(MEMORY_FILE)),
+            disks: vec![],
         };
         snap.write_state(dir.path()).unwrap();
         (dir, snap)

@@ -33,8 +33,7 @@ fn agent_serves_exec_files_and_info_over_vsock() {
     let dir = tempfile::tempdir().unwrap();
     let uds = dir.path().join("vm.vsock");
     let mut config = VmConfig::new("agent-test", testkit::kernel());
-    config.disks =
-        vec![DiskConfig { path: testkit::build_agent_rootfs(dir.path(), 64), read_only: true, id: "root".into() }];
+    config.disks = vec![DiskConfig::raw(testkit::build_agent_rootfs(dir.path(), 64), true, "root")];
     config.vsock = Some(VsockConfig { cid: 3, uds_path: uds.clone() });
     config.cmdline = "root=/dev/vda ro rootfstype=ext4".into();
     let mut vm = vmm::build_for_boot(&config).expect("VM starts");

@@ -95,8 +95,8 @@ fn boots_from_a_virtio_blk_root_and_writes_a_data_disk() {
     std::fs::File::create(&data).unwrap().set_len(1 << 20).unwrap();
     let mut config = VmConfig::new("boot-virtio-blk", testkit::kernel());
     config.disks = vec![
-        vmm::DiskConfig { path: rootfs, read_only: true, id: "tine-root".into() },
-        vmm::DiskConfig { path: data.clone(), read_only: false, id: "tine-data-serial".into() },
+        vmm::DiskConfig::raw(rootfs, true, "tine-root"),
+        vmm::DiskConfig::raw(data.clone(), false, "tine-data-serial"),
     ];
     config.cmdline = "root=/dev/vda ro rootfstype=ext4 tine_init_disk=/dev/vdb".into();
     let mut vm = vmm::build_for_boot(&config).expect("VM starts");

@@ -43,7 +43,8 @@ where
 fn virtio_blk_round_trip_and_a_request_after() {
     let f = tempfile::NamedTempFile::new().unwrap();
     f.as_file().set_len(1 << 20).unwrap();
-    let args = || BlockArgs { path: f.path(), read_only: false, id: "persist-test" };
+    let image = vmm::DiskImage::Raw { path: f.path().to_path_buf(), read_only: false };
+    let args = || BlockArgs { image: &image, id: "persist-test" };
     let block = Block::restore(args(), &Default::default()).unwrap();
     let mut d = Driver::new(Box::new(block), VIRTIO_BLK_F_FLUSH, 16);
     // Two writes: the queue's indices move off zero.

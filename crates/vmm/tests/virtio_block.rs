@@ -220,3 +220,130 @@ fn queue_state_survives_save_and_restore() {
     );
     assert!(err.is_err());
 }
+
+/// A driver on a copy-on-write disk: a 1 MiB raw base under a 4 MiB disk.
+fn layered() -> (tempfile::TempDir, Vec<u8>, Driver) {
+    use vmm::devices::virtio::block::{VIRTIO_BLK_F_DISCARD, VIRTIO_BLK_F_WRITE_ZEROES};
+    let dir = tempfile::tempdir().unwrap();
+    let base_bytes: Vec<u8> = (0..1u32 << 20).map(|i| (i % 253) as u8 | 1).collect();
+    let base = dir.path().join("base.raw");
+    std::fs::write(&base, &base_bytes).unwrap();
+    let top = dir.path().join("top.delta");
+    // A fresh top over the base, made and then opened as a VM's disk is.
+    drop(tine_storage::LayeredDisk::create(Some(&base), 4 << 20, 16, &top).unwrap());
+    let chain = vmm::DiskImage::Chain(tine_storage::ChainSpec { base: Some(base), frozen: vec![], top: Some(top) });
+    let block = Block::open_image(&chain, "layered").unwrap();
+    let d = Driver::new(Box::new(block), VIRTIO_BLK_F_FLUSH | VIRTIO_BLK_F_DISCARD | VIRTIO_BLK_F_WRITE_ZEROES, 16);
+    (dir, base_bytes, d)
+}
+
+/// Puts DISCARD/WRITE_ZEROES segments (sector, sectors, flags) at DATA.
+fn segments(d: &Driver, segs: &[(u64, u32, u32)]) -> u32 {
+    let mut b = Vec::new();
+    for &(sector, n, flags) in segs {
+        b.extend_from_slice(&sector.to_le_bytes());
+        b.extend_from_slice(&n.to_le_bytes());
+        b.extend_from_slice(&flags.to_le_bytes());
+    }
+    d.write_bytes(DATA, &b);
+    b.len() as u32
+}
+
+#[test]
+fn a_layered_disk_reads_through_writes_on_top_and_discards() {
+    use vmm::devices::virtio::block::{MAX_DISCARD_SECTORS, MAX_DISCARD_SEG};
+    let (dir, base, mut d) = layered();
+    // Config space: capacity, then the discard and write-zeroes limits.
+    assert_eq!(d.r(0x100), 8192);
+    assert_eq!(d.r(0x100 + 36), MAX_DISCARD_SECTORS);
+    assert_eq!(d.r(0x100 + 40), MAX_DISCARD_SEG);
+    assert_eq!(d.r(0x100 + 44), 128, "discard alignment: one 64 KiB cluster");
+    assert_eq!(d.r(0x100 + 48), MAX_DISCARD_SECTORS);
+    assert_eq!(d.r(0x100 + 56) & 0xff, 1, "write zeroes may unmap");
+
+    // Reads come from the base, and past its end are zeros.
+    let (st, _) = request(&mut d, req::IN, 0, 4096, WRITE);
+    assert_eq!(st, status::OK);
+    assert_eq!(d.read_bytes(DATA, 4096), base[..4096]);
+    assert_eq!(request(&mut d, req::IN, 4096, 4096, WRITE).0, status::OK);
+    assert_eq!(d.read_bytes(DATA, 4096), vec![0; 4096]);
+
+    // A write lands in the top; the base is untouched.
+    d.write_bytes(DATA, &[0x77; 1024]);
+    assert_eq!(request(&mut d, req::OUT, 3, 1024, 0).0, status::OK);
+    assert_eq!(request(&mut d, req::IN, 0, 4096, WRITE).0, status::OK);
+    let got = d.read_bytes(DATA, 4096);
+    assert_eq!(&got[..1536], &base[..1536]);
+    assert_eq!(&got[1536..2560], &[0x77; 1024][..]);
+    assert_eq!(&got[2560..], &base[2560..4096]);
+    assert_eq!(std::fs::read(dir.path().join("base.raw")).unwrap(), base);
+
+    // DISCARD of two clusters and part of a third: the whole clusters read
+    // as zeros over the base.
+    let n = segments(&d, &[(0, 256 + 8, 0)]);
+    assert_eq!(request(&mut d, req::DISCARD, 0, n, 0).0, status::OK);
+    assert_eq!(request(&mut d, req::IN, 0, 4096, WRITE).0, status::OK);
+    assert_eq!(d.read_bytes(DATA, 4096), vec![0; 4096]);
+    assert_eq!(request(&mut d, req::IN, 256, 4096, WRITE).0, status::OK);
+    assert_eq!(d.read_bytes(DATA, 4096), base[256 * 512..256 * 512 + 4096], "partial cluster left as it was");
+
+    // WRITE_ZEROES, two segments, one with unmap: exact zeros.
+    let n = segments(&d, &[(300, 5, 1), (1000, 1, 0)]);
+    assert_eq!(request(&mut d, req::WRITE_ZEROES, 0, n, 0).0, status::OK);
+    assert_eq!(request(&mut d, req::IN, 299, 7 * 512, WRITE).0, status::OK);
+    let got = d.read_bytes(DATA, 7 * 512);
+    assert_eq!(&got[..512], &base[299 * 512..300 * 512]);
+    assert_eq!(&got[512..6 * 512], &[0; 5 * 512][..]);
+    assert_eq!(&got[6 * 512..], &base[305 * 512..306 * 512]);
+    assert_eq!(request(&mut d, req::IN, 1000, 512, WRITE).0, status::OK);
+    assert_eq!(d.read_bytes(DATA, 512), vec![0; 512]);
+    assert_eq!(request(&mut d, req::FLUSH, 0, 0, 0).0, status::OK);
+    assert!(!d.needs_reset());
+}
+
+#[test]
+fn bad_discard_and_write_zeroes_requests_fail_with_a_status() {
+    use vmm::devices::virtio::block::{MAX_DISCARD_SECTORS, MAX_DISCARD_SEG};
+    let (_dir, _base, mut d) = layered();
+    const SECTORS: u64 = 8192;
+    type Case = (u32, &'static [(u64, u32, u32)], u8);
+    let cases: &[Case] = &[
+        // The unmap flag on a discard; an unknown flag.
+        (req::DISCARD, &[(0, 8, 1)], status::UNSUPP),
+        (req::DISCARD, &[(0, 8, 2)], status::UNSUPP),
+        (req::WRITE_ZEROES, &[(0, 8, 0x8000_0000)], status::UNSUPP),
+        // Past the end, overflowing, too long.
+        (req::DISCARD, &[(SECTORS - 4, 8, 0)], status::IOERR),
+        (req::WRITE_ZEROES, &[(SECTORS, 1, 0)], status::IOERR),
+        (req::DISCARD, &[(u64::MAX, 1, 0)], status::IOERR),
+        (req::WRITE_ZEROES, &[(u64::MAX - 3, u32::MAX, 0)], status::IOERR),
+        (req::DISCARD, &[(0, MAX_DISCARD_SECTORS + 1, 0)], status::IOERR),
+        // A bad segment after a good one: nothing is applied.
+        (req::DISCARD, &[(0, 8, 0), (SECTORS, 8, 0)], status::IOERR),
+    ];
+    for (i, &(kind, segs, want)) in cases.iter().enumerate() {
+        let n = segments(&d, segs);
+        assert_eq!(request(&mut d, kind, 0, n, 0).0, want, "case {i}");
+    }
+    // Too many segments; a length that is not whole segments; no segment;
+    // a device-writable segment buffer.
+    let many: Vec<(u64, u32, u32)> = (0..=u64::from(MAX_DISCARD_SEG)).map(|i| (i * 8, 8, 0)).collect();
+    let n = segments(&d, &many);
+    assert_eq!(request(&mut d, req::DISCARD, 0, n, 0).0, status::IOERR);
+    segments(&d, &[(0, 8, 0)]);
+    assert_eq!(request(&mut d, req::DISCARD, 0, 15, 0).0, status::IOERR);
+    assert_eq!(request(&mut d, req::DISCARD, 0, 0, 0).0, status::IOERR);
+    assert_eq!(request(&mut d, req::DISCARD, 0, 16, WRITE).0, status::IOERR);
+    // Nothing above changed the disk: sector 0 still reads from the base.
+    assert_eq!(request(&mut d, req::IN, 0, 512, WRITE).0, status::OK);
+    assert_ne!(d.read_bytes(DATA, 512), vec![0; 512]);
+    assert!(!d.needs_reset());
+}
+
+#[test]
+fn a_read_only_disk_offers_no_discard_and_refuses_it() {
+    let (_f, mut d) = disk(true);
+    let n = segments(&d, &[(0, 8, 0)]);
+    assert_eq!(request(&mut d, req::DISCARD, 0, n, 0).0, status::IOERR);
+    assert_eq!(request(&mut d, req::WRITE_ZEROES, 0, n, 0).0, status::IOERR);
+}

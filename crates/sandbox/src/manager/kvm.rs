@@ -26,7 +26,7 @@ impl VmBackend for KvmBackend {
         config.vcpus = spec.vcpus;
         config.memory_mib = spec.memory_mib;
         config.console_log = Some(spec.console_log.clone());
-        config.disks = vec![DiskConfig { path: spec.rootfs.clone(), read_only: true, id: "root".into() }];
+        config.disks = vec![DiskConfig::raw(spec.rootfs.clone(), true, "root")];
         config.vsock = Some(VsockConfig { cid: GUEST_CID, uds_path: spec.agent_socket.clone() });
         config.net = spec.net.clone();
         config.cmdline = CMDLINE.into();

@@ -67,7 +67,7 @@ pub(super) fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
             Some(p) => (p, true),
             None => (d.as_str(), false),
         };
-        config.disks.push(vmm::DiskConfig { path: path.into(), read_only, id: format!("tine-disk-{i}") });
+        config.disks.push(vmm::DiskConfig::raw(path, read_only, format!("tine-disk-{i}")));
     }
     if let Some(v) = &args.vsock {
         let (cid, path) = v.split_once(':').ok_or_else(|| anyhow::anyhow!("--vsock takes CID:PATH, got '{v}'"))?;

@@ -27,6 +27,8 @@ pub(crate) struct CapturedState {
     pub transports: Vec<TransportState>,
     /// The serial port and the i8042.
     pub legacy: LegacyState,
+    /// Each disk's checkpoint ([`Snapshot::disks`]).
+    pub disks: Vec<Option<tine_storage::ChainSpec>>,
 }
 
 /// Every virtio transport of a VM, locked: while held, no device touches
@@ -38,18 +40,28 @@ pub(crate) struct DeviceLocks<'a> {
 impl RunningVm {
     /// Saves the state of the paused VM apart from guest RAM, and returns
     /// it with every virtio transport still locked, so the caller can take
-    /// guest RAM at the same instant.
+    /// guest RAM at the same instant. Each disk is checkpointed at that
+    /// instant too ([`tine_storage::Disk::checkpoint`]: a copy-on-write
+    /// disk's top is flushed and frozen, and the VM goes on on a new top),
+    /// so that the disk a snapshot records is the one its memory knows.
     ///
     /// Errors: [`ControlError::NotPaused`], [`ControlError::VcpuState`],
-    /// [`ControlError::VmState`].
+    /// [`ControlError::VmState`], [`ControlError::Disk`].
     pub(crate) fn capture_state(&self) -> Result<(DeviceLocks<'_>, CapturedState), ControlError> {
         self.require_paused()?;
-        let guards: Vec<_> = self.shared.mmio.iter().map(|(_, _, t)| lock(t)).collect();
+        let mut guards: Vec<_> = self.shared.mmio.iter().map(|(_, _, t)| lock(t)).collect();
+        let mut disks = Vec::new();
+        for t in guards.iter_mut() {
+            if let Some(disk) = t.disk() {
+                let index = disks.len();
+                disks.push(disk.checkpoint().map_err(|source| ControlError::Disk { index, source })?);
+            }
+        }
         let transports = guards.iter().map(|t| t.save()).collect();
         let legacy = lock(&self.shared.devices).save();
         let vcpus = self.save_vcpu_states()?.into_iter().map(Arc::new).collect();
         let vm = crate::vm_state::save(&self.vm)?;
-        Ok((DeviceLocks { _guards: guards }, CapturedState { vcpus, vm, transports, legacy }))
+        Ok((DeviceLocks { _guards: guards }, CapturedState { vcpus, vm, transports, legacy, disks }))
     }
 
     /// A snapshot of `state` with guest RAM in `memory`.
@@ -63,6 +75,7 @@ impl RunningVm {
             mem_bytes: self.ram.size,
             memory_crc32,
             memory,
+            disks: state.disks,
         }
     }
 

@@ -25,15 +25,53 @@ pub const VIRTIO_FIRST_IRQ: u32 = 5;
 /// Most virtio-mmio devices per VM (GSIs 5..=23 of the IOAPIC).
 pub const MAX_VIRTIO_DEVICES: usize = 19;
 
-/// A disk: a raw image attached as virtio-blk.
+/// What a disk is made of.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DiskImage {
+    /// A raw image file, byte for byte the disk.
+    Raw {
+        /// The image file.
+        path: PathBuf,
+        /// Attach read-only (shared images must be).
+        read_only: bool,
+    },
+    /// A copy-on-write chain ([`tine_storage::LayeredDisk`]); writable when it
+    /// has a top. Each snapshot, branch and hibernation of the VM freezes
+    /// the top at the instant it captures memory and the disk goes on on a
+    /// new top beside it ([`crate::Snapshot::disks`] says what was frozen).
+    Chain(tine_storage::ChainSpec),
+}
+
+impl DiskImage {
+    /// The file that names the disk in messages: the raw image, or the
+    /// chain's top (else its highest layer).
+    pub fn path(&self) -> PathBuf {
+        match self {
+            DiskImage::Raw { path, .. } => path.clone(),
+            DiskImage::Chain(spec) => spec
+                .top
+                .clone()
+                .or_else(|| spec.frozen.last().cloned())
+                .or_else(|| spec.base.clone())
+                .unwrap_or_default(),
+        }
+    }
+}
+
+/// A disk attached as virtio-blk.
 #[derive(Clone, Debug)]
 pub struct DiskConfig {
-    /// The image file.
-    pub path: PathBuf,
-    /// Attach read-only (shared images must be).
-    pub read_only: bool,
+    /// Its image or chain.
+    pub image: DiskImage,
     /// Serial the guest reads with GET_ID (at most 20 bytes are used).
     pub id: String,
+}
+
+impl DiskConfig {
+    /// A raw image file at `path`.
+    pub fn raw(path: impl Into<PathBuf>, read_only: bool, id: impl Into<String>) -> Self {
+        DiskConfig { image: DiskImage::Raw { path: path.into(), read_only }, id: id.into() }
+    }
 }
 
 /// A virtio-vsock device: the guest's CID and the host's Unix socket.

@@ -13,7 +13,9 @@ pub mod outcome;
 pub mod running;
 
 pub use builder::{build_for_boot, build_from_snapshot, BuildError};
-pub use config::{base_cmdline, DiskConfig, NetConfig, VmConfig, VsockConfig, MAX_VIRTIO_DEVICES, VIRTIO_FIRST_IRQ};
+pub use config::{
+    base_cmdline, DiskConfig, DiskImage, NetConfig, VmConfig, VsockConfig, MAX_VIRTIO_DEVICES, VIRTIO_FIRST_IRQ,
+};
 pub use hibernate::HibernateReport;
 pub use outcome::{GuestError, VmOutcome};
 pub use running::{ControlError, ExitWatcher, RunningVm};

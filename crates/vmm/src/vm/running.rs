@@ -60,6 +60,15 @@ pub enum ControlError {
     /// An argument does not fit the VM (e.g. a vCPU state count).
     #[error("invalid VM configuration: {0}")]
     Config(String),
+    /// A disk could not be checkpointed (flushed and its top frozen) at a
+    /// capture: a full host disk, an I/O error.
+    #[error("disk {index}: {source}")]
+    Disk {
+        /// The disk's index in the configuration.
+        index: usize,
+        /// Why.
+        source: tine_storage::DiskError,
+    },
 }
 
 /// Waits for a VM's end from any thread (see [`RunningVm::exit_watcher`]).

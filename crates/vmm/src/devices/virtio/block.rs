@@ -1,14 +1,24 @@
-//! virtio-blk (virtio 1.2, section 5.2) on a raw image file.
+//! virtio-blk (virtio 1.2, section 5.2) on a [`Disk`]: a raw image file
+//! ([`tine_storage::RawDisk`]) or a copy-on-write chain ([`tine_storage::LayeredDisk`]).
 //!
-//! One request queue. Requests: IN (read), OUT (write), FLUSH, GET_ID;
-//! anything else completes with `VIRTIO_BLK_S_UNSUPP`. A read-only disk
-//! offers `VIRTIO_BLK_F_RO` and fails writes with `VIRTIO_BLK_S_IOERR`.
+//! One request queue. Requests: IN (read), OUT (write), FLUSH, GET_ID, and
+//! on a writable disk DISCARD and WRITE_ZEROES; anything else completes
+//! with `VIRTIO_BLK_S_UNSUPP`. A read-only disk offers `VIRTIO_BLK_F_RO` and
+//! fails writes, discards and write-zeroes with `VIRTIO_BLK_S_IOERR`.
 //! Data moves through a bounded bounce buffer, so no guest-supplied
 //! length sizes a host allocation.
+//!
+//! DISCARD and WRITE_ZEROES carry 1..=[`MAX_DISCARD_SEG`] segments of 16
+//! bytes (`le64 sector, le32 num_sectors, le32 flags`, section 5.2.6). A
+//! segment past the end of the disk, longer than [`MAX_DISCARD_SECTORS`],
+//! or a data length that is not a whole number of segments fails the
+//! request with `IOERR`; the unmap flag on a DISCARD, or any flag other
+//! than unmap, with `UNSUPP` (section 5.2.6.2). Segments need not be
+//! aligned to `discard_sector_alignment` (the cluster size): the disk
+//! discards the whole clusters a segment covers and zeroes the rest where
+//! it holds data ([`Disk::discard`]).
 
-use std::fs::{File, OpenOptions};
-use std::os::unix::fs::FileExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use virtio_queue::{Queue, QueueT};
@@ -19,6 +29,8 @@ use super::{Activation, Interrupt, VirtioDevice, VirtioError, VIRTIO_F_VERSION_1
 use crate::devices::persist::Persist;
 use crate::guest_warn;
 use crate::log_limit::LogLimiter;
+use crate::vm::DiskImage;
+use tine_storage::{Disk, DiskError, LayeredDisk, RawDisk};
 
 /// virtio device ID of a block device.
 pub const VIRTIO_ID_BLOCK: u32 = 2;
@@ -36,6 +48,21 @@ const BOUNCE_BYTES: usize = 128 * 1024;
 pub const VIRTIO_BLK_F_RO: u64 = 1 << 5;
 /// VIRTIO_BLK_F_FLUSH.
 pub const VIRTIO_BLK_F_FLUSH: u64 = 1 << 9;
+/// VIRTIO_BLK_F_DISCARD.
+pub const VIRTIO_BLK_F_DISCARD: u64 = 1 << 13;
+/// VIRTIO_BLK_F_WRITE_ZEROES.
+pub const VIRTIO_BLK_F_WRITE_ZEROES: u64 = 1 << 14;
+/// Most sectors (512 bytes) in one DISCARD or WRITE_ZEROES segment (1 GiB).
+pub const MAX_DISCARD_SECTORS: u32 = 1 << 21;
+/// Most segments in one DISCARD or WRITE_ZEROES request.
+pub const MAX_DISCARD_SEG: u32 = 32;
+/// Bytes of one DISCARD or WRITE_ZEROES segment.
+pub const DISCARD_SEGMENT_BYTES: u64 = 16;
+/// The unmap flag of a segment (only meaningful for WRITE_ZEROES).
+pub const FLAG_UNMAP: u32 = 1;
+/// Bytes of the configuration space: up to `write_zeroes_may_unmap` and
+/// its padding (struct virtio_blk_config, section 5.2.4).
+pub const CONFIG_BYTES: usize = 60;
 
 /// Request types (section 5.2.6).
 pub mod req {
@@ -44,6 +71,8 @@ pub mod req {
     pub const OUT: u32 = 1;
     pub const FLUSH: u32 = 4;
     pub const GET_ID: u32 = 8;
+    pub const DISCARD: u32 = 11;
+    pub const WRITE_ZEROES: u32 = 13;
 }
 
 /// Request status values.
@@ -57,13 +86,13 @@ pub mod status {
 /// Errors of opening a disk.
 #[derive(Debug, thiserror::Error)]
 pub enum BlockError {
-    /// The image cannot be opened.
-    #[error("cannot open disk image {path}: {source}")]
+    /// The image or chain cannot be opened.
+    #[error("cannot open disk {path}: {source}")]
     Open {
-        /// The image.
+        /// The image (the top of a chain).
         path: PathBuf,
-        /// The I/O error.
-        source: std::io::Error,
+        /// Why.
+        source: DiskError,
     },
     /// The image size is not a whole number of sectors.
     #[error("disk image {path} is {size} bytes, not a multiple of 512")]
@@ -77,11 +106,11 @@ pub enum BlockError {
 
 /// A virtio-blk device.
 pub struct Block {
-    disk: File,
+    disk: Box<dyn Disk>,
     read_only: bool,
     sectors: u64,
     id: [u8; ID_BYTES],
-    config: [u8; 8],
+    config: [u8; CONFIG_BYTES],
     queue_sizes: [u16; 1],
     running: Option<Running>,
     bounce: Vec<u8>,
@@ -102,35 +131,80 @@ enum RequestError {
 }
 
 impl Block {
-    /// Opens `path` as a disk; `id` is the serial the guest reads with
-    /// GET_ID (truncated to 20 bytes).
+    /// Opens the raw image `path` as a disk; `id` is the serial the guest
+    /// reads with GET_ID (truncated to 20 bytes).
     ///
     /// Errors: [`BlockError::Open`], [`BlockError::Size`].
-    pub fn open(path: &Path, read_only: bool, id: &str) -> Result<Self, BlockError> {
-        let disk = OpenOptions::new()
-            .read(true)
-            .write(!read_only)
-            .open(path)
-            .map_err(|source| BlockError::Open { path: path.to_path_buf(), source })?;
-        let size = disk.metadata().map_err(|source| BlockError::Open { path: path.to_path_buf(), source })?.len();
-        if size % SECTOR_SIZE != 0 {
+    pub fn open(path: &std::path::Path, read_only: bool, id: &str) -> Result<Self, BlockError> {
+        Self::open_image(&DiskImage::Raw { path: path.to_path_buf(), read_only }, id)
+    }
+
+    /// Opens `image` (a raw file or a copy-on-write chain) as a disk; `id`
+    /// is the serial the guest reads with GET_ID (truncated to 20 bytes).
+    ///
+    /// Errors: [`BlockError::Open`], [`BlockError::Size`].
+    pub fn open_image(image: &DiskImage, id: &str) -> Result<Self, BlockError> {
+        let disk: Box<dyn Disk> = match image {
+            DiskImage::Raw { path, read_only } => Box::new(
+                RawDisk::open(path, !read_only).map_err(|source| BlockError::Open { path: path.clone(), source })?,
+            ),
+            DiskImage::Chain(spec) => {
+                Box::new(LayeredDisk::open(spec).map_err(|source| BlockError::Open { path: image.path(), source })?)
+            }
+        };
+        Self::with_disk(disk, &image.path(), id)
+    }
+
+    /// A device on `disk` (read-only when the disk is); `path` names it in
+    /// errors, `id` is the serial the guest reads with GET_ID (truncated to
+    /// 20 bytes).
+    ///
+    /// Errors: [`BlockError::Size`] (the disk's size is not a multiple of
+    /// 512 bytes).
+    pub fn with_disk(disk: Box<dyn Disk>, path: &std::path::Path, id: &str) -> Result<Self, BlockError> {
+        let size = disk.size();
+        if !size.is_multiple_of(SECTOR_SIZE) {
             return Err(BlockError::Size { path: path.to_path_buf(), size });
         }
         let mut id_bytes = [0u8; ID_BYTES];
         let n = id.len().min(ID_BYTES);
         id_bytes[..n].copy_from_slice(&id.as_bytes()[..n]);
         let sectors = size / SECTOR_SIZE;
+        let mut config = [0u8; CONFIG_BYTES];
+        config[0..8].copy_from_slice(&sectors.to_le_bytes());
+        // Discard: max_discard_sectors, max_discard_seg,
+        // discard_sector_alignment (the disk's unit, in sectors).
+        let alignment = u32::try_from(disk.discard_alignment() / SECTOR_SIZE).unwrap_or(1);
+        config[36..40].copy_from_slice(&MAX_DISCARD_SECTORS.to_le_bytes());
+        config[40..44].copy_from_slice(&MAX_DISCARD_SEG.to_le_bytes());
+        config[44..48].copy_from_slice(&alignment.to_le_bytes());
+        // Write zeroes: max_write_zeroes_sectors, max_write_zeroes_seg,
+        // write_zeroes_may_unmap.
+        config[48..52].copy_from_slice(&MAX_DISCARD_SECTORS.to_le_bytes());
+        config[52..56].copy_from_slice(&MAX_DISCARD_SEG.to_le_bytes());
+        config[56] = 1;
         Ok(Block {
+            read_only: disk.is_read_only(),
             disk,
-            read_only,
             sectors,
             id: id_bytes,
-            config: sectors.to_le_bytes(),
+            config,
             queue_sizes: [QUEUE_SIZE],
             running: None,
             bounce: vec![0; BOUNCE_BYTES],
             log: Arc::new(LogLimiter::default()),
         })
+    }
+
+    /// The disk (for its size and layers' accounting).
+    pub fn disk(&self) -> &dyn Disk {
+        self.disk.as_ref()
+    }
+
+    /// The disk, to flush or checkpoint it while the device is quiescent
+    /// (its transport locked, so no request is in progress).
+    pub fn disk_mut(&mut self) -> &mut dyn Disk {
+        self.disk.as_mut()
     }
 
     /// Capacity in 512-byte sectors.
@@ -207,9 +281,14 @@ impl Block {
                 Ok(if writing { 0 } else { data_len as u32 })
             }
             req::FLUSH => {
-                if !self.read_only {
-                    self.disk.sync_data().map_err(|_| RequestError::Status(status::IOERR))?;
-                }
+                self.disk.flush().map_err(|e| {
+                    guest_warn!(self.log, "virtio-blk: flush: {e}");
+                    RequestError::Status(status::IOERR)
+                })?;
+                Ok(0)
+            }
+            req::DISCARD | req::WRITE_ZEROES => {
+                self.zero_ranges(mem, &data, kind == req::WRITE_ZEROES)?;
                 Ok(0)
             }
             req::GET_ID => {
@@ -220,6 +299,55 @@ impl Block {
             }
             _ => Err(RequestError::Status(status::UNSUPP)),
         }
+    }
+
+    /// Runs a DISCARD (`zeroes` false) or WRITE_ZEROES request whose data
+    /// segments are `data`: all its ranges are checked before any is
+    /// applied.
+    fn zero_ranges(&mut self, mem: &GuestMemoryMmap, data: &[Segment], zeroes: bool) -> Result<(), RequestError> {
+        if self.read_only {
+            return Err(RequestError::Status(status::IOERR));
+        }
+        if data.iter().any(|s| s.writable) {
+            guest_warn!(self.log, "virtio-blk: discard/write-zeroes request with a device-writable data buffer");
+            return Err(RequestError::Status(status::IOERR));
+        }
+        let total: u64 = data.iter().map(|s| u64::from(s.len)).sum();
+        let count = total / DISCARD_SEGMENT_BYTES;
+        if total == 0 || !total.is_multiple_of(DISCARD_SEGMENT_BYTES) || count > u64::from(MAX_DISCARD_SEG) {
+            return Err(RequestError::Status(status::IOERR));
+        }
+        // Gather the segments' bytes (at most 512) from the buffers.
+        let mut raw = [0u8; (MAX_DISCARD_SEG as usize) * DISCARD_SEGMENT_BYTES as usize];
+        let mut at = 0usize;
+        for seg in data {
+            let n = seg.len as usize;
+            mem.read_slice(&mut raw[at..at + n], seg.addr).map_err(|_| RequestError::Status(status::IOERR))?;
+            at += n;
+        }
+        let mut ranges = [(0u64, 0u64); MAX_DISCARD_SEG as usize];
+        for (i, range) in ranges.iter_mut().enumerate().take(count as usize) {
+            let e = &raw[i * 16..i * 16 + 16];
+            let sector = u64::from_le_bytes(e[0..8].try_into().unwrap_or_default());
+            let sectors = u32::from_le_bytes(e[8..12].try_into().unwrap_or_default());
+            let flags = u32::from_le_bytes(e[12..16].try_into().unwrap_or_default());
+            if flags & !FLAG_UNMAP != 0 || (!zeroes && flags & FLAG_UNMAP != 0) {
+                return Err(RequestError::Status(status::UNSUPP));
+            }
+            if sectors > MAX_DISCARD_SECTORS || sector.checked_add(u64::from(sectors)).is_none_or(|e| e > self.sectors)
+            {
+                return Err(RequestError::Status(status::IOERR));
+            }
+            *range = (sector * SECTOR_SIZE, u64::from(sectors) * SECTOR_SIZE);
+        }
+        for &(offset, len) in &ranges[..count as usize] {
+            let r = if zeroes { self.disk.write_zeroes(offset, len) } else { self.disk.discard(offset, len) };
+            r.map_err(|e| {
+                guest_warn!(self.log, "virtio-blk: discard/write-zeroes at byte {offset}: {e}");
+                RequestError::Status(status::IOERR)
+            })?;
+        }
+        Ok(())
     }
 
     /// Copies one segment between guest memory and the disk at byte `offset`.
@@ -233,9 +361,9 @@ impl Block {
             let at = offset + done as u64;
             if to_disk {
                 mem.read_slice(buf, gpa).map_err(std::io::Error::other)?;
-                self.disk.write_all_at(buf, at)?;
+                self.disk.write_at(buf, at).map_err(std::io::Error::other)?;
             } else {
-                self.disk.read_exact_at(buf, at)?;
+                self.disk.read_at(buf, at).map_err(std::io::Error::other)?;
                 mem.write_slice(buf, gpa).map_err(std::io::Error::other)?;
             }
             done += n;
@@ -252,12 +380,12 @@ impl Block {
 #[serde(deny_unknown_fields)]
 pub struct BlockState {}
 
-/// What restoring a virtio-blk device needs: the arguments of [`Block::open`].
+/// What restoring a virtio-blk device needs: the arguments of
+/// [`Block::open_image`].
 pub struct BlockArgs<'a> {
-    /// The disk image.
-    pub path: &'a Path,
-    /// Whether the disk is read-only.
-    pub read_only: bool,
+    /// The disk: a raw image, or the chain to go on from (a restored VM
+    /// gets a new top over the snapshot's frozen layers).
+    pub image: &'a DiskImage,
     /// The serial the guest reads with GET_ID.
     pub id: &'a str,
 }
@@ -271,12 +399,12 @@ impl<'a> Persist<'a> for Block {
         BlockState {}
     }
 
-    /// Opens the disk again ([`Block::open`]); the transport's restore
+    /// Opens the disk again ([`Block::open_image`]); the transport's restore
     /// then activates it on the saved virtqueue.
     ///
     /// Errors: [`BlockError`].
     fn restore(args: BlockArgs<'a>, _state: &BlockState) -> Result<Self, BlockError> {
-        Block::open(args.path, args.read_only, args.id)
+        Block::open_image(args.image, args.id)
     }
 }
 
@@ -297,6 +425,8 @@ impl VirtioDevice for Block {
         let mut f = VIRTIO_F_VERSION_1 | VIRTIO_RING_F_EVENT_IDX | VIRTIO_BLK_F_FLUSH;
         if self.read_only {
             f |= VIRTIO_BLK_F_RO;
+        } else {
+            f |= VIRTIO_BLK_F_DISCARD | VIRTIO_BLK_F_WRITE_ZEROES;
         }
         f
     }
@@ -325,6 +455,10 @@ impl VirtioDevice for Block {
 
     fn set_log_limiter(&mut self, log: Arc<LogLimiter>) {
         self.log = log;
+    }
+
+    fn disk(&mut self) -> Option<&mut dyn Disk> {
+        Some(self.disk.as_mut())
     }
 
     fn queue_states(&self) -> Option<Vec<virtio_queue::QueueState>> {

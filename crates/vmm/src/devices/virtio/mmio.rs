@@ -258,6 +258,13 @@ pub struct MmioTransport {
 }
 
 impl MmioTransport {
+    /// The disk of the device behind this transport, if it is a block
+    /// device ([`VirtioDevice::disk`]); holding the transport's lock keeps
+    /// every request out meanwhile.
+    pub fn disk(&mut self) -> Option<&mut dyn tine_storage::Disk> {
+        self.device.disk()
+    }
+
     /// Wraps `device`; `interrupt` is its line. Creates one notification
     /// eventfd per queue (see [`MmioTransport::queue_evts`]).
     ///

@@ -148,6 +148,11 @@ pub trait VirtioDevice: Send {
     /// Shares the VM's limiter of guest-triggered log lines with the
     /// device (see [`crate::log_limit`]); a device starts with one of its own.
     fn set_log_limiter(&mut self, _log: std::sync::Arc<crate::log_limit::LogLimiter>) {}
+    /// The disk behind a block device (`None` for other devices), to flush
+    /// or checkpoint it while its transport is locked.
+    fn disk(&mut self) -> Option<&mut dyn tine_storage::Disk> {
+        None
+    }
     /// Called after the VM was restored from a snapshot: host-side state
     /// did not survive (vsock resets its transport).
     ///
