@@ -4,11 +4,14 @@
 //! the basic file systems, set up the network ([`crate::net`]), run the
 //! agent in a child, reap every orphan, restart the agent if it dies.
 //!
-//! The overlay's upper layer is a tmpfs: every file the sandbox changes
-//! lives in guest memory, so a copy of the VM's memory (snapshot, branch)
-//! is a copy of its file system too, and the image stays shared. PID 1
-//! keeps an fd of the upper directory ([`upper_fd`]) for the agent's
-//! manifests: after the switch to the overlay no path reaches it.
+//! The overlay's upper layer is the sandbox's own disk, [`SANDBOX_DISK`]
+//! (an ext4 file system the host made, on a copy-on-write disk that every
+//! snapshot, branch and hibernation freezes at the instant it copies the
+//! VM's memory), so a sandbox writes far more than its RAM and the image
+//! stays shared. Without that disk (a VM given only the root), the upper
+//! layer is a tmpfs: the files then live in guest memory. PID 1 keeps an
+//! fd of the upper directory ([`upper_fd`]) for the agent's manifests:
+//! after the switch to the overlay no path reaches it.
 
 use std::ffi::CStr;
 use std::sync::atomic::{AtomicI32, Ordering};
@@ -50,20 +53,59 @@ fn check(what: &str, r: libc::c_int) -> Result<(), String> {
     }
 }
 
-/// Mounts `lowerdir=/` with a tmpfs upper layer at /overlay/root and makes
-/// it the root (as switch_root does: move it onto `/`, then chroot). On
-/// success, [`UPPER_FD`] holds the upper directory: after the chroot no
-/// path reaches it.
-fn overlay_root() -> Result<(), String> {
-    check(
-        "mount tmpfs on /overlay",
-        // SAFETY: valid NUL-terminated C strings, as mount(2) takes them.
-        unsafe {
-            libc::mount(c"tmpfs".as_ptr(), c"/overlay".as_ptr(), c"tmpfs".as_ptr(), 0, c"mode=0755".as_ptr().cast())
-        },
-    )?;
+/// The sandbox's own disk: the second virtio-blk device (the first is the
+/// read-only root image), an ext4 file system made by the host.
+pub const SANDBOX_DISK: &CStr = c"/dev/vdb";
+
+/// What the overlay's upper layer is on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Upper {
+    /// The sandbox's disk ([`SANDBOX_DISK`]).
+    Disk,
+    /// A tmpfs (no sandbox disk).
+    Tmpfs,
+}
+
+/// Mounts `lowerdir=/` with an upper layer on the sandbox's disk (or a
+/// tmpfs without one) at /overlay/root and makes it the root (as
+/// switch_root does: move it onto `/`, then chroot). On success,
+/// [`UPPER_FD`] holds the upper directory: after the chroot no path
+/// reaches it.
+fn overlay_root() -> Result<Upper, String> {
+    let upper_on = if std::path::Path::new(SANDBOX_DISK.to_str().unwrap_or_default()).exists() {
+        check(
+            "mount the sandbox disk on /overlay",
+            // SAFETY: valid NUL-terminated C strings, as mount(2) takes them.
+            // `noinit_itable`: the host made the file system on a sparse
+            // disk whose inode tables read as zeros already, so the
+            // kernel's background zeroing would only write zeros.
+            unsafe {
+                libc::mount(
+                    SANDBOX_DISK.as_ptr(),
+                    c"/overlay".as_ptr(),
+                    c"ext4".as_ptr(),
+                    libc::MS_NOATIME,
+                    c"noinit_itable".as_ptr().cast(),
+                )
+            },
+        )?;
+        Upper::Disk
+    } else {
+        check(
+            "mount tmpfs on /overlay",
+            // SAFETY: valid NUL-terminated C strings, as mount(2) takes them.
+            unsafe {
+                libc::mount(c"tmpfs".as_ptr(), c"/overlay".as_ptr(), c"tmpfs".as_ptr(), 0, c"mode=0755".as_ptr().cast())
+            },
+        )?;
+        Upper::Tmpfs
+    };
     for d in ["/overlay/upper", "/overlay/work", "/overlay/root"] {
-        std::fs::create_dir(d).map_err(|e| format!("mkdir {d}: {e}"))?;
+        match std::fs::create_dir(d) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(format!("mkdir {d}: {e}")),
+        }
     }
     check(
         "mount overlay",
@@ -94,7 +136,7 @@ fn overlay_root() -> Result<(), String> {
             },
         }
     }
-    moved
+    moved.map(|()| upper_on)
 }
 
 /// Makes the overlay at /overlay/root the root: moves it onto `/`, then
@@ -121,7 +163,10 @@ pub fn run_as_pid1() {
     crate::env::set_login_defaults();
     if std::path::Path::new("/overlay").is_dir() {
         match overlay_root() {
-            Ok(()) => println!("tine-agent init: root is an overlay (tmpfs upper) on the read-only image"),
+            Ok(Upper::Disk) => {
+                println!("tine-agent init: root is an overlay on the read-only image, upper on the sandbox disk")
+            }
+            Ok(Upper::Tmpfs) => println!("tine-agent init: root is an overlay (tmpfs upper) on the read-only image"),
             Err(e) => eprintln!("tine-agent init: no overlay ({e}); the root stays as mounted"),
         }
     }

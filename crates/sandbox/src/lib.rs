@@ -32,6 +32,7 @@
 #![deny(missing_docs)]
 
 pub mod diff;
+pub mod disks;
 pub mod events;
 pub mod ids;
 mod limits;

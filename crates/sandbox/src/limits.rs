@@ -48,6 +48,13 @@ pub struct Limits {
     pub max_templates: usize,
     /// Disk space (MiB) the templates' files may take together.
     pub max_template_disk_mib: u64,
+    /// The size (MiB) of a booted sandbox's own disk (the guest's
+    /// `/dev/vdb`, the writable layer of its root, [`crate::disks`]): the
+    /// default template's sandboxes and every sandbox restored from it
+    /// have this much room to write. Sparse on the host: it takes what the
+    /// guest wrote. The guest meets ENOSPC from its own file system when
+    /// it is full. 0: sandboxes have no disk and write to guest memory.
+    pub default_disk_mib: u64,
     /// What happens to a sandbox idle past its idle timeout.
     pub idle_action: IdleAction,
     /// A hibernated sandbox is deleted this long (s) after its hibernation
@@ -163,6 +170,7 @@ impl Default for Limits {
             memory_budget_mib: 0,
             max_templates: 32,
             max_template_disk_mib: 32 * 1024,
+            default_disk_mib: 10 * 1024,
             idle_action: IdleAction::Hibernate,
             hibernated_retention_secs: 7 * 24 * 60 * 60,
             shutdown_hibernate_secs: 60,

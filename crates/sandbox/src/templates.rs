@@ -247,6 +247,10 @@ pub struct Template {
     /// The snapshot, checked (checksums, version) when loaded, its memory
     /// copied into a memfd ([`Snapshot::into_memory`]).
     pub snapshot: Snapshot,
+    /// Its sandbox disk's frozen chain, kept in its directory
+    /// ([`crate::disks::keep`]); `None` for a template whose sandboxes
+    /// have no disk.
+    pub disk: Option<tine_storage::ChainSpec>,
     /// Identity of the state and memory files when loaded.
     files: (FileIdentity, FileIdentity),
     /// Its working set ([`WORKING_SET_FILE`]), once recorded.
@@ -576,8 +580,13 @@ impl TemplateStore {
         let snapshot = Snapshot::load(&self.path(name))
             .and_then(|s| s.into_memory(name))
             .map_err(|source| TemplateError::Snapshot { name: name.to_string(), source })?;
+        let disk = crate::disks::load(&self.path(name)).map_err(|e| TemplateError::Meta {
+            name: name.to_string(),
+            dir: self.path(name),
+            reason: e.to_string(),
+        })?;
         let working_set = Mutex::new(read_working_set(&self.path(name), meta.memory_mib << 20));
-        let t = Arc::new(Template { meta, snapshot, files, working_set });
+        let t = Arc::new(Template { meta, snapshot, disk, files, working_set });
         lock(&self.cache).insert(name.to_string(), Cached { template: t.clone(), _memory: memory });
         Ok(t)
     }

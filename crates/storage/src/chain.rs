@@ -603,8 +603,20 @@ fn open_raw(path: &Path) -> Result<Raw, DiskError> {
 }
 
 impl LayeredDisk {
+    /// Creates an empty writable top at `top` (which must not exist) over
+    /// the read-only chain `lower` (its `top` ignored) and returns the
+    /// whole chain: a new disk that reads as `lower` does. O(1) in the
+    /// data below.
+    ///
+    /// Errors: those of [`LayeredDisk::open`] and of creating a delta.
+    pub fn create_top(lower: &ChainSpec, top: &Path) -> Result<ChainSpec, DiskError> {
+        let below = ChainSpec { top: None, ..lower.clone() };
+        LayeredDisk::open(&below)?.sibling(top)?;
+        Ok(ChainSpec { top: Some(top.to_path_buf()), ..below })
+    }
+
     /// A path for a new delta in the directory of this disk's top (or of
-    /// its highest layer): `<dir>/<32 hex digits>.delta`, random.
+    /// its highest layer): see [`new_layer_path`].
     ///
     /// Errors: [`DiskError::Io`] (no randomness), [`DiskError::ReadOnly`]
     /// (a disk with no layer file to sit beside).
@@ -614,11 +626,18 @@ impl LayeredDisk {
             (None, Some(l)) => l.path(),
             (None, None) => return Err(DiskError::ReadOnly),
         };
-        let dir = beside.parent().unwrap_or(Path::new("."));
-        let id = crate::delta::new_id()?;
-        let name: String = id.iter().map(|b| format!("{b:02x}")).collect();
-        Ok(dir.join(format!("{name}.delta")))
+        new_layer_path(beside.parent().unwrap_or(Path::new(".")))
     }
+}
+
+/// A path for a new delta in `dir`: `<dir>/<32 hex digits>.delta`, from 128
+/// random bits (so concurrent writers never pick the same name).
+///
+/// Errors: [`DiskError::Io`] (no randomness).
+pub fn new_layer_path(dir: &Path) -> Result<PathBuf, DiskError> {
+    let id = crate::delta::new_id()?;
+    let name: String = id.iter().map(|b| format!("{b:02x}")).collect();
+    Ok(dir.join(format!("{name}.delta")))
 }
 
 impl Disk for LayeredDisk {

@@ -407,3 +407,24 @@ fn a_raw_disk_reads_writes_and_punches_in_place() {
     assert!(matches!(rw.read_at(&mut buf, (1 << 20) - 100), Err(DiskError::OutOfRange { .. })));
     assert!(Disk::checkpoint(&mut rw).unwrap().is_none());
 }
+
+/// `create_top` over a checkpoint: a new writable disk that reads as the
+/// checkpoint and keeps its writes to itself.
+#[test]
+fn a_top_created_over_a_checkpoint_reads_it_and_writes_apart() {
+    let dir = tempfile::tempdir().unwrap();
+    let (base, _) = write_base(dir.path(), 1 << 20, 5);
+    let mut d = LayeredDisk::create(Some(&base), 2 << 20, 16, &dir.path().join("a.delta")).unwrap();
+    d.write_at(&[7; 512], 1 << 20).unwrap();
+    let frozen = Disk::checkpoint(&mut d).unwrap().unwrap();
+    let at = read_all(&d);
+    let child = LayeredDisk::create_top(&frozen, &dir.path().join("child.delta")).unwrap();
+    let mut c = LayeredDisk::open(&child).unwrap();
+    assert_eq!(read_all(&c), at);
+    c.write_at(&[8; 512], 0).unwrap();
+    assert_eq!(read_all(&d), at, "the parent does not see the child's write");
+    // A chain of only a raw base: the disk is the base's size.
+    let only = ChainSpec { base: Some(base.clone()), frozen: vec![], top: None };
+    let t = LayeredDisk::create_top(&only, &dir.path().join("t.delta")).unwrap();
+    assert_eq!(LayeredDisk::open(&t).unwrap().size(), 1 << 20);
+}

@@ -357,6 +357,14 @@ impl Snapshot {
         Ok(Self::from_payload(p, SnapshotMemory::Layered { base: base.map(Box::new), pages: Arc::new(pages) }))
     }
 
+    /// The disks recorded in the snapshot in `dir` ([`Snapshot::disks`]),
+    /// from its state file alone (checked as [`Snapshot::load`] checks it).
+    ///
+    /// Errors: the state file's [`SnapshotError`]s.
+    pub fn read_disks(dir: &Path) -> Result<Vec<Option<tine_storage::ChainSpec>>, SnapshotError> {
+        Ok(Self::read_state(dir)?.disks)
+    }
+
     /// Reads and checks the state file in `dir` (magic, version, length,
     /// CRC32, a CPUID table per vCPU).
     fn read_state(dir: &Path) -> Result<PayloadIn, SnapshotError> {

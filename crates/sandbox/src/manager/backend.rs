@@ -56,6 +56,18 @@ pub(crate) struct VmSpec {
     pub agent_socket: PathBuf,
     /// Its network device's NAT settings and control (`None`: no device).
     pub net: Option<vmm::NetConfig>,
+    /// Where its own disk comes from.
+    pub disk: DiskPlan,
+}
+
+/// Where a VM's own disk comes from ([`crate::disks`]).
+#[derive(Clone, Debug)]
+pub(crate) struct DiskPlan {
+    /// The directory its new top goes to.
+    pub dir: PathBuf,
+    /// The empty file system a booted VM's disk starts from (`None`: a
+    /// booted VM has no disk of its own and writes to guest memory).
+    pub blank: Option<PathBuf>,
 }
 
 /// A branch point: one instant of a VM that children are restored from.
@@ -211,6 +223,10 @@ pub(crate) trait VmHandle: Send + Sync {
     ///
     /// Errors: the VMM's (a full disk, an I/O error, device state).
     fn hibernate(&self, dir: &Path, base: &Base) -> Result<Hibernation, BackendError>;
+    /// Its disks now, in order: size (bytes) and files (every layer of
+    /// each chain), so that clean-up keeps them
+    /// ([`crate::disks::sweep`]) and usage can be counted.
+    fn disks(&self) -> Vec<(u64, tine_storage::ChainSpec)>;
     /// Takes a branch point (pausing for at most `pause_timeout` to park
     /// the vCPUs); a paused VM stays paused.
     ///

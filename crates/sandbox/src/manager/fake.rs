@@ -453,6 +453,10 @@ impl VmHandle for FakeVm {
         Ok(Hibernation { based, bytes: bytes.len() as u64, took: Duration::from_micros(3) })
     }
 
+    fn disks(&self) -> Vec<(u64, tine_storage::ChainSpec)> {
+        Vec::new()
+    }
+
     fn branch(&self, _pause_timeout: Duration) -> Result<BranchPoint, BackendError> {
         let image: Image = (lock(&self.shared.files).clone(), lock(&self.shared.procs).clone());
         Ok(BranchPoint {

@@ -4,17 +4,41 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use vmm::{DiskConfig, MemoryBacking, RunningVm, VmConfig, VmOutcome, VsockConfig};
+use tine_storage::ChainSpec;
+use vmm::{DiskConfig, DiskImage, MemoryBacking, RunningVm, VmConfig, VmOutcome, VsockConfig};
 
 use super::backend::{
-    BackendError, Base, BranchPoint, ExitWatch, Hibernation, VmBackend, VmEnd, VmHandle, VmSource, VmSpec,
+    BackendError, Base, BranchPoint, DiskPlan, ExitWatch, Hibernation, VmBackend, VmEnd, VmHandle, VmSource, VmSpec,
 };
+use crate::disks;
 
 /// The guest CID every sandbox's vsock device gets (each VM has its own
 /// device and host socket, so CIDs need not differ).
 const GUEST_CID: u64 = 3;
 /// The guest kernel's command line (the root is the read-only image).
 const CMDLINE: &str = "root=/dev/vda ro rootfstype=ext4 quiet";
+/// The sandbox's own disk is the second disk (`/dev/vdb`, after the root):
+/// its index in [`vmm::Snapshot::disks`].
+const SANDBOX_DISK: usize = 1;
+/// Its serial (GET_ID).
+const SANDBOX_DISK_ID: &str = "tine-disk";
+
+/// The frozen chain a VM started from `source` continues: a boot's blank
+/// file system, the template's or the snapshot's recorded disk; `None`
+/// when the source has no sandbox disk (a boot with disks off, or a
+/// template made without one: its devices are restored as they were).
+fn disk_below(plan: &DiskPlan, source: &VmSource, snapshot: Option<&vmm::Snapshot>) -> Option<ChainSpec> {
+    match source {
+        VmSource::Boot => plan.blank.clone().map(|blank| ChainSpec { base: Some(blank), ..ChainSpec::default() }),
+        VmSource::Template(t) => t.disk.clone(),
+        VmSource::Branch(_) => snapshot.and_then(|s| s.disks.get(SANDBOX_DISK).cloned().flatten()),
+        // The hibernation's own links to its layers.
+        VmSource::Hibernated { dir, .. } => match disks::load(dir) {
+            Ok(Some(chain)) => Some(chain),
+            _ => snapshot.and_then(|s| s.disks.get(SANDBOX_DISK).cloned().flatten()),
+        },
+    }
+}
 
 /// Starts `vmm` VMs.
 pub(crate) struct KvmBackend;
@@ -31,27 +55,40 @@ impl VmBackend for KvmBackend {
         config.net = spec.net.clone();
         config.cmdline = CMDLINE.into();
         config.huge_pages = spec.huge_pages;
-        let vm = match source {
-            VmSource::Boot => vmm::build_for_boot(&config),
+        let branch_snapshot = match source {
+            VmSource::Branch(image) => Some(image.downcast_ref::<vmm::Snapshot>().ok_or_else(|| {
+                BackendError::new(std::io::Error::other("the branch point was not made by this backend"))
+            })?),
+            _ => None,
+        };
+        let hibernated = match source {
+            VmSource::Hibernated { dir, base } => {
+                Some(vmm::Snapshot::load_hibernated(dir, base_memory(base)?).map_err(BackendError::new)?)
+            }
+            _ => None,
+        };
+        // The sandbox's own disk: a new top over what the source froze.
+        if let Some(below) = disk_below(&spec.disk, source, branch_snapshot.or(hibernated.as_ref())) {
+            let chain = disks::new_top(&below, &spec.disk.dir).map_err(BackendError::new)?;
+            config.disks.push(DiskConfig { image: DiskImage::Chain(chain), id: SANDBOX_DISK_ID.into() });
+        }
+        let (snapshot, backing) = match source {
+            VmSource::Boot => (None, spec.memory_backing),
             VmSource::Template(t) => {
                 config.prefetch = t.working_set().filter(|_| spec.prefetch);
-                vmm::build_from_snapshot(&config, &t.snapshot, spec.memory_backing)
+                (Some(&t.snapshot), spec.memory_backing)
             }
             // Children share the branch point's pages (MAP_PRIVATE of its
             // memfd) whatever the templates' backing.
-            VmSource::Branch(image) => {
-                let snapshot = image.downcast_ref::<vmm::Snapshot>().ok_or_else(|| {
-                    BackendError::new(std::io::Error::other("the branch point was not made by this backend"))
-                })?;
-                vmm::build_from_snapshot(&config, snapshot, MemoryBacking::Private)
-            }
+            VmSource::Branch(_) => (branch_snapshot, MemoryBacking::Private),
             // Private over the base whatever the templates' backing, so that
             // the next hibernation finds the guest's own pages in the page
             // tables.
-            VmSource::Hibernated { dir, base } => {
-                let snapshot = vmm::Snapshot::load_hibernated(dir, base_memory(base)?).map_err(BackendError::new)?;
-                vmm::build_from_snapshot(&config, &snapshot, MemoryBacking::Private)
-            }
+            VmSource::Hibernated { .. } => (hibernated.as_ref(), MemoryBacking::Private),
+        };
+        let vm = match snapshot {
+            None => vmm::build_for_boot(&config),
+            Some(snapshot) => vmm::build_from_snapshot(&config, snapshot, backing),
         }
         .map_err(BackendError::new)?;
         Ok(Box::new(KvmVm { vm, agent_socket: spec.agent_socket.clone() }))
@@ -139,13 +176,28 @@ impl VmHandle for KvmVm {
         self.vm.is_paused()
     }
 
+    /// The snapshot, and the sandbox disk's frozen chain kept in `dir`
+    /// ([`disks::keep`]): a template owns its disk.
     fn snapshot(&self, dir: &Path) -> Result<(), BackendError> {
-        self.vm.snapshot(dir).map(drop).map_err(BackendError::new)
+        let snapshot = self.vm.snapshot(dir).map_err(BackendError::new)?;
+        if let Some(Some(chain)) = snapshot.disks.get(SANDBOX_DISK) {
+            disks::keep(chain, dir).map_err(BackendError::new)?;
+        }
+        Ok(())
     }
 
+    fn disks(&self) -> Vec<(u64, ChainSpec)> {
+        self.vm.disks()
+    }
+
+    /// The hibernation, and the sandbox disk's frozen chain kept in `dir`
+    /// ([`disks::keep`]): a resume needs nothing else of its disk.
     fn hibernate(&self, dir: &Path, base: &Base) -> Result<Hibernation, BackendError> {
         let base = base_memory(base)?.map(|m| m.open()).transpose().map_err(BackendError::new)?;
         let r = self.vm.hibernate(dir, base.as_ref()).map_err(BackendError::new)?;
+        if let Some(Some(chain)) = r.disks.get(SANDBOX_DISK) {
+            disks::keep(chain, dir).map_err(BackendError::new)?;
+        }
         Ok(Hibernation { based: r.based, bytes: r.pages.file_bytes, took: r.took })
     }
 

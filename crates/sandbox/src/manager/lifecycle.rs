@@ -533,10 +533,15 @@ impl Manager {
             }
         }
         sb.retire(reason).await;
-        // Its record and hibernations, if it had any.
+        // Its record and hibernations, if it had any, then the disk
+        // layers only it used.
         if let Some(me) = self.me.upgrade() {
             let id = sb.id.clone();
-            let _ = tokio::task::spawn_blocking(move || me.remove_record(&id)).await;
+            let _ = tokio::task::spawn_blocking(move || {
+                me.remove_record(&id);
+                me.sweep_disks();
+            })
+            .await;
         }
     }
 
@@ -603,6 +608,7 @@ impl Manager {
                 .as_ref()
                 .zip(lock(&sb.net).clone())
                 .map(|(n, control)| vmm::NetConfig { stack: n.stack.clone(), control }),
+            disk: self.disk_plan.clone(),
         };
         let booted = matches!(source, VmSource::Boot);
         progress.report(
@@ -625,6 +631,7 @@ impl Manager {
         let uds = vm.agent_socket().to_path_buf();
         let watch = vm.exit_watch();
         sb.attach_vm(vm).map_err(io("spawn the monitor thread".into()))?;
+        self.note_vm(sb);
 
         let agent = self.wait_for_agent(sb, &*watch, &uds, progress, t0).await?;
         progress.report(secs(t0), None, format!("{}: agent ready; reseeding", sb.id));

@@ -28,6 +28,7 @@ mod branch;
 mod calls;
 mod control;
 mod diff;
+mod disk_sweep;
 mod error;
 #[cfg(test)]
 mod fake;
@@ -139,6 +140,10 @@ pub struct Manager {
     /// Held while a sandbox record is written or removed
     /// ([`records`]).
     records: Mutex<()>,
+    /// Where sandboxes' own disks come from ([`crate::disks`]).
+    disk_plan: backend::DiskPlan,
+    /// Sandboxes given a VM ([`disk_sweep`]): their layers are kept.
+    vms_with_disks: Mutex<Vec<std::sync::Weak<Sandbox>>>,
     /// This manager, for background work started from `&self` methods.
     me: std::sync::Weak<Manager>,
 }
@@ -199,6 +204,15 @@ impl Manager {
             tracing::info!("removing {} left by an earlier run", e.path().display());
             remove_dir(&e.path());
         }
+        let disks_dir = config.kept_dir.join(crate::disks::DISKS_DIR);
+        let blank = match config.limits.default_disk_mib {
+            0 => None,
+            mib => Some(crate::disks::blank_base(&disks_dir, mib << 20).map_err(|e| SandboxError::Io {
+                what: "set up sandbox disks".into(),
+                source: std::io::Error::other(e),
+            })?),
+        };
+        let disk_plan = backend::DiskPlan { dir: disks_dir, blank };
         let memory = MemoryBudget::new(config.limits.memory_budget_mib());
         tracing::info!(
             "guest memory budget: {} MiB; host memory watermark: {} MiB available",
@@ -208,9 +222,12 @@ impl Manager {
         let templates = TemplateStore::new(config.templates_dir.clone(), config.kernel.clone(), config.rootfs.clone())?
             .with_budget(memory.clone())
             .with_guest_setup(format!(
-                "machine {};{}",
+                "machine {};{}{}",
                 vmm::MACHINE_REVISION,
-                config.network.as_ref().map(|n| n.fingerprint()).unwrap_or_default()
+                config.network.as_ref().map(|n| n.fingerprint()).unwrap_or_default(),
+                // Sandboxes with a disk of their own: templates made before
+                // (their root's upper layer in memory) are rebuilt once.
+                if disk_plan.blank.is_some() { ";disk" } else { "" }
             ));
         let manager = Arc::new_cyclic(|me| Manager {
             me: me.clone(),
@@ -228,9 +245,12 @@ impl Manager {
             shutting_down: AtomicBool::new(false),
             kills: lifecycle::Kills::default(),
             slots: slots::Slots::new(&config.limits),
+            disk_plan,
+            vms_with_disks: Mutex::new(Vec::new()),
             config,
         });
         manager.recover();
+        manager.sweep_disks();
         Ok(manager)
     }
 
@@ -330,12 +350,16 @@ impl Manager {
         }
         // Both read /proc (smaps grows with every mapping of the process).
         let vm_of = sb.clone();
-        let (cpu, host_mem) = tokio::task::spawn_blocking(move || match lock(&vm_of.vm).vm.as_ref() {
-            Some(vm) => (vm.cpu_time(), vm.resident_memory_bytes()),
-            None => (Duration::ZERO, 0),
+        let me = self.me.upgrade();
+        let (cpu, host_mem, disk) = tokio::task::spawn_blocking(move || {
+            let (cpu, mem) = match lock(&vm_of.vm).vm.as_ref() {
+                Some(vm) => (vm.cpu_time(), vm.resident_memory_bytes()),
+                None => (Duration::ZERO, 0),
+            };
+            (cpu, mem, me.and_then(|m| m.sandbox_disk_use(&vm_of)))
         })
         .await
-        .unwrap_or((Duration::ZERO, 0));
+        .unwrap_or((Duration::ZERO, 0, None));
         // A paused guest cannot answer; its memory figures wait for resume.
         let guest = match sb.agent() {
             Some(a) => a.info(Duration::from_secs(10)).await.ok(),
@@ -347,6 +371,8 @@ impl Manager {
             guest_memory_used_bytes: guest.as_ref().map(|g| g.mem_total.saturating_sub(g.mem_available)),
             guest_memory_total_bytes: guest.as_ref().map(|g| g.mem_total),
             disk_free_bytes: guest.as_ref().map(|g| g.disk_free),
+            disk_size_bytes: disk.map(|d| d.0),
+            disk_host_bytes: disk.map(|d| d.1),
         })))
     }
 
@@ -390,17 +416,26 @@ impl Manager {
     /// timeout, deletes hibernated ones past their retention and, while the
     /// host is below its memory watermark, hibernates the least recently
     /// used idle ones ([`pressure`]); a thread beside it measures what
-    /// running sandboxes hold ([`Manager::measure_memory`]); they check
+    /// running sandboxes hold ([`Manager::measure_memory`]) and removes
+    /// unused disk layers every few minutes ([`disk_sweep`]); they check
     /// every `period` and ends when the manager is dropped.
     pub fn spawn_reaper(self: &Arc<Self>, period: Duration) -> tokio::task::JoinHandle<()> {
         // What running sandboxes hold is measured on a thread of its own
         // (blocking work every tick: on tokio's blocking pool it would keep
         // that pool's idle threads alive for ever).
         let weak = Arc::downgrade(self);
-        let measured = std::thread::Builder::new().name("tine-memory".into()).spawn(move || loop {
-            std::thread::sleep(period);
-            let Some(me) = weak.upgrade() else { return };
-            me.measure_memory();
+        // Disk layers nothing uses go too, now and then ([`disk_sweep`]).
+        let measured = std::thread::Builder::new().name("tine-memory".into()).spawn(move || {
+            let mut swept = std::time::Instant::now();
+            loop {
+                std::thread::sleep(period);
+                let Some(me) = weak.upgrade() else { return };
+                me.measure_memory();
+                if swept.elapsed() >= disk_sweep::MIN_AGE {
+                    me.sweep_disks();
+                    swept = std::time::Instant::now();
+                }
+            }
         });
         if let Err(e) = measured {
             tracing::warn!("cannot start the memory measuring thread (sandboxes count by their size): {e}");

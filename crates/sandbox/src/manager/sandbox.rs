@@ -93,6 +93,12 @@ pub struct Usage {
     pub guest_memory_total_bytes: Option<u64>,
     /// Free space on the guest's writable root (bytes), if the agent answered.
     pub disk_free_bytes: Option<u64>,
+    /// The size of the sandbox's own disk (bytes; README, Storage), if it
+    /// has one.
+    pub disk_size_bytes: Option<u64>,
+    /// Host disk its own disk layers take (bytes: its writes since it was
+    /// made, not what it shares with its template), if it has a disk.
+    pub disk_host_bytes: Option<u64>,
 }
 
 /// What a sandbox is and how it is doing.

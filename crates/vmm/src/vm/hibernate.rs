@@ -16,7 +16,7 @@ use crate::snapshot::{SnapshotMemory, PAGES_FILE};
 use crate::vm::{ControlError, RunningVm};
 
 /// What [`RunningVm::hibernate`] wrote.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct HibernateReport {
     /// Whether the page file holds only the pages that differ from a base
     /// (else every non-zero page).
@@ -27,6 +27,9 @@ pub struct HibernateReport {
     pub bytes_examined: u64,
     /// From the call to the synced directory.
     pub took: Duration,
+    /// Each disk's checkpoint at the capture ([`crate::Snapshot::disks`]),
+    /// also in the state file.
+    pub disks: Vec<Option<tine_storage::ChainSpec>>,
 }
 
 /// A file mapped read-only for the length of a hibernation.
@@ -120,7 +123,13 @@ impl RunningVm {
         snapshot.write_state(dir)?;
         let sync = File::open(dir).and_then(|d| d.sync_all());
         sync.map_err(|source| crate::snapshot::SnapshotError::Io { path: dir.to_path_buf(), source })?;
-        let report = HibernateReport { based: base.is_some(), pages, bytes_examined, took: start.elapsed() };
+        let report = HibernateReport {
+            based: base.is_some(),
+            pages,
+            bytes_examined,
+            took: start.elapsed(),
+            disks: snapshot.disks.clone(),
+        };
         tracing::info!(
             name = %self.name,
             based = report.based,

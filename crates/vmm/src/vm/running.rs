@@ -109,6 +109,19 @@ pub struct RunningVm {
 }
 
 impl RunningVm {
+    /// Each disk of the VM now, in order: its size (bytes) and its files
+    /// (each layer of a chain, the image of a raw disk; bottom first).
+    /// Locks each transport briefly.
+    pub fn disks(&self) -> Vec<(u64, tine_storage::ChainSpec)> {
+        let mut out = Vec::new();
+        for (_, _, t) in &self.shared.mmio {
+            if let Some(d) = crate::sync::lock(t).disk() {
+                out.push((d.size(), d.spec()));
+            }
+        }
+        out
+    }
+
     /// The console's last bytes (shared; grows as the guest writes).
     pub fn console(&self) -> &ConsoleTail {
         &self.console_tail

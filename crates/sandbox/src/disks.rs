@@ -1,0 +1,254 @@
+//! Sandboxes' own disks: where their files live on the host.
+//!
+//! Every sandbox has a writable disk besides the shared read-only root
+//! image: the guest's `/dev/vdb`, an ext4 file system that holds the upper
+//! layer of the guest's overlay root (`guest-agent`'s `init`), so what a
+//! sandbox writes is on host disk, not in its RAM. The disk is a
+//! copy-on-write chain ([`tine_storage::LayeredDisk`]); each snapshot,
+//! branch and hibernation freezes its top at the instant the VMM captures
+//! memory ([`vmm::Snapshot::disks`]), and a VM restored from it gets a new
+//! empty top of its own ([`new_top`]): O(1) in the data written.
+//!
+//! On the host:
+//!
+//! ```text
+//! <kept>/.disks/blank-<bytes>.ext4   an empty ext4 file system (mkfs.ext4,
+//!                                     sparse): the base of a booted VM's disk
+//! <kept>/.disks/<32 hex>.delta        sandboxes' layers, tops and frozen ones
+//! <template>/disk.json                the template's chain, names relative
+//! <template>/disk-base.img, disk-<i>.delta   hard links to its layers
+//! ```
+//!
+//! A template owns hard links to every layer of its frozen chain, so it
+//! survives the sandbox it was made from and can be copied as a directory.
+//! Layers in `.disks` that nothing uses any more are removed by [`sweep`].
+
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use tine_storage::ChainSpec;
+
+/// A template's disk chain, in its directory (names relative to it).
+pub const DISK_META: &str = "disk.json";
+/// The directory of sandboxes' layers in the kept directory.
+pub const DISKS_DIR: &str = ".disks";
+
+/// Errors of setting up sandbox disks.
+#[derive(Debug, thiserror::Error)]
+pub enum DisksError {
+    /// mkfs.ext4 is missing or failed.
+    #[error(
+        "cannot make an empty ext4 file system of {bytes} bytes for sandbox disks: {reason} (the host needs \
+         mkfs.ext4 from e2fsprogs)"
+    )]
+    Mkfs {
+        /// The file system's size, bytes.
+        bytes: u64,
+        /// Why.
+        reason: String,
+    },
+    /// A file operation failed.
+    #[error("{what}: {source}")]
+    Io {
+        /// What was being done.
+        what: String,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// A disk layer could not be made or opened.
+    #[error(transparent)]
+    Disk(#[from] tine_storage::DiskError),
+    /// A template's `disk.json` cannot be read.
+    #[error("{path}: {reason}")]
+    Meta {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        reason: String,
+    },
+}
+
+fn io(what: String) -> impl FnOnce(std::io::Error) -> DisksError {
+    move |source| DisksError::Io { what, source }
+}
+
+/// The empty ext4 file system of `bytes` bytes in `dir`, made once
+/// (`blank-<bytes>.ext4`, sparse: a few MiB on the host whatever its size)
+/// with `mkfs.ext4`: no reserved blocks, inode tables and journal left to
+/// read as zeros (the guest mounts it with `noinit_itable`).
+///
+/// Errors: [`DisksError::Mkfs`], [`DisksError::Io`].
+pub fn blank_base(dir: &Path, bytes: u64) -> Result<PathBuf, DisksError> {
+    let path = dir.join(format!("blank-{bytes}.ext4"));
+    if path.exists() {
+        return Ok(path);
+    }
+    std::fs::create_dir_all(dir).map_err(io(format!("create {}", dir.display())))?;
+    let tmp = dir.join(format!(".blank-{bytes}.{}.tmp", std::process::id()));
+    let file = std::fs::File::create(&tmp).map_err(io(format!("create {}", tmp.display())))?;
+    file.set_len(bytes).map_err(io(format!("size {}", tmp.display())))?;
+    drop(file);
+    let mkfs = ["/usr/sbin/mkfs.ext4", "/sbin/mkfs.ext4"].into_iter().find(|p| Path::new(p).exists());
+    let out = std::process::Command::new(mkfs.unwrap_or("mkfs.ext4"))
+        .args(["-q", "-F", "-m", "0", "-L", "tine-disk", "-E", "lazy_itable_init=1,lazy_journal_init=1,nodiscard"])
+        .arg(&tmp)
+        .output();
+    let failed = match out {
+        Ok(o) if o.status.success() => None,
+        Ok(o) => Some(format!("{}: {}", o.status, String::from_utf8_lossy(&o.stderr).trim())),
+        Err(e) => Some(e.to_string()),
+    };
+    if let Some(reason) = failed {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(DisksError::Mkfs { bytes, reason });
+    }
+    std::fs::rename(&tmp, &path).map_err(io(format!("rename {} into place", tmp.display())))?;
+    Ok(path)
+}
+
+/// A new empty writable top in `dir` over the frozen chain `lower`: a
+/// disk that reads as `lower` and keeps its writes to itself.
+///
+/// Errors: [`DisksError::Io`] (creating `dir`), [`DisksError::Disk`].
+pub fn new_top(lower: &ChainSpec, dir: &Path) -> Result<ChainSpec, DisksError> {
+    std::fs::create_dir_all(dir).map_err(io(format!("create {}", dir.display())))?;
+    let top = tine_storage::chain::new_layer_path(dir)?;
+    Ok(tine_storage::LayeredDisk::create_top(lower, &top)?)
+}
+
+/// Makes the frozen chain `chain` part of the template directory `dir`:
+/// a hard link to each layer (`disk-base.img`, `disk-<i>.delta`, bottom
+/// first) and [`DISK_META`] naming them, so the template keeps them
+/// whatever happens to the sandbox it was made from.
+///
+/// Errors: [`DisksError::Io`] (a layer on another file system than the
+/// template cannot be linked).
+pub fn keep(chain: &ChainSpec, dir: &Path) -> Result<(), DisksError> {
+    let link = |from: &Path, name: String| -> Result<PathBuf, DisksError> {
+        let to = dir.join(&name);
+        let _ = std::fs::remove_file(&to);
+        std::fs::hard_link(from, &to).map_err(io(format!(
+            "link disk layer {} into template {}",
+            from.display(),
+            dir.display()
+        )))?;
+        Ok(PathBuf::from(name))
+    };
+    let relative = ChainSpec {
+        base: chain.base.as_deref().map(|b| link(b, "disk-base.img".into())).transpose()?,
+        frozen: chain
+            .frozen
+            .iter()
+            .enumerate()
+            .map(|(i, f)| link(f, format!("disk-{i}.delta")))
+            .collect::<Result<_, _>>()?,
+        top: None,
+    };
+    let json = serde_json::to_vec_pretty(&relative)
+        .map_err(|e| io(format!("encode {DISK_META}"))(std::io::Error::other(e)))?;
+    crate::store::write_synced(&dir.join(DISK_META), &json)
+        .map_err(|e| DisksError::Io { what: format!("write {DISK_META}"), source: std::io::Error::other(e) })?;
+    std::fs::File::open(dir).and_then(|d| d.sync_all()).map_err(io(format!("sync {}", dir.display())))
+}
+
+/// The frozen disk chain of the template in `dir` (absolute paths), or
+/// `None` for a template made before sandboxes had disks.
+///
+/// Errors: [`DisksError::Meta`] (unreadable, or naming a file outside
+/// `dir`).
+pub fn load(dir: &Path) -> Result<Option<ChainSpec>, DisksError> {
+    let path = dir.join(DISK_META);
+    let bytes = match std::fs::read(&path) {
+        Ok(b) => b,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(DisksError::Meta { path, reason: e.to_string() }),
+    };
+    let rel: ChainSpec =
+        serde_json::from_slice(&bytes).map_err(|e| DisksError::Meta { path: path.clone(), reason: e.to_string() })?;
+    let inside = |p: &Path| -> Result<PathBuf, DisksError> {
+        let plain =
+            p.components().count() == 1 && matches!(p.components().next(), Some(std::path::Component::Normal(_)));
+        if !plain {
+            return Err(DisksError::Meta {
+                path: path.clone(),
+                reason: format!("{} is not a file of the template", p.display()),
+            });
+        }
+        Ok(dir.join(p))
+    };
+    Ok(Some(ChainSpec {
+        base: rel.base.as_deref().map(inside).transpose()?,
+        frozen: rel.frozen.iter().map(|f| inside(f)).collect::<Result<_, _>>()?,
+        top: None,
+    }))
+}
+
+/// Removes the layers (`*.delta`) in `dir` that `used` does not name and
+/// that are older than `min_age` (a layer made a moment ago may belong to
+/// a VM that is starting). Returns how many were removed.
+pub fn sweep(dir: &Path, used: &HashSet<PathBuf>, min_age: Duration) -> usize {
+    let Ok(entries) = std::fs::read_dir(dir) else { return 0 };
+    let mut removed = 0;
+    for e in entries.flatten() {
+        let path = e.path();
+        if path.extension().is_none_or(|x| x != "delta") || used.contains(&path) {
+            continue;
+        }
+        let old = e.metadata().and_then(|m| m.modified()).map(|t| t.elapsed().unwrap_or_default() >= min_age);
+        if old.unwrap_or(false) && std::fs::remove_file(&path).is_ok() {
+            removed += 1;
+        }
+    }
+    if removed > 0 {
+        tracing::info!(dir = %dir.display(), "removed {removed} disk layers no sandbox, branch point or hibernation uses");
+    }
+    removed
+}
+
+/// Every file of `chain`.
+pub fn files(chain: &ChainSpec) -> impl Iterator<Item = &PathBuf> {
+    chain.base.iter().chain(chain.frozen.iter()).chain(chain.top.iter())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A blank base, a top over it, kept in a template directory and loaded
+    /// back; layers nothing names are swept, named ones stay.
+    #[test]
+    fn a_chain_kept_in_a_template_loads_back_and_unused_layers_are_swept() {
+        let dir = tempfile::tempdir().unwrap();
+        let disks = dir.path().join(DISKS_DIR);
+        let base = match blank_base(&disks, 64 << 20) {
+            Ok(b) => b,
+            Err(e) => panic!("{e}"),
+        };
+        assert_eq!(blank_base(&disks, 64 << 20).unwrap(), base, "made once");
+        let chain = new_top(&ChainSpec { base: Some(base.clone()), ..Default::default() }, &disks).unwrap();
+        let mut d = tine_storage::LayeredDisk::open(&chain).unwrap();
+        d.write_at(&[5; 4096], 1 << 20).unwrap();
+        let frozen = tine_storage::Disk::checkpoint(&mut d).unwrap().unwrap();
+        let template = dir.path().join("t");
+        std::fs::create_dir(&template).unwrap();
+        keep(&frozen, &template).unwrap();
+        let loaded = load(&template).unwrap().unwrap();
+        assert_eq!(loaded.base, Some(template.join("disk-base.img")));
+        assert_eq!(loaded.frozen, vec![template.join("disk-0.delta")]);
+        let child = new_top(&loaded, &disks).unwrap();
+        let c = tine_storage::LayeredDisk::open(&child).unwrap();
+        let mut buf = [0u8; 4096];
+        c.read_at(&mut buf, 1 << 20).unwrap();
+        assert_eq!(buf, [5; 4096]);
+        // The sandbox's layers go; the child's top stays (named); the
+        // template keeps its links.
+        let used: HashSet<PathBuf> = files(&child).cloned().collect();
+        assert_eq!(sweep(&disks, &used, Duration::ZERO), 2, "the sandbox's frozen layer and its new top");
+        assert!(child.top.as_ref().unwrap().exists());
+        assert!(tine_storage::LayeredDisk::open(&loaded).is_ok());
+        // A disk.json naming a file outside the template is refused.
+        std::fs::write(template.join(DISK_META), br#"{"base":"../x","frozen":[],"top":null}"#).unwrap();
+        assert!(matches!(load(&template), Err(DisksError::Meta { .. })));
+    }
+}

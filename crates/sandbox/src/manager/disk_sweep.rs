@@ -1,0 +1,71 @@
+//! Clean-up of sandbox disk layers ([`crate::disks`]): the layers in
+//! `<kept>/.disks` that no VM, hibernation or template uses any more are
+//! removed ([`Manager::sweep_disks`]) at start, after a sandbox ends and
+//! after a hibernation (whose VM's last top is then unused).
+//!
+//! What is in use: every layer of every VM this manager started and that
+//! still has one (listed or not: pooled sandboxes and template builds
+//! too). Templates and hibernations own hard links of their layers in
+//! their own directories ([`crate::disks::keep`]), so removing a name in
+//! `.disks` never takes a layer they need. A layer made in the last
+//! [`MIN_AGE`] is kept whatever: it may be the new top of a VM still
+//! starting.
+
+use std::collections::HashSet;
+use std::path::PathBuf;
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use super::{Manager, Sandbox};
+use crate::lock;
+
+/// Layers younger than this are never removed.
+pub(super) const MIN_AGE: Duration = Duration::from_secs(120);
+
+impl Manager {
+    /// Notes that `sb` has a VM now, whose disk layers a sweep must keep
+    /// while it has it.
+    pub(super) fn note_vm(&self, sb: &Arc<Sandbox>) {
+        let mut vms = lock(&self.vms_with_disks);
+        vms.retain(|w| w.strong_count() > 0);
+        vms.push(Arc::downgrade(sb));
+    }
+
+    /// Every disk layer in use ([module docs](self)).
+    fn disk_layers_in_use(&self) -> HashSet<PathBuf> {
+        let mut used = HashSet::new();
+        let vms: Vec<Arc<Sandbox>> = lock(&self.vms_with_disks).iter().filter_map(Weak::upgrade).collect();
+        for sb in vms {
+            if let Some(vm) = lock(&sb.vm).vm.as_ref() {
+                for (_, chain) in vm.disks() {
+                    used.extend(crate::disks::files(&chain).cloned());
+                }
+            }
+        }
+        used
+    }
+
+    /// The sandbox disk of `sb`'s VM (the chain in [`crate::disks`]'s
+    /// directory, not the shared root image): its size (bytes) and the
+    /// host bytes its own layers take (allocated blocks of the layers in
+    /// `.disks`: its top and what it froze; a template's layers, which its
+    /// sandboxes share, are not counted). `None` without a VM or disk.
+    pub(super) fn sandbox_disk_use(&self, sb: &Sandbox) -> Option<(u64, u64)> {
+        use std::os::unix::fs::MetadataExt;
+        let slot = lock(&sb.vm);
+        let (size, chain) = slot.vm.as_ref()?.disks().into_iter().find(|(_, c)| c.top.is_some())?;
+        drop(slot);
+        let own = crate::disks::files(&chain)
+            .filter(|f| f.parent() == Some(self.disk_plan.dir.as_path()))
+            .filter_map(|f| std::fs::metadata(f).ok())
+            .map(|m| m.blocks() * 512)
+            .sum();
+        Some((size, own))
+    }
+
+    /// Removes the disk layers nothing uses ([module docs](self)).
+    /// Blocking (directory walks, the VMs' transports locked in turn).
+    pub(super) fn sweep_disks(&self) {
+        crate::disks::sweep(&self.disk_plan.dir, &self.disk_layers_in_use(), MIN_AGE);
+    }
+}
