@@ -94,14 +94,14 @@ async fn a_sandbox_writes_more_than_its_ram_to_its_own_disk() {
     let client = server.client().await;
     let a = create(&client, json!({})).await;
 
-    // The root's upper layer is on /dev/vdb: about 10 GiB free.
-    let mounts =
-        stdout(&exec(&client, &a, "grep -E '^/dev/vdb ' /proc/mounts; df -B1 --output=size,avail / | tail -n 1").await);
-    eprintln!("mounts and df: {mounts}");
-    assert!(mounts.contains("/dev/vdb "), "the sandbox disk is mounted: {mounts}");
-    let size: u64 =
-        mounts.lines().last().and_then(|l| l.split_whitespace().next()).and_then(|s| s.parse().ok()).unwrap();
-    assert!(size > 9 << 30, "the root has the disk's room: {size} bytes");
+    // The root's upper layer is on /dev/vdb (whose mount the switch to the
+    // overlay hides): the root has the disk's room (the config's).
+    let df = stdout(&exec(&client, &a, "df -B1 --output=size,avail / | tail -n 1; cat /sys/block/vdb/size").await);
+    eprintln!("df, vdb sectors: {df}");
+    let size: u64 = df.split_whitespace().next().and_then(|s| s.parse().ok()).unwrap();
+    let disk_mib = (2 * mib).max(1024);
+    assert!(size > (disk_mib - 100) << 20, "the root has the disk's room: {df}");
+    assert_eq!(df.lines().last(), Some((disk_mib << 11).to_string().as_str()), "vdb is {disk_mib} MiB: {df}");
 
     let t = Instant::now();
     let written = stdout(&exec(&client, &a, &write_and_hash("/root/big", mib)).await);
@@ -155,9 +155,16 @@ async fn branches_hibernations_and_a_full_disk() {
     // A full disk: the guest's own file system says ENOSPC (fallocate
     // takes the free space without writing it), the tool says so, and
     // the sandbox goes on once space is freed.
-    let fill = exec(&client, &p, "fallocate -l $(df -B1 --output=avail / | tail -n 1) /root/fill; echo rc=$?; df -B1 --output=avail / | tail -n 1").await;
+    let fill = exec(
+        &client,
+        &p,
+        "fallocate -l $(( $(df -B1 --output=avail / | tail -n 1) - (16 << 20) )) /root/fill; echo rc=$?; \
+         df -B1 --output=avail / | tail -n 1",
+    )
+    .await;
     eprintln!("fill: {fill}");
-    let full = exec(&client, &p, "head -c 1048576 /dev/zero > /root/more; echo rc=$?").await;
+    assert!(stdout(&fill).starts_with("rc=0"), "{fill}");
+    let full = exec(&client, &p, "head -c 33554432 /dev/zero > /root/more; echo rc=$?").await;
     let err = full["stderr"].as_str().unwrap_or_default();
     assert!(err.contains("No space left on device"), "the guest meets ENOSPC: {full}");
     let e = call(

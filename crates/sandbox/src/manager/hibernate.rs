@@ -273,7 +273,13 @@ impl Manager {
         // Not at shutdown: a sandbox not hibernated then is lost, and the
         // disk itself is the limit.
         let budget_mib = self.hibernation_disk_budget_mib();
-        let used_mib = if why == HibernateWhy::Shutdown { 0 } else { crate::store::disk_use(kept) >> 20 };
+        // Live sandboxes' disk layers are not kept state (a hibernation's
+        // layers are: it holds links to them in its own directory).
+        let kept_bytes = || {
+            let disks = crate::store::disk_use(&kept.join(crate::disks::DISKS_DIR));
+            crate::store::disk_use(kept).saturating_sub(disks)
+        };
+        let used_mib = if why == HibernateWhy::Shutdown { 0 } else { kept_bytes() >> 20 };
         if used_mib >= budget_mib {
             return Err(failed(format!(
                 "the kept sandboxes' files take {used_mib} MiB, the server's hibernation disk budget is {budget_mib} MiB \
