@@ -8,9 +8,13 @@ for most of the run. This runner takes the executables that
 `--jobs` of them at once (default: the host's cores, at most 4), the
 longest first, each in its package's directory as cargo does, and prints
 each one's results when it ends: its `test` lines and summary when it
-passed, its whole output when it failed. Whole outputs are kept in
-`--logs`. Exits 1 if any binary failed (all of them run regardless), 2 on
-bad input. Arguments after `--` go to every test binary (e.g. a filter).
+passed, its whole output when it failed; and each one's wall and CPU time
+(its own and that of the children it waited for, the test servers and
+their guests included: on a host that emulates guest kernel mode, the
+CPU time is the guests' work, which sets the run's time). Whole outputs
+are kept in `--logs`. Exits 1 if any binary failed (all of them run
+regardless), 2 on bad input. Arguments after `--` go to every test
+binary (e.g. a filter).
 
 Within a binary, tests run as libtest runs them (a static lock still
 keeps two apart); binaries share nothing in memory, and those that share
@@ -125,8 +129,13 @@ def main():
         log_path = os.path.join(opts.logs, name.replace("::", "--") + ".log")
         t = time.monotonic()
         with open(log_path, "wb") as log:
-            rc = subprocess.run([exe, *opts.args], cwd=cwd, stdout=log, stderr=subprocess.STDOUT).returncode
+            child = subprocess.Popen([exe, *opts.args], cwd=cwd, stdout=log, stderr=subprocess.STDOUT)
+            # wait4: the binary's CPU time with that of the children it
+            # waited for (the servers it started, which run the guests).
+            _, status, usage = os.wait4(child.pid, 0)
+            child.returncode = rc = os.waitstatus_to_exitcode(status)
         took = time.monotonic() - t
+        cpu = usage.ru_utime + usage.ru_stime
         with open(log_path, encoding="utf-8", errors="replace") as log:
             text = log.read()
         if rc == 0:
@@ -135,9 +144,12 @@ def main():
         else:
             body = text
         with lock:
-            results.append((name, rc, took))
+            results.append((name, rc, took, cpu))
             verdict = "ok" if rc == 0 else f"FAILED (exit {rc})"
-            print(f"\n==> {name}: {verdict} in {took:.0f} s (at {time.monotonic() - started:.0f} s)\n{body}", flush=True)
+            print(
+                f"\n==> {name}: {verdict} in {took:.0f} s, CPU {cpu:.0f} s (at {time.monotonic() - started:.0f} s)\n{body}",
+                flush=True,
+            )
 
     threads = [threading.Thread(target=worker) for _ in range(max(1, opts.jobs))]
     for th in threads:
@@ -148,9 +160,14 @@ def main():
         run(name, exe, cwd)
 
     failed = [r for r in results if r[1] != 0]
-    print(f"\nrun-tests: {len(results)} binaries in {time.monotonic() - started:.0f} s, {opts.jobs} at a time; each:")
-    for name, rc, took in sorted(results, key=lambda r: -r[2]):
-        print(f"  {took:7.0f} s  {name}{'' if rc == 0 else '  FAILED'}")
+    wall = time.monotonic() - started
+    cpu = sum(r[3] for r in results)
+    print(
+        f"\nrun-tests: {len(results)} binaries in {wall:.0f} s, {opts.jobs} at a time, CPU {cpu:.0f} s "
+        f"({cpu / wall / (os.cpu_count() or 1):.0%} of the host's {os.cpu_count()} CPUs); each (wall, CPU):"
+    )
+    for name, rc, took, cpu in sorted(results, key=lambda r: -r[2]):
+        print(f"  {took:7.0f} s {cpu:7.0f} s  {name}{'' if rc == 0 else '  FAILED'}")
     if failed:
         print(f"run-tests: {len(failed)} failed: {', '.join(r[0] for r in failed)}")
         return 1
