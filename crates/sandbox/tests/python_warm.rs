@@ -11,10 +11,28 @@ use tine_sandbox::{ExecRequest, Limits, SandboxSpec};
 /// The user-visible names in the cells' namespace.
 const NAMES: &str = "[k for k in globals() if not k.startswith('__')]";
 
+/// Waits in bash without a process per step: `nap SECONDS` is bash's own
+/// `read -t` on a FIFO no one writes to, and `state PID` reads a process's
+/// state letter into `$st` and its number of threads into `$n` from
+/// `/proc/PID/status` with `read` (a `ps | grep` and a `sleep` per step
+/// were three process starts, seconds of guest kernel work each here).
+const WAIT_TOOLS: &str = "[ -p /tmp/nap ] || mkfifo /tmp/nap; exec 9<>/tmp/nap; nap() { read -t \"$1\" -u 9; }; \
+                          state() { st= n=; while read -r k v _; do case $k in State:) st=$v ;; \
+                          Threads:) n=$v ;; esac; done < /proc/$1/status; } 2>/dev/null; ";
+
 /// Kills the guest's python3 and waits until it has exited (a zombie
-/// until the agent looks at it on its next call).
-const KILL_PYTHON: &str = "pkill -x python3 && for i in $(seq 100); do ps -o stat= -C python3 | grep -q Z && break; \
-                           sleep 0.1; done && echo killed";
+/// until the agent looks at it on its next call, or gone), then prints
+/// `killed`; prints nothing if it has not within some 100 s. A zombie is
+/// one thread: the interpreter has two, and its main thread shows `Z`
+/// while the other still exits, seconds of guest kernel work here, during
+/// which the agent cannot reap it yet (and so takes it for running).
+fn kill_python() -> ExecRequest {
+    let command = format!(
+        "{WAIT_TOOLS}p=$(pgrep -x python3) && kill $p && for ((i = 0; i < 1000; i++)); do state $p; \
+         if [ ! -e /proc/$p ] || [ \"$st\" = Z -a \"$n\" = 1 ]; then echo killed; break; fi; nap 0.1; done"
+    );
+    ExecRequest { command, timeout_ms: 300_000, ..ExecRequest::default() }
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restored_sandboxes_have_a_warm_python_with_an_empty_namespace() {
@@ -48,8 +66,7 @@ async fn restored_sandboxes_have_a_warm_python_with_an_empty_namespace() {
     // A sandbox whose interpreter exited: a snapshot of it warms up a new
     // one, so the template's sandboxes again start none.
     manager.python(&id, "x = 21".into(), 0).await.expect("set x");
-    let killed =
-        manager.exec(&id, ExecRequest { command: KILL_PYTHON.into(), ..ExecRequest::default() }).await.expect("kill");
+    let killed = manager.exec(&id, kill_python()).await.expect("kill");
     assert_eq!(String::from_utf8_lossy(&killed.stdout.data).trim(), "killed");
     manager.snapshot(&id, "mine").await.expect("snapshot");
     let b = manager
@@ -64,10 +81,8 @@ async fn restored_sandboxes_have_a_warm_python_with_an_empty_namespace() {
 
     // The interpreter's start is not in a cell's timeout: a 1 s cell after
     // the interpreter exited runs whatever the start takes.
-    manager
-        .exec(&b.sandbox_id, ExecRequest { command: KILL_PYTHON.into(), ..ExecRequest::default() })
-        .await
-        .expect("kill python3");
+    let killed = manager.exec(&b.sandbox_id, kill_python()).await.expect("kill python3");
+    assert_eq!(String::from_utf8_lossy(&killed.stdout.data).trim(), "killed");
     let r = manager.python(&b.sandbox_id, "sum(range(10))".into(), 1_000).await.expect("a 1 s cell");
     let start = r.interpreter_start_ms.expect("the cell started an interpreter");
     eprintln!("interpreter start: {start} ms (cell timeout 1000 ms)");
@@ -87,10 +102,11 @@ async fn restored_sandboxes_have_a_warm_python_with_an_empty_namespace() {
     let resume = manager.exec(
         &b.sandbox_id,
         ExecRequest {
-            command: "for i in $(seq 600); do ps -o stat= -C python3 | grep -q T && break; sleep 0.1; done; \
-                      sleep 8; kill -CONT $(pgrep -x python3)"
-                .into(),
-            timeout_ms: 120_000,
+            command: format!(
+                "{WAIT_TOOLS}p=$(pgrep -x python3) && for ((i = 0; i < 1000; i++)); do \
+                 state $p; [ \"$st\" = T ] && break; nap 0.1; done; nap 8; kill -CONT $p"
+            ),
+            timeout_ms: 300_000,
             ..ExecRequest::default()
         },
     );

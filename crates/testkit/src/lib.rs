@@ -94,10 +94,15 @@ pub fn huge_pages_available(test: &str, bytes: u64) -> bool {
 /// `kernel-config/build-kernel.sh` builds for this host (cached; a build
 /// takes minutes the first time).
 pub fn kernel() -> PathBuf {
-    if let Some(k) = std::env::var_os("TINE_KERNEL").filter(|v| !v.is_empty()) {
-        return PathBuf::from(k);
-    }
-    run_build_script("kernel-config/build-kernel.sh", &[])
+    static KERNEL: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    KERNEL
+        .get_or_init(|| {
+            if let Some(k) = std::env::var_os("TINE_KERNEL").filter(|v| !v.is_empty()) {
+                return PathBuf::from(k);
+            }
+            run_build_script("kernel-config/build-kernel.sh", &[])
+        })
+        .clone()
 }
 
 /// Runs one of the repository's build scripts (path relative to the
@@ -200,12 +205,19 @@ fn mkfs_ext4(root: &Path, image: &Path, size_mib: u64) -> PathBuf {
 }
 
 /// The guest root filesystem image `rootfs/build-rootfs.sh` builds
-/// (Debian with python3 and the agent; cached), or `$TINE_ROOTFS`.
+/// (Debian with python3 and the agent; cached), or `$TINE_ROOTFS`. Looked
+/// up once per process (each look-up runs cargo for the agent and the
+/// script; servers and VM configurations ask for it at every start).
 pub fn rootfs() -> PathBuf {
-    if let Some(r) = std::env::var_os("TINE_ROOTFS").filter(|v| !v.is_empty()) {
-        return PathBuf::from(r);
-    }
-    run_build_script("rootfs/build-rootfs.sh", &[&build_agent()])
+    static ROOTFS: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    ROOTFS
+        .get_or_init(|| {
+            if let Some(r) = std::env::var_os("TINE_ROOTFS").filter(|v| !v.is_empty()) {
+                return PathBuf::from(r);
+            }
+            run_build_script("rootfs/build-rootfs.sh", &[&build_agent()])
+        })
+        .clone()
 }
 
 /// A VM of the Debian rootfs with the guest agent as init: 512 MiB,

@@ -181,15 +181,41 @@ const HOST_CA_BUNDLE: &str = "/etc/ssl/certs/ca-certificates.crt";
 /// A server configuration for tests that reach the package registries:
 /// `[limits] boot_timeout_secs = 1200` and, where the host has its CA
 /// bundle, `[network] ca_certificates` naming it (so guests trust what
-/// the host trusts). Servers with this configuration share their default
-/// template ([`TineServer::start_with_default_template`]).
+/// the host trusts). [`TineServer::start_with_default_template`] gives
+/// every configuration that line ([`with_host_ca`]), so their servers
+/// share one default template.
 pub fn registry_config() -> String {
-    let limits = "[limits]\nboot_timeout_secs = 1200\n";
-    if Path::new(HOST_CA_BUNDLE).exists() {
-        format!("{limits}[network]\nca_certificates = [\"{HOST_CA_BUNDLE}\"]\n")
-    } else {
-        limits.to_string()
+    with_host_ca("[limits]\nboot_timeout_secs = 1200\n")
+}
+
+/// `config` with the host's CA bundle in its guests' trust store
+/// (`ca_certificates` in its `[network]` table, which is added if it has
+/// none), where the host has the bundle and `config` names no CA
+/// certificates of its own; else `config` as it is. The CA certificates
+/// are part of the default template's guest set-up: servers that need the
+/// default template all get them, so that one build of it serves a run
+/// (`packages.rs` needs them for pip through this host's TLS-inspecting
+/// proxy; to the others they are an extra file in the guest).
+pub fn with_host_ca(config: &str) -> String {
+    if config.lines().any(|l| l.trim().starts_with("ca_certificates")) || !Path::new(HOST_CA_BUNDLE).exists() {
+        return config.to_string();
     }
+    let line = format!("ca_certificates = [\"{HOST_CA_BUNDLE}\"]");
+    let mut out = String::new();
+    let mut added = false;
+    for l in config.lines() {
+        out.push_str(l);
+        out.push('\n');
+        if !added && l.trim() == "[network]" {
+            out.push_str(&line);
+            out.push('\n');
+            added = true;
+        }
+    }
+    if !added {
+        out.push_str(&format!("[network]\n{line}\n"));
+    }
+    out
 }
 
 /// A TCP port free on 127.0.0.1 now (the kernel's pick).
@@ -220,8 +246,12 @@ impl TineServer {
     /// its CA certificates) built one, its copy is put in the new
     /// data directory first, so the server loads it (checking its
     /// checksums and image identities, and rebuilding it if they do not
-    /// match) instead of a cold boot of a minute or more. Tests that are
-    /// about the default template's build use [`TineServer::start`].
+    /// match) instead of a cold boot of a minute or more. `config` gets the
+    /// host's CA bundle ([`with_host_ca`]) unless it names CA certificates
+    /// itself, so that the servers of a run share one build. Tests that are
+    /// about the default template's build use [`TineServer::start_cold`]
+    /// (whose build is the run's copy when it comes first) or
+    /// [`TineServer::start`].
     ///
     /// Test binaries run at the same time (scripts/run-tests.py): a lock
     /// file beside the copies makes the first server build while the
@@ -234,27 +264,34 @@ impl TineServer {
     /// [`TineServer::start_with_default_template`], listening on
     /// 127.0.0.1:`port`.
     pub fn start_with_default_template_on(binary: &Path, token: Option<&str>, config: &str, port: u16) -> TineServer {
+        let config = &with_host_ca(config);
         let seed = default_template_seed(binary, config);
-        let _lock = crate::lock_file(&seed.parent().expect("seed parent").with_extension("lock"));
+        let _lock = crate::lock_file(&seed_lock(&seed));
         let seeded = seed.join("template.json").exists();
         let server = Self::start_seeded(binary, token, config, seeded.then_some(seed.as_path()), port);
         server.wait_for_default_template(Duration::from_secs(1200));
         if !seeded {
-            // Keep a copy for the next server; only the newest key is kept.
-            let parent = seed.parent().expect("seed parent");
-            if let Ok(d) = std::fs::read_dir(parent) {
-                for e in d.flatten() {
-                    let _ = std::fs::remove_dir_all(e.path());
-                }
-            }
-            let tmp = parent.join(format!(".tmp-{}", std::process::id()));
-            let _ = std::fs::create_dir_all(parent);
-            if copy_dir(&server.data_dir.join("templates/default"), &tmp) {
-                let _ = std::fs::rename(&tmp, &seed);
-            }
-            let _ = std::fs::remove_dir_all(&tmp);
+            keep_seed(&server, &seed);
         }
         server
+    }
+
+    /// [`TineServer::start`] for a test of the default template's build
+    /// (a cold boot at the server's start, which the server always does
+    /// here), with the guest set-up of
+    /// [`TineServer::start_with_default_template`] (`config` with the
+    /// host's CA bundle). When this test run has no copy of that template
+    /// yet, the build becomes the run's copy: the returned
+    /// [`SharedTemplate`] holds the lock that servers wanting the copy wait
+    /// on until [`SharedTemplate::share`] (or its drop), so that the run
+    /// builds the default template once.
+    pub fn start_cold(binary: &Path, token: Option<&str>, config: &str) -> (TineServer, SharedTemplate) {
+        let config = &with_host_ca(config);
+        let seed = default_template_seed(binary, config);
+        let lock = crate::lock_file(&seed_lock(&seed));
+        let lock = (!seed.join("template.json").exists()).then_some(lock);
+        let server = Self::start_seeded(binary, token, config, None, free_port());
+        (server, SharedTemplate { seed, lock })
     }
 
     /// [`TineServer::start`], with `default_template` (a template
@@ -473,6 +510,56 @@ fn default_template_seed(binary: &Path, config: &str) -> PathBuf {
     };
     let dir = binary.parent().unwrap_or(Path::new("/tmp")).join("tine-test-templates").join(variant);
     dir.join(format!("{:016x}", h.finish()))
+}
+
+/// The run's copy of the default template, claimed by a server that
+/// builds it cold ([`TineServer::start_cold`]).
+pub struct SharedTemplate {
+    /// Where the copy goes ([`default_template_seed`]).
+    seed: PathBuf,
+    /// The lock beside it, held when there was no copy: servers that want
+    /// one wait for this build's.
+    lock: Option<std::fs::File>,
+}
+
+impl SharedTemplate {
+    /// Whether this build becomes the run's copy (there was none).
+    pub fn is_first(&self) -> bool {
+        self.lock.is_some()
+    }
+
+    /// Waits for `server`'s default template; when this build is the
+    /// run's first, keeps a copy of it for the run's later servers and
+    /// lets them go on.
+    pub fn share(self, server: &TineServer) {
+        server.wait_for_default_template(Duration::from_secs(1200));
+        if self.lock.is_some() {
+            keep_seed(server, &self.seed);
+        }
+    }
+}
+
+/// The lock file of the copies beside `seed` (one per guest set-up).
+fn seed_lock(seed: &Path) -> PathBuf {
+    seed.parent().expect("seed parent").with_extension("lock")
+}
+
+/// Keeps a copy of `server`'s default template at `seed` for the run's
+/// next servers (under the lock of [`seed_lock`]); only the newest key is
+/// kept.
+fn keep_seed(server: &TineServer, seed: &Path) {
+    let parent = seed.parent().expect("seed parent");
+    if let Ok(d) = std::fs::read_dir(parent) {
+        for e in d.flatten() {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
+    let tmp = parent.join(format!(".tmp-{}", std::process::id()));
+    let _ = std::fs::create_dir_all(parent);
+    if copy_dir(&server.data_dir.join("templates/default"), &tmp) {
+        let _ = std::fs::rename(&tmp, seed);
+    }
+    let _ = std::fs::remove_dir_all(&tmp);
 }
 
 /// Copies directory `from` to `to` (which must not exist), keeping sparse

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use base64::Engine as _;
 use serde_json::{json, Value};
-use testkit::mcp::{call, call_with_progress, try_call, TineServer};
+use testkit::mcp::{call, try_call, TineServer};
 
 /// The tests here share the host's two cores; one at a time keeps boot
 /// times sane.
@@ -400,46 +400,19 @@ async fn ten_concurrent_sessions() {
 /// saved as a template; three sandboxes made from it have both; writes stay
 /// in the sandbox that made them; every sandbox draws its own randomness.
 /// Then damaged templates are refused with a clear error while the server
-/// goes on.
+/// goes on. (The first create's wait for the default template's build, with
+/// progress, is `default_template.rs`: this server copies that template.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn templates_end_to_end() {
     if !testkit::kvm_available("templates_end_to_end") {
         return;
     }
     let _serial = SERIAL.lock().await;
-    let server = TineServer::start(binary(), None, CONFIG);
-    let (client, recorder) = server.recording_client().await;
+    let server = TineServer::start_with_default_template(binary(), None, CONFIG);
+    let client = server.client().await;
 
-    // The official Python SDK's client makes its first sandbox at the same
-    // time, with a progress callback (tests/py/progress.py); it waits on the
-    // same template build, so this costs no boot of its own.
-    let sdk = testkit::mcp::python_sdk("templates_end_to_end").map(|python| {
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/py/progress.py");
-        let url = server.url.clone();
-        tokio::task::spawn_blocking(move || std::process::Command::new(python).arg(script).arg(url).output())
-    });
-
-    // The first create waits for the default template the server builds at
-    // start, then restores from it; it reports progress while it waits.
-    let t = Instant::now();
-    let (source, token) = call_with_progress(&client, "sandbox_create", json!({})).await;
-    let source = source.expect("create the source");
-    eprintln!("first sandbox_create (default template built meanwhile): {:.1} s", t.elapsed().as_secs_f64());
+    let source = call(&client, "sandbox_create", json!({})).await.expect("create the source");
     assert_eq!(source["template"], "default", "{source}");
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let progress = recorder.progress_for(&token);
-    assert!(progress.len() >= 2, "progress notifications during a cold create: {progress:?}");
-    assert!(progress.windows(2).all(|w| w[0].progress < w[1].progress), "{progress:?}");
-    assert!(
-        progress.iter().filter_map(|p| p.message.as_deref()).any(|m| m.contains("template") || m.contains("boot")),
-        "the messages say what the create waits for: {progress:?}"
-    );
-    if let Some(sdk) = sdk {
-        let out = sdk.await.unwrap().expect("run the Python client");
-        let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-        eprintln!("--- progress.py stdout:\n{stdout}\n--- stderr:\n{stderr}");
-        assert!(out.status.success() && stdout.lines().last() == Some("PROGRESS OK"), "progress.py: {}", out.status);
-    }
     let src = source["sandbox_id"].as_str().unwrap().to_string();
     let py = |id: &str, code: &str| json!({"sandbox_id": id, "code": code});
     let v = call(&client, "sandbox_run_python", py(&src, "x = 1234\nnote = 'from the source'\nx")).await.unwrap();

@@ -15,8 +15,8 @@
 //! (Python's start and pip's imports fault in some 60 MiB of pages, each
 //! first touch a fault, docs/hosts.md).
 //!
-//! The server's default template has the CA set-up; `recipes.rs` uses the
-//! same configuration line, so the two share one build of it.
+//! The server's default template has the CA set-up, as every seeded test
+//! server's has (`testkit::mcp::with_host_ca`), so the run builds it once.
 
 use std::path::Path;
 use std::time::{Duration, Instant};

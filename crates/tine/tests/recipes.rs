@@ -8,16 +8,15 @@
 //! the sandbox network is in `packages.rs` (one pip run serves both: it is
 //! minutes of guest work here).
 //!
-//! The server has the host's CA bundle in its guests' trust store (hosts
-//! whose traffic passes a TLS-inspecting proxy need it for pip), so its
-//! default template is not the plain one: it shares one build of it with
-//! `packages.rs`, whose configuration has the same line.
+//! Its server's default template is a copy of the one the run's first
+//! server built (the recipes reach no registry; every seeded server has
+//! the host's CA bundle, see `testkit::mcp::with_host_ca`).
 
 use std::path::Path;
 use std::time::Duration;
 
 use serde_json::{json, Value};
-use testkit::mcp::{call, call_with_progress, registry_config, TineServer};
+use testkit::mcp::{call, call_with_progress, TineServer};
 
 fn binary() -> &'static Path {
     Path::new(env!("CARGO_BIN_EXE_tine"))
@@ -39,8 +38,7 @@ async fn templates_from_recipes() {
     if !testkit::kvm_available("templates_from_recipes") {
         return;
     }
-    let config = registry_config();
-    let server = TineServer::start_with_default_template(binary(), None, &config);
+    let server = TineServer::start_with_default_template(binary(), None, "[limits]\nboot_timeout_secs = 1200\n");
     let (client, rec) = server.recording_client().await;
 
     // A recipe, built in the background: listed as building, then ready.

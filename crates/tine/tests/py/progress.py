@@ -1,11 +1,11 @@
 """Progress and logging through the official MCP Python SDK.
 
-Run by crates/tine/tests/mcp.rs (templates_end_to_end) against a server
-that is still building its default template:
+Run by crates/tine/tests/default_template.rs against a server that is
+still building its default template:
 
     python progress.py URL
 
-A create (which waits for the template build) and a 6 s exec, each with a
+A create (which waits for the template build) and a 3 s exec, each with a
 progress callback, must report progress; `logging/setLevel` is accepted.
 The last line is `PROGRESS OK`; any failure raises (exit status 1).
 """
