@@ -65,9 +65,14 @@
 //! zeros (a discarded range's content is unspecified until the flush).
 //!
 //! A process crash (not a host crash) loses nothing written: the page
-//! cache has it; only the map entries since the last flush are lost. A
-//! hibernation must therefore flush the disk (and freeze it) before it
-//! writes the memory snapshot that depends on it.
+//! cache has it; only the map entries since the last flush are lost.
+//!
+//! Freezing writes the map and the frozen flag without syncing (it runs
+//! inside a VM's pause, which must not wait for the host's disk): the
+//! frozen layer is complete in the page cache, which is what any process
+//! that opens it next reads. [`crate::sync`] makes a checkpoint durable;
+//! a hibernation or a template calls it before it is committed, so the
+//! memory snapshot that depends on the disk is never durable before it.
 
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::FileExt;
@@ -403,13 +408,51 @@ impl LayeredDisk {
     /// Errors: [`DiskError::OutOfRange`], [`DiskError::Io`].
     pub fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<(), DiskError> {
         self.check_range(offset, buf.len() as u64)?;
+        // Clusters that resolve to the same layer one after another are
+        // contiguous in its file too (raw: the disk's offsets; a delta:
+        // cluster i at data_offset + i * cluster): one read for the run.
+        let mut run: Option<(Option<&Layer>, usize, usize)> = None;
         let mut done = 0usize;
+        let flush = |run: (Option<&Layer>, usize, usize), buf: &mut [u8]| -> Result<(), DiskError> {
+            let (layer, from, to) = run;
+            match layer {
+                Some(l) => l.read(&mut buf[from..to], offset + from as u64),
+                None => {
+                    buf[from..to].fill(0);
+                    Ok(())
+                }
+            }
+        };
         for (c, start, _, n) in self.pieces(offset, buf.len() as u64) {
-            let at = offset + done as u64;
-            self.read_in_cluster(&mut buf[done..done + n as usize], c, start, at, true)?;
-            done += n as usize;
+            let source = self.resolve(c, start);
+            let end = done + n as usize;
+            run = match run {
+                Some((l, from, _)) if same_layer(l, source) => Some((l, from, end)),
+                Some(r) => {
+                    flush(r, buf)?;
+                    Some((source, done, end))
+                }
+                None => Some((source, done, end)),
+            };
+            done = end;
+        }
+        if let Some(r) = run {
+            flush(r, buf)?;
         }
         Ok(())
+    }
+
+    /// The layer cluster `c` (at byte `start`) reads from, top down; `None`
+    /// when it reads as zeros.
+    fn resolve(&self, c: u64, start: u64) -> Option<&Layer> {
+        for layer in self.top.iter().chain(self.lower.iter().rev().map(|l| l.as_ref())) {
+            match layer.state(c, start) {
+                ClusterState::Data => return Some(layer),
+                ClusterState::Zero => return None,
+                ClusterState::Absent => {}
+            }
+        }
+        None
     }
 
     /// Writes `buf` at byte `offset` into the top layer, copying a
@@ -425,11 +468,49 @@ impl LayeredDisk {
             Some(Layer::Raw(r)) => return r.file.write_all_at(buf, offset).map_err(io_err(&r.path, "write")),
             Some(Layer::Delta(_)) => {}
         }
+        // Clusters written whole or already data in the top take the bytes
+        // as they are: a run of them is one write (contiguous in the data
+        // region). Others are copied up one by one.
         let mut done = 0usize;
         let pieces: Vec<_> = self.pieces(offset, buf.len() as u64).collect();
+        let mut run: Option<(u64, u64, usize, usize)> = None; // clusters first..=last, bytes from..to
         for (c, start, within, n) in pieces {
-            self.write_cluster(c, start, within, &buf[done..done + n as usize])?;
-            done += n as usize;
+            let end = done + n as usize;
+            let direct = match self.top.as_ref() {
+                Some(Layer::Delta(top)) => top.state(c) == ClusterState::Data || n == self.cluster_len(start),
+                _ => false,
+            };
+            if direct {
+                run = match run {
+                    Some((first, _, from, _)) => Some((first, c, from, end)),
+                    None => Some((c, c, done, end)),
+                };
+            } else {
+                if let Some(r) = run.take() {
+                    self.write_run(r, buf, offset)?;
+                }
+                self.write_cluster(c, start, within, &buf[done..end])?;
+            }
+            done = end;
+        }
+        if let Some(r) = run {
+            self.write_run(r, buf, offset)?;
+        }
+        Ok(())
+    }
+
+    /// Writes `buf[from..to]` (at disk byte `offset + from`) straight into
+    /// the top's data region and marks clusters `first..=last` data.
+    fn write_run(
+        &mut self,
+        (first, last, from, to): (u64, u64, usize, usize),
+        buf: &[u8],
+        offset: u64,
+    ) -> Result<(), DiskError> {
+        let Some(Layer::Delta(top)) = self.top.as_mut() else { return Err(DiskError::ReadOnly) };
+        top.write_data(&buf[from..to], offset + from as u64)?;
+        for c in first..=last {
+            top.set_state(c, ClusterState::Data);
         }
         Ok(())
     }
@@ -541,10 +622,11 @@ impl LayeredDisk {
         }
     }
 
-    /// Freezes the top (flushed, then marked frozen in its header; a raw
-    /// top just stops being written) and continues on a new empty delta
-    /// at `new_top` (which must not exist). Returns the frozen layer's
-    /// path. O(1) in the data written.
+    /// Freezes the top (its map written and marked frozen in its header,
+    /// not synced: see the [module docs](self); a raw top just stops being
+    /// written) and continues on a new empty delta at `new_top` (which must
+    /// not exist). Returns the frozen layer's path. O(1) in the data
+    /// written.
     ///
     /// Errors: [`DiskError::ReadOnly`], [`DiskError::Io`], the errors of
     /// creating a delta.
@@ -555,7 +637,7 @@ impl LayeredDisk {
         let parent = top.id();
         let delta = Delta::create(new_top, self.size, self.cluster_bits, parent)?;
         match top {
-            Layer::Raw(r) => r.file.sync_data().map_err(io_err(&r.path, "sync"))?,
+            Layer::Raw(_) => {}
             Layer::Delta(d) => d.freeze()?,
         }
         let old = self.top.replace(Layer::Delta(delta)).ok_or(DiskError::ReadOnly)?;
@@ -592,6 +674,16 @@ impl LayeredDisk {
         let frozen = self.freeze_top(new_top)?;
         let kids = children.iter().map(|p| self.sibling(p)).collect::<Result<Vec<_>, _>>()?;
         Ok((frozen, kids))
+    }
+}
+
+/// Whether two resolved sources are the same layer (both zeros, or the
+/// same layer object).
+fn same_layer(a: Option<&Layer>, b: Option<&Layer>) -> bool {
+    match (a, b) {
+        (None, None) => true,
+        (Some(x), Some(y)) => std::ptr::eq(x, y),
+        _ => false,
     }
 }
 

@@ -118,7 +118,7 @@ pub(crate) fn punch_hole(file: &File, offset: u64, len: u64) -> std::io::Result<
 
 /// fsyncs the directory holding `path`, so that a file just created in
 /// it survives a crash.
-fn sync_parent(path: &Path) -> Result<(), DiskError> {
+pub(crate) fn sync_parent(path: &Path) -> Result<(), DiskError> {
     let dir = match path.parent() {
         Some(p) if !p.as_os_str().is_empty() => p,
         _ => Path::new("."),
@@ -130,8 +130,10 @@ impl Delta {
     /// Creates an empty delta at `path` (which must not exist) for a disk
     /// of `size` bytes in clusters of `1 << cluster_bits` bytes, above the
     /// layer whose id is `parent` (all zeros: above the raw base or
-    /// nothing). The file, its header and its directory entry are durable
-    /// when this returns.
+    /// nothing). Not synced: a new top is only ever needed by the running
+    /// VM that writes it (durability comes with a checkpoint that a
+    /// template or hibernation commits, [`crate::sync`]), and a VM start or
+    /// a branch's pause should not wait for the host's disk.
     ///
     /// Errors: [`DiskError::Size`] (size not a positive multiple of 512,
     /// cluster size out of range), [`DiskError::Io`].
@@ -163,8 +165,6 @@ impl Delta {
         let end = data_offset + clusters * (1u64 << cluster_bits);
         delta.file.set_len(end).map_err(io_err(path, "size the delta"))?;
         delta.write_header()?;
-        delta.file.sync_all().map_err(io_err(path, "sync the new delta"))?;
-        sync_parent(path)?;
         Ok(delta)
     }
 
@@ -304,6 +304,24 @@ impl Delta {
         if self.dirty.is_empty() {
             return Ok(());
         }
+        self.write_map()?;
+        self.file.sync_data().map_err(io_err(&self.path, "sync the map"))
+    }
+
+    /// Writes the changed map blocks and marks the layer frozen in its
+    /// header, without syncing (a capture's pause must not wait for the
+    /// host's disk, nor grow with what was written): the file is complete
+    /// in the page cache, so any open of it sees the layer as frozen here;
+    /// [`crate::sync`] makes it durable before a template or hibernation
+    /// that needs it is committed.
+    pub(crate) fn freeze(&mut self) -> Result<(), DiskError> {
+        self.write_map()?;
+        self.frozen = true;
+        self.write_header()
+    }
+
+    /// Writes the changed map blocks (no sync).
+    fn write_map(&mut self) -> Result<(), DiskError> {
         for &block in &self.dirty {
             let start = (block * MAP_BLOCK_BYTES) as usize;
             let end = (start + MAP_BLOCK_BYTES as usize).min(self.map.len());
@@ -311,17 +329,8 @@ impl Delta {
                 .write_all_at(&self.map[start..end], HEADER_BYTES + start as u64)
                 .map_err(io_err(&self.path, "write the map"))?;
         }
-        self.file.sync_data().map_err(io_err(&self.path, "sync the map"))?;
         self.dirty.clear();
         Ok(())
-    }
-
-    /// Flushes, then marks the layer frozen in its header (durably).
-    pub(crate) fn freeze(&mut self) -> Result<(), DiskError> {
-        self.flush()?;
-        self.frozen = true;
-        self.write_header()?;
-        self.file.sync_data().map_err(io_err(&self.path, "sync the header"))
     }
 
     /// Bytes the file occupies on the host (allocated blocks).

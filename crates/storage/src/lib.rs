@@ -153,6 +153,29 @@ pub trait Disk: Send {
     fn spec(&self) -> ChainSpec;
 }
 
+/// Makes the files of a checkpoint ([`Disk::checkpoint`]) durable: each
+/// layer's data, map and header (`fdatasync`), then their directories. A
+/// checkpoint does not sync (a capture's pause must not wait for the
+/// host's disk); call this before committing anything that names the
+/// files (a template, a hibernation). Until then a crash can leave a
+/// frozen layer whose map names data that never reached the disk: nothing
+/// committed names it.
+///
+/// Errors: [`DiskError::Io`].
+pub fn sync(spec: &ChainSpec) -> Result<(), DiskError> {
+    let mut dirs: Vec<&Path> = Vec::new();
+    for path in spec.base.iter().chain(&spec.frozen).chain(&spec.top) {
+        File::open(path).and_then(|f| f.sync_data()).map_err(io_err(path, "sync"))?;
+        if let Some(d) = path.parent().filter(|d| !dirs.contains(d)) {
+            dirs.push(d);
+        }
+    }
+    for d in dirs {
+        delta::sync_parent(&d.join("x"))?;
+    }
+    Ok(())
+}
+
 /// Maps an I/O error on `path` during `op` to [`DiskError::Io`].
 pub(crate) fn io_err(path: &Path, op: &'static str) -> impl FnOnce(std::io::Error) -> DiskError {
     let path = path.to_path_buf();

@@ -37,6 +37,19 @@ pub(crate) struct DeviceLocks<'a> {
     _guards: Vec<MutexGuard<'a, MmioTransport>>,
 }
 
+/// Makes the disks' checkpoints of a capture durable
+/// ([`tine_storage::sync`]), for a snapshot or hibernation that names them.
+///
+/// Errors: [`ControlError::Disk`].
+pub(super) fn sync_disks(disks: &[Option<tine_storage::ChainSpec>]) -> Result<(), ControlError> {
+    for (index, spec) in disks.iter().enumerate() {
+        if let Some(spec) = spec {
+            tine_storage::sync(spec).map_err(|source| ControlError::Disk { index, source })?;
+        }
+    }
+    Ok(())
+}
+
 impl RunningVm {
     /// Saves the state of the paused VM apart from guest RAM, and returns
     /// it with every virtio transport still locked, so the caller can take
@@ -80,7 +93,8 @@ impl RunningVm {
     }
 
     /// Takes a snapshot of the paused VM into the directory `dir` (which
-    /// must exist): guest RAM to `dir/memory`, then the state file (see
+    /// must exist): guest RAM to `dir/memory`, each disk's checkpoint made
+    /// durable ([`Snapshot::disks`]), then the state file (see
     /// [`crate::snapshot`] for the format). Every virtio transport is locked
     /// for the whole snapshot, so no device touches guest memory or its
     /// virtqueues meanwhile. The VM stays paused; resume or stop it
@@ -93,6 +107,7 @@ impl RunningVm {
         let memory_file = dir.join(MEMORY_FILE);
         self.ram.write_to(&memory_file)?;
         drop(locks);
+        sync_disks(&state.disks)?;
         let io = |source| SnapshotError::Io { path: memory_file.clone(), source };
         let memory_crc32 = file_crc32(&std::fs::File::open(&memory_file).map_err(io)?, self.ram.size).map_err(io)?;
         let snapshot = self.snapshot_of(state, memory_crc32, SnapshotMemory::File(memory_file));

@@ -118,6 +118,7 @@ impl RunningVm {
             .map_err(MemoryError::from)?;
         drop(locks);
         drop(base_map);
+        super::capture::sync_disks(&state.disks)?;
         let file = PageFile::open(&pages_path, self.ram.size).map_err(MemoryError::from)?;
         let snapshot = self.snapshot_of(state, 0, SnapshotMemory::Layered { base: None, pages: Arc::new(file) });
         snapshot.write_state(dir)?;
