@@ -25,7 +25,7 @@
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::time::{Duration, UNIX_EPOCH};
 
 use tine_storage::ChainSpec;
 
@@ -108,13 +108,36 @@ pub fn blank_base(dir: &Path, bytes: u64) -> Result<PathBuf, DisksError> {
 }
 
 /// A new empty writable top in `dir` over the frozen chain `lower`: a
-/// disk that reads as `lower` and keeps its writes to itself.
+/// disk that reads as `lower` and keeps its writes to itself. Layers of
+/// `lower` outside `dir` (a template's, a hibernation's) are first
+/// hard-linked into `dir` under new names (`<hex>.base`, `<hex>.delta`),
+/// so that the running VM's chain names only files in `dir`, which stay
+/// while it uses them whatever happens to the template or hibernation
+/// (deleted, rebuilt, resumed and removed); [`sweep`] removes them after.
 ///
-/// Errors: [`DisksError::Io`] (creating `dir`), [`DisksError::Disk`].
+/// Errors: [`DisksError::Io`] (creating `dir`, a link across file
+/// systems), [`DisksError::Disk`].
 pub fn new_top(lower: &ChainSpec, dir: &Path) -> Result<ChainSpec, DisksError> {
     std::fs::create_dir_all(dir).map_err(io(format!("create {}", dir.display())))?;
+    let adopt = |from: &Path, ext: &str| -> Result<PathBuf, DisksError> {
+        if from.parent() == Some(dir) {
+            return Ok(from.to_path_buf());
+        }
+        let to = tine_storage::chain::new_layer_path(dir)?.with_extension(ext);
+        std::fs::hard_link(from, &to).map_err(io(format!(
+            "link disk layer {} into {}",
+            from.display(),
+            dir.display()
+        )))?;
+        Ok(to)
+    };
+    let lower = ChainSpec {
+        base: lower.base.as_deref().map(|b| adopt(b, "base")).transpose()?,
+        frozen: lower.frozen.iter().map(|f| adopt(f, "delta")).collect::<Result<_, _>>()?,
+        top: None,
+    };
     let top = tine_storage::chain::new_layer_path(dir)?;
-    Ok(tine_storage::LayeredDisk::create_top(lower, &top)?)
+    Ok(tine_storage::LayeredDisk::create_top(&lower, &top)?)
 }
 
 /// Makes the frozen chain `chain` part of the template directory `dir`:
@@ -184,18 +207,25 @@ pub fn load(dir: &Path) -> Result<Option<ChainSpec>, DisksError> {
     }))
 }
 
-/// Removes the layers (`*.delta`) in `dir` that `used` does not name and
-/// that are older than `min_age` (a layer made a moment ago may belong to
-/// a VM that is starting). Returns how many were removed.
+/// Removes the layers (`*.delta`, and `*.base`: bases linked in by
+/// [`new_top`]) in `dir` that `used` does not name and whose inode
+/// changed longer than `min_age` ago (ctime: a layer made or linked in a
+/// moment ago may belong to a VM that is starting). Returns how many were
+/// removed.
 pub fn sweep(dir: &Path, used: &HashSet<PathBuf>, min_age: Duration) -> usize {
     let Ok(entries) = std::fs::read_dir(dir) else { return 0 };
     let mut removed = 0;
     for e in entries.flatten() {
         let path = e.path();
-        if path.extension().is_none_or(|x| x != "delta") || used.contains(&path) {
+        if path.extension().is_none_or(|x| x != "delta" && x != "base") || used.contains(&path) {
             continue;
         }
-        let old = e.metadata().and_then(|m| m.modified()).map(|t| t.elapsed().unwrap_or_default() >= min_age);
+        let old = e.metadata().map(|m| {
+            use std::os::unix::fs::MetadataExt;
+            let changed =
+                UNIX_EPOCH + Duration::new(m.ctime().max(0) as u64, m.ctime_nsec().clamp(0, 999_999_999) as u32);
+            changed.elapsed().unwrap_or_default() >= min_age
+        });
         if old.unwrap_or(false) && std::fs::remove_file(&path).is_ok() {
             removed += 1;
         }
@@ -237,6 +267,10 @@ mod tests {
         assert_eq!(loaded.base, Some(template.join("disk-base.img")));
         assert_eq!(loaded.frozen, vec![template.join("disk-0.delta")]);
         let child = new_top(&loaded, &disks).unwrap();
+        assert!(
+            files(&child).all(|f| f.parent() == Some(disks.as_path())),
+            "the child's chain is in .disks: {child:?}"
+        );
         let c = tine_storage::LayeredDisk::open(&child).unwrap();
         let mut buf = [0u8; 4096];
         c.read_at(&mut buf, 1 << 20).unwrap();
@@ -247,6 +281,11 @@ mod tests {
         assert_eq!(sweep(&disks, &used, Duration::ZERO), 2, "the sandbox's frozen layer and its new top");
         assert!(child.top.as_ref().unwrap().exists());
         assert!(tine_storage::LayeredDisk::open(&loaded).is_ok());
+        // The template can go: the child's chain does not need it.
+        std::fs::remove_dir_all(&template).unwrap();
+        assert!(tine_storage::LayeredDisk::open(&child).is_ok());
+        std::fs::create_dir(&template).unwrap();
+        keep(&ChainSpec { top: None, ..child.clone() }, &template).unwrap();
         // A disk.json naming a file outside the template is refused.
         std::fs::write(template.join(DISK_META), br#"{"base":"../x","frozen":[],"top":null}"#).unwrap();
         assert!(matches!(load(&template), Err(DisksError::Meta { .. })));

@@ -481,8 +481,9 @@ pub fn own_rss_kib(pid: u32) -> u64 {
 /// Where this test run keeps a copy of the default template built by
 /// `binary` from the test kernel and rootfs for servers of `config`: next
 /// to the binary, in a directory per guest set-up (the configuration's
-/// lines that change the default template's guest: `ca_certificates` and
-/// the network's `enabled`; "plain" when it has none), under a key made
+/// lines that change the default template's guest: `ca_certificates`, the
+/// network's `enabled` and the sandbox disk's `default_disk_mib`; "plain"
+/// when it has none), under a key made
 /// of the three files' identities (size, mtime, inode). A seed that does
 /// not fit after all (another bundle behind the same path, say) is found
 /// stale by the server, which rebuilds it.
@@ -499,7 +500,7 @@ fn default_template_seed(binary: &Path, config: &str) -> PathBuf {
     let setup: Vec<&str> = config
         .lines()
         .map(str::trim)
-        .filter(|l| l.starts_with("ca_certificates") || l.starts_with("enabled"))
+        .filter(|l| l.starts_with("ca_certificates") || l.starts_with("enabled") || l.starts_with("default_disk_mib"))
         .collect();
     let variant = if setup.is_empty() {
         "plain".to_string()
