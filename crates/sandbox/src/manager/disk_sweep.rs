@@ -1,14 +1,15 @@
 //! Clean-up of sandbox disk layers ([`crate::disks`]): the layers in
 //! `<kept>/.disks` that no VM, hibernation or template uses any more are
 //! removed ([`Manager::sweep_disks`]) at start, after a sandbox ends and
-//! after a hibernation (whose VM's last top is then unused).
+//! every [`MIN_AGE`] from the reaper's memory thread (which also takes the
+//! last top of a hibernated VM).
 //!
 //! What is in use: every layer of every VM this manager started and that
 //! still has one (listed or not: pooled sandboxes and template builds
 //! too). Templates and hibernations own hard links of their layers in
 //! their own directories ([`crate::disks::keep`]), so removing a name in
-//! `.disks` never takes a layer they need. A layer made in the last
-//! [`MIN_AGE`] is kept whatever: it may be the new top of a VM still
+//! `.disks` never takes a layer they need. A layer made or linked in the
+//! last [`MIN_AGE`] is kept whatever: it may belong to a VM still
 //! starting.
 
 use std::collections::HashSet;
@@ -47,9 +48,10 @@ impl Manager {
 
     /// The sandbox disk of `sb`'s VM (the chain in [`crate::disks`]'s
     /// directory, not the shared root image): its size (bytes) and the
-    /// host bytes its own layers take (allocated blocks of the layers in
-    /// `.disks`: its top and what it froze; a template's layers, which its
-    /// sandboxes share, are not counted). `None` without a VM or disk.
+    /// host bytes only it holds (allocated blocks of the layers of its chain
+    /// with one link: its top and what it froze that no template or
+    /// hibernation kept; a template's layers, linked in and shared with
+    /// its other sandboxes, are not counted). `None` without a VM or disk.
     pub(super) fn sandbox_disk_use(&self, sb: &Sandbox) -> Option<(u64, u64)> {
         use std::os::unix::fs::MetadataExt;
         let slot = lock(&sb.vm);
@@ -58,6 +60,7 @@ impl Manager {
         let own = crate::disks::files(&chain)
             .filter(|f| f.parent() == Some(self.disk_plan.dir.as_path()))
             .filter_map(|f| std::fs::metadata(f).ok())
+            .filter(|m| m.nlink() == 1)
             .map(|m| m.blocks() * 512)
             .sum();
         Some((size, own))
