@@ -27,17 +27,23 @@ const SANDBOX_DISK_ID: &str = "tine-disk";
 /// file system, the template's or the snapshot's recorded disk; `None`
 /// when the source has no sandbox disk (a boot with disks off, or a
 /// template made without one: its devices are restored as they were).
-fn disk_below(plan: &DiskPlan, source: &VmSource, snapshot: Option<&vmm::Snapshot>) -> Option<ChainSpec> {
-    match source {
+///
+/// Errors: a hibernation's unreadable `disk.json` (said, not papered over
+/// with the paths its state file recorded).
+fn disk_below(
+    plan: &DiskPlan,
+    source: &VmSource,
+    snapshot: Option<&vmm::Snapshot>,
+) -> Result<Option<ChainSpec>, BackendError> {
+    let recorded = || snapshot.and_then(|s| s.disks.get(SANDBOX_DISK).cloned().flatten());
+    Ok(match source {
         VmSource::Boot => plan.blank.clone().map(|blank| ChainSpec { base: Some(blank), ..ChainSpec::default() }),
         VmSource::Template(t) => t.disk.clone(),
-        VmSource::Branch(_) => snapshot.and_then(|s| s.disks.get(SANDBOX_DISK).cloned().flatten()),
-        // The hibernation's own links to its layers.
-        VmSource::Hibernated { dir, .. } => match disks::load(dir) {
-            Ok(Some(chain)) => Some(chain),
-            _ => snapshot.and_then(|s| s.disks.get(SANDBOX_DISK).cloned().flatten()),
-        },
-    }
+        VmSource::Branch(_) => recorded(),
+        // The hibernation's own links to its layers; one written before
+        // hibernations kept them has only its state file's record.
+        VmSource::Hibernated { dir, .. } => disks::load(dir).map_err(BackendError::new)?.or_else(recorded),
+    })
 }
 
 /// Starts `vmm` VMs.
@@ -68,7 +74,7 @@ impl VmBackend for KvmBackend {
             _ => None,
         };
         // The sandbox's own disk: a new top over what the source froze.
-        if let Some(below) = disk_below(&spec.disk, source, branch_snapshot.or(hibernated.as_ref())) {
+        if let Some(below) = disk_below(&spec.disk, source, branch_snapshot.or(hibernated.as_ref()))? {
             let chain = disks::new_top(&below, &spec.disk.dir).map_err(BackendError::new)?;
             config.disks.push(DiskConfig { image: DiskImage::Chain(chain), id: SANDBOX_DISK_ID.into() });
         }
