@@ -282,6 +282,10 @@ pub struct TemplateStore {
     kernel: PathBuf,
     rootfs: PathBuf,
     cache: Mutex<BTreeMap<String, Cached>>,
+    /// Held while a template is read into the cache: two callers that miss
+    /// the cache at once (the start's check of the default template and a
+    /// first create, say) load it once, and the budget counts it once.
+    loading: Mutex<()>,
     budget: Option<Arc<MemoryBudget>>,
     /// See [`TemplateStore::with_guest_setup`].
     guest_setup: String,
@@ -363,6 +367,7 @@ impl TemplateStore {
             kernel,
             rootfs,
             cache: Mutex::new(BTreeMap::new()),
+            loading: Mutex::new(()),
             budget: None,
             guest_setup: String::new(),
         })
@@ -542,16 +547,13 @@ impl TemplateStore {
             },
             e => e,
         })?;
-        {
-            let mut cache = lock(&self.cache);
-            match cache.get(name) {
-                Some(c) if c.template.files == files => return Ok(c.template.clone()),
-                // Replaced since: the old one's memory leaves the budget.
-                Some(_) => {
-                    cache.remove(name);
-                }
-                None => {}
-            }
+        if let Some(t) = self.cached(name, &files) {
+            return Ok(t);
+        }
+        let _loading = lock(&self.loading);
+        // Another caller may have loaded it while this one waited.
+        if let Some(t) = self.cached(name, &files) {
+            return Ok(t);
         }
         let meta = self.read_meta(name)?;
         if let Some(e) = stale(&meta, &self.images()?) {
@@ -589,6 +591,21 @@ impl TemplateStore {
         let t = Arc::new(Template { meta, snapshot, disk, files, working_set });
         lock(&self.cache).insert(name.to_string(), Cached { template: t.clone(), _memory: memory });
         Ok(t)
+    }
+
+    /// Template `name` from the cache when its files are still `files`;
+    /// a cached one whose files changed since is dropped (its memory
+    /// leaves the budget).
+    fn cached(&self, name: &str, files: &(FileIdentity, FileIdentity)) -> Option<Arc<Template>> {
+        let mut cache = lock(&self.cache);
+        match cache.get(name) {
+            Some(c) if c.template.files == *files => Some(c.template.clone()),
+            Some(_) => {
+                cache.remove(name);
+                None
+            }
+            None => None,
+        }
     }
 
     /// Stores `ws` as template `name`'s working set ([`WORKING_SET_FILE`],
