@@ -236,6 +236,13 @@ pub fn sweep(dir: &Path, used: &HashSet<PathBuf>, min_age: Duration) -> usize {
     removed
 }
 
+/// The size (MiB) of the disk `chain` makes: its base's length (a chain's
+/// layers all have the base's size); 0 for no chain, or a base that cannot
+/// be read.
+pub fn size_mib(chain: Option<&ChainSpec>) -> u64 {
+    chain.and_then(|c| c.base.as_ref()).and_then(|b| std::fs::metadata(b).ok()).map_or(0, |m| m.len() >> 20)
+}
+
 /// Every file of `chain`.
 pub fn files(chain: &ChainSpec) -> impl Iterator<Item = &PathBuf> {
     chain.base.iter().chain(chain.frozen.iter()).chain(chain.top.iter())

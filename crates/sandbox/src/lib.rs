@@ -49,9 +49,9 @@ pub use limits::{
     derived_memory_budget_mib, IdleAction, Limits, LimitsError, Quota, MAX_LABEL_KEY, MAX_LABEL_VALUE, MIN_MEMORY_MIB,
 };
 pub use manager::{
-    BackendError, BranchResult, ExecRequest, Lineage, Manager, ManagerConfig, NetworkLog, PoolStatus, ProcessId,
-    ProcessInfo, ProcessPage, ProcessState, Recipe, SandboxError, SandboxId, SandboxInfo, SandboxSpec, SandboxState,
-    SandboxUpdate, SetupStep, Usage, WaitResult, WaitSpec, MAX_FILES, MAX_STEPS,
+    BackendError, BranchResult, DiskBytes, ExecRequest, Lineage, Manager, ManagerConfig, NetworkLog, PoolStatus,
+    ProcessId, ProcessInfo, ProcessPage, ProcessState, Recipe, SandboxError, SandboxId, SandboxInfo, SandboxSpec,
+    SandboxState, SandboxUpdate, SetupStep, Usage, WaitResult, WaitSpec, MAX_FILES, MAX_STEPS,
 };
 pub use memory::{BudgetUse, OverBudget};
 pub use progress::{CallContext, ProgressSink, ProgressUpdate};

@@ -55,6 +55,12 @@ pub struct Limits {
     /// guest wrote. The guest meets ENOSPC from its own file system when
     /// it is full. 0: sandboxes have no disk and write to guest memory.
     pub default_disk_mib: u64,
+    /// Disk space (MiB) the sandboxes' own disks may take together, each
+    /// counted by its size while it is live or hibernated (sparse on the
+    /// host, but accounted, so that a guest meets a full disk of its own
+    /// rather than a full host); a create or branch past it fails at once.
+    /// 0: the size of the data directory's file system.
+    pub disk_budget_mib: u64,
     /// What happens to a sandbox idle past its idle timeout.
     pub idle_action: IdleAction,
     /// A hibernated sandbox is deleted this long (s) after its hibernation
@@ -171,6 +177,7 @@ impl Default for Limits {
             max_templates: 32,
             max_template_disk_mib: 32 * 1024,
             default_disk_mib: 10 * 1024,
+            disk_budget_mib: 0,
             idle_action: IdleAction::Hibernate,
             hibernated_retention_secs: 7 * 24 * 60 * 60,
             shutdown_hibernate_secs: 60,
@@ -201,6 +208,9 @@ pub struct Quota {
     pub max_vcpus: u64,
     /// Guest memory (MiB) of its live sandboxes together, by their size.
     pub max_memory_mib: u64,
+    /// The size (MiB) of its sandboxes' own disks together, live and
+    /// hibernated ones (sparse on the host, accounted by their size).
+    pub max_disk_mib: u64,
     /// Templates of its own (snapshots and recipe builds, building ones
     /// included).
     pub max_templates: usize,
@@ -221,6 +231,7 @@ impl Default for Quota {
             max_running: 8,
             max_vcpus: 16,
             max_memory_mib: 8192,
+            max_disk_mib: 256 * 1024,
             max_templates: 16,
             max_builds: 2,
             max_sessions: 64,

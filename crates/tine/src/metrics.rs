@@ -17,6 +17,8 @@
 //! | `tine_tool_call_duration_seconds` | histogram | `tool` |
 //! | `tine_guest_memory_bytes` | gauge | guest memory reserved (sandboxes, branch points, templates) |
 //! | `tine_guest_memory_budget_bytes` | gauge | |
+//! | `tine_disk_bytes` | gauge | `kind`: host disk used by sandbox (layers only live sandboxes hold), template, hibernation (kept sandboxes' files) |
+//! | `tine_disk_reserved_bytes`, `tine_disk_budget_bytes` | gauge | the size of the disks live and hibernated sandboxes hold, and the disk budget |
 //! | `tine_pool_ready`, `tine_pool_size` | gauge | the warm pool |
 //! | `tine_mcp_sessions` | gauge | MCP sessions open on this host |
 //! | `tine_forwarded_calls_total` | counter | `peer`, `outcome`: requests and tool calls passed to other hosts |
@@ -43,6 +45,11 @@ pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct StateLabel {
     state: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KindLabel {
+    kind: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -135,6 +142,9 @@ pub struct Metrics {
     resume: Histograms<FromLabel>,
     guest_memory: Gauge,
     budget: Gauge,
+    disk: Family<KindLabel, Gauge>,
+    disk_reserved: Gauge,
+    disk_budget: Gauge,
     pool_ready: Gauge,
     pool_size: Gauge,
     sessions: Gauge,
@@ -168,6 +178,9 @@ impl Metrics {
             resume: Family::new_with_constructor(latency),
             guest_memory: Gauge::default(),
             budget: Gauge::default(),
+            disk: Family::default(),
+            disk_reserved: Gauge::default(),
+            disk_budget: Gauge::default(),
             pool_ready: Gauge::default(),
             pool_size: Gauge::default(),
             sessions: Gauge::default(),
@@ -205,6 +218,13 @@ impl Metrics {
             m.guest_memory.clone(),
         );
         m.registry.register("tine_guest_memory_budget_bytes", "The guest memory budget (bytes)", m.budget.clone());
+        m.registry.register("tine_disk_bytes", "Host disk used (bytes), by kind", m.disk.clone());
+        m.registry.register(
+            "tine_disk_reserved_bytes",
+            "The size of the disks live and hibernated sandboxes hold (bytes)",
+            m.disk_reserved.clone(),
+        );
+        m.registry.register("tine_disk_budget_bytes", "The sandboxes' disk budget (bytes)", m.disk_budget.clone());
         m.registry.register("tine_pool_ready", "Warm pool sandboxes ready", m.pool_ready.clone());
         m.registry.register("tine_pool_size", "Warm pool sandboxes wanted", m.pool_size.clone());
         m.registry.register("tine_mcp_sessions", "MCP sessions open on this host", m.sessions.clone());
@@ -300,6 +320,14 @@ impl Metrics {
         let (budget_mib, used) = manager.memory_use();
         self.guest_memory.set((used.total_mib() << 20) as i64);
         self.budget.set((budget_mib << 20) as i64);
+        let disk = manager.disk_bytes();
+        for (kind, bytes) in
+            [("sandbox", disk.sandbox_layers), ("template", disk.templates), ("hibernation", disk.hibernations)]
+        {
+            self.disk.get_or_create(&KindLabel { kind }).set(i64::try_from(bytes).unwrap_or(i64::MAX));
+        }
+        self.disk_reserved.set(i64::try_from(disk.reserved).unwrap_or(i64::MAX));
+        self.disk_budget.set(i64::try_from(disk.budget).unwrap_or(i64::MAX));
         let pool = manager.pool_status();
         self.pool_ready.set(pool.ready as i64);
         self.pool_size.set(pool.size as i64);

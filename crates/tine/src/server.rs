@@ -211,7 +211,9 @@ async fn metrics_text(
         let body = r#"{"error":"forbidden","message":"/metrics is the operator's: use the operator's token"}"#;
         return (StatusCode::FORBIDDEN, [(header::CONTENT_TYPE, "application/json")], body).into_response();
     }
-    let body = metrics.render(&manager, sessions.count().await);
+    let sessions = sessions.count().await;
+    // Off the async threads: the disk figures walk the data directory.
+    let body = tokio::task::spawn_blocking(move || metrics.render(&manager, sessions)).await.unwrap_or_default();
     ([(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)], body).into_response()
 }
 

@@ -105,7 +105,7 @@ impl Manager {
         // again under the map's lock). At the cap, idle sandboxes make room.
         if (1..=self.config.limits.max_sandboxes).contains(&n) {
             self.check_kept(n)?;
-            if let Some(claim) = super::quota::Claim::of(cx, source.vcpus, source.memory_mib) {
+            if let Some(claim) = super::quota::Claim::of(cx, source.vcpus, source.memory_mib, source.disk_mib) {
                 claim.check(&lock(&self.sandboxes), n)?;
             }
             self.make_room(n).await;
@@ -230,8 +230,8 @@ impl Manager {
         let owner = cx.owner.or(source.owner());
         let branched_at = unix_ms();
         let mut nets = (0..n).map(|_| self.inherit_net(source)).collect::<Result<Vec<_>, _>>()?;
-        let claim = super::quota::Claim::of(cx, source.vcpus, source.memory_mib);
-        let made = self.reserve(n, claim.as_ref(), |id, dir| {
+        let claim = super::quota::Claim::of(cx, source.vcpus, source.memory_mib, source.disk_mib);
+        let made = self.reserve(n, source.disk_mib, claim.as_ref(), |id, dir| {
             let setup = SandboxSetup {
                 labels: source.labels(),
                 template: source.template.clone(),
@@ -240,6 +240,7 @@ impl Manager {
                 // A child belongs to its source's tenant, whoever branched.
                 tenant: source.tenant(),
                 events: Some(self.events.clone()),
+                disk_mib: source.disk_mib,
             };
             let child = Sandbox::new(id, dir, source.vcpus, source.memory_mib, setup);
             *lock(&child.net) = nets.pop().flatten();

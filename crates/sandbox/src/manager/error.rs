@@ -63,6 +63,21 @@ pub enum SandboxError {
         /// What frees some.
         hint: &'static str,
     },
+    /// The sandboxes' disks would pass the server's disk budget
+    /// ([`crate::Limits::disk_budget_mib`]).
+    #[error(
+        "disk budget {budget_mib} MiB: {sandboxes} sandboxes' disks take {used_mib} MiB; this needs {asked_mib} MiB more"
+    )]
+    DiskBudget {
+        /// The budget (MiB).
+        budget_mib: u64,
+        /// Sandboxes holding a disk (live or hibernated).
+        sandboxes: u64,
+        /// The size of their disks together (MiB).
+        used_mib: u64,
+        /// What the call asks for (MiB).
+        asked_mib: u64,
+    },
     /// The sandbox is still booting.
     #[error("sandbox {0} is still starting")]
     Starting(SandboxId),

@@ -249,7 +249,8 @@ impl Manager {
         // The quota before anything is hibernated to make room (`reserve`
         // checks again with the shape the template gives).
         let vcpus = spec.vcpus.map_or(limits.default_vcpus, |v| u8::try_from(v).unwrap_or(u8::MAX));
-        if let Some(claim) = super::quota::Claim::of(&cx, vcpus, spec.memory_mib.unwrap_or(limits.default_memory_mib)) {
+        let memory_mib = spec.memory_mib.unwrap_or(limits.default_memory_mib);
+        if let Some(claim) = super::quota::Claim::of(&cx, vcpus, memory_mib, self.boot_disk_mib()) {
             claim.check(&lock(&self.sandboxes), 1)?;
         }
         self.make_room(1).await;
@@ -271,10 +272,14 @@ impl Manager {
             VmSource::Template(_) => self.restored_charge_mib(memory_mib, 0),
             _ => memory_mib,
         };
+        let disk_mib = match &source {
+            VmSource::Template(t) => crate::disks::size_mib(t.disk.as_ref()),
+            _ => self.boot_disk_mib(),
+        };
         let memory = self.admit_or_hibernate("create", &[(MemoryUse::Sandbox, charge)]).await?.pop();
         let mut labels = Some(spec.labels);
         let sandbox = self
-            .reserve(1, super::quota::Claim::of(&cx, vcpus, memory_mib).as_ref(), |id, dir| {
+            .reserve(1, disk_mib, super::quota::Claim::of(&cx, vcpus, memory_mib, disk_mib).as_ref(), |id, dir| {
                 let setup = SandboxSetup {
                     labels: labels.take().unwrap_or_default(),
                     template: template.clone(),
@@ -282,6 +287,7 @@ impl Manager {
                     owner: cx.owner,
                     tenant: cx.tenant.clone(),
                     events: Some(self.events.clone()),
+                    disk_mib,
                 };
                 let sb = Sandbox::new(id, dir, vcpus, memory_mib, setup);
                 *lock(&sb.net) = net.clone();
@@ -370,7 +376,9 @@ impl Manager {
                     SandboxError::TooManyKept { kept, max: max_kept }
                 });
             }
-            if let Some(Err(e)) = super::quota::Claim::of(cx, sb.vcpus, sb.memory_mib).map(|c| c.check(&map, 1)) {
+            let claim = super::quota::Claim::of(cx, sb.vcpus, sb.memory_mib, sb.disk_mib);
+            let fits = self.check_disk_budget(&map, 1, sb.disk_mib);
+            if let Err(e) = fits.and_then(|()| claim.map_or(Ok(()), |c| c.check(&map, 1))) {
                 drop(map);
                 *lock(&sb.handout) = None;
                 self.return_pooled(sb);
@@ -459,16 +467,18 @@ impl Manager {
         crate::ids::sandbox_prefix(self.config.host_name.as_deref())
     }
 
-    /// Reserves `n` sandboxes (new ids `sb-[<host>-]<random>` ([`crate::ids`]),
+    /// Reserves `n` sandboxes with disks of `disk_mib` each (new ids `sb-[<host>-]<random>` ([`crate::ids`]),
     /// none of them in the map; made by `make` from the id
     /// and its directory) in the map, as `starting`, within the
     /// live-sandbox cap: the one place live sandboxes are counted.
     ///
     /// Errors: [`SandboxError::ShuttingDown`], [`SandboxError::TooMany`]
-    /// (`n` is 0 or would pass the cap).
+    /// (`n` is 0 or would pass the cap), [`SandboxError::TooManyKept`],
+    /// [`SandboxError::Quota`], [`SandboxError::DiskBudget`].
     pub(super) fn reserve(
         &self,
         n: usize,
+        disk_mib: u64,
         claim: Option<&super::quota::Claim<'_>>,
         mut make: impl FnMut(SandboxId, PathBuf) -> Sandbox,
     ) -> Result<Vec<Arc<Sandbox>>, SandboxError> {
@@ -489,6 +499,7 @@ impl Manager {
         if let Some(claim) = claim {
             claim.check(&map, n)?;
         }
+        self.check_disk_budget(&map, n, disk_mib)?;
         let mut made = Vec::with_capacity(n);
         let prefix = self.sandbox_prefix();
         for _ in 0..n {
@@ -782,6 +793,7 @@ impl Manager {
             owner: None,
             tenant: None,
             events: None,
+            disk_mib: self.boot_disk_mib(),
         };
         let sb = self.unlisted_sandbox("template", (vcpus, memory_mib), setup, memory)?;
         tracing::info!("building the default template (a cold boot)");

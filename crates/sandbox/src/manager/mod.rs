@@ -28,6 +28,7 @@ mod branch;
 mod calls;
 mod control;
 mod diff;
+mod disk_budget;
 mod disk_sweep;
 mod error;
 #[cfg(test)]
@@ -54,6 +55,7 @@ pub use backend::BackendError;
 use backend::VmBackend;
 pub use branch::BranchResult;
 pub use calls::ExecRequest;
+pub use disk_budget::DiskBytes;
 pub use error::SandboxError;
 pub use network::NetworkLog;
 pub use pool::PoolStatus;
@@ -142,6 +144,8 @@ pub struct Manager {
     records: Mutex<()>,
     /// Where sandboxes' own disks come from ([`crate::disks`]).
     disk_plan: backend::DiskPlan,
+    /// The sandboxes' disks' budget (MiB, [`disk_budget`]).
+    disk_budget_mib: u64,
     /// Sandboxes given a VM ([`disk_sweep`]): their layers are kept.
     vms_with_disks: Mutex<Vec<std::sync::Weak<Sandbox>>>,
     /// This manager, for background work started from `&self` methods.
@@ -245,6 +249,7 @@ impl Manager {
             shutting_down: AtomicBool::new(false),
             kills: lifecycle::Kills::default(),
             slots: slots::Slots::new(&config.limits),
+            disk_budget_mib: disk_budget::budget_mib(config.limits.disk_budget_mib, &config.kept_dir),
             disk_plan,
             vms_with_disks: Mutex::new(Vec::new()),
             config,

@@ -251,6 +251,7 @@ impl Manager {
             owner: None,
             tenant: None,
             events: Some(self.events.clone()),
+            disk_mib: crate::disks::size_mib(template.disk.as_ref()),
         };
         let sb = self.unlisted_sandbox(&self.sandbox_prefix(), (vcpus, memory_mib), setup, memory)?;
         match self.start(&sb, VmSource::Template(template), &ProgressSink::default(), Instant::now()).await {

@@ -70,6 +70,7 @@ impl Manager {
             owner: None,
             tenant: None,
             events: None,
+            disk_mib: crate::disks::size_mib(template.disk.as_ref()),
         };
         let sb = self.unlisted_sandbox("template", (vcpus, memory_mib), setup, memory)?;
         let r = self.record_on(&sb, template).await;

@@ -20,13 +20,15 @@ pub(super) struct Claim<'a> {
     pub vcpus: u8,
     /// Guest memory of each sandbox (MiB).
     pub memory_mib: u64,
+    /// The size of each sandbox's disk (MiB; 0: none).
+    pub disk_mib: u64,
 }
 
 impl<'a> Claim<'a> {
-    /// The claim of a call for sandboxes of `vcpus` and `memory_mib` each;
-    /// `None` for a call of no tenant or without a quota.
-    pub fn of(cx: &'a CallContext, vcpus: u8, memory_mib: u64) -> Option<Self> {
-        Some(Claim { tenant: cx.tenant.as_deref()?, quota: cx.quota.as_deref()?, vcpus, memory_mib })
+    /// The claim of a call for sandboxes of `vcpus`, `memory_mib` and
+    /// `disk_mib` each; `None` for a call of no tenant or without a quota.
+    pub fn of(cx: &'a CallContext, vcpus: u8, memory_mib: u64, disk_mib: u64) -> Option<Self> {
+        Some(Claim { tenant: cx.tenant.as_deref()?, quota: cx.quota.as_deref()?, vcpus, memory_mib, disk_mib })
     }
 
     /// Checks that `n` more sandboxes fit the tenant's quota, given the
@@ -39,7 +41,7 @@ impl<'a> Claim<'a> {
 
     /// Checks that one sandbox of `map` that is not live (hibernated) may
     /// run again: live sandboxes, vCPUs and memory; it is already counted
-    /// among the tenant's sandboxes.
+    /// among the tenant's sandboxes and their disks.
     ///
     /// Errors: [`SandboxError::Quota`].
     pub fn check_wake(&self, map: &BTreeMap<SandboxId, Arc<Sandbox>>) -> Result<(), SandboxError> {
@@ -53,8 +55,10 @@ impl<'a> Claim<'a> {
         live_n: usize,
         new_n: usize,
     ) -> Result<(), SandboxError> {
+        let own: Vec<_> = map.values().filter(|s| s.tenant().as_deref() == Some(self.tenant)).collect();
+        let disk = super::disk_budget::disk_use(own.iter().copied()).1;
         let (mut all, mut live, mut vcpus, mut memory) = (0u64, 0u64, 0u64, 0u64);
-        for sb in map.values().filter(|s| s.tenant().as_deref() == Some(self.tenant)) {
+        for sb in own {
             all += 1;
             if sb.state().is_live() {
                 live += 1;
@@ -81,6 +85,15 @@ impl<'a> Claim<'a> {
                     q.max_memory_mib,
                     "ask for less memory_mib, or kill or hibernate a live sandbox",
                 )
+            })
+            .or_else(|| {
+                past(
+                    "disk (MiB)",
+                    disk,
+                    new_n.saturating_mul(self.disk_mib),
+                    q.max_disk_mib,
+                    "kill sandboxes it no longer needs",
+                )
             });
         refused.map_or(Ok(()), Err)
     }
@@ -95,7 +108,8 @@ impl super::Manager {
     pub(super) fn check_wake_claim(&self, sb: &Sandbox) -> Result<(), SandboxError> {
         let Some(tenant) = sb.tenant() else { return Ok(()) };
         let Some(quota) = crate::lock(&self.tenant_quotas).get(&tenant).cloned() else { return Ok(()) };
-        let claim = Claim { tenant: &tenant, quota: &quota, vcpus: sb.vcpus, memory_mib: sb.memory_mib };
+        let claim =
+            Claim { tenant: &tenant, quota: &quota, vcpus: sb.vcpus, memory_mib: sb.memory_mib, disk_mib: sb.disk_mib };
         claim.check_wake(&crate::lock(&self.sandboxes))
     }
 

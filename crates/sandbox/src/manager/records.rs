@@ -42,6 +42,10 @@ pub(super) struct Record {
     pub error: Option<String>,
     pub vcpus: u8,
     pub memory_mib: u64,
+    /// The size of its disk (MiB; 0: none, or a record written before
+    /// sandboxes had disks).
+    #[serde(default)]
+    pub disk_mib: u64,
     #[serde(default)]
     pub labels: BTreeMap<String, String>,
     /// The tenant it belongs to (`None`: the server's own).
@@ -129,6 +133,7 @@ fn record_of(sb: &Sandbox, pin: Option<String>, hibernated: Option<&Hibernated>)
         error,
         vcpus: sb.vcpus,
         memory_mib: sb.memory_mib,
+        disk_mib: sb.disk_mib,
         labels: sb.labels(),
         tenant: sb.tenant(),
         template: sb.template.clone(),
@@ -303,6 +308,7 @@ impl Manager {
                         owner: None,
                         tenant: None,
                         events: Some(self.events.clone()),
+                        disk_mib: 0,
                     };
                     let sb = Sandbox::new(f.id.clone(), self.config.run_dir.join(&f.id), 0, 0, setup);
                     sb.end(SandboxState::Failed, Some(reason));
@@ -325,6 +331,7 @@ impl Manager {
             owner: None,
             tenant: r.tenant.clone(),
             events: Some(self.events.clone()),
+            disk_mib: r.disk_mib,
         };
         let mut sb = Sandbox::new(r.id.clone(), self.config.run_dir.join(&r.id), r.vcpus, r.memory_mib, setup);
         sb.created_at_ms = r.created_at_ms;

@@ -77,6 +77,12 @@ impl SandboxState {
     pub fn is_live(self) -> bool {
         matches!(self, SandboxState::Starting | SandboxState::Running | SandboxState::Paused)
     }
+
+    /// Whether the sandbox holds its disk (live or hibernated): it counts
+    /// against the disk budget and its tenant's disk quota.
+    pub fn holds_disk(self) -> bool {
+        self.is_live() || self == SandboxState::Hibernated
+    }
 }
 
 /// Resource use of a running sandbox.
@@ -295,6 +301,8 @@ pub(super) struct SandboxSetup {
     /// Where its events go (`None`: nowhere, e.g. the default template's
     /// build VM).
     pub events: Option<tokio::sync::broadcast::Sender<SandboxEvent>>,
+    /// The size of its own disk (MiB; 0: none), [`Sandbox::disk_mib`].
+    pub disk_mib: u64,
 }
 
 /// One sandbox. See the module doc for the lock order.
@@ -302,6 +310,11 @@ pub(super) struct Sandbox {
     pub id: SandboxId,
     pub vcpus: u8,
     pub memory_mib: u64,
+    /// The size of its own disk (MiB; 0: it has none and writes to guest
+    /// memory): what it takes of the server's disk budget and its
+    /// tenant's disk quota while it is live or hibernated (sparse on the
+    /// host, but accounted by its size).
+    pub disk_mib: u64,
     /// Its labels ([`Sandbox::labels`]; `update` replaces them).
     labels: Mutex<BTreeMap<String, String>>,
     pub template: Option<String>,
@@ -359,11 +372,12 @@ pub(super) struct Sandbox {
 impl Sandbox {
     /// A sandbox in state `starting`, created now, with no VM yet.
     pub fn new(id: SandboxId, dir: PathBuf, vcpus: u8, memory_mib: u64, setup: SandboxSetup) -> Self {
-        let SandboxSetup { labels, template, idle_timeout, owner, tenant, events } = setup;
+        let SandboxSetup { labels, template, idle_timeout, owner, tenant, events, disk_mib } = setup;
         Sandbox {
             id,
             vcpus,
             memory_mib,
+            disk_mib,
             labels: Mutex::new(labels),
             template,
             idle_timeout: Mutex::new(idle_timeout),

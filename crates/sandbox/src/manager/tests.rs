@@ -1238,3 +1238,38 @@ async fn resuming_a_hibernated_sandbox_is_held_to_its_tenants_quota() {
     s.manager.kill(&b).await.unwrap();
     assert_eq!(s.manager.resume(&a).await.unwrap().state, SandboxState::Running, "room again");
 }
+
+/// Sandboxes' disks count by their size, live and hibernated ones, against
+/// the server's disk budget and the tenant's disk quota; a create or branch
+/// past either fails at once, naming it, and a kill gives the size back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disks_count_by_their_size_against_the_disk_budget_and_the_tenants_quota() {
+    let s = setup(Limits { default_disk_mib: 1024, disk_budget_mib: 2560, ..limits(8) });
+    let a = s.manager.create(SandboxSpec::default()).await.unwrap().sandbox_id;
+    let b = s.manager.create(SandboxSpec::default()).await.unwrap().sandbox_id;
+    // A hibernated sandbox keeps its disk.
+    s.manager.hibernate(&b).await.unwrap();
+    let e = s.manager.create(SandboxSpec::default()).await.unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "disk budget 2560 MiB: 2 sandboxes' disks take 2048 MiB; this needs 1024 MiB more",
+        "{e:?}"
+    );
+    let e = s.manager.branch(&a, 1).await.unwrap_err();
+    assert!(matches!(e, SandboxError::DiskBudget { asked_mib: 1024, used_mib: 2048, .. }), "{e}");
+    assert_eq!(s.manager.len(), 2, "nothing was reserved");
+    s.manager.kill(&b).await.unwrap();
+    let kid = s.manager.branch(&a, 1).await.unwrap().children.remove(0).sandbox_id;
+
+    // A tenant's quota counts its own sandboxes' disks only.
+    s.manager.kill(&kid).await.unwrap();
+    let quota = crate::limits::Quota { max_disk_mib: 1024, ..Default::default() };
+    let cx = crate::CallContext { tenant: Some("acme".into()), quota: Some(Arc::new(quota)), ..Default::default() };
+    let t = s.manager.create_with(SandboxSpec::default(), &cx).await.unwrap().sandbox_id;
+    let e = s.manager.create_with(SandboxSpec::default(), &cx).await.unwrap_err();
+    assert!(matches!(e, SandboxError::Quota { quota: "disk (MiB)", used: 1024, asked: 1024, max: 1024, .. }), "{e}");
+    let e = s.manager.branch_with(&t, 1, &cx).await.unwrap_err();
+    assert!(matches!(e, SandboxError::Quota { quota: "disk (MiB)", .. }), "{e}");
+    s.manager.kill(&t).await.unwrap();
+    s.manager.create_with(SandboxSpec::default(), &cx).await.expect("room again");
+}

@@ -112,6 +112,11 @@ pub struct QuotaOverride {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[arg(long)]
     pub max_memory_mib: Option<u64>,
+    /// The size (MiB) of its sandboxes' own disks together, live and
+    /// hibernated ones.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[arg(long)]
+    pub max_disk_mib: Option<u64>,
     /// Templates of its own.
     #[serde(skip_serializing_if = "Option::is_none")]
     #[arg(long)]
@@ -138,6 +143,7 @@ impl QuotaOverride {
             max_running: self.max_running.unwrap_or(base.max_running),
             max_vcpus: self.max_vcpus.unwrap_or(base.max_vcpus),
             max_memory_mib: self.max_memory_mib.unwrap_or(base.max_memory_mib),
+            max_disk_mib: self.max_disk_mib.unwrap_or(base.max_disk_mib),
             max_templates: self.max_templates.unwrap_or(base.max_templates),
             max_builds: self.max_builds.unwrap_or(base.max_builds),
             max_sessions: self.max_sessions.unwrap_or(base.max_sessions),

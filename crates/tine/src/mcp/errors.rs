@@ -145,6 +145,10 @@ pub fn sandbox_hint(e: &SandboxError) -> Option<String> {
         SandboxError::TooManyKept { .. } => {
             "; kill sandboxes you no longer need (sandbox_kill; sandbox_list shows them)"
         }
+        SandboxError::DiskBudget { .. } => {
+            "; kill sandboxes you no longer need (sandbox_kill; hibernated ones hold their disks too), or ask the \
+             operator for a larger [limits] disk_budget_mib"
+        }
         SandboxError::Starting(_) => "; try again in a few seconds",
         SandboxError::BadState { state: SandboxState::Paused, .. } => {
             "; call sandbox_resume, or just sandbox_exec, which resumes it"
