@@ -46,7 +46,8 @@ pub mod templates;
 pub use diff::{DiffOptions, DiffReport};
 pub use events::{EventKind, SandboxEvent, Severity};
 pub use limits::{
-    derived_memory_budget_mib, IdleAction, Limits, LimitsError, Quota, MAX_LABEL_KEY, MAX_LABEL_VALUE, MIN_MEMORY_MIB,
+    derived_memory_budget_mib, IdleAction, Limits, LimitsError, Quota, MAX_LABEL_KEY, MAX_LABEL_VALUE, MIN_DISK_MIB,
+    MIN_MEMORY_MIB,
 };
 pub use manager::{
     BackendError, BranchResult, DiskBytes, ExecRequest, Lineage, Manager, ManagerConfig, NetworkLog, PoolStatus,

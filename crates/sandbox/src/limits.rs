@@ -55,6 +55,8 @@ pub struct Limits {
     /// guest wrote. The guest meets ENOSPC from its own file system when
     /// it is full. 0: sandboxes have no disk and write to guest memory.
     pub default_disk_mib: u64,
+    /// The largest disk (MiB) a create may ask for (`disk_mib`).
+    pub max_disk_mib: u64,
     /// Disk space (MiB) the sandboxes' own disks may take together, each
     /// counted by its size while it is live or hibernated (sparse on the
     /// host, but accounted, so that a guest meets a full disk of its own
@@ -154,6 +156,10 @@ fn host_mem_total_mib() -> Option<u64> {
 
 /// Guest memory below this (MiB) cannot run the agent and Python.
 pub const MIN_MEMORY_MIB: u64 = 128;
+
+/// The smallest disk (MiB) a sandbox may ask for: an ext4 file system with
+/// its journal and room to write.
+pub const MIN_DISK_MIB: u64 = 64;
 /// Longest label key (bytes).
 pub const MAX_LABEL_KEY: usize = 64;
 /// Longest label value (bytes).
@@ -177,6 +183,7 @@ impl Default for Limits {
             max_templates: 32,
             max_template_disk_mib: 32 * 1024,
             default_disk_mib: 10 * 1024,
+            max_disk_mib: 64 * 1024,
             disk_budget_mib: 0,
             idle_action: IdleAction::Hibernate,
             hibernated_retention_secs: 7 * 24 * 60 * 60,
@@ -267,6 +274,19 @@ pub enum LimitsError {
         /// The limit.
         max: u64,
     },
+    /// Disk size out of range.
+    #[error("disk_mib must be {min}..={max}, got {got}")]
+    Disk {
+        /// Asked for.
+        got: u64,
+        /// The least.
+        min: u64,
+        /// The limit.
+        max: u64,
+    },
+    /// A disk size asked of a server whose sandboxes have no disk.
+    #[error("this server gives sandboxes no disk of their own ([limits] default_disk_mib = 0): leave out disk_mib")]
+    NoDisks,
     /// Idle timeout out of range.
     #[error("idle_timeout_secs must be 1..={max}, got {got}")]
     IdleTimeout {
@@ -306,6 +326,9 @@ impl Limits {
         }
         if !(MIN_MEMORY_MIB..=self.max_memory_mib).contains(&self.default_memory_mib) {
             return bad(format!("default_memory_mib must be {MIN_MEMORY_MIB}..=max_memory_mib"));
+        }
+        if self.default_disk_mib != 0 && !(MIN_DISK_MIB..=self.max_disk_mib).contains(&self.default_disk_mib) {
+            return bad(format!("default_disk_mib must be 0 (no disks) or {MIN_DISK_MIB}..=max_disk_mib"));
         }
         if self.default_idle_timeout_secs == 0 || self.default_idle_timeout_secs > self.max_idle_timeout_secs {
             return bad("default_idle_timeout_secs must be 1..=max_idle_timeout_secs".into());
@@ -381,6 +404,19 @@ impl Limits {
             None => Ok(self.default_memory_mib),
             Some(n) if (MIN_MEMORY_MIB..=self.max_memory_mib).contains(&n) => Ok(n),
             Some(n) => Err(LimitsError::Memory { got: n, min: MIN_MEMORY_MIB, max: self.max_memory_mib }),
+        }
+    }
+
+    /// The disk size (MiB) for a request (`None`: `default_disk_mib`; 0
+    /// when sandboxes have no disk).
+    ///
+    /// Errors: [`LimitsError::Disk`], [`LimitsError::NoDisks`].
+    pub fn disk_mib(&self, asked: Option<u64>) -> Result<u64, LimitsError> {
+        match asked {
+            None => Ok(self.default_disk_mib),
+            Some(_) if self.default_disk_mib == 0 => Err(LimitsError::NoDisks),
+            Some(n) if (MIN_DISK_MIB..=self.max_disk_mib).contains(&n) => Ok(n),
+            Some(n) => Err(LimitsError::Disk { got: n, min: MIN_DISK_MIB, max: self.max_disk_mib }),
         }
     }
 

@@ -176,6 +176,15 @@ pub enum SandboxError {
         /// Its memory (MiB).
         memory_mib: u64,
     },
+    /// The requested disk size differs from the template's: a sandbox
+    /// restored from a template has the template's disk.
+    #[error("template {name:?} makes sandboxes with a {disk_mib} MiB disk")]
+    TemplateDisk {
+        /// The template.
+        name: String,
+        /// Its disk's size (MiB; 0: none).
+        disk_mib: u64,
+    },
     /// Taking a snapshot failed.
     #[error("cannot snapshot sandbox {id}: {source}")]
     Snapshot {

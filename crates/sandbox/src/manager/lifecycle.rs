@@ -171,16 +171,18 @@ impl Manager {
             .map_err(SandboxError::Template)
     }
 
-    /// Where a sandbox of `spec` comes from: the named template, else the
-    /// default template when it fits the requested shape (waiting for it
-    /// if it is being built), else a boot.
+    /// Where a sandbox of `spec` comes from, and its vCPUs, memory (MiB)
+    /// and disk (MiB): the named template, else the default template when
+    /// it fits the requested shape and disk (waiting for it if it is being
+    /// built), else a boot.
     async fn origin(
         self: &Arc<Self>,
         spec: &SandboxSpec,
         progress: &ProgressSink,
         t0: Instant,
-    ) -> Result<(VmSource, u8, u64), SandboxError> {
+    ) -> Result<(VmSource, u8, u64, u64), SandboxError> {
         let limits = &self.config.limits;
+        let disk_mib = limits.disk_mib(spec.disk_mib)?;
         if let Some(name) = &spec.template {
             let t = self.load_template(name.clone()).await?;
             let (vcpus, memory_mib) = (t.meta.vcpus, t.meta.memory_mib);
@@ -189,24 +191,36 @@ impl Manager {
             if differs {
                 return Err(SandboxError::TemplateShape { name: name.clone(), vcpus, memory_mib });
             }
-            return Ok((VmSource::Template(t), vcpus, memory_mib));
+            let its_disk = crate::disks::size_mib(t.disk.as_ref());
+            if spec.disk_mib.is_some_and(|d| d != its_disk) {
+                return Err(SandboxError::TemplateDisk { name: name.clone(), disk_mib: its_disk });
+            }
+            return Ok((VmSource::Template(t), vcpus, memory_mib, its_disk));
         }
         let vcpus = limits.vcpus(spec.vcpus)?;
         let memory_mib = limits.memory_mib(spec.memory_mib)?;
         if self.config.huge_pages && !memory_mib.is_multiple_of(2) {
             return Err(crate::limits::LimitsError::HugePageMemory { got: memory_mib }.into());
         }
-        if vcpus == limits.default_vcpus && memory_mib == limits.default_memory_mib {
+        let disk_mib = if self.disk_plan.blank.is_some() { disk_mib } else { 0 };
+        if vcpus == limits.default_vcpus && memory_mib == limits.default_memory_mib && disk_mib == self.boot_disk_mib()
+        {
             self.wait_for_default_build(progress, t0).await;
             match self.load_template(DEFAULT_TEMPLATE.into()).await {
-                Ok(t) if t.meta.vcpus == vcpus && t.meta.memory_mib == memory_mib => {
-                    return Ok((VmSource::Template(t), vcpus, memory_mib))
+                Ok(t)
+                    if t.meta.vcpus == vcpus
+                        && t.meta.memory_mib == memory_mib
+                        && crate::disks::size_mib(t.disk.as_ref()) == disk_mib =>
+                {
+                    return Ok((VmSource::Template(t), vcpus, memory_mib, disk_mib))
                 }
-                Ok(_) => tracing::info!("the default template has another shape than the limits' defaults; booting"),
+                Ok(_) => {
+                    tracing::info!("the default template has another shape or disk than the limits' defaults; booting")
+                }
                 Err(e) => tracing::info!("booting instead of restoring: {e}"),
             }
         }
-        Ok((VmSource::Boot, vcpus, memory_mib))
+        Ok((VmSource::Boot, vcpus, memory_mib, disk_mib))
     }
 
     /// Waits until the default template is not being built, reporting
@@ -250,7 +264,8 @@ impl Manager {
         // checks again with the shape the template gives).
         let vcpus = spec.vcpus.map_or(limits.default_vcpus, |v| u8::try_from(v).unwrap_or(u8::MAX));
         let memory_mib = spec.memory_mib.unwrap_or(limits.default_memory_mib);
-        if let Some(claim) = super::quota::Claim::of(&cx, vcpus, memory_mib, self.boot_disk_mib()) {
+        let disk_mib = spec.disk_mib.unwrap_or(self.boot_disk_mib());
+        if let Some(claim) = super::quota::Claim::of(&cx, vcpus, memory_mib, disk_mib) {
             claim.check(&lock(&self.sandboxes), 1)?;
         }
         self.make_room(1).await;
@@ -261,7 +276,7 @@ impl Manager {
                 return self.hand_out(sb, spec, env, idle_timeout, &cx).await;
             }
         }
-        let (source, vcpus, memory_mib) = self.origin(&spec, &cx.progress, t0).await?;
+        let (source, vcpus, memory_mib, disk_mib) = self.origin(&spec, &cx.progress, t0).await?;
         let template = match &source {
             VmSource::Template(t) => Some(t.meta.name.clone()),
             VmSource::Boot | VmSource::Branch(_) | VmSource::Hibernated { .. } => None,
@@ -271,10 +286,6 @@ impl Manager {
         let charge = match source {
             VmSource::Template(_) => self.restored_charge_mib(memory_mib, 0),
             _ => memory_mib,
-        };
-        let disk_mib = match &source {
-            VmSource::Template(t) => crate::disks::size_mib(t.disk.as_ref()),
-            _ => self.boot_disk_mib(),
         };
         let memory = self.admit_or_hibernate("create", &[(MemoryUse::Sandbox, charge)]).await?.pop();
         let mut labels = Some(spec.labels);
@@ -622,6 +633,9 @@ impl Manager {
             disk: self.disk_plan.clone(),
         };
         let booted = matches!(source, VmSource::Boot);
+        // A boot's disk starts as the blank file system of its size (made
+        // once per size).
+        let blank_mib = if booted { sb.disk_mib } else { 0 };
         progress.report(
             secs(t0),
             None,
@@ -634,10 +648,19 @@ impl Manager {
         );
         *lock(&sb.base) = Base::of(&source);
         let backend = self.backend.clone();
-        let vm = tokio::task::spawn_blocking(move || backend.start(&spec, &source))
-            .await
-            .map_err(task_failed("VM start task"))?
-            .map_err(SandboxError::Start)?;
+        let vm = tokio::task::spawn_blocking(move || {
+            let mut spec = spec;
+            spec.disk.blank = match blank_mib {
+                0 => None,
+                mib => Some(crate::disks::blank_base(&spec.disk.dir, mib << 20).map_err(|e| SandboxError::Io {
+                    what: format!("make a {mib} MiB disk"),
+                    source: std::io::Error::other(e),
+                })?),
+            };
+            backend.start(&spec, &source).map_err(SandboxError::Start)
+        })
+        .await
+        .map_err(task_failed("VM start task"))??;
         let started = vm.started();
         let uds = vm.agent_socket().to_path_buf();
         let watch = vm.exit_watch();

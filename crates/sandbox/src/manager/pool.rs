@@ -81,6 +81,7 @@ impl Manager {
             && spec.template.as_deref().is_none_or(|t| t == DEFAULT_TEMPLATE)
             && spec.vcpus.is_none_or(|v| v == u64::from(limits.default_vcpus))
             && spec.memory_mib.is_none_or(|m| m == limits.default_memory_mib)
+            && spec.disk_mib.is_none_or(|d| d == self.boot_disk_mib())
     }
 
     /// A ready pooled sandbox, taken out of the pool (pooled sandboxes

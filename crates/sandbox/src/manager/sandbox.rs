@@ -126,6 +126,8 @@ pub struct SandboxInfo {
     pub vcpus: u8,
     /// Guest memory (MiB).
     pub memory_mib: u64,
+    /// The size of its own disk (MiB; 0: none, it writes to guest memory).
+    pub disk_mib: u64,
     /// Labels.
     pub labels: BTreeMap<String, String>,
     /// The template it was restored from (`None`: booted).
@@ -589,6 +591,7 @@ impl Sandbox {
             error: st.error.clone(),
             vcpus: self.vcpus,
             memory_mib: self.memory_mib,
+            disk_mib: self.disk_mib,
             labels: self.labels(),
             template: self.template.clone(),
             lineage: lock(&self.lineage).clone(),

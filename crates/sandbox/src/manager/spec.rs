@@ -12,6 +12,10 @@ pub struct SandboxSpec {
     pub vcpus: Option<u64>,
     /// Guest memory in MiB (`None`: the default).
     pub memory_mib: Option<u64>,
+    /// The size of its own disk in MiB (`None`: its template's, or
+    /// `default_disk_mib` for the default template and a boot). A size
+    /// other than the default template's boots the sandbox.
+    pub disk_mib: Option<u64>,
     /// Free-form labels, for `list` filters.
     pub labels: BTreeMap<String, String>,
     /// Idle timeout in seconds (`None`: the default).

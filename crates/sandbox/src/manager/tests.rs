@@ -1273,3 +1273,25 @@ async fn disks_count_by_their_size_against_the_disk_budget_and_the_tenants_quota
     s.manager.kill(&t).await.unwrap();
     s.manager.create_with(SandboxSpec::default(), &cx).await.expect("room again");
 }
+
+/// A create may ask for its disk's size: another size than the default
+/// boots, the size shows in its info and its children's, and sizes out of
+/// range are refused with the range.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_create_asks_for_its_disk_size_and_its_children_inherit_it() {
+    let s = setup(Limits { default_disk_mib: 1024, max_disk_mib: 4096, ..limits(8) });
+    let a = s.manager.create(SandboxSpec::default()).await.unwrap();
+    assert_eq!(a.disk_mib, 1024);
+    let b = s.manager.create(SandboxSpec { disk_mib: Some(2048), ..SandboxSpec::default() }).await.unwrap();
+    assert_eq!((b.disk_mib, b.template.as_deref()), (2048, None), "booted with its own size");
+    let kid = s.manager.branch(&b.sandbox_id, 1).await.unwrap().children.remove(0);
+    assert_eq!(kid.disk_mib, 2048, "a child has its source's disk");
+    for asked in [10, 8192] {
+        let e = s.manager.create(SandboxSpec { disk_mib: Some(asked), ..SandboxSpec::default() }).await.unwrap_err();
+        assert_eq!(e.to_string(), format!("disk_mib must be 64..=4096, got {asked}"));
+    }
+    let none = setup(Limits { default_disk_mib: 0, ..limits(8) });
+    assert_eq!(none.manager.create(SandboxSpec::default()).await.unwrap().disk_mib, 0);
+    let e = none.manager.create(SandboxSpec { disk_mib: Some(256), ..SandboxSpec::default() }).await.unwrap_err();
+    assert!(matches!(e, SandboxError::Limits(crate::LimitsError::NoDisks)), "{e}");
+}

@@ -89,6 +89,8 @@ pub const DEFAULT_MAX_VCPUS: u64 = 8;
 /// See [`DEFAULT_MAX_VCPUS`].
 pub const DEFAULT_MAX_MEMORY_MIB: u64 = 8192;
 /// See [`DEFAULT_MAX_VCPUS`].
+pub const DEFAULT_MAX_DISK_MIB: u64 = 65_536;
+/// See [`DEFAULT_MAX_VCPUS`].
 pub const DEFAULT_MAX_IDLE_SECS: u64 = 86_400;
 /// See [`DEFAULT_MAX_VCPUS`].
 pub const DEFAULT_MAX_SANDBOXES: u64 = 16;
@@ -96,6 +98,8 @@ pub const DEFAULT_MAX_SANDBOXES: u64 = 16;
 pub const DEFAULT_MAX_LABELS: u64 = 16;
 /// Least guest memory (MiB): `tine_sandbox::MIN_MEMORY_MIB`.
 pub const MIN_MEMORY_MIB: u64 = tine_sandbox::MIN_MEMORY_MIB;
+/// Least disk (MiB): `tine_sandbox::MIN_DISK_MIB`.
+pub const MIN_DISK_MIB: u64 = tine_sandbox::MIN_DISK_MIB;
 
 /// Schema transform for a map of strings (`labels`, `env`, `files`): at
 /// most `ENTRIES` entries, keys of at most `KEY` characters, values of at
@@ -132,6 +136,7 @@ pub fn apply_limits<'a>(schemas: impl IntoIterator<Item = (&'a str, &'a mut Json
                 range("memory_mib", memory);
                 if tool == "sandbox_create" {
                     range("idle_timeout_secs", idle);
+                    range("disk_mib", (MIN_DISK_MIB, limits.max_disk_mib));
                 }
             }
             "sandbox_update" => range("idle_timeout_secs", idle),
@@ -371,6 +376,7 @@ mod tests {
         let d = Limits::default();
         assert_eq!(DEFAULT_MAX_VCPUS, u64::from(d.max_vcpus));
         assert_eq!(DEFAULT_MAX_MEMORY_MIB, d.max_memory_mib);
+        assert_eq!(DEFAULT_MAX_DISK_MIB, d.max_disk_mib);
         assert_eq!(DEFAULT_MAX_IDLE_SECS, d.max_idle_timeout_secs);
         assert_eq!(DEFAULT_MAX_SANDBOXES, d.max_sandboxes as u64);
         assert_eq!(DEFAULT_MAX_LABELS, d.max_labels as u64);

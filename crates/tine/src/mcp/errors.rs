@@ -145,6 +145,9 @@ pub fn sandbox_hint(e: &SandboxError) -> Option<String> {
         SandboxError::TooManyKept { .. } => {
             "; kill sandboxes you no longer need (sandbox_kill; sandbox_list shows them)"
         }
+        SandboxError::TemplateDisk { .. } => {
+            "; leave out disk_mib, or leave out template to boot a sandbox of that disk"
+        }
         SandboxError::DiskBudget { .. } => {
             "; kill sandboxes you no longer need (sandbox_kill; hibernated ones hold their disks too), or ask the \
              operator for a larger [limits] disk_budget_mib"

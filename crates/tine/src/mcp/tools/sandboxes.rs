@@ -16,8 +16,8 @@ use tine_sandbox::{BranchResult, DiffOptions, DiffReport, SandboxInfo, SandboxSp
 use super::common::env_map;
 use super::network::NetworkParams;
 use crate::mcp::bounds::{
-    string_map, DEFAULT_MAX_IDLE_SECS, DEFAULT_MAX_LABELS, DEFAULT_MAX_MEMORY_MIB, DEFAULT_MAX_SANDBOXES,
-    DEFAULT_MAX_VCPUS, MAX_ID_CHARS, MAX_NAME_CHARS, MIN_MEMORY_MIB, NAME_PATTERN,
+    string_map, DEFAULT_MAX_DISK_MIB, DEFAULT_MAX_IDLE_SECS, DEFAULT_MAX_LABELS, DEFAULT_MAX_MEMORY_MIB,
+    DEFAULT_MAX_SANDBOXES, DEFAULT_MAX_VCPUS, MAX_ID_CHARS, MAX_NAME_CHARS, MIN_DISK_MIB, MIN_MEMORY_MIB, NAME_PATTERN,
 };
 use crate::mcp::errors::ToolError;
 use crate::mcp::progress::Reporter;
@@ -40,6 +40,12 @@ pub struct CreateParams {
     /// Guest memory in MiB (default 512).
     #[schemars(range(min = MIN_MEMORY_MIB, max = DEFAULT_MAX_MEMORY_MIB))]
     pub memory_mib: Option<u64>,
+    /// Size of the sandbox's own disk in MiB, where everything it writes
+    /// goes (default 10240, the default template's). Another size boots a
+    /// new VM (slower than the default's restore); a template's sandboxes
+    /// have its disk.
+    #[schemars(range(min = MIN_DISK_MIB, max = DEFAULT_MAX_DISK_MIB))]
+    pub disk_mib: Option<u64>,
     /// Labels to find the sandbox by later (`sandbox_list`).
     #[serde(default)]
     #[schemars(transform = labels_map)]
@@ -265,6 +271,7 @@ impl TineMcp {
         let spec = SandboxSpec {
             vcpus: p.vcpus,
             memory_mib: p.memory_mib,
+            disk_mib: p.disk_mib,
             labels: p.labels,
             idle_timeout_secs: p.idle_timeout_secs,
             template: p.template.map(|t| self.resolve_template(&t)),
