@@ -26,6 +26,20 @@ pub(super) const PROGRESS_QUEUE: usize = 8;
 /// reply share it. Unit tests (over the fake VM) use 3 s to see a stalled
 /// guest's call fail quickly.
 pub(super) const SHORT_CALL: Duration = Duration::from_secs(if cfg!(test) { 3 } else { 60 });
+
+/// What a call that carries file data into the guest waits more per MiB
+/// than [`SHORT_CALL`]: every byte goes through the guest kernel (its
+/// vsock receive path and page cache); on a host that emulates guest
+/// kernel mode a 5 MiB upload to a fresh restore's tmpfs took 24 s alone
+/// and more than 60 s with another test's guests beside it. Unit tests
+/// (over the fake VM) add nothing, as [`SHORT_CALL`] is short there.
+const PER_MIB: Duration = Duration::from_secs(if cfg!(test) { 0 } else { 15 });
+
+/// Timeout of a call that carries `bytes` of file data into the guest:
+/// [`SHORT_CALL`] and [`PER_MIB`] for each whole MiB.
+pub(super) fn data_call(bytes: usize) -> Duration {
+    SHORT_CALL + PER_MIB.saturating_mul(u32::try_from(bytes >> 20).unwrap_or(u32::MAX))
+}
 /// Longest a call holds its call slot: a long command lets the next call
 /// in after this and goes on outside the gate. Trivial calls end well
 /// within it, so under load they run a few at a time and finish; 2 s let
@@ -307,7 +321,8 @@ impl Manager {
     }
 
     /// Writes (or appends to) a file, creating parent directories.
-    /// Returns the bytes written.
+    /// Returns the bytes written. The agent's answer is awaited for
+    /// [`data_call`] of the data's size.
     ///
     /// Errors: as [`Manager::exec`].
     pub async fn write_file(
@@ -318,8 +333,9 @@ impl Manager {
         mode: Option<u32>,
         append: bool,
     ) -> Result<u64, SandboxError> {
+        let timeout = data_call(data.len());
         let write = WriteFile { path, data, mode, append, create_parents: true };
-        self.with_agent(id, |a| async move { a.write(write, SHORT_CALL).await }).await
+        self.with_agent(id, |a| async move { a.write(write, timeout).await }).await
     }
 
     /// Renames `from` to `to` in the guest (rename(2): atomic within one
