@@ -105,8 +105,12 @@ impl Manager {
         // again under the map's lock). At the cap, idle sandboxes make room.
         if (1..=self.config.limits.max_sandboxes).contains(&n) {
             self.check_kept(n)?;
-            if let Some(claim) = super::quota::Claim::of(cx, source.vcpus, source.memory_mib, source.disk_mib) {
-                claim.check(&lock(&self.sandboxes), n)?;
+            {
+                let map = lock(&self.sandboxes);
+                if let Some(claim) = super::quota::Claim::of(cx, source.vcpus, source.memory_mib, source.disk_mib) {
+                    claim.check(&map, n)?;
+                }
+                self.check_disk_budget(&map, n, source.disk_mib)?;
             }
             self.make_room(n).await;
         }

@@ -265,8 +265,12 @@ impl Manager {
         let vcpus = spec.vcpus.map_or(limits.default_vcpus, |v| u8::try_from(v).unwrap_or(u8::MAX));
         let memory_mib = spec.memory_mib.unwrap_or(limits.default_memory_mib);
         let disk_mib = spec.disk_mib.unwrap_or(self.boot_disk_mib());
-        if let Some(claim) = super::quota::Claim::of(&cx, vcpus, memory_mib, disk_mib) {
-            claim.check(&lock(&self.sandboxes), 1)?;
+        {
+            let map = lock(&self.sandboxes);
+            if let Some(claim) = super::quota::Claim::of(&cx, vcpus, memory_mib, disk_mib) {
+                claim.check(&map, 1)?;
+            }
+            self.check_disk_budget(&map, 1, disk_mib)?;
         }
         self.make_room(1).await;
         let net = self.net_control(spec.network.as_ref(), cx.ceiling.as_ref())?;
@@ -478,10 +482,12 @@ impl Manager {
         crate::ids::sandbox_prefix(self.config.host_name.as_deref())
     }
 
-    /// Reserves `n` sandboxes with disks of `disk_mib` each (new ids `sb-[<host>-]<random>` ([`crate::ids`]),
-    /// none of them in the map; made by `make` from the id
-    /// and its directory) in the map, as `starting`, within the
-    /// live-sandbox cap: the one place live sandboxes are counted.
+    /// Reserves `n` sandboxes with disks of `disk_mib` each (new ids
+    /// `sb-[<host>-]<random>` ([`crate::ids`]), none of them in the map;
+    /// made by `make` from the id and its directory) in the map, as
+    /// `starting`, within the live-sandbox cap, the tenant's quota
+    /// (`claim`) and the disk budget: the one place live sandboxes are
+    /// counted.
     ///
     /// Errors: [`SandboxError::ShuttingDown`], [`SandboxError::TooMany`]
     /// (`n` is 0 or would pass the cap), [`SandboxError::TooManyKept`],
