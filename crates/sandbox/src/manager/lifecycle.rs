@@ -202,7 +202,6 @@ impl Manager {
         if self.config.huge_pages && !memory_mib.is_multiple_of(2) {
             return Err(crate::limits::LimitsError::HugePageMemory { got: memory_mib }.into());
         }
-        let disk_mib = if self.disk_plan.blank.is_some() { disk_mib } else { 0 };
         if vcpus == limits.default_vcpus && memory_mib == limits.default_memory_mib && disk_mib == self.boot_disk_mib()
         {
             self.wait_for_default_build(progress, t0).await;
