@@ -243,6 +243,19 @@ pub fn size_mib(chain: Option<&ChainSpec>) -> u64 {
     chain.and_then(|c| c.base.as_ref()).and_then(|b| std::fs::metadata(b).ok()).map_or(0, |m| m.len() >> 20)
 }
 
+/// Bytes allocated to the files of `paths` that nothing else links (one
+/// link: a layer no template or hibernation keeps); what cannot be read
+/// counts 0.
+pub fn unshared_bytes<P: AsRef<Path>>(paths: impl IntoIterator<Item = P>) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    paths
+        .into_iter()
+        .filter_map(|p| std::fs::metadata(p).ok())
+        .filter(|m| m.is_file() && m.nlink() == 1)
+        .map(|m| m.blocks() * 512)
+        .sum()
+}
+
 /// Every file of `chain`.
 pub fn files(chain: &ChainSpec) -> impl Iterator<Item = &PathBuf> {
     chain.base.iter().chain(chain.frozen.iter()).chain(chain.top.iter())

@@ -122,21 +122,37 @@ pub fn remove(dir: &Path) -> Result<(), StoreError> {
 /// it, so sparse files count what they hold; hard-linked files counted
 /// once); what cannot be read counts 0.
 pub fn disk_use(dir: &Path) -> u64 {
-    fn walk(dir: &Path, seen: &mut std::collections::HashSet<(u64, u64)>) -> u64 {
-        use std::os::unix::fs::MetadataExt;
-        let Ok(entries) = std::fs::read_dir(dir) else { return 0 };
-        let mut total = 0;
-        for e in entries.flatten() {
-            let Ok(m) = e.path().symlink_metadata() else { continue };
-            if m.is_dir() {
-                total += walk(&e.path(), seen);
-            } else if seen.insert((m.dev(), m.ino())) {
-                total += m.blocks() * 512;
+    disk_use_walk(dir, None, &mut std::collections::HashSet::new())
+}
+
+/// [`disk_use`] of `dir` leaving out the directory `except` below it (a
+/// file linked both there and elsewhere under `dir` counts).
+pub fn disk_use_except(dir: &Path, except: &Path) -> u64 {
+    disk_use_walk(dir, Some(except), &mut std::collections::HashSet::new())
+}
+
+fn disk_use_walk(dir: &Path, except: Option<&Path>, seen: &mut std::collections::HashSet<(u64, u64)>) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(entries) = std::fs::read_dir(dir) else { return 0 };
+    let mut total = 0;
+    for e in entries.flatten() {
+        let path = e.path();
+        let Ok(m) = path.symlink_metadata() else { continue };
+        if m.is_dir() {
+            if except != Some(path.as_path()) {
+                total += disk_use_walk(&path, except, seen);
             }
+        } else if seen.insert((m.dev(), m.ino())) {
+            total += m.blocks() * 512;
         }
-        total
     }
-    walk(dir, &mut std::collections::HashSet::new())
+    total
+}
+
+/// The size (MiB) of the file system `dir` is on (`statvfs(3)`: blocks ×
+/// fragment size); `None` where it cannot be read.
+pub fn fs_size_mib(dir: &Path) -> Option<u64> {
+    nix::sys::statvfs::statvfs(dir).ok().map(|fs| fs.blocks().saturating_mul(fs.fragment_size()) >> 20)
 }
 
 #[cfg(test)]
@@ -181,5 +197,22 @@ mod tests {
         }
         let e = write_synced(full, &[0u8; 8192]).unwrap_err();
         assert!(e.to_string().contains("/dev/full"), "{e}");
+    }
+
+    /// `disk_use_except` leaves out one directory's own files but counts a
+    /// file linked both there and elsewhere.
+    #[test]
+    fn disk_use_except_leaves_out_one_directory() {
+        let dir = tempfile::tempdir().unwrap();
+        let (layers, hib) = (dir.path().join(".disks"), dir.path().join("sb-1"));
+        std::fs::create_dir_all(&layers).unwrap();
+        std::fs::create_dir_all(&hib).unwrap();
+        std::fs::write(layers.join("live.delta"), vec![1u8; 64 << 10]).unwrap();
+        std::fs::write(layers.join("kept.delta"), vec![2u8; 128 << 10]).unwrap();
+        std::fs::hard_link(layers.join("kept.delta"), hib.join("disk-0.delta")).unwrap();
+        let all = disk_use(dir.path());
+        let kept = disk_use_except(dir.path(), &layers);
+        assert!(kept >= 128 << 10 && kept < all, "kept {kept}, all {all}");
+        assert_eq!(all - kept, disk_use(&layers) - kept, "only the live layer is left out");
     }
 }

@@ -21,9 +21,7 @@ use super::{Manager, Sandbox, SandboxError, SandboxId};
 /// (none where it cannot be read).
 pub(super) fn budget_mib(configured: u64, dir: &std::path::Path) -> u64 {
     match configured {
-        0 => nix::sys::statvfs::statvfs(dir)
-            .map(|fs| fs.blocks().saturating_mul(fs.fragment_size()) >> 20)
-            .unwrap_or(u64::MAX),
+        0 => crate::store::fs_size_mib(dir).unwrap_or(u64::MAX),
         n => n,
     }
 }
@@ -91,29 +89,18 @@ impl Manager {
     /// Disk use on the host now, by kind. Blocking: walks the templates'
     /// and the kept sandboxes' directories (a file linked from two places
     /// counts in each place but `.disks`, whose files count only when
-    /// nothing else links them).
+    /// nothing else links them; hibernations as their budget counts them,
+    /// `Manager::kept_bytes`).
     pub fn disk_bytes(&self) -> DiskBytes {
-        use std::os::unix::fs::MetadataExt;
-        let kept = &self.config.kept_dir;
-        let layers_dir = kept.join(crate::disks::DISKS_DIR);
+        let layers_dir = self.config.kept_dir.join(crate::disks::DISKS_DIR);
         let sandbox_layers = std::fs::read_dir(&layers_dir)
-            .map(|d| {
-                d.flatten()
-                    .filter_map(|e| e.metadata().ok())
-                    .filter(|m| m.is_file() && m.nlink() == 1)
-                    .map(|m| m.blocks() * 512)
-                    .sum()
-            })
+            .map(|d| crate::disks::unshared_bytes(d.flatten().map(|e| e.path())))
             .unwrap_or(0);
         let reserved = disk_use(crate::lock(&self.sandboxes).values()).1 << 20;
         DiskBytes {
             sandbox_layers,
             templates: crate::store::disk_use(&self.config.templates_dir),
-            hibernations: std::fs::read_dir(kept)
-                .map(|d| {
-                    d.flatten().filter(|e| e.path() != layers_dir).map(|e| crate::store::disk_use(&e.path())).sum()
-                })
-                .unwrap_or(0),
+            hibernations: self.kept_bytes(),
             reserved,
             budget: self.disk_budget_mib.saturating_mul(1 << 20),
         }

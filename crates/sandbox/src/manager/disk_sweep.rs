@@ -53,16 +53,12 @@ impl Manager {
     /// hibernation kept; a template's layers, linked in and shared with
     /// its other sandboxes, are not counted). `None` without a VM or disk.
     pub(super) fn sandbox_disk_use(&self, sb: &Sandbox) -> Option<(u64, u64)> {
-        use std::os::unix::fs::MetadataExt;
         let slot = lock(&sb.vm);
         let (size, chain) = slot.vm.as_ref()?.disks().into_iter().find(|(_, c)| c.top.is_some())?;
         drop(slot);
-        let own = crate::disks::files(&chain)
-            .filter(|f| f.parent() == Some(self.disk_plan.dir.as_path()))
-            .filter_map(|f| std::fs::metadata(f).ok())
-            .filter(|m| m.nlink() == 1)
-            .map(|m| m.blocks() * 512)
-            .sum();
+        let own = crate::disks::unshared_bytes(
+            crate::disks::files(&chain).filter(|f| f.parent() == Some(self.disk_plan.dir.as_path())),
+        );
         Some((size, own))
     }
 

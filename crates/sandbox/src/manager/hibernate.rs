@@ -252,11 +252,17 @@ impl Manager {
     /// file system (no limit where it cannot be read).
     fn hibernation_disk_budget_mib(&self) -> u64 {
         match self.config.limits.max_hibernated_disk_mib {
-            0 => nix::sys::statvfs::statvfs(&self.config.kept_dir)
-                .map(|fs| fs.blocks().saturating_mul(fs.fragment_size()) / 2 / (1 << 20))
-                .unwrap_or(u64::MAX),
+            0 => crate::store::fs_size_mib(&self.config.kept_dir).map_or(u64::MAX, |mib| mib / 2),
             n => n,
         }
+    }
+
+    /// Bytes the kept sandboxes' files take (hibernations with their disk
+    /// layers, records, pinned template files): the kept directory but
+    /// `.disks`, where live sandboxes' layers are.
+    pub(super) fn kept_bytes(&self) -> u64 {
+        let kept = &self.config.kept_dir;
+        crate::store::disk_use_except(kept, &kept.join(crate::disks::DISKS_DIR))
     }
 
     fn hibernate_blocking(&self, sb: &Sandbox, why: HibernateWhy) -> Result<(), SandboxError> {
@@ -275,11 +281,7 @@ impl Manager {
         let budget_mib = self.hibernation_disk_budget_mib();
         // Live sandboxes' disk layers are not kept state (a hibernation's
         // layers are: it holds links to them in its own directory).
-        let kept_bytes = || {
-            let disks = crate::store::disk_use(&kept.join(crate::disks::DISKS_DIR));
-            crate::store::disk_use(kept).saturating_sub(disks)
-        };
-        let used_mib = if why == HibernateWhy::Shutdown { 0 } else { kept_bytes() >> 20 };
+        let used_mib = if why == HibernateWhy::Shutdown { 0 } else { self.kept_bytes() >> 20 };
         if used_mib >= budget_mib {
             return Err(failed(format!(
                 "the kept sandboxes' files take {used_mib} MiB, the server's hibernation disk budget is {budget_mib} MiB \
