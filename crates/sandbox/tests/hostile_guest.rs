@@ -87,14 +87,16 @@ async fn a_guest_that_stops_reading_vsock_fails_the_stalled_calls_and_is_still_s
     eprintln!("the guest stops its agent (pid {}) for {stopped_secs} s", agent_pid.trim());
     tokio::time::sleep(Duration::from_secs(4)).await;
 
-    // 8 MiB cannot be written to a guest that reads nothing (its vsock
-    // buffer is 256 KiB): the write holds the connection's writer until
-    // its deadline. An exec queued behind it fails at its own deadline.
+    // Just under 1 MiB cannot be written to a guest that reads nothing
+    // (its vsock buffer is 256 KiB, the host socket's about as much): the
+    // write holds the connection's writer until its deadline, which is
+    // the short call's (a write's deadline grows by a step per whole MiB).
+    // An exec queued behind it fails at its own deadline.
     let write = {
         let (m, id) = (m.clone(), id.clone());
         tokio::spawn(async move {
             let t = Instant::now();
-            (m.write_file(&id, "/tmp/big".into(), vec![7; 8 << 20], None, false).await, t.elapsed())
+            (m.write_file(&id, "/tmp/big".into(), vec![7; (1 << 20) - 1], None, false).await, t.elapsed())
         })
     };
     tokio::time::sleep(Duration::from_secs(1)).await;
@@ -111,7 +113,7 @@ async fn a_guest_that_stops_reading_vsock_fails_the_stalled_calls_and_is_still_s
     assert!(matches!(e, SandboxError::Timeout { secs, .. } if secs == 1 + CALL_GRACE_SECS), "{e}");
     assert!(exec_took < Duration::from_secs(1 + CALL_GRACE_SECS) + LATE, "{exec_took:?}");
     let (write_r, write_took) = write.await.unwrap();
-    let e = write_r.expect_err("an 8 MiB write to a stopped agent");
+    let e = write_r.expect_err("a write of almost 1 MiB to a stopped agent");
     eprintln!("stalled write failed after {write_took:?}: {e}");
     assert!(matches!(e, SandboxError::Timeout { secs: SHORT_CALL_SECS, .. }), "{e}");
     assert!(e.to_string().contains(&format!("{SHORT_CALL_SECS} s")), "{e}");
