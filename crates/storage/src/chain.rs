@@ -767,9 +767,14 @@ impl Disk for LayeredDisk {
 
     /// Freezes the top beside itself ([`LayeredDisk::freeze_top`] at
     /// [`LayeredDisk::new_layer_path`]) and returns the frozen layers; a
-    /// read-only chain returns itself.
+    /// read-only chain returns itself. A delta top nothing was written to
+    /// since it was made is not frozen: the layers below it are already the
+    /// disk as it is, and the chain does not grow by an empty layer at
+    /// every capture (a sandbox branched or hibernated again and again
+    /// without writing in between).
     fn checkpoint(&mut self) -> Result<Option<ChainSpec>, DiskError> {
-        if self.top.is_some() {
+        let empty_top = matches!(&self.top, Some(Layer::Delta(d)) if d.is_empty());
+        if self.top.is_some() && !empty_top {
             let next = self.new_layer_path()?;
             self.freeze_top(&next)?;
         }

@@ -428,3 +428,34 @@ fn a_top_created_over_a_checkpoint_reads_it_and_writes_apart() {
     let t = LayeredDisk::create_top(&only, &dir.path().join("t.delta")).unwrap();
     assert_eq!(LayeredDisk::open(&t).unwrap().size(), 1 << 20);
 }
+
+/// A checkpoint of a disk whose top holds nothing yet is the chain below
+/// the top: no empty layer is frozen, the top stays; a write or a discard
+/// since the last checkpoint makes the next one freeze the top as before.
+#[test]
+fn a_checkpoint_of_an_untouched_top_adds_no_layer() {
+    let dir = tempfile::tempdir().unwrap();
+    let (base, _) = write_base(dir.path(), 1 << 20, 5);
+    let mut d = LayeredDisk::create(Some(&base), 4 << 20, 16, &dir.path().join("first.delta")).unwrap();
+    let first = Disk::checkpoint(&mut d).unwrap().expect("a chain checkpoints");
+    assert_eq!(first, ChainSpec { base: Some(base.clone()), frozen: vec![], top: None });
+    assert_eq!(d.spec().top, Some(dir.path().join("first.delta")), "the untouched top stays");
+
+    d.write_at(&[1; 4096], 0).unwrap();
+    let second = Disk::checkpoint(&mut d).unwrap().unwrap();
+    assert_eq!(second.frozen, vec![dir.path().join("first.delta")]);
+    let top = d.spec().top.unwrap();
+    for _ in 0..3 {
+        assert_eq!(Disk::checkpoint(&mut d).unwrap().unwrap(), second, "nothing written: the same chain");
+        assert_eq!(d.spec().top.as_ref(), Some(&top));
+    }
+    let before = read_all(&d);
+    assert_eq!(read_all(&LayeredDisk::open(&second).unwrap()), before);
+
+    // A discard is a change of the disk like a write.
+    Disk::discard(&mut d, 0, 64 << 10).unwrap();
+    let third = Disk::checkpoint(&mut d).unwrap().unwrap();
+    assert_eq!(third.frozen.len(), 2, "{third:?}");
+    assert_eq!(read_all(&LayeredDisk::open(&third).unwrap())[..4096], [0; 4096]);
+    assert_eq!(read_all(&LayeredDisk::open(&second).unwrap()), before, "the older checkpoint is unchanged");
+}

@@ -340,6 +340,13 @@ impl Delta {
         Ok(m.blocks().saturating_mul(512))
     }
 
+    /// Whether no cluster has a state of its own (every entry absent):
+    /// nothing was written or discarded here. A scan of the map in memory
+    /// (40 KiB for 10 GiB in 64 KiB clusters).
+    pub(crate) fn is_empty(&self) -> bool {
+        self.map.iter().all(|&b| b == 0)
+    }
+
     /// Clusters in state Data.
     pub(crate) fn data_clusters(&self) -> u64 {
         (0..self.clusters).filter(|&c| self.state(c) == ClusterState::Data).count() as u64

@@ -141,9 +141,11 @@ pub trait Disk: Send {
     /// Errors: [`DiskError::Io`].
     fn flush(&mut self) -> Result<(), DiskError>;
     /// The disk as it is now, as files that can be opened again and will
-    /// not change: for a copy-on-write chain, its writable top is flushed
-    /// and frozen and the disk goes on on a new empty top in the same
-    /// directory (O(1) in the data written); a read-only disk is its own
+    /// not change: for a copy-on-write chain, its writable top is frozen
+    /// (written, not synced: [`sync`]) and the disk goes on on a new empty
+    /// top in the same directory (O(1) in the data written), or, when
+    /// nothing was written to the top, the layers below it are the
+    /// checkpoint and the top stays; a read-only disk is its own
     /// checkpoint. `None`: this disk cannot be checkpointed (a raw disk
     /// written in place).
     ///
