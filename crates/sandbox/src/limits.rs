@@ -158,7 +158,7 @@ fn host_mem_total_mib() -> Option<u64> {
 pub const MIN_MEMORY_MIB: u64 = 128;
 
 /// The smallest disk (MiB) a sandbox may ask for: an ext4 file system with
-/// its journal and room to write.
+/// room to write.
 pub const MIN_DISK_MIB: u64 = 64;
 /// Longest label key (bytes).
 pub const MAX_LABEL_KEY: usize = 64;
