@@ -117,14 +117,14 @@ pub struct LayerInfo {
 }
 
 /// A raw image layer.
-struct Raw {
+pub(crate) struct Raw {
     path: PathBuf,
     file: File,
     /// The file's length in bytes; bytes past it read as zeros.
     len: u64,
 }
 
-enum Layer {
+pub(crate) enum Layer {
     Raw(Raw),
     Delta(Delta),
 }
@@ -190,10 +190,10 @@ impl Layer {
 /// A disk made of layers: see the [module docs](self).
 pub struct LayeredDisk {
     /// Virtual size, bytes.
-    size: u64,
-    cluster_bits: u32,
+    pub(crate) size: u64,
+    pub(crate) cluster_bits: u32,
     /// Read-only layers, bottom first, shared with other chains.
-    lower: Vec<Arc<Layer>>,
+    pub(crate) lower: Vec<Arc<Layer>>,
     /// The writable top; none: the disk is read-only.
     top: Option<Layer>,
     /// One cluster, for copy-up.
@@ -785,5 +785,24 @@ impl Disk for LayeredDisk {
 
     fn spec(&self) -> ChainSpec {
         LayeredDisk::spec(self)
+    }
+
+    fn replace_lower(&mut self, old: &ChainSpec, new: &ChainSpec) -> Result<bool, DiskError> {
+        let mut below = LayeredDisk::spec(self);
+        below.top = None;
+        if below != *old || !matches!(self.top, Some(Layer::Delta(_))) {
+            return Ok(false);
+        }
+        let opened = LayeredDisk::open(new)?;
+        if new.base != old.base || (opened.size, opened.cluster_bits) != (self.size, self.cluster_bits) {
+            let path = new.frozen.last().or(new.base.as_ref()).cloned().unwrap_or_default();
+            return Err(DiskError::Chain { path, reason: "not the same disk as the layers it would replace".into() });
+        }
+        let parent = opened.lower.last().map_or([0; 16], |l| l.id());
+        if let Some(Layer::Delta(top)) = self.top.as_mut() {
+            top.set_parent(parent)?;
+        }
+        self.lower = opened.lower;
+        Ok(true)
     }
 }

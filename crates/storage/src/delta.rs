@@ -52,7 +52,7 @@ pub struct Delta {
     /// Virtual size of the disk, bytes.
     pub(crate) size: u64,
     pub(crate) cluster_bits: u32,
-    clusters: u64,
+    pub(crate) clusters: u64,
     data_offset: u64,
     pub(crate) id: [u8; 16],
     pub(crate) parent: [u8; 16],
@@ -318,6 +318,29 @@ impl Delta {
         self.write_map()?;
         self.frozen = true;
         self.write_header()
+    }
+
+    /// Names `parent` as the layer below in the header of this writable
+    /// delta (not synced: a top's header is made durable when it is
+    /// frozen). Unchanged on an error.
+    ///
+    /// Errors: [`DiskError::Frozen`], [`DiskError::Io`].
+    pub(crate) fn set_parent(&mut self, parent: [u8; 16]) -> Result<(), DiskError> {
+        if self.frozen {
+            return Err(DiskError::Frozen { path: self.path.clone() });
+        }
+        let old = std::mem::replace(&mut self.parent, parent);
+        let written = self.write_header();
+        if written.is_err() {
+            self.parent = old;
+        }
+        written
+    }
+
+    /// [`Delta::freeze`], then `fdatasync`: the layer is durable.
+    pub(crate) fn freeze_synced(&mut self) -> Result<(), DiskError> {
+        self.freeze()?;
+        self.file.sync_data().map_err(io_err(&self.path, "sync"))
     }
 
     /// Writes the changed map blocks (no sync).

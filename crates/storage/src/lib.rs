@@ -14,6 +14,7 @@
 //! The delta format and its crash-consistency rules are in [`chain`].
 
 pub mod chain;
+pub mod compact;
 pub mod delta;
 pub mod raw;
 
@@ -22,6 +23,7 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 pub use chain::{ChainSpec, LayerInfo, LayeredDisk, DEFAULT_CLUSTER_BITS};
+pub use compact::{flatten, MAX_FROZEN_LAYERS};
 pub use raw::RawDisk;
 
 /// Errors of a disk: its files, its format, and requests it refuses.
@@ -151,6 +153,21 @@ pub trait Disk: Send {
     ///
     /// Errors: [`DiskError::Io`] and the errors of creating a delta.
     fn checkpoint(&mut self) -> Result<Option<ChainSpec>, DiskError>;
+    /// Puts the frozen chain `new` under the writable top in place of
+    /// `old`, when the layers below the top are still exactly `old`; `new`
+    /// must read as `old` does (the same base, its deltas merged by
+    /// [`flatten`]): the guest sees no change. `false` (and nothing done)
+    /// when the layers below are no longer `old` (a capture froze the top
+    /// since), or the disk has no such layers (a raw disk). O(1) in the
+    /// data, besides opening `new`'s layers.
+    ///
+    /// Errors: the errors of opening `new` ([`LayeredDisk::open`]),
+    /// [`DiskError::Chain`] (`new` has another base or geometry),
+    /// [`DiskError::Io`] (the top's header cannot be written).
+    fn replace_lower(&mut self, old: &ChainSpec, new: &ChainSpec) -> Result<bool, DiskError> {
+        let _ = (old, new);
+        Ok(false)
+    }
     /// The files the disk uses now (to keep them from clean-up).
     fn spec(&self) -> ChainSpec;
 }
