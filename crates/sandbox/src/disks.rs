@@ -147,6 +147,29 @@ pub fn new_top(lower: &ChainSpec, dir: &Path) -> Result<ChainSpec, DisksError> {
     Ok(tine_storage::LayeredDisk::create_top(&lower, &top)?)
 }
 
+/// `chain` (frozen) as it is, or, when it has more than
+/// [`tine_storage::MAX_FROZEN_LAYERS`] frozen deltas, as its base and one
+/// new delta in `dir` that holds what they held ([`tine_storage::flatten`],
+/// synced; O(the data in the deltas)). For the places that can afford the
+/// copy: a template's making and a resume, never a VM's pause.
+///
+/// Errors: [`DisksError::Disk`].
+pub fn shallow(chain: &ChainSpec, dir: &Path) -> Result<ChainSpec, DisksError> {
+    if chain.frozen.len() <= tine_storage::MAX_FROZEN_LAYERS {
+        return Ok(chain.clone());
+    }
+    let t = std::time::Instant::now();
+    let out = tine_storage::chain::new_layer_path(dir)?;
+    let flat = tine_storage::flatten(chain, &out)?;
+    tracing::info!(
+        layers = chain.frozen.len(),
+        took_ms = t.elapsed().as_millis() as u64,
+        into = %out.display(),
+        "disk chain flattened"
+    );
+    Ok(flat)
+}
+
 /// Makes the frozen chain `chain` part of the template directory `dir`:
 /// a hard link to each layer (`disk-base.img`, `disk-<i>.delta`, bottom
 /// first) and [`DISK_META`] naming them, so the template keeps them

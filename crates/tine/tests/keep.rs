@@ -144,6 +144,25 @@ async fn sandboxes_outlive_idleness_restarts_and_crashes() {
     assert_eq!(exec(&client, &d, "cat /root/d.txt").await.unwrap(), "idle\n");
     assert_eq!(state(&client, &d).await, "running");
 
+    // A long line of hibernations, each after a write synced to the disk
+    // (unsynced, it waits in the guest's page cache, in memory, and the
+    // capture finds the disk's top untouched and freezes nothing), each
+    // resumed by the next exec: every capture froze a layer of D's disk, and the resume
+    // that found more than MAX_FROZEN_LAYERS (8) merged them into one, so
+    // D's chain stays short (12 files without the merge) and every line
+    // written is there.
+    let t = Instant::now();
+    for i in 0..8 {
+        exec(&client, &d, &format!("echo {i} >> /root/cycles.txt && sync")).await.unwrap();
+        hibernate(&client, &d).await;
+    }
+    let lines = exec(&client, &d, "cat /root/cycles.txt").await.unwrap();
+    assert_eq!(lines, (0..8).map(|i| format!("{i}\n")).collect::<String>());
+    let i = info(&client, &d).await;
+    let layers = i["usage"]["disk_layers"].as_u64();
+    assert!(layers.is_some_and(|n| n <= 8 + 2), "D's disk after 9 hibernations: {i}");
+    eprintln!("8 hibernations and resumes in {:?}; D's disk has {layers:?} files", t.elapsed());
+
     // A full disk under one sandbox's kept state: the hibernation fails,
     // says why, and the sandbox keeps running. (Needs root for the mount.)
     let kept_d = server.data_dir.join("kept").join(&d);

@@ -6,7 +6,8 @@
 //!   and reads back a large file (SHA-256 checked; past its RAM with
 //!   `TINE_DISK_TEST_MIB`, below);
 //! - a branch child sees the parent's file, writes its own; neither sees
-//!   the other's later writes;
+//!   the other's later writes; a sandbox branched again and again keeps a
+//!   short disk chain (the frozen layers merged) and all it wrote;
 //! - a sandbox hibernated and resumed keeps its disk consistent with its
 //!   memory;
 //! - a full disk gives the guest ENOSPC from its own file system and the
@@ -21,7 +22,7 @@
 //! whose guests write at disk speed.
 
 use std::path::Path;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use rmcp::{Peer, RoleClient};
 use serde_json::{json, Value};
@@ -173,6 +174,38 @@ async fn branches_hibernations_and_a_full_disk() {
     assert!(in_parent.starts_with("from-parent") && !in_parent.contains("\nc\n"), "parent: {in_parent}");
     assert!(in_parent.contains("p2"), "parent: {in_parent}");
     assert!(in_child.starts_with("child-edit") && !in_child.contains("p2"), "child: {in_child}");
+
+    // Branched again and again with a synced write before each branch: every
+    // branch froze a layer of the parent's disk, and once the frozen chain
+    // had more than MAX_FROZEN_LAYERS (8) it was merged into one layer under
+    // the parent's and the children's tops, in the background (12 files
+    // without the merge). Each reads every line written.
+    let mut last = String::new();
+    for i in 0..9 {
+        exec(&client, &p, &format!("echo {i} >> /root/lines && sync")).await;
+        let kids = call(&client, "sandbox_branch", json!({"sandbox_id": p, "n": 1})).await.expect("branch");
+        let kid = kids["children"][0]["sandbox_id"].as_str().unwrap().to_string();
+        if !last.is_empty() {
+            let _ = try_call(&client, "sandbox_kill", json!({"sandbox_id": last})).await;
+        }
+        last = kid;
+    }
+    let lines: String = (0..9).map(|i| format!("{i}\n")).collect();
+    let t = Instant::now();
+    loop {
+        let info = call(&client, "sandbox_info", json!({"sandbox_id": p})).await.expect("info");
+        let layers = info["usage"]["disk_layers"].as_u64();
+        if layers.is_some_and(|n| n <= 8 + 2) {
+            eprintln!("the parent's disk after 10 branches: {layers:?} files, {:?} after the last", t.elapsed());
+            break;
+        }
+        assert!(t.elapsed() < Duration::from_secs(120), "the parent's chain was not merged: {info}");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    for id in [&p, &last] {
+        assert_eq!(exec(&client, id, "cat /root/lines").await["stdout"], lines.as_str(), "{id}");
+    }
+    let _ = try_call(&client, "sandbox_kill", json!({"sandbox_id": last})).await;
 
     // Hibernated and resumed: the disk is the one its memory knows (a
     // file written just before, and the page cache's view of it).

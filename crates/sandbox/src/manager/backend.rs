@@ -227,6 +227,19 @@ pub(crate) trait VmHandle: Send + Sync {
     /// each chain), so that clean-up keeps them
     /// ([`crate::disks::sweep`]) and usage can be counted.
     fn disks(&self) -> Vec<(u64, tine_storage::ChainSpec)>;
+    /// Puts the frozen chain `new` under disk `index`'s top in place of
+    /// `old` if that is still what is below it (`vmm`'s
+    /// `RunningVm::replace_disk_lower`); `false`: it is not, or this
+    /// backend has no such disks.
+    fn replace_disk_lower(
+        &self,
+        index: usize,
+        old: &tine_storage::ChainSpec,
+        new: &tine_storage::ChainSpec,
+    ) -> Result<bool, BackendError> {
+        let _ = (index, old, new);
+        Ok(false)
+    }
     /// Takes a branch point (pausing for at most `pause_timeout` to park
     /// the vCPUs); a paused VM stays paused.
     ///

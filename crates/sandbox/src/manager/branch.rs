@@ -207,6 +207,7 @@ impl Manager {
             self.record_in_background(child);
         }
         self.record_in_background(&source);
+        self.shorten_disk_chains(std::iter::once(source.clone()).chain(children.iter().cloned()).collect());
         let ready_ms = started.elapsed().as_millis() as u64;
         tracing::info!(sandbox = %source.id, n, mode = ?point.mode, pause = ?point.pause, "branched; children ready in {ready_ms} ms");
         Ok(BranchResult {

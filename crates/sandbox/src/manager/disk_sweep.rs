@@ -51,15 +51,17 @@ impl Manager {
     /// host bytes only it holds (allocated blocks of the layers of its chain
     /// with one link: its top and what it froze that no template or
     /// hibernation kept; a template's layers, linked in and shared with
-    /// its other sandboxes, are not counted). `None` without a VM or disk.
-    pub(super) fn sandbox_disk_use(&self, sb: &Sandbox) -> Option<(u64, u64)> {
+    /// its other sandboxes, are not counted), and the files of its chain.
+    /// `None` without a VM or disk.
+    pub(super) fn sandbox_disk_use(&self, sb: &Sandbox) -> Option<(u64, u64, u64)> {
         let slot = lock(&sb.vm);
         let (size, chain) = slot.vm.as_ref()?.disks().into_iter().find(|(_, c)| c.top.is_some())?;
         drop(slot);
         let own = crate::disks::unshared_bytes(
             crate::disks::files(&chain).filter(|f| f.parent() == Some(self.disk_plan.dir.as_path())),
         );
-        Some((size, own))
+        let layers = crate::disks::files(&chain).count() as u64;
+        Some((size, own, layers))
     }
 
     /// Removes the disk layers nothing uses ([module docs](self)).

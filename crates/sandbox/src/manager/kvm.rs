@@ -42,7 +42,12 @@ fn disk_below(
         VmSource::Branch(_) => recorded(),
         // The hibernation's own links to its layers; one written before
         // hibernations kept them has only its state file's record.
-        VmSource::Hibernated { dir, .. } => disks::load(dir).map_err(BackendError::new)?.or_else(recorded),
+        // A long line of hibernations and resumes is merged here, where a
+        // copy delays only this resume.
+        VmSource::Hibernated { dir, .. } => match disks::load(dir).map_err(BackendError::new)?.or_else(recorded) {
+            Some(chain) => Some(disks::shallow(&chain, &plan.dir).map_err(BackendError::new)?),
+            None => None,
+        },
     })
 }
 
@@ -183,17 +188,28 @@ impl VmHandle for KvmVm {
     }
 
     /// The snapshot, and the sandbox disk's frozen chain kept in `dir`
-    /// ([`disks::keep`]): a template owns its disk.
+    /// ([`disks::keep`]): a template owns its disk. A deep chain is kept
+    /// flattened ([`disks::shallow`]), so that the sandboxes of a template
+    /// of a template of ... start shallow.
     fn snapshot(&self, dir: &Path) -> Result<(), BackendError> {
         let snapshot = self.vm.snapshot(dir).map_err(BackendError::new)?;
         if let Some(Some(chain)) = snapshot.disks.get(SANDBOX_DISK) {
-            disks::keep(chain, dir).map_err(BackendError::new)?;
+            let kept = disks::shallow(chain, dir).map_err(BackendError::new)?;
+            disks::keep(&kept, dir).map_err(BackendError::new)?;
+            if kept != *chain {
+                // keep linked the merged layer under its own name.
+                let _ = std::fs::remove_file(&kept.frozen[0]);
+            }
         }
         Ok(())
     }
 
     fn disks(&self) -> Vec<(u64, ChainSpec)> {
         self.vm.disks()
+    }
+
+    fn replace_disk_lower(&self, index: usize, old: &ChainSpec, new: &ChainSpec) -> Result<bool, BackendError> {
+        self.vm.replace_disk_lower(index, old, new).map_err(BackendError::new)
     }
 
     /// The hibernation, and the sandbox disk's frozen chain kept in `dir`

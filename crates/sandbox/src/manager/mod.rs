@@ -29,6 +29,7 @@ mod calls;
 mod control;
 mod diff;
 mod disk_budget;
+mod disk_compact;
 mod disk_sweep;
 mod error;
 #[cfg(test)]
@@ -378,6 +379,7 @@ impl Manager {
             disk_free_bytes: guest.as_ref().map(|g| g.disk_free),
             disk_size_bytes: disk.map(|d| d.0),
             disk_host_bytes: disk.map(|d| d.1),
+            disk_layers: disk.map(|d| d.2),
         })))
     }
 

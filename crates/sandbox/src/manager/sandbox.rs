@@ -105,6 +105,11 @@ pub struct Usage {
     /// Host disk its own disk layers take (bytes: its writes since it was
     /// made, not what it shares with its template), if it has a disk.
     pub disk_host_bytes: Option<u64>,
+    /// Files its disk is made of (the base, the frozen layers, the top),
+    /// if it has a disk: each capture that found writes adds one; a resume
+    /// or a template's making merges more than
+    /// [`tine_storage::MAX_FROZEN_LAYERS`] frozen layers into one.
+    pub disk_layers: Option<u64>,
 }
 
 /// What a sandbox is and how it is doing.

@@ -122,6 +122,32 @@ impl RunningVm {
         out
     }
 
+    /// Puts the frozen chain `new` under disk `index`'s top (the order of
+    /// [`RunningVm::disks`]) in place of `old`, if that disk still has
+    /// exactly `old` below its top ([`tine_storage::Disk::replace_lower`]:
+    /// `new` reads as `old`, so the guest sees no change). Locks the disk's
+    /// transport for the swap, so a capture never sees half of it. `false`:
+    /// no such disk, or its layers changed since `old` was read.
+    ///
+    /// Errors: [`ControlError::Disk`].
+    pub fn replace_disk_lower(
+        &self,
+        index: usize,
+        old: &tine_storage::ChainSpec,
+        new: &tine_storage::ChainSpec,
+    ) -> Result<bool, ControlError> {
+        let mut seen = 0;
+        for (_, _, t) in &self.shared.mmio {
+            let mut t = crate::sync::lock(t);
+            let Some(d) = t.disk() else { continue };
+            if seen == index {
+                return d.replace_lower(old, new).map_err(|source| ControlError::Disk { index, source });
+            }
+            seen += 1;
+        }
+        Ok(false)
+    }
+
     /// The console's last bytes (shared; grows as the guest writes).
     pub fn console(&self) -> &ConsoleTail {
         &self.console_tail
