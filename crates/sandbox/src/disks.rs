@@ -131,11 +131,7 @@ pub fn new_top(lower: &ChainSpec, dir: &Path) -> Result<ChainSpec, DisksError> {
             return Ok(from.to_path_buf());
         }
         let to = tine_storage::chain::new_layer_path(dir)?.with_extension(ext);
-        std::fs::hard_link(from, &to).map_err(io(format!(
-            "link disk layer {} into {}",
-            from.display(),
-            dir.display()
-        )))?;
+        link_or_copy(from, &to).map_err(io(format!("link disk layer {} into {}", from.display(), dir.display())))?;
         Ok(to)
     };
     let lower = ChainSpec {
@@ -145,6 +141,55 @@ pub fn new_top(lower: &ChainSpec, dir: &Path) -> Result<ChainSpec, DisksError> {
     };
     let top = tine_storage::chain::new_layer_path(dir)?;
     Ok(tine_storage::LayeredDisk::create_top(&lower, &top)?)
+}
+
+/// A hard link `to` of the layer `from`, or, where they are on two file
+/// systems (`EXDEV`: a templates directory configured apart from the data
+/// directory), a copy that keeps the layer's holes (only the ranges
+/// `SEEK_DATA` finds are copied, so a 10 GiB blank base stays a few MiB)
+/// and is synced. A frozen layer never changes, so the copy is as good as
+/// the link, only not shared.
+///
+/// Errors: the I/O error (a partial copy is removed).
+fn link_or_copy(from: &Path, to: &Path) -> std::io::Result<()> {
+    match std::fs::hard_link(from, to) {
+        Err(e) if e.raw_os_error() == Some(nix::errno::Errno::EXDEV as i32) => {}
+        other => return other,
+    }
+    let copied = sparse_copy(from, to);
+    if copied.is_err() {
+        let _ = std::fs::remove_file(to);
+    }
+    copied
+}
+
+/// Copies the data ranges of `from` into a new file `to` of the same
+/// length and syncs it.
+fn sparse_copy(from: &Path, to: &Path) -> std::io::Result<()> {
+    use nix::unistd::{lseek, Whence};
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::FileExt;
+    let src = std::fs::File::open(from)?;
+    let fd = src.as_raw_fd();
+    let len = src.metadata()?.len();
+    let dst = std::fs::OpenOptions::new().write(true).create_new(true).open(to)?;
+    dst.set_len(len)?;
+    let mut buf = vec![0u8; 1 << 20];
+    let mut at = 0u64;
+    while at < len {
+        // ENXIO: no data past `at`.
+        let Ok(start) = lseek(fd, at as i64, Whence::SeekData) else { break };
+        let end = lseek(fd, start, Whence::SeekHole).map_err(std::io::Error::from)?.min(len as i64);
+        let (mut pos, end) = (start as u64, end as u64);
+        while pos < end {
+            let n = ((end - pos) as usize).min(buf.len());
+            src.read_exact_at(&mut buf[..n], pos)?;
+            dst.write_all_at(&buf[..n], pos)?;
+            pos += n as u64;
+        }
+        at = end;
+    }
+    dst.sync_all()
 }
 
 /// `chain` (frozen) as it is, or, when it has more than
@@ -181,7 +226,7 @@ pub fn keep(chain: &ChainSpec, dir: &Path) -> Result<(), DisksError> {
     let link = |from: &Path, name: String| -> Result<PathBuf, DisksError> {
         let to = dir.join(&name);
         let _ = std::fs::remove_file(&to);
-        std::fs::hard_link(from, &to).map_err(io(format!(
+        link_or_copy(from, &to).map_err(io(format!(
             "link disk layer {} into template {}",
             from.display(),
             dir.display()
@@ -294,6 +339,49 @@ pub fn files(chain: &ChainSpec) -> impl Iterator<Item = &PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A layer on another file system (a tmpfs here) is copied with its
+    /// holes and bytes; on the same one it is linked.
+    #[test]
+    fn a_layer_on_another_file_system_is_copied_sparse() {
+        use std::os::unix::fs::{FileExt, MetadataExt};
+        let shm = Path::new("/dev/shm");
+        if !shm.is_dir() {
+            eprintln!("SKIP: no /dev/shm to be another file system");
+            return;
+        }
+        let other = tempfile::tempdir_in(shm).unwrap();
+        let here = tempfile::tempdir().unwrap();
+        if std::fs::metadata(other.path()).unwrap().dev() == std::fs::metadata(here.path()).unwrap().dev() {
+            eprintln!("SKIP: /dev/shm and the temp directory are one file system");
+            return;
+        }
+        let from = other.path().join("layer.delta");
+        let f = std::fs::File::create(&from).unwrap();
+        f.set_len(256 << 20).unwrap();
+        f.write_all_at(&[1; 4096], 0).unwrap();
+        f.write_all_at(&[2; 8192], 100 << 20).unwrap();
+        drop(f);
+        let to = here.path().join("copy.delta");
+        link_or_copy(&from, &to).unwrap();
+        let m = std::fs::metadata(&to).unwrap();
+        assert_eq!(m.len(), 256 << 20);
+        assert_eq!(m.nlink(), 1, "a copy, not a link");
+        assert!(m.blocks() * 512 < 1 << 20, "holes kept: {} bytes allocated", m.blocks() * 512);
+        let c = std::fs::File::open(&to).unwrap();
+        let mut buf = vec![0u8; 8192];
+        c.read_exact_at(&mut buf[..4096], 0).unwrap();
+        assert_eq!(buf[..4096], [1; 4096]);
+        c.read_exact_at(&mut buf, 100 << 20).unwrap();
+        assert_eq!(buf, vec![2; 8192]);
+        c.read_exact_at(&mut buf, 50 << 20).unwrap();
+        assert_eq!(buf, vec![0; 8192]);
+        // Same file system: a link.
+        let linked = here.path().join("linked.delta");
+        link_or_copy(&to, &linked).unwrap();
+        assert_eq!(std::fs::metadata(&linked).unwrap().nlink(), 2);
+        assert!(link_or_copy(&to, &linked).is_err(), "an existing name is not replaced");
+    }
 
     /// A blank base, a top over it, kept in a template directory and loaded
     /// back; layers nothing names are swept, named ones stay.
