@@ -196,23 +196,30 @@ fn sparse_copy(from: &Path, to: &Path) -> std::io::Result<()> {
 /// [`tine_storage::MAX_FROZEN_LAYERS`] frozen deltas, as its base and one
 /// new delta in `dir` that holds what they held ([`tine_storage::flatten`],
 /// synced; O(the data in the deltas)). For the places that can afford the
-/// copy: a template's making and a resume, never a VM's pause.
-///
-/// Errors: [`DisksError::Disk`].
-pub fn shallow(chain: &ChainSpec, dir: &Path) -> Result<ChainSpec, DisksError> {
+/// copy: a template's making and a resume, never a VM's pause. A merge
+/// that fails (a full host disk, say) is logged and `chain` is returned as
+/// it is: a deep chain works, only slower, and the resume or template
+/// must not fail for it.
+pub fn shallow(chain: &ChainSpec, dir: &Path) -> ChainSpec {
     if chain.frozen.len() <= tine_storage::MAX_FROZEN_LAYERS {
-        return Ok(chain.clone());
+        return chain.clone();
     }
     let t = std::time::Instant::now();
-    let out = tine_storage::chain::new_layer_path(dir)?;
-    let flat = tine_storage::flatten(chain, &out)?;
-    tracing::info!(
-        layers = chain.frozen.len(),
-        took_ms = t.elapsed().as_millis() as u64,
-        into = %out.display(),
-        "disk chain flattened"
-    );
-    Ok(flat)
+    match tine_storage::chain::new_layer_path(dir).and_then(|out| tine_storage::flatten(chain, &out)) {
+        Ok(flat) => {
+            tracing::info!(
+                layers = chain.frozen.len(),
+                took_ms = t.elapsed().as_millis() as u64,
+                into = ?flat.frozen,
+                "disk chain flattened"
+            );
+            flat
+        }
+        Err(e) => {
+            tracing::warn!(layers = chain.frozen.len(), "disk chain left unmerged: {e}");
+            chain.clone()
+        }
+    }
 }
 
 /// Makes the frozen chain `chain` part of the template directory `dir`:

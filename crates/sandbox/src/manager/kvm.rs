@@ -44,10 +44,10 @@ fn disk_below(
         // hibernations kept them has only its state file's record.
         // A long line of hibernations and resumes is merged here, where a
         // copy delays only this resume.
-        VmSource::Hibernated { dir, .. } => match disks::load(dir).map_err(BackendError::new)?.or_else(recorded) {
-            Some(chain) => Some(disks::shallow(&chain, &plan.dir).map_err(BackendError::new)?),
-            None => None,
-        },
+        VmSource::Hibernated { dir, .. } => disks::load(dir)
+            .map_err(BackendError::new)?
+            .or_else(recorded)
+            .map(|chain| disks::shallow(&chain, &plan.dir)),
     })
 }
 
@@ -194,7 +194,7 @@ impl VmHandle for KvmVm {
     fn snapshot(&self, dir: &Path) -> Result<(), BackendError> {
         let snapshot = self.vm.snapshot(dir).map_err(BackendError::new)?;
         if let Some(Some(chain)) = snapshot.disks.get(SANDBOX_DISK) {
-            let kept = disks::shallow(chain, dir).map_err(BackendError::new)?;
+            let kept = disks::shallow(chain, dir);
             disks::keep(&kept, dir).map_err(BackendError::new)?;
             if kept != *chain {
                 // keep linked the merged layer under its own name.
