@@ -27,13 +27,9 @@
 
 use std::time::Duration;
 
-use tine_benches::{median, quantile, record};
+use tine_benches::{env_list, median, quantile, record};
 use vm_memory::{Bytes, GuestAddress};
 use vmm::BranchMode;
-
-fn env_list(var: &str, default: &str) -> Vec<u64> {
-    std::env::var(var).unwrap_or_else(|_| default.into()).split(',').filter_map(|v| v.trim().parse().ok()).collect()
-}
 
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
@@ -68,9 +64,9 @@ fn main() {
     if !testkit::kvm_available("bench branch") {
         return;
     }
-    let sizes = env_list("BRANCH_SIZES_MIB", "256,1024,4096");
-    let fractions = env_list("BRANCH_FRACTIONS", "10,80");
-    let runs = env_list("BRANCH_RUNS", "10").first().copied().unwrap_or(10) as usize;
+    let sizes: Vec<u64> = env_list("BRANCH_SIZES_MIB", "256,1024,4096");
+    let fractions: Vec<u64> = env_list("BRANCH_FRACTIONS", "10,80");
+    let runs = env_list::<usize>("BRANCH_RUNS", "10").first().copied().unwrap_or(10);
     let pages: Vec<bool> = std::env::var("BRANCH_PAGES")
         .unwrap_or_else(|_| "4k,2m".into())
         .split(',')

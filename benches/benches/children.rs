@@ -15,18 +15,14 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 use testkit::mcp::{call, tine_binary, TineServer};
 
-use tine_benches::{mib, process_pss, record};
+use tine_benches::{env_list, mib, process_pss, record};
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     if !testkit::kvm_available("bench children") {
         return;
     }
-    let ns: Vec<usize> = std::env::var("CHILDREN_NS")
-        .unwrap_or_else(|_| "1,8,32,100".into())
-        .split(',')
-        .filter_map(|v| v.trim().parse().ok())
-        .collect();
+    let ns: Vec<usize> = env_list("CHILDREN_NS", "1,8,32,100");
     let idle: u64 = std::env::var("CHILDREN_IDLE_SECS").ok().and_then(|v| v.parse().ok()).unwrap_or(10);
     let max = ns.iter().max().copied().unwrap_or(1) + 1;
     let config = format!("[limits]\nboot_timeout_secs = 1800\nmax_sandboxes = {max}\n");

@@ -21,7 +21,7 @@
 
 use std::time::Instant;
 
-use tine_benches::record;
+use tine_benches::{env_list, record};
 use tine_storage::{Disk, LayeredDisk};
 
 /// The disk's size: room for the largest amount written.
@@ -36,11 +36,7 @@ fn fill(disk: &mut LayeredDisk, bytes: u64) {
 }
 
 fn main() {
-    let amounts: Vec<u64> = std::env::var("DISK_CHECKPOINT_GIB")
-        .unwrap_or_else(|_| "0,1,4".into())
-        .split(',')
-        .filter_map(|s| s.trim().parse().ok())
-        .collect();
+    let amounts: Vec<u64> = env_list("DISK_CHECKPOINT_GIB", "0,1,4");
     println!("{:>10} {:>16} {:>16} {:>16} {:>12}", "written", "checkpoint µs", "child top µs", "sync ms", "write s");
     for gib in amounts {
         let dir = tempfile::tempdir().expect("temp dir");

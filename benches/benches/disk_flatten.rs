@@ -20,7 +20,7 @@
 
 use std::time::Instant;
 
-use tine_benches::record;
+use tine_benches::{env_list, record};
 use tine_storage::{Disk, LayeredDisk};
 
 /// The disk's size: room for the largest amount written.
@@ -42,11 +42,7 @@ fn read_us(disk: &LayeredDisk, from: u64) -> f64 {
 }
 
 fn main() {
-    let amounts: Vec<u64> = std::env::var("DISK_FLATTEN_GIB")
-        .unwrap_or_else(|_| "0,1,4".into())
-        .split(',')
-        .filter_map(|s| s.trim().parse().ok())
-        .collect();
+    let amounts: Vec<u64> = env_list("DISK_FLATTEN_GIB", "0,1,4");
     println!(
         "{:>10} {:>12} {:>10} {:>16} {:>16}",
         "written", "flatten ms", "swap µs", "read before µs", "read after µs"

@@ -25,7 +25,7 @@
 use std::time::{Duration, Instant};
 
 use tine_benches::firecracker::{allocated_bytes, Firecracker};
-use tine_benches::{agent_ready, env_or, median, mib, record};
+use tine_benches::{agent_ready, env_list, env_or, median, mib, record};
 use vmm::{MemoryBacking, Snapshot};
 
 fn ms(d: Duration) -> f64 {
@@ -46,11 +46,7 @@ async fn main() {
         return;
     }
     let runs: usize = env_or("HIBERNATE_RUNS", 3);
-    let percents: Vec<u64> = std::env::var("HIBERNATE_PERCENTS")
-        .unwrap_or_else(|_| "10,50".into())
-        .split(',')
-        .filter_map(|v| v.trim().parse().ok())
-        .collect();
+    let percents: Vec<u64> = env_list("HIBERNATE_PERCENTS", "10,50");
     let dir = tempfile::tempdir().unwrap();
 
     // The template: a booted guest with a ready agent and a warm Python,

@@ -15,7 +15,7 @@
 use std::time::{Duration, Instant};
 
 use tine_agent_client::AgentClient;
-use tine_benches::{agent_ready, env_or, median, mib, process_pss, record};
+use tine_benches::{agent_ready, env_list, env_or, median, mib, process_pss, record};
 use vmm::{MemoryBacking, RunningVm, Snapshot};
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
@@ -24,11 +24,7 @@ async fn main() {
         return;
     }
     let runs: usize = env_or("RESTORE_RUNS", 5);
-    let counts: Vec<usize> = std::env::var("RESTORE_COUNTS")
-        .unwrap_or_else(|_| "1,10,50".into())
-        .split(',')
-        .filter_map(|v| v.trim().parse().ok())
-        .collect();
+    let counts: Vec<usize> = env_list("RESTORE_COUNTS", "1,10,50");
     let idle = Duration::from_secs(env_or("RESTORE_IDLE_SECS", 10));
     let dir = tempfile::tempdir().unwrap();
 

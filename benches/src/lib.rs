@@ -186,6 +186,12 @@ pub fn env_or<T: std::str::FromStr>(var: &str, default: T) -> T {
     std::env::var(var).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
 }
 
+/// The comma-separated values of environment variable `var` parsed as
+/// `T` (those that do not parse are left out), else those of `default`.
+pub fn env_list<T: std::str::FromStr>(var: &str, default: &str) -> Vec<T> {
+    std::env::var(var).unwrap_or_else(|_| default.into()).split(',').filter_map(|v| v.trim().parse().ok()).collect()
+}
+
 /// Connects to the agent behind the hybrid-vsock socket `uds`, retrying
 /// every 50 ms until it answers a ping; panics after `within`.
 pub async fn agent_ready(uds: &Path, within: Duration) -> tine_agent_client::AgentClient {
