@@ -35,17 +35,19 @@ impl Manager {
     /// under each of them ([module docs](self)). In the background; a
     /// failure is logged and leaves the chains as they were.
     pub(super) fn shorten_disk_chains(self: &Arc<Self>, sandboxes: Vec<Arc<Sandbox>>) {
-        let Some((_, below)) = sandboxes.first().and_then(|s| disk_below(s)) else { return };
+        let Some((index, below)) = sandboxes.first().and_then(|s| disk_below(s)) else { return };
         if below.frozen.len() <= tine_storage::MAX_FROZEN_LAYERS {
             return;
         }
         let me = self.clone();
-        tokio::task::spawn_blocking(move || me.shorten_blocking(&sandboxes, &below));
+        tokio::task::spawn_blocking(move || me.shorten_blocking(&sandboxes, index, &below));
     }
 
-    /// [`Manager::shorten_disk_chains`]'s work: one flatten, one swap per
-    /// sandbox that still has `below` under its top. Blocking.
-    fn shorten_blocking(&self, sandboxes: &[Arc<Sandbox>], below: &ChainSpec) {
+    /// [`Manager::shorten_disk_chains`]'s work: one flatten, then a swap
+    /// under disk `index` (a branch's source and children have the same
+    /// disks) of each sandbox; the swap itself leaves alone a disk that no
+    /// longer has `below` under its top. Blocking.
+    fn shorten_blocking(&self, sandboxes: &[Arc<Sandbox>], index: usize, below: &ChainSpec) {
         let t = std::time::Instant::now();
         let flat = match tine_storage::chain::new_layer_path(&self.disk_plan.dir)
             .and_then(|out| tine_storage::flatten(below, &out))
@@ -58,10 +60,6 @@ impl Manager {
         };
         let mut swapped = 0;
         for sb in sandboxes {
-            let Some((index, now)) = disk_below(sb) else { continue };
-            if now != *below {
-                continue;
-            }
             let slot = lock(&sb.vm);
             let Some(vm) = slot.vm.as_ref() else { continue };
             match vm.replace_disk_lower(index, below, &flat) {
