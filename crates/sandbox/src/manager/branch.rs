@@ -105,13 +105,8 @@ impl Manager {
         // again under the map's lock). At the cap, idle sandboxes make room.
         if (1..=self.config.limits.max_sandboxes).contains(&n) {
             self.check_kept(n)?;
-            {
-                let map = lock(&self.sandboxes);
-                if let Some(claim) = super::quota::Claim::of(cx, source.vcpus, source.memory_mib, source.disk_mib) {
-                    claim.check(&map, n)?;
-                }
-                self.check_disk_budget(&map, n, source.disk_mib)?;
-            }
+            let claim = super::quota::Claim::of(cx, source.vcpus, source.memory_mib, source.disk_mib);
+            self.check_fits(&lock(&self.sandboxes), n, source.disk_mib, claim.as_ref())?;
             self.make_room(n).await;
         }
         let room = self.config.limits.max_sandboxes.saturating_sub(self.live_count());

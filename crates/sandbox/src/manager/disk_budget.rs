@@ -65,6 +65,26 @@ impl Manager {
         }
         Ok(())
     }
+
+    /// Checks that `n` more sandboxes with disks of `disk_mib` each fit
+    /// the tenant's quota (`claim`, one sandbox's shape; `None`: no quota)
+    /// and the server's disk budget, given the sandboxes in `map` (with
+    /// the map locked): the checks a create, a branch, a pooled hand-out
+    /// and [`Manager::reserve`] each make.
+    ///
+    /// Errors: [`SandboxError::Quota`], [`SandboxError::DiskBudget`].
+    pub(super) fn check_fits(
+        &self,
+        map: &BTreeMap<SandboxId, Arc<Sandbox>>,
+        n: usize,
+        disk_mib: u64,
+        claim: Option<&super::quota::Claim<'_>>,
+    ) -> Result<(), SandboxError> {
+        if let Some(claim) = claim {
+            claim.check(map, n)?;
+        }
+        self.check_disk_budget(map, n, disk_mib)
+    }
 }
 
 /// Disk use on the host (bytes), by kind, for `/metrics`.

@@ -264,13 +264,8 @@ impl Manager {
         let vcpus = spec.vcpus.map_or(limits.default_vcpus, |v| u8::try_from(v).unwrap_or(u8::MAX));
         let memory_mib = spec.memory_mib.unwrap_or(limits.default_memory_mib);
         let disk_mib = spec.disk_mib.unwrap_or(self.boot_disk_mib());
-        {
-            let map = lock(&self.sandboxes);
-            if let Some(claim) = super::quota::Claim::of(&cx, vcpus, memory_mib, disk_mib) {
-                claim.check(&map, 1)?;
-            }
-            self.check_disk_budget(&map, 1, disk_mib)?;
-        }
+        let claim = super::quota::Claim::of(&cx, vcpus, memory_mib, disk_mib);
+        self.check_fits(&lock(&self.sandboxes), 1, disk_mib, claim.as_ref())?;
         self.make_room(1).await;
         let net = self.net_control(spec.network.as_ref(), cx.ceiling.as_ref())?;
         let poolable = self.poolable(&spec);
@@ -391,8 +386,7 @@ impl Manager {
                 });
             }
             let claim = super::quota::Claim::of(cx, sb.vcpus, sb.memory_mib, sb.disk_mib);
-            let fits = self.check_disk_budget(&map, 1, sb.disk_mib);
-            if let Err(e) = fits.and_then(|()| claim.map_or(Ok(()), |c| c.check(&map, 1))) {
+            if let Err(e) = self.check_fits(&map, 1, sb.disk_mib, claim.as_ref()) {
                 drop(map);
                 *lock(&sb.handout) = None;
                 self.return_pooled(sb);
@@ -512,10 +506,7 @@ impl Manager {
         if n > max_kept.saturating_sub(kept) {
             return Err(SandboxError::TooManyKept { kept, max: max_kept });
         }
-        if let Some(claim) = claim {
-            claim.check(&map, n)?;
-        }
-        self.check_disk_budget(&map, n, disk_mib)?;
+        self.check_fits(&map, n, disk_mib, claim)?;
         let mut made = Vec::with_capacity(n);
         let prefix = self.sandbox_prefix();
         for _ in 0..n {
