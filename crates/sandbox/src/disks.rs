@@ -193,16 +193,16 @@ fn sparse_copy(from: &Path, to: &Path) -> std::io::Result<()> {
     dst.sync_all()
 }
 
-/// `chain` (frozen) as it is, or, when it has more than
-/// [`tine_storage::MAX_FROZEN_LAYERS`] frozen deltas, as its base and one
+/// `chain` (frozen) as it is, or, when it has more than `max_frozen`
+/// frozen deltas ([`crate::Limits::max_disk_layers`]), as its base and one
 /// new delta in `dir` that holds what they held ([`tine_storage::flatten`],
 /// synced; O(the data in the deltas)). For the places that can afford the
 /// copy: a template's making and a resume, never a VM's pause. A merge
 /// that fails (a full host disk, say) is logged and `chain` is returned as
 /// it is: a deep chain works, only slower, and the resume or template
 /// must not fail for it.
-pub fn shallow(chain: &ChainSpec, dir: &Path) -> ChainSpec {
-    if chain.frozen.len() <= tine_storage::MAX_FROZEN_LAYERS {
+pub fn shallow(chain: &ChainSpec, dir: &Path, max_frozen: usize) -> ChainSpec {
+    if chain.frozen.len() <= max_frozen {
         return chain.clone();
     }
     let t = std::time::Instant::now();

@@ -18,7 +18,8 @@ use crate::delta::{sync_parent, ClusterState, Delta};
 use crate::DiskError;
 
 /// Frozen deltas a chain may have before the places that can afford a
-/// copy (a template's making, a resume) flatten it ([`flatten`]).
+/// copy (a template's making, a resume) flatten it ([`flatten`]): the
+/// default of the sandbox manager's `[limits] max_disk_layers`.
 pub const MAX_FROZEN_LAYERS: usize = 8;
 
 /// The frozen chain `spec` (no top) as its base and one new frozen delta

@@ -68,6 +68,9 @@ pub(crate) struct DiskPlan {
     /// The empty file system a booted VM's disk starts from (`None`: a
     /// booted VM has no disk of its own and writes to guest memory).
     pub blank: Option<PathBuf>,
+    /// Frozen layers its chain may have before a resume, a template's
+    /// making or a branch merges them ([`crate::Limits::max_disk_layers`]).
+    pub max_frozen_layers: usize,
 }
 
 /// A branch point: one instant of a VM that children are restored from.

@@ -4,7 +4,7 @@
 //! last capture, so a sandbox branched again and again (a tree search that
 //! keeps its root) grows its chain by a layer each time, and so do the
 //! children, which start over the same frozen chain. After a branch whose
-//! chain has more than [`tine_storage::MAX_FROZEN_LAYERS`] frozen layers,
+//! chain has more than [`crate::Limits::max_disk_layers`] frozen layers,
 //! those layers are merged into one ([`tine_storage::flatten`]) on the
 //! blocking pool, off every pause, and put under the source's and the
 //! children's tops in place of the chain they share
@@ -36,7 +36,7 @@ impl Manager {
     /// failure is logged and leaves the chains as they were.
     pub(super) fn shorten_disk_chains(self: &Arc<Self>, sandboxes: Vec<Arc<Sandbox>>) {
         let Some((index, below)) = sandboxes.first().and_then(|s| disk_below(s)) else { return };
-        if below.frozen.len() <= tine_storage::MAX_FROZEN_LAYERS {
+        if below.frozen.len() <= self.disk_plan.max_frozen_layers {
             return;
         }
         let me = self.clone();

@@ -47,7 +47,7 @@ fn disk_below(
         VmSource::Hibernated { dir, .. } => disks::load(dir)
             .map_err(BackendError::new)?
             .or_else(recorded)
-            .map(|chain| disks::shallow(&chain, &plan.dir)),
+            .map(|chain| disks::shallow(&chain, &plan.dir, plan.max_frozen_layers)),
     })
 }
 
@@ -102,7 +102,8 @@ impl VmBackend for KvmBackend {
             Some(snapshot) => vmm::build_from_snapshot(&config, snapshot, backing),
         }
         .map_err(BackendError::new)?;
-        Ok(Box::new(KvmVm { vm, agent_socket: spec.agent_socket.clone() }))
+        let max_frozen_layers = spec.disk.max_frozen_layers;
+        Ok(Box::new(KvmVm { vm, agent_socket: spec.agent_socket.clone(), max_frozen_layers }))
     }
 }
 
@@ -130,6 +131,8 @@ fn base_memory(base: &Base) -> Result<Option<vmm::SnapshotMemory>, BackendError>
 struct KvmVm {
     vm: RunningVm,
     agent_socket: PathBuf,
+    /// [`DiskPlan::max_frozen_layers`] of its start.
+    max_frozen_layers: usize,
 }
 
 impl ExitWatch for vmm::ExitWatcher {
@@ -194,7 +197,7 @@ impl VmHandle for KvmVm {
     fn snapshot(&self, dir: &Path) -> Result<(), BackendError> {
         let snapshot = self.vm.snapshot(dir).map_err(BackendError::new)?;
         if let Some(Some(chain)) = snapshot.disks.get(SANDBOX_DISK) {
-            let kept = disks::shallow(chain, dir);
+            let kept = disks::shallow(chain, dir, self.max_frozen_layers);
             disks::keep(&kept, dir).map_err(BackendError::new)?;
             if kept != *chain {
                 // keep linked the merged layer under its own name.

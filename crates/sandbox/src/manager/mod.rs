@@ -217,7 +217,7 @@ impl Manager {
                 source: std::io::Error::other(e),
             })?),
         };
-        let disk_plan = backend::DiskPlan { dir: disks_dir, blank };
+        let disk_plan = backend::DiskPlan { dir: disks_dir, blank, max_frozen_layers: config.limits.max_disk_layers };
         let memory = MemoryBudget::new(config.limits.memory_budget_mib());
         tracing::info!(
             "guest memory budget: {} MiB; host memory watermark: {} MiB available",

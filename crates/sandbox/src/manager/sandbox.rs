@@ -108,7 +108,7 @@ pub struct Usage {
     /// Files its disk is made of (the base, the frozen layers, the top),
     /// if it has a disk: each capture that found writes adds one; a resume
     /// or a template's making merges more than
-    /// [`tine_storage::MAX_FROZEN_LAYERS`] frozen layers into one.
+    /// [`crate::Limits::max_disk_layers`] frozen layers into one.
     pub disk_layers: Option<u64>,
 }
 
