@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Build Tine's guest root filesystem: Debian bookworm (minbase plus bash,
+# Build Tine's guest root filesystem: Debian trixie, the current stable
+# (Python 3.13, Node.js 20; TINE_DEBIAN_SUITE=bookworm builds Debian 12
+# with Python 3.11 and Node.js 18 instead) (minbase plus bash,
 # coreutils, python3 with pip and venv, nodejs with npm, ca-certificates,
 # procps, curl, git, iproute2, netbase) made with mmdebstrap, the
 # guest agent as /sbin/init, written to an ext4 image with `mkfs.ext4 -d`
@@ -21,7 +23,7 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 root=$(cd "$here/.." && pwd)
 cache=${TINE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/tine}/rootfs
 agent=${1:-$root/target/guest/x86_64-unknown-linux-gnu/release/tine-agent}
-suite=bookworm
+suite=${TINE_DEBIAN_SUITE:-trixie}
 packages=bash,coreutils,python3,python3-pip,python3-venv,nodejs,npm,ca-certificates,procps,curl,git,iproute2,netbase
 
 if [ ! -x "$agent" ]; then

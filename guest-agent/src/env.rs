@@ -18,7 +18,7 @@ use std::sync::Mutex;
 
 use tine_protocol::{check_sandbox_env, AgentError};
 
-/// The environment of a root login on Debian bookworm (`/etc/login.defs`'s
+/// The environment of a root login on Debian 12 and 13 (`/etc/login.defs`'s
 /// `ENV_SUPATH`, `/etc/passwd`'s home and shell), with `LANG` for UTF-8
 /// text, `TERM=dumb` (output goes to a pipe, not a terminal) and
 /// `NODE_PATH` for packages `npm install -g` puts in

@@ -148,11 +148,13 @@ async fn background_processes_progress_and_logging() {
     .unwrap();
     let w = call(&client, "sandbox_process_wait", json!({"process_id": bg["process_id"], "until_text": "bg:"})).await;
     assert_eq!(w.unwrap()["matched"]["line"].as_str(), Some(format!("bg: {}", login.trim_end()).as_str()));
-    let py_env = "import os, sys\n(os.environ['HOME'], os.environ['PATH'], '/usr/local/lib/python3.11/dist-packages' in sys.path)";
+    let py_env = "import os, sys\n(os.environ['HOME'], os.environ['PATH'], \
+                  f'/usr/local/lib/python3.{sys.version_info.minor}/dist-packages' in sys.path)";
     assert_eq!(cell(py_env).await, format!("('/root', '{LOGIN_PATH}', True)"));
     // Python started by a command finds its own prefix (and so Debian's
     // /usr/local site directory, where `pip install` puts packages).
-    let prefix = "python3 -c 'import sys; print(sys.prefix, \"/usr/local/lib/python3.11/dist-packages\" in sys.path)'";
+    let prefix = "python3 -c 'import sys; v = sys.version_info.minor; \
+                  print(sys.prefix, f\"/usr/local/lib/python3.{v}/dist-packages\" in sys.path)'";
     assert_eq!(exec(prefix, json!({})).await, "/usr True\n");
     // A sandbox PATH wins over the login's, and goes back to it when the
     // sandbox environment drops it.
