@@ -1,8 +1,9 @@
 //! What keeping a disk chain short costs (`tine_storage::compact`): a
 //! `LayeredDisk` over a blank base gets `GiB` written in 1 MiB writes,
 //! spread over 9 checkpoints (one more than
-//! `tine_storage::MAX_FROZEN_LAYERS`, the depth at which a resume, a
-//! template's making or a branch merges the chain), then
+//! `tine_storage::MAX_FROZEN_LAYERS`, the default `[limits]
+//! max_disk_layers`, past which a resume, a template's making or a branch
+//! merges the chain), then
 //!
 //! - `flatten`: the 9 frozen layers merged into one new synced layer
 //!   (`tine_storage::flatten`): a resume of such a hibernation waits this

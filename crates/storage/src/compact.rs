@@ -17,9 +17,10 @@ use crate::chain::{ChainSpec, Layer, LayeredDisk};
 use crate::delta::{sync_parent, ClusterState, Delta};
 use crate::DiskError;
 
-/// Frozen deltas a chain may have before the places that can afford a
-/// copy (a template's making, a resume) flatten it ([`flatten`]): the
-/// default of the sandbox manager's `[limits] max_disk_layers`.
+/// The default of the sandbox manager's `[limits] max_disk_layers`: the
+/// frozen deltas a chain may have before the places that can afford a
+/// copy (a template's making, a resume, the background after a branch)
+/// flatten it ([`flatten`]); the operator may set another depth.
 pub const MAX_FROZEN_LAYERS: usize = 8;
 
 /// The frozen chain `spec` (no top) as its base and one new frozen delta

@@ -106,9 +106,9 @@ pub struct Usage {
     /// made, not what it shares with its template), if it has a disk.
     pub disk_host_bytes: Option<u64>,
     /// Files its disk is made of (the base, the frozen layers, the top),
-    /// if it has a disk: each capture that found writes adds one; a resume
-    /// or a template's making merges more than
-    /// [`crate::Limits::max_disk_layers`] frozen layers into one.
+    /// if it has a disk: each capture that found writes adds one; a resume,
+    /// a template's making or (in the background) a branch merges more
+    /// than [`crate::Limits::max_disk_layers`] frozen layers into one.
     pub disk_layers: Option<u64>,
 }
 
