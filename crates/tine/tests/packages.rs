@@ -116,8 +116,11 @@ async fn pip_and_npm_install_and_the_next_command_finds_the_package() {
         assert_eq!(code, 0, "npm install -g: {tail}");
         eprintln!("npm install -g took {:.0} s in the guest", t.elapsed().as_secs_f64());
     } else {
-        // npm's global prefix in the image is /usr/local (`npm root -g`).
-        let module = "d=/usr/local/lib/node_modules/is-number && mkdir -p $d && \
+        // The directory npm's global prefix names (Debian's built-in npm
+        // configuration; `npm root -g` would start npm), where NODE_PATH
+        // must point.
+        let module = "p=$(sed -n 's/^prefix=//p' /usr/share/nodejs/npm/npmrc) && \
+                      d=${p:?no prefix in the npm configuration}/lib/node_modules/is-number && mkdir -p $d && \
                       echo 'module.exports = n => typeof n === \"number\"' > $d/index.js";
         let r = exec(&client, &id, module, 300).await;
         assert_eq!(r["exit_code"], 0, "{r}");
