@@ -1,0 +1,270 @@
+//! Images for the tests: tar layers written entry by entry (hostile ones
+//! too: raw names, PAX records), OCI layouts, OCI archives and `docker
+//! save` archives around them, and a reader of the ext4 images built.
+
+#![allow(dead_code)]
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use sha2::{Digest, Sha256};
+
+pub fn sha256(bytes: &[u8]) -> String {
+    format!("sha256:{}", Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect::<String>())
+}
+
+/// A tar layer built entry by entry.
+pub struct Layer {
+    b: tar::Builder<Vec<u8>>,
+}
+
+impl Default for Layer {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Layer {
+    pub fn new() -> Self {
+        Layer { b: tar::Builder::new(Vec::new()) }
+    }
+
+    /// An entry whose name is written into the header as given (no
+    /// checks: `..`, absolute paths), with PAX extended attributes.
+    fn raw(
+        &mut self,
+        name: &[u8],
+        kind: tar::EntryType,
+        (mode, owner): (u32, (u64, u64)),
+        link: &[u8],
+        data: &[u8],
+        xattrs: &[(&str, &[u8])],
+    ) {
+        if !xattrs.is_empty() {
+            let mut records = Vec::new();
+            for (k, v) in xattrs {
+                let body_len = 1 + "SCHILY.xattr.".len() + k.len() + 1 + v.len() + 1;
+                // The record's length counts its own digits.
+                let mut len = body_len + 1;
+                while len != body_len + len.to_string().len() {
+                    len = body_len + len.to_string().len();
+                }
+                records.extend_from_slice(format!("{len} SCHILY.xattr.{k}=").as_bytes());
+                records.extend_from_slice(v);
+                records.push(b'\n');
+            }
+            let mut h = tar::Header::new_ustar();
+            h.set_entry_type(tar::EntryType::XHeader);
+            h.set_size(records.len() as u64);
+            h.as_old_mut().name[..9].copy_from_slice(b"PaxHeader");
+            h.set_cksum();
+            self.b.append(&h, records.as_slice()).unwrap();
+        }
+        let mut h = tar::Header::new_ustar();
+        assert!(name.len() <= 100);
+        h.as_old_mut().name[..name.len()].copy_from_slice(name);
+        h.set_entry_type(kind);
+        h.set_mode(mode);
+        h.set_uid(owner.0);
+        h.set_gid(owner.1);
+        h.set_mtime(1_700_000_000);
+        h.set_size(data.len() as u64);
+        if !link.is_empty() {
+            h.as_old_mut().linkname[..link.len()].copy_from_slice(link);
+        }
+        h.set_cksum();
+        self.b.append(&h, data).unwrap();
+    }
+
+    pub fn dir(mut self, name: &str, mode: u32, owner: (u64, u64)) -> Self {
+        self.raw(name.as_bytes(), tar::EntryType::Directory, (mode, owner), b"", b"", &[]);
+        self
+    }
+    pub fn file(mut self, name: &str, data: &[u8]) -> Self {
+        self.raw(name.as_bytes(), tar::EntryType::Regular, (0o644, (0, 0)), b"", data, &[]);
+        self
+    }
+    pub fn file_as(mut self, name: &str, data: &[u8], mode: u32, owner: (u64, u64)) -> Self {
+        self.raw(name.as_bytes(), tar::EntryType::Regular, (mode, owner), b"", data, &[]);
+        self
+    }
+    pub fn file_xattrs(mut self, name: &str, data: &[u8], xattrs: &[(&str, &[u8])]) -> Self {
+        self.raw(name.as_bytes(), tar::EntryType::Regular, (0o644, (0, 0)), b"", data, xattrs);
+        self
+    }
+    pub fn raw_file(mut self, name: &[u8], data: &[u8]) -> Self {
+        self.raw(name, tar::EntryType::Regular, (0o644, (0, 0)), b"", data, &[]);
+        self
+    }
+    pub fn symlink(mut self, name: &str, target: &str, owner: (u64, u64)) -> Self {
+        self.raw(name.as_bytes(), tar::EntryType::Symlink, (0o777, owner), target.as_bytes(), b"", &[]);
+        self
+    }
+    pub fn hardlink(mut self, name: &str, target: &str) -> Self {
+        self.raw(name.as_bytes(), tar::EntryType::Link, (0o644, (0, 0)), target.as_bytes(), b"", &[]);
+        self
+    }
+    pub fn device(mut self, name: &str, kind: tar::EntryType, rdev: (u32, u32), mode: u32) -> Self {
+        let mut h = tar::Header::new_ustar();
+        h.set_path(name).unwrap();
+        h.set_entry_type(kind);
+        h.set_mode(mode);
+        h.set_uid(0);
+        h.set_gid(0);
+        h.set_mtime(1_700_000_000);
+        h.set_size(0);
+        h.set_device_major(rdev.0).unwrap();
+        h.set_device_minor(rdev.1).unwrap();
+        h.set_cksum();
+        self.b.append(&h, &[][..]).unwrap();
+        self
+    }
+    /// A file with a path longer than a header's 100 bytes (a GNU long
+    /// name entry).
+    pub fn long_file(mut self, name: &str, data: &[u8]) -> Self {
+        let mut h = tar::Header::new_gnu();
+        h.set_mode(0o644);
+        h.set_uid(0);
+        h.set_gid(0);
+        h.set_mtime(1_700_000_000);
+        h.set_size(data.len() as u64);
+        h.set_entry_type(tar::EntryType::Regular);
+        self.b.append_data(&mut h, name, data).unwrap();
+        self
+    }
+    pub fn tar(self) -> Vec<u8> {
+        self.b.into_inner().unwrap()
+    }
+}
+
+pub fn gzip(bytes: &[u8]) -> Vec<u8> {
+    let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+    e.write_all(bytes).unwrap();
+    e.finish().unwrap()
+}
+
+fn put_blob(dir: &Path, bytes: &[u8]) -> (String, u64) {
+    let digest = sha256(bytes);
+    let path = dir.join("blobs/sha256").join(digest.trim_start_matches("sha256:"));
+    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+    std::fs::write(path, bytes).unwrap();
+    (digest, bytes.len() as u64)
+}
+
+/// The image configuration JSON for `layers` (uncompressed tars).
+pub fn config_json(layers: &[Vec<u8>], config: serde_json::Value) -> Vec<u8> {
+    let diff_ids: Vec<String> = layers.iter().map(|l| sha256(l)).collect();
+    serde_json::to_vec(&serde_json::json!({
+        "architecture": "amd64",
+        "os": "linux",
+        "config": config,
+        "rootfs": {"type": "layers", "diff_ids": diff_ids},
+    }))
+    .unwrap()
+}
+
+/// Adds an image (its config, layers gzip-compressed, manifest) to the
+/// layout at `dir`; returns the manifest's descriptor JSON.
+pub fn add_image(dir: &Path, layers: &[Vec<u8>], config: serde_json::Value, arch: &str) -> serde_json::Value {
+    let (cdigest, csize) = put_blob(dir, &config_json(layers, config));
+    let layer_descs: Vec<serde_json::Value> = layers
+        .iter()
+        .map(|l| {
+            let (d, s) = put_blob(dir, &gzip(l));
+            serde_json::json!({"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", "digest": d, "size": s})
+        })
+        .collect();
+    let manifest = serde_json::to_vec(&serde_json::json!({
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": cdigest, "size": csize},
+        "layers": layer_descs,
+    }))
+    .unwrap();
+    let (mdigest, msize) = put_blob(dir, &manifest);
+    serde_json::json!({
+        "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "digest": mdigest,
+        "size": msize,
+        "platform": {"architecture": arch, "os": "linux"},
+    })
+}
+
+/// Writes an OCI image layout at `dir` holding the images `manifests`
+/// (descriptors from [`add_image`]).
+pub fn write_index(dir: &Path, manifests: Vec<serde_json::Value>) {
+    std::fs::write(dir.join("oci-layout"), br#"{"imageLayoutVersion":"1.0.0"}"#).unwrap();
+    let index = serde_json::json!({"schemaVersion": 2, "mediaType": "application/vnd.oci.image.index.v1+json", "manifests": manifests});
+    std::fs::write(dir.join("index.json"), serde_json::to_vec(&index).unwrap()).unwrap();
+}
+
+/// An OCI layout with one linux/amd64 image.
+pub fn layout(dir: &Path, layers: &[Vec<u8>], config: serde_json::Value) -> PathBuf {
+    std::fs::create_dir_all(dir).unwrap();
+    let m = add_image(dir, layers, config, "amd64");
+    write_index(dir, vec![m]);
+    dir.to_path_buf()
+}
+
+/// A tar archive of the directory `dir` (an OCI archive of a layout).
+pub fn tar_dir(dir: &Path, out: &Path) {
+    let mut b = tar::Builder::new(std::fs::File::create(out).unwrap());
+    b.append_dir_all(".", dir).unwrap();
+    b.finish().unwrap();
+}
+
+/// A `docker save` archive (Docker image spec v1.2): uncompressed
+/// `<n>/layer.tar`, `<hex>.json`, `manifest.json`.
+pub fn docker_archive(out: &Path, layers: &[Vec<u8>], config: serde_json::Value, tag: &str) {
+    let cfg = config_json(layers, config);
+    let cname = format!("{}.json", sha256(&cfg).trim_start_matches("sha256:"));
+    let mut b = tar::Builder::new(std::fs::File::create(out).unwrap());
+    let mut add = |name: &str, data: &[u8]| {
+        let mut h = tar::Header::new_ustar();
+        h.set_mode(0o644);
+        h.set_uid(0);
+        h.set_gid(0);
+        h.set_size(data.len() as u64);
+        h.set_entry_type(tar::EntryType::Regular);
+        b.append_data(&mut h, name, data).unwrap();
+    };
+    let mut names = Vec::new();
+    for (i, l) in layers.iter().enumerate() {
+        let name = format!("layer{i}/layer.tar");
+        add(&name, l);
+        names.push(name);
+    }
+    add(&cname, &cfg);
+    let manifest = serde_json::json!([{"Config": cname, "RepoTags": [tag], "Layers": names}]);
+    add("manifest.json", &serde_json::to_vec(&manifest).unwrap());
+    b.finish().unwrap();
+}
+
+/// `debugfs -R CMD IMAGE`'s standard output.
+pub fn debugfs(image: &Path, cmd: &str) -> String {
+    let out = Command::new("debugfs").arg("-R").arg(cmd).arg(image).output().unwrap();
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// What `stat` of debugfs says of a path: (type, mode octal string, uid, gid).
+pub fn stat(image: &Path, path: &str) -> (String, String, u32, u32) {
+    let s = debugfs(image, &format!("stat \"{path}\""));
+    let field = |after: &str| -> String {
+        let i = s.find(after).unwrap_or_else(|| panic!("no {after:?} in stat {path}: {s}"));
+        s[i + after.len()..].split_whitespace().next().unwrap().to_string()
+    };
+    (field("Type:"), field("Mode:"), field("User:").parse().unwrap(), field("Group:").parse().unwrap())
+}
+
+/// `e2fsck -fn`: the image is a consistent filesystem.
+pub fn fsck_clean(image: &Path) {
+    let out = Command::new("e2fsck").arg("-fn").arg(image).output().unwrap();
+    assert!(
+        out.status.success(),
+        "e2fsck -fn {}: {}\n{}",
+        image.display(),
+        out.status,
+        String::from_utf8_lossy(&out.stdout)
+    );
+}
