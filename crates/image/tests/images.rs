@@ -6,11 +6,9 @@
 //! with debugfs and checked with e2fsck (the boot of an image is the
 //! template tests').
 
-mod common;
-
 use std::path::{Path, PathBuf};
 
-use common::*;
+use testkit::oci::*;
 use tine_image::layers::LayerError;
 use tine_image::{build, BuildRequest, ImageError, Limits, Node, Tree};
 

@@ -5,6 +5,7 @@
 pub mod cpio;
 
 pub mod mcp;
+pub mod oci;
 
 use vmm::devices::ConsoleTail;
 
@@ -270,27 +271,6 @@ pub fn protocol_v4_agent() -> PathBuf {
     let path = workspace_root().join("target/guest/x86_64-unknown-linux-gnu/release/tine-agent-protocol-v4");
     assert!(path.exists(), "{} is missing: scripts/setup.sh builds it", path.display());
     path
-}
-
-/// Builds an ext4 image of `size_mib` MiB in `dir` whose `/sbin/init` is
-/// the guest agent, with Debian's static busybox and its applets in
-/// `/bin` (a shell and tools for the tests). Returns the image's path.
-pub fn build_agent_rootfs(dir: &Path, size_mib: u64) -> PathBuf {
-    let root = dir.join("agent-rootfs");
-    for d in ["dev", "proc", "sys", "tmp", "run", "sbin", "bin"] {
-        std::fs::create_dir_all(root.join(d)).expect("create rootfs dirs");
-    }
-    std::fs::copy(build_agent(), root.join("sbin/init")).expect("copy the agent");
-    let busybox = Path::new("/bin/busybox");
-    assert!(busybox.exists(), "/bin/busybox is missing: apt-get install busybox-static (scripts/setup.sh does)");
-    std::fs::copy(busybox, root.join("bin/busybox")).expect("copy busybox");
-    let list = Command::new(busybox).arg("--list").output().expect("busybox --list");
-    for applet in String::from_utf8_lossy(&list.stdout).lines() {
-        if applet != "busybox" && !applet.is_empty() {
-            let _ = std::os::unix::fs::symlink("busybox", root.join("bin").join(applet));
-        }
-    }
-    mkfs_ext4(&root, &dir.join("agent-rootfs.ext4"), size_mib)
 }
 
 /// A blocking wrapper over the guest agent's client

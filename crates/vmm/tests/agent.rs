@@ -33,9 +33,11 @@ fn agent_serves_exec_files_and_info_over_vsock() {
     let dir = tempfile::tempdir().unwrap();
     let uds = dir.path().join("vm.vsock");
     let mut config = VmConfig::new("agent-test", testkit::kernel());
-    config.disks = vec![DiskConfig::raw(testkit::build_agent_rootfs(dir.path(), 64), true, "root")];
+    // The busybox image as a registry holds it, made a base image by
+    // tine-image: what a template from an image boots.
+    config.disks = vec![DiskConfig::raw(testkit::oci::busybox_image_rootfs(dir.path()), true, "root")];
     config.vsock = Some(VsockConfig { cid: 3, uds_path: uds.clone() });
-    config.cmdline = "root=/dev/vda ro rootfstype=ext4".into();
+    config.cmdline = testkit::oci::IMAGE_CMDLINE.into();
     let mut vm = vmm::build_for_boot(&config).expect("VM starts");
     let console = vm.console().clone();
     assert!(

@@ -191,9 +191,9 @@ fn idle_guest_sleeps_and_a_console_flood_stays_under_the_cap() {
     let uds = dir.path().join("vm.vsock");
     let log = dir.path().join("console.log");
     let mut config = vmm::VmConfig::new("dt-idle", testkit::kernel());
-    config.disks = vec![vmm::DiskConfig::raw(testkit::build_agent_rootfs(dir.path(), 64), true, "root")];
+    config.disks = vec![vmm::DiskConfig::raw(testkit::oci::busybox_image_rootfs(dir.path()), true, "root")];
     config.vsock = Some(VsockConfig { cid: 3, uds_path: uds.clone() });
-    config.cmdline = "root=/dev/vda ro rootfstype=ext4".into();
+    config.cmdline = testkit::oci::IMAGE_CMDLINE.into();
     config.console_log = Some(log.clone());
     config.console_log_max_bytes = CAP;
     let vm = vmm::build_for_boot(&config).expect("VM starts");

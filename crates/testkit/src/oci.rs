@@ -1,8 +1,8 @@
-//! Images for the tests: tar layers written entry by entry (hostile ones
-//! too: raw names, PAX records), OCI layouts, OCI archives and `docker
-//! save` archives around them, and a reader of the ext4 images built.
-
-#![allow(dead_code)]
+//! OCI images for the tests: tar layers written entry by entry (hostile
+//! ones too: raw names, PAX records), OCI image layouts, OCI archives and
+//! `docker save` archives around them, a busybox image with the guest
+//! agent built into a base image by `tine-image`, and readers of the ext4
+//! images built (debugfs, e2fsck).
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -267,4 +267,49 @@ pub fn fsck_clean(image: &Path) {
         out.status,
         String::from_utf8_lossy(&out.stdout)
     );
+}
+
+/// The kernel command line of a guest whose root is a base image built
+/// by `tine-image` (the agent is init at its own path, not `/sbin/init`,
+/// which belongs to the image).
+pub const IMAGE_CMDLINE: &str = "root=/dev/vda ro rootfstype=ext4 init=/usr/local/sbin/tine-agent";
+
+/// Builds, in `dir`, the image `busybox` as a registry would hold it (one
+/// uncompressed layer: Debian's static busybox as `/bin/busybox` and its
+/// applets as links, `PATH=/bin` in the configuration) as an OCI layout,
+/// and from it a base image with the guest agent ([`crate::build_agent`])
+/// by `tine_image::build`. Boot it with [`IMAGE_CMDLINE`]. Returns the
+/// ext4 image's path.
+pub fn busybox_image_rootfs(dir: &Path) -> PathBuf {
+    let busybox = Path::new("/bin/busybox");
+    assert!(busybox.exists(), "/bin/busybox is missing: apt-get install busybox-static (scripts/setup.sh does)");
+    let list = Command::new(busybox).arg("--list").output().expect("busybox --list");
+    let mut layer = Layer::new().dir("bin/", 0o755, (0, 0)).file_as(
+        "bin/busybox",
+        &std::fs::read(busybox).expect("read busybox"),
+        0o755,
+        (0, 0),
+    );
+    for applet in String::from_utf8_lossy(&list.stdout).lines() {
+        if applet != "busybox" && !applet.is_empty() {
+            layer = layer.symlink(&format!("bin/{applet}"), "busybox", (0, 0));
+        }
+    }
+    let layout_dir = dir.join("busybox-layout");
+    layout(&layout_dir, &[layer.tar()], serde_json::json!({"Env": ["PATH=/bin"], "Cmd": ["sh"]}));
+    let out = dir.join("busybox-image.ext4");
+    let agent = crate::build_agent();
+    tine_image::build(
+        &tine_image::BuildRequest {
+            image: &layout_dir,
+            reference: None,
+            agent: &agent,
+            out: &out,
+            work: dir,
+            limits: tine_image::Limits::default(),
+        },
+        &mut |_| {},
+    )
+    .expect("build the busybox base image");
+    out
 }
