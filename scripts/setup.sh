@@ -52,8 +52,10 @@ trap cleanup EXIT
 # with -netdev user / libslirp); 27 packages, ~81 MiB installed without
 # recommends on bookworm. curl: the file-URL test (crates/tine/tests/files.rs).
 # nginx (1.22): tests run their own, with their own configuration, as a
-# child process; see below for the system service.
-packages=(linux-source-6.1 build-essential bc flex bison libelf-dev libssl-dev cpio xz-utils patch e2fsprogs busybox-static mmdebstrap libclang-dev python3-venv qemu-system-x86 curl nginx)
+# child process; see below for the system service. docker-registry (the
+# distribution registry 2.8): the image-pull tests (crates/image) run
+# their own on a loopback port, likewise.
+packages=(linux-source-6.1 build-essential bc flex bison libelf-dev libssl-dev cpio xz-utils patch e2fsprogs busybox-static mmdebstrap libclang-dev python3-venv qemu-system-x86 curl nginx docker-registry)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -61,14 +63,15 @@ done
 if [ ${#missing[@]} -gt 0 ]; then
   t=$(now)
   echo "setup: installing ${#missing[@]} packages (apt-get): ${missing[*]} ..." >&2
-  # Installing nginx must not start it as a system service on port 80: a
+  # Installing nginx (docker-registry) must not start it as a system
+  # service on port 80 (5000): a
   # policy-rc.d that says 101 (action forbidden) keeps invoke-rc.d and
   # deb-systemd-invoke from starting any service during the install. Only
   # ours if there is none (a Docker image has its own, also 101); removed
   # by cleanup.
-  if [[ " ${missing[*]} " == *" nginx "* ]] && [ ! -e /usr/sbin/policy-rc.d ] && [ ! -L /usr/sbin/policy-rc.d ]; then
+  if [[ " ${missing[*]} " == *" nginx "* || " ${missing[*]} " == *" docker-registry "* ]] && [ ! -e /usr/sbin/policy-rc.d ] && [ ! -L /usr/sbin/policy-rc.d ]; then
     policy_rc=/usr/sbin/policy-rc.d
-    printf '#!/bin/sh\n# Tine scripts/setup.sh, while it installs nginx: start no service.\nexit 101\n' |
+    printf '#!/bin/sh\n# Tine scripts/setup.sh, while it installs packages: start no service.\nexit 101\n' |
       $sudo_cmd tee "$policy_rc" >/dev/null
     $sudo_cmd chmod 0755 "$policy_rc"
   fi
@@ -79,9 +82,11 @@ if [ ${#missing[@]} -gt 0 ]; then
   # The package also enables the unit, which would start it at the next
   # boot; with systemd running, disable it (`systemctl enable --now nginx`
   # undoes this).
-  if [[ " ${missing[*]} " == *" nginx "* ]] && [ -d /run/systemd/system ]; then
-    $sudo_cmd systemctl disable --quiet nginx.service || true
-  fi
+  for service in nginx docker-registry; do
+    if [[ " ${missing[*]} " == *" $service "* ]] && [ -d /run/systemd/system ]; then
+      $sudo_cmd systemctl disable --quiet "$service.service" || true
+    fi
+  done
   echo "setup: packages installed in $(( $(now) - t )) s" >&2
 fi
 command -v cargo >/dev/null || { echo "setup: cargo is missing; install Rust (rustup) first" >&2; exit 1; }

@@ -14,6 +14,7 @@
 
 pub mod ext4;
 pub mod layers;
+pub mod registry;
 pub mod source;
 
 use std::path::{Path, PathBuf};

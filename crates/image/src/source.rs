@@ -211,7 +211,11 @@ fn is_index(m: &MediaType) -> bool {
 
 /// Chooses the manifest of an index: by reference (when given and some
 /// entry is annotated), then linux/amd64, then the only entry.
-fn choose<'a>(index: &'a ImageIndex, reference: Option<&str>, what: &str) -> Result<&'a Descriptor, SourceError> {
+pub(crate) fn choose_manifest<'a>(
+    index: &'a ImageIndex,
+    reference: Option<&str>,
+    what: &str,
+) -> Result<&'a Descriptor, SourceError> {
     let mut entries: Vec<&Descriptor> = index.manifests().iter().collect();
     if let Some(r) = reference {
         let named: Vec<&Descriptor> = entries
@@ -264,7 +268,7 @@ fn open_layout(dir: &Path, reference: Option<&str>) -> Result<Image, SourceError
     // An index may name an index (a multi-platform image in a layout):
     // follow at most a few levels.
     for _ in 0..4 {
-        let desc = choose(&index, reference, &what)?.clone();
+        let desc = choose_manifest(&index, reference, &what)?.clone();
         if is_index(desc.media_type()) {
             what = format!("index {}", desc.digest());
             index = parse(&what, &read_blob(dir, &desc, "index")?)?;

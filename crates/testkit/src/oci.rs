@@ -313,3 +313,126 @@ pub fn busybox_image_rootfs(dir: &Path) -> PathBuf {
     .expect("build the busybox base image");
     out
 }
+
+/// A Docker registry (Debian's `docker-registry`, the CNCF distribution
+/// registry 2.8) serving plain HTTP on a loopback port, storing in a
+/// temporary directory; stopped when dropped.
+pub struct Registry {
+    child: std::process::Child,
+    /// `127.0.0.1:<port>`.
+    pub addr: String,
+    /// Where it stores repositories and blobs
+    /// (`docker/registry/v2/blobs/sha256/<2 hex>/<hex>/data`).
+    pub storage: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Registry {
+    /// Starts one; `None` (with a loud message) when `docker-registry` is
+    /// not installed, unless `TINE_REQUIRE_REGISTRY` is set (scripts/test.sh
+    /// sets it: setup.sh installs the package), when it panics.
+    pub fn start(test: &str) -> Option<Registry> {
+        let bin = Path::new("/usr/bin/docker-registry");
+        if !bin.exists() {
+            assert!(
+                std::env::var_os("TINE_REQUIRE_REGISTRY").is_none(),
+                "{test}: /usr/bin/docker-registry is missing and TINE_REQUIRE_REGISTRY is set: apt-get install docker-registry (scripts/setup.sh does)"
+            );
+            eprintln!("SKIPPED {test}: /usr/bin/docker-registry is missing (apt-get install docker-registry)");
+            return None;
+        }
+        let dir = tempfile::tempdir().expect("registry dir");
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let addr = format!("127.0.0.1:{port}");
+        let storage = dir.path().join("storage");
+        let config = dir.path().join("config.yml");
+        std::fs::write(
+            &config,
+            format!(
+                "version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n    rootdirectory: {}\n  delete:\n    enabled: true\nhttp:\n  addr: {addr}\n",
+                storage.display()
+            ),
+        )
+        .unwrap();
+        let log = std::fs::File::create(dir.path().join("registry.log")).unwrap();
+        let child = Command::new(bin)
+            .arg("serve")
+            .arg(&config)
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .expect("start docker-registry");
+        let registry = Registry { child, addr, storage, _dir: dir };
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        loop {
+            if registry.get("/v2/").starts_with("HTTP/1.1 200") {
+                return Some(registry);
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "docker-registry did not answer on {} within 30 s: {}",
+                registry.addr,
+                std::fs::read_to_string(registry._dir.path().join("registry.log")).unwrap_or_default()
+            );
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+    }
+
+    /// A GET of `path`: the response's status line and headers and body
+    /// ("" when the registry does not answer).
+    pub fn get(&self, path: &str) -> String {
+        use std::io::Read;
+        let Ok(mut s) = std::net::TcpStream::connect(&self.addr) else { return String::new() };
+        let _ = write!(s, "GET {path} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n\r\n", self.addr);
+        let mut out = String::new();
+        let _ = s.read_to_string(&mut out);
+        out
+    }
+
+    /// Pushes the OCI layout at `layout` (its index's manifests and, under
+    /// an index, every platform's manifest, configuration and layers) as
+    /// `<addr>/<repository>:<tag>`.
+    pub async fn push_layout(&self, layout: &Path, repository: &str, tag: &str) {
+        let client = oci_client::Client::new(oci_client::client::ClientConfig {
+            protocol: oci_client::client::ClientProtocol::Http,
+            ..Default::default()
+        });
+        let auth = oci_client::secrets::RegistryAuth::Anonymous;
+        let blob = |d: &str| std::fs::read(layout.join("blobs/sha256").join(d.trim_start_matches("sha256:"))).unwrap();
+        let index: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(layout.join("index.json")).unwrap()).unwrap();
+        let reference: oci_client::Reference = format!("{}/{repository}:{tag}", self.addr).parse().unwrap();
+        // The index's manifests, each pushed by digest; then the index by
+        // tag when it names several, else the one manifest by tag.
+        let manifests = index["manifests"].as_array().unwrap().clone();
+        for m in &manifests {
+            let digest = m["digest"].as_str().unwrap();
+            let bytes = blob(digest);
+            let manifest: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+            let descs = std::iter::once(&manifest["config"]).chain(manifest["layers"].as_array().unwrap().iter());
+            for d in descs {
+                let digest = d["digest"].as_str().unwrap();
+                client.auth(&reference, &auth, oci_client::RegistryOperation::Push).await.unwrap();
+                client.push_blob(&reference, blob(digest), digest).await.unwrap();
+            }
+            let content_type = m["mediaType"].as_str().unwrap().parse().unwrap();
+            client
+                .push_manifest_raw(&reference.clone_with_digest(digest.to_string()), bytes, content_type)
+                .await
+                .unwrap();
+        }
+        let (top, content_type) = if manifests.len() == 1 {
+            (blob(manifests[0]["digest"].as_str().unwrap()), manifests[0]["mediaType"].as_str().unwrap().to_string())
+        } else {
+            (std::fs::read(layout.join("index.json")).unwrap(), "application/vnd.oci.image.index.v1+json".to_string())
+        };
+        client.push_manifest_raw(&reference, top, content_type.parse().unwrap()).await.unwrap();
+    }
+}
+
+impl Drop for Registry {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
