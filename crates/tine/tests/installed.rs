@@ -60,3 +60,44 @@ fn doctor_finds_the_images_setup_installed() {
         assert!(line.contains(&format!("build inputs {hash}")), "{line}");
     }
 }
+
+/// `tine image build` with no `--agent` installs the agent of the
+/// installed root filesystem (the one this daemon's guests run).
+#[test]
+fn image_build_takes_the_agent_from_the_installed_rootfs() {
+    let test = "tine::installed image_build_takes_the_agent_from_the_installed_rootfs";
+    let rootfs = default_data_dir().join("images/rootfs.ext4");
+    if !rootfs.exists() {
+        assert!(std::env::var_os("TINE_REQUIRE_INSTALLED_IMAGES").is_none(), "{test}: {} is missing", rootfs.display());
+        eprintln!("SKIPPED {test}: {} is missing (scripts/setup.sh installs the images)", rootfs.display());
+        return;
+    }
+    let d = tempfile::tempdir().unwrap();
+    let layout = testkit::oci::layout(
+        &d.path().join("layout"),
+        &[testkit::oci::Layer::new().file("etc/motd", b"hi").tar()],
+        serde_json::json!({}),
+    );
+    let out = d.path().join("base.ext4");
+    let o = Command::new(env!("CARGO_BIN_EXE_tine"))
+        .args(["image", "build"])
+        .arg(&layout)
+        .arg("--out")
+        .arg(&out)
+        .output()
+        .expect("run tine image build");
+    assert!(o.status.success(), "{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    let dump = |image: &std::path::Path, to: &std::path::Path| {
+        let s = Command::new("debugfs")
+            .arg("-R")
+            .arg(format!("dump {} {}", tine_image::AGENT_PATH, to.display()))
+            .arg(image)
+            .output()
+            .unwrap();
+        assert!(s.status.success());
+        std::fs::read(to).unwrap()
+    };
+    let installed = dump(&rootfs, &d.path().join("a"));
+    assert!(installed.len() > 1 << 20, "the static agent, {} bytes", installed.len());
+    assert!(installed == dump(&out, &d.path().join("b")), "the image's agent is the installed one");
+}

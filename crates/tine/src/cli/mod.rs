@@ -7,6 +7,8 @@
 //!   keys (`cli::tenant`).
 //! - `tine doctor`: check the host and say how to fix what is missing
 //!   (`cli::doctor`).
+//! - `tine image build`: an OCI or Docker image to a base image
+//!   (`cli::image`).
 //! - `tine vm run`: boot one microVM with a given kernel and stream its
 //!   serial console to stdout (a developer command).
 //!
@@ -14,6 +16,7 @@
 //! dispatch; each command's own arguments and body are in its submodule.
 
 mod doctor;
+mod image;
 mod manager;
 mod server;
 mod template;
@@ -48,6 +51,9 @@ enum Command {
     /// API keys and quotas.
     #[command(subcommand)]
     Tenant(tenant::TenantCommand),
+    /// OCI and Docker images: base images a guest boots.
+    #[command(subcommand)]
+    Image(image::ImageCommand),
     /// Work with single VMs directly.
     #[command(subcommand)]
     Vm(vm::VmCommand),
@@ -111,6 +117,7 @@ pub fn main() -> ExitCode {
         Command::Server(server::ServerCommand::Keygen { out }) => server::keygen(out),
         Command::Template(cmd) => template::run(cmd),
         Command::Tenant(cmd) => tenant::run(cmd),
+        Command::Image(cmd) => image::run(cmd),
         Command::Doctor(args) => resolve(&args).map(|r| doctor::run(&r)),
     };
     match result {

@@ -1,0 +1,123 @@
+//! `tine image build` as an operator runs it: from an OCI layout (the
+//! agent given) and from a real registry over plain HTTP (the agent taken
+//! from the installed root filesystem when there is one), the result read
+//! back with debugfs; a source that is neither a path nor a pullable
+//! reference fails with a message. No guest boots here: the image's boot
+//! is vmm's agent test (`testkit::oci::busybox_image_rootfs`).
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use testkit::oci::*;
+
+fn tine(args: &[&str], data_dir: &Path) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_tine"))
+        .args(args)
+        .arg("--data-dir")
+        .arg(data_dir)
+        .env("RUST_LOG", "warn")
+        .output()
+        .unwrap()
+}
+
+fn text(o: &Output) -> String {
+    format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+}
+
+#[test]
+fn image_build_from_a_layout_and_from_a_registry() {
+    let d = tempfile::tempdir().unwrap();
+    let layers = [
+        Layer::new().file_as("usr/bin/tool", b"tool", 0o4711, (0, 0)).tar(),
+        Layer::new().file("etc/motd", b"hello from the image\n").tar(),
+    ];
+    let layout_dir =
+        layout(&d.path().join("layout"), &layers, serde_json::json!({"Env": ["A=1"], "WorkingDir": "/srv"}));
+    let agent = d.path().join("agent");
+    std::fs::write(&agent, b"agent bytes").unwrap();
+    let out = d.path().join("out/base.ext4");
+    let o = tine(
+        &[
+            "image",
+            "build",
+            layout_dir.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+            "--agent",
+            agent.to_str().unwrap(),
+        ],
+        d.path(),
+    );
+    assert!(o.status.success(), "{}", text(&o));
+    let said = text(&o);
+    assert!(
+        said.contains("2 layers") && said.contains("\"working_dir\":\"/srv\"") && said.contains("tine vm run"),
+        "{said}"
+    );
+    fsck_clean(&out);
+    assert_eq!(debugfs(&out, "cat /etc/motd"), "hello from the image\n");
+    assert_eq!(stat(&out, "/usr/bin/tool"), ("regular".into(), "04711".into(), 0, 0));
+    assert_eq!(debugfs(&out, &format!("cat {}", tine_image::AGENT_PATH)), "agent bytes");
+    let leftovers: Vec<_> = std::fs::read_dir(out.parent().unwrap()).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(leftovers, vec![std::ffi::OsString::from("base.ext4")], "the work directory is removed");
+
+    // Port 9 (discard) on loopback: nothing listens, the pull fails at once.
+    let o = tine(
+        &[
+            "image",
+            "build",
+            "127.0.0.1:9/no/such:tag",
+            "--out",
+            out.to_str().unwrap(),
+            "--agent",
+            agent.to_str().unwrap(),
+            "--insecure-registry",
+            "127.0.0.1:9",
+        ],
+        d.path(),
+    );
+    assert!(!o.status.success());
+    assert!(text(&o).contains("tine: error: pulling the manifest of 127.0.0.1:9/no/such:tag"), "{}", text(&o));
+    // No --agent and no installed root filesystem to take it from.
+    let o = tine(&["image", "build", layout_dir.to_str().unwrap(), "--out", out.to_str().unwrap()], d.path());
+    assert!(!o.status.success() && text(&o).contains("give --agent"), "{}", text(&o));
+
+    let Some(registry) = Registry::start("image_build_from_a_layout_and_from_a_registry") else { return };
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(registry.push_layout(&layout_dir, "team/tool", "v1"));
+    let reference = format!("{}/team/tool:v1", registry.addr);
+    let out2 = d.path().join("pulled.ext4");
+    let o = tine(
+        &[
+            "image",
+            "build",
+            &reference,
+            "--out",
+            out2.to_str().unwrap(),
+            "--agent",
+            agent.to_str().unwrap(),
+            "--insecure-registry",
+            &registry.addr,
+        ],
+        d.path(),
+    );
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("3 blobs fetched"), "{}", text(&o));
+    assert_eq!(debugfs(&out2, "cat /etc/motd"), "hello from the image\n");
+    // The pull is kept in the data directory: a second build fetches nothing.
+    let o = tine(
+        &[
+            "image",
+            "build",
+            &reference,
+            "--out",
+            out2.to_str().unwrap(),
+            "--agent",
+            agent.to_str().unwrap(),
+            "--insecure-registry",
+            &registry.addr,
+        ],
+        d.path(),
+    );
+    assert!(o.status.success() && text(&o).contains("0 blobs fetched (0 bytes), 3 already here"), "{}", text(&o));
+}
