@@ -85,6 +85,10 @@ pub enum ImageError {
     /// Writing the ext4 image.
     #[error(transparent)]
     Ext4(#[from] ext4::Ext4Error),
+    /// No agent to install: the root filesystem to take it from is
+    /// missing or holds none.
+    #[error("{0}")]
+    Agent(String),
     /// The work directory or the output could not be made.
     #[error("{path}: cannot {op}: {source}")]
     Io {
@@ -154,7 +158,9 @@ pub fn build(req: &BuildRequest<'_>, progress: &mut dyn FnMut(&str)) -> Result<B
     }
     add_tine_files(&mut tree, req.agent, tmp.path())?;
     progress("writing the image");
-    let partial = req.out.with_extension("partial");
+    // Written in the work directory (on the output's file system) and
+    // renamed: builds of one output at once do not meet.
+    let partial = tmp.path().join("image.ext4");
     let written = ext4::write(&tree, &tmp.path().join("ext4"), &partial, "tine-root")?;
     std::fs::rename(&partial, req.out).map_err(|source| ImageError::Io {
         path: req.out.to_path_buf(),
@@ -171,6 +177,51 @@ pub fn build(req: &BuildRequest<'_>, progress: &mut dyn FnMut(&str)) -> Result<B
     })
 }
 
+/// A directory name for a registry reference's pulled layout: the
+/// repository without its tag or digest, characters outside
+/// `[A-Za-z0-9._-]` made `_`, and a leading `.` too (one path component,
+/// never `..`). Pulls of one repository share its blobs; reading the
+/// layout checks them by digest.
+pub fn layout_dir_name(reference: &str) -> String {
+    let name = reference.split('@').next().unwrap_or(reference);
+    let last = name.rfind('/').map_or(0, |i| i + 1);
+    let name = match name[last..].find(':') {
+        Some(i) => &name[..last + i],
+        None => name,
+    };
+    let mut safe: String =
+        name.chars().map(|c| if c.is_ascii_alphanumeric() || "._-".contains(c) { c } else { '_' }).collect();
+    if safe.is_empty() || safe.starts_with('.') {
+        safe.insert(0, '_');
+    }
+    safe
+}
+
+/// Copies the agent out of a root filesystem image made by
+/// `rootfs/build-rootfs.sh` (or by [`build`]): the file at [`AGENT_PATH`],
+/// with `debugfs dump`, to `out`.
+///
+/// Errors: [`ImageError::Agent`] when `rootfs` is missing or holds no
+/// agent, or debugfs cannot run.
+pub fn agent_from_rootfs(rootfs: &Path, out: &Path) -> Result<(), ImageError> {
+    if !rootfs.exists() {
+        return Err(ImageError::Agent(format!("no root filesystem at {} to take the agent from", rootfs.display())));
+    }
+    let status = std::process::Command::new("debugfs")
+        .arg("-R")
+        .arg(format!("dump -p {AGENT_PATH} {}", out.display()))
+        .arg(rootfs)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .map_err(|e| ImageError::Agent(format!("cannot run debugfs (e2fsprogs): {e}")))?;
+    if !status.success() || out.metadata().map(|m| m.len() == 0).unwrap_or(true) {
+        return Err(ImageError::Agent(format!("{} holds no agent at {AGENT_PATH}", rootfs.display())));
+    }
+    Ok(())
+}
+
 /// Adds the agent, its mount points and the network's files to `tree`.
 fn add_tine_files(tree: &mut Tree, agent: &Path, tmp: &Path) -> Result<(), ImageError> {
     for (dir, mode) in MOUNT_POINTS {
@@ -183,4 +234,18 @@ fn add_tine_files(tree: &mut Tree, agent: &Path, tmp: &Path) -> Result<(), Image
         tree.add_file(path, &host, Meta::root(0o644))?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layout_dir_names_are_one_safe_path_component() {
+        assert_eq!(layout_dir_name("127.0.0.1:5000/team/app:1"), "127.0.0.1_5000_team_app");
+        assert_eq!(layout_dir_name("registry.example/team/app@sha256:abc"), "registry.example_team_app");
+        assert_eq!(layout_dir_name("debian:trixie"), "debian");
+        assert_eq!(layout_dir_name(".."), "_..");
+        assert_eq!(layout_dir_name("../../etc"), "_.._.._etc");
+    }
 }

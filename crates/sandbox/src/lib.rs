@@ -49,6 +49,8 @@ pub use limits::{
     derived_memory_budget_mib, IdleAction, Limits, LimitsError, Quota, MAX_LABEL_KEY, MAX_LABEL_VALUE, MIN_DISK_MIB,
     MIN_MEMORY_MIB,
 };
+/// Templates from OCI images: `[images]`, the base-image cache.
+pub use manager::images;
 pub use manager::{
     BackendError, BranchResult, DiskBytes, ExecRequest, Lineage, Manager, ManagerConfig, NetworkLog, PoolStatus,
     ProcessId, ProcessInfo, ProcessPage, ProcessState, Recipe, SandboxError, SandboxId, SandboxInfo, SandboxSpec,

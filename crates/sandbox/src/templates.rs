@@ -193,6 +193,11 @@ pub struct TemplateMeta {
     /// empty for none.
     #[serde(default)]
     pub guest_setup: String,
+    /// The base image its sandboxes boot as their root (`/dev/vda`) when
+    /// it was made from an OCI image; `rootfs` is then that file's
+    /// identity. `None`: the server's root filesystem.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base: Option<PathBuf>,
 }
 
 /// What `template_list` shows of a template.
@@ -706,10 +711,19 @@ fn read_working_set(dir: &Path, size: u64) -> Option<Arc<vmm::WorkingSet>> {
 /// [`TemplateError::Stale`] if `meta` was made from other images than
 /// `images` (kernel, root filesystem), else `None`.
 fn stale(meta: &TemplateMeta, images: &(FileIdentity, FileIdentity)) -> Option<TemplateError> {
+    // A template from an OCI image runs on its own base image.
+    let rootfs_now = match &meta.base {
+        Some(base) => FileIdentity::of(base).ok(),
+        None => Some(images.1.clone()),
+    };
     let what = if meta.kernel != images.0 {
         "guest kernel"
-    } else if meta.rootfs != images.1 {
-        "root filesystem image"
+    } else if rootfs_now.as_ref() != Some(&meta.rootfs) {
+        if meta.base.is_some() {
+            "base image"
+        } else {
+            "root filesystem image"
+        }
     } else {
         return None;
     };
@@ -756,6 +770,7 @@ mod tests {
             kernel,
             rootfs,
             guest_setup: String::new(),
+            base: None,
         }
     }
 

@@ -274,13 +274,12 @@ pub fn fsck_clean(image: &Path) {
 /// which belongs to the image).
 pub const IMAGE_CMDLINE: &str = "root=/dev/vda ro rootfstype=ext4 init=/usr/local/sbin/tine-agent";
 
-/// Builds, in `dir`, the image `busybox` as a registry would hold it (one
-/// uncompressed layer: Debian's static busybox as `/bin/busybox` and its
-/// applets as links, `PATH=/bin` in the configuration) as an OCI layout,
-/// and from it a base image with the guest agent ([`crate::build_agent`])
-/// by `tine_image::build`. Boot it with [`IMAGE_CMDLINE`]. Returns the
-/// ext4 image's path.
-pub fn busybox_image_rootfs(dir: &Path) -> PathBuf {
+/// Writes, at `dir/busybox-layout`, the image `busybox` as a registry
+/// would hold it: one uncompressed layer with Debian's static busybox as
+/// `/bin/busybox` and its applets as links, a second (gzip) with
+/// `/etc/motd`, and `PATH=/bin` in the configuration. Returns the OCI
+/// layout's directory.
+pub fn busybox_layout(dir: &Path) -> PathBuf {
     let busybox = Path::new("/bin/busybox");
     assert!(busybox.exists(), "/bin/busybox is missing: apt-get install busybox-static (scripts/setup.sh does)");
     let list = Command::new(busybox).arg("--list").output().expect("busybox --list");
@@ -295,8 +294,17 @@ pub fn busybox_image_rootfs(dir: &Path) -> PathBuf {
             layer = layer.symlink(&format!("bin/{applet}"), "busybox", (0, 0));
         }
     }
+    let motd = Layer::new().dir("etc/", 0o755, (0, 0)).file("etc/motd", b"busybox image\n");
     let layout_dir = dir.join("busybox-layout");
-    layout(&layout_dir, &[layer.tar()], serde_json::json!({"Env": ["PATH=/bin"], "Cmd": ["sh"]}));
+    layout(&layout_dir, &[layer.tar(), motd.tar()], serde_json::json!({"Env": ["PATH=/bin"], "Cmd": ["sh"]}));
+    layout_dir
+}
+
+/// The base image `tine_image::build` makes, in `dir`, of
+/// [`busybox_layout`] with the guest agent ([`crate::build_agent`]). Boot
+/// it with [`IMAGE_CMDLINE`]. Returns the ext4 image's path.
+pub fn busybox_image_rootfs(dir: &Path) -> PathBuf {
+    let layout_dir = busybox_layout(dir);
     let out = dir.join("busybox-image.ext4");
     let agent = crate::build_agent();
     tine_image::build(

@@ -118,6 +118,9 @@ pub struct FileConfig {
     pub cluster: crate::cluster::ClusterConfig,
     /// `[auth]`: where the tenants are ([`crate::auth`]).
     pub auth: AuthFileConfig,
+    /// `[images]`: templates from OCI images
+    /// ([`tine_sandbox::images`]).
+    pub images: tine_sandbox::images::ImagesConfig,
 }
 
 /// The tenants file's name in the data directory, where
@@ -403,6 +406,11 @@ mod tests {
         assert_eq!(c.templates, TemplatesConfig::default(), "deploy/tine.toml shows the template defaults");
         assert_eq!(c.pool, PoolConfig::default(), "deploy/tine.toml shows the pool's default");
         assert_eq!(c.memory, MemoryConfig::default(), "deploy/tine.toml shows huge pages off");
+        assert_eq!(
+            c.images,
+            tine_sandbox::images::ImagesConfig::default(),
+            "deploy/tine.toml shows no insecure registry"
+        );
         assert_eq!(c.cluster, crate::cluster::ClusterConfig::default(), "deploy/tine.toml shows no peers");
         let huge: FileConfig = toml::from_str("[memory]\nhuge_pages = true\n").unwrap();
         assert!(huge.memory.huge_pages);

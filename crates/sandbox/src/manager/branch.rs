@@ -241,6 +241,7 @@ impl Manager {
                 tenant: source.tenant(),
                 events: Some(self.events.clone()),
                 disk_mib: source.disk_mib,
+                rootfs: source.rootfs.clone(),
             };
             let child = Sandbox::new(id, dir, source.vcpus, source.memory_mib, setup);
             *lock(&child.net) = nets.pop().flatten();

@@ -177,7 +177,11 @@ impl Manager {
         }
         self.check_template_quota(name)?;
         let tmp = self.templates.begin(name, replace)?;
-        let (kernel, rootfs) = self.templates.images()?;
+        let (kernel, mut rootfs) = self.templates.images()?;
+        if let Some(base) = &sb.rootfs {
+            rootfs = crate::templates::FileIdentity::of(base)
+                .map_err(|e| TemplateError::Io { what: format!("stat {}", base.display()), source: e })?;
+        }
         let taken = {
             let slot = lock(&sb.vm);
             match slot.vm.as_ref() {
@@ -213,6 +217,7 @@ impl Manager {
             kernel,
             rootfs,
             guest_setup: self.templates.guest_setup().to_string(),
+            base: sb.rootfs.clone(),
         };
         if let Err(e) = self.templates.commit(&tmp, &meta, replace) {
             let _ = std::fs::remove_dir_all(&tmp);

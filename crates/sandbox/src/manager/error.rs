@@ -166,6 +166,9 @@ pub enum SandboxError {
     /// A template cannot be used or made.
     #[error(transparent)]
     Template(#[from] TemplateError),
+    /// A template's OCI image cannot be pulled or made a base image.
+    #[error(transparent)]
+    Image(#[from] super::images::ImageBuildError),
     /// The requested shape differs from the template's.
     #[error("template {name:?} makes sandboxes of {vcpus} vCPUs and {memory_mib} MiB")]
     TemplateShape {

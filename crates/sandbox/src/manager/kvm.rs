@@ -16,7 +16,10 @@ use crate::disks;
 /// device and host socket, so CIDs need not differ).
 const GUEST_CID: u64 = 3;
 /// The guest kernel's command line (the root is the read-only image).
-const CMDLINE: &str = "root=/dev/vda ro rootfstype=ext4 quiet";
+/// The agent is init by its own path, which Tine's root filesystem and
+/// every base image built from an OCI image have (`tine_image::AGENT_PATH`;
+/// an image's own `/sbin/init` is left alone).
+const CMDLINE: &str = "root=/dev/vda ro rootfstype=ext4 quiet init=/usr/local/sbin/tine-agent";
 /// The sandbox's own disk is the second disk (`/dev/vdb`, after the root):
 /// its index in [`vmm::Snapshot::disks`].
 const SANDBOX_DISK: usize = 1;

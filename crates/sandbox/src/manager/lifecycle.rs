@@ -183,6 +183,10 @@ impl Manager {
     ) -> Result<(VmSource, u8, u64, u64), SandboxError> {
         let limits = &self.config.limits;
         let disk_mib = limits.disk_mib(spec.disk_mib)?;
+        if spec.base.is_some() {
+            // A base image (a template's build from an OCI image) boots.
+            return Ok((VmSource::Boot, limits.vcpus(spec.vcpus)?, limits.memory_mib(spec.memory_mib)?, disk_mib));
+        }
         if let Some(name) = &spec.template {
             let t = self.load_template(name.clone()).await?;
             let (vcpus, memory_mib) = (t.meta.vcpus, t.meta.memory_mib);
@@ -279,6 +283,10 @@ impl Manager {
             VmSource::Template(t) => Some(t.meta.name.clone()),
             VmSource::Boot | VmSource::Branch(_) | VmSource::Hibernated { .. } => None,
         };
+        let rootfs = match &source {
+            VmSource::Template(t) => t.meta.base.clone(),
+            _ => spec.base.clone(),
+        };
         let from = template.as_ref().map_or_else(|| "boot".to_string(), |t| format!("template:{t}"));
         // Admission: its memory is reserved before anything starts.
         let charge = match source {
@@ -297,6 +305,7 @@ impl Manager {
                     tenant: cx.tenant.clone(),
                     events: Some(self.events.clone()),
                     disk_mib,
+                    rootfs: rootfs.clone(),
                 };
                 let sb = Sandbox::new(id, dir, vcpus, memory_mib, setup);
                 *lock(&sb.net) = net.clone();
@@ -611,7 +620,7 @@ impl Manager {
         let spec = VmSpec {
             name: sb.id.clone(),
             kernel: self.config.kernel.clone(),
-            rootfs: self.config.rootfs.clone(),
+            rootfs: sb.rootfs.clone().unwrap_or_else(|| self.config.rootfs.clone()),
             vcpus: sb.vcpus,
             memory_mib: sb.memory_mib,
             profile: self.config.profile,
@@ -813,6 +822,7 @@ impl Manager {
             tenant: None,
             events: None,
             disk_mib: self.boot_disk_mib(),
+            rootfs: None,
         };
         let sb = self.unlisted_sandbox("template", (vcpus, memory_mib), setup, memory)?;
         tracing::info!("building the default template (a cold boot)");

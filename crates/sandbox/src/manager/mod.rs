@@ -35,6 +35,7 @@ mod error;
 #[cfg(test)]
 mod fake;
 mod hibernate;
+pub mod images;
 mod kvm;
 mod lifecycle;
 mod network;
@@ -108,6 +109,11 @@ pub struct ManagerConfig {
     /// The host's name in sandbox ids: `sb-<host>-<random>` (`sb-<random>`
     /// without one). Letters, digits and `-` only; the caller checks it.
     pub host_name: Option<String>,
+    /// Templates from OCI images: `[images]` ([`images`]).
+    pub images: images::ImagesConfig,
+    /// Where pulled images (`oci/`) and base images (`bases/`) are kept;
+    /// created when first needed.
+    pub images_dir: PathBuf,
 }
 
 /// The sandbox manager. Cheap to share: hold it in an `Arc`.

@@ -20,6 +20,8 @@ use crate::lock;
 const GUEST_CA_FILE: &str = "/usr/local/share/ca-certificates/tine-extra.crt";
 /// The guest's CA bundle (Debian's `ca-certificates`).
 const GUEST_CA_BUNDLE: &str = "/etc/ssl/certs/ca-certificates.crt";
+/// The directory of [`GUEST_CA_BUNDLE`].
+const GUEST_CA_DIR: &str = "/etc/ssl/certs";
 /// Deadline of the trust-store update in the guest.
 const CA_UPDATE_TIMEOUT_MS: u32 = 120_000;
 
@@ -128,9 +130,15 @@ impl Manager {
             .map_err(|e| fail(format!("write the CA certificates: {e}")))?;
         // Appended to the bundle OpenSSL, curl, git and Debian's pip read
         // (update-ca-certificates, which a later run keeps it through,
-        // takes minutes where guest kernel mode is emulated).
+        // takes minutes where guest kernel mode is emulated); its
+        // directory made where an image has none (busybox), with no
+        // process started where it has (the test is the shell's).
         let reply = agent
-            .exec(&format!("cat {GUEST_CA_FILE} >> {GUEST_CA_BUNDLE}"), CA_UPDATE_TIMEOUT_MS, 4096)
+            .exec(
+                &format!("[ -d {GUEST_CA_DIR} ] || mkdir -p {GUEST_CA_DIR}; cat {GUEST_CA_FILE} >> {GUEST_CA_BUNDLE}"),
+                CA_UPDATE_TIMEOUT_MS,
+                4096,
+            )
             .await
             .map_err(|e| fail(format!("add the CA certificates to {GUEST_CA_BUNDLE}: {e}")))?;
         if reply.status != ExitStatus::Code(0) {

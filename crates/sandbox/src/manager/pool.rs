@@ -78,6 +78,7 @@ impl Manager {
     pub(super) fn poolable(&self, spec: &SandboxSpec) -> bool {
         let limits = &self.config.limits;
         self.config.pool_size > 0
+            && spec.base.is_none()
             && spec.template.as_deref().is_none_or(|t| t == DEFAULT_TEMPLATE)
             && spec.vcpus.is_none_or(|v| v == u64::from(limits.default_vcpus))
             && spec.memory_mib.is_none_or(|m| m == limits.default_memory_mib)
@@ -253,6 +254,7 @@ impl Manager {
             tenant: None,
             events: Some(self.events.clone()),
             disk_mib: crate::disks::size_mib(template.disk.as_ref()),
+            rootfs: None,
         };
         let sb = self.unlisted_sandbox(&self.sandbox_prefix(), (vcpus, memory_mib), setup, memory)?;
         match self.start(&sb, VmSource::Template(template), &ProgressSink::default(), Instant::now()).await {

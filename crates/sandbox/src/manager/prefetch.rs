@@ -71,6 +71,7 @@ impl Manager {
             tenant: None,
             events: None,
             disk_mib: crate::disks::size_mib(template.disk.as_ref()),
+            rootfs: template.meta.base.clone(),
         };
         let sb = self.unlisted_sandbox("template", (vcpus, memory_mib), setup, memory)?;
         let r = self.record_on(&sb, template).await;
@@ -102,7 +103,14 @@ impl Manager {
         };
         agent.run(exec, RECORD_CALL).await.map_err(connection)?;
         let cell = Python { code: "1 + 1".into(), timeout_ms: RECORD_CALL.as_millis() as u32, output_limit: 0 };
-        agent.run_python(cell, RECORD_CALL).await.map_err(connection)?;
+        match agent.run_python(cell, RECORD_CALL).await {
+            // An image without python3 (a template from an OCI image): the
+            // working set is the restore's and the exec's.
+            Err(tine_agent_client::ClientError::Agent(tine_protocol::AgentError::Unsupported { .. })) => {}
+            r => {
+                r.map_err(connection)?;
+            }
+        }
         let s = sb.clone();
         let ws = tokio::task::spawn_blocking(move || lock(&s.vm).vm.as_ref().map(|vm| vm.working_set()))
             .await

@@ -81,6 +81,13 @@ pub struct Recipe {
     /// The template to start from (default: the default template).
     #[serde(default)]
     pub from: Option<String>,
+    /// Build from this OCI image instead of a template: a registry
+    /// reference (`registry.example:5000/team/app:tag` or `...@sha256:...`,
+    /// linux/amd64), pulled and booted with Tine's agent; its `Env` is the
+    /// template's environment under `env`. Not with `from`. The setup
+    /// steps run with the image's `bash`, or `sh` where it has none.
+    #[serde(default)]
+    pub image: Option<String>,
     /// vCPUs (default: `from`'s; another shape than the default
     /// template's boots a fresh sandbox).
     #[serde(default)]
@@ -161,6 +168,12 @@ impl Recipe {
         }
         let bad = |why: String| SandboxError::Template(TemplateError::BadRecipe(why));
         check_sandbox_env(&self.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect::<Vec<_>>())?;
+        if let Some(image) = &self.image {
+            super::images::check_reference(image)?;
+            if self.from.is_some() {
+                return Err(bad("give `image` or `from`, not both".into()));
+            }
+        }
         if self.setup.len() > MAX_STEPS {
             return Err(bad(format!("{} setup steps: at most {MAX_STEPS}", self.setup.len())));
         }
@@ -296,16 +309,32 @@ impl Manager {
         let t0 = Instant::now();
         let steps = recipe.setup.len() as f64 + 2.0;
         let report = |step: f64, message: String| cx.progress.report(step, Some(steps), message);
+        // From an OCI image: its base image boots, its Env under the
+        // recipe's.
+        let (base, mut env) = match &recipe.image {
+            Some(image) => {
+                let base = self.base_image(image, &|m| report(0.0, m)).await?;
+                (Some(base.path), super::images::image_env(&base.run))
+            }
+            None => (None, BTreeMap::new()),
+        };
+        env.extend(recipe.env.clone());
         report(
             0.0,
-            format!("starting the builder sandbox from {}", recipe.from.as_deref().unwrap_or(DEFAULT_TEMPLATE)),
+            match &recipe.image {
+                Some(image) => format!("booting the builder sandbox from image {image}"),
+                None => {
+                    format!("starting the builder sandbox from {}", recipe.from.as_deref().unwrap_or(DEFAULT_TEMPLATE))
+                }
+            },
         );
         let spec = SandboxSpec {
             vcpus: recipe.vcpus,
             memory_mib: recipe.memory_mib,
             labels: BTreeMap::from([(BUILD_LABEL.to_string(), recipe.name.clone())]),
             template: recipe.from.clone(),
-            env: recipe.env.clone(),
+            env,
+            base,
             ..SandboxSpec::default()
         };
         let id = self

@@ -46,6 +46,10 @@ pub(super) struct Record {
     /// sandboxes had disks).
     #[serde(default)]
     pub disk_mib: u64,
+    /// Its root filesystem image when not the server's
+    /// ([`Sandbox::rootfs`]: a template from an OCI image).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rootfs: Option<std::path::PathBuf>,
     #[serde(default)]
     pub labels: BTreeMap<String, String>,
     /// The tenant it belongs to (`None`: the server's own).
@@ -134,6 +138,7 @@ fn record_of(sb: &Sandbox, pin: Option<String>, hibernated: Option<&Hibernated>)
         vcpus: sb.vcpus,
         memory_mib: sb.memory_mib,
         disk_mib: sb.disk_mib,
+        rootfs: sb.rootfs.clone(),
         labels: sb.labels(),
         tenant: sb.tenant(),
         template: sb.template.clone(),
@@ -309,6 +314,7 @@ impl Manager {
                         tenant: None,
                         events: Some(self.events.clone()),
                         disk_mib: 0,
+                        rootfs: None,
                     };
                     let sb = Sandbox::new(f.id.clone(), self.config.run_dir.join(&f.id), 0, 0, setup);
                     sb.end(SandboxState::Failed, Some(reason));
@@ -332,6 +338,7 @@ impl Manager {
             tenant: r.tenant.clone(),
             events: Some(self.events.clone()),
             disk_mib: r.disk_mib,
+            rootfs: r.rootfs.clone(),
         };
         let mut sb = Sandbox::new(r.id.clone(), self.config.run_dir.join(&r.id), r.vcpus, r.memory_mib, setup);
         sb.created_at_ms = r.created_at_ms;

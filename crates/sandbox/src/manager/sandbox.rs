@@ -310,6 +310,8 @@ pub(super) struct SandboxSetup {
     pub events: Option<tokio::sync::broadcast::Sender<SandboxEvent>>,
     /// The size of its own disk (MiB; 0: none), [`Sandbox::disk_mib`].
     pub disk_mib: u64,
+    /// Its root filesystem image, [`Sandbox::rootfs`].
+    pub rootfs: Option<PathBuf>,
 }
 
 /// One sandbox. See the module doc for the lock order.
@@ -322,6 +324,11 @@ pub(super) struct Sandbox {
     /// tenant's disk quota while it is live or hibernated (sparse on the
     /// host, but accounted by its size).
     pub disk_mib: u64,
+    /// The read-only root filesystem image its VM has as `/dev/vda`: a base
+    /// image built from an OCI image (`tine_image`) for sandboxes of a
+    /// template made from one, their branch children and their
+    /// hibernations; `None`: the server's root filesystem.
+    pub rootfs: Option<PathBuf>,
     /// Its labels ([`Sandbox::labels`]; `update` replaces them).
     labels: Mutex<BTreeMap<String, String>>,
     pub template: Option<String>,
@@ -379,12 +386,13 @@ pub(super) struct Sandbox {
 impl Sandbox {
     /// A sandbox in state `starting`, created now, with no VM yet.
     pub fn new(id: SandboxId, dir: PathBuf, vcpus: u8, memory_mib: u64, setup: SandboxSetup) -> Self {
-        let SandboxSetup { labels, template, idle_timeout, owner, tenant, events, disk_mib } = setup;
+        let SandboxSetup { labels, template, idle_timeout, owner, tenant, events, disk_mib, rootfs } = setup;
         Sandbox {
             id,
             vcpus,
             memory_mib,
             disk_mib,
+            rootfs,
             labels: Mutex::new(labels),
             template,
             idle_timeout: Mutex::new(idle_timeout),

@@ -4,6 +4,7 @@
 //! without importing each other.
 
 use std::collections::BTreeMap;
+use std::path::PathBuf;
 
 /// What to create.
 #[derive(Clone, Debug, Default)]
@@ -29,4 +30,9 @@ pub struct SandboxSpec {
     /// and Python cell gets (see [`Manager::set_env`](super::Manager::set_env)); empty: none beyond
     /// a template's own.
     pub env: BTreeMap<String, String>,
+    /// Boot this read-only root filesystem image instead of the server's
+    /// (a base image `tine_image` built from an OCI image; set by a
+    /// template's build from an image, never from a client's path):
+    /// `template` is then ignored and the sandbox boots.
+    pub base: Option<PathBuf>,
 }

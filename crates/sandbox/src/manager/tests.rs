@@ -49,6 +49,8 @@ fn config(dir: &std::path::Path, limits: Limits, huge_pages: bool) -> ManagerCon
         pool_size: 0,
         huge_pages,
         host_name: None,
+        images: Default::default(),
+        images_dir: dir.join("images"),
         prefetch: false,
     }
 }

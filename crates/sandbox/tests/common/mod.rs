@@ -60,6 +60,8 @@ async fn manager_on(dir: &Path, templates_dir: PathBuf, limits: Limits) -> Arc<M
         pool_size: 0,
         huge_pages: false,
         host_name: None,
+        images: Default::default(),
+        images_dir: dir.join("images"),
         prefetch: false,
     })
     .expect("a manager");

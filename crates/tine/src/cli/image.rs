@@ -6,7 +6,7 @@
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::process::{Command as Process, ExitCode};
+use std::process::ExitCode;
 use std::time::Instant;
 
 use anyhow::Context;
@@ -73,7 +73,9 @@ fn build(args: BuildArgs) -> anyhow::Result<ExitCode> {
         None => {
             let rootfs = config::default_images(&data_dir).1;
             let agent = work.path().join("tine-agent");
-            extract_agent(&rootfs, &agent)?;
+            tine_image::agent_from_rootfs(&rootfs, &agent).context(
+                "give --agent (target/guest/x86_64-unknown-linux-gnu/release/tine-agent after scripts/setup.sh)",
+            )?;
             agent
         }
     };
@@ -90,7 +92,7 @@ fn build(args: BuildArgs) -> anyhow::Result<ExitCode> {
             }
             None => Auth::Anonymous,
         };
-        let layout = data_dir.join("images/oci").join(layout_name(&args.source));
+        let layout = data_dir.join("images/oci").join(tine_image::layout_dir_name(&args.source));
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
         let pulled = rt.block_on(tine_image::registry::pull(
             &PullRequest { reference: &args.source, auth, insecure: &args.insecure, layout: &layout },
@@ -132,60 +134,4 @@ fn build(args: BuildArgs) -> anyhow::Result<ExitCode> {
         tine_image::AGENT_PATH
     );
     Ok(ExitCode::SUCCESS)
-}
-
-/// A directory name for a reference's layout: the repository without
-/// its tag or digest, characters outside `[A-Za-z0-9._-]` made `_` and a
-/// leading `.` too (one path component, never `..`). Blobs are shared per
-/// repository; reading the layout checks them by digest.
-fn layout_name(reference: &str) -> String {
-    let name = reference.split('@').next().unwrap_or(reference);
-    let last = name.rfind('/').map_or(0, |i| i + 1);
-    let name = match name[last..].find(':') {
-        Some(i) => &name[..last + i],
-        None => name,
-    };
-    let mut safe: String =
-        name.chars().map(|c| if c.is_ascii_alphanumeric() || "._-".contains(c) { c } else { '_' }).collect();
-    if safe.is_empty() || safe.starts_with('.') {
-        safe.insert(0, '_');
-    }
-    safe
-}
-
-/// Copies the agent out of a root filesystem image (`debugfs dump`).
-fn extract_agent(rootfs: &Path, out: &Path) -> anyhow::Result<()> {
-    anyhow::ensure!(
-        rootfs.exists(),
-        "no root filesystem at {} to take the agent from: give --agent (target/guest/x86_64-unknown-linux-gnu/release/tine-agent after scripts/setup.sh)",
-        rootfs.display()
-    );
-    let status = Process::new("debugfs")
-        .arg("-R")
-        .arg(format!("dump -p {} {}", tine_image::AGENT_PATH, out.display()))
-        .arg(rootfs)
-        .stderr(std::process::Stdio::null())
-        .status()
-        .context("run debugfs (e2fsprogs)")?;
-    anyhow::ensure!(
-        status.success() && out.metadata().map(|m| m.len() > 0).unwrap_or(false),
-        "{} holds no agent at {}: give --agent",
-        rootfs.display(),
-        tine_image::AGENT_PATH
-    );
-    Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn layout_names_are_one_safe_path_component() {
-        assert_eq!(layout_name("127.0.0.1:5000/team/app:1"), "127.0.0.1_5000_team_app");
-        assert_eq!(layout_name("registry.example/team/app@sha256:abc"), "registry.example_team_app");
-        assert_eq!(layout_name("debian:trixie"), "debian");
-        assert_eq!(layout_name(".."), "_..");
-        assert_eq!(layout_name("../../etc"), "_.._.._etc");
-    }
 }

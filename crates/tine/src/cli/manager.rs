@@ -50,6 +50,8 @@ pub(super) fn open_manager(
         pool_size,
         huge_pages: r.file.memory.huge_pages,
         host_name: host.map(str::to_string),
+        images: r.file.images.clone(),
+        images_dir: r.data_dir.join("images"),
     })?;
     Ok((manager, lock))
 }

@@ -84,6 +84,8 @@ fn manager(dir: &tempfile::TempDir) -> std::sync::Arc<Manager> {
         pool_size: 0,
         huge_pages: false,
         host_name: None,
+        images: Default::default(),
+        images_dir: dir.path().join("images"),
         prefetch: false,
     })
     .expect("a manager on empty images")

@@ -277,6 +277,8 @@ impl TineMcp {
             template: p.template.map(|t| self.resolve_template(&t)),
             network: p.network.map(|n| n.into_policy()),
             env: p.env,
+            // Only a template's build from an OCI image boots a base image.
+            base: None,
         };
         self.check_ceiling(spec.network.as_ref())?;
         let info = Reporter::around(&ctx, self.cx(), async |cx| self.manager.create_with(spec, cx).await).await?;

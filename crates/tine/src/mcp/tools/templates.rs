@@ -45,6 +45,11 @@ pub struct TemplateCreateParams {
     /// The template to start from (default: "default").
     #[schemars(length(min = 1, max = MAX_NAME_CHARS), pattern(NAME_PATTERN))]
     pub from: Option<String>,
+    /// Or an OCI image to boot instead of a template: a registry reference
+    /// (registry.example:5000/team/app:tag), linux/amd64. Its Env is the
+    /// template's environment under `env`. Not with `from`.
+    #[schemars(length(min = 1, max = tine_sandbox::images::MAX_REFERENCE_BYTES))]
+    pub image: Option<String>,
     /// vCPUs (default: from's).
     #[schemars(range(min = 1, max = DEFAULT_MAX_VCPUS))]
     pub vcpus: Option<u64>,
@@ -127,7 +132,7 @@ impl TineMcp {
 
     #[tool(
         description = "Build a template from a recipe in the background: start a sandbox from `from` (default: \
-                       the default template) with env, write files, run each setup command in order (each with its \
+                       the default template) or boot an OCI `image`, with env, write files, run each setup command in order (each with its \
                        own deadline; the first failure stops the build and is reported with its output), and \
                        snapshot the result as `name`. Returns at once with state \"building\" (or waits up to \
                        wait_secs); template_list shows building (with the step), ready or failed (with the \
@@ -148,6 +153,7 @@ impl TineMcp {
         let recipe = Recipe {
             name: self.own_template(&p.name),
             from: p.from.map(|f| self.resolve_template(&f)),
+            image: p.image,
             vcpus: p.vcpus,
             memory_mib: p.memory_mib,
             env: p.env,

@@ -1,0 +1,240 @@
+//! Templates from OCI images: a recipe's `image` is pulled from its
+//! registry (`tine_image::registry`) into `<images_dir>/oci/<repository>/`
+//! and made a base image (`tine_image::build`: the layers applied, Tine's
+//! agent, taken from the server's root filesystem, as init) in
+//! `<images_dir>/bases/`, which the recipe's builder sandbox boots as its
+//! root. A base image is named by the image's manifest digest and the
+//! agent's identity, so a second template of the same image reuses it,
+//! and a new agent (a rebuilt root filesystem) makes a new one. The
+//! image's `Env` becomes the template's environment under the recipe's
+//! own `env`.
+//!
+//! Only registry references come this way (a client's path on the
+//! server's disk is refused): local layouts and archives are the
+//! operator's, through `tine image build`.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use serde::Deserialize;
+use sha2::{Digest as _, Sha256};
+
+use super::Manager;
+use crate::templates::FileIdentity;
+
+/// `[images]` in the server's configuration.
+#[derive(Clone, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(default, deny_unknown_fields)]
+pub struct ImagesConfig {
+    /// Registries (`host:port`) reached over plain HTTP instead of HTTPS
+    /// (a registry on the host or the LAN); default none.
+    pub insecure_registries: Vec<String>,
+}
+
+/// The longest image reference taken, bytes (the distribution spec's
+/// name is at most 255; a tag 128; a digest 71).
+pub const MAX_REFERENCE_BYTES: usize = 512;
+
+/// Bumped when what a base image holds besides the image changes (so that
+/// old ones are not reused).
+const BASE_FORMAT: u32 = 1;
+
+/// Errors of making a template's base image.
+#[derive(Debug, thiserror::Error)]
+pub enum ImageBuildError {
+    /// Not a registry reference (a path, empty, too long, whitespace).
+    #[error(
+        "image {0:?}: give a registry reference (registry.example:5000/team/app:tag); local layouts and \
+         archives are built by the operator with `tine image build`"
+    )]
+    NotAReference(String),
+    /// The pull failed.
+    #[error(transparent)]
+    Pull(#[from] tine_image::registry::RegistryError),
+    /// The base image could not be built.
+    #[error(transparent)]
+    Build(#[from] tine_image::ImageError),
+    /// The agent could not be taken from the root filesystem, or the
+    /// image directory written.
+    #[error("{0}")]
+    Host(String),
+}
+
+/// Checks a recipe's `image` before anything starts.
+///
+/// Errors: [`ImageBuildError::NotAReference`].
+pub fn check_reference(reference: &str) -> Result<(), ImageBuildError> {
+    let bad = reference.is_empty()
+        || reference.len() > MAX_REFERENCE_BYTES
+        || reference.starts_with(['/', '.', '~'])
+        || reference.chars().any(|c| c.is_whitespace() || c.is_control());
+    if bad {
+        return Err(ImageBuildError::NotAReference(reference.chars().take(200).collect()));
+    }
+    Ok(())
+}
+
+/// The environment an image's `Env` (`NAME=value` entries) gives; entries
+/// without `=` are skipped.
+pub fn image_env(run: &tine_image::RunConfig) -> BTreeMap<String, String> {
+    run.env.iter().filter_map(|e| e.split_once('=')).map(|(k, v)| (k.to_string(), v.to_string())).collect()
+}
+
+/// A base image and the image's run configuration.
+pub(super) struct Base {
+    /// The ext4 image.
+    pub path: PathBuf,
+    /// `Env`, `WorkingDir`, `User`, ...
+    pub run: tine_image::RunConfig,
+}
+
+static PARTIAL: AtomicU64 = AtomicU64::new(0);
+
+impl Manager {
+    /// The base image of `reference` (pulled and built unless a base of
+    /// that manifest and this server's agent exists), reporting each step
+    /// to `report`.
+    ///
+    /// Errors: [`ImageBuildError`].
+    pub(super) async fn base_image(
+        &self,
+        reference: &str,
+        report: &(dyn Fn(String) + Sync),
+    ) -> Result<Base, ImageBuildError> {
+        check_reference(reference)?;
+        let dir = self.config.images_dir.clone();
+        let layout = dir.join("oci").join(tine_image::layout_dir_name(reference));
+        report(format!("pulling {reference}"));
+        // The pull's steps come back through a channel: `report` is not
+        // `Send`-able into the pull's future.
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<String>();
+        let request = tine_image::registry::PullRequest {
+            reference,
+            auth: tine_image::registry::Auth::Anonymous,
+            insecure: &self.config.images.insecure_registries,
+            layout: &layout,
+        };
+        let mut send = move |step: &str| {
+            let _ = tx.send(step.to_string());
+        };
+        let pulled = {
+            let pull = tine_image::registry::pull(&request, &mut send);
+            tokio::pin!(pull);
+            loop {
+                tokio::select! {
+                    r = &mut pull => break r?,
+                    Some(step) = rx.recv() => report(format!("pulling {reference}: {step}")),
+                }
+            }
+        };
+        tracing::info!(
+            image = reference,
+            digest = pulled.digest,
+            "pulled: {} blobs fetched ({} bytes), {} already here",
+            pulled.fetched,
+            pulled.bytes,
+            pulled.reused
+        );
+        let rootfs = self.config.rootfs.clone();
+        let agent_id =
+            FileIdentity::of(&rootfs).map_err(|e| ImageBuildError::Host(format!("stat {}: {e}", rootfs.display())))?;
+        let key = {
+            let mut h = Sha256::new();
+            h.update(format!("{BASE_FORMAT}\n{}\n", pulled.digest));
+            h.update(serde_json::to_vec(&agent_id).unwrap_or_default());
+            h.finalize().iter().take(12).map(|b| format!("{b:02x}")).collect::<String>()
+        };
+        let bases = dir.join("bases");
+        let path = bases.join(format!("{key}.ext4"));
+        let run_path = bases.join(format!("{key}.json"));
+        if let (true, Ok(text)) = (path.exists(), std::fs::read(&run_path)) {
+            if let Ok(run) = serde_json::from_slice(&text) {
+                report(format!("base image of {reference} already built"));
+                return Ok(Base { path, run });
+            }
+        }
+        report(format!("making {reference} a base image"));
+        let reference = reference.to_string();
+        let task =
+            tokio::task::spawn_blocking(move || build_base(&reference, &layout, &rootfs, &bases, &path, &run_path));
+        task.await.map_err(|e| ImageBuildError::Host(format!("the image build task failed: {e}")))?
+    }
+}
+
+/// Builds the base image at `path` (its run configuration at `run_path`)
+/// from the pulled layout, with the agent of `rootfs`. Blocking.
+fn build_base(
+    reference: &str,
+    layout: &Path,
+    rootfs: &Path,
+    bases: &Path,
+    path: &Path,
+    run_path: &Path,
+) -> Result<Base, ImageBuildError> {
+    let host = |what: &str, e: &dyn std::fmt::Display| ImageBuildError::Host(format!("{what}: {e}"));
+    std::fs::create_dir_all(bases).map_err(|e| host(&format!("make {}", bases.display()), &e))?;
+    let work = work_dir(bases).map_err(|e| host(&format!("make a directory in {}", bases.display()), &e))?;
+    let agent = work.join("tine-agent");
+    let result = (|| {
+        tine_image::agent_from_rootfs(rootfs, &agent)?;
+        let built = tine_image::build(
+            &tine_image::BuildRequest {
+                image: layout,
+                reference: Some(reference),
+                agent: &agent,
+                out: path,
+                work: &work,
+                limits: tine_image::Limits::default(),
+            },
+            &mut |step| tracing::info!(image = reference, "base image: {step}"),
+        )?;
+        let text = serde_json::to_vec(&built.run).expect("JSON of a run configuration");
+        let partial = work.join("run.json");
+        std::fs::write(&partial, text).map_err(|e| host(&format!("write {}", partial.display()), &e))?;
+        std::fs::rename(&partial, run_path).map_err(|e| host(&format!("write {}", run_path.display()), &e))?;
+        tracing::info!(
+            image = reference,
+            "base image {}: {} layers, {} paths, {} bytes of files",
+            path.display(),
+            built.layers,
+            built.paths,
+            built.file_bytes
+        );
+        Ok(Base { path: path.to_path_buf(), run: built.run })
+    })();
+    let _ = std::fs::remove_dir_all(&work);
+    result
+}
+
+/// A new directory in `parent`, unique to this build.
+fn work_dir(parent: &Path) -> std::io::Result<PathBuf> {
+    let n = PARTIAL.fetch_add(1, Ordering::Relaxed);
+    let dir = parent.join(format!(".build-{}-{n}", std::process::id()));
+    std::fs::create_dir(&dir)?;
+    Ok(dir)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn references_are_checked_and_env_is_parsed() {
+        for ok in ["127.0.0.1:5000/team/app:1", "debian:trixie", "ghcr.io/a/b@sha256:00"] {
+            check_reference(ok).unwrap();
+        }
+        for bad in ["", "/var/lib/tine/x.tar", "./layout", "~/img", "a b", &"x".repeat(513)] {
+            assert!(check_reference(bad).is_err(), "{bad}");
+        }
+        let run = tine_image::RunConfig {
+            env: vec!["PATH=/usr/bin:/bin".into(), "EMPTY=".into(), "NOEQUALS".into(), "A=b=c".into()],
+            ..Default::default()
+        };
+        let env = image_env(&run);
+        assert_eq!(env["PATH"], "/usr/bin:/bin");
+        assert_eq!(env["EMPTY"], "");
+        assert_eq!(env["A"], "b=c");
+        assert!(!env.contains_key("NOEQUALS"));
+    }
+}
