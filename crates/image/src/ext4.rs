@@ -79,6 +79,16 @@ fn io_err<'a>(path: &'a Path, op: &'static str) -> impl FnOnce(io::Error) -> Ext
     move |source| Ext4Error::Io { path: path.to_path_buf(), op, source }
 }
 
+/// The latest time an ext4 inode holds with its extra epoch bits (the
+/// year 2446), seconds since the Unix epoch; later header times are
+/// clamped to it.
+pub const MAX_MTIME: u64 = (1 << 34) - 1;
+
+/// `mtime` (seconds since the epoch, clamped to [`MAX_MTIME`]) as a time.
+fn time(mtime: u64) -> std::time::SystemTime {
+    UNIX_EPOCH + Duration::from_secs(mtime.min(MAX_MTIME))
+}
+
 /// A path as debugfs reads it: `"/a/b"`, refusing what cannot be quoted.
 fn quoted(key: &[u8]) -> Result<Vec<u8>, Ext4Error> {
     if key.iter().any(|b| *b < 0x20 || *b == 0x7f || *b == b'"') {
@@ -128,6 +138,10 @@ fn fix(
 pub fn write(tree: &Tree, work: &Path, out: &Path, label: &str) -> Result<Written, Ext4Error> {
     let root = work.join("root");
     fs::create_dir_all(&root).map_err(io_err(&root, "make directory"))?;
+    // Staged directories get their mode set, not the umask's (the server
+    // runs with 0077): the script's modes are written against it.
+    let staged_dir_mode = fs::Permissions::from_mode(STAGED_DIR_MODE);
+    fs::set_permissions(&root, staged_dir_mode.clone()).map_err(io_err(&root, "chmod"))?;
     let attrs = work.join("xattrs");
     fs::create_dir_all(&attrs).map_err(io_err(&attrs, "make directory"))?;
     let me = {
@@ -146,6 +160,7 @@ pub fn write(tree: &Tree, work: &Path, out: &Path, label: &str) -> Result<Writte
             Node::Dir(meta) => {
                 if !key.is_empty() {
                     fs::create_dir(&host).map_err(io_err(&host, "make directory"))?;
+                    fs::set_permissions(&host, staged_dir_mode.clone()).map_err(io_err(&host, "chmod"))?;
                 }
                 commands += fix(&mut script, key, S_IFDIR, meta, STAGED_DIR_MODE, me)?;
                 dirs.push((host, meta.mtime));
@@ -168,8 +183,7 @@ pub fn write(tree: &Tree, work: &Path, out: &Path, label: &str) -> Result<Writte
                 let staged_mode = (f.meta.mode & 0o777) | 0o400;
                 fs::set_permissions(&host, fs::Permissions::from_mode(staged_mode)).map_err(io_err(&host, "chmod"))?;
                 let file = File::open(&host).map_err(io_err(&host, "open"))?;
-                file.set_modified(UNIX_EPOCH + Duration::from_secs(f.meta.mtime))
-                    .map_err(io_err(&host, "set the time of"))?;
+                file.set_modified(time(f.meta.mtime)).map_err(io_err(&host, "set the time of"))?;
                 commands += fix(&mut script, key, S_IFREG, &f.meta, staged_mode, me)?;
                 placed[*id] = Some(host);
                 content_bytes += f.size.div_ceil(4096) * 4096 + 4096;
@@ -208,7 +222,7 @@ pub fn write(tree: &Tree, work: &Path, out: &Path, label: &str) -> Result<Writte
                 let q = quoted(key)?;
                 script.extend_from_slice(b"sif ");
                 script.extend_from_slice(&q);
-                script.extend_from_slice(format!(" mtime @{}\n", meta.mtime).as_bytes());
+                script.extend_from_slice(format!(" mtime @{}\n", meta.mtime.min(MAX_MTIME)).as_bytes());
                 commands += 1;
                 meta
             }
@@ -232,7 +246,7 @@ pub fn write(tree: &Tree, work: &Path, out: &Path, label: &str) -> Result<Writte
     // Directories' times last: filling them changed them.
     for (dir, mtime) in dirs.iter().rev() {
         let d = File::open(dir).map_err(io_err(dir, "open"))?;
-        d.set_modified(UNIX_EPOCH + Duration::from_secs(*mtime)).map_err(io_err(dir, "set the time of"))?;
+        d.set_modified(time(*mtime)).map_err(io_err(dir, "set the time of"))?;
     }
 
     let inodes = tree.len() as u64 + 1024;

@@ -29,7 +29,7 @@
 //! as stored (`LayerBlob::digest`) and the uncompressed tar
 //! (`LayerBlob::diff_id`).
 
-use std::collections::{BTreeMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashSet, VecDeque};
 use std::fs::File;
 use std::io::{self, BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
@@ -46,6 +46,114 @@ pub const MAX_PATH_BYTES: usize = 4095;
 /// The longest name of one path component, bytes (ext4's limit).
 pub const MAX_NAME_BYTES: usize = 255;
 
+/// The most components a path may have (each costs work per entry; real
+/// images stay far below).
+pub const MAX_PATH_DEPTH: usize = 256;
+/// The largest PAX extended header or GNU long name read, bytes.
+pub const MAX_HEADER_BYTES: u64 = 1 << 20;
+/// The largest extended attribute value, bytes (what fits an ext4 inode's
+/// attribute block without `ea_inode`).
+pub const MAX_XATTR_BYTES: usize = 4000;
+/// Entries read in all (a layer may rewrite a path): at most this many
+/// times [`Limits::max_entries`].
+pub const ENTRIES_READ_FACTOR: u64 = 4;
+
+/// What PAX records and GNU long names say of the entry that follows them.
+#[derive(Default)]
+struct Pending {
+    path: Option<Vec<u8>>,
+    link: Option<Vec<u8>>,
+    size: Option<u64>,
+    uid: Option<u64>,
+    gid: Option<u64>,
+    mtime: Option<u64>,
+    xattrs: Vec<(String, Vec<u8>)>,
+}
+
+impl Pending {
+    /// Reads the records of a PAX extended header (POSIX.1-2008 `pax`,
+    /// "pax Extended Header": `<length> <key>=<value>\n`).
+    fn pax(&mut self, data: &[u8], layer: usize) -> Result<(), LayerError> {
+        let bad = |why: &str| LayerError::Unreadable { layer, detail: format!("a PAX extended header: {why}") };
+        let mut rest = data;
+        while !rest.is_empty() {
+            let space = rest.iter().position(|b| *b == b' ').ok_or_else(|| bad("a record without a length"))?;
+            let len: usize = std::str::from_utf8(&rest[..space])
+                .ok()
+                .and_then(|l| l.parse().ok())
+                .ok_or_else(|| bad("a record's length is not a number"))?;
+            if len <= space + 1 || len > rest.len() || rest[len - 1] != b'\n' {
+                return Err(bad("a record's length does not fit"));
+            }
+            let record = &rest[space + 1..len - 1];
+            rest = &rest[len..];
+            let eq = record.iter().position(|b| *b == b'=').ok_or_else(|| bad("a record without '='"))?;
+            let (key, value) = (&record[..eq], &record[eq + 1..]);
+            let number = |v: &[u8]| -> Option<u64> {
+                let text = std::str::from_utf8(v).ok()?;
+                // mtime may have a fraction; a negative time is the epoch.
+                let whole = text.split('.').next()?;
+                if whole.starts_with('-') {
+                    return Some(0);
+                }
+                whole.parse().ok()
+            };
+            match key {
+                b"path" => self.path = Some(value.to_vec()),
+                b"linkpath" => self.link = Some(value.to_vec()),
+                b"size" => self.size = Some(number(value).ok_or_else(|| bad("size"))?),
+                b"uid" => self.uid = Some(number(value).ok_or_else(|| bad("uid"))?),
+                b"gid" => self.gid = Some(number(value).ok_or_else(|| bad("gid"))?),
+                b"mtime" => self.mtime = number(value),
+                _ => {
+                    if let Some(name) = key.strip_prefix(b"SCHILY.xattr.") {
+                        let name =
+                            std::str::from_utf8(name).map_err(|_| bad("an extended attribute's name is not UTF-8"))?;
+                        if name.is_empty() || name.len() > 255 || value.len() > MAX_XATTR_BYTES {
+                            return Err(bad("an extended attribute's name or value is too long"));
+                        }
+                        self.xattrs.retain(|(n, _)| n != name);
+                        self.xattrs.push((name.to_string(), value.to_vec()));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Reads a metadata entry's data (a PAX header, a long name), refusing
+/// more than [`MAX_HEADER_BYTES`].
+fn bounded(entry: &mut dyn Read, layer: usize, what: &'static str) -> Result<Vec<u8>, LayerError> {
+    let mut data = Vec::new();
+    entry
+        .take(MAX_HEADER_BYTES + 1)
+        .read_to_end(&mut data)
+        .map_err(|e| LayerError::Unreadable { layer, detail: e.to_string() })?;
+    if data.len() as u64 > MAX_HEADER_BYTES {
+        return Err(LayerError::Limit { layer, what, limit: MAX_HEADER_BYTES });
+    }
+    Ok(data)
+}
+
+/// A GNU long name without its trailing NULs.
+fn trim_nul(mut v: Vec<u8>) -> Vec<u8> {
+    while v.last() == Some(&0) {
+        v.pop();
+    }
+    v
+}
+
+/// How errors name a layer: "layer N" (0 at the bottom), or Tine's own
+/// files for `usize::MAX` ([`Tree::add_file`]).
+fn layer_name(layer: usize) -> String {
+    if layer == usize::MAX {
+        "Tine's files".to_string()
+    } else {
+        format!("layer {layer}")
+    }
+}
+
 /// Errors of applying a layer.
 #[derive(Debug, thiserror::Error)]
 pub enum LayerError {
@@ -60,7 +168,7 @@ pub enum LayerError {
         source: io::Error,
     },
     /// The layer's bytes do not match its digest.
-    #[error("layer {layer}: {which} is {found}, the image names {expected}; the image is corrupt or was altered")]
+    #[error("{}: {which} is {found}, the image names {expected}; the image is corrupt or was altered", layer_name(*.layer))]
     Digest {
         /// 0-based, from the bottom.
         layer: usize,
@@ -72,7 +180,7 @@ pub enum LayerError {
         found: String,
     },
     /// The layer's bytes cannot be decompressed or read as tar.
-    #[error("layer {layer}: unreadable ({detail}); the image is corrupt or the blob is not a tar layer")]
+    #[error("{}: unreadable ({detail}); the image is corrupt or the blob is not a tar layer", layer_name(*.layer))]
     Unreadable {
         /// 0-based, from the bottom.
         layer: usize,
@@ -80,7 +188,7 @@ pub enum LayerError {
         detail: String,
     },
     /// The layer is compressed in a format this reader does not take.
-    #[error("layer {layer}: {format}-compressed layers are not supported (gzip and uncompressed are)")]
+    #[error("{}: {format}-compressed layers are not supported (gzip and uncompressed are)", layer_name(*.layer))]
     Compression {
         /// 0-based, from the bottom.
         layer: usize,
@@ -90,7 +198,7 @@ pub enum LayerError {
     /// An entry the rules refuse: a path that leaves the root, a parent
     /// that is a file, a hard link to nothing, a symlink loop, a name too
     /// long, an entry type no filesystem image holds.
-    #[error("layer {layer}: entry {path:?}: {reason}")]
+    #[error("{}: entry {path:?}: {reason}", layer_name(*.layer))]
     Entry {
         /// 0-based, from the bottom.
         layer: usize,
@@ -100,7 +208,7 @@ pub enum LayerError {
         reason: String,
     },
     /// The image is larger than the limits allow.
-    #[error("layer {layer}: the image exceeds {what} (limit {limit}); raise [images] limits if it is meant to be this large")]
+    #[error("{}: {what} over Tine's limit of {limit} for an image", layer_name(*.layer))]
     Limit {
         /// 0-based, from the bottom.
         layer: usize,
@@ -336,35 +444,78 @@ impl Tree {
     }
 
     /// Applies one uncompressed tar layer read from `r` (no digest check).
+    ///
+    /// The tar is read entry by entry as it comes (PAX extended headers
+    /// and GNU long names parsed here, each at most [`MAX_HEADER_BYTES`]:
+    /// a hostile header cannot make the reader hold more). Whiteouts and
+    /// opaque markers are applied once per path when the layer ends, to
+    /// what the lower layers made: entries of this layer stay, with the
+    /// directories above them.
     pub fn apply_tar(&mut self, layer: usize, r: &mut dyn Read) -> Result<(), LayerError> {
         let mut archive = tar::Archive::new(r);
+        // Keys this layer wrote (entries and the directories it created).
         let mut added: HashSet<Vec<u8>> = HashSet::new();
-        let read_err = |e: io::Error| LayerError::Unreadable { layer, detail: e.to_string() };
-        for entry in archive.entries().map_err(read_err)? {
-            let mut entry = entry.map_err(read_err)?;
+        // Whiteouts (key) and opaque directories (key), applied at the end.
+        let mut whiteouts: BTreeSet<Vec<u8>> = BTreeSet::new();
+        let mut opaque: BTreeSet<Vec<u8>> = BTreeSet::new();
+        let mut pending = Pending::default();
+        let unreadable = |e: io::Error| LayerError::Unreadable { layer, detail: e.to_string() };
+        for entry in archive.entries().map_err(unreadable)?.raw(true) {
+            let mut entry = entry.map_err(unreadable)?;
             self.entries_seen += 1;
-            if self.nodes.len() as u64 >= self.limits.max_entries {
-                return Err(LayerError::Limit { layer, what: "the entry limit", limit: self.limits.max_entries });
+            if self.entries_seen > self.limits.max_entries.saturating_mul(ENTRIES_READ_FACTOR) {
+                return Err(LayerError::Limit {
+                    layer,
+                    what: "the tar entries read are",
+                    limit: self.limits.max_entries.saturating_mul(ENTRIES_READ_FACTOR),
+                });
             }
-            let raw = entry.path_bytes().into_owned();
+            let kind = entry.header().entry_type();
+            match kind {
+                tar::EntryType::XHeader => {
+                    let data = bounded(&mut entry, layer, "a PAX extended header (bytes) is")?;
+                    pending.pax(&data, layer)?;
+                    continue;
+                }
+                tar::EntryType::GNULongName => {
+                    pending.path = Some(trim_nul(bounded(&mut entry, layer, "a GNU long name (bytes) is")?));
+                    continue;
+                }
+                tar::EntryType::GNULongLink => {
+                    pending.link = Some(trim_nul(bounded(&mut entry, layer, "a GNU long link name (bytes) is")?));
+                    continue;
+                }
+                // Global PAX headers (comments, archive-wide defaults that
+                // runtimes do not apply): skipped, their bytes unread.
+                tar::EntryType::XGlobalHeader => continue,
+                _ => {}
+            }
+            let extra = std::mem::take(&mut pending);
+            if self.nodes.len() as u64 >= self.limits.max_entries {
+                return Err(LayerError::Limit { layer, what: "the paths are", limit: self.limits.max_entries });
+            }
+            let raw = extra.path.clone().unwrap_or_else(|| entry.header().path_bytes().into_owned());
             let shown = String::from_utf8_lossy(&raw).into_owned();
             let refuse = |reason: String| LayerError::Entry { layer, path: shown.clone(), reason };
+            if let Some(size) = extra.size {
+                if entry.header().entry_size().ok() != Some(size) {
+                    return Err(refuse(
+                        "its PAX size differs from its header's (a file over 8 GiB in PAX form)".into(),
+                    ));
+                }
+            }
             let comps = normalize(&raw).map_err(|r| refuse(r.into()))?;
             let Some((name, parent)) = comps.split_last() else {
                 // The root itself ("./"): its metadata.
-                if entry.header().entry_type().is_dir() {
-                    let meta = self.meta_of(&mut entry, layer, &shown)?;
+                if kind.is_dir() {
+                    let meta = self.meta_of(&entry, &extra, layer, &shown)?;
                     self.nodes.insert(Vec::new(), Node::Dir(meta));
                 }
                 continue;
             };
             let parent = self.resolve(parent, layer, &shown)?;
             if name.as_slice() == OPAQUE {
-                let dir = join(&parent);
-                let hidden: Vec<Vec<u8>> = self.under(&dir).into_iter().filter(|k| !added.contains(k)).collect();
-                for k in hidden {
-                    self.remove_one(&k);
-                }
+                opaque.insert(join(&parent));
                 continue;
             }
             if let Some(hidden) = name.strip_prefix(WHITEOUT) {
@@ -373,40 +524,36 @@ impl Tree {
                 }
                 let mut path = parent.clone();
                 path.push(hidden.to_vec());
-                let key = join(&path);
-                if !added.contains(&key) {
-                    self.remove(&key);
-                }
+                whiteouts.insert(join(&path));
                 continue;
             }
             let mut path = parent;
             path.push(name.clone());
             let key = join(&path);
-            if key.len() > MAX_PATH_BYTES {
-                return Err(refuse(format!("its path is longer than {MAX_PATH_BYTES} bytes")));
+            if key.len() > MAX_PATH_BYTES || path.len() > MAX_PATH_DEPTH {
+                return Err(refuse(format!(
+                    "its path is longer than {MAX_PATH_BYTES} bytes or {MAX_PATH_DEPTH} components"
+                )));
             }
             self.ensure_dirs(&path[..path.len() - 1], &mut added);
-            let kind = entry.header().entry_type();
+            let link_name = || extra.link.clone().or_else(|| entry.header().link_name_bytes().map(|l| l.into_owned()));
             let node = match kind {
                 tar::EntryType::Directory => {
-                    let meta = self.meta_of(&mut entry, layer, &shown)?;
+                    let meta = self.meta_of(&entry, &extra, layer, &shown)?;
                     if !matches!(self.nodes.get(&key), Some(Node::Dir(_))) {
                         self.remove(&key);
                     }
                     Node::Dir(meta)
                 }
-                tar::EntryType::Regular | tar::EntryType::Continuous | tar::EntryType::GNUSparse => {
-                    let meta = self.meta_of(&mut entry, layer, &shown)?;
+                tar::EntryType::Regular | tar::EntryType::Continuous => {
+                    let meta = self.meta_of(&entry, &extra, layer, &shown)?;
                     let id = self.stage(&mut entry, meta, layer)?;
                     self.remove(&key);
                     Node::File(id)
                 }
                 tar::EntryType::Symlink => {
-                    let meta = self.meta_of(&mut entry, layer, &shown)?;
-                    let target = entry
-                        .link_name_bytes()
-                        .ok_or_else(|| refuse("a symbolic link without a target".into()))?
-                        .into_owned();
+                    let meta = self.meta_of(&entry, &extra, layer, &shown)?;
+                    let target = link_name().ok_or_else(|| refuse("a symbolic link without a target".into()))?;
                     if target.is_empty() || target.len() > MAX_PATH_BYTES || target.contains(&0) {
                         return Err(refuse("a symbolic link's target is empty or too long".into()));
                     }
@@ -414,10 +561,7 @@ impl Tree {
                     Node::Symlink { target, meta }
                 }
                 tar::EntryType::Link => {
-                    let target = entry
-                        .link_name_bytes()
-                        .ok_or_else(|| refuse("a hard link without a target".into()))?
-                        .into_owned();
+                    let target = link_name().ok_or_else(|| refuse("a hard link without a target".into()))?;
                     let tcomps = normalize(&target).map_err(|r| refuse(format!("its hard link target {r}")))?;
                     let Some((tname, tparent)) = tcomps.split_last() else {
                         return Err(refuse("a hard link to the root".into()));
@@ -448,7 +592,7 @@ impl Tree {
                     node
                 }
                 tar::EntryType::Char | tar::EntryType::Block | tar::EntryType::Fifo => {
-                    let meta = self.meta_of(&mut entry, layer, &shown)?;
+                    let meta = self.meta_of(&entry, &extra, layer, &shown)?;
                     let major = entry.header().device_major().ok().flatten().unwrap_or(0);
                     let minor = entry.header().device_minor().ok().flatten().unwrap_or(0);
                     let kind = match kind {
@@ -459,15 +603,48 @@ impl Tree {
                     self.remove(&key);
                     Node::Special { kind, rdev: (major, minor), meta }
                 }
-                other => return Err(refuse(format!("tar entry type {other:?} has no place in a filesystem"))),
+                other => return Err(refuse(format!("tar entry type {other:?} has no place in a filesystem image"))),
             };
-            // A hard link's `remove(&key)` above may have dropped the
-            // last name of the file it now names again: impossible, as
-            // the target key differs from `key` and still names it.
             self.nodes.insert(key.clone(), node);
             added.insert(key);
         }
+        // The layer's whiteouts and opaque directories, once per path.
+        for key in whiteouts {
+            self.hide(&key, true, &added);
+        }
+        for dir in opaque {
+            self.hide(&dir, false, &added);
+        }
         Ok(())
+    }
+
+    /// Removes what the lower layers have under `key` (and `key` itself
+    /// when `itself`), keeping what this layer `added` and the directories
+    /// above it.
+    fn hide(&mut self, key: &[u8], itself: bool, added: &HashSet<Vec<u8>>) {
+        let mut doomed = self.under(key);
+        if itself && !key.is_empty() && self.nodes.contains_key(key) {
+            doomed.push(key.to_vec());
+        }
+        let mut keep: HashSet<Vec<u8>> = HashSet::new();
+        for k in doomed.iter().filter(|k| added.contains(*k)) {
+            // It and its ancestors down to `key`.
+            let mut a = k.clone();
+            loop {
+                if !keep.insert(a.clone()) || a.len() <= key.len() {
+                    break;
+                }
+                match a.iter().rposition(|b| *b == b'/') {
+                    Some(i) => a.truncate(i),
+                    None => a.clear(),
+                }
+            }
+        }
+        for k in doomed {
+            if !keep.contains(&k) {
+                self.remove_one(&k);
+            }
+        }
     }
 
     /// Adds a regular file from the host (Tine's own files: the agent,
@@ -522,14 +699,14 @@ impl Tree {
     }
 
     /// Creates the missing directories along `dir` (root-owned, 0755, as
-    /// tar extraction does), recording them as added by this layer.
+    /// tar extraction does), recording those it creates in `added`.
     fn ensure_dirs(&mut self, dir: &[Vec<u8>], added: &mut HashSet<Vec<u8>>) {
         for i in 0..=dir.len() {
             let key = join(&dir[..i]);
             if !self.nodes.contains_key(&key) {
                 self.nodes.insert(key.clone(), Node::Dir(Meta::root(0o755)));
+                added.insert(key);
             }
-            added.insert(key);
         }
     }
 
@@ -579,28 +756,31 @@ impl Tree {
         Ok(out)
     }
 
-    fn meta_of<R: Read>(&self, entry: &mut tar::Entry<R>, layer: usize, shown: &str) -> Result<Meta, LayerError> {
+    /// An entry's owner, mode, time and extended attributes: the header's,
+    /// under its PAX records' (`uid`, `gid`, `mtime`, `SCHILY.xattr.*`).
+    fn meta_of<R: Read>(
+        &self,
+        entry: &tar::Entry<R>,
+        extra: &Pending,
+        layer: usize,
+        shown: &str,
+    ) -> Result<Meta, LayerError> {
         let h = entry.header();
         let bad =
             |what: &str| LayerError::Entry { layer, path: shown.into(), reason: format!("its {what} cannot be read") };
-        let uid = h.uid().map_err(|_| bad("uid"))?;
-        let gid = h.gid().map_err(|_| bad("gid"))?;
+        let uid = match extra.uid {
+            Some(u) => u,
+            None => h.uid().map_err(|_| bad("uid"))?,
+        };
+        let gid = match extra.gid {
+            Some(g) => g,
+            None => h.gid().map_err(|_| bad("gid"))?,
+        };
         let uid = u32::try_from(uid).map_err(|_| bad("uid"))?;
         let gid = u32::try_from(gid).map_err(|_| bad("gid"))?;
         let mode = h.mode().map_err(|_| bad("mode"))? & 0o7777;
-        let mtime = h.mtime().unwrap_or(0);
-        let mut xattrs = Vec::new();
-        if let Ok(Some(pax)) = entry.pax_extensions() {
-            for ext in pax.flatten() {
-                if let Some(name) = ext.key().ok().and_then(|k| k.strip_prefix("SCHILY.xattr.")) {
-                    if name.is_empty() || name.len() > 255 {
-                        return Err(bad("extended attribute name"));
-                    }
-                    xattrs.push((name.to_string(), ext.value_bytes().to_vec()));
-                }
-            }
-        }
-        Ok(Meta { mode, uid, gid, mtime, xattrs })
+        let mtime = extra.mtime.unwrap_or_else(|| h.mtime().unwrap_or(0));
+        Ok(Meta { mode, uid, gid, mtime, xattrs: extra.xattrs.clone() })
     }
 
     /// Copies a regular file's bytes to the staging directory.
@@ -617,7 +797,11 @@ impl Tree {
         if size > room {
             drop(out);
             let _ = std::fs::remove_file(&staged);
-            return Err(LayerError::Limit { layer, what: "the bytes of its files", limit: self.limits.max_file_bytes });
+            return Err(LayerError::Limit {
+                layer,
+                what: "the bytes of its files are",
+                limit: self.limits.max_file_bytes,
+            });
         }
         self.staged_bytes += size;
         self.files.push(Some(FileData { meta, size, staged, links: 1 }));

@@ -209,7 +209,9 @@ pub fn agent_from_rootfs(rootfs: &Path, out: &Path) -> Result<(), ImageError> {
     }
     let status = std::process::Command::new("debugfs")
         .arg("-R")
-        .arg(format!("dump -p {AGENT_PATH} {}", out.display()))
+        // Quoted: the data directory may hold spaces (debugfs splits its
+        // request into words; a `"` in the path is not taken).
+        .arg(format!("dump -p {AGENT_PATH} \"{}\"", out.display()))
         .arg(rootfs)
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::null())

@@ -122,6 +122,16 @@ fn io_err<'a>(path: &'a Path, op: &'static str) -> impl FnOnce(std::io::Error) -
     move |source| RegistryError::Io { path: path.to_path_buf(), op, source }
 }
 
+/// The registry (`host[:port]`) `reference` names, as a pull reaches it
+/// (a name without one is Docker Hub's, `index.docker.io`).
+///
+/// Errors: [`RegistryError::Reference`].
+pub fn registry_of(reference: &str) -> Result<String, RegistryError> {
+    Reference::from_str(reference)
+        .map(|r| r.resolve_registry().to_string())
+        .map_err(|e| RegistryError::Reference { reference: reference.into(), reason: e.to_string() })
+}
+
 /// Pulls `req.reference` into the layout `req.layout` (see the module's
 /// documentation); `progress` hears each blob as it starts.
 pub async fn pull(req: &PullRequest<'_>, progress: &mut (dyn FnMut(&str) + Send)) -> Result<Pulled, RegistryError> {
@@ -140,12 +150,14 @@ pub async fn pull(req: &PullRequest<'_>, progress: &mut (dyn FnMut(&str) + Send)
     };
     let blobs = req.layout.join("blobs/sha256");
     tokio::fs::create_dir_all(&blobs).await.map_err(io_err(&blobs, "make directory"))?;
+    // The client's error, cut short: a body a registry (or the token
+    // service it names) sent back is not passed on whole.
     let fail = |what: String| {
         let reference = req.reference.to_string();
         move |e: oci_client::errors::OciDistributionError| RegistryError::Pull {
             reference,
             what,
-            detail: e.to_string(),
+            detail: e.to_string().chars().take(MAX_DETAIL_CHARS).collect(),
         }
     };
     let mut pulled = Pulled { digest: String::new(), fetched: 0, reused: 0, bytes: 0 };
@@ -192,12 +204,28 @@ pub async fn pull(req: &PullRequest<'_>, progress: &mut (dyn FnMut(&str) + Send)
         } else {
             format!("layer {i} of {} ({} bytes)", wanted.len() - 1, desc.size())
         });
-        let partial = path.with_extension("partial");
-        let mut out = tokio::fs::File::create(&partial).await.map_err(io_err(&partial, "create"))?;
-        client.pull_blob(&reference, digest.as_str(), &mut out).await.map_err(fail(format!("blob {digest}")))?;
-        out.flush().await.map_err(io_err(&partial, "write"))?;
-        out.sync_all().await.map_err(io_err(&partial, "sync"))?;
-        tokio::fs::rename(&partial, &path).await.map_err(io_err(&path, "rename to"))?;
+        // A name of this pull's own (another pull of the repository may
+        // fetch the same blob), removed if the fetch fails.
+        let partial = blobs.join(format!(
+            "{hex_name}.partial-{}-{}",
+            std::process::id(),
+            PARTIAL.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        ));
+        let fetched = async {
+            let file = tokio::fs::File::create(&partial).await.map_err(io_err(&partial, "create"))?;
+            // No more than the manifest's size: a registry that sends on
+            // is cut off, not written to disk.
+            let mut out = Capped { inner: file, left: desc.size() };
+            client.pull_blob(&reference, digest.as_str(), &mut out).await.map_err(fail(format!("blob {digest}")))?;
+            out.inner.flush().await.map_err(io_err(&partial, "write"))?;
+            out.inner.sync_all().await.map_err(io_err(&partial, "sync"))?;
+            tokio::fs::rename(&partial, &path).await.map_err(io_err(&path, "rename to"))
+        }
+        .await;
+        if fetched.is_err() {
+            let _ = tokio::fs::remove_file(&partial).await;
+        }
+        fetched?;
         pulled.fetched += 1;
         pulled.bytes += desc.size();
     }
@@ -219,6 +247,52 @@ pub async fn pull(req: &PullRequest<'_>, progress: &mut (dyn FnMut(&str) + Send)
     write("oci-layout", br#"{"imageLayoutVersion":"1.0.0"}"#.to_vec()).await?;
     write("index.json", serde_json::to_vec(&index).expect("JSON of a value")).await?;
     Ok(pulled)
+}
+
+/// The longest part of a client error kept in [`RegistryError::Pull`],
+/// characters.
+pub const MAX_DETAIL_CHARS: usize = 300;
+
+static PARTIAL: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// A writer that refuses to take more than `left` bytes.
+struct Capped<W> {
+    inner: W,
+    left: u64,
+}
+
+impl<W: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Capped<W> {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        if buf.len() as u64 > self.left {
+            return std::task::Poll::Ready(Err(std::io::Error::other(
+                "the registry sent more bytes than the manifest gives for this blob",
+            )));
+        }
+        let this = &mut *self;
+        let r = std::pin::Pin::new(&mut this.inner).poll_write(cx, buf);
+        if let std::task::Poll::Ready(Ok(n)) = &r {
+            this.left -= *n as u64;
+        }
+        r
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
 }
 
 /// Stores a manifest's bytes under the digest that names it.

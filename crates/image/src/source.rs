@@ -209,8 +209,9 @@ fn is_index(m: &MediaType) -> bool {
     matches!(m, MediaType::ImageIndex) || m.to_string() == "application/vnd.docker.distribution.manifest.list.v2+json"
 }
 
-/// Chooses the manifest of an index: by reference (when given and some
-/// entry is annotated), then linux/amd64, then the only entry.
+/// Chooses the manifest of an index: by reference (when given, an entry
+/// annotated with it, else an error), then linux/amd64, then the only
+/// entry. A nested index (several platforms) is chosen from by platform.
 pub(crate) fn choose_manifest<'a>(
     index: &'a ImageIndex,
     reference: Option<&str>,
@@ -228,9 +229,17 @@ pub(crate) fn choose_manifest<'a>(
                     .is_some_and(|n| n == r || r.ends_with(&format!(":{n}")))
             })
             .collect();
-        if !named.is_empty() {
-            entries = named;
+        if named.is_empty() {
+            let names: Vec<String> = entries
+                .iter()
+                .filter_map(|d| d.annotations().as_ref().and_then(|a| a.get(REF_NAME)).cloned())
+                .collect();
+            return Err(SourceError::NoManifest(format!(
+                "{what} has no image {r} (references: {})",
+                if names.is_empty() { "none annotated".to_string() } else { names.join(", ") }
+            )));
         }
+        entries = named;
     }
     let platform: Vec<&Descriptor> = entries
         .iter()
@@ -268,7 +277,7 @@ fn open_layout(dir: &Path, reference: Option<&str>) -> Result<Image, SourceError
     // An index may name an index (a multi-platform image in a layout):
     // follow at most a few levels.
     for _ in 0..4 {
-        let desc = choose_manifest(&index, reference, &what)?.clone();
+        let desc = choose_manifest(&index, if what == "index.json" { reference } else { None }, &what)?.clone();
         if is_index(desc.media_type()) {
             what = format!("index {}", desc.digest());
             index = parse(&what, &read_blob(dir, &desc, "index")?)?;

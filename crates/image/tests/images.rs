@@ -65,6 +65,7 @@ fn whiteouts_opaque_directories_and_links_apply_as_a_runtime_does() {
         .hardlink("bin/sh2", "bin/sh")
         .symlink("lib", "usr/lib", (0, 0))
         .file("data/old", b"old")
+        .file("srv/old", b"old")
         .tar();
     let l1 = Layer::new()
         .file("etc/.wh.gone", b"")
@@ -75,8 +76,26 @@ fn whiteouts_opaque_directories_and_links_apply_as_a_runtime_does() {
         .file("data/z", b"same layer")
         .file("data/.wh.z", b"")
         .dir("etc/", 0o700, (0, 0))
+        // A whiteout of a directory this layer also writes into: the
+        // lower files go, this layer's stay (OCI layer.md).
+        .file("srv/new", b"new")
+        .file(".wh.srv", b"")
+        // Markers twice: applied once.
+        .file("opt/d/.wh..wh..opq", b"")
+        .pax(true, &[("comment", b"a global header, skipped")])
+        .pax(false, &[("path", b"pax/long/name"), ("uid", b"4242"), ("mtime", b"1700000000.5")])
+        .file("short", b"named by PAX")
+        .file_mtime("future", b"far", u64::MAX / 2)
         .tar();
     let t = tree(d.path(), &[l0, l1], Limits::default()).unwrap();
+    assert_eq!(content(&t, "srv/new"), b"new");
+    assert!(t.get("srv/old").is_none(), "the whiteout hid the lower file under the directory");
+    assert_eq!(content(&t, "pax/long/name"), b"named by PAX");
+    assert!(t.get("short").is_none());
+    match t.get("pax/long/name") {
+        Some(Node::File(id)) => assert_eq!((t.file(*id).meta.uid, t.file(*id).meta.mtime), (4242, 1_700_000_000)),
+        other => panic!("{other:?}"),
+    }
     assert_eq!(content(&t, "etc/keep"), b"lower");
     assert!(t.get("etc/gone").is_none(), "a whiteout deletes the lower file");
     assert!(
@@ -109,6 +128,12 @@ fn hostile_layers_are_refused_or_stay_inside_the_image() {
     refused("through-a-file", Layer::new().file("f", b"f").file("f/x", b"x").tar(), "is not a directory");
     refused("dangling-hardlink", Layer::new().hardlink("x", "nowhere").tar(), "which no layer so far has made");
     refused("whiteout-dotdot", Layer::new().file("tmp/.wh...", b"").tar(), "a whiteout of no name");
+    refused(
+        "huge-pax",
+        Layer::new().pax(false, &[("comment", &vec![b'x'; 2 << 20])]).file("a", b"a").tar(),
+        "a PAX extended header (bytes) is over",
+    );
+    refused("deep", Layer::new().long_file(&format!("{}f", "d/".repeat(300)), b"x").tar(), "components");
     refused("hardlink-escape", Layer::new().hardlink("x", "../../etc/shadow").tar(), "leaves the image's root");
     refused(
         "symlink-loop",
@@ -304,6 +329,12 @@ fn oci_archives_docker_archives_and_multi_platform_indexes_are_read() {
     assert_eq!(debugfs(&d.path().join("base.ext4"), "cat /which"), "amd64");
     assert_eq!(built.run.env, vec!["X=1".to_string()]);
 
+    let e = build_image(d.path(), &dir, Some("team/app:9")).unwrap_err().to_string();
+    assert!(
+        e.contains("has no image team/app:9") && e.contains("none annotated"),
+        "a reference that names nothing: {e}"
+    );
+
     let archive = d.path().join("oci.tar");
     tar_dir(&dir, &archive);
     build_image(d.path(), &archive, None).unwrap();
@@ -340,13 +371,18 @@ fn names_the_image_writer_cannot_quote_are_refused() {
     assert!(e.contains("control character"), "{e}");
 }
 
-/// The daemon runs as the unprivileged `tine` user: the same build by
-/// `nobody` (this test re-runs itself under setpriv when run as root)
-/// gives root-owned files, setuid bits and device nodes all the same.
+/// The daemon runs as the unprivileged `tine` user with umask 0077: the
+/// same build by `nobody` with that umask (this test re-runs itself under
+/// setpriv when run as root) gives root-owned files, setuid bits, device
+/// nodes and 0755 directories all the same.
 #[test]
 fn an_unprivileged_build_keeps_the_headers_owners() {
     const CHILD: &str = "TINE_IMAGE_UNPRIVILEGED_DIR";
     if let Ok(dir) = std::env::var(CHILD) {
+        // The server's umask (crates/tine cli/manager.rs): the image's
+        // modes must not follow it.
+        // SAFETY: umask(2) only sets this process's file mode creation mask.
+        unsafe { libc::umask(0o077) };
         let dir = PathBuf::from(dir);
         build_image(&dir, &dir.join("layout"), None).unwrap();
         return;

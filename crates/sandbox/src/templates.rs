@@ -186,7 +186,8 @@ pub struct TemplateMeta {
     pub source_sandbox: Option<String>,
     /// The guest kernel it was booted from.
     pub kernel: FileIdentity,
-    /// The root filesystem image it runs on.
+    /// The server's root filesystem image when it was made: what it runs
+    /// on, or (for a template from an OCI image) where its agent came from.
     pub rootfs: FileIdentity,
     /// The guest set-up it was made with beyond the images (network
     /// device, extra CA certificates; see [`TemplateStore::with_guest_setup`]);
@@ -194,10 +195,10 @@ pub struct TemplateMeta {
     #[serde(default)]
     pub guest_setup: String,
     /// The base image its sandboxes boot as their root (`/dev/vda`) when
-    /// it was made from an OCI image; `rootfs` is then that file's
-    /// identity. `None`: the server's root filesystem.
+    /// it was made from an OCI image, and that file's identity then.
+    /// `None`: the server's root filesystem.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub base: Option<PathBuf>,
+    pub base: Option<(PathBuf, FileIdentity)>,
 }
 
 /// What `template_list` shows of a template.
@@ -711,18 +712,18 @@ fn read_working_set(dir: &Path, size: u64) -> Option<Arc<vmm::WorkingSet>> {
 /// [`TemplateError::Stale`] if `meta` was made from other images than
 /// `images` (kernel, root filesystem), else `None`.
 fn stale(meta: &TemplateMeta, images: &(FileIdentity, FileIdentity)) -> Option<TemplateError> {
-    // A template from an OCI image runs on its own base image.
-    let rootfs_now = match &meta.base {
-        Some(base) => FileIdentity::of(base).ok(),
-        None => Some(images.1.clone()),
-    };
+    // A template from an OCI image also runs on its own base image (and
+    // its agent came from the server's root filesystem).
     let what = if meta.kernel != images.0 {
         "guest kernel"
-    } else if rootfs_now.as_ref() != Some(&meta.rootfs) {
-        if meta.base.is_some() {
-            "base image"
-        } else {
-            "root filesystem image"
+    } else if meta.rootfs != images.1 {
+        "root filesystem image"
+    } else if let Some((path, identity)) = &meta.base {
+        // "... made from another base image (its file is missing) than ..."
+        match FileIdentity::of(path) {
+            Ok(now) if now == *identity => return None,
+            Ok(_) => "base image (its file was replaced)",
+            Err(_) => "base image (its file is missing)",
         }
     } else {
         return None;

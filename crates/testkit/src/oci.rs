@@ -77,6 +77,41 @@ impl Layer {
         self.b.append(&h, data).unwrap();
     }
 
+    /// A PAX header (`x`, or `g` for a global one) with `records` as is
+    /// (`key=value`), before whatever entry comes next.
+    pub fn pax(mut self, global: bool, records: &[(&str, &[u8])]) -> Self {
+        let mut data = Vec::new();
+        for (k, v) in records {
+            let body_len = 1 + k.len() + 1 + v.len() + 1;
+            let mut len = body_len + 1;
+            while len != body_len + len.to_string().len() {
+                len = body_len + len.to_string().len();
+            }
+            data.extend_from_slice(format!("{len} {k}=").as_bytes());
+            data.extend_from_slice(v);
+            data.push(b'\n');
+        }
+        let mut h = tar::Header::new_ustar();
+        h.set_entry_type(if global { tar::EntryType::XGlobalHeader } else { tar::EntryType::XHeader });
+        h.set_size(data.len() as u64);
+        h.as_old_mut().name[..9].copy_from_slice(b"PaxHeader");
+        h.set_cksum();
+        self.b.append(&h, data.as_slice()).unwrap();
+        self
+    }
+    /// A file with the given modification time (seconds; any u64, as a
+    /// GNU header's base-256 field holds).
+    pub fn file_mtime(mut self, name: &str, data: &[u8], mtime: u64) -> Self {
+        let mut h = tar::Header::new_gnu();
+        h.set_mode(0o644);
+        h.set_uid(0);
+        h.set_gid(0);
+        h.set_mtime(mtime);
+        h.set_size(data.len() as u64);
+        h.set_entry_type(tar::EntryType::Regular);
+        self.b.append_data(&mut h, name, data).unwrap();
+        self
+    }
     pub fn dir(mut self, name: &str, mode: u32, owner: (u64, u64)) -> Self {
         self.raw(name.as_bytes(), tar::EntryType::Directory, (mode, owner), b"", b"", &[]);
         self

@@ -179,6 +179,17 @@ async fn template_from_an_image(client: &rmcp::Peer<rmcp::RoleClient>, registry:
     assert_eq!(missing["state"], "failed", "{missing}");
     assert!(missing["error"].as_str().unwrap().contains("pulling the manifest"), "{missing}");
     call(client, "template_delete", json!({"name": "no-such-image"})).await.unwrap();
+    // A registry on this host that the operator did not list.
+    let private = call(
+        client,
+        "template_create",
+        json!({"name": "private-image", "image": "localhost:9/tools/none:1", "wait_secs": 120}),
+    )
+    .await
+    .unwrap();
+    assert_eq!(private["state"], "failed", "{private}");
+    assert!(private["error"].as_str().unwrap().contains("private_registries"), "{private}");
+    call(client, "template_delete", json!({"name": "private-image"})).await.unwrap();
 
     let t0 = std::time::Instant::now();
     let built = call(

@@ -177,11 +177,15 @@ impl Manager {
         }
         self.check_template_quota(name)?;
         let tmp = self.templates.begin(name, replace)?;
-        let (kernel, mut rootfs) = self.templates.images()?;
-        if let Some(base) = &sb.rootfs {
-            rootfs = crate::templates::FileIdentity::of(base)
-                .map_err(|e| TemplateError::Io { what: format!("stat {}", base.display()), source: e })?;
-        }
+        let (kernel, rootfs) = self.templates.images()?;
+        let base = match &sb.rootfs {
+            Some(path) => Some((
+                path.clone(),
+                crate::templates::FileIdentity::of(path)
+                    .map_err(|e| TemplateError::Io { what: format!("stat {}", path.display()), source: e })?,
+            )),
+            None => None,
+        };
         let taken = {
             let slot = lock(&sb.vm);
             match slot.vm.as_ref() {
@@ -217,7 +221,7 @@ impl Manager {
             kernel,
             rootfs,
             guest_setup: self.templates.guest_setup().to_string(),
-            base: sb.rootfs.clone(),
+            base,
         };
         if let Err(e) = self.templates.commit(&tmp, &meta, replace) {
             let _ = std::fs::remove_dir_all(&tmp);

@@ -28,8 +28,15 @@ use crate::templates::FileIdentity;
 #[serde(default, deny_unknown_fields)]
 pub struct ImagesConfig {
     /// Registries (`host:port`) reached over plain HTTP instead of HTTPS
-    /// (a registry on the host or the LAN); default none.
+    /// (a registry on the host or the LAN); default none. Listed
+    /// registries may be on private addresses.
     pub insecure_registries: Vec<String>,
+    /// Registries (`host[:port]`) reached over HTTPS although their names
+    /// resolve to loopback, private or link-local addresses (a registry
+    /// inside the operator's network); default none. Any other registry
+    /// on such an address is refused, so that a recipe cannot make the
+    /// server fetch from its own network.
+    pub private_registries: Vec<String>,
 }
 
 /// The longest image reference taken, bytes (the distribution spec's
@@ -49,6 +56,35 @@ pub enum ImageBuildError {
          archives are built by the operator with `tine image build`"
     )]
     NotAReference(String),
+    /// The registry is on an address the server does not fetch from.
+    #[error(
+        "registry {registry} resolves to {address} ({range}); the operator may list it in [images] \
+         private_registries (HTTPS) or insecure_registries (HTTP)"
+    )]
+    PrivateRegistry {
+        /// `host[:port]`.
+        registry: String,
+        /// The address found.
+        address: std::net::IpAddr,
+        /// The range it is in.
+        range: &'static str,
+    },
+    /// The registry's name does not resolve.
+    #[error("registry {registry}: cannot resolve its name: {reason}")]
+    Resolve {
+        /// `host[:port]`.
+        registry: String,
+        /// Why.
+        reason: String,
+    },
+    /// The image's `Env` holds a variable a sandbox cannot take.
+    #[error("image {image}: its Env is not usable as a sandbox environment: {reason}")]
+    Env {
+        /// The reference.
+        image: String,
+        /// Why.
+        reason: String,
+    },
     /// The pull failed.
     #[error(transparent)]
     Pull(#[from] tine_image::registry::RegistryError),
@@ -91,6 +127,61 @@ pub(super) struct Base {
 
 static PARTIAL: AtomicU64 = AtomicU64::new(0);
 
+/// Held while an image's layout is pulled and built from: two builds of
+/// one repository (its layout directory is shared) take turns, so one
+/// never reads the index the other wrote.
+static LAYOUT_LOCKS: std::sync::Mutex<BTreeMap<PathBuf, std::sync::Weak<tokio::sync::Mutex<()>>>> =
+    std::sync::Mutex::new(BTreeMap::new());
+
+fn layout_lock(layout: &Path) -> std::sync::Arc<tokio::sync::Mutex<()>> {
+    let mut locks = crate::lock(&LAYOUT_LOCKS);
+    locks.retain(|_, l| l.strong_count() > 0);
+    if let Some(l) = locks.get(layout).and_then(std::sync::Weak::upgrade) {
+        return l;
+    }
+    let l = std::sync::Arc::new(tokio::sync::Mutex::new(()));
+    locks.insert(layout.to_path_buf(), std::sync::Arc::downgrade(&l));
+    l
+}
+
+/// The always-refused range `ip` is in (netstack's [`BLOCKED_RANGES`]:
+/// loopback, private, link-local, CGNAT, multicast, ...), if any.
+///
+/// [`BLOCKED_RANGES`]: netstack::policy::BLOCKED_RANGES
+fn blocked_range(ip: std::net::IpAddr) -> Option<&'static str> {
+    let ip = match ip {
+        std::net::IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, std::net::IpAddr::V4),
+        v4 => v4,
+    };
+    netstack::policy::BLOCKED_RANGES
+        .iter()
+        .find_map(|(cidr, why)| cidr.parse::<ipnet::IpNet>().ok().filter(|net| net.contains(&ip)).map(|_| *why))
+}
+
+/// Refuses a registry whose name resolves to a blocked address unless the
+/// operator listed it.
+async fn check_registry(reference: &str, config: &ImagesConfig) -> Result<(), ImageBuildError> {
+    let registry = tine_image::registry::registry_of(reference)?;
+    if config.insecure_registries.contains(&registry) || config.private_registries.contains(&registry) {
+        return Ok(());
+    }
+    let with_port =
+        if registry.rsplit_once(':').is_some_and(|(_, p)| p.parse::<u16>().is_ok()) && !registry.ends_with(']') {
+            registry.clone()
+        } else {
+            format!("{registry}:443")
+        };
+    let addresses = tokio::net::lookup_host(&with_port)
+        .await
+        .map_err(|e| ImageBuildError::Resolve { registry: registry.clone(), reason: e.to_string() })?;
+    for a in addresses {
+        if let Some(range) = blocked_range(a.ip()) {
+            return Err(ImageBuildError::PrivateRegistry { registry, address: a.ip(), range });
+        }
+    }
+    Ok(())
+}
+
 impl Manager {
     /// The base image of `reference` (pulled and built unless a base of
     /// that manifest and this server's agent exists), reporting each step
@@ -103,8 +194,11 @@ impl Manager {
         report: &(dyn Fn(String) + Sync),
     ) -> Result<Base, ImageBuildError> {
         check_reference(reference)?;
+        check_registry(reference, &self.config.images).await?;
         let dir = self.config.images_dir.clone();
         let layout = dir.join("oci").join(tine_image::layout_dir_name(reference));
+        let lock = layout_lock(&layout);
+        let _turn = lock.lock().await;
         report(format!("pulling {reference}"));
         // The pull's steps come back through a channel: `report` is not
         // `Send`-able into the pull's future.
@@ -218,6 +312,33 @@ fn work_dir(parent: &Path) -> std::io::Result<PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn registries_on_private_addresses_need_the_operator() {
+        let config = ImagesConfig {
+            insecure_registries: vec!["127.0.0.1:5000".into()],
+            private_registries: vec!["10.0.0.7:443".into()],
+        };
+        check_registry("127.0.0.1:5000/team/app:1", &config).await.unwrap();
+        check_registry("10.0.0.7:443/team/app:1", &config).await.unwrap();
+        for (reference, range) in [
+            ("10.1.2.3:5000/team/app:1", "RFC 1918"),
+            ("169.254.169.254/latest/meta-data:1", "link-local"),
+            ("localhost:5000/x:1", "loopback"),
+            ("127.0.0.2:5000/x:1", "loopback"),
+        ] {
+            let e = check_registry(reference, &config)
+                .await
+                .err()
+                .unwrap_or_else(|| panic!("{reference} passed"))
+                .to_string();
+            assert!(e.contains(range) && e.contains("private_registries"), "{reference}: {e}");
+        }
+        let e = check_registry("[::1]:5000/x:1", &config).await.unwrap_err().to_string();
+        assert!(e.contains("not an image reference"), "{e}");
+        assert_eq!(blocked_range("::ffff:192.168.1.1".parse().unwrap()), Some("RFC 1918 §3: private"));
+        assert_eq!(blocked_range("93.184.216.34".parse().unwrap()), None);
+    }
 
     #[test]
     fn references_are_checked_and_env_is_parsed() {

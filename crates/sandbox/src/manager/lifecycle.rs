@@ -185,7 +185,11 @@ impl Manager {
         let disk_mib = limits.disk_mib(spec.disk_mib)?;
         if spec.base.is_some() {
             // A base image (a template's build from an OCI image) boots.
-            return Ok((VmSource::Boot, limits.vcpus(spec.vcpus)?, limits.memory_mib(spec.memory_mib)?, disk_mib));
+            let (vcpus, memory_mib) = (limits.vcpus(spec.vcpus)?, limits.memory_mib(spec.memory_mib)?);
+            if self.config.huge_pages && !memory_mib.is_multiple_of(2) {
+                return Err(crate::limits::LimitsError::HugePageMemory { got: memory_mib }.into());
+            }
+            return Ok((VmSource::Boot, vcpus, memory_mib, disk_mib));
         }
         if let Some(name) = &spec.template {
             let t = self.load_template(name.clone()).await?;
@@ -284,7 +288,7 @@ impl Manager {
             VmSource::Boot | VmSource::Branch(_) | VmSource::Hibernated { .. } => None,
         };
         let rootfs = match &source {
-            VmSource::Template(t) => t.meta.base.clone(),
+            VmSource::Template(t) => t.meta.base.as_ref().map(|(path, _)| path.clone()),
             _ => spec.base.clone(),
         };
         let from = template.as_ref().map_or_else(|| "boot".to_string(), |t| format!("template:{t}"));

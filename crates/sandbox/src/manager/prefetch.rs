@@ -71,7 +71,7 @@ impl Manager {
             tenant: None,
             events: None,
             disk_mib: crate::disks::size_mib(template.disk.as_ref()),
-            rootfs: template.meta.base.clone(),
+            rootfs: template.meta.base.as_ref().map(|(path, _)| path.clone()),
         };
         let sb = self.unlisted_sandbox("template", (vcpus, memory_mib), setup, memory)?;
         let r = self.record_on(&sb, template).await;

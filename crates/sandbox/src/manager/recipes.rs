@@ -314,7 +314,11 @@ impl Manager {
         let (base, mut env) = match &recipe.image {
             Some(image) => {
                 let base = self.base_image(image, &|m| report(0.0, m)).await?;
-                (Some(base.path), super::images::image_env(&base.run))
+                let env = super::images::image_env(&base.run);
+                let pairs: Vec<(String, String)> = env.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+                check_sandbox_env(&pairs)
+                    .map_err(|e| super::images::ImageBuildError::Env { image: image.clone(), reason: e.to_string() })?;
+                (Some(base.path), env)
             }
             None => (None, BTreeMap::new()),
         };
