@@ -42,24 +42,10 @@ impl Layer {
         xattrs: &[(&str, &[u8])],
     ) {
         if !xattrs.is_empty() {
-            let mut records = Vec::new();
-            for (k, v) in xattrs {
-                let body_len = 1 + "SCHILY.xattr.".len() + k.len() + 1 + v.len() + 1;
-                // The record's length counts its own digits.
-                let mut len = body_len + 1;
-                while len != body_len + len.to_string().len() {
-                    len = body_len + len.to_string().len();
-                }
-                records.extend_from_slice(format!("{len} SCHILY.xattr.{k}=").as_bytes());
-                records.extend_from_slice(v);
-                records.push(b'\n');
-            }
-            let mut h = tar::Header::new_ustar();
-            h.set_entry_type(tar::EntryType::XHeader);
-            h.set_size(records.len() as u64);
-            h.as_old_mut().name[..9].copy_from_slice(b"PaxHeader");
-            h.set_cksum();
-            self.b.append(&h, records.as_slice()).unwrap();
+            let keys: Vec<String> = xattrs.iter().map(|(k, _)| format!("SCHILY.xattr.{k}")).collect();
+            let records: Vec<(&str, &[u8])> =
+                keys.iter().map(String::as_str).zip(xattrs.iter().map(|(_, v)| *v)).collect();
+            self.append_pax(false, &records);
         }
         let mut h = tar::Header::new_ustar();
         assert!(name.len() <= 100);
@@ -80,9 +66,15 @@ impl Layer {
     /// A PAX header (`x`, or `g` for a global one) with `records` as is
     /// (`key=value`), before whatever entry comes next.
     pub fn pax(mut self, global: bool, records: &[(&str, &[u8])]) -> Self {
+        self.append_pax(global, records);
+        self
+    }
+
+    fn append_pax(&mut self, global: bool, records: &[(&str, &[u8])]) {
         let mut data = Vec::new();
         for (k, v) in records {
             let body_len = 1 + k.len() + 1 + v.len() + 1;
+            // The record's length counts its own digits.
             let mut len = body_len + 1;
             while len != body_len + len.to_string().len() {
                 len = body_len + len.to_string().len();
@@ -97,7 +89,6 @@ impl Layer {
         h.as_old_mut().name[..9].copy_from_slice(b"PaxHeader");
         h.set_cksum();
         self.b.append(&h, data.as_slice()).unwrap();
-        self
     }
     /// A file with the given modification time (seconds; any u64, as a
     /// GNU header's base-256 field holds).

@@ -87,37 +87,15 @@ fn image_build_from_a_layout_and_from_a_registry() {
     rt.block_on(registry.push_layout(&layout_dir, "team/tool", "v1"));
     let reference = format!("{}/team/tool:v1", registry.addr);
     let out2 = d.path().join("pulled.ext4");
-    let o = tine(
-        &[
-            "image",
-            "build",
-            &reference,
-            "--out",
-            out2.to_str().unwrap(),
-            "--agent",
-            agent.to_str().unwrap(),
-            "--insecure-registry",
-            &registry.addr,
-        ],
-        d.path(),
-    );
+    let from_registry = || {
+        let args = ["image", "build", &reference, "--out", out2.to_str().unwrap(), "--agent", agent.to_str().unwrap()];
+        tine(&[&args[..], &["--insecure-registry", &registry.addr]].concat(), d.path())
+    };
+    let o = from_registry();
     assert!(o.status.success(), "{}", text(&o));
     assert!(text(&o).contains("3 blobs fetched"), "{}", text(&o));
     assert_eq!(debugfs(&out2, "cat /etc/motd"), "hello from the image\n");
     // The pull is kept in the data directory: a second build fetches nothing.
-    let o = tine(
-        &[
-            "image",
-            "build",
-            &reference,
-            "--out",
-            out2.to_str().unwrap(),
-            "--agent",
-            agent.to_str().unwrap(),
-            "--insecure-registry",
-            &registry.addr,
-        ],
-        d.path(),
-    );
+    let o = from_registry();
     assert!(o.status.success() && text(&o).contains("0 blobs fetched (0 bytes), 3 already here"), "{}", text(&o));
 }
