@@ -36,7 +36,7 @@ use std::path::{Path, PathBuf};
 
 use sha2::{Digest as _, Sha256};
 
-use crate::source::{hex, LayerBlob};
+use crate::source::{digest_of, LayerBlob};
 
 /// Symbolic links followed while resolving one path, as Linux's
 /// `MAXSYMLINKS` (40): more is a loop.
@@ -340,7 +340,7 @@ impl<R> Hashing<R> {
         Hashing { inner, hash: Sha256::new(), bytes: 0 }
     }
     fn digest(&self) -> String {
-        format!("sha256:{}", hex(&self.hash.clone().finalize()))
+        digest_of(self.hash.clone())
     }
 }
 

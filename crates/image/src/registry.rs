@@ -23,7 +23,7 @@ use oci_spec::image::ImageIndex;
 use sha2::{Digest as _, Sha256};
 use tokio::io::AsyncWriteExt;
 
-use crate::source::{check_digest, choose_manifest, hex, sha256_digest};
+use crate::source::{check_digest, choose_manifest, digest_of, is_index, sha256_digest};
 
 /// Manifest media types asked for: OCI image manifest and index, Docker
 /// schema 2 manifest and manifest list.
@@ -204,28 +204,24 @@ pub async fn pull(req: &PullRequest<'_>, progress: &mut (dyn FnMut(&str) + Send)
         } else {
             format!("layer {i} of {} ({} bytes)", wanted.len() - 1, desc.size())
         });
-        // A name of this pull's own (another pull of the repository may
-        // fetch the same blob), removed if the fetch fails.
-        let partial = blobs.join(format!(
-            "{hex_name}.partial-{}-{}",
-            std::process::id(),
-            PARTIAL.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-        ));
-        let fetched = async {
-            let file = tokio::fs::File::create(&partial).await.map_err(io_err(&partial, "create"))?;
-            // No more than the manifest's size: a registry that sends on
-            // is cut off, not written to disk.
-            let mut out = Capped { inner: file, left: desc.size() };
-            client.pull_blob(&reference, digest.as_str(), &mut out).await.map_err(fail(format!("blob {digest}")))?;
-            out.inner.flush().await.map_err(io_err(&partial, "write"))?;
-            out.inner.sync_all().await.map_err(io_err(&partial, "sync"))?;
-            tokio::fs::rename(&partial, &path).await.map_err(io_err(&path, "rename to"))
-        }
-        .await;
-        if fetched.is_err() {
-            let _ = tokio::fs::remove_file(&partial).await;
-        }
-        fetched?;
+        // A temporary file of this pull's own (another pull of the
+        // repository may fetch the same blob), removed if the fetch fails.
+        let (file, partial) = tempfile::Builder::new()
+            .prefix(&format!("{hex_name}.partial."))
+            .tempfile_in(&blobs)
+            .map_err(io_err(&blobs, "make a file in"))?
+            .into_parts();
+        // No more than the manifest's size: a registry that sends on is
+        // cut off, not written to disk.
+        let mut out = Capped { inner: tokio::fs::File::from_std(file), left: desc.size() };
+        client.pull_blob(&reference, digest.as_str(), &mut out).await.map_err(fail(format!("blob {digest}")))?;
+        out.inner.flush().await.map_err(io_err(&partial, "write"))?;
+        out.inner.sync_all().await.map_err(io_err(&partial, "sync"))?;
+        partial.persist(&path).map_err(|e| RegistryError::Io {
+            path: path.clone(),
+            op: "rename to",
+            source: e.error,
+        })?;
         pulled.fetched += 1;
         pulled.bytes += desc.size();
     }
@@ -252,8 +248,6 @@ pub async fn pull(req: &PullRequest<'_>, progress: &mut (dyn FnMut(&str) + Send)
 /// The longest part of a client error kept in [`RegistryError::Pull`],
 /// characters.
 pub const MAX_DETAIL_CHARS: usize = 300;
-
-static PARTIAL: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// A writer that refuses to take more than `left` bytes.
 struct Capped<W> {
@@ -319,7 +313,7 @@ async fn has_blob(path: &Path, digest: &str, size: u64) -> bool {
         if std::io::copy(&mut f, &mut h).is_err() {
             return false;
         }
-        format!("sha256:{}", hex(&h.finalize())) == digest
+        digest_of(h) == digest
     })
     .await
     .unwrap_or(false)
@@ -336,8 +330,4 @@ fn media_type(bytes: &[u8]) -> Result<String, RegistryError> {
         None if v.get("manifests").is_some() => ACCEPTED[1].to_string(),
         None => ACCEPTED[0].to_string(),
     })
-}
-
-fn is_index(media_type: &str) -> bool {
-    media_type == ACCEPTED[1] || media_type == ACCEPTED[3]
 }

@@ -167,11 +167,14 @@ fn parse<T: serde::de::DeserializeOwned>(what: &str, bytes: &[u8]) -> Result<T, 
 
 /// `sha256:<hex>` of `bytes`.
 pub fn sha256_digest(bytes: &[u8]) -> String {
-    format!("sha256:{}", hex(&Sha256::digest(bytes)))
+    let mut h = Sha256::new();
+    h.update(bytes);
+    digest_of(h)
 }
 
-pub(crate) fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
+/// `sha256:<hex>` of what `hash` was given.
+pub(crate) fn digest_of(hash: Sha256) -> String {
+    format!("sha256:{}", hash.finalize().iter().map(|b| format!("{b:02x}")).collect::<String>())
 }
 
 /// Checks a digest's form: `sha256:` and 64 lower-case hex digits (so
@@ -205,8 +208,11 @@ fn blob_path(dir: &Path, digest: &str) -> Result<PathBuf, SourceError> {
 
 const REF_NAME: &str = "org.opencontainers.image.ref.name";
 
-fn is_index(m: &MediaType) -> bool {
-    matches!(m, MediaType::ImageIndex) || m.to_string() == "application/vnd.docker.distribution.manifest.list.v2+json"
+/// Whether a media type is an index: OCI's image index or Docker's
+/// manifest list (schema 2).
+pub(crate) fn is_index(media_type: &str) -> bool {
+    media_type == MediaType::ImageIndex.as_ref()
+        || media_type == "application/vnd.docker.distribution.manifest.list.v2+json"
 }
 
 /// Chooses the manifest of an index: by reference (when given, an entry
@@ -278,7 +284,7 @@ fn open_layout(dir: &Path, reference: Option<&str>) -> Result<Image, SourceError
     // follow at most a few levels.
     for _ in 0..4 {
         let desc = choose_manifest(&index, if what == "index.json" { reference } else { None }, &what)?.clone();
-        if is_index(desc.media_type()) {
+        if is_index(desc.media_type().as_ref()) {
             what = format!("index {}", desc.digest());
             index = parse(&what, &read_blob(dir, &desc, "index")?)?;
             continue;
