@@ -15,7 +15,6 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use serde::Deserialize;
 use sha2::{Digest as _, Sha256};
@@ -67,7 +66,7 @@ pub enum ImageBuildError {
         /// The address found.
         address: std::net::IpAddr,
         /// The range it is in.
-        range: &'static str,
+        range: String,
     },
     /// The registry's name does not resolve.
     #[error("registry {registry}: cannot resolve its name: {reason}")]
@@ -125,8 +124,6 @@ pub(super) struct Base {
     pub run: tine_image::RunConfig,
 }
 
-static PARTIAL: AtomicU64 = AtomicU64::new(0);
-
 /// Held while an image's layout is pulled and built from: two builds of
 /// one repository (its layout directory is shared) take turns, so one
 /// never reads the index the other wrote.
@@ -144,18 +141,31 @@ fn layout_lock(layout: &Path) -> std::sync::Arc<tokio::sync::Mutex<()>> {
     l
 }
 
-/// The always-refused range `ip` is in (netstack's [`BLOCKED_RANGES`]:
-/// loopback, private, link-local, CGNAT, multicast, ...), if any.
-///
-/// [`BLOCKED_RANGES`]: netstack::policy::BLOCKED_RANGES
-fn blocked_range(ip: std::net::IpAddr) -> Option<&'static str> {
-    let ip = match ip {
-        std::net::IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, std::net::IpAddr::V4),
-        v4 => v4,
-    };
-    netstack::policy::BLOCKED_RANGES
-        .iter()
-        .find_map(|(cidr, why)| cidr.parse::<ipnet::IpNet>().ok().filter(|net| net.contains(&ip)).map(|_| *why))
+/// The sandboxes' always-refused addresses as netstack judges them
+/// ([`netstack::policy::BLOCKED_RANGES`] and this host's own addresses,
+/// IPv4-mapped and NAT64 forms included), with nothing permitted: the
+/// registries the server itself fetches from meet the same rule.
+fn address_policy() -> netstack::policy::CompiledPolicy {
+    let server =
+        netstack::policy::ServerNetPolicy { permit_ranges: Vec::new(), host_addrs: netstack::policy::host_addresses() };
+    netstack::policy::CompiledPolicy::new(&netstack::policy::NetworkPolicy::default(), &server)
+        .expect("a policy without rules compiles")
+}
+
+/// Why `policy` ([`address_policy`]) refuses `ip`, if it does: the
+/// blocked range's description, or "this host's own address".
+fn blocked_range(policy: &netstack::policy::CompiledPolicy, ip: std::net::IpAddr) -> Option<String> {
+    let verdict = policy.check_addr(ip, 443, &[]);
+    if verdict.allowed {
+        return None;
+    }
+    let range = verdict.rule.strip_prefix("blocked-range:").unwrap_or(&verdict.rule);
+    let why = netstack::policy::BLOCKED_RANGES.iter().find(|(cidr, _)| *cidr == range).map(|(_, why)| *why);
+    Some(match (why, range) {
+        (Some(why), _) => why.to_string(),
+        (None, "host-address") => "this host's own address".to_string(),
+        (None, _) => verdict.rule.clone(),
+    })
 }
 
 /// Refuses a registry whose name resolves to a blocked address unless the
@@ -174,8 +184,9 @@ async fn check_registry(reference: &str, config: &ImagesConfig) -> Result<(), Im
     let addresses = tokio::net::lookup_host(&with_port)
         .await
         .map_err(|e| ImageBuildError::Resolve { registry: registry.clone(), reason: e.to_string() })?;
+    let policy = address_policy();
     for a in addresses {
-        if let Some(range) = blocked_range(a.ip()) {
+        if let Some(range) = blocked_range(&policy, a.ip()) {
             return Err(ImageBuildError::PrivateRegistry { registry, address: a.ip(), range });
         }
     }
@@ -268,45 +279,37 @@ fn build_base(
 ) -> Result<Base, ImageBuildError> {
     let host = |what: &str, e: &dyn std::fmt::Display| ImageBuildError::Host(format!("{what}: {e}"));
     std::fs::create_dir_all(bases).map_err(|e| host(&format!("make {}", bases.display()), &e))?;
-    let work = work_dir(bases).map_err(|e| host(&format!("make a directory in {}", bases.display()), &e))?;
-    let agent = work.join("tine-agent");
-    let result = (|| {
-        tine_image::agent_from_rootfs(rootfs, &agent)?;
-        let built = tine_image::build(
-            &tine_image::BuildRequest {
-                image: layout,
-                reference: Some(reference),
-                agent: &agent,
-                out: path,
-                work: &work,
-                limits: tine_image::Limits::default(),
-            },
-            &mut |step| tracing::info!(image = reference, "base image: {step}"),
-        )?;
-        let text = serde_json::to_vec(&built.run).expect("JSON of a run configuration");
-        let partial = work.join("run.json");
-        std::fs::write(&partial, text).map_err(|e| host(&format!("write {}", partial.display()), &e))?;
-        std::fs::rename(&partial, run_path).map_err(|e| host(&format!("write {}", run_path.display()), &e))?;
-        tracing::info!(
-            image = reference,
-            "base image {}: {} layers, {} paths, {} bytes of files",
-            path.display(),
-            built.layers,
-            built.paths,
-            built.file_bytes
-        );
-        Ok(Base { path: path.to_path_buf(), run: built.run })
-    })();
-    let _ = std::fs::remove_dir_all(&work);
-    result
-}
-
-/// A new directory in `parent`, unique to this build.
-fn work_dir(parent: &Path) -> std::io::Result<PathBuf> {
-    let n = PARTIAL.fetch_add(1, Ordering::Relaxed);
-    let dir = parent.join(format!(".build-{}-{n}", std::process::id()));
-    std::fs::create_dir(&dir)?;
-    Ok(dir)
+    // Removed when dropped, whatever happens.
+    let work = tempfile::Builder::new()
+        .prefix(".build.")
+        .tempdir_in(bases)
+        .map_err(|e| host(&format!("make a directory in {}", bases.display()), &e))?;
+    let agent = work.path().join("tine-agent");
+    tine_image::agent_from_rootfs(rootfs, &agent)?;
+    let built = tine_image::build(
+        &tine_image::BuildRequest {
+            image: layout,
+            reference: Some(reference),
+            agent: &agent,
+            out: path,
+            work: work.path(),
+            limits: tine_image::Limits::default(),
+        },
+        &mut |step| tracing::info!(image = reference, "base image: {step}"),
+    )?;
+    let text = serde_json::to_vec(&built.run).expect("JSON of a run configuration");
+    let partial = work.path().join("run.json");
+    std::fs::write(&partial, text).map_err(|e| host(&format!("write {}", partial.display()), &e))?;
+    std::fs::rename(&partial, run_path).map_err(|e| host(&format!("write {}", run_path.display()), &e))?;
+    tracing::info!(
+        image = reference,
+        "base image {}: {} layers, {} paths, {} bytes of files",
+        path.display(),
+        built.layers,
+        built.paths,
+        built.file_bytes
+    );
+    Ok(Base { path: path.to_path_buf(), run: built.run })
 }
 
 #[cfg(test)]
@@ -336,8 +339,12 @@ mod tests {
         }
         let e = check_registry("[::1]:5000/x:1", &config).await.unwrap_err().to_string();
         assert!(e.contains("not an image reference"), "{e}");
-        assert_eq!(blocked_range("::ffff:192.168.1.1".parse().unwrap()), Some("RFC 1918 §3: private"));
-        assert_eq!(blocked_range("93.184.216.34".parse().unwrap()), None);
+        let policy = address_policy();
+        assert_eq!(
+            blocked_range(&policy, "::ffff:192.168.1.1".parse().unwrap()).as_deref(),
+            Some("RFC 1918 §3: private")
+        );
+        assert_eq!(blocked_range(&policy, "93.184.216.34".parse().unwrap()), None);
     }
 
     #[test]
