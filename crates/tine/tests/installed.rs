@@ -88,13 +88,7 @@ fn image_build_takes_the_agent_from_the_installed_rootfs() {
         .expect("run tine image build");
     assert!(o.status.success(), "{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
     let dump = |image: &std::path::Path, to: &std::path::Path| {
-        let s = Command::new("debugfs")
-            .arg("-R")
-            .arg(format!("dump {} {}", tine_image::AGENT_PATH, to.display()))
-            .arg(image)
-            .output()
-            .unwrap();
-        assert!(s.status.success());
+        tine_image::agent_from_rootfs(image, to).unwrap();
         std::fs::read(to).unwrap()
     };
     let installed = dump(&rootfs, &d.path().join("a"));

@@ -167,7 +167,7 @@ impl Recipe {
             return Err(TemplateError::Reserved(self.name.clone()).into());
         }
         let bad = |why: String| SandboxError::Template(TemplateError::BadRecipe(why));
-        check_sandbox_env(&self.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect::<Vec<_>>())?;
+        check_sandbox_env(&super::settings::env_vars(&self.env))?;
         if let Some(image) = &self.image {
             super::images::check_reference(image)?;
             if self.from.is_some() {
@@ -315,8 +315,7 @@ impl Manager {
             Some(image) => {
                 let base = self.base_image(image, &|m| report(0.0, m)).await?;
                 let env = super::images::image_env(&base.run);
-                let pairs: Vec<(String, String)> = env.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
-                check_sandbox_env(&pairs)
+                check_sandbox_env(&super::settings::env_vars(&env))
                     .map_err(|e| super::images::ImageBuildError::Env { image: image.clone(), reason: e.to_string() })?;
                 (Some(base.path), env)
             }
