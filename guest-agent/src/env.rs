@@ -80,7 +80,7 @@ pub fn current() -> (u64, Vec<(String, String)>) {
 
 #[cfg(test)]
 mod tests {
-    use tine_protocol::{Command, Exec, Python, WaitOutcome};
+    use tine_protocol::{Cell, Command, Exec, WaitOutcome};
 
     use super::*;
 
@@ -132,7 +132,7 @@ mod tests {
         assert_eq!((w.outcome, w.stdout_tail.as_slice()), (WaitOutcome::Exited, b"bg:from-sandbox\n".as_slice()));
         let python = std::process::Command::new("python3").arg("-c").arg("pass").status().is_ok();
         let cell = |code: &str| {
-            let r = crate::python::run(Python { code: code.into(), timeout_ms: 20_000, output_limit: 0 }).unwrap();
+            let r = crate::python::run(Cell { code: code.into(), timeout_ms: 20_000, output_limit: 0 }).unwrap();
             r.value.unwrap_or_default()
         };
         if python {
@@ -162,7 +162,7 @@ mod tests {
             return;
         }
         let cell = |code: &str| {
-            let r = crate::node::run(Python { code: code.into(), timeout_ms: 20_000, output_limit: 0 }).unwrap();
+            let r = crate::node::run(Cell { code: code.into(), timeout_ms: 20_000, output_limit: 0 }).unwrap();
             assert!(r.exception.is_none(), "{r:?}");
             (r.value.unwrap_or_default(), String::from_utf8_lossy(&r.stdout.data).to_string())
         };

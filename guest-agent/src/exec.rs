@@ -5,27 +5,16 @@
 //! every interval while it runs.
 
 use std::io::{Read, Write};
-use std::os::unix::process::{CommandExt, ExitStatusExt};
-use std::path::Path;
-use std::process::{Command as Process, Stdio};
+use std::process::Stdio;
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tine_protocol::{
-    effective_limits, AgentError, Command, Exec, ExecReply, ExitStatus, Output, Progress, MIN_PROGRESS_MS,
-    PROGRESS_TAIL_BYTES,
+    effective_limits, AgentError, Exec, ExecReply, ExitStatus, Output, Progress, MIN_PROGRESS_MS, PROGRESS_TAIL_BYTES,
 };
 
+use crate::child;
 use crate::procs::Ring;
-
-/// The shell for `Command::Shell`: bash where the image has it, else sh.
-pub(crate) fn shell() -> &'static str {
-    if Path::new("/bin/bash").exists() {
-        "/bin/bash"
-    } else {
-        "/bin/sh"
-    }
-}
 
 /// After a timeout's kill, how long the output streams may take to close
 /// (a process that left the group, e.g. with setsid, may hold them open).
@@ -128,31 +117,19 @@ fn recv_ticking<T>(
 /// Errors: `InvalidRequest` for limits out of range or an empty argv,
 /// `NotFound`/`PermissionDenied` when the program cannot be started.
 pub fn run(req: Exec, progress: Option<(&dyn Fn(Progress), Duration)>) -> Result<ExecReply, AgentError> {
-    let invalid = |reason: String| AgentError::InvalidRequest { reason };
     let (timeout_ms, limit) = effective_limits(req.timeout_ms, req.output_limit)?;
     let limit = limit as usize;
-    let argv: Vec<String> = match req.command {
-        Command::Shell(script) => vec![shell().to_string(), "-c".into(), script],
-        Command::Argv(v) if !v.is_empty() => v,
-        Command::Argv(_) => return Err(invalid("empty argv".into())),
-    };
+    let argv = child::argv(req.command)?;
     let started = Instant::now();
     let deadline = started + Duration::from_millis(u64::from(timeout_ms));
-    let mut child = Process::new(&argv[0])
-        .args(&argv[1..])
-        .current_dir(req.cwd.as_deref().unwrap_or("/"))
-        .envs(crate::env::current().1)
+    let (mut process, cwd) = child::command(&argv, req.cwd.as_deref(), child::Home::Root, &crate::env::current().1);
+    let mut child = process
         .envs(req.env.iter().map(|(k, v)| (k, v)))
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
-        .process_group(0)
         .spawn()
-        .map_err(|e| match e.kind() {
-            std::io::ErrorKind::NotFound => AgentError::NotFound { path: argv[0].clone() },
-            std::io::ErrorKind::PermissionDenied => AgentError::PermissionDenied { path: argv[0].clone() },
-            _ => AgentError::Io { message: format!("cannot start {}: {e}", argv[0]) },
-        })?;
+        .map_err(|e| child::start_error(e, &argv[0], &cwd))?;
     let pgid = child.id();
 
     let (tx, rx) = mpsc::channel::<()>();
@@ -221,11 +198,7 @@ pub fn run(req: Exec, progress: Option<(&dyn Fn(Progress), Duration)>) -> Result
     let (stdout, stderr) = (take(&outputs[0]), take(&outputs[1]));
     let status = match (timed_out, status) {
         (true, _) => ExitStatus::TimedOut,
-        (false, Ok(s)) => match (s.code(), s.signal()) {
-            (Some(c), _) => ExitStatus::Code(c),
-            (None, Some(sig)) => ExitStatus::Signal(sig),
-            (None, None) => ExitStatus::Code(-1),
-        },
+        (false, Ok(s)) => child::exit_status(s),
         (false, Err(e)) => return Err(AgentError::Io { message: format!("waiting for {}: {e}", argv[0]) }),
     };
     Ok(ExecReply { status, stdout, stderr, duration_ms: started.elapsed().as_millis() as u64 })
@@ -233,6 +206,8 @@ pub fn run(req: Exec, progress: Option<(&dyn Fn(Progress), Duration)>) -> Result
 
 #[cfg(test)]
 mod tests {
+    use tine_protocol::Command;
+
     use super::*;
 
     fn shell(script: &str, timeout_ms: u32, output_limit: u32) -> Exec {

@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use serde::Deserialize;
 use tine_protocol::{
-    effective_limits, AgentError, Output, Python, PythonException, PythonReply, PYTHON_KILL_GRACE_MS,
+    effective_limits, AgentError, Cell, CellException, CellReply, Output, PYTHON_KILL_GRACE_MS,
     PYTHON_PENDING_SIGINT_MAX_MS, PYTHON_START_TIMEOUT_MS, PYTHON_VALUE_LIMIT,
 };
 
@@ -87,6 +87,9 @@ struct Interpreter {
     /// The sandbox environment's generation and variables it has (see
     /// [`crate::env`]): a cell sent under a newer one carries the change.
     env: (u64, Vec<(String, String)>),
+    /// The generation of the process defaults it was started under (see
+    /// [`crate::child`]): under newer ones it is replaced.
+    defaults: u64,
 }
 
 /// A language's one persistent interpreter (started on first use).
@@ -247,6 +250,7 @@ impl Repl {
     /// it says it is ready (`{"ready": true}`).
     fn start(&self) -> Result<Interpreter, AgentError> {
         let env = crate::env::current();
+        let defaults = crate::child::generation();
         let s = (self.lang.spawn)(&env.1)?;
         let mut interp = Interpreter {
             child: s.child,
@@ -254,6 +258,7 @@ impl Repl {
             replies: BufReader::new(s.replies),
             capture: s.capture,
             env,
+            defaults,
         };
         let pid = interp.child.id();
         let (done_tx, done_rx) = mpsc::channel::<()>();
@@ -287,6 +292,9 @@ impl Repl {
         if let Some(interp) = slot {
             if !matches!(interp.child.try_wait(), Ok(None)) {
                 // It exited while idle (killed by the OOM killer, ...): start anew.
+                discard(slot);
+            } else if interp.defaults != crate::child::generation() {
+                // Another user or working directory: start anew as that.
                 discard(slot);
             }
         }
@@ -336,7 +344,7 @@ impl Repl {
     /// Errors: `InvalidRequest` for limits out of range; `Unsupported`
     /// without the program; `Io` if the interpreter cannot be started or
     /// reached, or answers nonsense.
-    pub fn run(&self, req: Python) -> Result<PythonReply, AgentError> {
+    pub fn run(&self, req: Cell) -> Result<CellReply, AgentError> {
         let (timeout_ms, limit) = effective_limits(req.timeout_ms, req.output_limit)?;
         let mut guard = self.slot.lock().unwrap_or_else(|p| p.into_inner());
         let (interp, interpreter_start_ms) = self.ensure(&mut guard)?;
@@ -361,11 +369,11 @@ impl Repl {
                 // The interpreter died (killed after the grace period, or crashed).
                 discard(&mut guard);
                 let (stdout, stderr) = captured.unwrap_or_default();
-                return Ok(PythonReply {
+                return Ok(CellReply {
                     value: None,
                     stdout,
                     stderr,
-                    exception: Some(PythonException {
+                    exception: Some(CellException {
                         name: "InterpreterRestarted".into(),
                         message: format!(
                             "the cell did not stop at its timeout (or {} crashed); the interpreter was killed and its state is lost",
@@ -397,15 +405,11 @@ impl Repl {
             (None, Some(out), Some(err)) => (out.into(), err.into()),
             (None, _, _) => return Err(bad("no stdout or stderr".into())),
         };
-        Ok(PythonReply {
+        Ok(CellReply {
             value: w.value,
             stdout,
             stderr,
-            exception: w.exception.map(|x| PythonException {
-                name: x.name,
-                message: x.message,
-                traceback: x.traceback,
-            }),
+            exception: w.exception.map(|x| CellException { name: x.name, message: x.message, traceback: x.traceback }),
             timed_out: w.timed_out,
             value_truncated: w.value_truncated,
             value_bytes: w.value_bytes,

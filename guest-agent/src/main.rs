@@ -21,6 +21,7 @@
 //! is in [`interp`]. `manifest` lists what the sandbox changed on its
 //! overlay root and in `/tmp`, with hashes (see [`manifest`]).
 
+mod child;
 mod env;
 mod exec;
 mod files;
@@ -84,6 +85,7 @@ fn handle(op: Op, started: Instant, progress: &dyn Fn(Progress)) -> Result<Reply
         Op::Rename { from, to } => files::rename(&from, &to).map(|()| Reply::Done),
         Op::PythonWarmUp => python::warm_up().map(|interpreter_start_ms| Reply::PythonWarm { interpreter_start_ms }),
         Op::Node(p) => node::run(p).map(Reply::Python),
+        Op::SetProcessDefaults(d) => child::set_defaults(d).map(|()| Reply::Done),
     }
 }
 

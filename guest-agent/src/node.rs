@@ -22,10 +22,11 @@
 use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::process::CommandExt;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 
-use tine_protocol::{AgentError, Python, PythonReply};
+use tine_protocol::{AgentError, Cell, CellReply};
 
+use crate::child;
 use crate::interp::{Capture, Language, Repl, Spawned};
 
 const REPL: &str = include_str!("repl.js");
@@ -61,16 +62,10 @@ fn spawn(env: &[(String, String)]) -> Result<Spawned, AgentError> {
     let (stdout_r, stdout_w) = std::io::pipe().map_err(|e| io_error("pipe", e))?;
     let (stderr_r, stderr_w) = std::io::pipe().map_err(|e| io_error("pipe", e))?;
     let inherited = [requests_r.as_raw_fd(), replies_w.as_raw_fd()];
-    // Minimal images may have no /root: run from / there.
-    let cwd = if std::path::Path::new("/root").is_dir() { "/root" } else { "/" };
-    let mut cmd = Command::new("node");
-    cmd.args(["--expose-internals", "-e", REPL, "--", &inherited[0].to_string(), &inherited[1].to_string()])
-        .current_dir(cwd)
-        .envs(env.iter().map(|(k, v)| (k, v)))
-        .stdin(Stdio::null())
-        .stdout(stdout_w)
-        .stderr(stderr_w)
-        .process_group(0);
+    let argv = ["node", "--expose-internals", "-e", REPL, "--", &inherited[0].to_string(), &inherited[1].to_string()]
+        .map(String::from);
+    let (mut cmd, _) = child::command(&argv, None, child::Home::User, env);
+    cmd.stdin(Stdio::null()).stdout(stdout_w).stderr(stderr_w);
     // SAFETY: the closure runs in the forked child before exec and only
     // calls fcntl(2), which is async-signal-safe, on two fds that are open
     // there (the parent holds them until `spawn` returns); it allocates
@@ -111,12 +106,13 @@ fn spawn(env: &[(String, String)]) -> Result<Spawned, AgentError> {
 ///
 /// Errors: `InvalidRequest` for limits out of range; `Unsupported` without
 /// node; `Io` if the interpreter cannot be started or reached.
-pub fn run(req: Python) -> Result<PythonReply, AgentError> {
+pub fn run(req: Cell) -> Result<CellReply, AgentError> {
     INTERPRETER.run(req)
 }
 
 #[cfg(test)]
 pub(crate) mod tests {
+    use std::process::Command;
     use std::sync::{Mutex, MutexGuard};
 
     use super::*;
@@ -137,11 +133,11 @@ pub(crate) mod tests {
         ok
     }
 
-    fn cell_with(code: &str, timeout_ms: u32, output_limit: u32) -> PythonReply {
-        run(Python { code: code.into(), timeout_ms, output_limit }).expect("cell runs")
+    fn cell_with(code: &str, timeout_ms: u32, output_limit: u32) -> CellReply {
+        run(Cell { code: code.into(), timeout_ms, output_limit }).expect("cell runs")
     }
 
-    fn cell(code: &str) -> PythonReply {
+    fn cell(code: &str) -> CellReply {
         cell_with(code, 20_000, 32 << 10)
     }
 

@@ -25,21 +25,20 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::io::{Read, Write};
 use std::os::fd::AsRawFd;
-use std::os::unix::process::{CommandExt, ExitStatusExt};
-use std::process::{ChildStdin, Command as Process, Stdio};
+use std::process::{ChildStdin, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use regex::bytes::{Regex, RegexBuilder};
 use tine_protocol::{
-    effective_limits, AgentError, Command, ExitStatus, ProcessInfo, ProcessOutput, ProcessOutputRequest, ProcessWait,
+    effective_limits, AgentError, ExitStatus, ProcessInfo, ProcessOutput, ProcessOutputRequest, ProcessWait,
     ProcessWaited, ProcessWrite, Progress, Spawn, StreamKind, StreamSet, StreamState, WaitFor, WaitMatch, WaitOutcome,
     MAX_PROCESSES, MAX_PROCESS_CHUNK, MAX_PROCESS_WRITE, MAX_SPAWN_STDIN, MAX_WAIT_PATTERN_BYTES, MIN_PROGRESS_MS,
     PROCESS_BUFFER_BYTES, PROCESS_COMMAND_BYTES, PROGRESS_TAIL_BYTES, WAIT_LINE_BYTES,
 };
 
-use crate::exec;
+use crate::child;
 
 /// Stack of the per-process threads (bytes).
 const THREAD_STACK: usize = 64 << 10;
@@ -296,26 +295,6 @@ fn find(id: u64) -> Result<Arc<Proc>, AgentError> {
     lock(&TABLE).procs.get(&id).cloned().ok_or(AgentError::NoSuchProcess { id })
 }
 
-fn map_status(s: std::process::ExitStatus) -> ExitStatus {
-    match (s.code(), s.signal()) {
-        (Some(c), _) => ExitStatus::Code(c),
-        (None, Some(sig)) => ExitStatus::Signal(sig),
-        (None, None) => ExitStatus::Code(-1),
-    }
-}
-
-fn start_error(e: std::io::Error, program: &str, cwd: &str) -> AgentError {
-    match e.kind() {
-        std::io::ErrorKind::NotFound if !std::path::Path::new(cwd).is_dir() => {
-            AgentError::NotADirectory { path: cwd.into() }
-        }
-        std::io::ErrorKind::NotFound => AgentError::NotFound { path: program.into() },
-        std::io::ErrorKind::PermissionDenied => AgentError::PermissionDenied { path: program.into() },
-        std::io::ErrorKind::InvalidInput => invalid(format!("cannot start {program}: {e}")),
-        _ => AgentError::Io { message: format!("cannot start {program}: {e}") },
-    }
-}
-
 fn thread(name: String, f: impl FnOnce() + Send + 'static) -> std::io::Result<()> {
     std::thread::Builder::new().name(name).stack_size(THREAD_STACK).spawn(f).map(|_| ())
 }
@@ -331,16 +310,11 @@ pub fn spawn(req: Spawn) -> Result<ProcessInfo, AgentError> {
     if req.stdin.len() > MAX_SPAWN_STDIN {
         return Err(AgentError::TooLarge { size: req.stdin.len() as u64, limit: MAX_SPAWN_STDIN as u64 });
     }
-    let argv: Vec<String> = match req.command {
-        Command::Shell(script) => vec![exec::shell().to_string(), "-c".into(), script],
-        Command::Argv(v) if !v.is_empty() => v,
-        Command::Argv(_) => return Err(invalid("empty argv".into())),
-    };
+    let argv = child::argv(req.command)?;
     let command = match argv.first().map(String::as_str) {
-        Some(sh) if argv.len() == 3 && sh == exec::shell() && argv[1] == "-c" => cut(&argv[2], PROCESS_COMMAND_BYTES),
+        Some(sh) if argv.len() == 3 && sh == child::shell() && argv[1] == "-c" => cut(&argv[2], PROCESS_COMMAND_BYTES),
         _ => cut(&argv.join(" "), PROCESS_COMMAND_BYTES),
     };
-    let cwd = req.cwd.as_deref().unwrap_or("/");
     let mut table = lock(&TABLE);
     // The oldest ended entry makes room, once the new process has started:
     // a spawn that fails leaves the table as it was.
@@ -351,20 +325,19 @@ pub fn spawn(req: Spawn) -> Result<ProcessInfo, AgentError> {
         Some(ended.ok_or(AgentError::TooManyProcesses { max: MAX_PROCESSES as u32 })?)
     };
     let id = table.next_id;
-    let mut child = Process::new(&argv[0])
-        .args(&argv[1..])
-        .current_dir(cwd)
-        .env("PYTHONUNBUFFERED", "1")
-        .envs(crate::env::current().1)
+    // Python's output unbuffered unless the sandbox environment says else.
+    let mut env = vec![("PYTHONUNBUFFERED".to_string(), "1".to_string())];
+    env.extend(crate::env::current().1);
+    let (mut process, cwd) = child::command(&argv, req.cwd.as_deref(), child::Home::Root, &env);
+    let mut child = process
         .envs(req.env.iter().map(|(k, v)| (k, v)))
         .env("TINE_PROCESS_ID", format!("p{id}"))
         .env("TINE_AGENT_PID", std::process::id().to_string())
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
-        .process_group(0)
         .spawn()
-        .map_err(|e| start_error(e, &argv[0], cwd))?;
+        .map_err(|e| child::start_error(e, &argv[0], &cwd))?;
     table.next_id += 1;
     if let Some(id) = evict {
         table.procs.remove(&id);
@@ -412,7 +385,7 @@ pub fn spawn(req: Spawn) -> Result<ProcessInfo, AgentError> {
         // No reader: kill the group and reap the leader here, so the entry
         // is not left without its threads.
         kill_pids(p.pid, &[], libc::SIGKILL);
-        let status = child.wait().map(map_status).unwrap_or(ExitStatus::Code(-1));
+        let status = child.wait().map(child::exit_status).unwrap_or(ExitStatus::Code(-1));
         let mut st = lock(&p.state);
         st.status = Some(status);
         st.eof = [true, true];
@@ -420,7 +393,7 @@ pub fn spawn(req: Spawn) -> Result<ProcessInfo, AgentError> {
     }
     let waiter = p.clone();
     let reaped = thread(format!("wait-p{id}"), move || {
-        let status = child.wait().map(map_status).unwrap_or(ExitStatus::Code(-1));
+        let status = child.wait().map(child::exit_status).unwrap_or(ExitStatus::Code(-1));
         let mut st = lock(&waiter.state);
         st.status = Some(status);
         st.ended_unix_ms = Some(unix_ms());
@@ -900,6 +873,8 @@ pub fn signal(id: u64, signal: i32, escalate_ms: u32) -> Result<ProcessInfo, Age
 
 #[cfg(test)]
 pub(crate) mod tests {
+    use tine_protocol::Command;
+
     use super::*;
 
     /// The table is one per process: tests that spawn take this, so the

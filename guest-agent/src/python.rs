@@ -16,11 +16,11 @@
 
 use std::fs::File;
 use std::os::fd::OwnedFd;
-use std::os::unix::process::CommandExt;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 
-use tine_protocol::{AgentError, Python, PythonReply};
+use tine_protocol::{AgentError, Cell, CellReply};
 
+use crate::child;
 use crate::interp::{Language, Repl, Spawned};
 
 const REPL: &str = include_str!("repl.py");
@@ -30,17 +30,13 @@ static INTERPRETER: Repl = Repl::new(Language { name: "Python", program: "python
 /// Starts `python3` running `repl.py`: requests on its stdin, replies on
 /// its stdout (`repl.py` moves both off fds 0 and 1 at once).
 fn spawn(env: &[(String, String)]) -> Result<Spawned, AgentError> {
-    // Minimal images may have no /root: run from / there.
-    let cwd = if std::path::Path::new("/root").is_dir() { "/root" } else { "/" };
-    let mut child = Command::new("python3")
-        .args(["-u", "-c", REPL])
-        .current_dir(cwd)
-        .envs(env.iter().map(|(k, v)| (k, v)))
+    let argv = ["python3", "-u", "-c", REPL].map(String::from);
+    let (mut process, _) = child::command(&argv, None, child::Home::User, env);
+    let mut child = process
         .env("PYTHONIOENCODING", "utf-8")
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
-        .process_group(0)
         .spawn()
         .map_err(|e| INTERPRETER.language().spawn_error(e))?;
     let (Some(stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else {
@@ -69,7 +65,7 @@ pub fn warm_up() -> Result<Option<u64>, AgentError> {
 ///
 /// Errors: `InvalidRequest` for limits out of range; `Unsupported` without
 /// python3; `Io` if the interpreter cannot be started or reached.
-pub fn run(req: Python) -> Result<PythonReply, AgentError> {
+pub fn run(req: Cell) -> Result<CellReply, AgentError> {
     INTERPRETER.run(req)
 }
 
@@ -77,8 +73,8 @@ pub fn run(req: Python) -> Result<PythonReply, AgentError> {
 mod tests {
     use super::*;
 
-    fn cell(code: &str) -> PythonReply {
-        run(Python { code: code.into(), timeout_ms: 20_000, output_limit: 32 << 10 }).expect("cell runs")
+    fn cell(code: &str) -> CellReply {
+        run(Cell { code: code.into(), timeout_ms: 20_000, output_limit: 32 << 10 }).expect("cell runs")
     }
 
     /// What a cell's child processes write to fds 1 and 2 is in the cell's

@@ -34,11 +34,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tine_protocol::{
-    body_len, body_version, AgentError, AgentInfo, Command, DirEntry, Exec, ExecReply, FileData, FileStat, Manifest,
-    Op, ProcessInfo, ProcessOutput, ProcessOutputRequest, ProcessWait, ProcessWaited, ProcessWrite, Progress,
-    ProtocolError, Python, PythonReply, ReadFile, Reply, Request, Reseed, Response, Spawn, Wire, WriteFile,
-    LENGTH_BYTES, MAX_FILE_CHUNK, MAX_MANIFEST_ENTRIES, MAX_PROCESSES, MAX_PROCESS_CHUNK, PROGRESS_TAIL_BYTES,
-    WAIT_LINE_BYTES,
+    body_len, body_version, AgentError, AgentInfo, Cell, CellReply, Command, DirEntry, Exec, ExecReply, FileData,
+    FileStat, Manifest, Op, ProcessDefaults, ProcessInfo, ProcessOutput, ProcessOutputRequest, ProcessWait,
+    ProcessWaited, ProcessWrite, Progress, ProtocolError, ReadFile, Reply, Request, Reseed, Response, Spawn, Wire,
+    WriteFile, LENGTH_BYTES, MAX_FILE_CHUNK, MAX_MANIFEST_ENTRIES, MAX_PROCESSES, MAX_PROCESS_CHUNK,
+    PROGRESS_TAIL_BYTES, WAIT_LINE_BYTES,
 };
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
@@ -482,6 +482,22 @@ impl AgentClient {
         .await
     }
 
+    /// Sets who every later exec, background process and interpreter runs
+    /// as, and where (`Op::SetProcessDefaults`: an OCI image's `User` and
+    /// `WorkingDir`).
+    ///
+    /// Errors: as [`AgentClient::ping`]; [`ClientError::Agent`] with
+    /// `InvalidRequest` for a user or group the guest lacks or a bad
+    /// directory, `Io` when the directory cannot be made, `Unsupported`
+    /// from an agent older than the operation.
+    pub async fn set_process_defaults(&self, defaults: ProcessDefaults, timeout: Duration) -> Result<(), ClientError> {
+        self.call_for(Op::SetProcessDefaults(defaults), timeout, |r| match r {
+            Reply::Done => Ok(()),
+            other => Err(Box::new(other)),
+        })
+        .await
+    }
+
     /// Renames `from` to `to` in the guest (rename(2)).
     ///
     /// Errors: as [`AgentClient::ping`]; [`ClientError::Agent`] with the
@@ -689,7 +705,7 @@ impl AgentClient {
     /// `timeout`.
     ///
     /// Errors: as [`AgentClient::ping`].
-    pub async fn run_python(&self, python: Python, timeout: Duration) -> Result<PythonReply, ClientError> {
+    pub async fn run_python(&self, python: Cell, timeout: Duration) -> Result<CellReply, ClientError> {
         let limit = output_limit(python.timeout_ms, python.output_limit);
         let r = self.run_cell(Op::Python(python), timeout).await?;
         at_most("python stdout (bytes)", r.stdout.data.len() as u64, limit)?;
@@ -705,7 +721,7 @@ impl AgentClient {
     /// `Unsupported` when the image has no `node`;
     /// [`ClientError::Oversized`] when stdout or stderr is over the
     /// request's output limit.
-    pub async fn run_node(&self, code: Python, timeout: Duration) -> Result<PythonReply, ClientError> {
+    pub async fn run_node(&self, code: Cell, timeout: Duration) -> Result<CellReply, ClientError> {
         let limit = output_limit(code.timeout_ms, code.output_limit);
         let r = self.run_cell(Op::Node(code), timeout).await?;
         at_most("node stdout (bytes)", r.stdout.data.len() as u64, limit)?;
@@ -715,7 +731,7 @@ impl AgentClient {
 
     /// Sends a cell (`Op::Python` or `Op::Node`) and takes its
     /// [`Reply::Python`].
-    async fn run_cell(&self, op: Op, timeout: Duration) -> Result<PythonReply, ClientError> {
+    async fn run_cell(&self, op: Op, timeout: Duration) -> Result<CellReply, ClientError> {
         self.call_for(op, timeout, |r| match r {
             Reply::Python(r) => Ok(r),
             other => Err(Box::new(other)),
@@ -821,8 +837,8 @@ impl AgentClient {
     /// Runs a cell in the persistent Python interpreter.
     ///
     /// Errors: as [`AgentClient::ping`].
-    pub async fn python(&self, code: &str, timeout_ms: u32) -> Result<PythonReply, ClientError> {
-        let python = Python { code: code.to_string(), timeout_ms, output_limit: 0 };
+    pub async fn python(&self, code: &str, timeout_ms: u32) -> Result<CellReply, ClientError> {
+        let python = Cell { code: code.to_string(), timeout_ms, output_limit: 0 };
         let budget = Duration::from_millis(tine_protocol::python_agent_budget_ms(timeout_ms));
         self.run_python(python, budget + Duration::from_secs(60)).await
     }
@@ -1037,7 +1053,7 @@ mod tests {
     }
 
     fn cell_reply(stdout: usize) -> Reply {
-        Reply::Python(PythonReply {
+        Reply::Python(CellReply {
             value: Some("42".into()),
             stdout: tine_protocol::Output { data: vec![b'x'; stdout], truncated: false, total_bytes: stdout as u64 },
             stderr: tine_protocol::Output::default(),
@@ -1057,7 +1073,7 @@ mod tests {
         let c = AgentClient::connect(&peer(dir.path(), vec![cell_reply(1024), cell_reply(1025)]), AGENT_PORT)
             .await
             .unwrap();
-        let code = Python { code: "x + 1".into(), timeout_ms: 0, output_limit: 1024 };
+        let code = Cell { code: "x + 1".into(), timeout_ms: 0, output_limit: 1024 };
         let r = c.run_node(code.clone(), Duration::from_secs(5)).await.unwrap();
         assert_eq!((r.value.as_deref(), r.stdout.data.len()), (Some("42"), 1024));
         let e = c.run_node(code, Duration::from_secs(5)).await.unwrap_err();

@@ -44,7 +44,7 @@ use serde::Serialize;
 pub use messages::*;
 
 /// The protocol version this crate speaks. 2: `Op::PythonWarmUp`,
-/// `Reply::PythonWarm` and `PythonReply`'s `value_truncated`, `value_bytes`
+/// `Reply::PythonWarm` and `CellReply`'s `value_truncated`, `value_bytes`
 /// and `interpreter_start_ms` (postcard is positional, so a new field is a
 /// new version). 3: background processes (`Op::Spawn` .. `Op::ProcessSignal`,
 /// their replies and errors) and progress frames (`Op::ExecWithProgress`,

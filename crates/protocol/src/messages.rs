@@ -27,7 +27,7 @@ pub const PYTHON_PENDING_SIGINT_MAX_MS: u32 = 60_000;
 pub const PYTHON_START_TIMEOUT_MS: u32 = 120_000;
 /// Most bytes (UTF-8) of a cell's `repr` value, and of an exception's
 /// message and traceback, that the agent sends (64 KiB); longer ones are
-/// cut on a character boundary (see [`PythonReply::value_truncated`]).
+/// cut on a character boundary (see [`CellReply::value_truncated`]).
 pub const PYTHON_VALUE_LIMIT: u32 = 64 * 1024;
 /// Bytes of entropy a reseed carries at most.
 pub const MAX_ENTROPY_BYTES: usize = 512;
@@ -176,7 +176,7 @@ pub enum Op {
     /// Run a command.
     Exec(Exec),
     /// Run code in the sandbox's persistent Python interpreter.
-    Python(Python),
+    Python(Cell),
     /// Read (part of) a file.
     ReadFile(ReadFile),
     /// Write a file.
@@ -302,8 +302,42 @@ pub enum Op {
     /// same limits apply ([`PYTHON_START_TIMEOUT_MS`], [`PYTHON_KILL_GRACE_MS`],
     /// [`PYTHON_VALUE_LIMIT`], [`python_agent_budget_ms`]). Errors:
     /// [`AgentError::Unsupported`] when the image has no `node`.
-    Node(Python),
+    Node(Cell),
+    /// Set who every later exec, background process and interpreter runs
+    /// as, and where: an OCI image's `User` and `WorkingDir` (OCI image
+    /// spec, config.md, "Properties"). Kept in the agent's memory like the
+    /// sandbox environment, so snapshots, templates and branch children
+    /// carry it. A running interpreter is restarted (empty) on its next
+    /// cell; processes already running keep theirs. File operations stay
+    /// root's. Answered [`Reply::Done`]. Errors: `InvalidRequest` for a
+    /// user or group the guest's `/etc/passwd` or `/etc/group` lacks, or a
+    /// relative or too long working directory; `Io` when the working
+    /// directory cannot be made. On an error nothing changes.
+    SetProcessDefaults(ProcessDefaults),
 }
+
+/// Who processes run as and where ([`Op::SetProcessDefaults`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProcessDefaults {
+    /// OCI `User`: `user`, `uid`, `user:group`, `uid:gid`, `user:gid` or
+    /// `uid:group` (at most [`MAX_USER_BYTES`] bytes); names are looked
+    /// up in the guest's `/etc/passwd` and `/etc/group`; the user's
+    /// supplementary groups are those `/etc/group` lists it in. `None` or
+    /// empty: root.
+    pub user: Option<String>,
+    /// OCI `WorkingDir`: the absolute directory a command without its own
+    /// `cwd` starts in, and the interpreters' (at most
+    /// [`MAX_WORKING_DIR_BYTES`] bytes); made (as `mkdir -p`, owned by root) if
+    /// missing. `None` or empty: `/` for commands, the user's home (or
+    /// `/`) for the interpreters.
+    pub working_dir: Option<String>,
+}
+
+/// Longest [`ProcessDefaults::user`], bytes.
+pub const MAX_USER_BYTES: usize = 256;
+/// Longest [`ProcessDefaults::working_dir`], bytes (Linux `PATH_MAX` less
+/// its NUL).
+pub const MAX_WORKING_DIR_BYTES: usize = 4095;
 
 /// `spawn`: start a background process in its own process group, with
 /// piped stdin, stdout and stderr.
@@ -431,9 +465,11 @@ pub struct Exec {
     pub output_limit: u32,
 }
 
-/// `python` (and `node`): run a cell in the persistent interpreter.
+/// A cell of code for a sandbox's persistent interpreter, of either
+/// language (`Op::Python`, `Op::Node`; the operations keep their names on
+/// the wire, the type is language-neutral).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct Python {
+pub struct Cell {
     /// The code; the value of a final expression is returned.
     pub code: String,
     /// Interrupt the cell after this long (ms); the state is kept.
@@ -491,7 +527,7 @@ pub enum Reply {
     /// To `Exec`.
     Exec(ExecReply),
     /// To `Python`.
-    Python(PythonReply),
+    Python(CellReply),
     /// To `ReadFile`.
     File(FileData),
     /// To `WriteFile`: bytes written.
@@ -697,9 +733,9 @@ pub struct ExecReply {
     pub duration_ms: u64,
 }
 
-/// A Python exception (or a JavaScript error, for `node`).
+/// A cell's exception: a Python exception or a JavaScript error.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct PythonException {
+pub struct CellException {
     /// Exception type name ("ZeroDivisionError"; JS: the error's `name`).
     pub name: String,
     /// `str(exception)` (JS: the error's `message`).
@@ -708,10 +744,10 @@ pub struct PythonException {
     pub traceback: String,
 }
 
-/// `python`'s (and `node`'s) result; the interpreter's state is kept in
-/// every case.
+/// A cell's result, in either language; the interpreter's state is kept
+/// in every case.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct PythonReply {
+pub struct CellReply {
     /// `repr()` of the final expression's value, if the cell ended with one
     /// (and it was not None; JS: `util.inspect()`, not `undefined`).
     pub value: Option<String>,
@@ -720,7 +756,7 @@ pub struct PythonReply {
     /// Standard error.
     pub stderr: Output,
     /// The exception the cell raised, if any.
-    pub exception: Option<PythonException>,
+    pub exception: Option<CellException>,
     /// The cell was interrupted at its timeout.
     pub timed_out: bool,
     /// `value` was cut to [`PYTHON_VALUE_LIMIT`] bytes (on a UTF-8

@@ -67,11 +67,13 @@ fn arb_process_op() -> impl Strategy<Value = Op> {
         }),
         proptest::collection::vec((".{0,8}", ".{0,8}"), 0..4).prop_map(|env| Op::SetEnv { env }),
         (".{0,12}", ".{0,12}").prop_map(|(from, to)| Op::Rename { from, to }),
-        (".{0,40}", any::<u32>(), any::<u32>()).prop_map(|(code, timeout_ms, output_limit)| Op::Node(Python {
+        (".{0,40}", any::<u32>(), any::<u32>()).prop_map(|(code, timeout_ms, output_limit)| Op::Node(Cell {
             code,
             timeout_ms,
             output_limit
         })),
+        (proptest::option::of(".{0,12}"), proptest::option::of(".{0,12}"))
+            .prop_map(|(user, working_dir)| Op::SetProcessDefaults(ProcessDefaults { user, working_dir })),
     ]
 }
 
@@ -201,7 +203,7 @@ fn arb_op() -> impl Strategy<Value = Op> {
             timeout_ms: DEFAULT_TIMEOUT_MS,
             output_limit: DEFAULT_OUTPUT_LIMIT
         })),
-        (".{0,40}", any::<u32>()).prop_map(|(code, t)| Op::Python(Python { code, timeout_ms: t, output_limit: 10 })),
+        (".{0,40}", any::<u32>()).prop_map(|(code, t)| Op::Python(Cell { code, timeout_ms: t, output_limit: 10 })),
         (".{0,20}", any::<u64>(), proptest::option::of(any::<u64>()))
             .prop_map(|(path, offset, length)| Op::ReadFile(ReadFile { path, offset, length })),
         (".{0,20}", proptest::collection::vec(any::<u8>(), 0..256), any::<bool>()).prop_map(|(path, data, append)| {
@@ -248,11 +250,11 @@ fn arb_result() -> impl Strategy<Value = Result<Reply, AgentError>> {
             proptest::option::of(any::<u64>())
         )
             .prop_map(|(value, stdout, value_truncated, value_bytes, interpreter_start_ms)| Ok(Reply::Python(
-                PythonReply {
+                CellReply {
                     value,
                     stdout,
                     stderr: Output::default(),
-                    exception: Some(PythonException { name: "E".into(), message: "m".into(), traceback: "t".into() }),
+                    exception: Some(CellException { name: "E".into(), message: "m".into(), traceback: "t".into() }),
                     timed_out: false,
                     value_truncated,
                     value_bytes,
@@ -288,16 +290,23 @@ proptest! {
 
     /// Every message goes through version 4 and back unchanged (re-shaped
     /// by name to the frozen types, postcard, and back), and through each
-    /// wire's request and response paths.
+    /// wire's request and response paths; an operation added after version
+    /// 4 is refused for it before anything is sent.
     #[test]
     fn messages_round_trip_through_every_wire(id in any::<u64>(), op in arb_op(), result in arb_result()) {
+        let after_v4 = matches!(op, Op::SetProcessDefaults(_));
         let req = Request { id, op };
         let resp = Response { id, result };
         for wire in Wire::ALL {
-            let frame = wire.encode_request(&req).unwrap();
-            let body = read_body(&mut &frame[..]).unwrap();
-            prop_assert_eq!(body_version(&body).unwrap(), wire.version());
-            prop_assert_eq!(wire.decode_request(&body).unwrap(), req.clone());
+            if after_v4 && wire == Wire::V4 {
+                let refused = wire.encode_request(&req);
+                prop_assert!(matches!(refused, Err(ProtocolError::UnknownOp { .. })), "{:?}", refused);
+            } else {
+                let frame = wire.encode_request(&req).unwrap();
+                let body = read_body(&mut &frame[..]).unwrap();
+                prop_assert_eq!(body_version(&body).unwrap(), wire.version());
+                prop_assert_eq!(wire.decode_request(&body).unwrap(), req.clone());
+            }
             let frame = wire.encode_response(&resp).unwrap();
             let body = read_body(&mut &frame[..]).unwrap();
             prop_assert_eq!(wire.decode_response(&body).unwrap(), resp.clone());

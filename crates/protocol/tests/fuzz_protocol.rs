@@ -58,7 +58,7 @@ fn decode_every_type(bytes: &[u8]) -> Result<(), TestCaseError> {
     decode_as::<Op>(bytes)?;
     decode_as::<Command>(bytes)?;
     decode_as::<Exec>(bytes)?;
-    decode_as::<Python>(bytes)?;
+    decode_as::<Cell>(bytes)?;
     decode_as::<ReadFile>(bytes)?;
     decode_as::<WriteFile>(bytes)?;
     decode_as::<Reseed>(bytes)?;
@@ -66,8 +66,8 @@ fn decode_every_type(bytes: &[u8]) -> Result<(), TestCaseError> {
     decode_as::<Output>(bytes)?;
     decode_as::<ExitStatus>(bytes)?;
     decode_as::<ExecReply>(bytes)?;
-    decode_as::<PythonException>(bytes)?;
-    decode_as::<PythonReply>(bytes)?;
+    decode_as::<CellException>(bytes)?;
+    decode_as::<CellReply>(bytes)?;
     decode_as::<FileData>(bytes)?;
     decode_as::<FileKind>(bytes)?;
     decode_as::<FileStat>(bytes)?;
@@ -160,7 +160,7 @@ fn seeds() -> Vec<Vec<u8>> {
         Op::ProcessSignal { id: 3, signal: 15, escalate_ms: KILL_ESCALATE_MS },
         Op::SetEnv { env: vec![("API_KEY".into(), "s3cret".into())] },
         Op::Rename { from: "/tmp/a.part".into(), to: "/tmp/a".into() },
-        Op::Node(Python { code: "let x = 41; await Promise.resolve(x + 1)".into(), timeout_ms: 2000, output_limit: 0 }),
+        Op::Node(Cell { code: "let x = 41; await Promise.resolve(x + 1)".into(), timeout_ms: 2000, output_limit: 0 }),
     ];
     let info = ProcessInfo {
         id: 7,
@@ -182,11 +182,11 @@ fn seeds() -> Vec<Vec<u8>> {
             stderr: out(b"err"),
             duration_ms: 12,
         })),
-        Ok(Reply::Python(PythonReply {
+        Ok(Reply::Python(CellReply {
             value: Some("42".into()),
             stdout: out(b""),
             stderr: out(b"w"),
-            exception: Some(PythonException { name: "E".into(), message: "m".into(), traceback: "t".into() }),
+            exception: Some(CellException { name: "E".into(), message: "m".into(), traceback: "t".into() }),
             timed_out: true,
             value_truncated: false,
             value_bytes: 2,

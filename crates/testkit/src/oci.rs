@@ -303,8 +303,10 @@ pub const IMAGE_CMDLINE: &str = "root=/dev/vda ro rootfstype=ext4 init=/usr/loca
 /// Writes, at `dir/busybox-layout`, the image `busybox` as a registry
 /// would hold it: one uncompressed layer with Debian's static busybox as
 /// `/bin/busybox` and its applets as links, a second (gzip) with
-/// `/etc/motd`, and `PATH=/bin` in the configuration. Returns the OCI
-/// layout's directory.
+/// `/etc/motd`, a user `app` (1000, also in group `extra`, 2000) and its
+/// home; the configuration has `PATH=/bin`, `User` `app` and `WorkingDir`
+/// `/home/app/work` (which the image lacks). Returns the OCI layout's
+/// directory.
 pub fn busybox_layout(dir: &Path) -> PathBuf {
     let busybox = Path::new("/bin/busybox");
     assert!(busybox.exists(), "/bin/busybox is missing: apt-get install busybox-static (scripts/setup.sh does)");
@@ -320,9 +322,17 @@ pub fn busybox_layout(dir: &Path) -> PathBuf {
             layer = layer.symlink(&format!("bin/{applet}"), "busybox", (0, 0));
         }
     }
-    let motd = Layer::new().dir("etc/", 0o755, (0, 0)).file("etc/motd", b"busybox image\n");
+    let etc = Layer::new()
+        .dir("etc/", 0o755, (0, 0))
+        .file("etc/motd", b"busybox image\n")
+        .file("etc/passwd", b"root:x:0:0:root:/root:/bin/sh\napp:x:1000:1000:app:/home/app:/bin/sh\n")
+        .file("etc/group", b"root:x:0:\napp:x:1000:\nextra:x:2000:app\n")
+        .dir("home/", 0o755, (0, 0))
+        .dir("home/app/", 0o755, (1000, 1000));
     let layout_dir = dir.join("busybox-layout");
-    layout(&layout_dir, &[layer.tar(), motd.tar()], serde_json::json!({"Env": ["PATH=/bin"], "Cmd": ["sh"]}));
+    let config =
+        serde_json::json!({"Env": ["PATH=/bin"], "Cmd": ["sh"], "User": "app", "WorkingDir": "/home/app/work"});
+    layout(&layout_dir, &[layer.tar(), etc.tar()], config);
     layout_dir
 }
 

@@ -216,6 +216,24 @@ async fn template_from_an_image(client: &rmcp::Peer<rmcp::RoleClient>, registry:
     )
     .await;
     assert_eq!(out, "set up in busybox image\nbusybox image\n/bin from-the-recipe\nno-debian\nbusybox\n");
+    // The image's User and WorkingDir (made, as the image lacks it) for
+    // exec and background processes; the setup ran as root.
+    let who = "id -u; id -G; pwd; echo $HOME $USER; stat -c %U /etc/built";
+    assert_eq!(stdout_of(client, &sb, who).await, "1000\n1000 2000\n/home/app/work\n/home/app app\nroot\n");
+    let bg = call(
+        client,
+        "sandbox_exec",
+        json!({"sandbox_id": sb, "command": "echo bg: $(id -u) $PWD", "background": true}),
+    )
+    .await
+    .unwrap();
+    let w = call(client, "sandbox_process_wait", json!({"process_id": bg["process_id"], "until_text": "bg:"})).await;
+    assert_eq!(w.unwrap()["matched"]["line"], "bg: 1000 /home/app/work");
+    // No Python in the image: the REPL says so.
+    let e = call(client, "sandbox_run_code", json!({"sandbox_id": sb, "language": "python", "code": "1"}))
+        .await
+        .unwrap_err();
+    assert!(e.contains("python3 is not installed"), "{e}");
     call(client, "sandbox_kill", json!({"sandbox_id": sb})).await.unwrap();
     call(client, "template_delete", json!({"name": "from-image"})).await.unwrap();
 }

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use tine_protocol::{AgentError, Command, Exec, ExitStatus, Op, Python, ReadFile, Reply, Reseed, WriteFile};
+use tine_protocol::{AgentError, Cell, Command, Exec, ExitStatus, Op, ReadFile, Reply, Reseed, WriteFile};
 use vmm::{DiskConfig, VmConfig, VmOutcome, VsockConfig};
 
 fn shell(script: &str, timeout_ms: u32, output_limit: u32) -> Op {
@@ -114,7 +114,7 @@ fn agent_serves_exec_files_and_info_over_vsock() {
     assert!(guest_secs.abs_diff(now_ns / 1_000_000_000) < 120, "the clock was not set: {guest_secs}");
     // This image has no python3: a typed error, not a hang.
     assert!(matches!(
-        agent.call(Op::Python(Python { code: "1".into(), timeout_ms: 0, output_limit: 0 })),
+        agent.call(Op::Python(Cell { code: "1".into(), timeout_ms: 0, output_limit: 0 })),
         Err(AgentError::Unsupported { .. })
     ));
 

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tine_agent_client::{AgentClient, ClientError, AGENT_PORT};
-use tine_protocol::{Command, DirEntry, Exec, ExecReply, FileData, FileStat, Python, PythonReply, ReadFile, WriteFile};
+use tine_protocol::{Cell, CellReply, Command, DirEntry, Exec, ExecReply, FileData, FileStat, ReadFile, WriteFile};
 
 use super::{Manager, Sandbox, SandboxError, SandboxState};
 use crate::lock;
@@ -284,9 +284,9 @@ impl Manager {
     /// Runs a cell in the sandbox's persistent Python interpreter.
     ///
     /// Errors: as [`Manager::exec`].
-    pub async fn python(&self, id: &str, code: String, timeout_ms: u32) -> Result<PythonReply, SandboxError> {
+    pub async fn python(&self, id: &str, code: String, timeout_ms: u32) -> Result<CellReply, SandboxError> {
         tine_protocol::effective_limits(timeout_ms, 0)?;
-        let python = Python { code, timeout_ms, output_limit: 0 };
+        let python = Cell { code, timeout_ms, output_limit: 0 };
         // The agent may start the interpreter (own deadline) and wait out a
         // SIGINT pending under load before it answers.
         let timeout = Duration::from_millis(tine_protocol::python_agent_budget_ms(timeout_ms)) + CALL_GRACE;
@@ -299,9 +299,9 @@ impl Manager {
     ///
     /// Errors: as [`Manager::exec`]; [`SandboxError::Agent`] with
     /// `Unsupported` when the image has no `node`.
-    pub async fn node(&self, id: &str, code: String, timeout_ms: u32) -> Result<PythonReply, SandboxError> {
+    pub async fn node(&self, id: &str, code: String, timeout_ms: u32) -> Result<CellReply, SandboxError> {
         tine_protocol::effective_limits(timeout_ms, 0)?;
-        let cell = Python { code, timeout_ms, output_limit: 0 };
+        let cell = Cell { code, timeout_ms, output_limit: 0 };
         let timeout = Duration::from_millis(tine_protocol::python_agent_budget_ms(timeout_ms)) + CALL_GRACE;
         self.with_agent(id, |a| async move { a.run_node(cell, timeout).await }).await
     }

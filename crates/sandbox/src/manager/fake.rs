@@ -16,9 +16,9 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use tine_protocol::{
-    read_message, write_message, AgentError, AgentInfo, Command, ExecReply, ExitStatus, FileData, Op, Output,
-    ProcessInfo, ProcessOutput, ProcessWaited, Progress, PythonReply, Reply, Request, Response, StreamState,
-    WaitOutcome, MAX_PROCESSES,
+    read_message, write_message, AgentError, AgentInfo, CellReply, Command, ExecReply, ExitStatus, FileData, Op,
+    Output, ProcessInfo, ProcessOutput, ProcessWaited, Progress, Reply, Request, Response, StreamState, WaitOutcome,
+    MAX_PROCESSES,
 };
 use vmm::BranchMode;
 
@@ -304,6 +304,7 @@ impl Shared {
                 tine_protocol::check_sandbox_env(&env)?;
                 Reply::Done
             }
+            Op::SetProcessDefaults(_) => Reply::Done,
             Op::Info => Reply::Info(AgentInfo {
                 agent_version: "fake".into(),
                 protocol_version: tine_protocol::PROTOCOL_VERSION,
@@ -330,7 +331,7 @@ impl Shared {
                     duration_ms: 0,
                 })
             }
-            Op::Python(p) | Op::Node(p) => Reply::Python(PythonReply {
+            Op::Python(p) | Op::Node(p) => Reply::Python(CellReply {
                 value: Some(p.code),
                 stdout: output(Vec::new()),
                 stderr: output(Vec::new()),

@@ -36,6 +36,101 @@ pub struct ImagesConfig {
     /// on such an address is refused, so that a recipe cannot make the
     /// server fetch from its own network.
     pub private_registries: Vec<String>,
+    /// Credentials per registry (`[[images.auth]]`); a registry not listed
+    /// is pulled from anonymously. Every tenant's recipes pull with them:
+    /// list a registry here only if its images are for all tenants.
+    pub auth: Vec<RegistryAuth>,
+}
+
+/// One `[[images.auth]]` entry: credentials for one registry, kept in
+/// files (a systemd credential, or a file of mode 0600) and read at each
+/// pull, so a rotated password needs no restart.
+#[derive(Clone, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(default, deny_unknown_fields)]
+pub struct RegistryAuth {
+    /// The registry, as image references name it (`host[:port]`).
+    pub registry: String,
+    /// HTTP basic auth (distribution spec; the registry's token service
+    /// gets it): the user, with `password_file`.
+    pub username: Option<String>,
+    /// The file holding the password (or an access token used as one).
+    pub password_file: Option<PathBuf>,
+    /// A bearer token sent as is, from this file (instead of a user).
+    pub token_file: Option<PathBuf>,
+}
+
+impl RegistryAuth {
+    /// Checks the entry's shape and reads its credential.
+    ///
+    /// Errors: [`ImageBuildError::Credentials`] for a missing or extra
+    /// field, or a file that is missing, empty, or readable by group or
+    /// others.
+    pub fn load(&self) -> Result<tine_image::registry::Auth, ImageBuildError> {
+        let bad = |reason: String| ImageBuildError::Credentials { registry: self.registry.clone(), reason };
+        if self.registry.is_empty() || self.registry.contains('/') {
+            return Err(bad("registry must be host[:port]".into()));
+        }
+        match (&self.username, &self.password_file, &self.token_file) {
+            (Some(user), Some(f), None) => {
+                Ok(tine_image::registry::Auth::Basic { user: user.clone(), password: read_secret(f).map_err(bad)? })
+            }
+            (None, None, Some(f)) => Ok(tine_image::registry::Auth::Bearer(read_secret(f).map_err(bad)?)),
+            _ => Err(bad("give username with password_file, or token_file alone".into())),
+        }
+    }
+}
+
+/// A credential file's content, without its trailing newline.
+///
+/// Errors: the reason, for a file that cannot be read, is empty, or is
+/// readable by group or others.
+fn read_secret(path: &Path) -> Result<String, String> {
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(path).map_err(|e| format!("{}: {e}", path.display()))?.permissions().mode();
+    if mode & 0o077 != 0 {
+        return Err(format!("{} has mode {:04o}: chmod 600 it", path.display(), mode & 0o7777));
+    }
+    let s = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let s = s.trim_end_matches(['\r', '\n']).to_string();
+    if s.is_empty() {
+        return Err(format!("{} is empty", path.display()));
+    }
+    Ok(s)
+}
+
+impl ImagesConfig {
+    /// Checks the configuration at the server's start: each credential
+    /// entry well formed and its file readable (see [`RegistryAuth::load`]),
+    /// no registry listed twice.
+    ///
+    /// Errors: [`ImageBuildError::Credentials`].
+    pub fn check(&self) -> Result<(), ImageBuildError> {
+        for (i, a) in self.auth.iter().enumerate() {
+            a.load()?;
+            if self.auth[..i].iter().any(|b| b.registry == a.registry) {
+                return Err(ImageBuildError::Credentials {
+                    registry: a.registry.clone(),
+                    reason: "listed twice in [[images.auth]]".into(),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// The credentials for `reference`'s registry (anonymous if none;
+    /// `docker.io` names Docker Hub's `index.docker.io`).
+    ///
+    /// Errors: as [`RegistryAuth::load`]; [`ImageBuildError::Pull`] for a
+    /// reference that does not parse.
+    pub fn auth_for(&self, reference: &str) -> Result<tine_image::registry::Auth, ImageBuildError> {
+        let registry = tine_image::registry::registry_of(reference)?;
+        let listed =
+            |a: &&RegistryAuth| a.registry == registry || (a.registry == "docker.io" && registry == "index.docker.io");
+        match self.auth.iter().find(listed) {
+            Some(a) => a.load(),
+            None => Ok(tine_image::registry::Auth::Anonymous),
+        }
+    }
 }
 
 /// The longest image reference taken, bytes (the distribution spec's
@@ -81,6 +176,23 @@ pub enum ImageBuildError {
     Env {
         /// The reference.
         image: String,
+        /// Why.
+        reason: String,
+    },
+    /// The image's `User` or `WorkingDir` cannot be applied in its root
+    /// filesystem (e.g. a user its `/etc/passwd` lacks).
+    #[error("image {image}: its User or WorkingDir cannot be applied: {reason}")]
+    RunAs {
+        /// The reference.
+        image: String,
+        /// Why (the agent's answer).
+        reason: String,
+    },
+    /// An `[[images.auth]]` entry is wrong or its file unreadable.
+    #[error("[[images.auth]] for registry {registry:?}: {reason}")]
+    Credentials {
+        /// The entry's registry.
+        registry: String,
         /// Why.
         reason: String,
     },
@@ -216,7 +328,7 @@ impl Manager {
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<String>();
         let request = tine_image::registry::PullRequest {
             reference,
-            auth: tine_image::registry::Auth::Anonymous,
+            auth: self.config.images.auth_for(reference)?,
             insecure: &self.config.images.insecure_registries,
             layout: &layout,
         };
@@ -316,11 +428,62 @@ fn build_base(
 mod tests {
     use super::*;
 
+    /// Credentials come from files of mode 0600, per registry; a wrong
+    /// entry or file is refused saying which, a registry not listed pulls
+    /// anonymously.
+    #[test]
+    fn registry_credentials_from_files() {
+        use std::os::unix::fs::PermissionsExt;
+        use tine_image::registry::Auth;
+        let dir = tempfile::tempdir().unwrap();
+        let secret = |name: &str, text: &str, mode: u32| {
+            let f = dir.path().join(name);
+            std::fs::write(&f, text).unwrap();
+            std::fs::set_permissions(&f, std::fs::Permissions::from_mode(mode)).unwrap();
+            Some(f)
+        };
+        let basic = RegistryAuth {
+            registry: "registry.example:5000".into(),
+            username: Some("bot".into()),
+            password_file: secret("pw", "s3cret\n", 0o600),
+            token_file: None,
+        };
+        let bearer = RegistryAuth {
+            registry: "docker.io".into(),
+            token_file: secret("token", "tok", 0o400),
+            ..RegistryAuth::default()
+        };
+        let config = ImagesConfig { auth: vec![basic.clone(), bearer.clone()], ..ImagesConfig::default() };
+        config.check().unwrap();
+        assert_eq!(
+            config.auth_for("registry.example:5000/team/app:1").unwrap(),
+            Auth::Basic { user: "bot".into(), password: "s3cret".into() }
+        );
+        assert_eq!(config.auth_for("library/busybox:1").unwrap(), Auth::Bearer("tok".into()), "Docker Hub");
+        assert_eq!(config.auth_for("other.example/app:1").unwrap(), Auth::Anonymous);
+
+        let bad = [
+            (RegistryAuth { password_file: secret("open", "pw", 0o644), ..basic.clone() }, "chmod 600"),
+            (RegistryAuth { password_file: secret("empty", "\n", 0o600), ..basic.clone() }, "is empty"),
+            (RegistryAuth { password_file: Some(dir.path().join("missing")), ..basic.clone() }, "missing"),
+            (RegistryAuth { token_file: bearer.token_file.clone(), ..basic.clone() }, "token_file alone"),
+            (RegistryAuth { username: None, ..basic.clone() }, "give username"),
+            (RegistryAuth { registry: "a/b".into(), ..basic.clone() }, "host[:port]"),
+        ];
+        for (entry, says) in bad {
+            let e = ImagesConfig { auth: vec![entry], ..ImagesConfig::default() }.check().unwrap_err().to_string();
+            assert!(e.contains(says) && e.starts_with("[[images.auth]] for registry"), "{says}: {e}");
+        }
+        let twice = ImagesConfig { auth: vec![basic.clone(), basic], ..ImagesConfig::default() };
+        assert!(twice.check().unwrap_err().to_string().contains("listed twice"));
+    }
+
     #[tokio::test]
     async fn registries_on_private_addresses_need_the_operator() {
         let config = ImagesConfig {
             insecure_registries: vec!["127.0.0.1:5000".into()],
             private_registries: vec!["10.0.0.7:443".into()],
+            auth: vec![],
         };
         check_registry("127.0.0.1:5000/team/app:1", &config).await.unwrap();
         check_registry("10.0.0.7:443/team/app:1", &config).await.unwrap();

@@ -17,7 +17,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tine_protocol::{Command, Exec, Python};
+use tine_protocol::{Cell, Command, Exec};
 
 use super::backend::VmSource;
 use super::sandbox::SandboxSetup;
@@ -102,7 +102,7 @@ impl Manager {
             output_limit: 0,
         };
         agent.run(exec, RECORD_CALL).await.map_err(connection)?;
-        let cell = Python { code: "1 + 1".into(), timeout_ms: RECORD_CALL.as_millis() as u32, output_limit: 0 };
+        let cell = Cell { code: "1 + 1".into(), timeout_ms: RECORD_CALL.as_millis() as u32, output_limit: 0 };
         match agent.run_python(cell, RECORD_CALL).await {
             // An image without python3 (a template from an OCI image): the
             // working set is the restore's and the exec's.

@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use serde::Deserialize;
-use tine_protocol::{check_sandbox_env, ExitStatus, MAX_TIMEOUT_MS};
+use tine_protocol::{check_sandbox_env, ExitStatus, ProcessDefaults, MAX_TIMEOUT_MS};
 
 use super::calls::ExecRequest;
 use super::{unix_ms, Manager, SandboxError, SandboxSpec};
@@ -311,15 +311,16 @@ impl Manager {
         let report = |step: f64, message: String| cx.progress.report(step, Some(steps), message);
         // From an OCI image: its base image boots, its Env under the
         // recipe's.
-        let (base, mut env) = match &recipe.image {
+        let (base, mut env, run_as) = match &recipe.image {
             Some(image) => {
                 let base = self.base_image(image, &|m| report(0.0, m)).await?;
                 let env = super::images::image_env(&base.run);
                 check_sandbox_env(&super::settings::env_vars(&env))
                     .map_err(|e| super::images::ImageBuildError::Env { image: image.clone(), reason: e.to_string() })?;
-                (Some(base.path), env)
+                let run_as = ProcessDefaults { user: base.run.user.clone(), working_dir: base.run.working_dir.clone() };
+                (Some(base.path), env, Some((image, run_as)).filter(|(_, d)| *d != ProcessDefaults::default()))
             }
-            None => (None, BTreeMap::new()),
+            None => (None, BTreeMap::new(), None),
         };
         env.extend(recipe.env.clone());
         report(
@@ -344,7 +345,17 @@ impl Manager {
             .create_with(spec, &CallContext { owner: cx.owner, tenant: cx.tenant.clone(), ..CallContext::default() })
             .await?
             .sandbox_id;
-        let built = self.run_recipe(&id, recipe, &report).await;
+        let mut built = self.run_recipe(&id, recipe, &report).await;
+        // The setup ran as root (it installs software); the template's
+        // sandboxes run as the image says.
+        if let (Ok(()), Some((image, run_as))) = (&built, run_as) {
+            built = self.set_process_defaults(&id, run_as).await.map_err(|e| match e {
+                SandboxError::Agent(e) => {
+                    super::images::ImageBuildError::RunAs { image: image.clone(), reason: e.to_string() }.into()
+                }
+                e => e,
+            });
+        }
         let built = match built {
             Ok(()) => {
                 report(steps - 1.0, format!("snapshotting {id} as template {}", recipe.name));

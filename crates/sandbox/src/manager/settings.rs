@@ -9,7 +9,7 @@
 use std::collections::BTreeMap;
 
 use netstack::policy::NetworkPolicy;
-use tine_protocol::check_sandbox_env;
+use tine_protocol::{check_sandbox_env, ProcessDefaults};
 
 use super::calls::SHORT_CALL;
 use super::{Manager, SandboxError, SandboxInfo};
@@ -45,6 +45,18 @@ impl Manager {
     pub async fn set_env(&self, id: &str, env: Vec<(String, String)>) -> Result<(), SandboxError> {
         check_sandbox_env(&env)?;
         self.with_agent(id, |a| async move { a.set_env(env, SHORT_CALL).await }).await
+    }
+
+    /// Sets who sandbox `id`'s later commands and interpreters run as,
+    /// and where (an OCI image's `User` and `WorkingDir`; see
+    /// `Op::SetProcessDefaults`). The agent keeps them, so snapshots,
+    /// templates and branch children carry them.
+    ///
+    /// Errors: [`SandboxError::Agent`] with `InvalidRequest` for a user or
+    /// group the guest's `/etc/passwd` or `/etc/group` lacks; as
+    /// [`Manager::exec`] otherwise.
+    pub async fn set_process_defaults(&self, id: &str, defaults: ProcessDefaults) -> Result<(), SandboxError> {
+        self.with_agent(id, |a| async move { a.set_process_defaults(defaults, SHORT_CALL).await }).await
     }
 
     /// Changes sandbox `id`'s settings and returns its info. Everything is

@@ -11,7 +11,7 @@ use rmcp::service::RequestContext;
 use rmcp::{tool, tool_router, Json, RoleServer};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
-use tine_protocol::{ExecReply, ExitStatus, Output, PythonReply};
+use tine_protocol::{CellReply, ExecReply, ExitStatus, Output};
 use tine_sandbox::{ExecRequest, ProcessInfo};
 
 use super::common::{env_map, secs_to_ms};
@@ -287,7 +287,7 @@ impl ExecResult {
 
 impl PythonResult {
     /// The result of `sandbox_run_python` on `sandbox_id` that answered `r`.
-    pub fn new(sandbox_id: String, r: PythonReply) -> Self {
+    pub fn new(sandbox_id: String, r: CellReply) -> Self {
         // The guest cuts a repr over its own cap and reports the whole
         // size; the host cuts again to its budget.
         let result_bytes = r.value.as_ref().map(|v| if r.value_truncated { r.value_bytes } else { v.len() as u64 });
@@ -401,7 +401,7 @@ impl TineMcp {
 
 #[cfg(test)]
 mod tests {
-    use tine_protocol::PythonException;
+    use tine_protocol::CellException;
 
     use super::*;
     use crate::mcp::budget::{json_len, CONTENT_BUDGET};
@@ -413,11 +413,11 @@ mod tests {
 
     #[test]
     fn a_5_mb_repr_and_nul_floods_fit_the_budget() {
-        let r = PythonReply {
+        let r = CellReply {
             value: Some(format!("'{}'", "x".repeat(5_000_000))),
             stdout: output(vec![0; 32 << 10], true),
             stderr: output(vec![b'"'; 32 << 10], true),
-            exception: Some(PythonException {
+            exception: Some(CellException {
                 name: "E".repeat(10_000),
                 message: "\0".repeat(100_000),
                 traceback: "\u{1}".repeat(100_000) + "innermost",
@@ -438,7 +438,7 @@ mod tests {
 
         let small = PythonResult::new(
             "sb-1".into(),
-            PythonReply {
+            CellReply {
                 value: Some("42".into()),
                 stdout: output(b"hi\n".to_vec(), false),
                 stderr: output(vec![], false),
@@ -455,7 +455,7 @@ mod tests {
 
     #[test]
     fn a_repr_the_guest_cut_keeps_its_whole_size() {
-        let r = PythonReply {
+        let r = CellReply {
             value: Some("x".repeat(64 << 10)),
             stdout: output(vec![], false),
             stderr: output(vec![], false),

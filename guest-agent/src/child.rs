@@ -1,0 +1,360 @@
+//! Child processes: how `exec`, background processes and the Python and
+//! Node.js interpreters start what they run, in one place. Each gets the
+//! command's argv ([`argv`]), a process group of its own, its working
+//! directory, its environment (the login defaults the agent inherited,
+//! the user's identity, the sandbox environment of [`crate::env`]), and
+//! the user and groups it runs as; a failed start and an exit status are
+//! mapped the same way for all of them ([`start_error`], [`exit_status`]).
+//!
+//! Who and where come from the process defaults ([`set_defaults`],
+//! `Op::SetProcessDefaults`): an OCI image's `User` and `WorkingDir`
+//! (OCI image spec, config.md). They live in the agent's memory like the
+//! sandbox environment, so a snapshot, a template and a branch child
+//! carry them. Without them commands run as root in `/`.
+
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::Path;
+use std::process::Command as Process;
+use std::sync::Mutex;
+
+use tine_protocol::{AgentError, Command, ExitStatus, ProcessDefaults, MAX_USER_BYTES, MAX_WORKING_DIR_BYTES};
+
+/// The shell for `Command::Shell`: bash where the image has it, else sh.
+pub fn shell() -> &'static str {
+    if Path::new("/bin/bash").exists() {
+        "/bin/bash"
+    } else {
+        "/bin/sh"
+    }
+}
+
+/// The argv of `command`: a shell script runs as `shell -c script`.
+///
+/// Errors: `InvalidRequest` for an empty argv.
+pub fn argv(command: Command) -> Result<Vec<String>, AgentError> {
+    match command {
+        Command::Shell(script) => Ok(vec![shell().to_string(), "-c".into(), script]),
+        Command::Argv(v) if !v.is_empty() => Ok(v),
+        Command::Argv(_) => Err(AgentError::InvalidRequest { reason: "empty argv".into() }),
+    }
+}
+
+/// A user as processes run: ids, supplementary groups, and the names a
+/// login would set (`HOME`, `USER`, `LOGNAME`) where `/etc/passwd` has
+/// the user.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Identity {
+    uid: libc::uid_t,
+    gid: libc::gid_t,
+    groups: Vec<libc::gid_t>,
+    name: Option<String>,
+    home: Option<String>,
+}
+
+/// The process defaults and their generation (bumped at every change, so
+/// an interpreter started under older ones is replaced).
+struct Defaults {
+    generation: u64,
+    identity: Option<Identity>,
+    working_dir: Option<String>,
+}
+
+static DEFAULTS: Mutex<Defaults> = Mutex::new(Defaults { generation: 0, identity: None, working_dir: None });
+
+fn defaults() -> std::sync::MutexGuard<'static, Defaults> {
+    DEFAULTS.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn invalid(reason: String) -> AgentError {
+    AgentError::InvalidRequest { reason }
+}
+
+/// One `name:x:id:...` line of `/etc/passwd` or `/etc/group` (passwd(5),
+/// group(5)), split on `:`.
+fn entries(path: &str) -> Vec<Vec<String>> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .map(|l| l.split(':').map(str::to_string).collect())
+        .collect()
+}
+
+/// Resolves an OCI `User` (`user`, `uid`, `user:group`, `uid:gid`, ...)
+/// against `passwd` and `group` (the files' entries, see [`entries`]).
+fn resolve(user: &str, passwd: &[Vec<String>], group: &[Vec<String>]) -> Result<Identity, AgentError> {
+    let (u, g) = match user.split_once(':') {
+        Some((u, g)) => (u, Some(g)),
+        None => (user, None),
+    };
+    // A passwd entry by name, or by uid for a number.
+    let by_user = passwd.iter().find(|e| e.len() >= 7 && (e[0] == u || (u.parse::<u32>().is_ok() && e[2] == u)));
+    let uid = match (u.parse::<libc::uid_t>(), by_user) {
+        (Ok(n), _) => n,
+        (Err(_), Some(e)) => e[2].parse().map_err(|_| invalid(format!("/etc/passwd has a bad uid for user {u}")))?,
+        (Err(_), None) => return Err(invalid(format!("user {u:?} is not in the image's /etc/passwd"))),
+    };
+    let gid = match g {
+        Some(g) => match g.parse::<libc::gid_t>() {
+            Ok(n) => n,
+            Err(_) => group
+                .iter()
+                .find(|e| e.len() >= 3 && e[0] == g)
+                .and_then(|e| e[2].parse().ok())
+                .ok_or_else(|| invalid(format!("group {g:?} is not in the image's /etc/group")))?,
+        },
+        // The user's primary group; a uid with no entry runs with gid = uid
+        // as runc does (gid 0 would give it root's group).
+        None => match by_user {
+            Some(e) => e[3].parse().map_err(|_| invalid(format!("/etc/passwd has a bad gid for user {u}")))?,
+            None => uid,
+        },
+    };
+    let name = by_user.map(|e| e[0].clone());
+    let mut groups = vec![gid];
+    if let Some(name) = &name {
+        for e in group.iter().filter(|e| e.len() >= 4) {
+            if e[3].split(',').any(|m| m == name) {
+                if let Ok(id) = e[2].parse() {
+                    if !groups.contains(&id) {
+                        groups.push(id);
+                    }
+                }
+            }
+        }
+    }
+    Ok(Identity { uid, gid, groups, name, home: by_user.map(|e| e[5].clone()) })
+}
+
+/// Sets the process defaults (`Op::SetProcessDefaults`).
+///
+/// Errors: `InvalidRequest` for a user or group the guest's files lack, a
+/// value too long, or a relative working directory; `Io` when the working
+/// directory cannot be made. On an error nothing changes.
+pub fn set_defaults(d: ProcessDefaults) -> Result<(), AgentError> {
+    let user = d.user.filter(|u| !u.is_empty());
+    let working_dir = d.working_dir.filter(|w| !w.is_empty());
+    let identity = match &user {
+        Some(u) if u.len() > MAX_USER_BYTES || u.contains('\0') => {
+            return Err(invalid(format!("a user is at most {MAX_USER_BYTES} bytes, without NUL")));
+        }
+        Some(u) => Some(resolve(u, &entries("/etc/passwd"), &entries("/etc/group"))?),
+        None => None,
+    };
+    if let Some(w) = &working_dir {
+        if !w.starts_with('/') || w.len() > MAX_WORKING_DIR_BYTES || w.contains('\0') {
+            return Err(invalid(format!(
+                "the working directory must be an absolute path of at most {MAX_WORKING_DIR_BYTES} bytes: {w:?}"
+            )));
+        }
+        std::fs::create_dir_all(w)
+            .map_err(|e| AgentError::Io { message: format!("cannot make the working directory {w}: {e}") })?;
+    }
+    let mut d = defaults();
+    d.generation += 1;
+    d.identity = identity;
+    d.working_dir = working_dir;
+    Ok(())
+}
+
+/// The defaults' generation (0: never set).
+pub fn generation() -> u64 {
+    defaults().generation
+}
+
+/// Where a command starts when its request names no directory.
+#[derive(Clone, Copy)]
+pub enum Home {
+    /// `/` (exec, background processes).
+    Root,
+    /// The user's home directory if it exists, else `/` (interpreters).
+    User,
+}
+
+/// A command ready to spawn: `argv[0]` with the rest as arguments, in its
+/// own process group, in `cwd` (else the default working directory, else
+/// as `home` says), with the user's identity variables and `env` (the
+/// sandbox environment) over the inherited login defaults, running as the
+/// default user. Returns it with the directory it starts in (for
+/// [`start_error`]). The caller sets stdio and adds its own variables.
+pub fn command(argv: &[String], cwd: Option<&str>, home: Home, env: &[(String, String)]) -> (Process, String) {
+    command_under(&defaults(), argv, cwd, home, env)
+}
+
+/// [`command`] under the defaults `d`.
+fn command_under(
+    d: &Defaults,
+    argv: &[String],
+    cwd: Option<&str>,
+    home: Home,
+    env: &[(String, String)],
+) -> (Process, String) {
+    let user_home = d.identity.as_ref().and_then(|i| i.home.clone()).unwrap_or_else(|| "/root".into());
+    let dir = match (cwd, &d.working_dir, home) {
+        (Some(c), _, _) => c.to_string(),
+        (None, Some(w), _) => w.clone(),
+        (None, None, Home::User) if Path::new(&user_home).is_dir() => user_home.clone(),
+        (None, None, _) => "/".into(),
+    };
+    let mut p = Process::new(&argv[0]);
+    p.args(&argv[1..]).current_dir(&dir).process_group(0);
+    if let Some(id) = &d.identity {
+        if let Some(name) = &id.name {
+            p.env("USER", name).env("LOGNAME", name).env("HOME", &user_home);
+        }
+        run_as(&mut p, id);
+    }
+    p.envs(env.iter().map(|(k, v)| (k, v)));
+    (p, dir)
+}
+
+/// Makes `p` drop to `id` in the child before exec: supplementary groups,
+/// then the gid, then the uid (the order setuid(2) requires: after it the
+/// process may no longer change groups).
+fn run_as(p: &mut Process, id: &Identity) {
+    let (uid, gid, groups) = (id.uid, id.gid, id.groups.clone());
+    // SAFETY: the closure runs in the forked child before exec; it only
+    // makes the setgroups(2), setgid(2) and setuid(2) system calls, which
+    // are async-signal-safe, on data moved into it before the fork; it
+    // allocates nothing.
+    unsafe {
+        p.pre_exec(move || {
+            if libc::setgroups(groups.len(), groups.as_ptr()) != 0 || libc::setgid(gid) != 0 || libc::setuid(uid) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
+/// The error of a command that could not start: `NotADirectory` when its
+/// directory is missing, `NotFound`/`PermissionDenied` naming the program,
+/// `InvalidRequest` for an argument with a NUL, `Io` otherwise.
+pub fn start_error(e: std::io::Error, program: &str, cwd: &str) -> AgentError {
+    match e.kind() {
+        std::io::ErrorKind::NotFound if !Path::new(cwd).is_dir() => AgentError::NotADirectory { path: cwd.into() },
+        std::io::ErrorKind::NotFound => AgentError::NotFound { path: program.into() },
+        std::io::ErrorKind::PermissionDenied => AgentError::PermissionDenied { path: program.into() },
+        std::io::ErrorKind::InvalidInput => invalid(format!("cannot start {program}: {e}")),
+        _ => AgentError::Io { message: format!("cannot start {program}: {e}") },
+    }
+}
+
+/// A process's end: its exit code, or the signal that ended it.
+pub fn exit_status(s: std::process::ExitStatus) -> ExitStatus {
+    match (s.code(), s.signal()) {
+        (Some(c), _) => ExitStatus::Code(c),
+        (None, Some(sig)) => ExitStatus::Signal(sig),
+        (None, None) => ExitStatus::Code(-1),
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    /// The process defaults are one per process: tests that set them or
+    /// start commands under them take this.
+    static SERIAL: Mutex<()> = Mutex::new(());
+
+    pub(crate) fn serial() -> std::sync::MutexGuard<'static, ()> {
+        SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn lines(s: &str) -> Vec<Vec<String>> {
+        s.lines().map(|l| l.split(':').map(str::to_string).collect()).collect()
+    }
+
+    const PASSWD: &str = "root:x:0:0:root:/root:/bin/sh\napp:x:1000:1000::/home/app:/bin/sh\n";
+    const GROUP: &str = "root:x:0:\napp:x:1000:\nextra:x:2000:other,app\nnone:x:3000:other\n";
+
+    #[test]
+    fn users_resolve_as_oci_says() {
+        let (p, g) = (lines(PASSWD), lines(GROUP));
+        let app = resolve("app", &p, &g).unwrap();
+        assert_eq!((app.uid, app.gid, app.groups.clone()), (1000, 1000, vec![1000, 2000]));
+        assert_eq!((app.name.as_deref(), app.home.as_deref()), (Some("app"), Some("/home/app")));
+        // A uid in passwd is that user; one that is not runs with gid = uid.
+        assert_eq!(resolve("1000", &p, &g).unwrap(), app);
+        let anon = resolve("4242", &p, &g).unwrap();
+        assert_eq!((anon.uid, anon.gid, anon.groups, anon.name), (4242, 4242, vec![4242], None));
+        // user:group by name and by number.
+        let ug = resolve("app:extra", &p, &g).unwrap();
+        assert_eq!((ug.uid, ug.gid), (1000, 2000));
+        assert_eq!(resolve("1000:3000", &p, &g).unwrap().gid, 3000);
+        for (bad, says) in
+            [("nobody", "not in the image's /etc/passwd"), ("app:staff", "not in the image's /etc/group")]
+        {
+            let e = resolve(bad, &p, &g).unwrap_err().to_string();
+            assert!(e.contains(says), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn bad_defaults_change_nothing() {
+        let _s = serial();
+        let before = generation();
+        for d in [
+            ProcessDefaults { user: Some("no-such-user-here".into()), working_dir: None },
+            ProcessDefaults { user: None, working_dir: Some("relative/dir".into()) },
+            ProcessDefaults { user: Some("x".repeat(MAX_USER_BYTES + 1)), working_dir: None },
+        ] {
+            assert!(matches!(set_defaults(d.clone()), Err(AgentError::InvalidRequest { .. })), "{d:?}");
+        }
+        assert_eq!(generation(), before);
+    }
+
+    /// A working directory is made if missing and is where commands
+    /// without a `cwd` start; a request's `cwd` still wins; clearing the
+    /// defaults goes back to `/`.
+    #[test]
+    fn the_working_directory_is_made_and_used() {
+        let _s = serial();
+        let dir = tempfile::tempdir().unwrap();
+        let work = dir.path().join("a/b");
+        let work = work.to_str().unwrap();
+        set_defaults(ProcessDefaults { user: None, working_dir: Some(work.into()) }).unwrap();
+        assert!(Path::new(work).is_dir());
+        let working_dir = defaults().working_dir.clone();
+        let (d, g) = (Defaults { generation: 0, identity: None, working_dir }, generation());
+        set_defaults(ProcessDefaults::default()).unwrap();
+        assert_eq!(generation(), g + 1);
+        let pwd = |d: &Defaults, cwd: Option<&str>| {
+            let (mut p, _) = command_under(d, &["pwd".to_string()], cwd, Home::Root, &[]);
+            String::from_utf8(p.output().unwrap().stdout).unwrap()
+        };
+        assert_eq!(pwd(&d, None), format!("{work}\n"));
+        assert_eq!(pwd(&d, Some("/tmp")), "/tmp\n");
+        assert_eq!(pwd(&defaults(), None), "/\n");
+    }
+
+    /// As root (the agent is), a command runs as the default user with its
+    /// groups and login names; the sandbox environment still wins.
+    #[test]
+    fn commands_run_as_the_user() {
+        // SAFETY: getuid(2) has no preconditions.
+        if unsafe { libc::getuid() } != 0 {
+            eprintln!("skipped: changing user needs root, as the agent in a guest is");
+            return;
+        }
+        let id = Identity {
+            uid: 65534,
+            gid: 65533,
+            groups: vec![65533, 4242],
+            name: Some("someone".into()),
+            home: Some("/nonexistent-home".into()),
+        };
+        let d = Defaults { generation: 1, identity: Some(id), working_dir: None };
+        let script = "id -u; id -g; id -G; echo $USER $LOGNAME $HOME $EXTRA; pwd".to_string();
+        let env = [("EXTRA".to_string(), "x".to_string()), ("LOGNAME".to_string(), "mine".to_string())];
+        let (mut p, dir) = command_under(&d, &["sh".into(), "-c".into(), script], None, Home::User, &env);
+        let out = p.output().unwrap();
+        assert_eq!(dir, "/", "a home that does not exist is not a working directory");
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout),
+            "65534\n65533\n65533 4242\nsomeone mine /nonexistent-home x\n/\n",
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
