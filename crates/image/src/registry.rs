@@ -72,7 +72,8 @@ pub enum RegistryError {
 }
 
 /// Credentials for a registry (`[images] auth` in the server's config).
-#[derive(Debug, Clone, Default)]
+/// Its `Debug` shows the kind and user, never a password or token.
+#[derive(Clone, Default, PartialEq, Eq)]
 pub enum Auth {
     /// No credentials (public images; a token service may still issue an
     /// anonymous token).
@@ -87,6 +88,16 @@ pub enum Auth {
     },
     /// A bearer token sent as is.
     Bearer(String),
+}
+
+impl std::fmt::Debug for Auth {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Auth::Anonymous => f.write_str("Anonymous"),
+            Auth::Basic { user, .. } => write!(f, "Basic {{ user: {user:?}, password: <redacted> }}"),
+            Auth::Bearer(_) => f.write_str("Bearer(<redacted>)"),
+        }
+    }
 }
 
 /// What [`pull`] needs.

@@ -99,3 +99,30 @@ fn image_build_from_a_layout_and_from_a_registry() {
     let o = from_registry();
     assert!(o.status.success() && text(&o).contains("0 blobs fetched (0 bytes), 3 already here"), "{}", text(&o));
 }
+
+/// `tine template build --image`: a reference needs a name; credentials in
+/// `[[images.auth]]` are checked before anything opens; a registry on this
+/// host that the operator did not list is refused before any pull or boot.
+#[test]
+fn template_build_from_an_image_reference() {
+    let d = tempfile::tempdir().unwrap();
+    // Non-empty stand-ins: nothing boots in these cases.
+    let (kernel, rootfs) = (d.path().join("vmlinux"), d.path().join("rootfs.ext4"));
+    std::fs::write(&kernel, b"ELF").unwrap();
+    std::fs::write(&rootfs, b"ext4").unwrap();
+    let template = |extra: &[&str], config: &str| {
+        let file = d.path().join("tine.toml");
+        std::fs::write(&file, config).unwrap();
+        let args = ["template", "build", "--kernel", kernel.to_str().unwrap(), "--rootfs", rootfs.to_str().unwrap()];
+        tine(&[&args[..], extra, &["--config", file.to_str().unwrap()]].concat(), d.path())
+    };
+    let o = template(&["--image", "127.0.0.1:9/team/app:1"], "");
+    assert!(!o.status.success() && text(&o).contains("--image needs --name"), "{}", text(&o));
+    let auth = "[[images.auth]]\nregistry = \"127.0.0.1:9\"\nusername = \"bot\"\npassword_file = \"/nonexistent/pw\"\n";
+    let o = template(&["--image", "127.0.0.1:9/team/app:1", "--name", "app"], auth);
+    assert!(!o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("[[images.auth]] for registry \"127.0.0.1:9\": /nonexistent/pw"), "{}", text(&o));
+    let o = template(&["--image", "127.0.0.1:9/team/app:1", "--name", "app"], "");
+    assert!(!o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("private_registries"), "{}", text(&o));
+}

@@ -15,8 +15,9 @@ use super::{resolve, ImageArgs};
 pub(super) enum TemplateCommand {
     /// (Re)build the default template: boot a sandbox, wait for its agent,
     /// snapshot it; with --recipe, build the template a recipe file names
-    /// (README "Templates from a recipe"). The server must not be running
-    /// on the same data directory.
+    /// (README "Templates from a recipe"); with --image and --name, a
+    /// template from an OCI image (README "Base images from OCI images").
+    /// The server must not be running on the same data directory.
     Build(BuildArgs),
     /// List the templates in the data directory.
     List(ImageArgs),
@@ -31,25 +32,42 @@ pub(super) struct BuildArgs {
     /// step_timeout_secs; see deploy/templates/).
     #[arg(long)]
     recipe: Option<PathBuf>,
+    /// An OCI image reference (registry/repository:tag) to build the
+    /// template from, pulled with `[images]`'s settings; with --recipe it
+    /// replaces the recipe's `image`.
+    #[arg(long)]
+    image: Option<String>,
+    /// The template's name, for --image without --recipe.
+    #[arg(long, requires = "image", conflicts_with = "recipe")]
+    name: Option<String>,
 }
 
 /// `tine template build` and `tine template list`.
 pub(super) fn run(cmd: TemplateCommand) -> anyhow::Result<ExitCode> {
-    let (args, build, recipe) = match cmd {
-        TemplateCommand::Build(a) => (a.images, true, a.recipe),
-        TemplateCommand::List(a) => (a, false, None),
+    let (args, build, recipe, image, name) = match cmd {
+        TemplateCommand::Build(a) => (a.images, true, a.recipe, a.image, a.name),
+        TemplateCommand::List(a) => (a, false, None, None, None),
     };
-    let recipe = match recipe {
+    let mut recipe = match recipe {
         Some(path) => {
             let text =
                 std::fs::read_to_string(&path).map_err(|e| anyhow::anyhow!("reading {}: {e}", path.display()))?;
             let recipe: tine_sandbox::Recipe =
                 toml::from_str(&text).map_err(|e| anyhow::anyhow!("recipe {}: {e}", path.display()))?;
-            recipe.check()?;
             Some(recipe)
         }
-        None => None,
+        None => match (&image, name) {
+            (Some(_), Some(name)) => Some(tine_sandbox::Recipe { name, ..tine_sandbox::Recipe::default() }),
+            (Some(_), None) => anyhow::bail!("--image needs --name (the template's) or --recipe"),
+            (None, _) => None,
+        },
     };
+    if let Some(recipe) = recipe.as_mut() {
+        if image.is_some() {
+            recipe.image = image;
+        }
+        recipe.check()?;
+    }
     let r = resolve(&args)?;
     let (manager, _lock) = open_manager(&r, HostProfile::detect(), 0, None)?;
     if build {
