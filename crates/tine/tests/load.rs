@@ -201,8 +201,8 @@ async fn soak(server: &TineServer, creates: usize, branches: usize, rss_noise_ki
 }
 
 /// What CI runs, on one server (one default template build): the issue's
-/// 24 sessions at once, then the soak's short version (10 create cycles
-/// and 3 branch cycles; a cycle is about 4 s of guest work here, and the
+/// 24 sessions at once, then the soak's short version (4 create cycles
+/// and 2 branch cycles; a cycle is about 4 s of guest work here, and the
 /// threads and fds must come back exactly, so a per-cycle leak of either
 /// shows after one cycle). RSS noise bound: 32 MiB (allocator arenas and
 /// the tokio pools settle into it; a per-cycle leak of a guest's memory,
@@ -215,7 +215,7 @@ async fn twenty_four_sessions_then_short_soak() {
     let _serial = SERIAL.lock().await;
     let server = server();
     twenty_four_sessions_at_once(&server).await;
-    soak(&server, 10, 3, 32 << 10).await;
+    soak(&server, 4, 2, 32 << 10).await;
 }
 
 /// The full soak (500 create cycles, 50 branch cycles); on demand.

@@ -2,13 +2,15 @@
 //! step runs `pip install` with the `pip` script (a recipe step is an exec
 //! in the build sandbox, with the sandbox network), then, in a sandbox made
 //! from that template, the package imported by `python3` in an exec, a
-//! background process and the sandbox's Python interpreter; a module in
-//! the global `node_modules` `require`d by `node` in an exec (issue 30:
-//! commands had no `PATH` and `HOME=/`, so these landed where the next
-//! command did not look). With `TINE_TEST_FULL` that module comes from a
-//! real `npm install -g` (five and a half minutes of guest work here); in
-//! CI it is written where npm puts it, and node resolves the registry's
-//! name through the gateway's DNS. Through the NAT and the gateway's DNS to the
+//! background process and the sandbox's Python interpreter; npm's global
+//! `node_modules` on `NODE_PATH` (issue 30: commands had no `PATH` and
+//! `HOME=/`, so these landed where the next command did not look). With
+//! `TINE_TEST_FULL` a module comes from a real `npm install -g` (five and
+//! a half minutes of guest work here) and `node` requires it; in CI the
+//! directory npm's prefix names is checked against `NODE_PATH`
+//! (processes.rs requires a module from there in the Node interpreter),
+//! and the registry's name resolves through the gateway's DNS. Through the
+//! NAT and the gateway's DNS to the
 //! real registries, with the host's CA bundle added to the guests' trust
 //! store (`ca_certificates`: this host's traffic passes a TLS-inspecting
 //! proxy). Skips loudly where `pypi.org` is not reachable from the host.
@@ -104,10 +106,13 @@ async fn pip_and_npm_install_and_the_next_command_finds_the_package() {
         call(&client, "sandbox_run_python", json!({"sandbox_id": id, "code": "import iniconfig\niniconfig.__name__"}));
     assert_eq!(p.await.expect("python")["result"], "'iniconfig'");
 
-    // A module in the global node_modules (NODE_PATH), then `require` in
-    // node finds it: from `npm install -g` with TINE_TEST_FULL, else written
-    // where npm puts it (npm's start and install are minutes here). One
-    // node start also looks the registry up, for the DNS check below.
+    // npm's global modules are where NODE_PATH looks: with TINE_TEST_FULL
+    // `npm install -g` puts one there and `node` requires it (npm's start
+    // and install are minutes here); else the directory npm's global
+    // prefix names (Debian's built-in npm configuration; `npm root -g`
+    // would start npm) must be NODE_PATH (processes.rs requires a module
+    // from there in the Node interpreter). Either looks the registry up,
+    // for the DNS check below.
     if testkit::full_size() {
         let t = Instant::now();
         let npm = "npm install -g --no-audit --no-fund --no-update-notifier --ignore-scripts --loglevel=error \
@@ -115,20 +120,17 @@ async fn pip_and_npm_install_and_the_next_command_finds_the_package() {
         let (code, tail) = run_long(&client, &id, npm, Duration::from_secs(1800)).await;
         assert_eq!(code, 0, "npm install -g: {tail}");
         eprintln!("npm install -g took {:.0} s in the guest", t.elapsed().as_secs_f64());
+        let node =
+            "node -e 'require(\"dns\").lookup(\"registry.npmjs.org\", e => console.log(require(\"is-number\")(5), !e))'";
+        let r = exec(&client, &id, node, 600).await;
+        assert_eq!(r["stdout"], "true true\n", "{r}");
     } else {
-        // The directory npm's global prefix names (Debian's built-in npm
-        // configuration; `npm root -g` would start npm), where NODE_PATH
-        // must point.
-        let module = "p=$(sed -n 's/^prefix=//p' /usr/share/nodejs/npm/npmrc) && \
-                      d=${p:?no prefix in the npm configuration}/lib/node_modules/is-number && mkdir -p $d && \
-                      echo 'module.exports = n => typeof n === \"number\"' > $d/index.js";
-        let r = exec(&client, &id, module, 300).await;
-        assert_eq!(r["exit_code"], 0, "{r}");
+        let prefix = "p=$(sed -n 's/^prefix=//p' /usr/share/nodejs/npm/npmrc) && \
+                      test \"$NODE_PATH\" = \"${p:?no prefix in the npm configuration}/lib/node_modules\" && \
+                      getent hosts registry.npmjs.org > /dev/null && echo ok";
+        let r = exec(&client, &id, prefix, 300).await;
+        assert_eq!(r["stdout"], "ok\n", "NODE_PATH is npm's global directory, and the registry resolves: {r}");
     }
-    let node =
-        "node -e 'require(\"dns\").lookup(\"registry.npmjs.org\", e => console.log(require(\"is-number\")(5), !e))'";
-    let r = exec(&client, &id, node, 600).await;
-    assert_eq!(r["stdout"], "true true\n", "{r}");
     let log = call(&client, "sandbox_network_log", json!({"sandbox_id": id})).await.expect("network log");
     assert!(
         log["records"]

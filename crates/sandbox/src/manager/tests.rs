@@ -1297,3 +1297,36 @@ async fn a_create_asks_for_its_disk_size_and_its_children_inherit_it() {
     let e = none.manager.create(SandboxSpec { disk_mib: Some(256), ..SandboxSpec::default() }).await.unwrap_err();
     assert!(matches!(e, SandboxError::Limits(crate::LimitsError::NoDisks)), "{e}");
 }
+
+/// Only the pool's shape comes from the pool: the default template, vCPUs,
+/// memory and disk, and no base image (the end-to-end hand-out is
+/// `tine::pool`'s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_the_default_shape_is_poolable() {
+    let dir = tempfile::tempdir().unwrap();
+    let pooled = ManagerConfig { pool_size: 2, ..config(dir.path(), limits(4), false) };
+    let (vcpus, memory) = (pooled.limits.default_vcpus, pooled.limits.default_memory_mib);
+    let m = Manager::with_backend(pooled, Arc::new(FakeBackend::default())).expect("a manager");
+    let disk = m.boot_disk_mib();
+    let default = SandboxSpec::default();
+    assert!(m.poolable(&default));
+    let same = SandboxSpec {
+        vcpus: Some(u64::from(vcpus)),
+        memory_mib: Some(memory),
+        disk_mib: Some(disk),
+        template: Some(crate::templates::DEFAULT_TEMPLATE.into()),
+        ..SandboxSpec::default()
+    };
+    assert!(m.poolable(&same), "the default shape, spelled out");
+    for (what, spec) in [
+        ("vcpus", SandboxSpec { vcpus: Some(u64::from(vcpus) + 1), ..SandboxSpec::default() }),
+        ("memory", SandboxSpec { memory_mib: Some(memory / 2), ..SandboxSpec::default() }),
+        ("disk", SandboxSpec { disk_mib: Some(disk + 1024), ..SandboxSpec::default() }),
+        ("template", SandboxSpec { template: Some("other".into()), ..SandboxSpec::default() }),
+        ("base", SandboxSpec { base: Some(dir.path().join("base.ext4")), ..SandboxSpec::default() }),
+    ] {
+        assert!(!m.poolable(&spec), "{what}");
+    }
+    let none = Manager::with_backend(config(dir.path(), limits(4), false), Arc::new(FakeBackend::default())).unwrap();
+    assert!(!none.poolable(&default), "no pool, nothing poolable");
+}
