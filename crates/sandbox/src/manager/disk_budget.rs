@@ -98,6 +98,9 @@ pub struct DiskBytes {
     /// Kept sandboxes' files: hibernations (memory, state, disk layers),
     /// records and pinned template files.
     pub hibernations: u64,
+    /// OCI images: pulled blobs (`DATA_DIR/images/oci`) and the base
+    /// images built from them (`DATA_DIR/images/bases`).
+    pub images: u64,
     /// The size of the disks live and hibernated sandboxes hold, as the
     /// disk budget counts them.
     pub reserved: u64,
@@ -121,6 +124,8 @@ impl Manager {
             sandbox_layers,
             templates: crate::store::disk_use(&self.config.templates_dir),
             hibernations: self.kept_bytes(),
+            images: crate::store::disk_use(&self.config.images_dir.join("oci"))
+                + crate::store::disk_use(&self.config.images_dir.join("bases")),
             reserved,
             budget: self.disk_budget_mib.saturating_mul(1 << 20),
         }
