@@ -10,8 +10,16 @@
 //! `Op::SetProcessDefaults`): an OCI image's `User` and `WorkingDir`
 //! (OCI image spec, config.md). They live in the agent's memory like the
 //! sandbox environment, so a snapshot, a template and a branch child
-//! carry them. Without them commands run as root in `/`.
+//! carry them. Without them commands run as root, in `/` (exec,
+//! background processes) or `/root` (the interpreters).
+//!
+//! Running as another user follows what container runtimes do (runc's
+//! `libcontainer/user`): a uid `/etc/passwd` lacks runs with gid 0 and
+//! `HOME=/`; the pipes the agent made for the child's fds 0-2 are given
+//! to the user, so that it can open `/dev/stdout` and friends (pipes are
+//! mode 0600, owned by their maker).
 
+use std::os::fd::RawFd;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::Path;
 use std::process::Command as Process;
@@ -51,15 +59,22 @@ struct Identity {
     home: Option<String>,
 }
 
-/// The process defaults and their generation (bumped at every change, so
-/// an interpreter started under older ones is replaced).
+/// The process defaults as given, resolved, and their generation (bumped
+/// at every change, so an interpreter started under older ones is
+/// replaced).
 struct Defaults {
     generation: u64,
+    given: ProcessDefaults,
     identity: Option<Identity>,
     working_dir: Option<String>,
 }
 
-static DEFAULTS: Mutex<Defaults> = Mutex::new(Defaults { generation: 0, identity: None, working_dir: None });
+static DEFAULTS: Mutex<Defaults> = Mutex::new(Defaults {
+    generation: 0,
+    given: ProcessDefaults { user: None, working_dir: None },
+    identity: None,
+    working_dir: None,
+});
 
 fn defaults() -> std::sync::MutexGuard<'static, Defaults> {
     DEFAULTS.lock().unwrap_or_else(|p| p.into_inner())
@@ -103,11 +118,12 @@ fn resolve(user: &str, passwd: &[Vec<String>], group: &[Vec<String>]) -> Result<
                 .and_then(|e| e[2].parse().ok())
                 .ok_or_else(|| invalid(format!("group {g:?} is not in the image's /etc/group")))?,
         },
-        // The user's primary group; a uid with no entry runs with gid = uid
-        // as runc does (gid 0 would give it root's group).
+        // The user's primary group; a uid with no entry runs with gid 0, as
+        // runc and Docker run it (images made for any uid, e.g. OpenShift's,
+        // make their directories group-0 writable).
         None => match by_user {
             Some(e) => e[3].parse().map_err(|_| invalid(format!("/etc/passwd has a bad gid for user {u}")))?,
-            None => uid,
+            None => 0,
         },
     };
     let name = by_user.map(|e| e[0].clone());
@@ -123,17 +139,40 @@ fn resolve(user: &str, passwd: &[Vec<String>], group: &[Vec<String>]) -> Result<
             }
         }
     }
-    Ok(Identity { uid, gid, groups, name, home: by_user.map(|e| e[5].clone()) })
+    // No entry, or an empty home: `/`, as runc sets it.
+    let home = by_user.map(|e| e[5].clone()).filter(|h| !h.is_empty());
+    Ok(Identity { uid, gid, groups, name, home })
 }
 
-/// Sets the process defaults (`Op::SetProcessDefaults`).
+/// Checks a working directory and makes it if missing (as `mkdir -p`; the
+/// last directory, when made here, is given to `owner`'s uid and gid).
+///
+/// Errors: `InvalidRequest` for a relative or too long path; `Io` when it
+/// cannot be made.
+fn make_working_dir(w: &str, owner: Option<&Identity>) -> Result<(), AgentError> {
+    if !w.starts_with('/') || w.len() > MAX_WORKING_DIR_BYTES || w.contains('\0') {
+        return Err(invalid(format!(
+            "the working directory must be an absolute path of at most {MAX_WORKING_DIR_BYTES} bytes: {w:?}"
+        )));
+    }
+    let existed = Path::new(w).is_dir();
+    let io = |e: std::io::Error| AgentError::Io { message: format!("cannot make the working directory {w}: {e}") };
+    std::fs::create_dir_all(w).map_err(io)?;
+    if let (false, Some(id)) = (existed, owner) {
+        std::os::unix::fs::chown(w, Some(id.uid), Some(id.gid)).map_err(io)?;
+    }
+    Ok(())
+}
+
+/// Sets the process defaults (`Op::SetProcessDefaults`); returns the ones
+/// they replace, as they were given.
 ///
 /// Errors: `InvalidRequest` for a user or group the guest's files lack, a
 /// value too long, or a relative working directory; `Io` when the working
 /// directory cannot be made. On an error nothing changes.
-pub fn set_defaults(d: ProcessDefaults) -> Result<(), AgentError> {
-    let user = d.user.filter(|u| !u.is_empty());
-    let working_dir = d.working_dir.filter(|w| !w.is_empty());
+pub fn set_defaults(d: ProcessDefaults) -> Result<ProcessDefaults, AgentError> {
+    let user = d.user.clone().filter(|u| !u.is_empty());
+    let working_dir = d.working_dir.clone().filter(|w| !w.is_empty());
     let identity = match &user {
         Some(u) if u.len() > MAX_USER_BYTES || u.contains('\0') => {
             return Err(invalid(format!("a user is at most {MAX_USER_BYTES} bytes, without NUL")));
@@ -142,19 +181,13 @@ pub fn set_defaults(d: ProcessDefaults) -> Result<(), AgentError> {
         None => None,
     };
     if let Some(w) = &working_dir {
-        if !w.starts_with('/') || w.len() > MAX_WORKING_DIR_BYTES || w.contains('\0') {
-            return Err(invalid(format!(
-                "the working directory must be an absolute path of at most {MAX_WORKING_DIR_BYTES} bytes: {w:?}"
-            )));
-        }
-        std::fs::create_dir_all(w)
-            .map_err(|e| AgentError::Io { message: format!("cannot make the working directory {w}: {e}") })?;
+        make_working_dir(w, identity.as_ref())?;
     }
-    let mut d = defaults();
-    d.generation += 1;
-    d.identity = identity;
-    d.working_dir = working_dir;
-    Ok(())
+    let mut current = defaults();
+    current.generation += 1;
+    current.identity = identity;
+    current.working_dir = working_dir;
+    Ok(std::mem::replace(&mut current.given, d))
 }
 
 /// The defaults' generation (0: never set).
@@ -175,10 +208,18 @@ pub enum Home {
 /// own process group, in `cwd` (else the default working directory, else
 /// as `home` says), with the user's identity variables and `env` (the
 /// sandbox environment) over the inherited login defaults, running as the
-/// default user. Returns it with the directory it starts in (for
-/// [`start_error`]). The caller sets stdio and adds its own variables.
-pub fn command(argv: &[String], cwd: Option<&str>, home: Home, env: &[(String, String)]) -> (Process, String) {
-    command_under(&defaults(), argv, cwd, home, env)
+/// default user, to whom its fds 0-2 and the inherited fds `shared` are
+/// given when they are pipes or sockets. Returns it with the directory it
+/// starts in (for [`start_error`]). The caller sets stdio and adds its
+/// own variables.
+pub fn command(
+    argv: &[String],
+    cwd: Option<&str>,
+    home: Home,
+    env: &[(String, String)],
+    shared: &[RawFd],
+) -> (Process, String) {
+    command_under(&defaults(), argv, cwd, home, env, shared)
 }
 
 /// [`command`] under the defaults `d`.
@@ -188,8 +229,13 @@ fn command_under(
     cwd: Option<&str>,
     home: Home,
     env: &[(String, String)],
+    shared: &[RawFd],
 ) -> (Process, String) {
-    let user_home = d.identity.as_ref().and_then(|i| i.home.clone()).unwrap_or_else(|| "/root".into());
+    // Root's home without a user; a user's from its passwd entry, else `/`.
+    let user_home = match &d.identity {
+        Some(i) => i.home.clone().unwrap_or_else(|| "/".into()),
+        None => "/root".into(),
+    };
     let dir = match (cwd, &d.working_dir, home) {
         (Some(c), _, _) => c.to_string(),
         (None, Some(w), _) => w.clone(),
@@ -199,26 +245,39 @@ fn command_under(
     let mut p = Process::new(&argv[0]);
     p.args(&argv[1..]).current_dir(&dir).process_group(0);
     if let Some(id) = &d.identity {
+        p.env("HOME", &user_home);
         if let Some(name) = &id.name {
-            p.env("USER", name).env("LOGNAME", name).env("HOME", &user_home);
+            p.env("USER", name).env("LOGNAME", name);
         }
-        run_as(&mut p, id);
+        run_as(&mut p, id, shared);
     }
     p.envs(env.iter().map(|(k, v)| (k, v)));
     (p, dir)
 }
 
-/// Makes `p` drop to `id` in the child before exec: supplementary groups,
-/// then the gid, then the uid (the order setuid(2) requires: after it the
-/// process may no longer change groups).
-fn run_as(p: &mut Process, id: &Identity) {
+/// Makes `p` drop to `id` in the child before exec: fds 0-2 and `shared`
+/// given to the user where they are pipes or sockets (fchown(2)), then
+/// supplementary groups, the gid and the uid (the order setuid(2)
+/// requires: after it the process may no longer change groups).
+fn run_as(p: &mut Process, id: &Identity, shared: &[RawFd]) {
     let (uid, gid, groups) = (id.uid, id.gid, id.groups.clone());
+    let mut fds = vec![0, 1, 2];
+    fds.extend_from_slice(shared);
     // SAFETY: the closure runs in the forked child before exec; it only
-    // makes the setgroups(2), setgid(2) and setuid(2) system calls, which
-    // are async-signal-safe, on data moved into it before the fork; it
-    // allocates nothing.
+    // makes the fstat(2), fchown(2), setgroups(2), setgid(2) and setuid(2)
+    // system calls, which are async-signal-safe, on data moved into it
+    // before the fork (`st` is on the stack); it allocates nothing.
     unsafe {
         p.pre_exec(move || {
+            for &fd in &fds {
+                let mut st: libc::stat = std::mem::zeroed();
+                if libc::fstat(fd, &mut st) == 0
+                    && matches!(st.st_mode & libc::S_IFMT, libc::S_IFIFO | libc::S_IFSOCK)
+                    && libc::fchown(fd, uid, gid) != 0
+                {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
             if libc::setgroups(groups.len(), groups.as_ptr()) != 0 || libc::setgid(gid) != 0 || libc::setuid(uid) != 0 {
                 return Err(std::io::Error::last_os_error());
             }
@@ -250,16 +309,8 @@ pub fn exit_status(s: std::process::ExitStatus) -> ExitStatus {
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
+mod tests {
     use super::*;
-
-    /// The process defaults are one per process: tests that set them or
-    /// start commands under them take this.
-    static SERIAL: Mutex<()> = Mutex::new(());
-
-    pub(crate) fn serial() -> std::sync::MutexGuard<'static, ()> {
-        SERIAL.lock().unwrap_or_else(|p| p.into_inner())
-    }
 
     fn lines(s: &str) -> Vec<Vec<String>> {
         s.lines().map(|l| l.split(':').map(str::to_string).collect()).collect()
@@ -268,16 +319,26 @@ pub(crate) mod tests {
     const PASSWD: &str = "root:x:0:0:root:/root:/bin/sh\napp:x:1000:1000::/home/app:/bin/sh\n";
     const GROUP: &str = "root:x:0:\napp:x:1000:\nextra:x:2000:other,app\nnone:x:3000:other\n";
 
+    fn under(identity: Option<Identity>, working_dir: Option<&str>) -> Defaults {
+        Defaults {
+            generation: 1,
+            given: ProcessDefaults::default(),
+            identity,
+            working_dir: working_dir.map(str::to_string),
+        }
+    }
+
     #[test]
     fn users_resolve_as_oci_says() {
         let (p, g) = (lines(PASSWD), lines(GROUP));
         let app = resolve("app", &p, &g).unwrap();
         assert_eq!((app.uid, app.gid, app.groups.clone()), (1000, 1000, vec![1000, 2000]));
         assert_eq!((app.name.as_deref(), app.home.as_deref()), (Some("app"), Some("/home/app")));
-        // A uid in passwd is that user; one that is not runs with gid = uid.
+        // A uid in passwd is that user; one that is not runs with gid 0 and
+        // no home, as runc runs it.
         assert_eq!(resolve("1000", &p, &g).unwrap(), app);
         let anon = resolve("4242", &p, &g).unwrap();
-        assert_eq!((anon.uid, anon.gid, anon.groups, anon.name), (4242, 4242, vec![4242], None));
+        assert_eq!((anon.uid, anon.gid, anon.groups, anon.name, anon.home), (4242, 0, vec![0], None, None));
         // user:group by name and by number.
         let ug = resolve("app:extra", &p, &g).unwrap();
         assert_eq!((ug.uid, ug.gid), (1000, 2000));
@@ -290,9 +351,10 @@ pub(crate) mod tests {
         }
     }
 
+    /// Refused defaults leave the current ones (no other test changes
+    /// them: the Node and Python tests' interpreters would restart).
     #[test]
     fn bad_defaults_change_nothing() {
-        let _s = serial();
         let before = generation();
         for d in [
             ProcessDefaults { user: Some("no-such-user-here".into()), working_dir: None },
@@ -304,32 +366,37 @@ pub(crate) mod tests {
         assert_eq!(generation(), before);
     }
 
-    /// A working directory is made if missing and is where commands
-    /// without a `cwd` start; a request's `cwd` still wins; clearing the
-    /// defaults goes back to `/`.
+    /// A working directory is made if missing (given to the user) and is
+    /// where commands without a `cwd` start; a request's `cwd` still wins;
+    /// without one, `/`.
     #[test]
     fn the_working_directory_is_made_and_used() {
-        let _s = serial();
         let dir = tempfile::tempdir().unwrap();
         let work = dir.path().join("a/b");
         let work = work.to_str().unwrap();
-        set_defaults(ProcessDefaults { user: None, working_dir: Some(work.into()) }).unwrap();
-        assert!(Path::new(work).is_dir());
-        let working_dir = defaults().working_dir.clone();
-        let (d, g) = (Defaults { generation: 0, identity: None, working_dir }, generation());
-        set_defaults(ProcessDefaults::default()).unwrap();
-        assert_eq!(generation(), g + 1);
+        let owner = Identity { uid: 4242, gid: 4343, groups: vec![4343], name: None, home: None };
+        make_working_dir(work, Some(&owner)).unwrap();
+        use std::os::unix::fs::MetadataExt;
+        let m = std::fs::metadata(work).unwrap();
+        // SAFETY: getuid(2) has no preconditions.
+        if unsafe { libc::getuid() } == 0 {
+            assert_eq!((m.uid(), m.gid()), (4242, 4343), "the made directory is the user's");
+        }
+        make_working_dir(work, None).unwrap();
+        assert!(matches!(make_working_dir("rel", None), Err(AgentError::InvalidRequest { .. })));
         let pwd = |d: &Defaults, cwd: Option<&str>| {
-            let (mut p, _) = command_under(d, &["pwd".to_string()], cwd, Home::Root, &[]);
+            let (mut p, _) = command_under(d, &["pwd".to_string()], cwd, Home::Root, &[], &[]);
             String::from_utf8(p.output().unwrap().stdout).unwrap()
         };
-        assert_eq!(pwd(&d, None), format!("{work}\n"));
-        assert_eq!(pwd(&d, Some("/tmp")), "/tmp\n");
-        assert_eq!(pwd(&defaults(), None), "/\n");
+        assert_eq!(pwd(&under(None, Some(work)), None), format!("{work}\n"));
+        assert_eq!(pwd(&under(None, Some(work)), Some("/tmp")), "/tmp\n");
+        assert_eq!(pwd(&under(None, None), None), "/\n");
     }
 
     /// As root (the agent is), a command runs as the default user with its
-    /// groups and login names; the sandbox environment still wins.
+    /// groups and login names, can open its own stdout by path (the pipe
+    /// was given to it), and the sandbox environment still wins; a uid
+    /// without a passwd entry has `HOME=/`.
     #[test]
     fn commands_run_as_the_user() {
         // SAFETY: getuid(2) has no preconditions.
@@ -344,17 +411,22 @@ pub(crate) mod tests {
             name: Some("someone".into()),
             home: Some("/nonexistent-home".into()),
         };
-        let d = Defaults { generation: 1, identity: Some(id), working_dir: None };
-        let script = "id -u; id -g; id -G; echo $USER $LOGNAME $HOME $EXTRA; pwd".to_string();
+        let script =
+            "id -u; id -g; id -G; echo $USER $LOGNAME $HOME $EXTRA; pwd; echo by-path > /dev/stdout".to_string();
         let env = [("EXTRA".to_string(), "x".to_string()), ("LOGNAME".to_string(), "mine".to_string())];
-        let (mut p, dir) = command_under(&d, &["sh".into(), "-c".into(), script], None, Home::User, &env);
-        let out = p.output().unwrap();
+        let argv = ["sh".to_string(), "-c".to_string(), script];
+        let (mut p, dir) = command_under(&under(Some(id), None), &argv, None, Home::User, &env, &[]);
+        let out = p.stdout(std::process::Stdio::piped()).output().unwrap();
         assert_eq!(dir, "/", "a home that does not exist is not a working directory");
         assert_eq!(
             String::from_utf8_lossy(&out.stdout),
-            "65534\n65533\n65533 4242\nsomeone mine /nonexistent-home x\n/\n",
+            "65534\n65533\n65533 4242\nsomeone mine /nonexistent-home x\n/\nby-path\n",
             "{}",
             String::from_utf8_lossy(&out.stderr)
         );
+        let anon = resolve("4242", &[], &[]).unwrap();
+        let argv = ["sh".to_string(), "-c".to_string(), "id -u; id -g; echo $HOME".to_string()];
+        let (mut p, _) = command_under(&under(Some(anon), None), &argv, None, Home::Root, &[], &[]);
+        assert_eq!(String::from_utf8_lossy(&p.output().unwrap().stdout), "4242\n0\n/\n");
     }
 }

@@ -122,7 +122,8 @@ pub fn run(req: Exec, progress: Option<(&dyn Fn(Progress), Duration)>) -> Result
     let argv = child::argv(req.command)?;
     let started = Instant::now();
     let deadline = started + Duration::from_millis(u64::from(timeout_ms));
-    let (mut process, cwd) = child::command(&argv, req.cwd.as_deref(), child::Home::Root, &crate::env::current().1);
+    let (mut process, cwd) =
+        child::command(&argv, req.cwd.as_deref(), child::Home::Root, &crate::env::current().1, &[]);
     let mut child = process
         .envs(req.env.iter().map(|(k, v)| (k, v)))
         .stdin(Stdio::piped())

@@ -67,10 +67,14 @@ pub struct Language {
 }
 
 impl Language {
-    /// The error of a failed spawn of [`Language::program`]: `Unsupported`
-    /// when it is not installed, else `Io`.
-    pub fn spawn_error(&self, e: std::io::Error) -> AgentError {
+    /// The error of a failed spawn of [`Language::program`] in `cwd`:
+    /// `NotADirectory` when `cwd` is missing (a working directory removed),
+    /// `Unsupported` when the program is not installed, else `Io`.
+    pub fn spawn_error(&self, e: std::io::Error, cwd: &str) -> AgentError {
         match e.kind() {
+            std::io::ErrorKind::NotFound if !std::path::Path::new(cwd).is_dir() => {
+                AgentError::NotADirectory { path: cwd.into() }
+            }
             std::io::ErrorKind::NotFound => {
                 AgentError::Unsupported { reason: format!("{} is not installed in this sandbox's image", self.program) }
             }

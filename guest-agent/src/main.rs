@@ -85,7 +85,7 @@ fn handle(op: Op, started: Instant, progress: &dyn Fn(Progress)) -> Result<Reply
         Op::Rename { from, to } => files::rename(&from, &to).map(|()| Reply::Done),
         Op::PythonWarmUp => python::warm_up().map(|interpreter_start_ms| Reply::PythonWarm { interpreter_start_ms }),
         Op::Node(p) => node::run(p).map(Reply::Python),
-        Op::SetProcessDefaults(d) => child::set_defaults(d).map(|()| Reply::Done),
+        Op::SetProcessDefaults(d) => child::set_defaults(d).map(Reply::ProcessDefaults),
     }
 }
 

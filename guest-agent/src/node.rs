@@ -64,7 +64,7 @@ fn spawn(env: &[(String, String)]) -> Result<Spawned, AgentError> {
     let inherited = [requests_r.as_raw_fd(), replies_w.as_raw_fd()];
     let argv = ["node", "--expose-internals", "-e", REPL, "--", &inherited[0].to_string(), &inherited[1].to_string()]
         .map(String::from);
-    let (mut cmd, _) = child::command(&argv, None, child::Home::User, env);
+    let (mut cmd, cwd) = child::command(&argv, None, child::Home::User, env, &inherited);
     cmd.stdin(Stdio::null()).stdout(stdout_w).stderr(stderr_w);
     // SAFETY: the closure runs in the forked child before exec and only
     // calls fcntl(2), which is async-signal-safe, on two fds that are open
@@ -86,7 +86,7 @@ fn spawn(env: &[(String, String)]) -> Result<Spawned, AgentError> {
     drop(cmd);
     drop(requests_r);
     drop(replies_w);
-    let mut child = spawned.map_err(|e| INTERPRETER.language().spawn_error(e))?;
+    let mut child = spawned.map_err(|e| INTERPRETER.language().spawn_error(e, &cwd))?;
     let capture = match Capture::new(stdout_r, stderr_r) {
         Ok(c) => c,
         Err(e) => {
@@ -151,7 +151,7 @@ pub(crate) mod tests {
     #[test]
     fn a_missing_program_is_unsupported() {
         let e = Command::new("tine-test-no-such-node").spawn().expect_err("no such program");
-        match INTERPRETER.language().spawn_error(e) {
+        match INTERPRETER.language().spawn_error(e, "/") {
             AgentError::Unsupported { reason } => {
                 assert_eq!(reason, "node is not installed in this sandbox's image")
             }

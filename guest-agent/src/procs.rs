@@ -328,7 +328,7 @@ pub fn spawn(req: Spawn) -> Result<ProcessInfo, AgentError> {
     // Python's output unbuffered unless the sandbox environment says else.
     let mut env = vec![("PYTHONUNBUFFERED".to_string(), "1".to_string())];
     env.extend(crate::env::current().1);
-    let (mut process, cwd) = child::command(&argv, req.cwd.as_deref(), child::Home::Root, &env);
+    let (mut process, cwd) = child::command(&argv, req.cwd.as_deref(), child::Home::Root, &env, &[]);
     let mut child = process
         .envs(req.env.iter().map(|(k, v)| (k, v)))
         .env("TINE_PROCESS_ID", format!("p{id}"))

@@ -31,14 +31,14 @@ static INTERPRETER: Repl = Repl::new(Language { name: "Python", program: "python
 /// its stdout (`repl.py` moves both off fds 0 and 1 at once).
 fn spawn(env: &[(String, String)]) -> Result<Spawned, AgentError> {
     let argv = ["python3", "-u", "-c", REPL].map(String::from);
-    let (mut process, _) = child::command(&argv, None, child::Home::User, env);
+    let (mut process, cwd) = child::command(&argv, None, child::Home::User, env, &[]);
     let mut child = process
         .env("PYTHONIOENCODING", "utf-8")
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
-        .map_err(|e| INTERPRETER.language().spawn_error(e))?;
+        .map_err(|e| INTERPRETER.language().spawn_error(e, &cwd))?;
     let (Some(stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else {
         let _ = child.kill();
         let _ = child.wait();

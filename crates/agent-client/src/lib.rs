@@ -153,6 +153,7 @@ fn reply_kind(r: &Reply) -> &'static str {
         Reply::ProcessOutput(_) => "process output",
         Reply::ProcessWaited(_) => "process waited",
         Reply::ProcessWritten { .. } => "process written",
+        Reply::ProcessDefaults(_) => "process defaults",
     }
 }
 
@@ -484,15 +485,19 @@ impl AgentClient {
 
     /// Sets who every later exec, background process and interpreter runs
     /// as, and where (`Op::SetProcessDefaults`: an OCI image's `User` and
-    /// `WorkingDir`).
+    /// `WorkingDir`); returns the defaults it replaced.
     ///
     /// Errors: as [`AgentClient::ping`]; [`ClientError::Agent`] with
     /// `InvalidRequest` for a user or group the guest lacks or a bad
     /// directory, `Io` when the directory cannot be made, `Unsupported`
     /// from an agent older than the operation.
-    pub async fn set_process_defaults(&self, defaults: ProcessDefaults, timeout: Duration) -> Result<(), ClientError> {
+    pub async fn set_process_defaults(
+        &self,
+        defaults: ProcessDefaults,
+        timeout: Duration,
+    ) -> Result<ProcessDefaults, ClientError> {
         self.call_for(Op::SetProcessDefaults(defaults), timeout, |r| match r {
-            Reply::Done => Ok(()),
+            Reply::ProcessDefaults(before) => Ok(before),
             other => Err(Box::new(other)),
         })
         .await

@@ -309,7 +309,9 @@ pub enum Op {
     /// sandbox environment, so snapshots, templates and branch children
     /// carry it. A running interpreter is restarted (empty) on its next
     /// cell; processes already running keep theirs. File operations stay
-    /// root's. Answered [`Reply::Done`]. Errors: `InvalidRequest` for a
+    /// root's. Answered [`Reply::ProcessDefaults`] with the defaults it
+    /// replaced (so a caller can run as root for a while and put them
+    /// back). Errors: `InvalidRequest` for a
     /// user or group the guest's `/etc/passwd` or `/etc/group` lacks, or a
     /// relative or too long working directory; `Io` when the working
     /// directory cannot be made. On an error nothing changes.
@@ -327,9 +329,11 @@ pub struct ProcessDefaults {
     pub user: Option<String>,
     /// OCI `WorkingDir`: the absolute directory a command without its own
     /// `cwd` starts in, and the interpreters' (at most
-    /// [`MAX_WORKING_DIR_BYTES`] bytes); made (as `mkdir -p`, owned by root) if
-    /// missing. `None` or empty: `/` for commands, the user's home (or
-    /// `/`) for the interpreters.
+    /// [`MAX_WORKING_DIR_BYTES`] bytes); made if missing (as `mkdir -p`;
+    /// the last directory, when made, is the user's). `None` or empty: `/`
+    /// for commands, the user's home for the interpreters (root's
+    /// `/root`; a uid `/etc/passwd` lacks has `/`, and gid 0, as runc
+    /// gives it).
     pub working_dir: Option<String>,
 }
 
@@ -570,6 +574,9 @@ pub enum Reply {
         /// The process after the write.
         info: ProcessInfo,
     },
+    /// To `SetProcessDefaults`: the defaults it replaced, as they were
+    /// given.
+    ProcessDefaults(ProcessDefaults),
 }
 
 /// A running request's progress.

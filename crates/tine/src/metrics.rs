@@ -321,14 +321,12 @@ impl Metrics {
         self.guest_memory.set((used.total_mib() << 20) as i64);
         self.budget.set((budget_mib << 20) as i64);
         let disk = manager.disk_bytes();
-        for (kind, bytes) in
-            [
-                ("sandbox", disk.sandbox_layers),
-                ("template", disk.templates),
-                ("hibernation", disk.hibernations),
-                ("image", disk.images),
-            ]
-        {
+        for (kind, bytes) in [
+            ("sandbox", disk.sandbox_layers),
+            ("template", disk.templates),
+            ("hibernation", disk.hibernations),
+            ("image", disk.images),
+        ] {
             self.disk.get_or_create(&KindLabel { kind }).set(i64::try_from(bytes).unwrap_or(i64::MAX));
         }
         self.disk_reserved.set(i64::try_from(disk.reserved).unwrap_or(i64::MAX));

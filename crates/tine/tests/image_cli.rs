@@ -101,8 +101,9 @@ fn image_build_from_a_layout_and_from_a_registry() {
 }
 
 /// `tine template build --image`: a reference needs a name; credentials in
-/// `[[images.auth]]` are checked before anything opens; a registry on this
-/// host that the operator did not list is refused before any pull or boot.
+/// `[[images.auth]]` are read when their registry is pulled from (a bad
+/// file is named); a registry on this host that the operator did not list
+/// is refused before any pull or boot.
 #[test]
 fn template_build_from_an_image_reference() {
     let d = tempfile::tempdir().unwrap();
@@ -118,8 +119,15 @@ fn template_build_from_an_image_reference() {
     };
     let o = template(&["--image", "127.0.0.1:9/team/app:1"], "");
     assert!(!o.status.success() && text(&o).contains("--image needs --name"), "{}", text(&o));
-    let auth = "[[images.auth]]\nregistry = \"127.0.0.1:9\"\nusername = \"bot\"\npassword_file = \"/nonexistent/pw\"\n";
+    let auth = "[images]\ninsecure_registries = [\"127.0.0.1:9\"]\n[[images.auth]]\nregistry = \"127.0.0.1:9\"\n\
+                username = \"bot\"\npassword_file = \"/nonexistent/pw\"\n";
     let o = template(&["--image", "127.0.0.1:9/team/app:1", "--name", "app"], auth);
+    assert!(!o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("[[images.auth]] for registry \"127.0.0.1:9\": /nonexistent/pw"), "{}", text(&o));
+    // A server checks them at its start, before it listens.
+    let file = d.path().join("tine.toml");
+    let server = ["server", "start", "--dev", "--listen", "127.0.0.1:0", "--config", file.to_str().unwrap()];
+    let o = tine(&server, d.path());
     assert!(!o.status.success(), "{}", text(&o));
     assert!(text(&o).contains("[[images.auth]] for registry \"127.0.0.1:9\": /nonexistent/pw"), "{}", text(&o));
     let o = template(&["--image", "127.0.0.1:9/team/app:1", "--name", "app"], "");

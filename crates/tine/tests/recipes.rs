@@ -218,8 +218,12 @@ async fn template_from_an_image(client: &rmcp::Peer<rmcp::RoleClient>, registry:
     assert_eq!(out, "set up in busybox image\nbusybox image\n/bin from-the-recipe\nno-debian\nbusybox\n");
     // The image's User and WorkingDir (made, as the image lacks it) for
     // exec and background processes; the setup ran as root.
-    let who = "id -u; id -G; pwd; echo $HOME $USER; stat -c %U /etc/built";
-    assert_eq!(stdout_of(client, &sb, who).await, "1000\n1000 2000\n/home/app/work\n/home/app app\nroot\n");
+    // The directory made for it is the user's, and so are its output pipes.
+    let who = "id -u; id -G; pwd; echo $HOME $USER; stat -c %U /etc/built .; echo by-path > /dev/stdout";
+    assert_eq!(
+        stdout_of(client, &sb, who).await,
+        "1000\n1000 2000\n/home/app/work\n/home/app app\nroot\napp\nby-path\n"
+    );
     let bg = call(
         client,
         "sandbox_exec",

@@ -304,7 +304,7 @@ impl Shared {
                 tine_protocol::check_sandbox_env(&env)?;
                 Reply::Done
             }
-            Op::SetProcessDefaults(_) => Reply::Done,
+            Op::SetProcessDefaults(_) => Reply::ProcessDefaults(tine_protocol::ProcessDefaults::default()),
             Op::Info => Reply::Info(AgentInfo {
                 agent_version: "fake".into(),
                 protocol_version: tine_protocol::PROTOCOL_VERSION,

@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use serde::Deserialize;
-use tine_protocol::{check_sandbox_env, ExitStatus, ProcessDefaults, MAX_TIMEOUT_MS};
+use tine_protocol::{check_sandbox_env, AgentError, ExitStatus, ProcessDefaults, MAX_TIMEOUT_MS};
 
 use super::calls::ExecRequest;
 use super::{unix_ms, Manager, SandboxError, SandboxSpec};
@@ -84,8 +84,10 @@ pub struct Recipe {
     /// Build from this OCI image instead of a template: a registry
     /// reference (`registry.example:5000/team/app:tag` or `...@sha256:...`,
     /// linux/amd64), pulled and booted with Tine's agent; its `Env` is the
-    /// template's environment under `env`. Not with `from`. The setup
-    /// steps run with the image's `bash`, or `sh` where it has none.
+    /// template's environment under `env`; its `User` and `WorkingDir` are
+    /// who the template's sandboxes run as and where. Not with `from`. The
+    /// setup steps run as root (here and for a template `from` one made
+    /// so) with the image's `bash`, or `sh` where it has none.
     #[serde(default)]
     pub image: Option<String>,
     /// vCPUs (default: `from`'s; another shape than the default
@@ -345,17 +347,7 @@ impl Manager {
             .create_with(spec, &CallContext { owner: cx.owner, tenant: cx.tenant.clone(), ..CallContext::default() })
             .await?
             .sandbox_id;
-        let mut built = self.run_recipe(&id, recipe, &report).await;
-        // The setup ran as root (it installs software); the template's
-        // sandboxes run as the image says.
-        if let (Ok(()), Some((image, run_as))) = (&built, run_as) {
-            built = self.set_process_defaults(&id, run_as).await.map_err(|e| match e {
-                SandboxError::Agent(e) => {
-                    super::images::ImageBuildError::RunAs { image: image.clone(), reason: e.to_string() }.into()
-                }
-                e => e,
-            });
-        }
+        let built = self.run_recipe_as_root(&id, recipe, run_as, &report).await;
         let built = match built {
             Ok(()) => {
                 report(steps - 1.0, format!("snapshotting {id} as template {}", recipe.name));
@@ -373,6 +365,40 @@ impl Manager {
         tracing::info!(template = recipe.name, "built from its recipe in {:?}", t0.elapsed());
         report(steps, format!("template {} ready", recipe.name));
         self.template_info(&recipe.name)
+    }
+
+    /// Runs the recipe in sandbox `id` as root (its steps install
+    /// software), also in a builder restored from a template whose
+    /// sandboxes run as an image's user; then sets who the template's
+    /// sandboxes run as: `image`'s `User` and `WorkingDir` where given,
+    /// else what the builder had.
+    ///
+    /// Errors: as [`Manager::run_recipe`]; [`ImageBuildError::RunAs`] for
+    /// an image's user its files lack.
+    async fn run_recipe_as_root(
+        &self,
+        id: &str,
+        recipe: &Recipe,
+        image: Option<(&String, ProcessDefaults)>,
+        report: &(dyn Fn(f64, String) + Sync),
+    ) -> Result<(), SandboxError> {
+        let before = match self.set_process_defaults(id, ProcessDefaults::default()).await {
+            Ok(before) => before,
+            // An agent older than the operation runs everything as root.
+            Err(SandboxError::Agent(AgentError::Unsupported { .. })) => ProcessDefaults::default(),
+            Err(e) => return Err(e),
+        };
+        self.run_recipe(id, recipe, report).await?;
+        match image {
+            Some((image, run_as)) => self.set_process_defaults(id, run_as).await.map(drop).map_err(|e| match e {
+                SandboxError::Agent(e) => {
+                    super::images::ImageBuildError::RunAs { image: image.clone(), reason: e.to_string() }.into()
+                }
+                e => e,
+            }),
+            None if before != ProcessDefaults::default() => self.set_process_defaults(id, before).await.map(drop),
+            None => Ok(()),
+        }
     }
 
     /// Writes the recipe's files and runs its steps in sandbox `id`.

@@ -49,13 +49,18 @@ impl Manager {
 
     /// Sets who sandbox `id`'s later commands and interpreters run as,
     /// and where (an OCI image's `User` and `WorkingDir`; see
-    /// `Op::SetProcessDefaults`). The agent keeps them, so snapshots,
-    /// templates and branch children carry them.
+    /// `Op::SetProcessDefaults`); returns the ones it replaced. The agent
+    /// keeps them, so snapshots, templates and branch children carry them.
     ///
     /// Errors: [`SandboxError::Agent`] with `InvalidRequest` for a user or
-    /// group the guest's `/etc/passwd` or `/etc/group` lacks; as
-    /// [`Manager::exec`] otherwise.
-    pub async fn set_process_defaults(&self, id: &str, defaults: ProcessDefaults) -> Result<(), SandboxError> {
+    /// group the guest's `/etc/passwd` or `/etc/group` lacks, `Unsupported`
+    /// from an agent older than the operation; as [`Manager::exec`]
+    /// otherwise.
+    pub async fn set_process_defaults(
+        &self,
+        id: &str,
+        defaults: ProcessDefaults,
+    ) -> Result<ProcessDefaults, SandboxError> {
         self.with_agent(id, |a| async move { a.set_process_defaults(defaults, SHORT_CALL).await }).await
     }
 

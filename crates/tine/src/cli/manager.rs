@@ -30,7 +30,6 @@ pub(super) fn open_manager(
              [templates] memory_backing = \"userfaultfd\"; drop one of them"
         );
     }
-    r.file.images.check()?;
     private_files();
     make_private_dir(&r.data_dir)?;
     let lock = lock_data_dir(&r.data_dir)?;

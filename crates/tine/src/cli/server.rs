@@ -56,6 +56,10 @@ pub(super) struct StartArgs {
 /// until shutdown.
 pub(super) fn start(args: StartArgs) -> anyhow::Result<ExitCode> {
     let r = resolve(&args.images)?;
+    // Registry credentials are read at each pull; a server checks them at
+    // its start (the command line reads them when it pulls: a systemd
+    // credential exists only while the service runs).
+    r.file.images.check()?;
     let listen = match args.listen.or(r.file.listen) {
         Some(a) => a,
         None => config::DEFAULT_LISTEN.parse()?,
