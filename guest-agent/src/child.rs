@@ -184,6 +184,16 @@ pub fn set_defaults(d: ProcessDefaults) -> Result<ProcessDefaults, AgentError> {
         make_working_dir(w, identity.as_ref())?;
     }
     let mut current = defaults();
+    // The same defaults again change nothing: a running interpreter is
+    // kept (a recipe build sets root's around its setup every time).
+    let given = ProcessDefaults { user, working_dir: working_dir.clone() };
+    let now = ProcessDefaults {
+        user: current.given.user.clone().filter(|u| !u.is_empty()),
+        working_dir: current.given.working_dir.clone().filter(|w| !w.is_empty()),
+    };
+    if given == now {
+        return Ok(current.given.clone());
+    }
     current.generation += 1;
     current.identity = identity;
     current.working_dir = working_dir;
@@ -351,11 +361,15 @@ mod tests {
         }
     }
 
-    /// Refused defaults leave the current ones (no other test changes
-    /// them: the Node and Python tests' interpreters would restart).
+    /// Refused defaults leave the current ones, and so do the same ones
+    /// again (no other test changes them: the Node and Python tests'
+    /// interpreters would restart).
     #[test]
     fn bad_defaults_change_nothing() {
         let before = generation();
+        let empty = ProcessDefaults { user: Some(String::new()), working_dir: None };
+        assert_eq!(set_defaults(empty).unwrap(), ProcessDefaults::default());
+        assert_eq!(generation(), before, "root's defaults again");
         for d in [
             ProcessDefaults { user: Some("no-such-user-here".into()), working_dir: None },
             ProcessDefaults { user: None, working_dir: Some("relative/dir".into()) },

@@ -174,6 +174,21 @@ pub fn run_as_pid1() {
     mount(c"proc", c"/proc", c"proc", nosuid);
     mount(c"sysfs", c"/sys", c"sysfs", nosuid);
     mount(c"devtmpfs", c"/dev", c"devtmpfs", libc::MS_NOSUID);
+    // What udev or a container runtime would make (runc's default
+    // symlinks): programs write to /dev/stdout or read /dev/fd/N.
+    let links = [
+        ("/dev/fd", "/proc/self/fd"),
+        ("/dev/stdin", "/proc/self/fd/0"),
+        ("/dev/stdout", "/proc/self/fd/1"),
+        ("/dev/stderr", "/proc/self/fd/2"),
+    ];
+    for (link, target) in links {
+        match std::os::unix::fs::symlink(target, link) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => eprintln!("tine-agent init: {link}: {e}"),
+        }
+    }
     mount(c"tmpfs", c"/tmp", c"tmpfs", libc::MS_NOSUID | libc::MS_NODEV);
     mount(c"tmpfs", c"/run", c"tmpfs", libc::MS_NOSUID | libc::MS_NODEV);
     // Once per boot, before the agent: a restored snapshot or a branch child

@@ -311,7 +311,8 @@ pub enum Op {
     /// cell; processes already running keep theirs. File operations stay
     /// root's. Answered [`Reply::ProcessDefaults`] with the defaults it
     /// replaced (so a caller can run as root for a while and put them
-    /// back). Errors: `InvalidRequest` for a
+    /// back); the same defaults again change nothing (a running
+    /// interpreter is kept). Errors: `InvalidRequest` for a
     /// user or group the guest's `/etc/passwd` or `/etc/group` lacks, or a
     /// relative or too long working directory; `Io` when the working
     /// directory cannot be made. On an error nothing changes.
