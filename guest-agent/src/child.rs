@@ -59,22 +59,17 @@ struct Identity {
     home: Option<String>,
 }
 
-/// The process defaults as given, resolved, and their generation (bumped
-/// at every change, so an interpreter started under older ones is
-/// replaced).
+/// The process defaults as given (empty values as none), the user
+/// resolved, and their generation (bumped at every change, so an
+/// interpreter started under older ones is replaced).
 struct Defaults {
     generation: u64,
     given: ProcessDefaults,
     identity: Option<Identity>,
-    working_dir: Option<String>,
 }
 
-static DEFAULTS: Mutex<Defaults> = Mutex::new(Defaults {
-    generation: 0,
-    given: ProcessDefaults { user: None, working_dir: None },
-    identity: None,
-    working_dir: None,
-});
+static DEFAULTS: Mutex<Defaults> =
+    Mutex::new(Defaults { generation: 0, given: ProcessDefaults { user: None, working_dir: None }, identity: None });
 
 fn defaults() -> std::sync::MutexGuard<'static, Defaults> {
     DEFAULTS.lock().unwrap_or_else(|p| p.into_inner())
@@ -165,38 +160,35 @@ fn make_working_dir(w: &str, owner: Option<&Identity>) -> Result<(), AgentError>
 }
 
 /// Sets the process defaults (`Op::SetProcessDefaults`); returns the ones
-/// they replace, as they were given.
+/// they replace (empty values as none).
 ///
 /// Errors: `InvalidRequest` for a user or group the guest's files lack, a
 /// value too long, or a relative working directory; `Io` when the working
 /// directory cannot be made. On an error nothing changes.
 pub fn set_defaults(d: ProcessDefaults) -> Result<ProcessDefaults, AgentError> {
-    let user = d.user.clone().filter(|u| !u.is_empty());
-    let working_dir = d.working_dir.clone().filter(|w| !w.is_empty());
-    let identity = match &user {
+    // Empty is none.
+    let d = ProcessDefaults {
+        user: d.user.filter(|u| !u.is_empty()),
+        working_dir: d.working_dir.filter(|w| !w.is_empty()),
+    };
+    let identity = match &d.user {
         Some(u) if u.len() > MAX_USER_BYTES || u.contains('\0') => {
             return Err(invalid(format!("a user is at most {MAX_USER_BYTES} bytes, without NUL")));
         }
         Some(u) => Some(resolve(u, &entries("/etc/passwd"), &entries("/etc/group"))?),
         None => None,
     };
-    if let Some(w) = &working_dir {
+    if let Some(w) = &d.working_dir {
         make_working_dir(w, identity.as_ref())?;
     }
     let mut current = defaults();
     // The same defaults again change nothing: a running interpreter is
     // kept (a recipe build sets root's around its setup every time).
-    let given = ProcessDefaults { user, working_dir: working_dir.clone() };
-    let now = ProcessDefaults {
-        user: current.given.user.clone().filter(|u| !u.is_empty()),
-        working_dir: current.given.working_dir.clone().filter(|w| !w.is_empty()),
-    };
-    if given == now {
-        return Ok(current.given.clone());
+    if current.given == d {
+        return Ok(d);
     }
     current.generation += 1;
     current.identity = identity;
-    current.working_dir = working_dir;
     Ok(std::mem::replace(&mut current.given, d))
 }
 
@@ -246,7 +238,7 @@ fn command_under(
         Some(i) => i.home.clone().unwrap_or_else(|| "/".into()),
         None => "/root".into(),
     };
-    let dir = match (cwd, &d.working_dir, home) {
+    let dir = match (cwd, &d.given.working_dir, home) {
         (Some(c), _, _) => c.to_string(),
         (None, Some(w), _) => w.clone(),
         (None, None, Home::User) if Path::new(&user_home).is_dir() => user_home.clone(),
@@ -332,9 +324,8 @@ mod tests {
     fn under(identity: Option<Identity>, working_dir: Option<&str>) -> Defaults {
         Defaults {
             generation: 1,
-            given: ProcessDefaults::default(),
+            given: ProcessDefaults { user: None, working_dir: working_dir.map(str::to_string) },
             identity,
-            working_dir: working_dir.map(str::to_string),
         }
     }
 

@@ -575,8 +575,8 @@ pub enum Reply {
         /// The process after the write.
         info: ProcessInfo,
     },
-    /// To `SetProcessDefaults`: the defaults it replaced, as they were
-    /// given.
+    /// To `SetProcessDefaults`: the defaults it replaced (empty values
+    /// as none).
     ProcessDefaults(ProcessDefaults),
 }
 
