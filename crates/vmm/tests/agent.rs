@@ -1,6 +1,10 @@
 //! The guest agent in a real guest: booted as /sbin/init from an ext4 root
 //! on virtio-blk, reached over virtio-vsock with the framed protocol.
-//! Needs /dev/kvm (skips loudly without it).
+//! Needs /dev/kvm (skips loudly without it). The busybox guest also
+//! serves device_thread.rs's checks of a booted guest (an idle device
+//! thread, the console log's cap), so that they need no boot of their own.
+
+mod common;
 
 use std::time::Duration;
 
@@ -25,6 +29,12 @@ fn exec_reply(r: Result<Reply, AgentError>) -> tine_protocol::ExecReply {
     }
 }
 
+/// The console log's cap in the busybox guest (see
+/// [`idle_guest_sleeps_and_a_console_flood_stays_under_the_cap`]).
+const CONSOLE_CAP: u64 = 16 << 10;
+
+/// The busybox guest: the agent's exec, files and info, and, on the same
+/// boot, [`idle_guest_sleeps_and_a_console_flood_stays_under_the_cap`].
 #[test]
 fn agent_serves_exec_files_and_info_over_vsock() {
     if !testkit::kvm_available("agent") {
@@ -32,12 +42,15 @@ fn agent_serves_exec_files_and_info_over_vsock() {
     }
     let dir = tempfile::tempdir().unwrap();
     let uds = dir.path().join("vm.vsock");
+    let log = dir.path().join("console.log");
     let mut config = VmConfig::new("agent-test", testkit::kernel());
     // The busybox image as a registry holds it, made a base image by
     // tine-image: what a template from an image boots.
     config.disks = vec![DiskConfig::raw(testkit::oci::busybox_image_rootfs(dir.path()), true, "root")];
     config.vsock = Some(VsockConfig { cid: 3, uds_path: uds.clone() });
     config.cmdline = testkit::oci::IMAGE_CMDLINE.into();
+    config.console_log = Some(log.clone());
+    config.console_log_max_bytes = CONSOLE_CAP;
     let mut vm = vmm::build_for_boot(&config).expect("VM starts");
     let console = vm.console().clone();
     assert!(
@@ -48,6 +61,8 @@ fn agent_serves_exec_files_and_info_over_vsock() {
     let mut agent = testkit::BlockingAgent::connect(&uds).expect("connect to the agent");
 
     assert!(matches!(agent.call(Op::Ping), Ok(Reply::Pong { .. })));
+
+    idle_guest_sleeps_and_a_console_flood_stays_under_the_cap(&mut agent, &config.name, &console, &log);
 
     // stdout, exit code and the environment.
     let r = exec_reply(agent.call(shell("echo $GREETING; echo oops >&2; exit 3", 0, 0)));
@@ -129,6 +144,36 @@ fn agent_serves_exec_files_and_info_over_vsock() {
     }));
     let exit = vm.wait_timeout(Duration::from_secs(120));
     assert!(matches!(exit, Ok(VmOutcome::PowerOff)), "{exit:?}\n{}", console.last_lines(20));
+}
+
+/// From device_thread.rs, on the busybox guest booted above (named `vm`,
+/// its console log at `log` capped at [`CONSOLE_CAP`]): the device thread
+/// of an idle guest with the agent's connection open sleeps (see
+/// `common::threads`), and a guest flooding its serial console leaves the
+/// console log under its cap.
+fn idle_guest_sleeps_and_a_console_flood_stays_under_the_cap(
+    agent: &mut testkit::BlockingAgent,
+    vm: &str,
+    console: &vmm::devices::ConsoleTail,
+    log: &std::path::Path,
+) {
+    // Five times the cap: rotated at each cap's worth, the old log
+    // replaced each time. Each byte is a UART write through the emulated
+    // guest kernel (a VM exit and an interrupt), so the flood is small.
+    const FLOOD: u64 = 80 << 10;
+
+    // Idle, with the agent's connection open.
+    testkit::with_console_on_panic(console, || common::threads::assert_sleeps(vm, "idle guest, agent connected"));
+
+    // The guest writes several times the cap to its serial port.
+    let r = exec_reply(agent.call(shell(&format!("head -c {FLOOD} /dev/zero | tr '\\0' x > /dev/ttyS0"), 600_000, 0)));
+    assert_eq!(r.status, ExitStatus::Code(0), "{}", String::from_utf8_lossy(&r.stderr.data));
+    let cur = std::fs::metadata(log).unwrap().len();
+    let old = std::fs::metadata(log.with_extension("log.1")).map(|m| m.len()).unwrap_or(0);
+    eprintln!("console.log {cur} bytes, console.log.1 {old} bytes, cap {CONSOLE_CAP}, flood {FLOOD}");
+    assert!(cur <= CONSOLE_CAP && old <= CONSOLE_CAP, "console logs past the cap: {cur} and {old} bytes");
+    assert_eq!(old, CONSOLE_CAP, "the log was not rotated");
+    assert!(console.text().contains(&"x".repeat(1000)), "the flood did not reach the console");
 }
 
 #[test]

@@ -1,2 +1,3 @@
 pub mod driver;
+pub mod threads;
 pub mod vsock;
