@@ -6,12 +6,16 @@
 //! with [`CASE_ENV`] naming the case, running only the `child` test.
 //!
 //! The KVM test suites (snapshot, branch, agent, virtio_vsock, ...) run
-//! with the filters on, which is what shows the allowlists are complete.
+//! with the filters on, which is what shows the allowlists are complete;
+//! boot.rs finds a real VM's vCPU and device threads filtered.
+
+mod common;
 
 use std::os::fd::AsRawFd;
 use std::os::unix::process::ExitStatusExt;
 use std::process::{Command, Output};
 
+use common::threads::wait_filtered;
 use vmm::seccomp::{self, Mode, ThreadKind};
 
 /// The variable that makes this binary's `child` test run a case.
@@ -321,58 +325,17 @@ fn each_thread_kind_has_a_documented_allowlist() {
     }
 }
 
-/// The `Seccomp:` mode (0 none, 1 strict, 2 filter) of this process's
-/// threads whose name (`comm`) is `name`.
-fn seccomp_of_threads(name: &str) -> Vec<u32> {
-    let mut modes = Vec::new();
-    for task in std::fs::read_dir("/proc/self/task").unwrap().flatten() {
-        let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
-        if comm.trim_end() != name {
-            continue;
-        }
-        let status = std::fs::read_to_string(task.path().join("status")).unwrap_or_default();
-        if let Some(m) = status.lines().find_map(|l| l.strip_prefix("Seccomp:")) {
-            modes.push(m.trim().parse().unwrap());
-        }
-    }
-    modes
-}
-
-/// Waits until the threads named `name` exist and installed a filter (a
-/// thread installs it as its first step, just after it starts).
-fn wait_filtered(name: &str) -> Vec<u32> {
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-    loop {
-        let modes = seccomp_of_threads(name);
-        if (!modes.is_empty() && modes.iter().all(|&m| m == 2)) || std::time::Instant::now() > deadline {
-            return modes;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(10));
-    }
-}
-
-/// A real VM (a guest booted with a virtio-blk root and vsock, waiting on
-/// its vsock port) and a real userfaultfd restore: every vCPU thread, the
-/// device thread and the userfaultfd handler run with a filter, the rest
-/// of the process without.
+/// A real userfaultfd restore: the userfaultfd handler runs with a
+/// filter, the rest of the process (the test's own thread) without. The
+/// threads of a real VM (vCPUs, devices) are found filtered on a guest that
+/// boot.rs boots anyway (`a_virtio_blk_root_guest_writes_a_disk_exchanges_vsock_bytes_and_runs_filtered`,
+/// which took in this binary's `a_real_vms_threads_run_filtered`).
 #[test]
-fn a_real_vms_threads_run_filtered() {
+fn a_userfaultfd_restores_thread_runs_filtered() {
     if !testkit::kvm_available("seccomp") {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let (mut config, _uds) = testkit::vsock_exchange_guest(dir.path(), "sc-vm", 5000);
-    config.vcpus = 2;
-    let mut vm = vmm::build_for_boot(&config).expect("the VM starts");
-    assert!(
-        vm.console().wait_for("TINE-INIT-VSOCK listening", std::time::Duration::from_secs(300)),
-        "the guest did not boot to its vsock listener:\n{}",
-        vm.console().text()
-    );
-    for name in ["vcpu0-sc-vm", "vcpu1-sc-vm", "devices-sc-vm"] {
-        assert_eq!(wait_filtered(name), vec![2], "{name}");
-    }
-
     // Lazy restore of a 2 MiB memory file through userfaultfd.
     let mem = dir.path().join("memory");
     std::fs::write(&mem, vec![0u8; 2 << 20]).unwrap();
@@ -391,5 +354,4 @@ fn a_real_vms_threads_run_filtered() {
 
     let me = std::fs::read_to_string("/proc/thread-self/status").unwrap();
     assert!(me.contains("Seccomp:\t0"), "the test's own thread is not filtered");
-    vm.stop().expect("the VM stops");
 }

@@ -2,7 +2,8 @@
 //! time, for the tests that hold an idle device thread to sleeping
 //! (device_thread.rs, agent.rs): its utime + stime over a few seconds must
 //! stay a small fraction of wall time: a generous bound, not a timing
-//! target (a spinning thread takes ~100%).
+//! target (a spinning thread takes ~100%). Their seccomp mode, for the
+//! tests that find them filtered (seccomp.rs, boot.rs).
 
 #![allow(dead_code)]
 
@@ -77,3 +78,32 @@ pub fn knock(uds: &std::path::Path, n: usize) -> Vec<UnixStream> {
         .collect()
 }
 
+/// The `Seccomp:` mode (0 none, 1 strict, 2 filter) of this process's
+/// threads whose name (`comm`) is `name`.
+pub fn seccomp_of_threads(name: &str) -> Vec<u32> {
+    let mut modes = Vec::new();
+    for task in std::fs::read_dir("/proc/self/task").unwrap().flatten() {
+        let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
+        if comm.trim_end() != name {
+            continue;
+        }
+        let status = std::fs::read_to_string(task.path().join("status")).unwrap_or_default();
+        if let Some(m) = status.lines().find_map(|l| l.strip_prefix("Seccomp:")) {
+            modes.push(m.trim().parse().unwrap());
+        }
+    }
+    modes
+}
+
+/// Waits until the threads named `name` exist and installed a filter (a
+/// thread installs it as its first step, just after it starts).
+pub fn wait_filtered(name: &str) -> Vec<u32> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let modes = seccomp_of_threads(name);
+        if (!modes.is_empty() && modes.iter().all(|&m| m == 2)) || Instant::now() > deadline {
+            return modes;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
