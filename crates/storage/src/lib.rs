@@ -1,7 +1,7 @@
 //! Tine's disks: what a virtio-blk device reads and writes.
 //!
 //! A disk is a fixed number of bytes (a multiple of 512) behind the
-//! [`Disk`] trait. Two kinds:
+//! [`Disk`] trait. Three kinds:
 //!
 //! - [`raw::RawDisk`]: one image file, read-only or written in place (the
 //!   shared root image, a plain data disk);
@@ -9,13 +9,15 @@
 //!   frozen delta layers under one writable top delta (a sandbox's own
 //!   disk). [`Disk::checkpoint`] freezes its top in O(1) of the data
 //!   written, which is what a snapshot, a branch and a hibernation of a VM
-//!   do at the instant they capture its memory.
+//!   do at the instant they capture its memory;
+//! - [`empty::EmptyDisk`]: no disk, 0 bytes (an empty device slot).
 //!
 //! The delta format and its crash-consistency rules are in [`chain`].
 
 pub mod chain;
 pub mod compact;
 pub mod delta;
+pub mod empty;
 pub mod raw;
 
 use std::fs::File;
@@ -24,6 +26,7 @@ use std::path::{Path, PathBuf};
 
 pub use chain::{ChainSpec, LayerInfo, LayeredDisk, DEFAULT_CLUSTER_BITS};
 pub use compact::{flatten, MAX_FROZEN_LAYERS};
+pub use empty::EmptyDisk;
 pub use raw::RawDisk;
 
 /// Errors of a disk: its files, its format, and requests it refuses.

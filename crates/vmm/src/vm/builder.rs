@@ -254,7 +254,7 @@ impl<'a> Builder<'a> {
     ) -> Result<Vec<MmioSlot>, BuildError> {
         let mut virtio: Vec<Box<dyn VirtioDevice>> = Vec::new();
         for d in &self.config.disks {
-            virtio.push(Box::new(Block::open_image(&d.image, &d.id)?));
+            virtio.push(Box::new(Block::open_config(d)?));
         }
         if let Some(v) = &self.config.vsock {
             virtio.push(Box::new(Vsock::new(v.cid, &v.uds_path)?));

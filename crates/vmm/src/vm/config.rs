@@ -40,6 +40,9 @@ pub enum DiskImage {
     /// the top at the instant it captures memory and the disk goes on on a
     /// new top beside it ([`crate::Snapshot::disks`] says what was frozen).
     Chain(tine_storage::ChainSpec),
+    /// No disk: an empty slot ([`DiskConfig::slot`]) of 0 bytes, until
+    /// [`crate::RunningVm::insert_disk`] puts one in.
+    Empty,
 }
 
 impl DiskImage {
@@ -48,6 +51,7 @@ impl DiskImage {
     pub fn path(&self) -> PathBuf {
         match self {
             DiskImage::Raw { path, .. } => path.clone(),
+            DiskImage::Empty => PathBuf::new(),
             DiskImage::Chain(spec) => spec
                 .top
                 .clone()
@@ -65,12 +69,30 @@ pub struct DiskConfig {
     pub image: DiskImage,
     /// Serial the guest reads with GET_ID (at most 20 bytes are used).
     pub id: String,
+    /// A device slot: a disk can be put in and taken out while the VM
+    /// runs ([`crate::RunningVm::insert_disk`]), so the device offers the
+    /// features of a writable disk whatever it holds at boot (the driver
+    /// negotiates them once), refuses writes while it holds a read-only
+    /// one, and tells the guest of each change with a configuration
+    /// change interrupt (virtio 1.2 section 4.2.2.1).
+    pub slot: bool,
 }
 
 impl DiskConfig {
     /// A raw image file at `path`.
     pub fn raw(path: impl Into<PathBuf>, read_only: bool, id: impl Into<String>) -> Self {
-        DiskConfig { image: DiskImage::Raw { path: path.into(), read_only }, id: id.into() }
+        DiskConfig { image: DiskImage::Raw { path: path.into(), read_only }, id: id.into(), slot: false }
+    }
+
+    /// A disk that is not a slot.
+    pub fn fixed(image: DiskImage, id: impl Into<String>) -> Self {
+        DiskConfig { image, id: id.into(), slot: false }
+    }
+
+    /// A device slot ([`DiskConfig::slot`]) holding `image`
+    /// ([`DiskImage::Empty`]: nothing yet).
+    pub fn slot(image: DiskImage, id: impl Into<String>) -> Self {
+        DiskConfig { image, id: id.into(), slot: true }
     }
 }
 

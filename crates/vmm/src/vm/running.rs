@@ -69,6 +69,15 @@ pub enum ControlError {
         /// Why.
         source: tine_storage::DiskError,
     },
+    /// A disk could not be put in or taken out of a device slot
+    /// ([`RunningVm::insert_disk`]).
+    #[error("disk slot {index}: {source}")]
+    Slot {
+        /// The disk's index in the configuration.
+        index: usize,
+        /// Why.
+        source: crate::devices::virtio::block::BlockError,
+    },
 }
 
 /// Waits for a VM's end from any thread (see [`RunningVm::exit_watcher`]).
@@ -146,6 +155,36 @@ impl RunningVm {
             seen += 1;
         }
         Ok(false)
+    }
+
+    /// Opens `image` and puts it in the device slot that is disk `index`
+    /// (the order of [`RunningVm::disks`], a [`crate::DiskConfig::slot`]),
+    /// in place of what it held ([`DiskImage::Empty`] takes the disk out),
+    /// and tells the guest (a configuration change interrupt: Linux's
+    /// virtio-blk driver then reads the new capacity, asynchronously).
+    /// Returns the files of the disk taken out, flushed (a chain's top
+    /// included: nothing writes it any more). The guest must not be using
+    /// the old disk (unmounted): its requests in flight finish on it, the
+    /// next ones go to the new disk.
+    ///
+    /// Errors: [`ControlError::Slot`] (no such disk, not a slot, the image
+    /// cannot be opened, the old disk's flush failed: nothing changed).
+    pub fn insert_disk(&self, index: usize, image: &crate::DiskImage) -> Result<tine_storage::ChainSpec, ControlError> {
+        use crate::devices::virtio::block::{Block, BlockError};
+        let disk = Block::open_disk(image).map_err(|source| ControlError::Slot { index, source })?;
+        let mut seen = 0;
+        for (_, _, t) in &self.shared.mmio {
+            let mut t = crate::sync::lock(t);
+            if t.disk().is_none() {
+                continue;
+            }
+            if seen == index {
+                let old = t.swap_disk(disk, &image.path()).map_err(|source| ControlError::Slot { index, source })?;
+                return Ok(old.spec());
+            }
+            seen += 1;
+        }
+        Err(ControlError::Slot { index, source: BlockError::NotASlot })
     }
 
     /// The console's last bytes (shared; grows as the guest writes).

@@ -17,6 +17,14 @@
 //! aligned to `discard_sector_alignment` (the cluster size): the disk
 //! discards the whole clusters a segment covers and zeroes the rest where
 //! it holds data ([`Disk::discard`]).
+//!
+//! A device slot ([`crate::DiskConfig::slot`]) can change its disk while
+//! the VM runs ([`Block::swap_disk`]): it offers the features of a
+//! writable disk whatever it holds (the driver negotiates them once, at
+//! probe), fails writes with `IOERR` while it holds a read-only disk, and
+//! holds a 0-byte [`EmptyDisk`] when empty. The transport then raises a
+//! configuration change interrupt, on which Linux reads the new capacity
+//! (`virtblk_config_changed`).
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -30,7 +38,7 @@ use crate::devices::persist::Persist;
 use crate::guest_warn;
 use crate::log_limit::LogLimiter;
 use crate::vm::DiskImage;
-use tine_storage::{Disk, DiskError, LayeredDisk, RawDisk};
+use tine_storage::{Disk, DiskError, EmptyDisk, LayeredDisk, RawDisk};
 
 /// virtio device ID of a block device.
 pub const VIRTIO_ID_BLOCK: u32 = 2;
@@ -102,12 +110,18 @@ pub enum BlockError {
         /// Its size in bytes.
         size: u64,
     },
+    /// A disk was to be swapped on a device that is not a slot
+    /// ([`crate::DiskConfig::slot`]).
+    #[error("the device is not a disk slot: its disk cannot change while the VM runs")]
+    NotASlot,
 }
 
 /// A virtio-blk device.
 pub struct Block {
     disk: Box<dyn Disk>,
     read_only: bool,
+    /// A device slot: writable features whatever the disk, disk swappable.
+    slot: bool,
     sectors: u64,
     id: [u8; ID_BYTES],
     config: [u8; CONFIG_BYTES],
@@ -144,15 +158,32 @@ impl Block {
     ///
     /// Errors: [`BlockError::Open`], [`BlockError::Size`].
     pub fn open_image(image: &DiskImage, id: &str) -> Result<Self, BlockError> {
-        let disk: Box<dyn Disk> = match image {
+        Self::with_disk(Self::open_disk(image)?, &image.path(), id)
+    }
+
+    /// Opens `config`'s image as a disk, in a device slot when the config
+    /// says so ([`crate::DiskConfig::slot`]).
+    ///
+    /// Errors: [`BlockError::Open`], [`BlockError::Size`].
+    pub fn open_config(config: &crate::DiskConfig) -> Result<Self, BlockError> {
+        let mut block = Self::open_image(&config.image, &config.id)?;
+        block.slot = config.slot;
+        Ok(block)
+    }
+
+    /// Opens `image` as a [`Disk`].
+    ///
+    /// Errors: [`BlockError::Open`].
+    pub fn open_disk(image: &DiskImage) -> Result<Box<dyn Disk>, BlockError> {
+        Ok(match image {
             DiskImage::Raw { path, read_only } => Box::new(
                 RawDisk::open(path, !read_only).map_err(|source| BlockError::Open { path: path.clone(), source })?,
             ),
             DiskImage::Chain(spec) => {
                 Box::new(LayeredDisk::open(spec).map_err(|source| BlockError::Open { path: image.path(), source })?)
             }
-        };
-        Self::with_disk(disk, &image.path(), id)
+            DiskImage::Empty => Box::new(EmptyDisk),
+        })
     }
 
     /// A device on `disk` (read-only when the disk is); `path` names it in
@@ -162,13 +193,52 @@ impl Block {
     /// Errors: [`BlockError::Size`] (the disk's size is not a multiple of
     /// 512 bytes).
     pub fn with_disk(disk: Box<dyn Disk>, path: &std::path::Path, id: &str) -> Result<Self, BlockError> {
+        let mut id_bytes = [0u8; ID_BYTES];
+        let n = id.len().min(ID_BYTES);
+        id_bytes[..n].copy_from_slice(&id.as_bytes()[..n]);
+        let (sectors, config) = Self::config_of(disk.as_ref(), path)?;
+        Ok(Block {
+            read_only: disk.is_read_only(),
+            slot: false,
+            disk,
+            sectors,
+            id: id_bytes,
+            config,
+            queue_sizes: [QUEUE_SIZE],
+            running: None,
+            bounce: vec![0; BOUNCE_BYTES],
+            log: Arc::new(LogLimiter::default()),
+        })
+    }
+
+    /// Puts `disk` in this device slot in place of the disk it holds,
+    /// which it returns (flushed): the capacity and discard alignment the
+    /// guest reads change with it. The caller holds the transport's lock
+    /// (no request runs meanwhile) and tells the guest
+    /// ([`super::mmio::MmioTransport::swap_disk`]).
+    ///
+    /// Errors: [`BlockError::NotASlot`], [`BlockError::Size`],
+    /// [`BlockError::Open`] (the old disk's flush failed: nothing changed).
+    pub fn swap_disk(&mut self, disk: Box<dyn Disk>, path: &std::path::Path) -> Result<Box<dyn Disk>, BlockError> {
+        if !self.slot {
+            return Err(BlockError::NotASlot);
+        }
+        let (sectors, config) = Self::config_of(disk.as_ref(), path)?;
+        self.disk.flush().map_err(|source| BlockError::Open { path: path.to_path_buf(), source })?;
+        self.read_only = disk.is_read_only();
+        self.sectors = sectors;
+        self.config = config;
+        Ok(std::mem::replace(&mut self.disk, disk))
+    }
+
+    /// The capacity (sectors) and configuration space of `disk`.
+    ///
+    /// Errors: [`BlockError::Size`] (not a multiple of 512 bytes).
+    fn config_of(disk: &dyn Disk, path: &std::path::Path) -> Result<(u64, [u8; CONFIG_BYTES]), BlockError> {
         let size = disk.size();
         if !size.is_multiple_of(SECTOR_SIZE) {
             return Err(BlockError::Size { path: path.to_path_buf(), size });
         }
-        let mut id_bytes = [0u8; ID_BYTES];
-        let n = id.len().min(ID_BYTES);
-        id_bytes[..n].copy_from_slice(&id.as_bytes()[..n]);
         let sectors = size / SECTOR_SIZE;
         let mut config = [0u8; CONFIG_BYTES];
         config[0..8].copy_from_slice(&sectors.to_le_bytes());
@@ -183,17 +253,7 @@ impl Block {
         config[48..52].copy_from_slice(&MAX_DISCARD_SECTORS.to_le_bytes());
         config[52..56].copy_from_slice(&MAX_DISCARD_SEG.to_le_bytes());
         config[56] = 1;
-        Ok(Block {
-            read_only: disk.is_read_only(),
-            disk,
-            sectors,
-            id: id_bytes,
-            config,
-            queue_sizes: [QUEUE_SIZE],
-            running: None,
-            bounce: vec![0; BOUNCE_BYTES],
-            log: Arc::new(LogLimiter::default()),
-        })
+        Ok((sectors, config))
     }
 
     /// The disk (for its size and layers' accounting).
@@ -381,7 +441,8 @@ impl Block {
 pub struct BlockState {}
 
 /// What restoring a virtio-blk device needs: the arguments of
-/// [`Block::open_image`].
+/// [`Block::open_image`] (a slot is restored by
+/// [`Block::open_config`]).
 pub struct BlockArgs<'a> {
     /// The disk: a raw image, or the chain to go on from (a restored VM
     /// gets a new top over the snapshot's frozen layers).
@@ -423,7 +484,7 @@ impl VirtioDevice for Block {
 
     fn avail_features(&self) -> u64 {
         let mut f = VIRTIO_F_VERSION_1 | VIRTIO_RING_F_EVENT_IDX | VIRTIO_BLK_F_FLUSH;
-        if self.read_only {
+        if self.read_only && !self.slot {
             f |= VIRTIO_BLK_F_RO;
         } else {
             f |= VIRTIO_BLK_F_DISCARD | VIRTIO_BLK_F_WRITE_ZEROES;
@@ -459,6 +520,10 @@ impl VirtioDevice for Block {
 
     fn disk(&mut self) -> Option<&mut dyn Disk> {
         Some(self.disk.as_mut())
+    }
+
+    fn swap_disk(&mut self, disk: Box<dyn Disk>, path: &std::path::Path) -> Result<Box<dyn Disk>, BlockError> {
+        Block::swap_disk(self, disk, path)
     }
 
     fn queue_states(&self) -> Option<Vec<virtio_queue::QueueState>> {

@@ -265,6 +265,26 @@ impl MmioTransport {
         self.device.disk()
     }
 
+    /// Puts `disk` in the device slot behind this transport and returns
+    /// the disk it held ([`VirtioDevice::swap_disk`]); then bumps
+    /// ConfigGeneration and, when the driver runs the device, raises a
+    /// configuration change interrupt (virtio 1.2 sections 4.2.2.1 and
+    /// 2.5.1), on which it reads the new capacity.
+    ///
+    /// Errors: those of [`VirtioDevice::swap_disk`] (nothing changed).
+    pub fn swap_disk(
+        &mut self,
+        disk: Box<dyn tine_storage::Disk>,
+        path: &std::path::Path,
+    ) -> Result<Box<dyn tine_storage::Disk>, super::block::BlockError> {
+        let old = self.device.swap_disk(disk, path)?;
+        self.config_generation = self.config_generation.wrapping_add(1);
+        if self.activated {
+            self.interrupt.trigger(VIRTIO_MMIO_INT_CONFIG);
+        }
+        Ok(old)
+    }
+
     /// Wraps `device`; `interrupt` is its line. Creates one notification
     /// eventfd per queue (see [`MmioTransport::queue_evts`]).
     ///

@@ -153,6 +153,20 @@ pub trait VirtioDevice: Send {
     fn disk(&mut self) -> Option<&mut dyn tine_storage::Disk> {
         None
     }
+    /// Puts `disk` (named `path` in errors) in this device slot and returns
+    /// the disk it held ([`block::Block::swap_disk`]); the transport tells
+    /// the guest.
+    ///
+    /// Errors: [`block::BlockError::NotASlot`] (every device but a block
+    /// slot), and those of [`block::Block::swap_disk`].
+    fn swap_disk(
+        &mut self,
+        disk: Box<dyn tine_storage::Disk>,
+        path: &std::path::Path,
+    ) -> Result<Box<dyn tine_storage::Disk>, block::BlockError> {
+        let _ = (disk, path);
+        Err(block::BlockError::NotASlot)
+    }
     /// Called after the VM was restored from a snapshot: host-side state
     /// did not survive (vsock resets its transport).
     ///
