@@ -28,6 +28,7 @@ mod files;
 mod init;
 mod interp;
 mod manifest;
+mod mounts;
 mod net;
 mod node;
 mod procs;
@@ -86,6 +87,8 @@ fn handle(op: Op, started: Instant, progress: &dyn Fn(Progress)) -> Result<Reply
         Op::PythonWarmUp => python::warm_up().map(|interpreter_start_ms| Reply::PythonWarm { interpreter_start_ms }),
         Op::Node(p) => node::run(p).map(Reply::Python),
         Op::SetProcessDefaults(d) => child::set_defaults(d).map(Reply::ProcessDefaults),
+        Op::Mount(m) => mounts::mount(&m).map(|()| Reply::Done),
+        Op::Unmount { path } => mounts::unmount(&path).map(|()| Reply::Done),
     }
 }
 

@@ -503,6 +503,32 @@ impl AgentClient {
         .await
     }
 
+    /// Mounts the disk of serial `mount.serial` at `mount.path`
+    /// (`Op::Mount`: a volume just put in a device slot).
+    ///
+    /// Errors: as [`AgentClient::ping`]; [`ClientError::Agent`] with
+    /// `InvalidRequest` (bad path, no such disk) or `Io` (no capacity yet,
+    /// the mount failed); `Unsupported` from an agent older than the
+    /// operation.
+    pub async fn mount(&self, mount: tine_protocol::Mount, timeout: Duration) -> Result<(), ClientError> {
+        self.call_for(Op::Mount(mount), timeout, |r| match r {
+            Reply::Done => Ok(()),
+            other => Err(Box::new(other)),
+        })
+        .await
+    }
+
+    /// Writes out and unmounts the file system at `path` (`Op::Unmount`).
+    ///
+    /// Errors: as [`AgentClient::mount`] (`Io`: busy).
+    pub async fn unmount(&self, path: String, timeout: Duration) -> Result<(), ClientError> {
+        self.call_for(Op::Unmount { path }, timeout, |r| match r {
+            Reply::Done => Ok(()),
+            other => Err(Box::new(other)),
+        })
+        .await
+    }
+
     /// Renames `from` to `to` in the guest (rename(2)).
     ///
     /// Errors: as [`AgentClient::ping`]; [`ClientError::Agent`] with the

@@ -317,7 +317,38 @@ pub enum Op {
     /// relative or too long working directory; `Io` when the working
     /// directory cannot be made. On an error nothing changes.
     SetProcessDefaults(ProcessDefaults),
+    /// Mount the ext4 file system of the disk whose serial (virtio-blk
+    /// GET_ID, `/sys/block/vdX/serial`) is [`Mount::serial`] at
+    /// [`Mount::path`], made if missing (a volume put in a device slot
+    /// while the VM runs). Waits up to [`MOUNT_WAIT_MS`] for the kernel to
+    /// see the disk's new capacity. Answered [`Reply::Done`]. Errors:
+    /// `InvalidRequest` (a relative or too long path, no disk of that
+    /// serial), `Io` (the disk still has no capacity after the wait, the
+    /// mount point cannot be made, the mount failed: its errno).
+    Mount(Mount),
+    /// Unmount the file system at `path` after writing out what it holds
+    /// (`syncfs`), so that its disk can be taken out. Answered
+    /// [`Reply::Done`]; nothing mounted there is `Done` too. Errors: `Io`
+    /// (busy: a process still uses it, the errno).
+    Unmount {
+        /// The mount point.
+        path: String,
+    },
 }
+
+/// A disk to mount ([`Op::Mount`]).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Mount {
+    /// The disk's serial (at most 20 bytes, virtio-blk's GET_ID).
+    pub serial: String,
+    /// The absolute mount point (at most [`MAX_WORKING_DIR_BYTES`] bytes).
+    pub path: String,
+    /// Mount read-only (`MS_RDONLY`; the device refuses writes too).
+    pub read_only: bool,
+}
+
+/// How long [`Op::Mount`] waits for the disk's capacity to show (ms).
+pub const MOUNT_WAIT_MS: u64 = 10_000;
 
 /// Who processes run as and where ([`Op::SetProcessDefaults`]).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]

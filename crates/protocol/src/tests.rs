@@ -74,6 +74,12 @@ fn arb_process_op() -> impl Strategy<Value = Op> {
         })),
         (proptest::option::of(".{0,12}"), proptest::option::of(".{0,12}"))
             .prop_map(|(user, working_dir)| Op::SetProcessDefaults(ProcessDefaults { user, working_dir })),
+        (".{0,20}", ".{0,12}", any::<bool>()).prop_map(|(serial, path, read_only)| Op::Mount(Mount {
+            serial,
+            path,
+            read_only
+        })),
+        ".{0,12}".prop_map(|path| Op::Unmount { path }),
     ]
 }
 
@@ -294,7 +300,7 @@ proptest! {
     /// 4 is refused for it before anything is sent.
     #[test]
     fn messages_round_trip_through_every_wire(id in any::<u64>(), op in arb_op(), result in arb_result()) {
-        let after_v4 = matches!(op, Op::SetProcessDefaults(_));
+        let after_v4 = matches!(op, Op::SetProcessDefaults(_) | Op::Mount(_) | Op::Unmount { .. });
         let req = Request { id, op };
         let resp = Response { id, result };
         for wire in Wire::ALL {
