@@ -88,18 +88,39 @@ fn io(what: String) -> impl FnOnce(std::io::Error) -> DisksError {
 ///
 /// Errors: [`DisksError::Mkfs`], [`DisksError::Io`].
 pub fn blank_base(dir: &Path, bytes: u64) -> Result<PathBuf, DisksError> {
-    let path = dir.join(format!("blank-{bytes}-nojournal.ext4"));
+    blank(dir, bytes, false)
+}
+
+/// The empty ext4 file system of a volume of `bytes` bytes in `dir`
+/// (`blank-<bytes>-journal.ext4`), made once as [`blank_base`] makes a
+/// sandbox's, but with a journal: a volume outlives its VMs and is
+/// mounted again after whatever ended them. The journal is left to read
+/// as zeros on the sparse file (`lazy_journal_init`).
+///
+/// Errors: [`DisksError::Mkfs`], [`DisksError::Io`].
+pub fn blank_volume(dir: &Path, bytes: u64) -> Result<PathBuf, DisksError> {
+    blank(dir, bytes, true)
+}
+
+fn blank(dir: &Path, bytes: u64, journal: bool) -> Result<PathBuf, DisksError> {
+    let kind = if journal { "journal" } else { "nojournal" };
+    let path = dir.join(format!("blank-{bytes}-{kind}.ext4"));
     if path.exists() {
         return Ok(path);
     }
     std::fs::create_dir_all(dir).map_err(io(format!("create {}", dir.display())))?;
-    let tmp = dir.join(format!(".blank-{bytes}.{}.tmp", std::process::id()));
+    let tmp = dir.join(format!(".blank-{bytes}-{kind}.{}.tmp", std::process::id()));
     let file = std::fs::File::create(&tmp).map_err(io(format!("create {}", tmp.display())))?;
     file.set_len(bytes).map_err(io(format!("size {}", tmp.display())))?;
     drop(file);
     let mkfs = ["/usr/sbin/mkfs.ext4", "/sbin/mkfs.ext4"].into_iter().find(|p| Path::new(p).exists());
     let out = std::process::Command::new(mkfs.unwrap_or("mkfs.ext4"))
-        .args(["-q", "-F", "-m", "0", "-L", "tine-disk", "-O", "^has_journal", "-E", "lazy_itable_init=1,nodiscard"])
+        .args(["-q", "-F", "-m", "0"])
+        .args(if journal {
+            ["-L", "tine-volume", "-O", "has_journal", "-E", "lazy_itable_init=1,lazy_journal_init=1,nodiscard"]
+        } else {
+            ["-L", "tine-disk", "-O", "^has_journal", "-E", "lazy_itable_init=1,nodiscard"]
+        })
         .arg(&tmp)
         .output();
     let failed = match out {

@@ -42,12 +42,13 @@ pub mod network;
 pub mod progress;
 pub mod store;
 pub mod templates;
+pub mod volumes;
 
 pub use diff::{DiffOptions, DiffReport};
 pub use events::{EventKind, SandboxEvent, Severity};
 pub use limits::{
-    derived_memory_budget_mib, IdleAction, Limits, LimitsError, Quota, MAX_LABEL_KEY, MAX_LABEL_VALUE, MIN_DISK_MIB,
-    MIN_MEMORY_MIB,
+    derived_memory_budget_mib, IdleAction, Limits, LimitsError, Quota, MAX_LABEL_KEY, MAX_LABEL_VALUE,
+    MAX_VOLUME_SLOTS, MIN_DISK_MIB, MIN_MEMORY_MIB,
 };
 /// Templates from OCI images: `[images]`, the base-image cache.
 pub use manager::images;

@@ -72,6 +72,16 @@ pub struct Limits {
     /// 2, docs/hosts.md) and a shallower one copies more often.
     /// [`MIN_DISK_LAYERS`]..=[`MAX_DISK_LAYERS`].
     pub max_disk_layers: usize,
+    /// Empty device slots every VM boots with (the default template's
+    /// and every template's made from a boot): a sandbox made from a
+    /// template can attach at most that many volumes, since a restored VM
+    /// has exactly its snapshot's devices. 0..=[`MAX_VOLUME_SLOTS`].
+    /// Changing it rebuilds the default template.
+    pub volume_slots: usize,
+    /// Volumes the server keeps at most (all tenants).
+    pub max_volumes: usize,
+    /// The largest volume (GiB) `volume_create` may make.
+    pub max_volume_gib: u64,
     /// What happens to a sandbox idle past its idle timeout.
     pub idle_action: IdleAction,
     /// A hibernated sandbox is deleted this long (s) after its hibernation
@@ -175,6 +185,10 @@ pub const MIN_DISK_LAYERS: usize = 1;
 /// Most [`Limits::max_disk_layers`]: past it a read's walk down the chain
 /// and the open files per disk grow for no gain.
 pub const MAX_DISK_LAYERS: usize = 64;
+/// Most [`Limits::volume_slots`]: 19 virtio-mmio devices fit a VM's
+/// interrupt lines, and the root, the sandbox disk, vsock and the network
+/// take 4.
+pub const MAX_VOLUME_SLOTS: usize = 8;
 /// Longest label key (bytes).
 pub const MAX_LABEL_KEY: usize = 64;
 /// Longest label value (bytes).
@@ -201,6 +215,9 @@ impl Default for Limits {
             max_disk_mib: 64 * 1024,
             disk_budget_mib: 0,
             max_disk_layers: tine_storage::MAX_FROZEN_LAYERS,
+            volume_slots: 2,
+            max_volumes: 256,
+            max_volume_gib: 1024,
             idle_action: IdleAction::Hibernate,
             hibernated_retention_secs: 7 * 24 * 60 * 60,
             shutdown_hibernate_secs: 60,
@@ -345,6 +362,9 @@ impl Limits {
         }
         if !(MIN_DISK_LAYERS..=MAX_DISK_LAYERS).contains(&self.max_disk_layers) {
             return bad(format!("max_disk_layers must be {MIN_DISK_LAYERS}..={MAX_DISK_LAYERS}"));
+        }
+        if self.volume_slots > MAX_VOLUME_SLOTS {
+            return bad(format!("volume_slots must be 0..={MAX_VOLUME_SLOTS}"));
         }
         if self.default_disk_mib != 0 && !(MIN_DISK_MIB..=self.max_disk_mib).contains(&self.default_disk_mib) {
             return bad(format!("default_disk_mib must be 0 (no disks) or {MIN_DISK_MIB}..=max_disk_mib"));

@@ -17,7 +17,7 @@
 //! | `tine_tool_call_duration_seconds` | histogram | `tool` |
 //! | `tine_guest_memory_bytes` | gauge | guest memory reserved (sandboxes, branch points, templates) |
 //! | `tine_guest_memory_budget_bytes` | gauge | |
-//! | `tine_disk_bytes` | gauge | `kind`: host disk used by sandbox (layers only live sandboxes hold), template, hibernation (kept sandboxes' files), image (pulled OCI blobs and base images) |
+//! | `tine_disk_bytes` | gauge | `kind`: host disk used by sandbox (layers only live sandboxes hold), template, hibernation (kept sandboxes' files), image (pulled OCI blobs and base images), volume (volumes' layers) |
 //! | `tine_disk_reserved_bytes`, `tine_disk_budget_bytes` | gauge | the size of the disks live and hibernated sandboxes hold, and the disk budget |
 //! | `tine_pool_ready`, `tine_pool_size` | gauge | the warm pool |
 //! | `tine_mcp_sessions` | gauge | MCP sessions open on this host |
@@ -326,6 +326,7 @@ impl Metrics {
             ("template", disk.templates),
             ("hibernation", disk.hibernations),
             ("image", disk.images),
+            ("volume", disk.volumes),
         ] {
             self.disk.get_or_create(&KindLabel { kind }).set(i64::try_from(bytes).unwrap_or(i64::MAX));
         }

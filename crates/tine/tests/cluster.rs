@@ -295,6 +295,7 @@ async fn two_hosts_behind_nginx() {
         (r#"tine_disk_bytes{kind="sandbox"}"#, 0.0),
         (r#"tine_disk_bytes{kind="hibernation"}"#, 0.0),
         (r#"tine_disk_bytes{kind="image"}"#, 0.0),
+        (r#"tine_disk_bytes{kind="volume"}"#, 0.0),
         ("tine_disk_reserved_bytes", 1.0),
         ("tine_disk_budget_bytes", 1.0),
         ("tine_pool_size", 0.0),

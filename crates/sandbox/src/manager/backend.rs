@@ -58,6 +58,23 @@ pub(crate) struct VmSpec {
     pub net: Option<vmm::NetConfig>,
     /// Where its own disk comes from.
     pub disk: DiskPlan,
+    /// The VM's device slots for volumes ([`SlotPlan`]).
+    pub slots: SlotPlan,
+}
+
+/// The device slots of a VM ([`vmm::DiskConfig::slot`]): empty virtio-blk
+/// devices, after the root and the sandbox disk, that a volume is put in
+/// while the VM runs ([`VmHandle::insert_slot`]). A restore has the slots
+/// its snapshot has (a template's are empty).
+#[derive(Clone, Debug, Default)]
+pub(crate) struct SlotPlan {
+    /// How many slots a boot makes ([`crate::Limits::volume_slots`]).
+    pub boot_slots: usize,
+    /// For a branch or a resume: per slot, the volume it held at the
+    /// capture goes on (`Some(read_only)`: a new top over the recorded
+    /// chain, or the chain itself read-only), or the slot starts empty
+    /// (`None`, or past the end).
+    pub keep: Vec<Option<bool>>,
 }
 
 /// Where a VM's own disk comes from ([`crate::disks`]).
@@ -248,6 +265,29 @@ pub(crate) trait VmHandle: Send + Sync {
     ///
     /// Errors: the VMM's.
     fn branch(&self, pause_timeout: Duration) -> Result<BranchPoint, BackendError>;
+    /// How many device slots the VM has ([`SlotPlan`]).
+    fn slot_count(&self) -> usize {
+        0
+    }
+    /// The chain in each device slot now, by slot (an empty slot's is
+    /// empty), tops included.
+    fn slot_chains(&self) -> Vec<tine_storage::ChainSpec> {
+        Vec::new()
+    }
+    /// Puts `chain` in device slot `slot` (`None`: takes out what it
+    /// holds) and returns the files of the disk taken out (its top, if
+    /// any, no longer written).
+    ///
+    /// Errors: no such slot, the chain cannot be opened, the old disk's
+    /// flush failed (nothing changed).
+    fn insert_slot(
+        &self,
+        slot: usize,
+        chain: Option<tine_storage::ChainSpec>,
+    ) -> Result<tine_storage::ChainSpec, BackendError> {
+        let _ = (slot, chain);
+        Err(BackendError::new(std::io::Error::other("this VM backend has no device slots")))
+    }
     /// Stops the VM and joins its threads; says how it ended.
     fn stop(&mut self) -> VmEnd;
 }

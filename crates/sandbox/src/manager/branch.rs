@@ -245,6 +245,20 @@ impl Manager {
             };
             let child = Sandbox::new(id, dir, source.vcpus, source.memory_mib, setup);
             *lock(&child.net) = nets.pop().flatten();
+            // The parent's volumes: a read-only one is read by the child
+            // too; a writable one becomes the child's copy-on-write view
+            // (its slot gets a new top over what the branch froze), which
+            // never reaches the volume.
+            *lock(&child.volumes) = lock(&source.volumes)
+                .iter()
+                .map(|v| {
+                    let shared = v.read_only && v.shared;
+                    if shared {
+                        self.volumes.note_reader(&v.stored, &child.id);
+                    }
+                    crate::volumes::AttachedVolume { shared, ..v.clone() }
+                })
+                .collect();
             {
                 let mut l = lock(&child.lineage);
                 l.parent = Some(source.id.clone());

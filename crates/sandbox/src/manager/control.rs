@@ -150,12 +150,28 @@ impl Manager {
         progress: &ProgressSink,
     ) -> Result<(), SandboxError> {
         warm_up_python(sb, progress).await;
+        // A template never carries a volume: out of their slots for the
+        // capture, back in after it.
+        let detached = self.detach_volumes(sb).await?;
+        if !detached.is_empty() {
+            let names: Vec<String> = lock(&sb.volumes).iter().map(|v| v.name.clone()).collect();
+            let names = names.join(", ");
+            tracing::info!(sandbox = %sb.id, "volumes {names} detached for a snapshot: the template has none");
+            progress.report(
+                3.0,
+                Some(SNAPSHOT_STEPS),
+                format!("volumes {names} detached for the capture: the template records them detached"),
+            );
+        }
         progress.report(3.0, Some(SNAPSHOT_STEPS), format!("pausing {} and copying its memory", sb.id));
-        let (me, sb, name) = (self.clone(), sb.clone(), name.to_string());
+        let (me, s, name) = (self.clone(), sb.clone(), name.to_string());
         let shown = name.clone();
-        tokio::task::spawn_blocking(move || me.snapshot_blocking(&sb, &name, replace))
+        let taken = tokio::task::spawn_blocking(move || me.snapshot_blocking(&s, &name, replace))
             .await
-            .map_err(task_failed("snapshot task"))??;
+            .map_err(task_failed("snapshot task"));
+        let reattached = self.reattach_volumes(sb, detached).await;
+        taken??;
+        reattached?;
         progress.report(SNAPSHOT_STEPS, Some(SNAPSHOT_STEPS), format!("template {shown} written"));
         Ok(())
     }

@@ -101,6 +101,8 @@ pub struct DiskBytes {
     /// OCI images: pulled blobs (`DATA_DIR/images/oci`) and the base
     /// images built from them (`DATA_DIR/images/bases`).
     pub images: u64,
+    /// Volumes' layers (`<kept>/volumes`).
+    pub volumes: u64,
     /// The size of the disks live and hibernated sandboxes hold, as the
     /// disk budget counts them.
     pub reserved: u64,
@@ -126,6 +128,7 @@ impl Manager {
             hibernations: self.kept_bytes(),
             images: crate::store::disk_use(&self.config.images_dir.join("oci"))
                 + crate::store::disk_use(&self.config.images_dir.join("bases")),
+            volumes: crate::store::disk_use(&self.config.kept_dir.join(crate::volumes::VOLUMES_DIR)),
             reserved,
             budget: self.disk_budget_mib.saturating_mul(1 << 20),
         }

@@ -34,9 +34,13 @@ impl Manager {
 
     /// Every disk layer in use ([module docs](self)).
     fn disk_layers_in_use(&self) -> HashSet<PathBuf> {
-        let mut used = HashSet::new();
+        // Volume writers' layers (hibernated, stopped, or starting).
+        let mut used = self.volumes.layers_in_use();
         let vms: Vec<Arc<Sandbox>> = lock(&self.vms_with_disks).iter().filter_map(Weak::upgrade).collect();
         for sb in vms {
+            for chain in lock(&sb.slot_chains).iter() {
+                used.extend(crate::disks::files(chain).cloned());
+            }
             if let Some(vm) = lock(&sb.vm).vm.as_ref() {
                 for (_, chain) in vm.disks() {
                     used.extend(crate::disks::files(&chain).cloned());

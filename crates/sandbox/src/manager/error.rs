@@ -166,6 +166,12 @@ pub enum SandboxError {
     /// A template cannot be used or made.
     #[error(transparent)]
     Template(#[from] TemplateError),
+    /// A volume cannot be made, found, attached or deleted.
+    #[error(transparent)]
+    Volume(#[from] crate::volumes::VolumeError),
+    /// A create's volumes cannot be attached as asked.
+    #[error("{0}")]
+    Volumes(String),
     /// A template's OCI image cannot be pulled or made a base image.
     #[error(transparent)]
     Image(#[from] super::images::ImageBuildError),

@@ -259,10 +259,11 @@ impl Manager {
 
     /// Bytes the kept sandboxes' files take (hibernations with their disk
     /// layers, records, pinned template files): the kept directory but
-    /// `.disks`, where live sandboxes' layers are.
+    /// `.disks`, where live sandboxes' layers are, and the volumes.
     pub(super) fn kept_bytes(&self) -> u64 {
         let kept = &self.config.kept_dir;
         crate::store::disk_use_except(kept, &kept.join(crate::disks::DISKS_DIR))
+            .saturating_sub(crate::store::disk_use(&kept.join(crate::volumes::VOLUMES_DIR)))
     }
 
     fn hibernate_blocking(&self, sb: &Sandbox, why: HibernateWhy) -> Result<(), SandboxError> {

@@ -8,7 +8,8 @@ use tine_storage::ChainSpec;
 use vmm::{DiskConfig, DiskImage, MemoryBacking, RunningVm, VmConfig, VmOutcome, VsockConfig};
 
 use super::backend::{
-    BackendError, Base, BranchPoint, DiskPlan, ExitWatch, Hibernation, VmBackend, VmEnd, VmHandle, VmSource, VmSpec,
+    BackendError, Base, BranchPoint, DiskPlan, ExitWatch, Hibernation, SlotPlan, VmBackend, VmEnd, VmHandle, VmSource,
+    VmSpec,
 };
 use crate::disks;
 
@@ -25,6 +26,67 @@ const CMDLINE: &str = "root=/dev/vda ro rootfstype=ext4 quiet init=/usr/local/sb
 const SANDBOX_DISK: usize = 1;
 /// Its serial (GET_ID).
 const SANDBOX_DISK_ID: &str = "tine-disk";
+
+/// The serial (GET_ID) of device slot `slot`: how the agent finds the
+/// disk of a volume ([`tine_protocol::Mount::serial`]).
+pub(crate) fn slot_serial(slot: usize) -> String {
+    format!("tine-slot-{slot}")
+}
+
+/// Where a hibernation in `dir` keeps the chain of the volume in slot
+/// `slot` ([`disks::keep`]).
+pub(crate) fn slot_dir(dir: &Path, slot: usize) -> PathBuf {
+    dir.join(format!("slot-{slot}"))
+}
+
+/// How many device slots the sandboxes of template `t` have: its
+/// snapshot's disks after the root and the sandbox disk; `None` when the
+/// snapshot records no disks (one made before disks were recorded, or by
+/// another backend).
+pub(crate) fn slots_of(t: &crate::templates::Template) -> Option<usize> {
+    let disks = t.snapshot.disks.len();
+    let fixed = 1 + usize::from(t.disk.is_some());
+    (disks >= fixed).then(|| disks - fixed)
+}
+
+/// The device slots of a VM started from `source` (its snapshot's, else
+/// `plan.boot_slots` empty ones), each as the disk it starts with: a new
+/// top over the chain a branch point or hibernation recorded for a
+/// writable volume, that chain for a read-only one, else empty.
+///
+/// Errors: a layer that cannot be linked or a top that cannot be made.
+fn slot_disks(
+    plan: &SlotPlan,
+    disk: &DiskPlan,
+    source: &VmSource,
+    snapshot: Option<&vmm::Snapshot>,
+    first_slot: usize,
+) -> Result<Vec<DiskImage>, BackendError> {
+    let recorded: Vec<Option<ChainSpec>> = match (source, snapshot) {
+        (VmSource::Boot, _) => return Ok(vec![DiskImage::Empty; plan.boot_slots]),
+        (VmSource::Template(t), _) => {
+            return Ok(vec![DiskImage::Empty; t.snapshot.disks.len().saturating_sub(first_slot)]);
+        }
+        (_, Some(s)) => s.disks.iter().skip(first_slot).cloned().collect(),
+        (_, None) => Vec::new(),
+    };
+    let mut out = Vec::with_capacity(recorded.len());
+    for (slot, chain) in recorded.into_iter().enumerate() {
+        // A hibernation's own links to the volume's layers come first.
+        let chain = match source {
+            VmSource::Hibernated { dir, .. } => disks::load(&slot_dir(dir, slot)).map_err(BackendError::new)?.or(chain),
+            _ => chain,
+        };
+        out.push(match (plan.keep.get(slot).copied().flatten(), chain) {
+            (Some(true), Some(chain)) => DiskImage::Chain(chain),
+            (Some(false), Some(chain)) => {
+                DiskImage::Chain(disks::new_top(&chain, &disk.dir).map_err(BackendError::new)?)
+            }
+            _ => DiskImage::Empty,
+        });
+    }
+    Ok(out)
+}
 
 /// The frozen chain a VM started from `source` continues: a boot's blank
 /// file system, the template's or the snapshot's recorded disk; `None`
@@ -84,7 +146,13 @@ impl VmBackend for KvmBackend {
         // The sandbox's own disk: a new top over what the source froze.
         if let Some(below) = disk_below(&spec.disk, source, branch_snapshot.or(hibernated.as_ref()))? {
             let chain = disks::new_top(&below, &spec.disk.dir).map_err(BackendError::new)?;
-            config.disks.push(DiskConfig { image: DiskImage::Chain(chain), id: SANDBOX_DISK_ID.into() });
+            config.disks.push(DiskConfig::fixed(DiskImage::Chain(chain), SANDBOX_DISK_ID));
+        }
+        let first_slot = config.disks.len();
+        let slots = slot_disks(&spec.slots, &spec.disk, source, branch_snapshot.or(hibernated.as_ref()), first_slot)?;
+        let slot_count = slots.len();
+        for (slot, image) in slots.into_iter().enumerate() {
+            config.disks.push(DiskConfig::slot(image, slot_serial(slot)));
         }
         let (snapshot, backing) = match source {
             VmSource::Boot => (None, spec.memory_backing),
@@ -106,7 +174,7 @@ impl VmBackend for KvmBackend {
         }
         .map_err(BackendError::new)?;
         let max_frozen_layers = spec.disk.max_frozen_layers;
-        Ok(Box::new(KvmVm { vm, agent_socket: spec.agent_socket.clone(), max_frozen_layers }))
+        Ok(Box::new(KvmVm { vm, agent_socket: spec.agent_socket.clone(), max_frozen_layers, first_slot, slot_count }))
     }
 }
 
@@ -136,6 +204,10 @@ struct KvmVm {
     agent_socket: PathBuf,
     /// [`DiskPlan::max_frozen_layers`] of its start.
     max_frozen_layers: usize,
+    /// The index of its first device slot among its disks.
+    first_slot: usize,
+    /// How many device slots it has.
+    slot_count: usize,
 }
 
 impl ExitWatch for vmm::ExitWatcher {
@@ -218,13 +290,21 @@ impl VmHandle for KvmVm {
         self.vm.replace_disk_lower(index, old, new).map_err(BackendError::new)
     }
 
-    /// The hibernation, and the sandbox disk's frozen chain kept in `dir`
-    /// ([`disks::keep`]): a resume needs nothing else of its disk.
+    /// The hibernation, and the frozen chains of the sandbox disk and of
+    /// each volume in a device slot kept in `dir` ([`disks::keep`];
+    /// volumes in [`slot_dir`]): a resume needs nothing else of its disks.
     fn hibernate(&self, dir: &Path, base: &Base) -> Result<Hibernation, BackendError> {
         let base = base_memory(base)?.map(|m| m.open()).transpose().map_err(BackendError::new)?;
         let r = self.vm.hibernate(dir, base.as_ref()).map_err(BackendError::new)?;
         if let Some(Some(chain)) = r.disks.get(SANDBOX_DISK) {
             disks::keep(chain, dir).map_err(BackendError::new)?;
+        }
+        for (slot, chain) in r.disks.iter().skip(self.first_slot).enumerate() {
+            if let Some(chain) = chain {
+                let keep_in = slot_dir(dir, slot);
+                std::fs::create_dir_all(&keep_in).map_err(BackendError::new)?;
+                disks::keep(chain, &keep_in).map_err(BackendError::new)?;
+            }
         }
         Ok(Hibernation { based: r.based, bytes: r.pages.file_bytes, took: r.took })
     }
@@ -240,6 +320,25 @@ impl VmHandle for KvmVm {
             bytes_written: report.bytes_written,
             pages_copied_before_write: report.pages_copied_before_write,
         })
+    }
+
+    fn slot_count(&self) -> usize {
+        self.slot_count
+    }
+
+    fn slot_chains(&self) -> Vec<ChainSpec> {
+        self.vm.disks().into_iter().skip(self.first_slot).map(|(_, chain)| chain).collect()
+    }
+
+    fn insert_slot(&self, slot: usize, chain: Option<ChainSpec>) -> Result<ChainSpec, BackendError> {
+        if slot >= self.slot_count {
+            return Err(BackendError::new(std::io::Error::other(format!(
+                "the VM has {} device slots, no slot {slot}",
+                self.slot_count
+            ))));
+        }
+        let image = chain.map_or(DiskImage::Empty, DiskImage::Chain);
+        self.vm.insert_disk(self.first_slot + slot, &image).map_err(BackendError::new)
     }
 
     fn stop(&mut self) -> VmEnd {

@@ -276,7 +276,12 @@ impl Manager {
         self.check_fits(&lock(&self.sandboxes), 1, disk_mib, claim.as_ref())?;
         self.make_room(1).await;
         let net = self.net_control(spec.network.as_ref(), cx.ceiling.as_ref())?;
-        let poolable = self.poolable(&spec);
+        // Volumes that cannot be attached, before anything starts.
+        crate::volumes::check_requests(&spec.volumes, limits.volume_slots).map_err(SandboxError::Volumes)?;
+        for v in &spec.volumes {
+            self.volumes.check(cx.tenant.as_deref(), &v.name, v.read_only)?;
+        }
+        let poolable = self.poolable(&spec) && spec.volumes.is_empty();
         if poolable {
             if let Some(sb) = self.take_pooled() {
                 return self.hand_out(sb, spec, env, idle_timeout, &cx).await;
@@ -319,6 +324,13 @@ impl Manager {
         lock(&sandbox.memory).own = memory;
         let started = match self.start(&sandbox, source, &cx.progress, t0).await {
             Ok(()) if !env.is_empty() => self.set_env(&sandbox.id, env).await,
+            started => started,
+        };
+        let started = match started {
+            Ok(()) if !spec.volumes.is_empty() => {
+                cx.progress.report(secs(t0), None, format!("{}: attaching {} volumes", sandbox.id, spec.volumes.len()));
+                self.attach_volumes(&sandbox, cx.tenant.as_deref(), &spec.volumes).await
+            }
             started => started,
         };
         if poolable {
@@ -563,12 +575,15 @@ impl Manager {
                 map.remove(&sb.id);
             }
         }
+        // Its volumes' writes out of the guest's page cache first.
+        self.unmount_volumes(sb).await;
         sb.retire(reason).await;
-        // Its record and hibernations, if it had any, then the disk
-        // layers only it used.
+        // Its volumes, its record and hibernations, if it had any, then
+        // the disk layers only it used.
         if let Some(me) = self.me.upgrade() {
-            let id = sb.id.clone();
+            let (id, s) = (sb.id.clone(), sb.clone());
             let _ = tokio::task::spawn_blocking(move || {
+                me.release_volumes(&s);
                 me.remove_record(&id);
                 me.sweep_disks();
             })
@@ -640,6 +655,17 @@ impl Manager {
                 .zip(lock(&sb.net).clone())
                 .map(|(n, control)| vmm::NetConfig { stack: n.stack.clone(), control }),
             disk: self.disk_plan.clone(),
+            slots: super::backend::SlotPlan {
+                boot_slots: self.config.limits.volume_slots,
+                keep: {
+                    let attached = lock(&sb.volumes);
+                    let mut keep = vec![None; attached.iter().map(|v| v.slot + 1).max().unwrap_or(0)];
+                    for v in attached.iter() {
+                        keep[v.slot] = Some(v.read_only);
+                    }
+                    keep
+                },
+            },
         };
         let booted = matches!(source, VmSource::Boot);
         // A boot's disk starts as the blank file system of its size (made
@@ -801,6 +827,13 @@ impl Manager {
     pub async fn ensure_default_template(self: &Arc<Self>, rebuild: bool) -> Result<TemplateInfo, SandboxError> {
         if !rebuild {
             match self.load_template(DEFAULT_TEMPLATE.into()).await {
+                Ok(t) if super::kvm::slots_of(&t).is_some_and(|n| n != self.config.limits.volume_slots) => {
+                    tracing::info!(
+                        "rebuilding the default template: it has {:?} volume slots, limits.volume_slots is {}",
+                        super::kvm::slots_of(&t),
+                        self.config.limits.volume_slots
+                    );
+                }
                 Ok(_) => {
                     self.fill_pool();
                     return self.template_info(DEFAULT_TEMPLATE);

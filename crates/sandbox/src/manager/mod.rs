@@ -52,6 +52,7 @@ mod slots;
 mod spec;
 #[cfg(test)]
 mod tests;
+mod volumes;
 
 pub use backend::BackendError;
 use backend::VmBackend;
@@ -155,6 +156,8 @@ pub struct Manager {
     disk_budget_mib: u64,
     /// Sandboxes given a VM ([`disk_sweep`]): their layers are kept.
     vms_with_disks: Mutex<Vec<std::sync::Weak<Sandbox>>>,
+    /// The volumes ([`crate::volumes`], [`volumes`]).
+    volumes: Arc<crate::volumes::VolumeStore>,
     /// This manager, for background work started from `&self` methods.
     me: std::sync::Weak<Manager>,
 }
@@ -224,6 +227,10 @@ impl Manager {
             })?),
         };
         let disk_plan = backend::DiskPlan { dir: disks_dir, blank, max_frozen_layers: config.limits.max_disk_layers };
+        let volumes = Arc::new(
+            crate::volumes::VolumeStore::open(&config.kept_dir, config.limits.max_disk_layers)
+                .map_err(|e| SandboxError::Io { what: "set up volumes".into(), source: std::io::Error::other(e) })?,
+        );
         let memory = MemoryBudget::new(config.limits.memory_budget_mib());
         tracing::info!(
             "guest memory budget: {} MiB; host memory watermark: {} MiB available",
@@ -259,9 +266,11 @@ impl Manager {
             disk_budget_mib: disk_budget::budget_mib(config.limits.disk_budget_mib, &config.kept_dir),
             disk_plan,
             vms_with_disks: Mutex::new(Vec::new()),
+            volumes,
             config,
         });
         manager.recover();
+        manager.recover_volumes();
         manager.sweep_disks();
         Ok(manager)
     }

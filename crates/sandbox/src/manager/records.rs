@@ -74,6 +74,10 @@ pub(super) struct Record {
     /// The hibernation (state `hibernated`).
     #[serde(default)]
     pub hibernation: Option<HibernationRecord>,
+    /// Its volumes ([`crate::volumes`]): a resume puts them back in their
+    /// slots; a kill lets go of them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub volumes: Vec<crate::volumes::AttachedVolume>,
 }
 
 /// Where a hibernation is and what it was written against.
@@ -150,6 +154,7 @@ fn record_of(sb: &Sandbox, pin: Option<String>, hibernated: Option<&Hibernated>)
         network: policy.as_ref().map(|c| c.policy().clone()),
         network_ceiling: policy.as_ref().and_then(|c| c.ceiling().map(|c| c.policy().clone())),
         hibernation,
+        volumes: lock(&sb.volumes).clone(),
     }
 }
 
@@ -377,6 +382,7 @@ impl Manager {
         });
         let found = hibernation.is_some();
         *lock(&sb.hibernation) = hibernation;
+        *lock(&sb.volumes) = r.volumes.clone();
         let (state, error) = match r.state.as_str() {
             "hibernated" if found => (SandboxState::Hibernated, None),
             "hibernated" => {

@@ -176,6 +176,10 @@ pub struct SandboxInfo {
     /// Resource use, from `info` on a running sandbox.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub usage: Option<Usage>,
+    /// Volumes attached to it (`sandbox_create { volumes }`; a branch
+    /// child's copies of its parent's writable ones are `shared: false`).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub volumes: Vec<crate::volumes::AttachedVolume>,
 }
 
 /// A sandbox's place in a branch tree.
@@ -381,6 +385,11 @@ pub(super) struct Sandbox {
     pub handout: Mutex<Option<HandOut>>,
     /// Where its events go.
     events: Option<tokio::sync::broadcast::Sender<SandboxEvent>>,
+    /// The volumes attached to it ([`super::volumes`]), by slot.
+    pub volumes: Mutex<Vec<crate::volumes::AttachedVolume>>,
+    /// Its VM's device slots' chains when the VM last stopped (the tops
+    /// included): what a writer's release gives its volume.
+    pub slot_chains: Mutex<Vec<tine_storage::ChainSpec>>,
 }
 
 impl Sandbox {
@@ -415,6 +424,8 @@ impl Sandbox {
             hibernation: Mutex::new(None),
             pin: Mutex::new(None),
             net: Mutex::new(None),
+            volumes: Mutex::new(Vec::new()),
+            slot_chains: Mutex::new(Vec::new()),
         }
     }
 
@@ -619,6 +630,11 @@ impl Sandbox {
             hibernated_at_ms: hib.as_ref().map(|h| h.at_ms),
             expires_at_ms: hib.as_ref().map(|h| h.expires_at_ms),
             usage,
+            // The stored names (with the tenant) are the server's.
+            volumes: lock(&self.volumes)
+                .iter()
+                .map(|v| crate::volumes::AttachedVolume { stored: String::new(), ..v.clone() })
+                .collect(),
         }
     }
 
@@ -676,6 +692,7 @@ impl Sandbox {
         let slot = std::mem::take(&mut *lock(&self.vm));
         if let Some(mut vm) = slot.vm {
             vm.stop();
+            self.note_slot_chains(vm.as_ref());
         }
         lock(&self.status).agent = None;
         if let Some(m) = slot.monitor {
@@ -684,10 +701,19 @@ impl Sandbox {
         drop(std::mem::take(&mut *lock(&self.memory)));
     }
 
+    /// Keeps the chains of `vm`'s device slots ([`Sandbox::slot_chains`]),
+    /// when it has volumes.
+    fn note_slot_chains(&self, vm: &dyn VmHandle) {
+        if !lock(&self.volumes).is_empty() {
+            *lock(&self.slot_chains) = vm.slot_chains();
+        }
+    }
+
     /// Called by the monitor thread when the VM has stopped on its own.
     fn on_vm_exit(&self) {
         let Some(mut vm) = lock(&self.vm).vm.take() else { return };
         let end = vm.stop();
+        self.note_slot_chains(vm.as_ref());
         // Read before the VM goes: a crash's event carries it.
         let console = match end {
             VmEnd::GuestFault(_) => vm.console_tail(CONSOLE_TAIL_LINES),

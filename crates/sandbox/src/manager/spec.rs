@@ -35,4 +35,8 @@ pub struct SandboxSpec {
     /// template's build from an image, never from a client's path):
     /// `template` is then ignored and the sandbox boots.
     pub base: Option<PathBuf>,
+    /// Volumes to attach ([`crate::volumes`]), in the device slots of its
+    /// template, in order. A create with volumes does not take a pooled
+    /// sandbox.
+    pub volumes: Vec<crate::volumes::VolumeRequest>,
 }
