@@ -11,7 +11,9 @@
 //! - a sandbox hibernated and resumed keeps its disk consistent with its
 //!   memory;
 //! - a full disk gives the guest ENOSPC from its own file system and the
-//!   tool a clear message, and the sandbox and server go on.
+//!   tool a clear message, and the sandbox and server go on;
+//! - volumes outlive their sandboxes: one writer at a time, readers that
+//!   cannot write, branch children whose writes stay their own.
 //!
 //! The guest kernel's write path runs at well under 1 MB/s here (640 MiB
 //! did not finish in 600 s; docs/hosts.md), so the file is
@@ -147,6 +149,79 @@ async fn a_sandbox_writes_a_large_file_to_its_own_disk() {
         eprintln!("NOTE: the file ({mib} MiB) fits the guest's RAM ({ram} MiB); TINE_DISK_TEST_MIB=640 writes past it");
     }
     let _ = try_call(&client, "sandbox_kill", json!({"sandbox_id": a})).await;
+    volumes_outlive_their_sandboxes(&client).await;
+}
+
+/// Volumes (on the server of the test above, whose default template has
+/// the default 2 volume slots): what one sandbox writes a later one reads;
+/// a second writable attach is refused while the first runs; a read-only
+/// attach cannot write; a branch child's writes do not reach the volume;
+/// an attached volume cannot be deleted.
+async fn volumes_outlive_their_sandboxes(client: &Peer<RoleClient>) {
+    let v = call(client, "volume_create", json!({"name": "data", "size_gib": 1})).await.expect("volume_create");
+    assert_eq!(v["name"], "data", "{v}");
+    assert_eq!(v["size_gib"], 1, "{v}");
+    let e = call(client, "volume_create", json!({"name": "data", "size_gib": 1})).await.unwrap_err();
+    assert!(e.contains("exists already"), "{e}");
+
+    // The writer: its volume is an ext4 file system of 1 GiB at /data.
+    let w = create(client, json!({"volumes": [{"name": "data", "path": "/data"}]})).await;
+    let df = stdout(
+        &exec(
+            client,
+            &w,
+            "echo one > /data/f && sync && df -B1 --output=size /data | tail -n 1; cat /sys/block/vdc/serial",
+        )
+        .await,
+    );
+    eprintln!("volume: size, serial: {df}");
+    let size: u64 = df.split_whitespace().next().and_then(|s| s.parse().ok()).unwrap_or(0);
+    assert!(size > (1 << 30) / 100 * 90 && size <= 1 << 30, "the volume is 1 GiB: {df}");
+    assert!(df.ends_with("tine-slot-0"), "{df}");
+    let info = call(client, "sandbox_info", json!({"sandbox_id": w})).await.expect("info");
+    assert_eq!(info["volumes"][0]["path"], "/data", "{info}");
+
+    // One writer at a time.
+    let e = call(client, "sandbox_create", json!({"volumes": [{"name": "data", "path": "/data"}]})).await.unwrap_err();
+    assert!(e.contains(&format!("attached writable to sandbox {w}")), "{e}");
+    let e = call(client, "sandbox_create", json!({"volumes": [{"name": "nope", "path": "/data"}]})).await.unwrap_err();
+    assert!(e.contains("no volume named \"nope\""), "{e}");
+
+    // A reader sees the volume as its last writer left it (empty: the
+    // writer still runs) and cannot write it.
+    let r = create(client, json!({"volumes": [{"name": "data", "path": "/mnt/ro", "read_only": true}]})).await;
+    let out = stdout(&exec(client, &r, "ls /mnt/ro; touch /mnt/ro/x 2>&1; echo rc=$?").await);
+    assert!(out.contains("lost+found") && !out.contains("\nf\n"), "{out}");
+    assert!(out.contains("Read-only file system") && out.ends_with("rc=1"), "{out}");
+
+    // A branch child of the writer sees its file, and what the child
+    // writes stays the child's.
+    let kids = call(client, "sandbox_branch", json!({"sandbox_id": w, "n": 1})).await.expect("branch");
+    let c = kids["children"][0]["sandbox_id"].as_str().unwrap().to_string();
+    assert_eq!(stdout(&exec(client, &c, "cat /data/f; echo child > /data/child && sync && echo ok").await), "one\nok");
+    let listed = call(client, "volume_list", json!({})).await.expect("volume_list");
+    eprintln!("volume_list: {listed}");
+    assert_eq!(listed["volumes"][0]["writer"], w.as_str(), "{listed}");
+    assert_eq!(listed["volumes"][0]["readers"][0], r.as_str(), "{listed}");
+    let _ = try_call(client, "sandbox_kill", json!({"sandbox_id": c})).await;
+
+    // Attached: not deleted.
+    let e = call(client, "volume_delete", json!({"name": "data"})).await.unwrap_err();
+    assert!(e.contains("is attached to"), "{e}");
+
+    // The writer's kill gives its writes to the volume: a later sandbox
+    // reads them, and not the child's.
+    exec(client, &w, "echo two >> /data/f").await;
+    let _ = try_call(client, "sandbox_kill", json!({"sandbox_id": w})).await;
+    let later = create(client, json!({"volumes": [{"name": "data", "path": "/srv/data"}]})).await;
+    let out = stdout(&exec(client, &later, "cat /srv/data/f; ls /srv/data").await);
+    assert!(out.starts_with("one\ntwo\n") && !out.contains("child"), "{out}");
+    for id in [&later, &r] {
+        let _ = try_call(client, "sandbox_kill", json!({"sandbox_id": id})).await;
+    }
+    call(client, "volume_delete", json!({"name": "data"})).await.expect("volume_delete");
+    let listed = call(client, "volume_list", json!({})).await.expect("volume_list");
+    assert_eq!(listed["volumes"], json!([]), "{listed}");
 }
 
 /// Branch children, a hibernation and a full disk, on one server.

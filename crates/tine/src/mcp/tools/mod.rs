@@ -14,6 +14,7 @@
 //!   `_kill` (the background processes `sandbox_exec` starts).
 //! - [`network`]: `sandbox_network_log`, and the network policy
 //!   `sandbox_create` and `sandbox_update` take.
+//! - [`volumes`]: `volume_create`, `volume_list`, `volume_delete`.
 //!
 //! `tools/list` is sorted by name whatever the order here (rmcp's
 //! `ToolRouter::list_all`).
@@ -25,6 +26,7 @@ mod network;
 mod processes;
 mod sandboxes;
 mod templates;
+mod volumes;
 
 use rmcp::handler::server::router::tool::ToolRouter;
 
@@ -39,4 +41,5 @@ pub(super) fn router() -> ToolRouter<TineMcp> {
         + TineMcp::files_router()
         + TineMcp::processes_router()
         + TineMcp::network_router()
+        + TineMcp::volumes_router()
 }

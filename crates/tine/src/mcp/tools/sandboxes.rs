@@ -68,6 +68,13 @@ pub struct CreateParams {
     #[serde(default)]
     #[schemars(transform = env_map)]
     pub env: BTreeMap<String, String>,
+    /// Volumes (volume_create) to mount, each at `path` (an absolute
+    /// directory, made if missing); read_only: true to share one that
+    /// another sandbox writes. At most the template's volume slots
+    /// (limits.volume_slots, 2 by default).
+    #[serde(default)]
+    #[schemars(length(max = tine_sandbox::MAX_VOLUME_SLOTS))]
+    pub volumes: Vec<tine_sandbox::volumes::VolumeRequest>,
 }
 
 /// `sandbox_update`.
@@ -279,6 +286,7 @@ impl TineMcp {
             env: p.env,
             // Only a template's build from an OCI image boots a base image.
             base: None,
+            volumes: p.volumes,
         };
         self.check_ceiling(spec.network.as_ref())?;
         let info = Reporter::around(&ctx, self.cx(), async |cx| self.manager.create_with(spec, cx).await).await?;
