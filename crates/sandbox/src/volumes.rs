@@ -470,8 +470,10 @@ fn info_of(stored: &str, v: &Volume) -> VolumeInfo {
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct VolumeRequest {
     /// The volume's name (`volume_create`).
+    #[cfg_attr(feature = "schema", schemars(length(min = 1, max = 63)))]
     pub name: String,
     /// Where the guest mounts it: an absolute directory, made if missing.
+    #[cfg_attr(feature = "schema", schemars(length(min = 2, max = 4095)))]
     pub path: String,
     /// Mount it read-only (any number of sandboxes may); otherwise this
     /// sandbox is its one writer until it is killed.

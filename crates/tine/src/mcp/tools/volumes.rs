@@ -13,6 +13,10 @@ use crate::mcp::bounds::{MAX_NAME_CHARS, NAME_PATTERN};
 use crate::mcp::errors::ToolError;
 use crate::mcp::TineMcp;
 
+/// The schema's bound on `size_gib` (1 PiB); the server's own,
+/// `limits.max_volume_gib`, is checked when the volume is made.
+const MAX_VOLUME_GIB: u64 = 1 << 20;
+
 /// `volume_create`.
 #[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
@@ -22,7 +26,7 @@ pub struct VolumeCreateParams {
     pub name: String,
     /// Its size in GiB (sparse: the host holds only what is written); the
     /// server's limit is in limits.max_volume_gib.
-    #[schemars(range(min = 1))]
+    #[schemars(range(min = 1, max = MAX_VOLUME_GIB))]
     pub size_gib: u64,
 }
 
