@@ -689,10 +689,14 @@ impl Sandbox {
 
     /// Stops the VM and joins its threads (blocking).
     pub fn stop_vm(&self) {
+        // The slot chains while the VM is still where a disk sweep sees
+        // it, so no layer of theirs is unguarded meanwhile.
+        if let Some(vm) = lock(&self.vm).vm.as_ref() {
+            self.note_slot_chains(vm.as_ref());
+        }
         let slot = std::mem::take(&mut *lock(&self.vm));
         if let Some(mut vm) = slot.vm {
             vm.stop();
-            self.note_slot_chains(vm.as_ref());
         }
         lock(&self.status).agent = None;
         if let Some(m) = slot.monitor {
@@ -711,9 +715,11 @@ impl Sandbox {
 
     /// Called by the monitor thread when the VM has stopped on its own.
     fn on_vm_exit(&self) {
+        if let Some(vm) = lock(&self.vm).vm.as_ref() {
+            self.note_slot_chains(vm.as_ref());
+        }
         let Some(mut vm) = lock(&self.vm).vm.take() else { return };
         let end = vm.stop();
-        self.note_slot_chains(vm.as_ref());
         // Read before the VM goes: a crash's event carries it.
         let console = match end {
             VmEnd::GuestFault(_) => vm.console_tail(CONSOLE_TAIL_LINES),

@@ -110,7 +110,8 @@ impl Manager {
         if attached.is_empty() {
             return;
         }
-        let last = std::mem::take(&mut *lock(&sb.slot_chains));
+        // Kept (a disk sweep keeps their layers) until the releases are done.
+        let last = lock(&sb.slot_chains).clone();
         let hibernation = lock(&sb.hibernation).as_ref().map(|h| h.dir.clone());
         for v in attached.iter().filter(|v| v.shared) {
             let chain = match &hibernation {
@@ -121,6 +122,7 @@ impl Manager {
                 tracing::warn!(sandbox = %sb.id, volume = %v.name, "{e}");
             }
         }
+        lock(&sb.slot_chains).clear();
     }
 
     /// Unmounts the writable volumes of running `sb` so that the guest
