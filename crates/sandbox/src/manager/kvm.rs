@@ -64,9 +64,7 @@ fn slot_disks(
 ) -> Result<Vec<DiskImage>, BackendError> {
     let recorded: Vec<Option<ChainSpec>> = match (source, snapshot) {
         (VmSource::Boot, _) => return Ok(vec![DiskImage::Empty; plan.boot_slots]),
-        (VmSource::Template(t), _) => {
-            return Ok(vec![DiskImage::Empty; t.snapshot.disks.len().saturating_sub(first_slot)]);
-        }
+        (VmSource::Template(t), _) => return Ok(vec![DiskImage::Empty; slots_of(t).unwrap_or(0)]),
         (_, Some(s)) => s.disks.iter().skip(first_slot).cloned().collect(),
         (_, None) => Vec::new(),
     };

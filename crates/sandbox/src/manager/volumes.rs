@@ -81,14 +81,7 @@ impl Manager {
                 slot,
                 stored,
             });
-            let s = sb.clone();
-            tokio::task::spawn_blocking(move || {
-                let slot_vm = lock(&s.vm);
-                let vm = slot_vm.vm.as_ref().ok_or_else(|| s.gone())?;
-                vm.insert_slot(slot, Some(chain)).map_err(SandboxError::Start)
-            })
-            .await
-            .map_err(super::task_failed("volume attach task"))??;
+            put_in_slot(sb, slot, Some(chain)).await?;
             let agent = sb.agent().ok_or_else(|| sb.gone())?;
             let mount = Mount { serial: slot_serial(slot), path: r.path.clone(), read_only: r.read_only };
             agent.mount(mount, MOUNT_TIMEOUT).await.map_err(|e| {
@@ -169,17 +162,7 @@ impl Manager {
         let mut detached = Vec::new();
         for v in &attached {
             let out = match agent.unmount(v.path.clone(), MOUNT_TIMEOUT).await {
-                Ok(()) => {
-                    let s = sb.clone();
-                    let slot = v.slot;
-                    tokio::task::spawn_blocking(move || {
-                        let vm = lock(&s.vm);
-                        vm.vm.as_ref().ok_or_else(|| s.gone())?.insert_slot(slot, None).map_err(SandboxError::Start)
-                    })
-                    .await
-                    .map_err(super::task_failed("volume detach task"))
-                    .and_then(|r| r)
-                }
+                Ok(()) => put_in_slot(sb, v.slot, None).await,
                 Err(e) => Err(SandboxError::Volumes(format!(
                     "volume {:?} cannot be detached for the template ({e}); stop what uses {} and try again",
                     v.name, v.path
@@ -208,13 +191,7 @@ impl Manager {
     ) -> Result<(), SandboxError> {
         let attached = lock(&sb.volumes).clone();
         for (slot, chain) in detached {
-            let s = sb.clone();
-            tokio::task::spawn_blocking(move || {
-                let vm = lock(&s.vm);
-                vm.vm.as_ref().ok_or_else(|| s.gone())?.insert_slot(slot, Some(chain)).map_err(SandboxError::Start)
-            })
-            .await
-            .map_err(super::task_failed("volume attach task"))??;
+            put_in_slot(sb, slot, Some(chain)).await?;
             let Some(v) = attached.iter().find(|v| v.slot == slot) else { continue };
             let agent = sb.agent().ok_or_else(|| sb.gone())?;
             let mount = Mount { serial: slot_serial(slot), path: v.path.clone(), read_only: v.read_only };
@@ -242,4 +219,22 @@ impl Manager {
         }
         self.volumes.recover(&live);
     }
+}
+
+/// Puts `chain` in device slot `slot` of `sb`'s VM (`None`: empties it),
+/// off the async threads; returns the chain taken out.
+///
+/// Errors: the sandbox has no VM; [`SandboxError::Start`] (the slot).
+async fn put_in_slot(
+    sb: &Arc<Sandbox>,
+    slot: usize,
+    chain: Option<tine_storage::ChainSpec>,
+) -> Result<tine_storage::ChainSpec, SandboxError> {
+    let s = sb.clone();
+    tokio::task::spawn_blocking(move || {
+        let vm = lock(&s.vm);
+        vm.vm.as_ref().ok_or_else(|| s.gone())?.insert_slot(slot, chain).map_err(SandboxError::Start)
+    })
+    .await
+    .map_err(super::task_failed("volume slot task"))?
 }
