@@ -14,7 +14,12 @@
 //!   stay its own and never reach the volume.
 //! - **read-only**, by any number of sandboxes: the volume's chain as it
 //!   was when they attached (a writer's later writes are not seen until it
-//!   lets go and they attach again).
+//!   lets go and they attach again), under a private top of their own.
+//!   The guest mounts it read-only, so nothing it runs writes there; the
+//!   top takes what the guest's ext4 itself writes at mount (the replay of
+//!   a journal a writer that did not unmount left), and its layers are
+//!   links among the sandbox layers, so a later release that merges the
+//!   volume's layers never takes one a reader still reads.
 //!
 //! On the host:
 //!
@@ -303,10 +308,11 @@ impl VolumeStore {
     }
 
     /// Attaches `tenant`'s volume `name` to `sandbox`: the chain its slot
-    /// gets (writable: a new top among the sandbox layers over the
-    /// volume's chain, and `sandbox` is its writer until
-    /// [`VolumeStore::release`]; read-only: the volume's chain). Returns
-    /// the stored name and the chain.
+    /// gets, a new top among the sandbox layers over the volume's chain
+    /// (writable: `sandbox` is its writer until [`VolumeStore::release`];
+    /// read-only: a private top, see the [module docs](self)). Blocking
+    /// (links the layers, syncs the record). Returns the stored name and
+    /// the chain.
     ///
     /// Errors: [`VolumeError::NotFound`], [`VolumeError::Busy`] (another
     /// sandbox writes it), [`VolumeError::Io`] (the top cannot be made).
@@ -320,14 +326,15 @@ impl VolumeStore {
         let stored = stored_name(tenant, name)?;
         let mut volumes = crate::lock(&self.volumes);
         let v = volumes.get_mut(&stored).ok_or_else(|| VolumeError::NotFound(name.to_string()))?;
+        let io = |reason: String| VolumeError::Io { name: name.to_string(), reason };
         if read_only {
+            let chain = disks::new_top(&v.chain, &self.layers).map_err(|e| io(e.to_string()))?;
             v.readers.insert(sandbox.to_string());
-            return Ok((stored, v.chain.clone()));
+            return Ok((stored, chain));
         }
         if let Some(w) = &v.meta.writer {
             return Err(VolumeError::Busy { name: name.to_string(), writer: w.sandbox.clone() });
         }
-        let io = |reason: String| VolumeError::Io { name: name.to_string(), reason };
         let chain = disks::new_top(&v.chain, &self.layers).map_err(|e| io(e.to_string()))?;
         let mut meta = v.meta.clone();
         meta.writer = Some(Writer { sandbox: sandbox.to_string(), chain: chain.clone() });
@@ -354,40 +361,61 @@ impl VolumeStore {
     /// `sandbox` lets go of the volume stored as `stored`. A reader is
     /// forgotten. The writer's writes become the volume's: `last` is its
     /// slot's chain when it stopped (the top included, no longer written),
-    /// or `None` when the VM is gone without one (a failed start): then
-    /// the chain recorded at attach, if its files are all there.
+    /// or `None` when the VM is gone without one (a failed start, a server
+    /// that stopped while it ran): then the chain last recorded
+    /// ([`VolumeStore::acquire`], [`VolumeStore::note_chain`]), if its
+    /// files are all there. Blocking: the layers are synced, and merged
+    /// when there are more than `max_frozen` of them, without the store's
+    /// lock (the volume keeps its writer meanwhile, so no other sandbox
+    /// takes it).
     ///
     /// Errors: [`VolumeError::Io`] (the layers cannot be synced or linked:
-    /// the volume keeps its writer, so nothing is lost and a later release
-    /// can try again).
+    /// the volume keeps its writer and its record names the layers, which
+    /// the disk sweep keeps, so nothing is lost; the next start of the
+    /// server tries again, [`VolumeStore::recover`]).
     pub fn release(&self, stored: &str, sandbox: &str, last: Option<&ChainSpec>) -> Result<(), VolumeError> {
-        let mut volumes = crate::lock(&self.volumes);
-        let Some(v) = volumes.get_mut(stored) else { return Ok(()) };
-        v.readers.remove(sandbox);
-        let Some(writer) = v.meta.writer.clone().filter(|w| w.sandbox == sandbox) else { return Ok(()) };
+        let writer = {
+            let mut volumes = crate::lock(&self.volumes);
+            let Some(v) = volumes.get_mut(stored) else { return Ok(()) };
+            v.readers.remove(sandbox);
+            let Some(writer) = v.meta.writer.clone().filter(|w| w.sandbox == sandbox) else { return Ok(()) };
+            writer
+        };
         let last = last.cloned().unwrap_or(writer.chain);
         let name = crate::templates::split_qualified(stored).1.to_string();
         let io = |reason: String| VolumeError::Io { name: name.clone(), reason };
-        if let Some(missing) = disks::files(&last).find(|f| !f.exists()) {
-            // Nothing to adopt: the volume stays as it was before this
-            // writer, said rather than papered over.
-            tracing::warn!(volume = %name, sandbox, "the writer's layer {} is gone; its writes since it attached \
-                are lost, the volume keeps what it held before", missing.display());
-        } else {
-            let frozen = ChainSpec {
-                base: last.base.clone(),
-                frozen: last.frozen.iter().chain(last.top.iter()).cloned().collect(),
-                top: None,
-            };
-            tine_storage::sync(&frozen).map_err(|e| io(e.to_string()))?;
-            let kept = disks::shallow(&frozen, &self.layers, self.max_frozen);
+        let adopted = match disks::files(&last).find(|f| !f.exists()) {
+            Some(missing) => {
+                // Nothing to adopt: the volume stays as it was before this
+                // writer, said rather than papered over.
+                tracing::warn!(volume = %name, sandbox, "the writer's layer {} is gone; its writes since it \
+                    attached are lost, the volume keeps what it held before", missing.display());
+                None
+            }
+            None => {
+                let frozen = ChainSpec {
+                    base: last.base.clone(),
+                    frozen: last.frozen.iter().chain(last.top.iter()).cloned().collect(),
+                    top: None,
+                };
+                tine_storage::sync(&frozen).map_err(|e| io(e.to_string()))?;
+                let kept = disks::shallow(&frozen, &self.layers, self.max_frozen);
+                Some((frozen, kept))
+            }
+        };
+        // Under the lock: a reader's acquire links the volume's layers by
+        // the names its record gives, which `disks::keep` replaces.
+        let mut volumes = crate::lock(&self.volumes);
+        let Some(v) = volumes.get_mut(stored) else { return Ok(()) };
+        if let Some((frozen, kept)) = adopted {
             let dir = self.dir.join(stored);
             disks::keep(&kept, &dir).map_err(|e| io(e.to_string()))?;
             if kept != frozen {
                 let _ = std::fs::remove_file(&kept.frozen[0]);
             }
             // Layers of an older, longer chain that the new one no longer
-            // names (a merge made it shorter).
+            // names (a merge made it shorter); readers have links of their
+            // own ([`disks::new_top`]).
             let chain = disks::load(&dir).map_err(|e| io(e.to_string()))?.unwrap_or_default();
             let named: HashSet<&PathBuf> = disks::files(&chain).collect();
             for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
@@ -403,6 +431,28 @@ impl VolumeStore {
         self.save(stored, &meta)?;
         v.meta = meta;
         tracing::info!(volume = %name, sandbox, "volume released by its writer");
+        Ok(())
+    }
+
+    /// Records `chain` as the chain of the volume stored as `stored` in
+    /// its writer `sandbox`'s VM now (after a resume or a branch gave the
+    /// VM a new top), so that a server that stops without a release finds
+    /// the writes up to the stop ([`VolumeStore::recover`]), and the disk
+    /// sweep keeps those layers. Nothing when `sandbox` is not the writer
+    /// or the chain is the one recorded. Blocking (syncs the record).
+    ///
+    /// Errors: [`VolumeError::Io`] (the record cannot be written; the one
+    /// before stays).
+    pub fn note_chain(&self, stored: &str, sandbox: &str, chain: &ChainSpec) -> Result<(), VolumeError> {
+        let mut volumes = crate::lock(&self.volumes);
+        let Some(v) = volumes.get_mut(stored) else { return Ok(()) };
+        let Some(w) = v.meta.writer.as_ref().filter(|w| w.sandbox == sandbox && w.chain != *chain) else {
+            return Ok(());
+        };
+        let mut meta = v.meta.clone();
+        meta.writer = Some(Writer { sandbox: w.sandbox.clone(), chain: chain.clone() });
+        self.save(stored, &meta)?;
+        v.meta = meta;
         Ok(())
     }
 
@@ -525,8 +575,17 @@ pub fn check_requests(requests: &[VolumeRequest], slots: usize) -> Result<(), St
         if !names.insert(r.name.as_str()) {
             return Err(format!("volume {:?} is asked for twice", r.name));
         }
+        if path.split('/').any(|c| c == "." || c == "..") {
+            return Err(format!("volume {:?}: path {:?} must not have . or .. in it", r.name, r.path));
+        }
         if !paths.insert(path) {
             return Err(format!("two volumes are to be mounted at {path}"));
+        }
+    }
+    // One inside another would hide it, or keep it from being unmounted.
+    for (a, b) in paths.iter().flat_map(|a| paths.iter().map(move |b| (a, b))) {
+        if b.strip_prefix(a).is_some_and(|rest| rest.starts_with('/')) {
+            return Err(format!("volume mount points {a} and {b} nest; mount them side by side"));
         }
     }
     Ok(())
@@ -590,8 +649,11 @@ mod tests {
         assert!(
             matches!(store.acquire(None, "v", "sb-2", false), Err(VolumeError::Busy { writer, .. }) if writer == "sb-1")
         );
+        // A reader's chain: a private top, every layer linked among the
+        // sandbox layers (none named in the volume's directory).
         let (_, r) = store.acquire(None, "v", "sb-3", true).unwrap();
-        assert!(r.top.is_none());
+        assert!(r.top.is_some());
+        assert!(disks::files(&r).all(|f| f.parent() == Some(kept.path().join(disks::DISKS_DIR).as_path())), "{r:?}");
         assert!(
             matches!(store.delete(None, "v"), Err(VolumeError::InUse { sandboxes, .. }) if sandboxes == "sb-1, sb-3")
         );
@@ -604,16 +666,29 @@ mod tests {
         let (_, w2) = store.acquire(None, "v", "sb-4", false).unwrap();
         assert_eq!(&read(&w2)[..5], b"first");
         write(&w2, b"second");
+        // A branch or resume gave the writer a new top over what it wrote;
+        // the manager notes it.
+        let frozen = ChainSpec {
+            base: w2.base.clone(),
+            frozen: w2.frozen.iter().chain(w2.top.iter()).cloned().collect(),
+            top: None,
+        };
+        let w3 = disks::new_top(&frozen, &kept.path().join(disks::DISKS_DIR)).unwrap();
+        store.note_chain(&stored, "sb-4", &w3).unwrap();
+        write(&w3, b"third");
         drop(store);
         // The server stopped with sb-4 writing: a new store finds its
-        // writer; sb-4 is gone, so its writes up to then are taken.
+        // writer and its last chain; sb-4 is gone, so its writes up to
+        // then are taken, the later top's included.
         let store = VolumeStore::open(kept.path(), 8).unwrap();
         assert_eq!(store.list(None)[0].writer.as_deref(), Some("sb-4"));
-        assert!(store.layers_in_use().contains(w2.top.as_ref().unwrap()));
+        assert!(store.layers_in_use().contains(w3.top.as_ref().unwrap()));
         store.recover(&HashSet::new());
         assert_eq!(store.list(None)[0].writer, None);
         let (_, r2) = store.acquire(None, "v", "sb-5", true).unwrap();
-        assert_eq!(&read(&r2)[..6], b"second");
+        assert_eq!(&read(&r2)[..5], b"third");
+        // The first reader still reads what it attached to.
+        assert_eq!(&read(&r)[..5], &[0u8; 5]);
     }
 
     #[test]
@@ -623,7 +698,9 @@ mod tests {
         assert!(check_requests(&[req("a", "/data"), req("b", "/srv")], 1).unwrap_err().contains("2 volumes"));
         assert!(check_requests(&[req("a", "/data"), req("a", "/srv")], 2).unwrap_err().contains("twice"));
         assert!(check_requests(&[req("a", "/data"), req("b", "/data/")], 2).unwrap_err().contains("two volumes"));
-        for bad in ["", "/", "data"] {
+        let nested = check_requests(&[req("a", "/data"), req("c", "/data-x"), req("b", "/data/x")], 3);
+        assert!(nested.unwrap_err().contains("nest"));
+        for bad in ["", "/", "data", "/a/../b", "/a/./b"] {
             assert!(check_requests(&[req("a", bad)], 2).is_err(), "{bad:?}");
         }
     }

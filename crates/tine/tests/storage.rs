@@ -210,9 +210,14 @@ async fn volumes_outlive_their_sandboxes(client: &Peer<RoleClient>) {
     assert!(e.contains("is attached to"), "{e}");
 
     // The writer's kill gives its writes to the volume: a later sandbox
-    // reads them, and not the child's.
+    // reads them, and not the child's. Paused first: the pause syncs the
+    // volume (the write below is not synced by the guest), since the kill
+    // of a paused guest cannot unmount it.
     exec(client, &w, "echo two >> /data/f").await;
+    call(client, "sandbox_pause", json!({"sandbox_id": w})).await.expect("pause the writer");
+    let t = Instant::now();
     let _ = try_call(client, "sandbox_kill", json!({"sandbox_id": w})).await;
+    eprintln!("kill of the paused writer: {:?}", t.elapsed());
     let later = create(client, json!({"volumes": [{"name": "data", "path": "/srv/data"}]})).await;
     let out = stdout(&exec(client, &later, "cat /srv/data/f; ls /srv/data").await);
     assert!(out.starts_with("one\ntwo\n") && !out.contains("child"), "{out}");

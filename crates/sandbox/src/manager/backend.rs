@@ -58,6 +58,10 @@ pub(crate) struct VmSpec {
     pub net: Option<vmm::NetConfig>,
     /// Where its own disk comes from.
     pub disk: DiskPlan,
+    /// Whether the sandbox has a disk of its own (a disk size over 0): a
+    /// restore from a branch point or hibernation of a sandbox without
+    /// one finds its device slots right after the root.
+    pub own_disk: bool,
     /// The VM's device slots for volumes ([`SlotPlan`]).
     pub slots: SlotPlan,
 }
@@ -72,8 +76,8 @@ pub(crate) struct SlotPlan {
     pub boot_slots: usize,
     /// For a branch or a resume: per slot, the volume it held at the
     /// capture goes on (`Some(read_only)`: a new top over the recorded
-    /// chain, or the chain itself read-only), or the slot starts empty
-    /// (`None`, or past the end).
+    /// chain, a private one for a reader as for a writer), or the slot
+    /// starts empty (`None`, or past the end).
     pub keep: Vec<Option<bool>>,
 }
 

@@ -142,6 +142,8 @@ impl Manager {
                 return Err(e);
             }
         };
+        // The branch froze the tops of the parent's volumes.
+        self.note_volume_chains(&source).await;
         let image = point.image;
         let total = Some(n as f64 + 1.0);
         cx.progress.report(
@@ -314,6 +316,7 @@ impl Manager {
         let merged = tokio::task::spawn_blocking(move || me.merge_blocking(&w2, &p2))
             .await
             .map_err(task_failed("merge task"))??;
+        self.note_volume_chains(&p).await;
         tracing::info!(winner = %w.id, parent = %p.id, "merged: {} now runs {}'s VM", p.id, w.id);
         p.emit(EventKind::Merged { winner: w.id.clone() });
         Ok(merged)
@@ -435,6 +438,16 @@ impl Manager {
         }
         // In case the winner's own parent was in between.
         self.leave_parent(w);
+        // The parent keeps its volumes, now in the winner's slots: a
+        // writable one continues on the winner's view (what the winner
+        // wrote to it reaches the volume at the parent's release, as the
+        // rest of the winner's state replaces the parent's); the
+        // winner's read-only ones were the parent's too.
+        for v in std::mem::take(&mut *lock(&w.volumes)).iter().filter(|v| v.shared) {
+            if let Err(e) = self.volumes.release(&v.stored, &w.id, None) {
+                tracing::warn!(sandbox = %w.id, volume = %v.name, "{e}");
+            }
+        }
         w.end(SandboxState::Stopped, Some(format!("merged into {}", p.id)));
         self.remove_record(&w.id);
         self.record_in_background(p);

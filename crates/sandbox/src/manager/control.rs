@@ -28,6 +28,9 @@ impl Manager {
         let sb = self.get(id)?;
         // A pooled sandbox's reseed must reach running vCPUs first.
         sb.handed_out().await?;
+        if sb.state() == super::SandboxState::Running {
+            self.sync_volumes(&sb).await;
+        }
         tokio::task::spawn_blocking(move || pause_blocking(&sb)).await.map_err(task_failed("pause task"))?
     }
 
@@ -150,6 +153,10 @@ impl Manager {
         progress: &ProgressSink,
     ) -> Result<(), SandboxError> {
         warm_up_python(sb, progress).await;
+        // The detach, the capture and the reattach under the sandbox's
+        // control: no branch, hibernation or kill sees its slots emptied
+        // for the capture.
+        let _control = sb.control.lock().await;
         // A template never carries a volume: out of their slots for the
         // capture, back in after it.
         let detached = self.detach_volumes(sb).await?;
@@ -185,8 +192,9 @@ impl Manager {
         self.templates.check_quota(name, limits.max_templates, limits.max_template_disk_mib.saturating_mul(1 << 20))
     }
 
+    /// The capture of [`Manager::snapshot_sandbox`], whose caller holds
+    /// `sb`'s `control`.
     fn snapshot_blocking(&self, sb: &Sandbox, name: &str, replace: bool) -> Result<(), SandboxError> {
-        let _control = sb.control.blocking_lock();
         let state = sb.state();
         if !matches!(state, SandboxState::Running | SandboxState::Paused) {
             return Err(SandboxError::BadState { id: sb.id.clone(), state, what: "a snapshot" });

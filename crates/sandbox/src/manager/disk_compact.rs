@@ -19,13 +19,11 @@ use tine_storage::ChainSpec;
 use super::{Manager, Sandbox};
 use crate::lock;
 
-/// `sb`'s own disk (the chain with a writable top): its index among the
+/// `sb`'s own disk ([`super::Sandbox::own_disk`]): its index among the
 /// VM's disks and the frozen chain below the top. `None` without a VM or a
 /// disk.
 fn disk_below(sb: &Sandbox) -> Option<(usize, ChainSpec)> {
-    let slot = lock(&sb.vm);
-    let disks = slot.vm.as_ref()?.disks();
-    let (index, (_, chain)) = disks.into_iter().enumerate().find(|(_, (_, c))| c.top.is_some())?;
+    let (index, _, chain) = sb.own_disk()?;
     Some((index, ChainSpec { top: None, ..chain }))
 }
 

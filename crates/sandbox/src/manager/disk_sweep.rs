@@ -58,9 +58,7 @@ impl Manager {
     /// its other sandboxes, are not counted), and the files of its chain.
     /// `None` without a VM or disk.
     pub(super) fn sandbox_disk_use(&self, sb: &Sandbox) -> Option<(u64, u64, u64)> {
-        let slot = lock(&sb.vm);
-        let (size, chain) = slot.vm.as_ref()?.disks().into_iter().find(|(_, c)| c.top.is_some())?;
-        drop(slot);
+        let (_, size, chain) = sb.own_disk()?;
         let own = crate::disks::unshared_bytes(
             crate::disks::files(&chain).filter(|f| f.parent() == Some(self.disk_plan.dir.as_path())),
         );

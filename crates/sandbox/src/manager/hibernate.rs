@@ -104,6 +104,10 @@ impl Manager {
     /// Errors: as [`Manager::hibernate`].
     pub(super) async fn hibernate_sandbox(&self, sb: &Arc<Sandbox>, why: HibernateWhy) -> Result<(), SandboxError> {
         let (me, s) = (self.me.upgrade().ok_or(SandboxError::ShuttingDown)?, sb.clone());
+        // A paused one's were synced at its pause.
+        if sb.state() == SandboxState::Running {
+            self.sync_volumes(sb).await;
+        }
         tokio::task::spawn_blocking(move || me.hibernate_blocking(&s, why))
             .await
             .map_err(task_failed("hibernate task"))?

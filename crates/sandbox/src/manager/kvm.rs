@@ -51,8 +51,8 @@ pub(crate) fn slots_of(t: &crate::templates::Template) -> Option<usize> {
 
 /// The device slots of a VM started from `source` (its snapshot's, else
 /// `plan.boot_slots` empty ones), each as the disk it starts with: a new
-/// top over the chain a branch point or hibernation recorded for a
-/// writable volume, that chain for a read-only one, else empty.
+/// top over the chain a branch point or hibernation recorded for a volume
+/// (a reader's is private too, [`crate::volumes`]), else empty.
 ///
 /// Errors: a layer that cannot be linked or a top that cannot be made.
 fn slot_disks(
@@ -70,16 +70,18 @@ fn slot_disks(
     };
     let mut out = Vec::with_capacity(recorded.len());
     for (slot, chain) in recorded.into_iter().enumerate() {
-        // A hibernation's own links to the volume's layers come first.
+        // A hibernation's own links to the volume's layers come first; a
+        // long line of hibernations and resumes is merged here, as the
+        // sandbox disk's is.
         let chain = match source {
-            VmSource::Hibernated { dir, .. } => disks::load(&slot_dir(dir, slot)).map_err(BackendError::new)?.or(chain),
+            VmSource::Hibernated { dir, .. } => disks::load(&slot_dir(dir, slot))
+                .map_err(BackendError::new)?
+                .or(chain)
+                .map(|c| disks::shallow(&c, &disk.dir, disk.max_frozen_layers)),
             _ => chain,
         };
         out.push(match (plan.keep.get(slot).copied().flatten(), chain) {
-            (Some(true), Some(chain)) => DiskImage::Chain(chain),
-            (Some(false), Some(chain)) => {
-                DiskImage::Chain(disks::new_top(&chain, &disk.dir).map_err(BackendError::new)?)
-            }
+            (Some(_), Some(chain)) => DiskImage::Chain(disks::new_top(&chain, &disk.dir).map_err(BackendError::new)?),
             _ => DiskImage::Empty,
         });
     }
@@ -95,10 +97,15 @@ fn slot_disks(
 /// with the paths its state file recorded).
 fn disk_below(
     plan: &DiskPlan,
+    own_disk: bool,
     source: &VmSource,
     snapshot: Option<&vmm::Snapshot>,
 ) -> Result<Option<ChainSpec>, BackendError> {
     let recorded = || snapshot.and_then(|s| s.disks.get(SANDBOX_DISK).cloned().flatten());
+    if !own_disk && matches!(source, VmSource::Branch(_) | VmSource::Hibernated { .. }) {
+        // Its snapshot's second disk is a device slot.
+        return Ok(None);
+    }
     Ok(match source {
         VmSource::Boot => plan.blank.clone().map(|blank| ChainSpec { base: Some(blank), ..ChainSpec::default() }),
         VmSource::Template(t) => t.disk.clone(),
@@ -142,7 +149,7 @@ impl VmBackend for KvmBackend {
             _ => None,
         };
         // The sandbox's own disk: a new top over what the source froze.
-        if let Some(below) = disk_below(&spec.disk, source, branch_snapshot.or(hibernated.as_ref()))? {
+        if let Some(below) = disk_below(&spec.disk, spec.own_disk, source, branch_snapshot.or(hibernated.as_ref()))? {
             let chain = disks::new_top(&below, &spec.disk.dir).map_err(BackendError::new)?;
             config.disks.push(DiskConfig::fixed(DiskImage::Chain(chain), SANDBOX_DISK_ID));
         }
@@ -294,7 +301,8 @@ impl VmHandle for KvmVm {
     fn hibernate(&self, dir: &Path, base: &Base) -> Result<Hibernation, BackendError> {
         let base = base_memory(base)?.map(|m| m.open()).transpose().map_err(BackendError::new)?;
         let r = self.vm.hibernate(dir, base.as_ref()).map_err(BackendError::new)?;
-        if let Some(Some(chain)) = r.disks.get(SANDBOX_DISK) {
+        // The sandbox disk, when the VM has one (else that index is a slot).
+        if let Some(Some(chain)) = r.disks.get(SANDBOX_DISK).filter(|_| self.first_slot > SANDBOX_DISK) {
             disks::keep(chain, dir).map_err(BackendError::new)?;
         }
         for (slot, chain) in r.disks.iter().skip(self.first_slot).enumerate() {

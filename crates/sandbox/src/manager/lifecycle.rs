@@ -655,6 +655,7 @@ impl Manager {
                 .zip(lock(&sb.net).clone())
                 .map(|(n, control)| vmm::NetConfig { stack: n.stack.clone(), control }),
             disk: self.disk_plan.clone(),
+            own_disk: sb.disk_mib > 0,
             slots: super::backend::SlotPlan {
                 boot_slots: self.config.limits.volume_slots,
                 keep: {
@@ -701,6 +702,8 @@ impl Manager {
         let watch = vm.exit_watch();
         sb.attach_vm(vm).map_err(io("spawn the monitor thread".into()))?;
         self.note_vm(sb);
+        // A resumed writer's volumes have new tops.
+        self.note_volume_chains(sb).await;
 
         let agent = self.wait_for_agent(sb, &*watch, &uds, progress, t0).await?;
         progress.report(secs(t0), None, format!("{}: agent ready; reseeding", sb.id));

@@ -705,6 +705,22 @@ impl Sandbox {
         drop(std::mem::take(&mut *lock(&self.memory)));
     }
 
+    /// The sandbox disk of its VM: its index among the VM's disks (after
+    /// the root, before the device slots), its size (bytes) and its chain.
+    /// `None` without a VM, or for a VM without a disk of its own (its
+    /// disks after the root are all slots).
+    pub(super) fn own_disk(&self) -> Option<(usize, u64, tine_storage::ChainSpec)> {
+        let slot = lock(&self.vm);
+        let vm = slot.vm.as_ref()?;
+        let disks = vm.disks();
+        // The root, then the sandbox disk if any, then the slots.
+        let index = 1;
+        if disks.len() <= index + vm.slot_count() {
+            return None;
+        }
+        disks.into_iter().nth(index).map(|(size, chain)| (index, size, chain))
+    }
+
     /// Keeps the chains of `vm`'s device slots ([`Sandbox::slot_chains`]),
     /// when it has volumes.
     fn note_slot_chains(&self, vm: &dyn VmHandle) {

@@ -118,6 +118,53 @@ impl Manager {
         lock(&sb.slot_chains).clear();
     }
 
+    /// Records, in the volume store, the chains of `sb`'s writable volumes
+    /// as its VM has them now ([`crate::volumes::VolumeStore::note_chain`]):
+    /// after a resume or a branch gave a slot a new top, so that a server
+    /// stopping without a release loses none of the writes up to then.
+    /// Off the async threads; nothing to do for a sandbox without one.
+    pub(super) async fn note_volume_chains(&self, sb: &Arc<Sandbox>) {
+        let writable: Vec<(usize, String)> =
+            lock(&sb.volumes).iter().filter(|v| v.shared && !v.read_only).map(|v| (v.slot, v.stored.clone())).collect();
+        if writable.is_empty() {
+            return;
+        }
+        let (store, s) = (self.volumes.clone(), sb.clone());
+        let _ = tokio::task::spawn_blocking(move || {
+            let Some(chains) = lock(&s.vm).vm.as_ref().map(|vm| vm.slot_chains()) else { return };
+            for (slot, stored) in writable {
+                let Some(chain) = chains.get(slot).filter(|c| c.base.is_some()) else { continue };
+                if let Err(e) = store.note_chain(&stored, &s.id, chain) {
+                    tracing::warn!(sandbox = %s.id, volume = %stored, "{e}");
+                }
+            }
+        })
+        .await;
+    }
+
+    /// Writes out what the guest's page cache holds of `sb`'s writable
+    /// volumes (`sync -f`, the syncfs(2) of each mount), before a pause or
+    /// hibernation: the volume's layers then hold the writes up to it, and
+    /// a kill of the paused sandbox, which cannot unmount them, loses
+    /// nothing written before. Best effort (a guest that does not answer
+    /// within [`MOUNT_TIMEOUT`] is logged).
+    pub(super) async fn sync_volumes(&self, sb: &Sandbox) {
+        let writable: Vec<String> =
+            lock(&sb.volumes).iter().filter(|v| v.shared && !v.read_only).map(|v| v.path.clone()).collect();
+        if writable.is_empty() {
+            return;
+        }
+        let Some(agent) = sb.agent() else { return };
+        let quoted: Vec<String> = writable.iter().map(|p| format!("'{}'", p.replace('\'', "'\\''"))).collect();
+        let script = format!("sync -f {}", quoted.join(" "));
+        match agent.exec(&script, MOUNT_TIMEOUT.as_millis() as u32, 4096).await {
+            Ok(r) if r.status == tine_protocol::ExitStatus::Code(0) => {}
+            Ok(r) => tracing::warn!(sandbox = %sb.id, "syncing its volumes: {:?}, {}", r.status,
+                String::from_utf8_lossy(&r.stderr.data)),
+            Err(e) => tracing::warn!(sandbox = %sb.id, "syncing its volumes: {e}"),
+        }
+    }
+
     /// Unmounts the writable volumes of running `sb` so that the guest
     /// writes out what it holds of them before its VM stops (best effort:
     /// a guest that does not answer loses what it had not written yet,
@@ -126,6 +173,10 @@ impl Manager {
         let writable: Vec<String> =
             lock(&sb.volumes).iter().filter(|v| v.shared && !v.read_only).map(|v| v.path.clone()).collect();
         if writable.is_empty() {
+            return;
+        }
+        // A paused guest cannot answer; its volumes were synced at the pause.
+        if sb.state() != super::SandboxState::Running {
             return;
         }
         let Some(agent) = sb.agent() else { return };
