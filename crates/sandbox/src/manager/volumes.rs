@@ -72,7 +72,11 @@ impl Manager {
         let slots = lock(&sb.vm).vm.as_ref().map_or(0, |vm| vm.slot_count());
         crate::volumes::check_requests(requests, slots).map_err(SandboxError::Volumes)?;
         for (slot, r) in requests.iter().enumerate() {
-            let (stored, chain) = self.volumes.acquire(tenant, &r.name, &sb.id, r.read_only)?;
+            let (store, t, name, id, ro) =
+                (self.volumes.clone(), tenant.map(str::to_string), r.name.clone(), sb.id.clone(), r.read_only);
+            let (stored, chain) = tokio::task::spawn_blocking(move || store.acquire(t.as_deref(), &name, &id, ro))
+                .await
+                .map_err(super::task_failed("volume attach task"))??;
             lock(&sb.volumes).push(AttachedVolume {
                 name: r.name.clone(),
                 path: r.path.clone(),
