@@ -298,7 +298,7 @@ async fn branches_hibernations_and_a_full_disk() {
 
     // Hibernated and resumed: the disk is the one its memory knows (a
     // file written just before, and the page cache's view of it).
-    exec(&client, &c, "head -c 3000000 /dev/zero | tr '\\0' 'z' > /root/z && sha256sum /root/z > /root/z.sum").await;
+    exec(&client, &c, "head -c 262144 /dev/zero | tr '\\0' 'z' > /root/z && sha256sum /root/z > /root/z.sum").await;
     let r = call(&client, "sandbox_pause", json!({"sandbox_id": c, "to_disk": true})).await.expect("hibernate");
     assert_eq!(r["state"], "hibernated", "{r}");
     let after = stdout(&exec(&client, &c, "sha256sum -c /root/z.sum && cat /root/c").await);
