@@ -553,6 +553,14 @@ pub struct AttachedVolume {
     pub stored: String,
 }
 
+impl AttachedVolume {
+    /// Whether this sandbox writes the volume itself: attached writable,
+    /// and not a branch child's copy-on-write view.
+    pub fn writes(&self) -> bool {
+        self.shared && !self.read_only
+    }
+}
+
 /// Checks what a create asks for against `slots` free device slots:
 /// distinct names and absolute, distinct mount points.
 ///

@@ -74,11 +74,11 @@ pub(crate) struct VmSpec {
 pub(crate) struct SlotPlan {
     /// How many slots a boot makes ([`crate::Limits::volume_slots`]).
     pub boot_slots: usize,
-    /// For a branch or a resume: per slot, the volume it held at the
-    /// capture goes on (`Some(read_only)`: a new top over the recorded
-    /// chain, a private one for a reader as for a writer), or the slot
-    /// starts empty (`None`, or past the end).
-    pub keep: Vec<Option<bool>>,
+    /// For a branch or a resume: per slot, whether the volume it held at
+    /// the capture goes on (on a new top over the recorded chain, a
+    /// private one for a reader as for a writer), or the slot starts
+    /// empty (`false`, or past the end).
+    pub keep: Vec<bool>,
 }
 
 /// Where a VM's own disk comes from ([`crate::disks`]).

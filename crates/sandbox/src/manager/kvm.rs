@@ -80,9 +80,9 @@ fn slot_disks(
                 .map(|c| disks::shallow(&c, &disk.dir, disk.max_frozen_layers)),
             _ => chain,
         };
-        out.push(match (plan.keep.get(slot).copied().flatten(), chain) {
-            (Some(_), Some(chain)) => DiskImage::Chain(disks::new_top(&chain, &disk.dir).map_err(BackendError::new)?),
-            _ => DiskImage::Empty,
+        out.push(match chain.filter(|_| plan.keep.get(slot).copied().unwrap_or(false)) {
+            Some(chain) => DiskImage::Chain(disks::new_top(&chain, &disk.dir).map_err(BackendError::new)?),
+            None => DiskImage::Empty,
         });
     }
     Ok(out)

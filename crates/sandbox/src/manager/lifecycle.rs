@@ -660,9 +660,9 @@ impl Manager {
                 boot_slots: self.config.limits.volume_slots,
                 keep: {
                     let attached = lock(&sb.volumes);
-                    let mut keep = vec![None; attached.iter().map(|v| v.slot + 1).max().unwrap_or(0)];
+                    let mut keep = vec![false; attached.iter().map(|v| v.slot + 1).max().unwrap_or(0)];
                     for v in attached.iter() {
-                        keep[v.slot] = Some(v.read_only);
+                        keep[v.slot] = true;
                     }
                     keep
                 },

@@ -129,7 +129,7 @@ impl Manager {
     /// Off the async threads; nothing to do for a sandbox without one.
     pub(super) async fn note_volume_chains(&self, sb: &Arc<Sandbox>) {
         let writable: Vec<(usize, String)> =
-            lock(&sb.volumes).iter().filter(|v| v.shared && !v.read_only).map(|v| (v.slot, v.stored.clone())).collect();
+            lock(&sb.volumes).iter().filter(|v| v.writes()).map(|v| (v.slot, v.stored.clone())).collect();
         if writable.is_empty() {
             return;
         }
@@ -153,15 +153,23 @@ impl Manager {
     /// nothing written before. Best effort (a guest that does not answer
     /// within [`MOUNT_TIMEOUT`] is logged).
     pub(super) async fn sync_volumes(&self, sb: &Sandbox) {
-        let writable: Vec<String> =
-            lock(&sb.volumes).iter().filter(|v| v.shared && !v.read_only).map(|v| v.path.clone()).collect();
+        let writable: Vec<String> = lock(&sb.volumes).iter().filter(|v| v.writes()).map(|v| v.path.clone()).collect();
         if writable.is_empty() {
             return;
         }
         let Some(agent) = sb.agent() else { return };
-        let quoted: Vec<String> = writable.iter().map(|p| format!("'{}'", p.replace('\'', "'\\''"))).collect();
-        let script = format!("sync -f {}", quoted.join(" "));
-        match agent.exec(&script, MOUNT_TIMEOUT.as_millis() as u32, 4096).await {
+        // No shell: one process, the paths as they are.
+        let exec = tine_protocol::Exec {
+            command: tine_protocol::Command::Argv(
+                ["sync".to_string(), "-f".to_string()].into_iter().chain(writable).collect(),
+            ),
+            cwd: None,
+            env: Vec::new(),
+            stdin: Vec::new(),
+            timeout_ms: MOUNT_TIMEOUT.as_millis() as u32,
+            output_limit: 4096,
+        };
+        match agent.run(exec, MOUNT_TIMEOUT + Duration::from_secs(5)).await {
             Ok(r) if r.status == tine_protocol::ExitStatus::Code(0) => {}
             Ok(r) => tracing::warn!(sandbox = %sb.id, "syncing its volumes: {:?}, {}", r.status,
                 String::from_utf8_lossy(&r.stderr.data)),
@@ -174,8 +182,7 @@ impl Manager {
     /// a guest that does not answer loses what it had not written yet,
     /// as a power cut would).
     pub(super) async fn unmount_volumes(&self, sb: &Sandbox) {
-        let writable: Vec<String> =
-            lock(&sb.volumes).iter().filter(|v| v.shared && !v.read_only).map(|v| v.path.clone()).collect();
+        let writable: Vec<String> = lock(&sb.volumes).iter().filter(|v| v.writes()).map(|v| v.path.clone()).collect();
         if writable.is_empty() {
             return;
         }
