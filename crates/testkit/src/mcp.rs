@@ -218,6 +218,45 @@ pub fn with_host_ca(config: &str) -> String {
     out
 }
 
+/// The sandbox disk (MiB) of the run's shared default template
+/// ([`TineServer::start_with_default_template`]): 256, small enough that
+/// `storage.rs` fills it in seconds on a sandbox restored from it (a
+/// sandbox of another size is a cold boot); with `TINE_TEST_FULL`, the
+/// server's default (10 GiB), for `TINE_DISK_TEST_MIB` past the guest's
+/// RAM. No other test writes more than a few MiB to a sandbox's root.
+pub fn shared_disk_mib() -> u64 {
+    if crate::full_size() {
+        10240
+    } else {
+        256
+    }
+}
+
+/// `config` as the run's seeded servers have it: [`with_host_ca`], and
+/// `[limits] default_disk_mib` of [`shared_disk_mib`] unless `config`
+/// names a size.
+pub fn shared_setup(config: &str) -> String {
+    let config = with_host_ca(config);
+    if config.lines().any(|l| l.trim().starts_with("default_disk_mib")) {
+        return config;
+    }
+    let line = format!("default_disk_mib = {}", shared_disk_mib());
+    if !config.lines().any(|l| l.trim() == "[limits]") {
+        let sep = if config.is_empty() || config.ends_with('\n') { "" } else { "\n" };
+        return format!("{config}{sep}[limits]\n{line}\n");
+    }
+    let mut out = String::new();
+    for l in config.lines() {
+        out.push_str(l);
+        out.push('\n');
+        if l.trim() == "[limits]" {
+            out.push_str(&line);
+            out.push('\n');
+        }
+    }
+    out
+}
+
 /// A TCP port free on 127.0.0.1 now (the kernel's pick).
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("bind a free port").port()
@@ -247,8 +286,8 @@ impl TineServer {
     /// data directory first, so the server loads it (checking its
     /// checksums and image identities, and rebuilding it if they do not
     /// match) instead of a cold boot of a minute or more. `config` gets the
-    /// host's CA bundle ([`with_host_ca`]) unless it names CA certificates
-    /// itself, so that the servers of a run share one build. Tests that are
+    /// host's CA bundle and the run's disk size ([`shared_setup`]) unless
+    /// it names its own, so that the servers of a run share one build. Tests that are
     /// about the default template's build use [`TineServer::start_cold`]
     /// (whose build is the run's copy when it comes first) or
     /// [`TineServer::start`].
@@ -264,7 +303,7 @@ impl TineServer {
     /// [`TineServer::start_with_default_template`], listening on
     /// 127.0.0.1:`port`.
     pub fn start_with_default_template_on(binary: &Path, token: Option<&str>, config: &str, port: u16) -> TineServer {
-        let config = &with_host_ca(config);
+        let config = &shared_setup(config);
         let seed = default_template_seed(binary, config);
         let _lock = crate::lock_file(&seed_lock(&seed));
         let seeded = seed.join("template.json").exists();
@@ -286,7 +325,7 @@ impl TineServer {
     /// on until [`SharedTemplate::share`] (or its drop), so that the run
     /// builds the default template once.
     pub fn start_cold(binary: &Path, token: Option<&str>, config: &str) -> (TineServer, SharedTemplate) {
-        let config = &with_host_ca(config);
+        let config = &shared_setup(config);
         let seed = default_template_seed(binary, config);
         let lock = crate::lock_file(&seed_lock(&seed));
         let lock = (!seed.join("template.json").exists()).then_some(lock);
@@ -749,5 +788,28 @@ pub fn run_conformance_scenario(bin: &Path, url: &str, scenario: &str) -> Result
         Some(0) if text.contains(" 0 failed") => Ok(text),
         Some(124) => Err(format!("scenario {scenario} did not end within 120 s:\n{text}")),
         _ => Err(format!("scenario {scenario} failed ({}):\n{text}", out.status)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits(config: &str) -> Vec<String> {
+        let t: toml::Table = config.parse().expect("valid TOML");
+        let l = t.get("limits").and_then(|l| l.as_table()).cloned().unwrap_or_default();
+        l.iter().map(|(k, v)| format!("{k}={v}")).collect()
+    }
+
+    #[test]
+    fn shared_setup_adds_the_disk_size_once() {
+        let disk = format!("default_disk_mib={}", shared_disk_mib());
+        let c = shared_setup("[limits]\nboot_timeout_secs = 1200\n[pool]\nsize = 0");
+        assert_eq!(limits(&c), ["boot_timeout_secs=1200".to_string(), disk.clone()], "{c}");
+        let c = shared_setup("[pool]\nsize = 0");
+        assert_eq!(limits(&c), std::slice::from_ref(&disk), "{c}");
+        assert_eq!(limits(&shared_setup("")), [disk], "a config with no tables");
+        let own = shared_setup("[limits]\ndefault_disk_mib = 512\n");
+        assert_eq!(limits(&own), ["default_disk_mib=512".to_string()], "{own}");
     }
 }

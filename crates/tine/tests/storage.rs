@@ -19,9 +19,11 @@
 //! did not finish in 600 s; docs/hosts.md), so the file is
 //! `TINE_DISK_TEST_MIB` MiB: 4 by default (32 MiB took 237 s to write and
 //! 142 s to read back here), which proves the path and the checksum but
-//! not the size; `TINE_DISK_TEST_MIB=640` is past the
-//! sandbox's 512 MiB of RAM (on the default 10 GiB disk), on a host
-//! whose guests write at disk speed.
+//! not the size; `TINE_TEST_FULL=1 TINE_DISK_TEST_MIB=640` is past the
+//! sandbox's 512 MiB of RAM (on the server's default 10 GiB disk, which
+//! the run's shared template has with `TINE_TEST_FULL`; else 256 MiB,
+//! `testkit::mcp::shared_disk_mib`), on a host whose guests write at disk
+//! speed.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -32,17 +34,16 @@ use testkit::mcp::{call, try_call, TineServer};
 
 /// The server's defaults: sandboxes restored from the run's shared default
 /// template (`testkit::mcp::TineServer::start_with_default_template`) have
-/// its 10 GiB disk; the full-disk test asks for a small disk of its own
-/// (`disk_mib`), which boots. Disk chains are merged past 2 frozen layers
-/// (the default is 8), so that a few branches show the merge.
+/// its disk (`testkit::mcp::shared_disk_mib`). Disk chains are merged past
+/// 2 frozen layers (the default is 8), so that a few branches show the
+/// merge.
 const CONFIG: &str = "[limits]\nboot_timeout_secs = 1200\nmax_sandboxes = 12\nmax_disk_layers = 2\n";
-
-/// The default disk's size (MiB), `[limits] default_disk_mib`.
-const DEFAULT_DISK_MIB: u64 = 10240;
 
 /// The full-disk sandbox's disk (MiB): little enough that filling it is
 /// quick (the guest kernel's allocator runs emulated here: `fallocate` of
-/// 1 GiB took 27-60 s, of 256 MiB 25 s).
+/// 1 GiB took 27-60 s, of 256 MiB 25 s). The shared template's disk when
+/// it is this small (a restore), else a disk of the sandbox's own (a cold
+/// boot, with `TINE_TEST_FULL`).
 const SMALL_DISK_MIB: u64 = 256;
 
 /// The large file's size (MiB).
@@ -69,11 +70,20 @@ async fn create(client: &Peer<RoleClient>, args: Value) -> String {
     r["sandbox_id"].as_str().unwrap().to_string()
 }
 
-/// Writes `mib` MiB of pseudo-random bytes (made in user space: the guest
-/// kernel only copies them) to `path` with Python and prints their
-/// SHA-256; then reads the file back and prints its SHA-256.
+/// Runs `code` as a cell in the sandbox's Python interpreter (warm in a
+/// sandbox from a template: no process start) and returns its value.
+async fn cell(client: &Peer<RoleClient>, id: &str, code: &str) -> String {
+    let r = call(client, "sandbox_run_python", json!({"sandbox_id": id, "code": code, "timeout_secs": 600}))
+        .await
+        .unwrap_or_else(|e| panic!("cell {code}: {e}"));
+    r["result"].as_str().unwrap_or_else(|| panic!("no value: {r}")).trim_matches('\'').to_string()
+}
+
+/// A cell that writes `mib` MiB of pseudo-random bytes (made in user
+/// space: the guest kernel only copies them) to `path`, fsyncs it and
+/// returns their SHA-256.
 fn write_and_hash(path: &str, mib: u64) -> String {
-    let script = [
+    [
         "import hashlib, os, random",
         "block = random.Random(33).randbytes(1 << 20)",
         "h = hashlib.sha256()",
@@ -83,24 +93,26 @@ fn write_and_hash(path: &str, mib: u64) -> String {
         "        h.update(b)",
         "        f.write(b)",
         "    os.fsync(f.fileno())",
-        "print(h.hexdigest())",
+        "h.hexdigest()",
     ]
-    .join("\n");
-    format!("python3 - <<'EOF'\n{script}\nEOF")
+    .join("\n")
 }
 
-/// Prints the SHA-256 of `path`, read with Python.
+/// A cell that drops the guest's page cache (after a sync) and returns the
+/// SHA-256 of `path` as read back from the disk.
 fn hash_file(path: &str) -> String {
-    let script = [
-        "import hashlib",
+    [
+        "import hashlib, os",
+        "os.sync()",
+        "with open('/proc/sys/vm/drop_caches', 'w') as d:",
+        "    d.write('3')",
         "h = hashlib.sha256()",
-        &format!("f = open('{path}', 'rb', buffering=0)"),
-        "while (b := f.read(1 << 20)):",
-        "    h.update(b)",
-        "print(h.hexdigest())",
+        &format!("with open('{path}', 'rb', buffering=0) as f:"),
+        "    while (b := f.read(1 << 20)):",
+        "        h.update(b)",
+        "h.hexdigest()",
     ]
-    .join("\n");
-    format!("python3 - <<'EOF'\n{script}\nEOF")
+    .join("\n")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -115,30 +127,28 @@ async fn a_sandbox_writes_a_large_file_to_its_own_disk() {
 
     // The root's upper layer is on /dev/vdb (whose mount the switch to the
     // overlay hides): the root has the disk's room (the config's).
-    let df = stdout(
-        &exec(
-            &client,
-            &a,
-            "df -B1 --output=size,avail / | tail -n 1; cat /sys/block/vdb/size; \
-             awk '/^MemTotal:/ {print int($2 / 1024)}' /proc/meminfo",
-        )
-        .await,
-    );
-    eprintln!("df, vdb sectors, RAM MiB: {df}");
-    let size: u64 = df.split_whitespace().next().and_then(|s| s.parse().ok()).unwrap();
-    let disk_mib = DEFAULT_DISK_MIB;
-    // ext4's inode tables and journal take about 2.5% of 10 GiB.
-    assert!(size > (disk_mib << 20) / 100 * 95, "the root has the disk's room: {df}");
-    assert_eq!(df.lines().nth(1), Some((disk_mib << 11).to_string().as_str()), "vdb is {disk_mib} MiB: {df}");
-    let ram: u64 = df.lines().nth(2).and_then(|r| r.parse().ok()).unwrap();
+    let df = cell(
+        &client,
+        &a,
+        "import os\nst = os.statvfs('/')\n\
+         ram = next(int(l.split()[1]) // 1024 for l in open('/proc/meminfo') if l.startswith('MemTotal:'))\n\
+         f'{st.f_blocks * st.f_frsize} {open(\"/sys/block/vdb/size\").read().strip()} {ram}'",
+    )
+    .await;
+    eprintln!("root size, vdb sectors, RAM MiB: {df}");
+    let [size, sectors, ram]: [u64; 3] =
+        df.split(' ').map(|n| n.parse().unwrap()).collect::<Vec<_>>().try_into().unwrap();
+    let disk_mib = testkit::mcp::shared_disk_mib();
+    // ext4's inode tables and bitmaps take 2-3% of the disk.
+    assert!(size > (disk_mib << 20) / 100 * 90, "the root has the disk's room: {df}");
+    assert_eq!(sectors, disk_mib << 11, "vdb is {disk_mib} MiB: {df}");
+    assert!(mib + 64 < disk_mib, "{mib} MiB does not fit the {disk_mib} MiB disk: set TINE_TEST_FULL");
 
     let t = Instant::now();
-    let written = stdout(&exec(&client, &a, &write_and_hash("/root/big", mib)).await);
+    let written = cell(&client, &a, &write_and_hash("/root/big", mib)).await;
     let write_s = t.elapsed().as_secs_f64();
     let t = Instant::now();
-    let read = stdout(
-        &exec(&client, &a, &format!("sync; echo 3 > /proc/sys/vm/drop_caches; {}", hash_file("/root/big"))).await,
-    );
+    let read = cell(&client, &a, &hash_file("/root/big")).await;
     let read_s = t.elapsed().as_secs_f64();
     eprintln!("{mib} MiB: written in {write_s:.1} s, read back in {read_s:.1} s");
     assert_eq!(written.len(), 64, "{written}");
@@ -241,14 +251,25 @@ async fn branches_hibernations_and_a_full_disk() {
     // other than the named template's.
     let e = call(&client, "sandbox_create", json!({"disk_mib": 16})).await.unwrap_err();
     assert!(e.contains("disk_mib") && e.contains("64"), "{e}");
-    let e = call(&client, "sandbox_create", json!({"template": "default", "disk_mib": SMALL_DISK_MIB})).await;
+    let shared = testkit::mcp::shared_disk_mib();
+    let e = call(&client, "sandbox_create", json!({"template": "default", "disk_mib": shared * 2})).await;
     let e = e.unwrap_err();
-    assert!(e.contains("makes sandboxes with a 10240 MiB disk") && e.contains("leave out disk_mib"), "{e}");
-    // A small disk of its own: a boot.
-    let p = create(&client, json!({"disk_mib": SMALL_DISK_MIB})).await;
+    assert!(
+        e.contains(&format!("makes sandboxes with a {shared} MiB disk")) && e.contains("leave out disk_mib"),
+        "{e}"
+    );
+    // A small disk: the default template's (a restore), else one of its own
+    // (a boot).
+    let p = if shared == SMALL_DISK_MIB {
+        create(&client, json!({})).await
+    } else {
+        let p = create(&client, json!({"disk_mib": SMALL_DISK_MIB})).await;
+        let info = call(&client, "sandbox_info", json!({"sandbox_id": p})).await.expect("info");
+        assert!(info.get("template").is_none(), "another disk size than the default template's boots: {info}");
+        p
+    };
     let info = call(&client, "sandbox_info", json!({"sandbox_id": p})).await.expect("info");
     assert_eq!(info["disk_mib"], SMALL_DISK_MIB, "{info}");
-    assert!(info.get("template").is_none(), "another disk size than the default template's boots: {info}");
     exec(&client, &p, "echo from-parent > /root/p && sync").await;
 
     // A branch child sees the parent's file; later writes stay apart.
