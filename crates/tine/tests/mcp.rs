@@ -14,8 +14,8 @@ use testkit::mcp::{call, try_call, TineServer};
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 const TOKEN: &str = "e2e-test-token-0123456789abcdef0123456789abcdef";
-/// Slow hosts (nested, emulated kernel mode) boot ten guests at once in
-/// minutes, not seconds.
+/// Slow hosts (nested, emulated kernel mode) restore guests side by side
+/// in minutes, not seconds.
 const CONFIG: &str = "[limits]\nboot_timeout_secs = 1200\nmax_sandboxes = 12\n";
 
 fn binary() -> &'static Path {
@@ -287,9 +287,15 @@ fn vm_leftovers(pid: u32, data_dir: &Path) -> Vec<String> {
     left
 }
 
+/// Two sessions at once, each working in the sandbox its first call made;
+/// the first ends it with `sandbox_kill`, the second by ending the MCP
+/// session (DELETE /mcp), which kills the session's own sandbox. Nothing of
+/// either VM is left in the server (threads, fds, files), and `/healthz`
+/// counts no sandbox. (Many concurrent sessions are `load.rs`; a guest
+/// crash is `processes.rs`; the reaper's idle hibernation is `keep.rs`.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn ten_concurrent_sessions() {
-    if !testkit::kvm_available("ten_concurrent_sessions") {
+async fn sessions_end_with_their_sandboxes() {
+    if !testkit::kvm_available("sessions_end_with_their_sandboxes") {
         return;
     }
     let _serial = SERIAL.lock().await;
@@ -300,88 +306,31 @@ async fn ten_concurrent_sessions() {
     let before = vm_leftovers(pid, &server.data_dir);
     assert!(before.is_empty(), "{before:?}");
 
-    // Ten sessions at once, each working in its own sandbox (made on first
-    // use). Session 9 makes an explicit sandbox with a short idle timeout
-    // instead, which the reaper must hibernate. Session 8 crashes its
-    // guest's kernel.
-    let t = Instant::now();
     let mut tasks = Vec::new();
-    for i in 0..10u32 {
+    for i in 0..2u32 {
         let client = server.client().await;
         tasks.push(tokio::spawn(async move {
-            let target = if i == 9 {
-                let c = call(&client, "sandbox_create", json!({"idle_timeout_secs": 5})).await.expect("create");
-                json!(c["sandbox_id"])
-            } else {
-                Value::Null
-            };
-            // Ten guests restored at once fault in their pages together: on
-            // hosts where each fault is slow, their first commands take
-            // tens of seconds (see docs/hosts.md).
-            let command = format!("echo session-{i}; expr {i} \\* 1000");
-            let x =
-                call(&client, "sandbox_exec", json!({"sandbox_id": target, "command": command, "timeout_secs": 600}))
-                    .await
-                    .unwrap_or_else(|e| panic!("session {i}: {e}"));
+            // Builtins only: the check is the session's sandbox, not a
+            // process start.
+            let command = format!("echo session-{i}; echo $(({i} * 1000))");
+            let x = call(&client, "sandbox_exec", json!({"command": command, "timeout_secs": 600}))
+                .await
+                .unwrap_or_else(|e| panic!("session {i}: {e}"));
             assert_eq!(x["stdout"], format!("session-{i}\n{}\n", i * 1000), "session {i}: {x}");
-            (i, client, x["sandbox_id"].as_str().unwrap().to_string())
+            (client, x["sandbox_id"].as_str().unwrap().to_string())
         }));
     }
     let mut sessions = Vec::new();
     for task in tasks {
         sessions.push(task.await.expect("session task"));
     }
-    eprintln!("ten sessions ran their first command {:.1} s after starting", t.elapsed().as_secs_f64());
-    let ids: BTreeSet<&str> = sessions.iter().map(|(_, _, id)| id.as_str()).collect();
-    assert_eq!(ids.len(), 10, "ten distinct sandboxes: {ids:?}");
+    assert_ne!(sessions[0].1, sessions[1].1, "each session has its own sandbox");
 
-    // A guest kernel crash marks its sandbox failed with the console tail;
-    // the others go on.
-    let (_, crasher, crash_id) = &sessions[8];
-    let _ = call(crasher, "sandbox_exec", json!({"command": "echo c > /proc/sysrq-trigger", "timeout_secs": 30})).await;
-    let deadline = Instant::now() + Duration::from_secs(120);
-    let info = loop {
-        let info = call(crasher, "sandbox_info", json!({"sandbox_id": crash_id})).await.unwrap();
-        if info["state"] == "failed" || Instant::now() > deadline {
-            break info;
-        }
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    };
-    assert_eq!(info["state"], "failed", "{info}");
-    let error = info["error"].as_str().unwrap();
-    assert!(error.contains("sysrq") || error.contains("panic"), "console tail in the error: {error}");
-    let e = call(crasher, "sandbox_exec", json!({"sandbox_id": crash_id, "command": "true"})).await.unwrap_err();
-    assert!(e.contains("Failed") || e.contains("failed"), "{e}");
-    for (i, client, _) in &sessions[..3] {
-        let x = call(client, "sandbox_exec", json!({"command": "echo still-here"})).await.unwrap();
-        assert_eq!(x["stdout"], "still-here\n", "session {i} after the crash");
-    }
-
-    // The idle sandbox is hibernated (its VM freed), then killed.
-    let (_, idle_client, idle_id) = &sessions[9];
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let info = call(idle_client, "sandbox_info", json!({"sandbox_id": idle_id})).await.unwrap();
-        if info["state"] == "hibernated" {
-            break;
-        }
-        assert!(Instant::now() < deadline, "{idle_id} was not hibernated after its 5 s idle timeout: {info}");
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
-    call(idle_client, "sandbox_kill", json!({"sandbox_id": idle_id})).await.expect("kill the hibernated sandbox");
-
-    // Kill the rest: sessions 0..=4 with sandbox_kill, 5..=8 by ending the
-    // session (DELETE), which kills the session's own sandbox.
-    let mut sessions = sessions;
-    let ending: Vec<_> = sessions.drain(5..9).collect();
-    for (i, client, id) in &sessions[..5] {
-        let k = call(client, "sandbox_kill", json!({})).await.unwrap_or_else(|e| panic!("session {i}: {e}"));
-        assert_eq!(k["sandbox_id"], id.as_str());
-    }
-    for (_, client, _) in ending {
-        client.cancel().await.expect("end the MCP session");
-    }
-    drop(sessions);
+    let (ending, ending_id) = sessions.pop().unwrap();
+    let (killer, killed_id) = sessions.pop().unwrap();
+    let k = call(&killer, "sandbox_kill", json!({})).await.expect("kill the session's sandbox");
+    assert_eq!(k["sandbox_id"], killed_id.as_str());
+    ending.cancel().await.expect("end the MCP session");
 
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
@@ -389,11 +338,13 @@ async fn ten_concurrent_sessions() {
         if left.is_empty() {
             break;
         }
-        assert!(Instant::now() < deadline, "left after killing every sandbox: {left:#?}");
+        assert!(Instant::now() < deadline, "left after both sessions ended ({ending_id}): {left:#?}");
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
     let health: Value = reqwest::get(format!("{}/healthz", server.base)).await.unwrap().json().await.unwrap();
     assert_eq!(health["sandboxes"], 0, "{health}");
+    let list = call(&killer, "sandbox_list", json!({})).await.expect("list");
+    assert_eq!(list["sandboxes"].as_array().map(Vec::len), Some(0), "{list}");
 }
 
 /// The template test: a sandbox with Python state and a file is

@@ -399,6 +399,16 @@ async fn background_processes_progress_and_logging() {
         .unwrap_or_else(|| panic!("no crash message; got {:?}", rec.logs.lock().unwrap()));
     let tail = crashed.data.to_string();
     assert!(tail.contains("sysrq") || tail.contains("panic"), "console tail in {tail}");
+    // The crashed sandbox is failed, with the console tail as its error,
+    // and refuses work; the others go on.
+    let info = call(&client, "sandbox_info", json!({"sandbox_id": crasher})).await.unwrap();
+    assert_eq!(info["state"], "failed", "{info}");
+    let error = info["error"].as_str().unwrap_or_default();
+    assert!(error.contains("sysrq") || error.contains("panic"), "console tail in the error: {info}");
+    let e = call(&client, "sandbox_exec", json!({"sandbox_id": crasher, "command": "true"})).await.unwrap_err();
+    assert!(e.contains("failed") || e.contains("Failed"), "{e}");
+    let x = call(&client, "sandbox_exec", json!({"sandbox_id": sb, "command": "echo still-here"})).await.unwrap();
+    assert_eq!(x["stdout"], "still-here\n", "another sandbox after the crash");
     assert!(
         rec.logs.lock().unwrap().iter().any(|m| m.data["event"] == "ready"),
         "info-level ready messages after setLevel(info)"
