@@ -67,12 +67,19 @@ async fn pooled_sandboxes_are_fresh_and_distinct() {
     let mut entropy = BTreeSet::new();
     let mut python_random = BTreeSet::new();
     for (i, id) in ids.iter().enumerate() {
-        // The spec's environment, in exec and in Python.
-        assert_eq!(stdout_of(&client, id, "echo $POOL_TEST").await, format!("value-{i}"));
+        // The spec's environment, in exec and in Python; the guest's clock
+        // is the host's (the reseed at hand-out sets it), in the shell
+        // (bash's builtin `$EPOCHREALTIME`: no process to start) and in
+        // Python.
+        let shell = stdout_of(&client, id, "echo \"$POOL_TEST $EPOCHREALTIME\"").await;
+        let (value, date) = shell.split_once(' ').unwrap_or_else(|| panic!("{shell}"));
+        assert_eq!(value, format!("value-{i}"));
+        let date: f64 = date.parse().unwrap_or_else(|e| panic!("$EPOCHREALTIME in {shell}: {e}"));
+        assert!((date - host_unix_secs()).abs() < 30.0, "{id}: the shell's clock says {date}");
         let v = call(
             &client,
             "sandbox_run_python",
-            json!({"sandbox_id": id, "code": "import os, random, time\n(os.environ['POOL_TEST'], random.getrandbits(64), time.time())"}),
+            json!({"sandbox_id": id, "code": "import os, random, time\n(os.environ['POOL_TEST'], random.getrandbits(64), time.time(), os.urandom(16).hex())"}),
         )
         .await
         .unwrap();
@@ -80,14 +87,12 @@ async fn pooled_sandboxes_are_fresh_and_distinct() {
         assert!(value.contains(&format!("'value-{i}'")), "Python sees the environment: {v}");
         let fields: Vec<&str> = value.trim_matches(|c| c == '(' || c == ')').split(", ").collect();
         python_random.insert(fields[1].to_string());
-        // The guest's clock is the host's (the reseed at hand-out sets it).
         let guest_secs: f64 = fields[2].parse().unwrap_or_else(|e| panic!("time.time() in {value}: {e}"));
         let skew = (guest_secs - host_unix_secs()).abs();
         assert!(skew < 30.0, "{id}'s clock is {skew:.1} s off the host's");
-        let date: f64 = stdout_of(&client, id, "date +%s.%N").await.parse().unwrap();
-        assert!((date - host_unix_secs()).abs() < 30.0, "{id}: date says {date}");
-        // Fresh kernel entropy: no two sandboxes read the same bytes.
-        entropy.insert(stdout_of(&client, id, "head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \\n'").await);
+        // Fresh kernel entropy (getrandom(2), the CRNG behind /dev/urandom):
+        // no two sandboxes read the same bytes.
+        entropy.insert(fields[3].trim_matches('\'').to_string());
         // Their files are their own.
         call(&client, "sandbox_files_write", json!({"sandbox_id": id, "path": "/root/who", "content": id}))
             .await
@@ -96,7 +101,8 @@ async fn pooled_sandboxes_are_fresh_and_distinct() {
     assert_eq!(entropy.len(), 2, "each pooled sandbox has its own entropy: {entropy:?}");
     assert_eq!(python_random.len(), 2, "each pooled sandbox's Python random differs: {python_random:?}");
     for id in &ids {
-        assert_eq!(stdout_of(&client, id, "cat /root/who").await, *id, "{id} sees only its own file");
+        let r = call(&client, "sandbox_files_read", json!({"sandbox_id": id, "path": "/root/who"})).await.unwrap();
+        assert_eq!(r["content"], id.as_str(), "{id} sees only its own file");
     }
 
     // argv: a program without a shell (no expansion, no quoting), and the
@@ -124,7 +130,8 @@ async fn pooled_sandboxes_are_fresh_and_distinct() {
     assert_eq!(third["from_pool"], true, "{third}");
     let third_id = third["sandbox_id"].as_str().unwrap().to_string();
     assert!(!ids.contains(&third_id));
-    assert_eq!(stdout_of(&client, &third_id, "cat /root/who 2>/dev/null || echo none").await, "none");
+    let e = call(&client, "sandbox_files_read", json!({"sandbox_id": third_id, "path": "/root/who"})).await;
+    assert!(e.as_ref().is_err_and(|e| e.contains("/root/who")), "the third has no file of the others: {e:?}");
 
     // (Which shapes the pool serves is the manager's unit test
     // `only_the_default_shape_is_poolable`: another shape is a cold boot.)
