@@ -334,8 +334,16 @@ async fn warm_up_python(sb: &Sandbox, progress: &ProgressSink) {
     }
     // The shell too: a command run through `bash -c` once pages bash and
     // the C library into the guest's page cache, which the snapshot keeps,
-    // so restored sandboxes' first commands do not read them from disk.
+    // so restored sandboxes' first commands do not read them from disk. A
+    // sandbox restored from a template (or a branch child of one) has them
+    // there already: that template's build ran this warm-up before its
+    // snapshot, and the page cache came back with the guest's memory. A
+    // process start is seconds on hosts that emulate the guest's kernel
+    // (docs/hosts.md).
     progress.report(2.0, Some(SNAPSHOT_STEPS), "warming up the shell");
+    if sb.template.is_some() {
+        return;
+    }
     match agent.exec("ls / >/dev/null", 60_000, 1024).await {
         Ok(_) => tracing::info!(sandbox = %sb.id, "shell warmed up for a snapshot"),
         Err(e) => tracing::warn!(sandbox = %sb.id, "shell warm-up before a snapshot failed: {e}"),
