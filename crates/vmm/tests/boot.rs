@@ -1,10 +1,12 @@
-//! Boots the real guest kernel under KVM with the test initramfs: its
-//! /init prints a marker, counts the processors in /proc/cpuinfo, and ends
-//! the way `tine_init_action=` says (power off, i8042 reset, or exiting,
-//! which panics the guest kernel). Both images are booted: the bzImage
-//! powers off, the vmlinux (ELF) resets, panics and, from a virtio-blk
-//! root, writes a data disk, exchanges bytes over vsock with its threads
-//! found filtered, and powers off. Needs /dev/kvm (skips loudly without it).
+//! Boots the real guest kernel under KVM with the test initramfs or the
+//! test rootfs: its /init prints a marker, counts the processors in
+//! /proc/cpuinfo, and ends the way `tine_init_action=` says (power off,
+//! i8042 reset, or exiting, which panics the guest kernel). Two boots: the
+//! bzImage (1 vCPU, initramfs) panics; the vmlinux (ELF, 2 vCPUs) from a
+//! virtio-blk root writes a data disk, exchanges bytes over vsock with its
+//! threads found filtered, and resets through the i8042. (Power off from
+//! inside is `agent.rs`'s busybox guest.) Needs /dev/kvm (skips loudly
+//! without it).
 
 mod common;
 
@@ -50,25 +52,12 @@ fn boot(
 }
 
 /// The bzImage (the boot protocol's setup header, a compressed kernel)
-/// rather than the vmlinux ELF the other tests boot: one boot serves both
-/// (a boot is half a minute of emulated guest kernel here).
+/// rather than the vmlinux ELF the other test boots, and init returns: the
+/// guest kernel panics and the VM ends with `GuestError::Panic`. One boot
+/// serves both (a boot is half a minute of emulated guest kernel here).
 #[test]
-fn boots_a_bzimage_to_init_reads_cpuinfo_and_powers_off() {
-    let Some((exit, text)) = boot("boot-bzimage", testkit::bzimage(), 1, "poweroff") else { return };
-    let exit = exit.unwrap_or_else(|e| panic!("guest failed: {e}"));
-    assert_eq!(exit, VmOutcome::PowerOff, "the guest must power off by itself; console:\n{text}");
-}
-
-#[test]
-fn boots_two_vcpus_and_resets_through_the_i8042() {
-    let Some((exit, text)) = boot("boot-smp-reset", testkit::kernel(), 2, "reset") else { return };
-    let exit = exit.unwrap_or_else(|e| panic!("guest failed: {e}"));
-    assert_eq!(exit, VmOutcome::Reset, "the guest must reset itself; console:\n{text}");
-}
-
-#[test]
-fn a_guest_kernel_panic_ends_the_vm_with_an_error() {
-    let Some((exit, text)) = boot("boot-panic", testkit::kernel(), 1, "exit") else { return };
+fn boots_a_bzimage_to_init_reads_cpuinfo_and_a_guest_kernel_panic_ends_the_vm_with_an_error() {
+    let Some((exit, text)) = boot("boot-bzimage", testkit::bzimage(), 1, "exit") else { return };
     assert!(text.contains("TINE-INIT-EXIT"), "{text}");
     match exit {
         Err(GuestError::Panic { line, console }) => {
@@ -102,9 +91,10 @@ const PINGS: u64 = 200;
 ///   userfaultfd part): every vCPU thread and the device thread of a
 ///   running guest run with a seccomp filter.
 ///
-/// Then init powers the VM off.
+/// Then init resets the VM through the i8042 (what was
+/// `boots_two_vcpus_and_resets_through_the_i8042`, a boot of its own).
 #[test]
-fn a_virtio_blk_root_guest_writes_a_disk_exchanges_vsock_bytes_and_runs_filtered() {
+fn a_virtio_blk_root_guest_writes_a_disk_exchanges_vsock_bytes_runs_filtered_and_resets() {
     use std::os::unix::fs::FileExt;
     if !testkit::kvm_available("boot-virtio-blk-vsock") {
         return;
@@ -121,7 +111,7 @@ fn a_virtio_blk_root_guest_writes_a_disk_exchanges_vsock_bytes_and_runs_filtered
     let data = dir.path().join("data.img");
     std::fs::File::create(&data).unwrap().set_len(1 << 20).unwrap();
     config.disks.push(vmm::DiskConfig::raw(data.clone(), false, "tine-data-serial"));
-    config.cmdline.push_str(" tine_init_disk=/dev/vdb");
+    config.cmdline.push_str(" tine_init_disk=/dev/vdb tine_init_action=reset");
     config.vcpus = 2;
     let mut vm = vmm::build_for_boot(&config).expect("VM starts");
     let console = vm.console().clone();
@@ -150,7 +140,7 @@ fn a_virtio_blk_root_guest_writes_a_disk_exchanges_vsock_bytes_and_runs_filtered
 
     let exit = vm.wait_timeout(Duration::from_secs(300));
     let text = console.text();
-    assert!(matches!(exit, Ok(VmOutcome::PowerOff)), "{exit:?}; console:\n{text}");
+    assert!(matches!(exit, Ok(VmOutcome::Reset)), "the guest must reset itself: {exit:?}; console:\n{text}");
     assert!(text.contains("EXT4-fs (vda): mounted filesystem"), "root not mounted from virtio-blk:\n{text}");
     assert!(text.contains(testkit::INIT_MARKER), "{text}");
     assert!(text.contains(&format!("{}2 ", testkit::INIT_CPUINFO)), "two processors:\n{text}");
