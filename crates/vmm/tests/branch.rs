@@ -1,14 +1,16 @@
 //! Branch a running Debian guest while a Python thread in it rewrites a
-//! 16 MiB buffer in a tight loop, and restore three children from the
+//! 4 MiB buffer in a tight loop, and restore three children from the
 //! branch point. The loop is a deterministic chain (every value depends on
 //! the previous one and on the page's old contents), so a child finishes
 //! with the same checksum as the source only if its memory is the source's
 //! memory at one instant: a page copied after the source wrote it, or
 //! before the source's earlier writes, changes the result.
 //!
-//! Run twice: with 4 KiB pages, and with guest RAM of 2 MiB huge pages
-//! (the source, one child restored into huge pages and its own branch),
-//! where write protection and the copy before a write work 2 MiB at a time.
+//! Run twice on one cold boot: with 4 KiB pages, then with guest RAM of
+//! 2 MiB huge pages (the source, the first source's guest branched and
+//! restored into huge pages; one child restored into huge pages and its
+//! own branch), where write protection and the copy before a write work
+//! 2 MiB at a time.
 
 use std::time::{Duration, Instant};
 
@@ -19,15 +21,21 @@ use agent::connect;
 use tine_agent_client::AgentClient;
 use vmm::{BranchMode, MemoryBacking};
 
-/// The writer: `GENERATIONS` passes over the buffer, one 8-byte word per
-/// 4 KiB page, each a step of a 64-bit LCG chained through the whole pass
-/// and mixed with the word's old value.
-const WRITER: &str = r#"
+/// Passes the writer makes over its buffer: enough that it still runs
+/// when the branch (taken from generation 20 on) has returned.
+const GENERATIONS: u64 = 3000;
+
+/// The writer: `GENERATIONS` passes over a 4 MiB buffer, one 8-byte word
+/// per 4 KiB page, each a step of a 64-bit LCG chained through the whole
+/// pass and mixed with the word's old value.
+fn writer() -> String {
+    format!(
+        r#"
 import threading, hashlib
-GENERATIONS = 3000
-buf = bytearray(16 << 20)
+GENERATIONS = {GENERATIONS}
+buf = bytearray(4 << 20)
 words = memoryview(buf).cast('Q')
-progress = {'gen': 0}
+progress = {{'gen': 0}}
 def work():
     x = 1
     for g in range(GENERATIONS):
@@ -37,7 +45,9 @@ def work():
         progress['gen'] = g + 1
 writer = threading.Thread(target=work)
 writer.start()
-"#;
+"#
+    )
+}
 
 const FINISH: &str = "writer.join()\n(progress['gen'], hashlib.sha256(buf).hexdigest())";
 
@@ -51,22 +61,35 @@ async fn generation(agent: &AgentClient) -> u64 {
     python(agent, "progress['gen']").await.parse().expect("a generation number")
 }
 
+/// One cold boot of the Debian guest for both runs: the 4 KiB-page source
+/// first; then, for the huge-page run, that guest (its writer done, idle)
+/// branched and restored into huge pages as the second source (a huge-page
+/// RAM as a cold boot with huge pages has: a hugetlb memfd mapped shared).
 #[test]
-fn children_of_a_busy_source_see_one_instant() {
+fn children_of_a_busy_source_see_one_instant_with_4k_and_huge_pages() {
     if !testkit::kvm_available("branch") {
         return;
     }
-    busy_source("br", false);
-}
+    let dir = tempfile::tempdir().unwrap();
+    let uds = dir.path().join("br-src.vsock");
+    let source = vmm::build_for_boot(&vm_config("br-src", &uds, false)).expect("the source starts");
+    let console = source.console().clone();
+    assert!(console.wait_for("listening on vsock port 1024", Duration::from_secs(600)), "agent never started");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    busy_source(&rt, dir.path(), "br", &source, &uds, false);
 
-#[test]
-fn children_of_a_busy_huge_page_source_see_one_instant() {
-    // The source, child 0 and the grandchild: 512 MiB each.
-    if !testkit::kvm_available("branch (huge pages)") || !testkit::huge_pages_available("branch (huge pages)", 3 << 29)
-    {
+    // The huge-page source, child 0 and the grandchild: 512 MiB each.
+    if !testkit::huge_pages_available("branch (huge pages)", 3 << 29) {
         return;
     }
-    busy_source("brh", true);
+    let (point, report) = source.branch(Duration::from_secs(5)).expect("branch of the idle source");
+    assert_eq!(report.mode, BranchMode::WriteProtect, "{:?}", report.fallback_reason);
+    drop(source);
+    let uds = dir.path().join("brh-src.vsock");
+    let source = vmm::build_from_snapshot(&vm_config("brh-src", &uds, true), &point, MemoryBacking::Private)
+        .expect("the huge-page source restores");
+    drop(point);
+    busy_source(&rt, dir.path(), "brh", &source, &uds, true);
 }
 
 /// The VM config of `name`, with huge pages or not.
@@ -76,36 +99,44 @@ fn vm_config(name: &str, uds: &std::path::Path, huge_pages: bool) -> vmm::VmConf
     config
 }
 
-/// Branches a source (named `{prefix}-src`) whose writer runs, checks three
-/// children and a branch of the first child. With `huge`, the source, the
-/// first child and the grandchild have RAM of huge pages; the other
-/// children map the branch point privately (4 KiB pages).
-fn busy_source(prefix: &str, huge: bool) {
-    let dir = tempfile::tempdir().unwrap();
-    let uds = dir.path().join("src.vsock");
-    let source = vmm::build_for_boot(&vm_config(&format!("{prefix}-src"), &uds, huge)).expect("the source starts");
+/// Starts the writer in `source` (its agent behind `uds`), branches it,
+/// checks three children and a branch of the first child (named
+/// `{prefix}-…`, their sockets in `dir`). With `huge`, the source's RAM is
+/// of huge pages, and so is that of the first child and the grandchild;
+/// the other children map the branch point privately (4 KiB pages).
+fn busy_source(
+    rt: &tokio::runtime::Runtime,
+    dir: &std::path::Path,
+    prefix: &str,
+    source: &vmm::RunningVm,
+    uds: &std::path::Path,
+    huge: bool,
+) {
     let console = source.console().clone();
-    assert!(console.wait_for("listening on vsock port 1024", Duration::from_secs(600)), "agent never started");
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    let agent = rt.block_on(connect(&uds));
+    let agent = testkit::with_console_on_panic(&console, || rt.block_on(connect(uds)));
 
-    let before = rt.block_on(async {
-        python(&agent, WRITER).await;
-        // Wait until the loop is well under way.
-        let deadline = Instant::now() + Duration::from_secs(120);
-        loop {
-            let g = generation(&agent).await;
-            if g >= 20 || Instant::now() > deadline {
-                break g;
+    let before = testkit::with_console_on_panic(&console, || {
+        rt.block_on(async {
+            python(&agent, &writer()).await;
+            // Wait until the loop is well under way.
+            let deadline = Instant::now() + Duration::from_secs(120);
+            loop {
+                let g = generation(&agent).await;
+                if g >= 20 || Instant::now() > deadline {
+                    break g;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
             }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        })
     });
     let (branch, report) = source.branch(Duration::from_secs(5)).expect("branch");
     let after = rt.block_on(generation(&agent));
     eprintln!("branch report: {report:?}; the writer was at generation {before} before and {after} after");
     assert_eq!(source.ram().huge_pages(), huge);
-    assert!(before >= 20 && after < 3000, "the writer must run during the branch (generation {before} -> {after})");
+    assert!(
+        before >= 20 && after < GENERATIONS,
+        "the writer must run during the branch (generation {before} -> {after})"
+    );
     assert_eq!(report.mode, BranchMode::WriteProtect, "{:?}", report.fallback_reason);
     assert!(report.write_faults > 0, "the source never wrote during the copy: {report:?}");
 
@@ -113,7 +144,7 @@ fn busy_source(prefix: &str, huge: bool) {
     let mut children = Vec::new();
     for i in 0..3 {
         let name = format!("{prefix}-child{i}");
-        let uds = dir.path().join(format!("{name}.vsock"));
+        let uds = dir.join(format!("{name}.vsock"));
         let t = Instant::now();
         let vm = vmm::build_from_snapshot(&vm_config(&name, &uds, huge && i == 0), &branch, MemoryBacking::Private)
             .expect("a child restores");
@@ -133,7 +164,7 @@ fn busy_source(prefix: &str, huge: bool) {
     drop(branch);
     let source_sum = testkit::with_console_on_panic(&console, || rt.block_on(python(&agent, FINISH)));
     eprintln!("source: {source_sum}");
-    assert!(source_sum.starts_with("(3000, "), "{source_sum}");
+    assert!(source_sum.starts_with(&format!("({GENERATIONS}, ")), "{source_sum}");
     for (i, sum) in sums.iter().enumerate() {
         assert_eq!(sum, &source_sum, "child {i} does not match the source");
     }
@@ -147,7 +178,7 @@ fn busy_source(prefix: &str, huge: bool) {
     if huge {
         assert!(report.bytes_examined.is_multiple_of(2 << 20), "whole huge pages: {report:?}");
     }
-    let uds = dir.path().join("br-grandchild.vsock");
+    let uds = dir.join(format!("{prefix}-grandchild.vsock"));
     let grandchild = vmm::build_from_snapshot(
         &vm_config(&format!("{prefix}-grandchild"), &uds, huge),
         &grandchild_point,
