@@ -281,16 +281,10 @@ async fn debian_checks(uds: &std::path::Path, ready: Duration) {
     let r = agent.exec("echo hi; echo ${BASH_VERSION%%.*}; exit 3", 0, 0).await.unwrap();
     assert_eq!((r.status, r.stdout.data.as_slice()), (ExitStatus::Code(3), &b"hi\n5\n"[..]));
 
-    // A timeout kills `sleep 1000` and its children.
-    let r = agent.exec("sleep 1000 & sleep 1000", 3000, 0).await.unwrap();
-    assert_eq!(r.status, ExitStatus::TimedOut);
-    let ps = agent.exec("ps -eo args", 0, 0).await.unwrap();
-    let ps = String::from_utf8_lossy(&ps.stdout.data).into_owned();
-    assert!(!ps.contains("sleep 1000"), "a sleep survived the timeout:\n{ps}");
-
-    // Output past the cap.
-    let r = agent.exec("head -c 100000 /dev/zero", 0, 1000).await.unwrap();
-    assert_eq!((r.stdout.data.len(), r.stdout.truncated, r.stdout.total_bytes), (1000, true, 100_000));
+    // The exec timeout's group kill, the output cap and a ping answered
+    // while a command runs are the same agent code as on the busybox guest
+    // (`agent_serves_exec_files_and_info_over_vsock` checks them); here,
+    // what only this image shows.
 
     // The image is read-only; the root is an overlay with a tmpfs upper.
     let r = agent
@@ -341,16 +335,6 @@ async fn debian_checks(uds: &std::path::Path, ready: Duration) {
     }
     assert!(matches!(agent.read_file("/nope").await, Err(ClientError::Agent(AgentError::NotFound { .. }))));
 
-    // Calls in flight together: a ping answers while a command runs.
-    let t0 = std::time::Instant::now();
-    let (slow, ping) = tokio::join!(agent.exec("sleep 3", 0, 0), async {
-        let r = agent.call(Op::Ping, Duration::from_secs(60)).await;
-        (r, t0.elapsed())
-    });
-    assert_eq!(slow.unwrap().status, ExitStatus::Code(0));
-    assert!(matches!(ping.0, Ok(Reply::Pong { .. })));
-    assert!(ping.1 < t0.elapsed(), "the ping waited for the command");
-
     // A background process in a real guest: wait for its banner, stdin,
     // paging, and a group kill that also finds a setsid escapee. With
     // TINE_TEST_FULL: the suite's tine::processes checks the same through
@@ -364,8 +348,8 @@ async fn debian_checks(uds: &std::path::Path, ready: Duration) {
     let reseed = Op::Reseed(Reseed { entropy: vec![9; 64], unix_time_ns: now_ns });
     assert!(matches!(agent.call(reseed, Duration::from_secs(60)).await, Ok(Reply::Done)));
 
-    // Figures: exec `true` round trips (10 with TINE_TEST_FULL, else 3).
-    let runs = if testkit::full_size() { 10 } else { 3 };
+    // Figures: exec `true` round trips (10 with TINE_TEST_FULL, else 1).
+    let runs = if testkit::full_size() { 10 } else { 1 };
     let mut rtts = Vec::new();
     for _ in 0..runs {
         let t = std::time::Instant::now();
