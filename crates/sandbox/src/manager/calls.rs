@@ -226,10 +226,15 @@ impl Manager {
         let fresh = Arc::new(AgentClient::connect(&sb.dir().join("vsock.sock"), AGENT_PORT).await?);
         let mut st = lock(&sb.status);
         match &st.agent {
-            // Replace it unless the sandbox changed meanwhile (ended, merged).
-            Some(a) if Arc::ptr_eq(a, &agent) => st.agent = Some(fresh.clone()),
-            Some(a) if !a.is_broken() => return Ok(a.clone()),
-            _ => {}
+            // A call that raced this one put a working connection there.
+            Some(a) if !Arc::ptr_eq(a, &agent) && !a.is_broken() => return Ok(a.clone()),
+            // The broken one (this call's, or another call's replacement
+            // that broke since, e.g. to an agent that was exiting): the new
+            // one replaces it, so later calls and the records (the agent's
+            // protocol in a hibernation) see the agent that answers now.
+            Some(_) => st.agent = Some(fresh.clone()),
+            // The sandbox ended meanwhile.
+            None => {}
         }
         Ok(fresh)
     }
