@@ -197,23 +197,33 @@ pub fn registry_config() -> String {
 /// (`packages.rs` needs them for pip through this host's TLS-inspecting
 /// proxy; to the others they are an extra file in the guest).
 pub fn with_host_ca(config: &str) -> String {
-    if config.lines().any(|l| l.trim().starts_with("ca_certificates")) || !Path::new(HOST_CA_BUNDLE).exists() {
+    if !Path::new(HOST_CA_BUNDLE).exists() {
         return config.to_string();
     }
-    let line = format!("ca_certificates = [\"{HOST_CA_BUNDLE}\"]");
+    with_setting(config, "network", "ca_certificates", &format!("ca_certificates = [\"{HOST_CA_BUNDLE}\"]"))
+}
+
+/// `config` with `line` (a `key = value` setting) in its `[table]`, placed
+/// right after the table's header, or in a `[table]` added at the end when
+/// it has none; `config` as it is when some line already sets `key`.
+fn with_setting(config: &str, table: &str, key: &str, line: &str) -> String {
+    if config.lines().any(|l| l.trim().starts_with(key)) {
+        return config.to_string();
+    }
+    let header = format!("[{table}]");
     let mut out = String::new();
     let mut added = false;
     for l in config.lines() {
         out.push_str(l);
         out.push('\n');
-        if !added && l.trim() == "[network]" {
-            out.push_str(&line);
+        if !added && l.trim() == header {
+            out.push_str(line);
             out.push('\n');
             added = true;
         }
     }
     if !added {
-        out.push_str(&format!("[network]\n{line}\n"));
+        out.push_str(&format!("{header}\n{line}\n"));
     }
     out
 }
@@ -236,25 +246,8 @@ pub fn shared_disk_mib() -> u64 {
 /// `[limits] default_disk_mib` of [`shared_disk_mib`] unless `config`
 /// names a size.
 pub fn shared_setup(config: &str) -> String {
-    let config = with_host_ca(config);
-    if config.lines().any(|l| l.trim().starts_with("default_disk_mib")) {
-        return config;
-    }
     let line = format!("default_disk_mib = {}", shared_disk_mib());
-    if !config.lines().any(|l| l.trim() == "[limits]") {
-        let sep = if config.is_empty() || config.ends_with('\n') { "" } else { "\n" };
-        return format!("{config}{sep}[limits]\n{line}\n");
-    }
-    let mut out = String::new();
-    for l in config.lines() {
-        out.push_str(l);
-        out.push('\n');
-        if l.trim() == "[limits]" {
-            out.push_str(&line);
-            out.push('\n');
-        }
-    }
-    out
+    with_setting(&with_host_ca(config), "limits", "default_disk_mib", &line)
 }
 
 /// A TCP port free on 127.0.0.1 now (the kernel's pick).
