@@ -340,10 +340,10 @@ async fn warm_up_python(sb: &Sandbox, progress: &ProgressSink) {
     // snapshot, and the page cache came back with the guest's memory. A
     // process start is seconds on hosts that emulate the guest's kernel
     // (docs/hosts.md).
-    progress.report(2.0, Some(SNAPSHOT_STEPS), "warming up the shell");
     if sb.template.is_some() {
         return;
     }
+    progress.report(2.0, Some(SNAPSHOT_STEPS), "warming up the shell");
     match agent.exec("ls / >/dev/null", 60_000, 1024).await {
         Ok(_) => tracing::info!(sandbox = %sb.id, "shell warmed up for a snapshot"),
         Err(e) => tracing::warn!(sandbox = %sb.id, "shell warm-up before a snapshot failed: {e}"),
