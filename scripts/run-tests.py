@@ -79,31 +79,32 @@ EXPECTED_SECONDS = {
 # read the other binaries' guests as noise: run last, alone.
 ALONE = {"tine::memory_pressure"}
 
-# Binaries of these packages share a default template on disk, built by
+# Binaries of these packages share one default template on disk, built by
 # the first of them that needs it while the others wait on its lock
 # (crate tine's seeded test servers, testkit::mcp; the sandbox crate's
-# tests/common): two of one package started together at the beginning of
-# a run would have one of them wait out the other's cold build with its
-# slot idle. The first binaries started are of different packages.
+# managers, its tests/common, have their guest set-up and use the same
+# copy): two of them started together at the beginning of a run would
+# have one wait out the other's cold build with its slot idle. The first
+# binaries started include at most one of them.
 SHARED_TEMPLATE = {"tine", "tine-sandbox"}
 
 # Started first: its test of the default template's build at a server's
-# start (TineServer::start_cold) makes the template crate tine's other
-# servers copy, so that the run builds it once.
+# start (TineServer::start_cold) makes the template the other servers
+# and the sandbox crate's managers copy, so that the run builds it once.
 FIRST = ["tine::default_template"]
 
 
 def first_apart(queue, n):
     """`queue` with FIRST at its head, and no two of its first `n`
-    entries of one SHARED_TEMPLATE package (the entries passed over keep
+    entries of SHARED_TEMPLATE packages (the entries passed over keep
     their order after them)."""
     queue = [b for name in FIRST for b in queue if b[0] == name] + [b for b in queue if b[0] not in FIRST]
-    first, seen = [], set()
+    first, shared_seen = [], False
     for b in queue:
-        package = b[0].split("::", 1)[0]
-        if package in SHARED_TEMPLATE and package in seen:
+        shared = b[0].split("::", 1)[0] in SHARED_TEMPLATE
+        if shared and shared_seen:
             continue
-        seen.add(package)
+        shared_seen = shared_seen or shared
         first.append(b)
         if len(first) == n:
             break

@@ -11,9 +11,9 @@
 //!   directory or memory-budget share is leaked; a surviving parent
 //!   answers.
 //!
-//! The tests share one default template (a cold boot, kept between runs
-//! in the target's scratch directory) and run one at a time (their VM
-//! thread counts are per process).
+//! The tests use the run's copy of the default template (the one crate
+//! tine's tests share, `common::manager_with_default_template`) and run
+//! one at a time (their VM thread counts are per process).
 
 mod common;
 

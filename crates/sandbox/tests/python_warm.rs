@@ -41,8 +41,8 @@ async fn restored_sandboxes_have_a_warm_python_with_an_empty_namespace() {
     }
     testkit::logging();
     let dir = tempfile::tempdir().unwrap();
-    // A copy of the shared default template: this test makes one of its own.
-    let manager = common::manager_with_own_templates(dir.path(), Limits::default()).await;
+    // Its templates directory is its own: this test makes a template.
+    let manager = common::manager_with_default_template(dir.path(), Limits::default()).await;
 
     // The default template's sandboxes: no interpreter start, no names.
     let a = manager.create(SandboxSpec::default()).await.expect("create");

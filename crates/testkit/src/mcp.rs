@@ -178,6 +178,14 @@ pub enum Stop {
 /// reach the package registries through this host's TLS-inspecting proxy.
 const HOST_CA_BUNDLE: &str = "/etc/ssl/certs/ca-certificates.crt";
 
+/// The CA certificates that [`with_host_ca`] gives a configuration's
+/// guests: the host's bundle where it has one, else none. A sandbox
+/// manager of a test that shares the run's default template trusts these
+/// (its guest set-up is then that of the seeded servers).
+pub fn host_ca_certificates() -> Vec<PathBuf> {
+    Some(PathBuf::from(HOST_CA_BUNDLE)).filter(|p| p.exists()).into_iter().collect()
+}
+
 /// A server configuration for tests that reach the package registries:
 /// `[limits] boot_timeout_secs = 1200` and, where the host has its CA
 /// bundle, `[network] ca_certificates` naming it (so guests trust what
@@ -303,7 +311,7 @@ impl TineServer {
         let server = Self::start_seeded(binary, token, config, seeded.then_some(seed.as_path()), port);
         server.wait_for_default_template(Duration::from_secs(1200));
         if !seeded {
-            keep_seed(&server, &seed);
+            keep_seed(&server.data_dir.join("templates/default"), &seed);
         }
         server
     }
@@ -518,8 +526,10 @@ pub fn own_rss_kib(pid: u32) -> u64 {
 /// when it has none), under a key made
 /// of the three files' identities (size, mtime, inode). A seed that does
 /// not fit after all (another bundle behind the same path, say) is found
-/// stale by the server, which rebuilds it.
-fn default_template_seed(binary: &Path, config: &str) -> PathBuf {
+/// stale by the server, which rebuilds it. The sandbox manager's own tests
+/// (crate tine-sandbox) share it: their manager has the seeded servers'
+/// guest set-up, and `binary` is where cargo puts `tine` beside them.
+pub fn default_template_seed(binary: &Path, config: &str) -> PathBuf {
     use std::hash::{Hash, Hasher};
     use std::os::unix::fs::MetadataExt;
     let mut h = std::collections::hash_map::DefaultHasher::new();
@@ -529,20 +539,29 @@ fn default_template_seed(binary: &Path, config: &str) -> PathBuf {
             (m.len(), m.mtime(), m.mtime_nsec(), m.ino()).hash(&mut h);
         }
     }
-    let setup: Vec<&str> = config
+    let variant = setup_variant(config);
+    let dir = binary.parent().unwrap_or(Path::new("/tmp")).join("tine-test-templates").join(variant);
+    dir.join(format!("{:016x}", h.finish()))
+}
+
+/// The directory name of `config`'s guest set-up among the copies of
+/// [`default_template_seed`]: a hash of its lines that change the default
+/// template's guest, in sorted order (where [`shared_setup`] puts its
+/// lines depends on the tables the configuration has, not the guest).
+fn setup_variant(config: &str) -> String {
+    use std::hash::{Hash, Hasher};
+    let mut setup: Vec<&str> = config
         .lines()
         .map(str::trim)
         .filter(|l| l.starts_with("ca_certificates") || l.starts_with("enabled") || l.starts_with("default_disk_mib"))
         .collect();
-    let variant = if setup.is_empty() {
-        "plain".to_string()
-    } else {
-        let mut v = std::collections::hash_map::DefaultHasher::new();
-        setup.hash(&mut v);
-        format!("setup-{:016x}", v.finish())
-    };
-    let dir = binary.parent().unwrap_or(Path::new("/tmp")).join("tine-test-templates").join(variant);
-    dir.join(format!("{:016x}", h.finish()))
+    setup.sort_unstable();
+    if setup.is_empty() {
+        return "plain".to_string();
+    }
+    let mut v = std::collections::hash_map::DefaultHasher::new();
+    setup.hash(&mut v);
+    format!("setup-{:016x}", v.finish())
 }
 
 /// The run's copy of the default template, claimed by a server that
@@ -567,20 +586,22 @@ impl SharedTemplate {
     pub fn share(self, server: &TineServer) {
         server.wait_for_default_template(Duration::from_secs(1200));
         if self.lock.is_some() {
-            keep_seed(server, &self.seed);
+            keep_seed(&server.data_dir.join("templates/default"), &self.seed);
         }
     }
 }
 
 /// The lock file of the copies beside `seed` (one per guest set-up).
-fn seed_lock(seed: &Path) -> PathBuf {
+/// Whoever looks for a copy or makes one holds it: test binaries run at
+/// the same time.
+pub fn seed_lock(seed: &Path) -> PathBuf {
     seed.parent().expect("seed parent").with_extension("lock")
 }
 
-/// Keeps a copy of `server`'s default template at `seed` for the run's
-/// next servers (under the lock of [`seed_lock`]); only the newest key is
-/// kept.
-fn keep_seed(server: &TineServer, seed: &Path) {
+/// Keeps a copy of `template` (a default template's directory) at `seed`
+/// for the run's next servers and managers; its caller holds the lock of
+/// [`seed_lock`]. Only the newest key is kept.
+pub fn keep_seed(template: &Path, seed: &Path) {
     let parent = seed.parent().expect("seed parent");
     if let Ok(d) = std::fs::read_dir(parent) {
         for e in d.flatten() {
@@ -589,7 +610,7 @@ fn keep_seed(server: &TineServer, seed: &Path) {
     }
     let tmp = parent.join(format!(".tmp-{}", std::process::id()));
     let _ = std::fs::create_dir_all(parent);
-    if copy_dir(&server.data_dir.join("templates/default"), &tmp) {
+    if copy_dir(template, &tmp) {
         let _ = std::fs::rename(&tmp, seed);
     }
     let _ = std::fs::remove_dir_all(&tmp);
@@ -597,7 +618,7 @@ fn keep_seed(server: &TineServer, seed: &Path) {
 
 /// Copies directory `from` to `to` (which must not exist), keeping sparse
 /// files sparse (`cp -a --sparse=always`); whether it worked.
-fn copy_dir(from: &Path, to: &Path) -> bool {
+pub fn copy_dir(from: &Path, to: &Path) -> bool {
     Command::new("cp").arg("-a").arg("--sparse=always").arg(from).arg(to).status().is_ok_and(|s| s.success())
 }
 
@@ -804,5 +825,15 @@ mod tests {
         assert_eq!(limits(&shared_setup("")), [disk], "a config with no tables");
         let own = shared_setup("[limits]\ndefault_disk_mib = 512\n");
         assert_eq!(limits(&own), ["default_disk_mib=512".to_string()], "{own}");
+    }
+
+    #[test]
+    fn configurations_of_one_guest_set_up_share_a_seed() {
+        let seed = |c: &str| setup_variant(&shared_setup(c));
+        let plain = seed("");
+        for c in ["[limits]\nboot_timeout_secs = 1200\n", "[pool]\nsize = 2\n", "[network]\negress = \"deny\"\n"] {
+            assert_eq!(seed(c), plain, "{c}");
+        }
+        assert_ne!(seed("[limits]\ndefault_disk_mib = 512\n"), plain);
     }
 }

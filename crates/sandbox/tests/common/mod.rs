@@ -1,5 +1,6 @@
 //! Set-up shared by the sandbox manager's real-guest tests: a manager on
-//! the test kernel and rootfs, and a default template kept between runs.
+//! the test kernel and rootfs, with the default template that the run's
+//! seeded `tine` servers share (one build per run for both crates).
 
 #![allow(dead_code)]
 
@@ -7,56 +8,60 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use tine_sandbox::network::{Egress, NetworkConfig, NetworkSetup};
 use tine_sandbox::{Limits, Manager, ManagerConfig};
 
-/// Where the default template of these tests is kept: in the target's
-/// test scratch directory, so it is built (a cold boot) once and only
-/// rebuilt when it no longer loads (its kernel or rootfs changed).
-pub fn shared_templates_dir() -> PathBuf {
-    Path::new(env!("CARGO_TARGET_TMPDIR")).join("sandbox-tests-templates")
+/// Where cargo puts the `tine` binary of this build: beside the `deps`
+/// directory holding this test executable. Its identity is part of the
+/// key of the run's default template copies
+/// ([`testkit::mcp::default_template_seed`]), as in crate tine's tests.
+fn tine_binary() -> PathBuf {
+    let exe = std::env::current_exe().expect("the test executable");
+    exe.parent().and_then(Path::parent).expect("target/<profile>/deps").join("tine")
 }
 
-/// A manager with its run directory in `dir` and the shared templates
-/// directory ([`shared_templates_dir`]), with `limits`; the default
-/// template exists (built if needed) when this returns.
+/// A manager with its run directory in `dir` and its own templates
+/// directory (`dir/templates`), with `limits` but for the sandbox disk's
+/// size, which is the run's shared one; its default template exists when
+/// this returns: the run's copy, if there is one, put in its templates
+/// directory (and loaded: checked for the kernel, rootfs, guest set-up and
+/// checksums, rebuilt if stale), else built (a cold boot), which then
+/// becomes the run's copy.
+///
+/// The copy is the one crate tine's seeded servers use
+/// (`TineServer::start_with_default_template`): this manager has their
+/// guest set-up (a network device, the host's CA bundle, the run's disk
+/// size, [`testkit::mcp::shared_setup`]). Test binaries run at the same
+/// time: the copy's lock file is held from the look until the copy is
+/// kept, so one of them builds while the others wait for its copy.
 pub async fn manager_with_default_template(dir: &Path, limits: Limits) -> Arc<Manager> {
-    manager_on(dir, shared_templates_dir(), limits).await
-}
-
-/// Like [`manager_with_default_template`], for tests that make templates
-/// of their own: its templates directory is `dir/templates`, holding a
-/// copy of the shared default template (built first if needed), so what
-/// the test makes stays out of the shared directory.
-pub async fn manager_with_own_templates(dir: &Path, limits: Limits) -> Arc<Manager> {
-    manager_with_default_template(&dir.join("seed"), limits.clone()).await.shutdown().await;
+    let seed = testkit::mcp::default_template_seed(&tine_binary(), &testkit::mcp::shared_setup(""));
+    let t = Instant::now();
+    let _lock = testkit::lock_file(&testkit::mcp::seed_lock(&seed));
     let templates = dir.join("templates");
     std::fs::create_dir_all(&templates).expect("a templates directory");
-    {
-        let _lock = testkit::lock_file(&shared_templates_dir().with_extension("lock"));
-        let copied = std::process::Command::new("cp")
-            .args(["-a", "--sparse=always"])
-            .arg(shared_templates_dir().join("default"))
-            .arg(templates.join("default"))
-            .status();
-        assert!(copied.is_ok_and(|s| s.success()), "copy the shared default template");
+    let default = templates.join("default");
+    let seeded = seed.join("template.json").exists();
+    if seeded {
+        assert!(testkit::mcp::copy_dir(&seed, &default), "copy the default template from {}", seed.display());
     }
-    manager_on(dir, templates, limits).await
-}
-
-/// A manager on the test kernel and rootfs with `templates_dir`; its
-/// default template is loaded (or built, under the shared directory's
-/// lock) before it is returned.
-async fn manager_on(dir: &Path, templates_dir: PathBuf, limits: Limits) -> Arc<Manager> {
+    let network = NetworkSetup::new(NetworkConfig {
+        ca_certificates: testkit::mcp::host_ca_certificates(),
+        // The tests need no egress; the policy is not part of the guest.
+        egress: Egress::Deny,
+        ..NetworkConfig::default()
+    })
+    .expect("the network set-up");
     let manager = Manager::new(ManagerConfig {
         kernel: testkit::kernel(),
         rootfs: testkit::rootfs(),
         run_dir: dir.join("sandboxes"),
         kept_dir: dir.join("kept"),
-        templates_dir,
+        templates_dir: templates,
         memory_backing: vmm::MemoryBacking::Private,
         profile: vmm::HostProfile::detect(),
-        limits: Limits { boot_timeout_secs: 900, ..limits },
-        network: None,
+        limits: Limits { boot_timeout_secs: 900, default_disk_mib: testkit::mcp::shared_disk_mib(), ..limits },
+        network: Some(network),
         pool_size: 0,
         huge_pages: false,
         host_name: None,
@@ -65,12 +70,16 @@ async fn manager_on(dir: &Path, templates_dir: PathBuf, limits: Limits) -> Arc<M
         prefetch: false,
     })
     .expect("a manager");
-    let t = Instant::now();
-    // The test binaries run at the same time: one builds, the others wait
-    // and load its template.
-    let _lock = testkit::lock_file(&shared_templates_dir().with_extension("lock"));
+    let meta = |d: &Path| std::fs::read(d.join("template.json")).ok();
+    let before = meta(&default);
     manager.ensure_default_template(false).await.expect("the default template");
-    eprintln!("default template ready in {} ms", t.elapsed().as_millis());
+    // Built here (there was no copy, or it was stale): the run's copy now.
+    let built = !seeded || meta(&default) != before;
+    if built {
+        testkit::mcp::keep_seed(&default, &seed);
+    }
+    let how = if built { "built" } else { "copied from the run's" };
+    eprintln!("default template ready in {} ms ({how})", t.elapsed().as_millis());
     manager
 }
 
