@@ -11,8 +11,19 @@
 # $XDG_DATA_HOME/tine, else ~/.local/share/tine.
 # Idempotent; fast when nothing changed. Progress goes to standard error;
 # the last line of standard output is the kernel's path.
+#
+# --tests: for scripts/test.sh, without the release binary: the test suite
+# builds its own `tine` (cargo profile `suite`, Cargo.toml), and building
+# the release one too would compile every dependency twice on a fresh
+# machine.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+release_binary=1
+case "${1:-}" in
+  --tests) release_binary=0 ;;
+  "") ;;
+  *) echo "usage: scripts/setup.sh [--tests]" >&2; exit 2 ;;
+esac
 setup_start=$(printf '%(%s)T' -1)
 
 now() { printf '%(%s)T' -1; }
@@ -92,14 +103,12 @@ fi
 command -v cargo >/dev/null || { echo "setup: cargo is missing; install Rust (rustup) first" >&2; exit 1; }
 
 # The builds print their own progress on stderr (cargo: a line per crate).
-t=$(now)
-echo "setup: guest kernel (kernel-config/build-kernel.sh) ..." >&2
-kernel=$("$root/kernel-config/build-kernel.sh" | tail -n 1)
-echo "setup: guest kernel ready in $(( $(now) - t )) s" >&2
-t=$(now)
-echo "setup: building tine (cargo build --release -p tine) ..." >&2
-(cd "$root" && cargo build --release -p tine >&2)
-echo "setup: tine built in $(( $(now) - t )) s" >&2
+if [ "$release_binary" = 1 ]; then
+  t=$(now)
+  echo "setup: building tine (cargo build --release -p tine) ..." >&2
+  (cd "$root" && cargo build --release -p tine >&2)
+  echo "setup: tine built in $(( $(now) - t )) s" >&2
+fi
 # The guest agent, static (see crates/testkit build_agent).
 t=$(now)
 echo "setup: building the guest agent (cargo build --release -p tine-agent, static) ..." >&2
@@ -118,9 +127,31 @@ mv "$root/target/guest/x86_64-unknown-linux-gnu/release/tine-agent-protocol-v4.t
   "$root/target/guest/x86_64-unknown-linux-gnu/release/tine-agent-protocol-v4"
 guest_agent
 echo "setup: guest agent built in $(( $(now) - t )) s" >&2
+# The root filesystem (mostly downloading and unpacking Debian packages)
+# is built beside the guest kernel (compiling), not after it: on a fresh
+# two-core machine one waits on the network and the disk while the other
+# uses the cores.
 t=$(now)
-echo "setup: root filesystem (rootfs/build-rootfs.sh) ..." >&2
-rootfs=$("$root/rootfs/build-rootfs.sh" | tail -n 1)
+rootfs_out=$(mktemp)
+echo "setup: root filesystem (rootfs/build-rootfs.sh), beside the guest kernel ..." >&2
+"$root/rootfs/build-rootfs.sh" >"$rootfs_out" &
+rootfs_pid=$!
+echo "setup: guest kernel (kernel-config/build-kernel.sh) ..." >&2
+if ! kernel=$("$root/kernel-config/build-kernel.sh" | tail -n 1); then
+  kill "$rootfs_pid" 2>/dev/null || true
+  wait "$rootfs_pid" 2>/dev/null || true
+  rm -f "$rootfs_out"
+  echo "setup: the guest kernel build failed" >&2
+  exit 1
+fi
+echo "setup: guest kernel ready in $(( $(now) - t )) s" >&2
+if ! wait "$rootfs_pid"; then
+  rm -f "$rootfs_out"
+  echo "setup: the root filesystem build failed" >&2
+  exit 1
+fi
+rootfs=$(tail -n 1 "$rootfs_out")
+rm -f "$rootfs_out"
 echo "setup: root filesystem ready in $(( $(now) - t )) s" >&2
 
 # Install the images where `tine` looks by default (default_data_dir() in
@@ -230,6 +261,6 @@ echo "setup: conformance suite $conformance" >&2
 echo "setup: rootfs $rootfs" >&2
 echo "setup: kernel $kernel" >&2
 echo "setup: images $images" >&2
-echo "setup: binary ${CARGO_TARGET_DIR:-$root/target}/release/tine" >&2
+[ "$release_binary" = 0 ] || echo "setup: binary ${CARGO_TARGET_DIR:-$root/target}/release/tine" >&2
 echo "setup: done in $(( $(now) - setup_start )) s" >&2
 echo "$kernel"
