@@ -831,7 +831,12 @@ mod tests {
     fn configurations_of_one_guest_set_up_share_a_seed() {
         let seed = |c: &str| setup_variant(&shared_setup(c));
         let plain = seed("");
-        for c in ["[limits]\nboot_timeout_secs = 1200\n", "[pool]\nsize = 2\n", "[network]\negress = \"deny\"\n"] {
+        // network.rs's: a [network] table and a sub-table after it.
+        let network = "[network]\npermit_ranges = [\"127.0.0.0/8\"]\nmax_connections = 32\n\
+                       [network.hosts]\n\"files.test\" = \"10.0.2.2\"\n";
+        for c in
+            ["[limits]\nboot_timeout_secs = 1200\n", "[pool]\nsize = 2\n", "[network]\negress = \"deny\"\n", network]
+        {
             assert_eq!(seed(c), plain, "{c}");
         }
         assert_ne!(seed("[limits]\ndefault_disk_mib = 512\n"), plain);
