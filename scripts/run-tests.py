@@ -45,7 +45,7 @@ EXPECTED_SECONDS = {
     "tine::network": 250,
     "tine::keep": 269,
     "tine::files": 237,
-    "vmm::snapshot": 221,
+    "vmm::snapshot": 160,
     "tine::mcp": 150,
     "vmm::branch": 187,
     "tine-sandbox::hostile_guest": 183,

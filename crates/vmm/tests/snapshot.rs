@@ -29,6 +29,14 @@ async fn sh(agent: &AgentClient, cmd: &str) -> String {
     String::from_utf8_lossy(&r.stdout.data).into_owned()
 }
 
+/// The guest's `/tmp/marker` (in its tmpfs: guest memory), read by the
+/// agent itself: a process start costs seconds where guest kernel mode is
+/// emulated, and each clone starts one anyway for its own write.
+async fn marker(agent: &AgentClient) -> String {
+    let f = agent.read_file("/tmp/marker").await.expect("read /tmp/marker");
+    String::from_utf8_lossy(&f.data).into_owned()
+}
+
 #[test]
 fn a_restored_clone_has_the_state_and_diverges() {
     if !testkit::kvm_available("snapshot") {
@@ -43,7 +51,7 @@ fn a_restored_clone_has_the_state_and_diverges() {
 
     let agent_a = rt.block_on(connect(&uds_a));
     rt.block_on(async {
-        assert_eq!(sh(&agent_a, "echo before-snapshot > /tmp/marker && cat /tmp/marker").await, "before-snapshot\n");
+        assert_eq!(sh(&agent_a, "echo before-snapshot > /tmp/marker && echo written").await, "written\n");
         let r = agent_a.python("x = 1234", 0).await.unwrap();
         assert!(r.exception.is_none());
     });
@@ -87,9 +95,9 @@ fn a_restored_clone_has_the_state_and_diverges() {
         testkit::with_console_on_panic(&console, || {
             rt.block_on(async {
                 let agent = connect(&uds).await;
-                let marker = sh(&agent, "cat /tmp/marker").await;
+                let got = marker(&agent).await;
                 eprintln!("{backing:?}: restore to first answer: {:?}", t.elapsed());
-                assert_eq!(marker, "before-snapshot\n");
+                assert_eq!(got, "before-snapshot\n");
                 let r = agent.python("x", 0).await.unwrap();
                 assert_eq!(r.value.as_deref(), Some("1234"), "{r:?}");
                 let first = recorded.is_none();
@@ -103,10 +111,7 @@ fn a_restored_clone_has_the_state_and_diverges() {
                 }
 
                 // The clone's own write (its snapshot below must hold it).
-                assert_eq!(
-                    sh(&agent, &format!("echo {name} > /tmp/marker; cat /tmp/marker")).await,
-                    format!("{name}\n")
-                );
+                assert_eq!(sh(&agent, &format!("echo {name} > /tmp/marker && echo written")).await, "written\n");
                 if !first {
                     return;
                 }
@@ -114,7 +119,7 @@ fn a_restored_clone_has_the_state_and_diverges() {
                 // every clone): the clone's write is not in the source,
                 // and the source's is not in the clone.
                 let agent_a = connect(&uds_a).await;
-                assert_eq!(sh(&agent_a, "cat /tmp/marker").await, "before-snapshot\n");
+                assert_eq!(self::marker(&agent_a).await, "before-snapshot\n");
                 let r = agent_a.python("x += 1\nx", 0).await.unwrap();
                 assert!(r.value.as_deref().is_some_and(|v| v.parse::<u32>().unwrap() > 1234), "{r:?}");
                 let r = agent.python("x", 0).await.unwrap();
@@ -157,7 +162,7 @@ fn a_restored_clone_has_the_state_and_diverges() {
         testkit::with_console_on_panic(&console2, || {
             rt.block_on(async {
                 let agent = connect(&uds2).await;
-                assert_eq!(sh(&agent, "cat /tmp/marker").await, format!("{name}\n"));
+                assert_eq!(self::marker(&agent).await, format!("{name}\n"));
             })
         });
     }
@@ -191,7 +196,7 @@ fn resume_hibernated(
     testkit::with_console_on_panic(&console, || {
         rt.block_on(async {
             let agent = connect(&uds).await;
-            assert_eq!(sh(&agent, "cat /tmp/marker").await, format!("{marker}\n"));
+            assert_eq!(self::marker(&agent).await, format!("{marker}\n"));
             eprintln!("{name}: resumed to first answer in {:?}", t.elapsed());
             let r = agent.python("x", 0).await.unwrap();
             assert!(r.value.as_deref().is_some_and(|v| v.parse::<u32>().unwrap() >= 1234), "{r:?}");
