@@ -31,43 +31,41 @@ import threading
 import time
 
 # Seconds each binary took on the 2-core nested-KVM host (scripts/test.sh,
-# two at a time, 2026-11-28 at 82ebec6, the default template of crate
-# tine built cold by tine::default_template; tine::storage, mcp, pool,
-# network and processes since estimated from their runs after the cuts
-# of that day); only their order matters: the longest start first so
-# that the last to end is a short one. Binaries not listed are fast and run last. vmm::agent and
-# vmm::boot: alone, 2026-11-29 (one boot each, 145 s and 92 s).
+# two at a time, 2026-11-29 at 7f14f09, the run's default template built
+# cold by tine::default_template); only their order matters: the longest
+# start first so that the last to end is a short one. Binaries not listed
+# are fast and run last.
 EXPECTED_SECONDS = {
-    "tine::packages": 408,
-    "tine::processes": 360,
-    "tine::storage": 300,
-    "vmm::agent": 150,
-    "tine::network": 250,
-    "tine::keep": 269,
-    "tine::files": 237,
-    "vmm::snapshot": 160,
-    "tine::mcp": 150,
-    "vmm::branch": 187,
-    "tine-sandbox::hostile_guest": 183,
-    "tine-sandbox::python_warm": 170,
-    "tine::pool": 60,
-    "tine::load": 139,
-    "tine::python_sdk": 135,
-    "tine::default_template": 130,
-    "tine::recipes": 129,
-    "tine::extreme_arguments": 129,
-    "vmm::boot": 100,
-    "tine::tenants": 44,
-    "tine::cluster": 43,
-    "tine-agent::bin": 17,
-    "tine-sandbox::pause": 17,
+    "tine::packages": 298,
+    "tine::processes": 394,
+    "tine::storage": 355,
+    "vmm::agent": 161,
+    "tine::network": 229,
+    "tine::keep": 361,
+    "tine::files": 163,
+    "vmm::snapshot": 168,
+    "tine::mcp": 218,
+    "vmm::branch": 148,
+    "tine-sandbox::hostile_guest": 158,
+    "tine-sandbox::python_warm": 122,
+    "tine::pool": 32,
+    "tine::load": 156,
+    "tine::python_sdk": 160,
+    "tine::default_template": 156,
+    "tine::recipes": 143,
+    "tine::extreme_arguments": 106,
+    "vmm::boot": 91,
+    "tine::tenants": 36,
+    "tine::cluster": 53,
+    "tine-agent::bin": 18,
+    "tine-sandbox::pause": 18,
     "tine::connections": 13,
     "tine-sandbox::lib": 9,
-    "tine::lib": 7,
-    "tine::memory_budget": 6,
+    "tine::lib": 8,
+    "tine::memory_budget": 8,
     "netstack::nat": 6,
     "vmm::fuzz_devices": 3,
-    "vmm::fuzz_queue": 3,
+    "vmm::fuzz_queue": 5,
     "tine::oauth": 2,
     "tine-agent-client::lib": 2,
 }
