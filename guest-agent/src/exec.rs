@@ -3,10 +3,17 @@
 //! whole group at the timeout. With a progress callback, a [`Progress`]
 //! (elapsed time, byte counts, the last lines of each stream) goes out at
 //! every interval while it runs.
+//!
+//! One thread does it all: poll(2) on the output pipes, the stdin pipe
+//! and a pidfd of the command (pidfd_open(2), Linux 5.3). A thread per
+//! stream and one to wait cost 100-240 ms each to start and join in a
+//! guest whose kernel is emulated (docs/hosts.md), a quarter of a short
+//! exec's time there.
 
-use std::io::{Read, Write};
+use std::fs::File;
+use std::io::{ErrorKind, Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::process::Stdio;
-use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tine_protocol::{
@@ -20,6 +27,10 @@ use crate::procs::Ring;
 /// (a process that left the group, e.g. with setsid, may hold them open).
 const DRAIN_AFTER_KILL: Duration = Duration::from_secs(1);
 
+/// How often the command's exit is checked where no pidfd could be
+/// opened (a kernel before 5.3).
+const EXIT_POLL: Duration = Duration::from_millis(50);
+
 /// One stream's capture: the first `limit` bytes with the true count,
 /// and the newest bytes for progress tails.
 struct Captured {
@@ -29,25 +40,16 @@ struct Captured {
     tail: Option<Ring>,
 }
 
-/// Reads `r` to EOF into `out`, keeping the first `limit` bytes and
-/// counting all of them (`total_bytes`).
-fn capture<R: Read>(mut r: R, limit: usize, out: &Mutex<Captured>) {
-    let mut buf = [0u8; 16 * 1024];
-    loop {
-        match r.read(&mut buf) {
-            Ok(0) => break,
-            Ok(n) => {
-                let mut c = out.lock().unwrap_or_else(|p| p.into_inner());
-                let keep = n.min(limit.saturating_sub(c.out.data.len()));
-                c.out.data.extend_from_slice(&buf[..keep]);
-                c.out.truncated |= keep < n;
-                c.out.total_bytes += n as u64;
-                if let Some(t) = c.tail.as_mut() {
-                    t.push(&buf[..n]);
-                }
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(_) => break,
+impl Captured {
+    /// Takes `data` read from the stream: keeps what fits under `limit`
+    /// and counts all of it (`total_bytes`).
+    fn absorb(&mut self, data: &[u8], limit: usize) {
+        let keep = data.len().min(limit.saturating_sub(self.out.data.len()));
+        self.out.data.extend_from_slice(&data[..keep]);
+        self.out.truncated |= keep < data.len();
+        self.out.total_bytes += data.len() as u64;
+        if let Some(t) = self.tail.as_mut() {
+            t.push(data);
         }
     }
 }
@@ -60,23 +62,41 @@ fn kill_group(pgid: u32) {
     }
 }
 
-/// Sends [`Progress`] frames at an interval while waiting on channels.
+/// A pidfd of process `pid` (readable once it has exited), or `None`
+/// where the kernel has no pidfd_open(2).
+fn pidfd(pid: u32) -> Option<OwnedFd> {
+    // SAFETY: pidfd_open(2) takes a pid and flags and returns a new fd or
+    // -1; the fd is owned by nothing else.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+    // SAFETY: `fd` was just returned by the kernel and is ours alone.
+    (fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// Makes `fd` non-blocking (fcntl(2) O_NONBLOCK).
+fn nonblocking(fd: &impl AsRawFd) {
+    // SAFETY: F_GETFL/F_SETFL on an fd this function's caller owns.
+    unsafe {
+        let flags = libc::fcntl(fd.as_raw_fd(), libc::F_GETFL);
+        if flags >= 0 {
+            libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, flags | libc::O_NONBLOCK);
+        }
+    }
+}
+
+/// Sends [`Progress`] frames at an interval.
 struct Ticker<'a> {
     send: &'a dyn Fn(Progress),
     every: Duration,
     next: Instant,
     started: Instant,
-    outputs: &'a [Arc<Mutex<Captured>>; 2],
 }
 
 impl Ticker<'_> {
-    fn tick(&mut self) {
-        let snap = |c: &Arc<Mutex<Captured>>| {
-            let c = c.lock().unwrap_or_else(|p| p.into_inner());
+    fn tick(&mut self, outputs: &[Captured; 2]) {
+        let snap = |c: &Captured| {
             (c.out.total_bytes, c.tail.as_ref().map(|t| t.tail_lines(PROGRESS_TAIL_BYTES)).unwrap_or_default())
         };
-        let ((stdout_bytes, stdout_tail), (stderr_bytes, stderr_tail)) =
-            (snap(&self.outputs[0]), snap(&self.outputs[1]));
+        let ((stdout_bytes, stdout_tail), (stderr_bytes, stderr_tail)) = (snap(&outputs[0]), snap(&outputs[1]));
         (self.send)(Progress {
             elapsed_ms: self.started.elapsed().as_millis() as u64,
             stdout_bytes,
@@ -88,34 +108,18 @@ impl Ticker<'_> {
     }
 }
 
-/// `rx.recv_timeout` until `until`, sending progress at every tick on the
-/// way.
-fn recv_ticking<T>(
-    rx: &mpsc::Receiver<T>,
-    until: Instant,
-    ticker: &mut Option<Ticker<'_>>,
-) -> Result<T, mpsc::RecvTimeoutError> {
-    loop {
-        let stop = match ticker {
-            Some(t) if t.next < until => t.next,
-            _ => until,
-        };
-        match rx.recv_timeout(stop.saturating_duration_since(Instant::now())) {
-            Err(mpsc::RecvTimeoutError::Timeout) if Instant::now() < until => {
-                if let Some(t) = ticker.as_mut() {
-                    t.tick();
-                }
-            }
-            r => return r,
-        }
-    }
-}
-
 /// Runs `req`; with `progress = Some((send, every))`, calls `send` every
 /// `every` (at least [`MIN_PROGRESS_MS`]) while it runs.
 ///
+/// The answer comes when the command has exited and both output streams
+/// are closed (a background child may hold them), all within the timeout;
+/// at the timeout the command's process group is killed and the streams
+/// get [`DRAIN_AFTER_KILL`] more to close (a process that left the group
+/// may hold them open), and the status is `TimedOut`.
+///
 /// Errors: `InvalidRequest` for limits out of range or an empty argv,
-/// `NotFound`/`PermissionDenied` when the program cannot be started.
+/// `NotFound`/`PermissionDenied` when the program cannot be started,
+/// `Io` when waiting for it fails.
 pub fn run(req: Exec, progress: Option<(&dyn Fn(Progress), Duration)>) -> Result<ExecReply, AgentError> {
     let (timeout_ms, limit) = effective_limits(req.timeout_ms, req.output_limit)?;
     let limit = limit as usize;
@@ -132,82 +136,135 @@ pub fn run(req: Exec, progress: Option<(&dyn Fn(Progress), Duration)>) -> Result
         .spawn()
         .map_err(|e| child::start_error(e, &argv[0], &cwd))?;
     let pgid = child.id();
+    let exited = pidfd(pgid);
 
-    let (tx, rx) = mpsc::channel::<()>();
-    let captured = || {
-        let tail = progress.map(|_| Ring::new(2 * PROGRESS_TAIL_BYTES));
-        Arc::new(Mutex::new(Captured { out: Output::default(), tail }))
-    };
-    let outputs = [captured(), captured()];
+    let captured = || Captured { out: Output::default(), tail: progress.map(|_| Ring::new(2 * PROGRESS_TAIL_BYTES)) };
+    let mut outputs = [captured(), captured()];
+    let mut streams: [Option<File>; 2] = [
+        child.stdout.take().map(|s| File::from(OwnedFd::from(s))),
+        child.stderr.take().map(|s| File::from(OwnedFd::from(s))),
+    ];
+    // A command that does not read its stdin closes the pipe (EPIPE, and
+    // Rust ignores SIGPIPE): fine. Empty stdin is closed at once.
+    let mut stdin = child.stdin.take().map(|s| File::from(OwnedFd::from(s))).filter(|_| !req.stdin.is_empty());
+    let mut stdin_done = 0usize;
+    for s in streams.iter().flatten().chain(stdin.iter()) {
+        nonblocking(s);
+    }
     let mut ticker = progress.map(|(send, every)| {
         let every = every.max(Duration::from_millis(u64::from(MIN_PROGRESS_MS)));
-        Ticker { send, every, next: started + every, started, outputs: &outputs }
+        Ticker { send, every, next: started + every, started }
     });
-    for (out, stream) in [
-        (outputs[0].clone(), child.stdout.take().map(|s| Box::new(s) as Box<dyn Read + Send>)),
-        (outputs[1].clone(), child.stderr.take().map(|s| Box::new(s) as Box<dyn Read + Send>)),
-    ] {
-        if let Some(s) = stream {
-            let tx = tx.clone();
-            std::thread::spawn(move || {
-                capture(s, limit, &out);
-                let _ = tx.send(());
-            });
-        }
-    }
-    drop(tx);
-    if let Some(mut stdin) = child.stdin.take() {
-        let data = req.stdin;
-        std::thread::spawn(move || {
-            // A command that does not read its stdin closes the pipe: fine.
-            let _ = stdin.write_all(&data);
-        });
-    }
 
-    // Wait for the command, then for its output streams to close (a
-    // background child may hold them), all within the timeout.
-    let (wtx, wrx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = wtx.send(child.wait());
-    });
+    let mut status = None;
     let mut timed_out = false;
-    let status = match recv_ticking(&wrx, deadline, &mut ticker) {
-        Ok(s) => s,
-        Err(_) => {
-            timed_out = true;
-            kill_group(pgid);
-            wrx.recv().unwrap_or_else(|_| Err(std::io::Error::other("wait thread died")))
+    // Until when the streams may stay open: the deadline, and after a
+    // timeout's kill DRAIN_AFTER_KILL more.
+    let mut until = deadline;
+    let mut buf = vec![0u8; 16 * 1024];
+    loop {
+        if status.is_none() {
+            match child.try_wait() {
+                Ok(Some(s)) => status = Some(s),
+                Ok(None) => {}
+                Err(e) => return Err(AgentError::Io { message: format!("waiting for {}: {e}", argv[0]) }),
+            }
         }
-    };
-    // Wait for both streams to close: until the deadline, and after a
-    // timeout's kill at most DRAIN_AFTER_KILL more; then take what they
-    // produced (a process that left the group may hold them open).
-    let mut closed = 0;
-    let mut until = if timed_out { Instant::now() + DRAIN_AFTER_KILL } else { deadline };
-    while closed < 2 {
-        match recv_ticking(&rx, until, &mut ticker) {
-            Ok(()) => closed += 1,
-            Err(mpsc::RecvTimeoutError::Timeout) if !timed_out => {
+        let now = Instant::now();
+        if status.is_some() && streams.iter().all(Option::is_none) {
+            break;
+        }
+        if now >= until {
+            if timed_out {
+                // Drained as long as we wait: the command itself was
+                // killed; what holds the streams is outside its group.
+                if status.is_some() {
+                    break;
+                }
+            } else {
                 timed_out = true;
                 kill_group(pgid);
-                until = Instant::now() + DRAIN_AFTER_KILL;
+                until = now + DRAIN_AFTER_KILL;
+                continue;
             }
-            Err(_) => break,
+        }
+        if let Some(t) = ticker.as_mut().filter(|t| t.next <= now) {
+            t.tick(&outputs);
+        }
+
+        // What to wait for, and how long.
+        let mut fds = Vec::with_capacity(4);
+        for s in streams.iter().flatten() {
+            fds.push(libc::pollfd { fd: s.as_raw_fd(), events: libc::POLLIN, revents: 0 });
+        }
+        if let Some(s) = &stdin {
+            fds.push(libc::pollfd { fd: s.as_raw_fd(), events: libc::POLLOUT, revents: 0 });
+        }
+        if let (None, Some(p)) = (&status, &exited) {
+            fds.push(libc::pollfd { fd: p.as_raw_fd(), events: libc::POLLIN, revents: 0 });
+        }
+        let mut wake = if timed_out && status.is_none() { now + EXIT_POLL } else { until };
+        if let Some(t) = &ticker {
+            wake = wake.min(t.next);
+        }
+        if status.is_none() && exited.is_none() {
+            wake = wake.min(now + EXIT_POLL);
+        }
+        let wait_ms = wake.saturating_duration_since(now).as_millis().min(i32::MAX as u128) as i32;
+        // SAFETY: `fds` is a valid array of `fds.len()` pollfd structs for
+        // the duration of the call.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, wait_ms.max(1)) };
+        if n < 0 && std::io::Error::last_os_error().kind() != ErrorKind::Interrupted {
+            return Err(AgentError::Io { message: format!("poll: {}", std::io::Error::last_os_error()) });
+        }
+
+        // Read each stream until it would block; EOF or an error closes it.
+        for (stream, out) in streams.iter_mut().zip(outputs.iter_mut()) {
+            while let Some(s) = stream.as_mut() {
+                match s.read(&mut buf) {
+                    Ok(0) => *stream = None,
+                    Ok(n) => out.absorb(&buf[..n], limit),
+                    Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                    Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                    Err(_) => *stream = None,
+                }
+            }
+        }
+        // Write stdin while the pipe takes it; close it when all is written
+        // or the command closed its end.
+        while let Some(s) = stdin.as_mut() {
+            match s.write(&req.stdin[stdin_done..]) {
+                Ok(n) => {
+                    stdin_done += n;
+                    if stdin_done == req.stdin.len() {
+                        stdin = None;
+                    }
+                }
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                Err(_) => stdin = None,
+            }
+        }
+        if status.is_some() {
+            // Nobody reads what is left of stdin.
+            stdin = None;
         }
     }
-    let take = |o: &Arc<Mutex<Captured>>| std::mem::take(&mut o.lock().unwrap_or_else(|p| p.into_inner()).out);
-    let (stdout, stderr) = (take(&outputs[0]), take(&outputs[1]));
     let status = match (timed_out, status) {
         (true, _) => ExitStatus::TimedOut,
-        (false, Ok(s)) => child::exit_status(s),
-        (false, Err(e)) => return Err(AgentError::Io { message: format!("waiting for {}: {e}", argv[0]) }),
+        (false, Some(s)) => child::exit_status(s),
+        // The loop ends without a status only after a timeout.
+        (false, None) => ExitStatus::TimedOut,
     };
+    let [stdout, stderr] = outputs.map(|c| c.out);
     Ok(ExecReply { status, stdout, stderr, duration_ms: started.elapsed().as_millis() as u64 })
 }
 
 #[cfg(test)]
 mod tests {
     use tine_protocol::Command;
+
+    use std::sync::Mutex;
 
     use super::*;
 
@@ -261,6 +318,34 @@ mod tests {
         // The same command without progress: no frames, the same answer.
         let plain = run(shell("echo a", 0, 0), None).unwrap();
         assert_eq!(plain.stdout.data, b"a\n");
+    }
+
+    /// Stdin reaches the command, larger than a pipe's buffer while the
+    /// command writes as much back; a command that never reads its stdin
+    /// answers all the same (the pipe is closed when it exits).
+    #[test]
+    fn stdin_is_fed_and_an_unread_stdin_does_not_block() {
+        let data: Vec<u8> = (0..300_000u32).map(|i| (i % 251) as u8).collect();
+        let mut req = shell("cat", 10_000, 1 << 20);
+        req.stdin = data.clone();
+        let r = run(req, None).unwrap();
+        assert_eq!(r.status, ExitStatus::Code(0));
+        assert_eq!(r.stdout.data, data);
+        let mut req = shell("echo skipped", 10_000, 0);
+        req.stdin = data;
+        let r = run(req, None).unwrap();
+        assert_eq!((r.status, r.stdout.data.as_slice()), (ExitStatus::Code(0), b"skipped\n".as_slice()));
+    }
+
+    /// A command that outlives its timeout is killed with its group, and
+    /// the call answers soon after the timeout with what it wrote.
+    #[test]
+    fn a_timeout_kills_the_command() {
+        let t = Instant::now();
+        let r = run(shell("echo started; sleep 60", 500, 0), None).unwrap();
+        assert_eq!(r.status, ExitStatus::TimedOut);
+        assert_eq!(r.stdout.data, b"started\n");
+        assert!(t.elapsed() < Duration::from_secs(30), "{:?}", t.elapsed());
     }
 
     /// The per-stream totals count every byte, past the cap too.

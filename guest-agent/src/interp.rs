@@ -164,7 +164,7 @@ fn signal_pending(pid: u32, sig: i32) -> bool {
 fn exchange(interp: &mut Interpreter, line: &str, timeout: Option<Duration>) -> Result<Option<String>, std::io::Error> {
     let pid = interp.child.id();
     let (done_tx, done_rx) = mpsc::channel::<()>();
-    let watchdog = std::thread::spawn(move || {
+    let watchdog = crate::workers::start(move || {
         let Some(timeout) = timeout else { return };
         if done_rx.recv_timeout(timeout).is_ok() {
             return;
@@ -196,7 +196,7 @@ fn exchange(interp: &mut Interpreter, line: &str, timeout: Option<Duration>) -> 
                 return;
             }
         }
-    });
+    })?;
     let mut reply_line = String::new();
     let read = interp
         .requests
@@ -204,7 +204,7 @@ fn exchange(interp: &mut Interpreter, line: &str, timeout: Option<Duration>) -> 
         .and_then(|()| interp.requests.flush())
         .and_then(|()| interp.replies.read_line(&mut reply_line));
     let _ = done_tx.send(());
-    let _ = watchdog.join();
+    watchdog.wait();
     match read {
         Ok(n) if n > 0 => Ok(Some(reply_line)),
         Ok(_) => Ok(None),
@@ -266,15 +266,22 @@ impl Repl {
         };
         let pid = interp.child.id();
         let (done_tx, done_rx) = mpsc::channel::<()>();
-        let watchdog = std::thread::spawn(move || {
+        let watchdog = crate::workers::start(move || {
             if done_rx.recv_timeout(START_TIMEOUT).is_err() {
                 signal(pid, libc::SIGKILL);
             }
         });
+        let watchdog = match watchdog {
+            Ok(w) => w,
+            Err(e) => {
+                discard(&mut Some(interp));
+                return Err(AgentError::Io { message: format!("cannot start the start watchdog: {e}") });
+            }
+        };
         let mut line = String::new();
         let read = interp.replies.read_line(&mut line);
         let _ = done_tx.send(());
-        let _ = watchdog.join();
+        watchdog.wait();
         let ready = matches!(read, Ok(n) if n > 0)
             && serde_json::from_str::<serde_json::Value>(&line).is_ok_and(|v| v["ready"] == true);
         if !ready {

@@ -1,7 +1,8 @@
 //! `tine-agent`: Tine's in-guest agent. It listens on a virtio-vsock port
 //! ([`AGENT_PORT`]) and serves the requests of `tine-protocol`: each
-//! request runs on its own thread, so several can be in flight on one
-//! connection, and answers go back in the order they finish.
+//! request runs on a thread of its own while it runs (see [`workers`]), so
+//! several can be in flight on one connection, and answers go back in the
+//! order they finish.
 //!
 //! Run as PID 1 (the image's `/sbin/init` links to it), it is also the
 //! guest's tiny init: it mounts `/proc`, `/sys`, `/dev`, `/tmp` and
@@ -35,6 +36,7 @@ mod procs;
 mod python;
 mod sys;
 mod vsock;
+mod workers;
 
 use std::io::Write;
 use std::sync::{Arc, Mutex};
@@ -151,7 +153,7 @@ fn serve(conn: std::fs::File, started: Instant) {
             }
         };
         let writer = writer.clone();
-        let spawned = std::thread::Builder::new().name(format!("req-{}", req.id)).spawn(move || {
+        let spawned = workers::run(Box::new(move || {
             let id = req.id;
             let progress = |p: Progress| {
                 if let Ok(frame) = wire.encode_response(&Response { id, result: Ok(Reply::Progress(p)) }) {
@@ -172,7 +174,7 @@ fn serve(conn: std::fs::File, started: Instant) {
             if let Err(e) = frame.and_then(|f| send(&writer, &f).map_err(Into::into)) {
                 eprintln!("tine-agent: cannot send response {id}: {e}");
             }
-        });
+        }));
         if let Err(e) = spawned {
             eprintln!("tine-agent: cannot start a request thread: {e}");
         }
