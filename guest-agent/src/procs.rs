@@ -40,8 +40,6 @@ use tine_protocol::{
 
 use crate::child;
 
-/// Stack of the per-process threads (bytes).
-const THREAD_STACK: usize = 64 << 10;
 /// Bytes one reader moves per read.
 const READ_CHUNK: usize = 16 << 10;
 /// A regex wait matches lines longer than this in windows of this size.
@@ -295,8 +293,11 @@ fn find(id: u64) -> Result<Arc<Proc>, AgentError> {
     lock(&TABLE).procs.get(&id).cloned().ok_or(AgentError::NoSuchProcess { id })
 }
 
-fn thread(name: String, f: impl FnOnce() + Send + 'static) -> std::io::Result<()> {
-    std::thread::Builder::new().name(name).stack_size(THREAD_STACK).spawn(f).map(|_| ())
+/// Runs `f` (a stream's drain, the waiter) on a request thread of the
+/// pool, which it goes back to when the process has ended (see
+/// [`crate::workers`]: a thread of its own costs 100-240 ms to start here).
+fn thread(f: impl FnOnce() + Send + 'static) -> std::io::Result<()> {
+    crate::workers::run(Box::new(f))
 }
 
 /// Starts a background process.
@@ -365,9 +366,9 @@ pub fn spawn(req: Spawn) -> Result<ProcessInfo, AgentError> {
         changed: Condvar::new(),
     });
     let mut started = Ok(());
-    for (which, name, stream) in [
-        (OUT, "out", child.stdout.take().map(|s| Box::new(s) as Box<dyn Read + Send>)),
-        (ERR, "err", child.stderr.take().map(|s| Box::new(s) as Box<dyn Read + Send>)),
+    for (which, stream) in [
+        (OUT, child.stdout.take().map(|s| Box::new(s) as Box<dyn Read + Send>)),
+        (ERR, child.stderr.take().map(|s| Box::new(s) as Box<dyn Read + Send>)),
     ] {
         let Some(s) = stream else {
             lock(&p.state).eof[which] = true;
@@ -375,7 +376,7 @@ pub fn spawn(req: Spawn) -> Result<ProcessInfo, AgentError> {
         };
         let reader = p.clone();
         if started.is_ok() {
-            started = thread(format!("{name}-p{id}"), move || drain(s, &reader, which));
+            started = thread(move || drain(s, &reader, which));
         }
         if started.is_err() {
             lock(&p.state).eof[which] = true;
@@ -392,7 +393,7 @@ pub fn spawn(req: Spawn) -> Result<ProcessInfo, AgentError> {
         return Err(AgentError::Io { message: format!("cannot start the threads of p{id}: {e}") });
     }
     let waiter = p.clone();
-    let reaped = thread(format!("wait-p{id}"), move || {
+    let reaped = thread(move || {
         let status = child.wait().map(child::exit_status).unwrap_or(ExitStatus::Code(-1));
         let mut st = lock(&waiter.state);
         st.status = Some(status);
