@@ -1,24 +1,26 @@
 //! Package managers in a sandbox, as agents use them: a recipe whose setup
-//! step runs `pip install` with the `pip` script (a recipe step is an exec
-//! in the build sandbox, with the sandbox network), then, in a sandbox made
-//! from that template, the package imported by `python3` in an exec, a
-//! background process and the sandbox's Python interpreter; npm's global
-//! `node_modules` on `NODE_PATH` (issue 30: commands had no `PATH` and
-//! `HOME=/`, so these landed where the next command did not look). With
-//! `TINE_TEST_FULL` a module comes from a real `npm install -g` (five and
-//! a half minutes of guest work here) and `node` requires it; in CI the
-//! directory npm's prefix names is checked against `NODE_PATH`
-//! (processes.rs requires a module from there in the Node interpreter),
-//! and the registry's name resolves through the gateway's DNS. Through the
-//! NAT and the gateway's DNS to the
-//! real registries, with the host's CA bundle added to the guests' trust
-//! store (`ca_certificates`: this host's traffic passes a TLS-inspecting
-//! proxy). Skips loudly where `pypi.org` is not reachable from the host.
+//! step reaches a real registry (a recipe step is an exec in the build
+//! sandbox, with the sandbox network) and puts a Python package where
+//! `pip install` puts it, then, in a sandbox made from that template, the
+//! package imported by `python3` in an exec, a background process and the
+//! sandbox's Python interpreter; npm's global `node_modules` on
+//! `NODE_PATH` (issue 30: commands had no `PATH` and `HOME=/`, so these
+//! landed where the next command did not look).
 //!
-//! One `pip install` serves both the recipe's network (issue 17) and the
-//! `pip` script (issue 30): it is about three minutes of guest work here
-//! (Python's start and pip's imports fault in some 60 MiB of pages, each
-//! first touch a fault, docs/hosts.md).
+//! With `TINE_TEST_FULL` the step is a real `pip install` with the `pip`
+//! script (about five minutes of guest work here: Python's start and pip's
+//! imports fault in some 60 MiB of pages, each first touch a fault,
+//! docs/hosts.md), and a module comes from a real `npm install -g` (five
+//! and a half minutes) that `node` requires. In CI the step opens a TCP
+//! connection to `pypi.org:443` with bash's `/dev/tcp` (the gateway's DNS
+//! and the NAT, no process) and writes a module into `/usr/local`'s
+//! `dist-packages`; the directory npm's prefix names is checked against
+//! `NODE_PATH` (processes.rs requires a module from there in the Node
+//! interpreter), and the registry's name resolves through the gateway's
+//! DNS. Through the NAT and the gateway's DNS to the real registries, with
+//! the host's CA bundle added to the guests' trust store
+//! (`ca_certificates`: this host's traffic passes a TLS-inspecting proxy).
+//! Skips loudly where `pypi.org` is not reachable from the host.
 //!
 //! The server's default template has the CA set-up, as every seeded test
 //! server's has (`testkit::mcp::with_host_ca`), so the run builds it once.
@@ -76,9 +78,18 @@ async fn pip_and_npm_install_and_the_next_command_finds_the_package() {
     // satisfied", not "Successfully installed": one Python start less than
     // an import check first). The `pip` script, as agents type it, with
     // flags that skip work the test does not need (byte-compiling,
-    // resolving dependencies iniconfig does not have).
-    let pip = "pip install --no-cache-dir --break-system-packages --disable-pip-version-check --no-compile \
-               --no-deps --progress-bar off iniconfig | grep -q 'Successfully installed iniconfig'";
+    // resolving dependencies iniconfig does not have). In CI, bash
+    // builtins only: a connection to the index, and a module where pip
+    // would put it.
+    let (pip, module) = if testkit::full_size() {
+        let pip = "pip install --no-cache-dir --break-system-packages --disable-pip-version-check --no-compile \
+                   --no-deps --progress-bar off iniconfig | grep -q 'Successfully installed iniconfig'";
+        (pip, "iniconfig")
+    } else {
+        let step = "exec 3<>/dev/tcp/pypi.org/443 && exec 3>&- && set -- /usr/local/lib/python3.*/dist-packages && \
+                    echo '# written by a recipe step' > \"$1/tine_recipe_probe.py\"";
+        (step, "tine_recipe_probe")
+    };
     let t = Instant::now();
     let r = call(&client, "template_create", json!({"name": "with-pkg", "setup": [pip], "wait_secs": 600})).await;
     let mut r = r.expect("template_create");
@@ -90,21 +101,24 @@ async fn pip_and_npm_install_and_the_next_command_finds_the_package() {
         r = l["templates"].as_array().unwrap().iter().find(|t| t["name"] == "with-pkg").cloned().unwrap_or_default();
     }
     assert_eq!(r["state"], "ready", "the recipe's pip install: {r}");
-    eprintln!("recipe with pip install built in {:.0} s", t.elapsed().as_secs_f64());
+    eprintln!("recipe with {module} built in {:.0} s", t.elapsed().as_secs_f64());
     let sb = call(&client, "sandbox_create", json!({"template": "with-pkg"})).await.expect("create");
     let id = sb["sandbox_id"].as_str().unwrap().to_string();
 
     // Found by python3 in an exec, a background process and the sandbox's
     // interpreter (importlib.metadata would double Python's start here).
-    let import = "python3 -c 'import iniconfig; print(\"iniconfig\", iniconfig.__file__)'";
-    let r = exec(&client, &id, import, 300).await;
+    let import = format!("python3 -c 'import {module}; print(\"{module}\", {module}.__file__)'");
+    let r = exec(&client, &id, &import, 300).await;
     let found = r["stdout"].as_str().unwrap_or_default();
-    assert!(found.starts_with("iniconfig /usr/local/lib/python3"), "pip's install is in /usr/local: {r}");
-    let (code, tail) = run_long(&client, &id, import, Duration::from_secs(600)).await;
-    assert!(code == 0 && tail.contains("iniconfig "), "in a background process: {code} {tail}");
-    let p =
-        call(&client, "sandbox_run_python", json!({"sandbox_id": id, "code": "import iniconfig\niniconfig.__name__"}));
-    assert_eq!(p.await.expect("python")["result"], "'iniconfig'");
+    assert!(found.starts_with(&format!("{module} /usr/local/lib/python3")), "the package is in /usr/local: {r}");
+    let (code, tail) = run_long(&client, &id, &import, Duration::from_secs(600)).await;
+    assert!(code == 0 && tail.contains(&format!("{module} ")), "in a background process: {code} {tail}");
+    let p = call(
+        &client,
+        "sandbox_run_python",
+        json!({"sandbox_id": id, "code": format!("import {module}\n{module}.__name__")}),
+    );
+    assert_eq!(p.await.expect("python")["result"], format!("'{module}'"));
 
     // npm's global modules are where NODE_PATH looks: with TINE_TEST_FULL
     // `npm install -g` puts one there and `node` requires it (npm's start
