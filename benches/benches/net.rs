@@ -44,7 +44,7 @@ fn main() {
     let port = serve();
     let dir = tempfile::tempdir().unwrap();
     let program = dir.path().join("netbench.disk");
-    std::fs::write(&program, sector_padded(GUEST_PROGRAM)).unwrap();
+    std::fs::write(&program, tine_benches::sector_padded(GUEST_PROGRAM)).unwrap();
     let (kernel, rootfs) = (testkit::kernel(), testkit::rootfs());
     let cmdline = format!(
         "root=/dev/vda ro rootfstype=ext4 init=/usr/bin/python3 /dev/vdb netbench_port={port} \
@@ -85,14 +85,6 @@ fn main() {
     }
 }
 
-/// `text` padded with newlines to a whole number of 512-byte sectors (a
-/// virtio-blk disk's size unit); Python ignores the trailing blank lines.
-fn sector_padded(text: &str) -> Vec<u8> {
-    let mut bytes = text.as_bytes().to_vec();
-    bytes.resize(bytes.len().div_ceil(512) * 512, b'\n');
-    bytes
-}
-
 /// Tine's VMM in this process: the root filesystem and the program as
 /// read-only disks, one vCPU, 512 MiB, a NIC on the NAT with loopback
 /// permitted and no upstream DNS.
@@ -121,22 +113,15 @@ fn run_tine(kernel: &Path, rootfs: &Path, program: &Path, cmdline: &str) -> Opti
         }
     };
     let console = vm.console().clone();
-    let found = console.wait_for(MARKER, TIMEOUT);
-    // The serial console delivers the line a byte at a time: wait for its end.
-    let mut text = console.text();
-    for _ in 0..100 {
-        if text.split_once(MARKER).is_some_and(|(_, rest)| rest.contains('\n')) {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-        text = console.text();
-    }
+    let text = tine_benches::tine_console_marker(&console, MARKER, TIMEOUT);
     let _ = vm.stop();
-    if !found {
-        println!("tine: no result within {} s; console tail:\n{}", TIMEOUT.as_secs(), tail(&text));
-        return None;
+    match text {
+        Ok(text) => parse_result(&text),
+        Err(tail) => {
+            println!("tine: no result within {} s; console tail:\n{tail}", TIMEOUT.as_secs());
+            None
+        }
     }
-    parse_result(&text)
 }
 
 /// QEMU's `-M microvm` as [`tine_benches::qemu_microvm`] sets it up (as
@@ -165,7 +150,11 @@ fn run_qemu(
     match tine_benches::line_with_marker(c, MARKER, TIMEOUT) {
         Ok(line) => parse_result(&line),
         Err(tail_text) => {
-            println!("qemu: no result within {} s; console tail:\n{}", TIMEOUT.as_secs(), tail(&tail_text));
+            println!(
+                "qemu: no result within {} s; console tail:\n{}",
+                TIMEOUT.as_secs(),
+                tine_benches::console_tail(&tail_text)
+            );
             None
         }
     }
@@ -173,14 +162,7 @@ fn run_qemu(
 
 /// The JSON after the marker on the console.
 fn parse_result(text: &str) -> Option<Value> {
-    let line = text.lines().find_map(|l| l.split_once(MARKER).map(|(_, json)| json.trim().to_string()))?;
-    match serde_json::from_str(&line) {
-        Ok(v) => Some(v),
-        Err(e) => {
-            println!("unreadable result line {line:?}: {e}");
-            None
-        }
-    }
+    tine_benches::marker_json(text, MARKER).map_err(|e| println!("{e}")).ok()
 }
 
 /// Prints `r` under `who` and records its figures under `<key>.` (`tine`,
@@ -231,11 +213,6 @@ fn median_of(r: &Value, key: &str) -> f64 {
     let mut xs: Vec<f64> = r[key].as_array().into_iter().flatten().filter_map(Value::as_f64).collect();
     xs.sort_by(f64::total_cmp);
     xs.get(xs.len() / 2).copied().unwrap_or(f64::NAN)
-}
-
-fn tail(text: &str) -> String {
-    let lines: Vec<&str> = text.lines().collect();
-    lines[lines.len().saturating_sub(30)..].join("\n")
 }
 
 /// The host end on 127.0.0.1 (a thread per connection). Requests, one per

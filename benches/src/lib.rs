@@ -207,3 +207,52 @@ pub async fn agent_ready(uds: &Path, within: Duration) -> tine_agent_client::Age
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// `text` padded with newlines to a whole number of 512-byte sectors (a
+/// virtio-blk disk's size unit): a guest program for
+/// `init=/usr/bin/python3 /dev/vdb` (Python ignores the blank lines).
+pub fn sector_padded(text: &str) -> Vec<u8> {
+    let mut bytes = text.as_bytes().to_vec();
+    bytes.resize(bytes.len().div_ceil(512) * 512, b'\n');
+    bytes
+}
+
+/// The last 30 lines of `text` (a console), for a failure's message.
+pub fn console_tail(text: &str) -> String {
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(30)..].join("\n")
+}
+
+/// Waits up to `timeout` for a whole line with `marker` on a Tine VM's
+/// serial console and returns the console's text (the serial device
+/// delivers a line a byte at a time, so the line's end is waited for too);
+/// the console's last lines as the error when none came.
+pub fn tine_console_marker(
+    console: &vmm::devices::ConsoleTail,
+    marker: &str,
+    timeout: Duration,
+) -> Result<String, String> {
+    let found = console.wait_for(marker, timeout);
+    let mut text = console.text();
+    for _ in 0..100 {
+        if text.split_once(marker).is_some_and(|(_, rest)| rest.contains('\n')) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+        text = console.text();
+    }
+    if found {
+        Ok(text)
+    } else {
+        Err(console_tail(&text))
+    }
+}
+
+/// The JSON after `marker` on the first line of `text` that has it.
+pub fn marker_json(text: &str, marker: &str) -> Result<serde_json::Value, String> {
+    let line = text
+        .lines()
+        .find_map(|l| l.split_once(marker).map(|(_, json)| json.trim().to_string()))
+        .ok_or_else(|| format!("no {marker:?} line"))?;
+    serde_json::from_str(&line).map_err(|e| format!("unreadable result line {line:?}: {e}"))
+}
