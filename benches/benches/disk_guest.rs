@@ -61,6 +61,7 @@ fn main() {
     let cmdline = format!(
         "root=/dev/vda ro rootfstype=ext4 init=/usr/bin/python3 /dev/vdb diskbench_mib={mib} diskbench_ops={ops}"
     );
+    let guest = tine_benches::ProgramGuest { kernel, rootfs, program, cmdline };
     let profile = vmm::HostProfile::detect();
     println!("in-guest disk benchmark: {mib} MiB sequential and {ops} x 4 KiB random each way, O_DIRECT; host profile {profile}");
 
@@ -76,18 +77,15 @@ fn main() {
     let spec = Disk::spec(&chain);
     drop(chain);
     let mut results: Vec<(&str, Option<Value>)> = vec![
-        ("tine.raw", run_tine(&kernel, &rootfs, &program, &cmdline, &DataDisk::Raw(sparse("tine.raw")))),
-        (
-            "tine.delta",
-            run_tine(&kernel, &rootfs, &program, &cmdline, &DataDisk::Layered(vmm::DiskImage::Chain(spec), top)),
-        ),
+        ("tine.raw", run_tine(&guest, &DataDisk::Raw(sparse("tine.raw")))),
+        ("tine.delta", run_tine(&guest, &DataDisk::Layered(vmm::DiskImage::Chain(spec), top))),
     ];
     match tine_benches::which("qemu-system-x86_64") {
         Some(q) => {
             let raw = DataDisk::Raw(sparse("qemu.raw"));
-            results.push(("qemu.raw", run_qemu(&q, &kernel, &rootfs, &program, &cmdline, profile, &raw)));
+            results.push(("qemu.raw", run_qemu(&q, &guest, profile, &raw)));
             let qcow2 = DataDisk::Layered(vmm::DiskImage::Empty, base.clone());
-            results.push(("qemu.qcow2", run_qemu(&q, &kernel, &rootfs, &program, &cmdline, profile, &qcow2)));
+            results.push(("qemu.qcow2", run_qemu(&q, &guest, profile, &qcow2)));
         }
         None => println!("qemu-system-x86_64 not found: install qemu-system-x86 for the comparison"),
     }
@@ -122,33 +120,14 @@ fn main() {
 
 /// Tine's VMM in this process: the root filesystem and the program as
 /// read-only disks, the data disk writable, one vCPU, 512 MiB.
-fn run_tine(kernel: &Path, rootfs: &Path, program: &Path, cmdline: &str, data: &DataDisk) -> Option<Value> {
-    let mut config = vmm::VmConfig::new("diskbench", kernel);
-    config.memory_mib = 512;
+fn run_tine(guest: &tine_benches::ProgramGuest, data: &DataDisk) -> Option<Value> {
+    let mut config = guest.tine("diskbench");
     let data = match data {
         DataDisk::Raw(p) => vmm::DiskConfig::raw(p, false, "data"),
         DataDisk::Layered(image, _) => vmm::DiskConfig::fixed(image.clone(), "data"),
     };
-    config.disks =
-        vec![vmm::DiskConfig::raw(rootfs, true, "root"), vmm::DiskConfig::raw(program, true, "program"), data];
-    config.cmdline = cmdline.into();
-    let mut vm = match vmm::build_for_boot(&config) {
-        Ok(vm) => vm,
-        Err(e) => {
-            println!("tine: the VM did not start: {e}");
-            return None;
-        }
-    };
-    let console = vm.console().clone();
-    let text = tine_benches::tine_console_marker(&console, MARKER, TIMEOUT);
-    let _ = vm.stop();
-    match text {
-        Ok(text) => tine_benches::marker_json(&text, MARKER).map_err(|e| println!("tine: {e}")).ok(),
-        Err(tail) => {
-            println!("tine: no result within {} s; console tail:\n{tail}", TIMEOUT.as_secs());
-            None
-        }
-    }
+    config.disks.push(data);
+    tine_benches::tine_marker_result(&config, MARKER, TIMEOUT)
 }
 
 /// QEMU's `-M microvm` as [`tine_benches::qemu_microvm`] sets it up, with
@@ -157,36 +136,15 @@ fn run_tine(kernel: &Path, rootfs: &Path, program: &Path, cmdline: &str, data: &
 /// page cache too).
 fn run_qemu(
     qemu: &Path,
-    kernel: &Path,
-    rootfs: &Path,
-    program: &Path,
-    cmdline: &str,
+    guest: &tine_benches::ProgramGuest,
     profile: vmm::HostProfile,
     data: &DataDisk,
 ) -> Option<Value> {
-    let mut cfg = vmm::VmConfig::new("diskbench", kernel);
-    cfg.profile = profile;
-    cfg.cmdline = cmdline.into();
-    let read_only = |id: &str, path: &Path| format!("id={id},file={},format=raw,if=none,readonly=on", path.display());
     let data = match data {
         DataDisk::Raw(p) => format!("id=data,file={},format=raw,if=none", p.display()),
         DataDisk::Layered(_, base) => format!("id=data,file={},format=raw,if=none,snapshot=on", base.display()),
     };
-    let mut c = tine_benches::qemu_microvm(qemu, profile, 1, 512);
-    c.arg("-no-reboot");
-    c.args(["-drive", &read_only("root", rootfs), "-device", "virtio-blk-device,drive=root"]);
-    c.args(["-drive", &read_only("program", program), "-device", "virtio-blk-device,drive=program"]);
+    let mut c = guest.qemu(qemu, profile);
     c.args(["-drive", &data, "-device", "virtio-blk-device,drive=data"]);
-    c.arg("-kernel").arg(kernel).arg("-append").arg(cfg.full_cmdline());
-    match tine_benches::line_with_marker(c, MARKER, TIMEOUT) {
-        Ok(line) => tine_benches::marker_json(&line, MARKER).map_err(|e| println!("qemu: {e}")).ok(),
-        Err(tail_text) => {
-            println!(
-                "qemu: no result within {} s; console tail:\n{}",
-                TIMEOUT.as_secs(),
-                tine_benches::console_tail(&tail_text)
-            );
-            None
-        }
-    }
+    tine_benches::qemu_marker_result(c, MARKER, TIMEOUT)
 }

@@ -57,11 +57,12 @@ fn main() {
         rootfs.display()
     );
 
-    let tine = run_tine(&kernel, &rootfs, &program, &cmdline);
+    let guest = tine_benches::ProgramGuest { kernel, rootfs, program, cmdline };
+    let tine = run_tine(&guest);
     report("tine", "tine (virtio-net + netstack NAT)", &tine);
     let qemu = match tine_benches::which("qemu-system-x86_64") {
         Some(q) => {
-            let r = run_qemu(&q, &kernel, &rootfs, &program, &cmdline, profile);
+            let r = run_qemu(&q, &guest, profile);
             report("qemu", "qemu -M microvm -netdev user (libslirp)", &r);
             r
         }
@@ -88,7 +89,7 @@ fn main() {
 /// Tine's VMM in this process: the root filesystem and the program as
 /// read-only disks, one vCPU, 512 MiB, a NIC on the NAT with loopback
 /// permitted and no upstream DNS.
-fn run_tine(kernel: &Path, rootfs: &Path, program: &Path, cmdline: &str) -> Option<Value> {
+fn run_tine(guest: &tine_benches::ProgramGuest) -> Option<Value> {
     let server = Arc::new(netstack::policy::ServerNetPolicy {
         permit_ranges: vec!["127.0.0.0/8".parse().unwrap()],
         host_addrs: vec![],
@@ -100,69 +101,18 @@ fn run_tine(kernel: &Path, rootfs: &Path, program: &Path, cmdline: &str) -> Opti
         static_hosts: [("host.netbench.test".to_string(), IpAddr::V4(Ipv4Addr::new(10, 0, 2, 2)))].into(),
         ..netstack::stack::StackConfig::default()
     };
-    let mut config = vmm::VmConfig::new("netbench", kernel);
-    config.memory_mib = 512;
-    config.disks = vec![vmm::DiskConfig::raw(rootfs, true, "root"), vmm::DiskConfig::raw(program, true, "program")];
-    config.cmdline = cmdline.into();
+    let mut config = guest.tine("netbench");
     config.net = Some(vmm::vm::config::NetConfig { stack, control });
-    let mut vm = match vmm::build_for_boot(&config) {
-        Ok(vm) => vm,
-        Err(e) => {
-            println!("tine: the VM did not start: {e}");
-            return None;
-        }
-    };
-    let console = vm.console().clone();
-    let text = tine_benches::tine_console_marker(&console, MARKER, TIMEOUT);
-    let _ = vm.stop();
-    match text {
-        Ok(text) => parse_result(&text),
-        Err(tail) => {
-            println!("tine: no result within {} s; console tail:\n{tail}", TIMEOUT.as_secs());
-            None
-        }
-    }
+    tine_benches::tine_marker_result(&config, MARKER, TIMEOUT)
 }
 
 /// QEMU's `-M microvm` as [`tine_benches::qemu_microvm`] sets it up (as
 /// the boot benchmark does), with the same disks (read-only) and a
 /// virtio-net device on `-netdev user`, with the same MAC as Tine's NIC.
-fn run_qemu(
-    qemu: &Path,
-    kernel: &Path,
-    rootfs: &Path,
-    program: &Path,
-    cmdline: &str,
-    profile: vmm::HostProfile,
-) -> Option<Value> {
-    let mut cfg = vmm::VmConfig::new("netbench", kernel);
-    cfg.profile = profile;
-    cfg.cmdline = cmdline.into();
-    let drive = |id: &str, path: &Path| format!("id={id},file={},format=raw,if=none,readonly=on", path.display());
-    let mut c = tine_benches::qemu_microvm(qemu, profile, 1, 512);
-    c.arg("-no-reboot");
-    // microvm's virtio-mmio slots follow the order of `-device`: the root
-    // disk first, so that it is /dev/vda as in Tine.
-    c.args(["-drive", &drive("root", rootfs), "-device", "virtio-blk-device,drive=root"]);
-    c.args(["-drive", &drive("program", program), "-device", "virtio-blk-device,drive=program"]);
+fn run_qemu(qemu: &Path, guest: &tine_benches::ProgramGuest, profile: vmm::HostProfile) -> Option<Value> {
+    let mut c = guest.qemu(qemu, profile);
     c.args(["-netdev", "user,id=n0", "-device", "virtio-net-device,netdev=n0,mac=02:54:00:12:34:56"]);
-    c.arg("-kernel").arg(kernel).arg("-append").arg(cfg.full_cmdline());
-    match tine_benches::line_with_marker(c, MARKER, TIMEOUT) {
-        Ok(line) => parse_result(&line),
-        Err(tail_text) => {
-            println!(
-                "qemu: no result within {} s; console tail:\n{}",
-                TIMEOUT.as_secs(),
-                tine_benches::console_tail(&tail_text)
-            );
-            None
-        }
-    }
-}
-
-/// The JSON after the marker on the console.
-fn parse_result(text: &str) -> Option<Value> {
-    tine_benches::marker_json(text, MARKER).map_err(|e| println!("{e}")).ok()
+    tine_benches::qemu_marker_result(c, MARKER, TIMEOUT)
 }
 
 /// Prints `r` under `who` and records its figures under `<key>.` (`tine`,

@@ -248,6 +248,91 @@ pub fn tine_console_marker(
     }
 }
 
+/// Boots a Tine VM of `config` in this process, waits for a `marker` line
+/// on its console (up to `timeout`), stops it and returns the JSON after
+/// the marker; `None` after printing why (the VM did not start; no line in
+/// time, with the console's last lines; an unreadable line).
+pub fn tine_marker_result(config: &vmm::VmConfig, marker: &str, timeout: Duration) -> Option<serde_json::Value> {
+    let mut vm = match vmm::build_for_boot(config) {
+        Ok(vm) => vm,
+        Err(e) => {
+            println!("tine: the VM did not start: {e}");
+            return None;
+        }
+    };
+    let console = vm.console().clone();
+    let text = tine_console_marker(&console, marker, timeout);
+    let _ = vm.stop();
+    match text {
+        Ok(text) => marker_json(&text, marker).map_err(|e| println!("tine: {e}")).ok(),
+        Err(tail) => {
+            println!("tine: no result within {} s; console tail:\n{tail}", timeout.as_secs());
+            None
+        }
+    }
+}
+
+/// A guest that boots the test root filesystem with a Python program as
+/// init (`init=/usr/bin/python3 /dev/vdb`): the program on a raw second
+/// disk (see [`sector_padded`]), results on the serial console. The same
+/// guest for Tine's VMM and QEMU, so that a benchmark compares the VMMs.
+pub struct ProgramGuest {
+    /// The guest kernel.
+    pub kernel: PathBuf,
+    /// The root filesystem, /dev/vda, read-only.
+    pub rootfs: PathBuf,
+    /// The program's disk, /dev/vdb, read-only.
+    pub program: PathBuf,
+    /// The kernel command line (root, init and the program's parameters).
+    pub cmdline: String,
+}
+
+impl ProgramGuest {
+    /// Tine's VM for it: one vCPU, 512 MiB, the two disks. The caller
+    /// adds its own devices.
+    pub fn tine(&self, name: &str) -> vmm::VmConfig {
+        let mut config = vmm::VmConfig::new(name, &self.kernel);
+        config.memory_mib = 512;
+        config.disks = vec![
+            vmm::DiskConfig::raw(&self.rootfs, true, "root"),
+            vmm::DiskConfig::raw(&self.program, true, "program"),
+        ];
+        config.cmdline = self.cmdline.clone();
+        config
+    }
+
+    /// QEMU's `-M microvm` for it as [`qemu_microvm`] sets it up (one vCPU,
+    /// 512 MiB), not rebooting, with the two disks in the same order
+    /// (microvm's virtio-mmio slots follow the order of `-device`), booting
+    /// the kernel with the command line after the profile's parameters as
+    /// Tine's VMM would. The caller adds its own devices.
+    pub fn qemu(&self, qemu: &Path, profile: vmm::HostProfile) -> Command {
+        let mut cfg = vmm::VmConfig::new("bench", &self.kernel);
+        cfg.profile = profile;
+        cfg.cmdline = self.cmdline.clone();
+        let drive = |id: &str, path: &Path| format!("id={id},file={},format=raw,if=none,readonly=on", path.display());
+        let mut c = qemu_microvm(qemu, profile, 1, 512);
+        c.arg("-no-reboot");
+        c.args(["-drive", &drive("root", &self.rootfs), "-device", "virtio-blk-device,drive=root"]);
+        c.args(["-drive", &drive("program", &self.program), "-device", "virtio-blk-device,drive=program"]);
+        c.arg("-kernel").arg(&self.kernel).arg("-append").arg(cfg.full_cmdline());
+        c
+    }
+}
+
+/// Runs `qemu` (a command whose serial console is its stdout) until a
+/// `marker` line (up to `timeout`) and returns the JSON after the marker;
+/// `None` after printing why.
+pub fn qemu_marker_result(qemu: Command, marker: &str, timeout: Duration) -> Option<serde_json::Value> {
+    match line_with_marker(qemu, marker, timeout) {
+        Ok(line) => marker_json(&line, marker).map_err(|e| println!("qemu: {e}")).ok(),
+        Err(tail_text) => {
+            println!("qemu: no result within {} s; console tail:\n{}", timeout.as_secs(), console_tail(&tail_text));
+            None
+        }
+    }
+}
+
 /// The JSON after `marker` on the first line of `text` that has it.
 pub fn marker_json(text: &str, marker: &str) -> Result<serde_json::Value, String> {
     let line = text
