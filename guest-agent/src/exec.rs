@@ -167,7 +167,11 @@ pub fn run(req: Exec, progress: Option<(&dyn Fn(Progress), Duration)>) -> Result
             match child.try_wait() {
                 Ok(Some(s)) => status = Some(s),
                 Ok(None) => {}
-                Err(e) => return Err(AgentError::Io { message: format!("waiting for {}: {e}", argv[0]) }),
+                Err(e) => {
+                    // Not left running where nobody waits for it.
+                    kill_group(pgid);
+                    return Err(AgentError::Io { message: format!("waiting for {}: {e}", argv[0]) });
+                }
             }
         }
         let now = Instant::now();
@@ -214,8 +218,13 @@ pub fn run(req: Exec, progress: Option<(&dyn Fn(Progress), Duration)>) -> Result
         // SAFETY: `fds` is a valid array of `fds.len()` pollfd structs for
         // the duration of the call.
         let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, wait_ms.max(1)) };
-        if n < 0 && std::io::Error::last_os_error().kind() != ErrorKind::Interrupted {
-            return Err(AgentError::Io { message: format!("poll: {}", std::io::Error::last_os_error()) });
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() != ErrorKind::Interrupted {
+                kill_group(pgid);
+                let _ = child.wait();
+                return Err(AgentError::Io { message: format!("poll: {e}") });
+            }
         }
 
         // Read each stream until it would block; EOF or an error closes it.
