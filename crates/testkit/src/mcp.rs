@@ -665,6 +665,16 @@ pub async fn call(client: &Peer<RoleClient>, tool: &str, args: Value) -> Result<
     tool_value(tool, r)
 }
 
+/// The text of file `path` in sandbox `id` (`sandbox_files_read`, up to
+/// the tool's read limit), read by the agent: no process starts, where a
+/// `cat` costs seconds in a guest whose kernel is emulated
+/// (docs/hosts.md). Resumes a hibernated sandbox as any call does. Panics
+/// on a tool error, naming the file.
+pub async fn read_file(client: &Peer<RoleClient>, id: &str, path: &str) -> String {
+    let r = call(client, "sandbox_files_read", serde_json::json!({"sandbox_id": id, "path": path})).await;
+    r.unwrap_or_else(|e| panic!("read {path} in {id}: {e}"))["content"].as_str().unwrap_or_default().to_string()
+}
+
 /// Calls a tool and returns its result (as [`call`]) with the request's
 /// progress token (`_meta.progressToken`, as text): rmcp gives every
 /// request a token of its own and replaces any set by the caller, so the

@@ -28,7 +28,7 @@ use base64::Engine;
 
 use rmcp::{Peer, RoleClient};
 use serde_json::{json, Value};
-use testkit::mcp::{call, Stop, TineServer};
+use testkit::mcp::{call, read_file, Stop, TineServer};
 
 /// Network on (for a policy to keep); the reaper hibernates after the
 /// idle timeout a sandbox is created with. Disk chains are merged past 2
@@ -46,14 +46,6 @@ const AGENT_EXE: &str = "readlink /proc/$PPID/exe";
 async fn exec(client: &Peer<RoleClient>, id: &str, command: &str) -> Result<String, String> {
     let r = call(client, "sandbox_exec", json!({"sandbox_id": id, "command": command})).await?;
     Ok(r["stdout"].as_str().unwrap_or_default().to_string())
-}
-
-/// The file at `path` in sandbox `id`, read by the agent (no process:
-/// `cat` costs seconds in a guest whose kernel is emulated); resumes a
-/// hibernated sandbox as any call does.
-async fn read(client: &Peer<RoleClient>, id: &str, path: &str) -> String {
-    let r = call(client, "sandbox_files_read", json!({"sandbox_id": id, "path": path})).await;
-    r.unwrap_or_else(|e| panic!("read {path} in {id}: {e}"))["content"].as_str().unwrap_or_default().to_string()
 }
 
 async fn info(client: &Peer<RoleClient>, id: &str) -> Value {
@@ -167,7 +159,7 @@ async fn sandboxes_outlive_idleness_restarts_and_crashes() {
         exec(&client, &d, &format!("echo {i} >> /root/cycles.txt && sync")).await.unwrap();
         hibernate(&client, &d).await;
     }
-    let lines = read(&client, &d, "/root/cycles.txt").await;
+    let lines = read_file(&client, &d, "/root/cycles.txt").await;
     assert_eq!(lines, (0..3).map(|i| format!("{i}\n")).collect::<String>());
     let i = info(&client, &d).await;
     let layers = i["usage"]["disk_layers"].as_u64();
@@ -187,7 +179,7 @@ async fn sandboxes_outlive_idleness_restarts_and_crashes() {
         let _ = std::process::Command::new("umount").arg(&kept_d).status();
         assert!(err.contains("No space left on device") && err.contains("keeps running"), "{err}");
         assert_eq!(state(&client, &d).await, "running");
-        assert_eq!(read(&client, &d, "/root/d.txt").await, "idle\n");
+        assert_eq!(read_file(&client, &d, "/root/d.txt").await, "idle\n");
     } else {
         eprintln!("SKIPPED the full-disk hibernation: cannot mount a tmpfs (not root?)");
     }
@@ -259,7 +251,7 @@ async fn sandboxes_outlive_idleness_restarts_and_crashes() {
     assert_eq!(r["result"], "42", "{r}");
     let got = exec(&client, &a, GET).await.unwrap();
     assert!(got.starts_with("HTTP/1.0 200"), "the web server serves again: {got}");
-    assert_eq!(read(&client, &e, "/root/work/e.txt").await, "from-template\n");
+    assert_eq!(read_file(&client, &e, "/root/work/e.txt").await, "from-template\n");
 
     // V resumes with its version 4 agent and answers exec, Python and
     // files through it.
@@ -278,7 +270,7 @@ async fn sandboxes_outlive_idleness_restarts_and_crashes() {
     let added: Vec<&str> = diff["added"].as_array().unwrap().iter().map(|x| x["path"].as_str().unwrap()).collect();
     assert_eq!(added, ["/root/work/c.txt"], "{diff}");
     call(&client, "sandbox_merge_into", json!({"winner": c, "parent": b})).await.expect("merge");
-    assert_eq!(read(&client, &b, "/root/work/c.txt").await, "child\n");
+    assert_eq!(read_file(&client, &b, "/root/work/c.txt").await, "child\n");
 
     // A damaged hibernation: that sandbox fails with the reason, the
     // others go on.
@@ -303,7 +295,7 @@ async fn sandboxes_outlive_idleness_restarts_and_crashes() {
     let i = info(&client, &b).await;
     assert_eq!(i["state"], "failed", "{i}");
     assert!(i["error"].as_str().unwrap_or_default().contains("lost in a crash"), "{i}");
-    assert_eq!(read(&client, &a, "/root/work/f.txt").await, "hello\n");
+    assert_eq!(read_file(&client, &a, "/root/work/f.txt").await, "hello\n");
     let fresh = create(&client, json!({})).await;
     for id in [&a, &b, &d, &e] {
         assert_ne!(&fresh, id, "a new sandbox does not take a kept id");

@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 
 use rmcp::{Peer, RoleClient};
 use serde_json::{json, Value};
-use testkit::mcp::{call, try_call, TineServer};
+use testkit::mcp::{call, read_file, try_call, TineServer};
 
 /// The server's defaults: sandboxes restored from the run's shared default
 /// template (`testkit::mcp::TineServer::start_with_default_template`) have
@@ -59,13 +59,6 @@ async fn exec(client: &Peer<RoleClient>, id: &str, command: &str) -> Value {
     call(client, "sandbox_exec", json!({"sandbox_id": id, "command": command, "timeout_secs": 600}))
         .await
         .unwrap_or_else(|e| panic!("exec {command}: {e}"))
-}
-
-/// The file at `path` in sandbox `id`, read by the agent (no process: a
-/// command's start costs seconds in a guest whose kernel is emulated).
-async fn read(client: &Peer<RoleClient>, id: &str, path: &str) -> String {
-    let r = call(client, "sandbox_files_read", json!({"sandbox_id": id, "path": path})).await;
-    r.unwrap_or_else(|e| panic!("read {path} in {id}: {e}"))["content"].as_str().unwrap_or_default().to_string()
 }
 
 /// The names in directory `path` of sandbox `id`, sorted, read by the agent.
@@ -246,7 +239,7 @@ async fn volumes_outlive_their_sandboxes(client: &Peer<RoleClient>) {
     let _ = try_call(client, "sandbox_kill", json!({"sandbox_id": w})).await;
     eprintln!("kill of the paused writer: {:?}", t.elapsed());
     let later = create(client, json!({"volumes": [{"name": "data", "path": "/srv/data"}]})).await;
-    assert_eq!(read(client, &later, "/srv/data/f").await, "one\ntwo\n");
+    assert_eq!(read_file(client, &later, "/srv/data/f").await, "one\ntwo\n");
     assert_eq!(names(client, &later, "/srv/data").await, ["f", "lost+found"], "not the child's file");
     for id in [&later, &r] {
         let _ = try_call(client, "sandbox_kill", json!({"sandbox_id": id})).await;
@@ -290,11 +283,11 @@ async fn branches_hibernations_and_a_full_disk() {
     // A branch child sees the parent's file; later writes stay apart.
     let kids = call(&client, "sandbox_branch", json!({"sandbox_id": p, "n": 1})).await.expect("branch");
     let c = kids["children"][0]["sandbox_id"].as_str().unwrap().to_string();
-    assert_eq!(read(&client, &c, "/root/p").await, "from-parent\n");
+    assert_eq!(read_file(&client, &c, "/root/p").await, "from-parent\n");
     exec(&client, &c, "echo from-child > /root/c && echo child-edit > /root/p && sync").await;
     exec(&client, &p, "echo after-branch > /root/p2 && sync").await;
-    assert_eq!(read(&client, &p, "/root/p").await, "from-parent\n", "the child's edit stays the child's");
-    assert_eq!(read(&client, &c, "/root/p").await, "child-edit\n");
+    assert_eq!(read_file(&client, &p, "/root/p").await, "from-parent\n", "the child's edit stays the child's");
+    assert_eq!(read_file(&client, &c, "/root/p").await, "child-edit\n");
     let (in_parent, in_child) = (names(&client, &p, "/root").await, names(&client, &c, "/root").await);
     let has = |l: &[String], n: &str| l.iter().any(|x| x == n);
     assert!(has(&in_parent, "p2") && !has(&in_parent, "c"), "parent: {in_parent:?}");
@@ -329,7 +322,7 @@ async fn branches_hibernations_and_a_full_disk() {
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
     for id in [&p, &last] {
-        assert_eq!(read(&client, id, "/root/lines").await, lines, "{id}");
+        assert_eq!(read_file(&client, id, "/root/lines").await, lines, "{id}");
     }
     let _ = try_call(&client, "sandbox_kill", json!({"sandbox_id": last})).await;
 
@@ -342,10 +335,10 @@ async fn branches_hibernations_and_a_full_disk() {
         .expect("write /root/z");
     let r = call(&client, "sandbox_pause", json!({"sandbox_id": c, "to_disk": true})).await.expect("hibernate");
     assert_eq!(r["state"], "hibernated", "{r}");
-    assert!(read(&client, &c, "/root/z").await == z, "/root/z differs after the resume");
-    assert_eq!(read(&client, &c, "/root/c").await, "from-child\n");
+    assert!(read_file(&client, &c, "/root/z").await == z, "/root/z differs after the resume");
+    assert_eq!(read_file(&client, &c, "/root/c").await, "from-child\n");
     exec(&client, &c, "echo more > /root/after-resume && sync").await;
-    assert_eq!(read(&client, &c, "/root/after-resume").await, "more\n");
+    assert_eq!(read_file(&client, &c, "/root/after-resume").await, "more\n");
 
     // A full disk: the guest's own file system says ENOSPC (fallocate
     // takes all but 1 MiB of the free space without writing it; a 4 MiB
