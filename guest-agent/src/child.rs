@@ -301,6 +301,24 @@ pub fn start_error(e: std::io::Error, program: &str, cwd: &str) -> AgentError {
     }
 }
 
+/// Makes `fd` (a pipe to or from a child) non-blocking: fcntl(2)
+/// F_SETFL with `O_NONBLOCK` added to its flags.
+///
+/// Errors: fcntl's.
+pub fn set_nonblocking(fd: RawFd) -> std::io::Result<()> {
+    // SAFETY: fcntl(2) F_GETFL/F_SETFL on an fd the caller owns; they take
+    // and return plain ints.
+    let ok = unsafe {
+        let flags = libc::fcntl(fd, libc::F_GETFL);
+        flags >= 0 && libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) >= 0
+    };
+    if ok {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
 /// A process's end: its exit code, or the signal that ended it.
 pub fn exit_status(s: std::process::ExitStatus) -> ExitStatus {
     match (s.code(), s.signal()) {

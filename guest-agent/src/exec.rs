@@ -72,17 +72,6 @@ fn pidfd(pid: u32) -> Option<OwnedFd> {
     (fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd as i32) })
 }
 
-/// Makes `fd` non-blocking (fcntl(2) O_NONBLOCK).
-fn nonblocking(fd: &impl AsRawFd) {
-    // SAFETY: F_GETFL/F_SETFL on an fd this function's caller owns.
-    unsafe {
-        let flags = libc::fcntl(fd.as_raw_fd(), libc::F_GETFL);
-        if flags >= 0 {
-            libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, flags | libc::O_NONBLOCK);
-        }
-    }
-}
-
 /// Sends [`Progress`] frames at an interval.
 struct Ticker<'a> {
     send: &'a dyn Fn(Progress),
@@ -149,7 +138,8 @@ pub fn run(req: Exec, progress: Option<(&dyn Fn(Progress), Duration)>) -> Result
     let mut stdin = child.stdin.take().map(|s| File::from(OwnedFd::from(s))).filter(|_| !req.stdin.is_empty());
     let mut stdin_done = 0usize;
     for s in streams.iter().flatten().chain(stdin.iter()) {
-        nonblocking(s);
+        // Should this fail, a read or write blocks until the pipe moves.
+        let _ = child::set_nonblocking(s.as_raw_fd());
     }
     let mut ticker = progress.map(|(send, every)| {
         let every = every.max(Duration::from_millis(u64::from(MIN_PROGRESS_MS)));

@@ -467,19 +467,6 @@ struct CaptureShared {
     cell: Mutex<Option<(usize, [Output; 2])>>,
 }
 
-fn set_nonblocking(fd: RawFd) -> std::io::Result<()> {
-    // SAFETY: fcntl(2) F_GETFL/F_SETFL on an fd the caller owns.
-    let ok = unsafe {
-        let flags = libc::fcntl(fd, libc::F_GETFL);
-        flags >= 0 && libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) >= 0
-    };
-    if ok {
-        Ok(())
-    } else {
-        Err(std::io::Error::last_os_error())
-    }
-}
-
 /// Bytes waiting in pipe `fd` (FIONREAD; 0 on error).
 fn pending_bytes(fd: RawFd) -> usize {
     let mut n: libc::c_int = 0;
@@ -524,8 +511,8 @@ impl Capture {
     ///
     /// Errors: making the pipes non-blocking, the stop pipe or the thread.
     pub fn new(stdout: std::io::PipeReader, stderr: std::io::PipeReader) -> std::io::Result<Capture> {
-        set_nonblocking(stdout.as_raw_fd())?;
-        set_nonblocking(stderr.as_raw_fd())?;
+        crate::child::set_nonblocking(stdout.as_raw_fd())?;
+        crate::child::set_nonblocking(stderr.as_raw_fd())?;
         let (stop_r, stop_w) = std::io::pipe()?;
         let shared = Arc::new(CaptureShared { pipes: [stdout, stderr], cell: Mutex::new(None) });
         let pumped = shared.clone();

@@ -345,7 +345,9 @@ pub fn spawn(req: Spawn) -> Result<ProcessInfo, AgentError> {
     }
     let stdin = child.stdin.take();
     if let Some(s) = &stdin {
-        set_nonblocking(s);
+        // Writes then wait for room with poll(2) (write_stdin); should
+        // this fail, they block instead.
+        let _ = child::set_nonblocking(s.as_raw_fd());
     }
     let p = Arc::new(Proc {
         id,
@@ -421,18 +423,6 @@ pub fn spawn(req: Spawn) -> Result<ProcessInfo, AgentError> {
         p.close_stdin(&mut stdin);
     }
     Ok(p.info())
-}
-
-fn set_nonblocking(s: &ChildStdin) {
-    let fd = s.as_raw_fd();
-    // SAFETY: fcntl on a pipe fd this process owns; F_GETFL/F_SETFL take
-    // and return plain ints.
-    unsafe {
-        let flags = libc::fcntl(fd, libc::F_GETFL);
-        if flags >= 0 {
-            libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK);
-        }
-    }
 }
 
 /// Writes `data` to the (non-blocking) stdin until done, the pipe breaks
