@@ -25,6 +25,7 @@ use smoltcp::socket::udp;
 use smoltcp::wire::{IpEndpoint, IpListenEndpoint};
 
 use crate::control::NetControl;
+use crate::host_name;
 use crate::log::{NetRecord, Protocol};
 use crate::DNS_ADDR;
 
@@ -132,9 +133,10 @@ pub struct Resolver {
     scratch: Vec<u8>,
 }
 
-/// A lower-case name without its trailing dot.
+/// A name in the form names are compared in ([`host_name::fold`]); the
+/// root name is the empty string.
 fn normal_name(name: &str) -> String {
-    name.trim_end_matches('.').to_ascii_lowercase()
+    host_name::fold(name).unwrap_or_default()
 }
 
 impl Resolver {

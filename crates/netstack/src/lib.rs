@@ -2,7 +2,8 @@
 //! virtio-net device and the host's sockets, with no TAP device, no root
 //! and no change to the host's firewall.
 //!
-//! - [`stack`]: a NAT on the smoltcp TCP/IP stack. The guest's Ethernet
+//! - [`stack`]: a NAT on the smoltcp TCP/IP stack (its parts: the link to
+//!   the guest, admission, TCP, UDP; see its module doc). The guest's Ethernet
 //!   frames go into a smoltcp interface that accepts every destination
 //!   address ("any IP"); each guest TCP connection ends there and is spliced
 //!   to a non-blocking host socket. UDP to the gateway's DNS address goes to
@@ -14,6 +15,7 @@
 //! - [`policy`]: the egress policy (allow/deny by domain and CIDR, the
 //!   always-denied ranges) and its verdicts.
 //! - [`sniff`]: the TLS SNI or HTTP `Host` of a connection's first bytes.
+//! - [`host_name`]: the one form host names are compared in.
 //! - [`log`]: the bounded per-sandbox network log.
 //! - [`control`]: what the sandbox manager holds per sandbox: the live
 //!   policy (changeable while the guest runs) and the log.
@@ -24,6 +26,7 @@
 
 pub mod control;
 pub mod dns;
+pub mod host_name;
 pub mod log;
 pub mod policy;
 pub mod sniff;

@@ -37,6 +37,8 @@ use std::str::FromStr;
 use ipnet::{IpNet, Ipv4Net};
 use serde::{Deserialize, Serialize};
 
+use crate::host_name;
+
 /// The default verdict for destinations no rule matches.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -261,10 +263,10 @@ impl Rule {
             return Ok(Self { text: net.to_string(), matcher: Matcher::Net(net) });
         }
         if let Some(suffix) = e.strip_prefix("*.") {
-            let d = normal_domain(suffix).ok_or_else(bad)?;
+            let d = host_name::parse(suffix).ok_or_else(bad)?;
             return Ok(Self { text: format!("*.{d}"), matcher: Matcher::Below(d) });
         }
-        let d = normal_domain(e).ok_or_else(bad)?;
+        let d = host_name::parse(e).ok_or_else(bad)?;
         Ok(Self { text: d.clone(), matcher: Matcher::Domain(d) })
     }
 
@@ -291,48 +293,6 @@ impl Rule {
             _ => false,
         }
     }
-}
-
-/// `name` lower-cased without its trailing dot, if it is a valid host
-/// name (RFC 1123 §2.1 / RFC 1035 §2.3.4: ASCII letters, digits and
-/// hyphens; labels of 1 to 63 bytes, not starting or ending with a hyphen;
-/// at most 253 bytes; the last label not all digits, so a mistyped IPv4
-/// address is not taken for a name). Internationalised names must be
-/// written in their `xn--` form.
-pub fn normal_domain(name: &str) -> Option<String> {
-    let n = name.strip_suffix('.').unwrap_or(name);
-    if n.is_empty() || n.len() > 253 {
-        return None;
-    }
-    let mut last_numeric = false;
-    for label in n.split('.') {
-        let b = label.as_bytes();
-        if b.is_empty() || b.len() > 63 {
-            return None;
-        }
-        if !b.iter().all(|c| c.is_ascii_alphanumeric() || *c == b'-') {
-            return None;
-        }
-        if b.first() == Some(&b'-') || b.last() == Some(&b'-') {
-            return None;
-        }
-        last_numeric = b.iter().all(u8::is_ascii_digit);
-    }
-    if last_numeric {
-        return None;
-    }
-    Some(n.to_ascii_lowercase())
-}
-
-/// `name` as domain entries match it: trimmed, without its trailing dot,
-/// lower-cased; `None` if empty. Lenient on purpose (unlike
-/// [`normal_domain`]): names from DNS queries may hold underscores
-/// (`_dmarc.example.com`) or other bytes, and must still meet the deny
-/// entries above them.
-fn match_form(name: &str) -> Option<String> {
-    let n = name.trim();
-    let n = n.strip_suffix('.').unwrap_or(n);
-    (!n.is_empty()).then(|| n.to_ascii_lowercase())
 }
 
 /// A [`NetworkPolicy`] checked and compiled for lookups.
@@ -491,7 +451,7 @@ impl CompiledPolicy {
             return Verdict::new(false, rule);
         }
         let ip = canonical(ip);
-        let names: Vec<String> = names.iter().filter_map(|n| match_form(n)).collect();
+        let names: Vec<String> = names.iter().filter_map(|n| host_name::fold(n)).collect();
         let hit = |rules: &[Rule]| {
             rules.iter().find(|r| r.matches_ip(ip) || names.iter().any(|n| r.matches_name(n))).map(|r| r.text.clone())
         };
@@ -527,7 +487,7 @@ impl CompiledPolicy {
             if let Some(r) = self.allow.iter().find(|r| r.matches_ip(ip)) {
                 return Verdict::new(true, format!("allow:{}", r.text));
             }
-        } else if let Some(n) = match_form(name) {
+        } else if let Some(n) = host_name::fold(name) {
             if let Some(r) = self.deny.iter().find(|r| r.matches_name(&n)) {
                 return Verdict::new(false, format!("deny:{}", r.text));
             }

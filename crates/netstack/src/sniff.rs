@@ -13,6 +13,8 @@
 //!   than one `Host` (both forbidden: RFC 6066 §3, RFC 9112 §3.2), the
 //!   first is returned.
 
+use crate::host_name;
+
 /// What the first bytes of a connection say.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Sniffed {
@@ -227,15 +229,13 @@ fn client_hello_body_sni(body: &[u8]) -> Option<Option<String>> {
     Some(None)
 }
 
-/// `name` as a [`Sniffed::Name`]: printable ASCII, lower-cased, trailing
-/// dot stripped; `None` if empty, too long or not printable ASCII.
+/// `name` as a [`Sniffed::Name`] ([`host_name::fold`]); `None` if empty,
+/// too long or not printable ASCII.
 fn normal_name(name: &[u8]) -> Option<String> {
-    let name = name.strip_suffix(b".").unwrap_or(name);
-    if name.is_empty() || name.len() > MAX_NAME_LEN || !name.iter().all(|c| c.is_ascii_graphic()) {
+    if name.len() > MAX_NAME_LEN || !name.iter().all(|c| c.is_ascii_graphic()) {
         return None;
     }
-    let s = std::str::from_utf8(name).ok()?;
-    Some(s.to_ascii_lowercase())
+    host_name::fold(std::str::from_utf8(name).ok()?)
 }
 
 /// The `Host` of an HTTP/1.x request head (RFC 9112 §2.2, §3.2).
