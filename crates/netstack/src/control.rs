@@ -1,12 +1,18 @@
-//! What the sandbox manager holds per sandbox: the live policy and the log,
-//! shared with the VM's [`crate::stack::NetStack`] (which runs on the VM's
-//! network thread).
+//! What the sandbox manager holds per sandbox: the live policy, the log
+//! and the inbound connections asked for, shared with the VM's
+//! [`crate::stack::NetStack`] (which runs on the VM's network thread).
 //!
 //! Locks are std's; a lock poisoned by a panicking holder is used as is
 //! (the data are a policy pointer and a ring of plain records: nothing a
 //! half-done update can leave inconsistent), so no caller ever panics here.
 
+use std::collections::VecDeque;
+use std::io;
+use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::time::{Duration, Instant};
+
+use vmm_sys_util::eventfd::EventFd;
 
 use crate::log::{NetLog, NetRecord};
 use crate::policy::{CompiledPolicy, NetworkPolicy, PolicyError, ServerNetPolicy};
@@ -20,6 +26,48 @@ pub struct NetControl {
     policy: RwLock<Arc<CompiledPolicy>>,
     /// The sandbox's network log.
     log: Mutex<NetLog>,
+    /// Inbound connections not yet dialled, and how to wake the stack.
+    inbound: Mutex<Inbound>,
+}
+
+/// Inbound connections asked for, at most, while the stack has not
+/// dialled them (it dials all it finds at each wake-up).
+pub const MAX_PENDING_INBOUND: usize = 64;
+
+/// An inbound connection not dialled within this is dropped (its stream
+/// closes): whoever asked has given up (the VM did not run meanwhile).
+pub const INBOUND_MAX_WAIT: Duration = Duration::from_secs(60);
+
+/// Errors of [`NetControl::connect_inbound`].
+#[derive(Debug, thiserror::Error)]
+pub enum InboundError {
+    /// Port 0.
+    #[error("port 0 cannot be connected to; give a port from 1 to 65535")]
+    Port,
+    /// [`MAX_PENDING_INBOUND`] connections wait already.
+    #[error("{MAX_PENDING_INBOUND} inbound connections are waiting for the sandbox's network; try again")]
+    Busy,
+    /// The socket pair could not be made.
+    #[error("inbound connection: {0}")]
+    Io(#[from] io::Error),
+}
+
+/// A connection into a guest port the host asked for, not yet dialled.
+#[derive(Debug)]
+pub(crate) struct InboundRequest {
+    /// The guest's TCP port.
+    pub port: u16,
+    /// The stack's end of the pair.
+    pub stream: UnixStream,
+    /// When it was asked for.
+    pub asked: Instant,
+}
+
+#[derive(Debug, Default)]
+struct Inbound {
+    pending: VecDeque<InboundRequest>,
+    /// The running stack's wake-up eventfd (`None`: no stack yet).
+    waker: Option<EventFd>,
 }
 
 impl NetControl {
@@ -39,6 +87,7 @@ impl NetControl {
             server,
             policy: RwLock::new(Arc::new(compiled)),
             log: Mutex::new(NetLog::new(log_capacity)),
+            inbound: Mutex::new(Inbound::default()),
         }))
     }
 
@@ -90,6 +139,56 @@ impl NetControl {
         self.log().update(id, f)
     }
 
+    /// Asks the sandbox's stack for a TCP connection from the gateway
+    /// ([`crate::GATEWAY_ADDR`], a port from 49152 up) into the guest's
+    /// `port`, and returns the host's end of it: a Unix stream socket whose
+    /// bytes are the connection's, both ways, and whose shutdown is the
+    /// connection's FIN. A guest that refuses (nothing listens on `port`)
+    /// or never answers (120 s) closes the stream before any byte comes;
+    /// dropping the stream closes the connection. The connection is
+    /// dialled when the stack next runs: at once while the VM runs, else
+    /// when it runs again within [`INBOUND_MAX_WAIT`]. It is logged with
+    /// [`crate::log::Direction::Inbound`] and counts against the stack's
+    /// connection cap (a refusal closes the stream, as above).
+    ///
+    /// Errors: [`InboundError`].
+    pub fn connect_inbound(&self, port: u16) -> Result<UnixStream, InboundError> {
+        if port == 0 {
+            return Err(InboundError::Port);
+        }
+        let mut inbound = self.inbound();
+        if inbound.pending.len() >= MAX_PENDING_INBOUND {
+            return Err(InboundError::Busy);
+        }
+        let (ours, stack) = UnixStream::pair()?;
+        inbound.pending.push_back(InboundRequest { port, stream: stack, asked: Instant::now() });
+        if let Some(w) = &inbound.waker {
+            let _ = w.write(1);
+        }
+        Ok(ours)
+    }
+
+    /// The inbound connections asked for since the last call (for the
+    /// stack).
+    pub(crate) fn take_inbound(&self) -> Vec<InboundRequest> {
+        self.inbound().pending.drain(..).collect()
+    }
+
+    /// Sets the eventfd [`NetControl::connect_inbound`] wakes the stack
+    /// with (a new stack replaces the old one's); written at once if
+    /// connections wait already.
+    pub(crate) fn set_inbound_waker(&self, waker: EventFd) {
+        let mut inbound = self.inbound();
+        if !inbound.pending.is_empty() {
+            let _ = waker.write(1);
+        }
+        inbound.waker = Some(waker);
+    }
+
+    fn inbound(&self) -> MutexGuard<'_, Inbound> {
+        self.inbound.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// See [`crate::log::NetLog::query`].
     pub fn query(&self, since_ms: u64, limit: usize) -> (Vec<NetRecord>, u64) {
         self.log().query(since_ms, limit)
@@ -138,6 +237,7 @@ mod tests {
             id: 0,
             time_ms: 5,
             protocol: Protocol::Dns,
+            direction: crate::log::Direction::Outbound,
             addr: public(),
             port: 53,
             domain: Some("example.com".into()),
@@ -156,5 +256,30 @@ mod tests {
         ctl.update(id, |r| r.bytes_out = 12);
         let (got, dropped) = ctl.query(0, 10);
         assert_eq!((got.len(), got[0].bytes_out, dropped), (1, 12, 0));
+    }
+
+    #[test]
+    fn inbound_requests_wake_the_stack_and_are_bounded() {
+        let ctl = NetControl::new(&NetworkPolicy::default(), None, Arc::default(), 4).unwrap();
+        assert!(matches!(ctl.connect_inbound(0), Err(InboundError::Port)));
+        // Asked before any stack runs: the stack's waker fires when set.
+        let _early = ctl.connect_inbound(80).unwrap();
+        let waker = EventFd::new(vmm_sys_util::eventfd::EFD_NONBLOCK).unwrap();
+        ctl.set_inbound_waker(waker.try_clone().unwrap());
+        assert_eq!(waker.read().unwrap(), 1);
+        let mut held = Vec::new();
+        for _ in 1..MAX_PENDING_INBOUND {
+            held.push(ctl.connect_inbound(8080).unwrap());
+        }
+        assert!(matches!(ctl.connect_inbound(8080), Err(InboundError::Busy)));
+        assert_eq!(waker.read().unwrap(), (MAX_PENDING_INBOUND - 1) as u64);
+        let taken = ctl.take_inbound();
+        assert_eq!(taken.len(), MAX_PENDING_INBOUND);
+        assert_eq!((taken[0].port, taken[1].port), (80, 8080));
+        // Dropping the stack's end closes the asker's.
+        drop(taken);
+        let mut buf = [0u8; 1];
+        assert_eq!(std::io::Read::read(&mut &held[0], &mut buf).unwrap(), 0);
+        assert!(ctl.connect_inbound(8080).is_ok(), "room again");
     }
 }

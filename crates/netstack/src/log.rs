@@ -24,6 +24,17 @@ pub enum Protocol {
     Icmp,
 }
 
+/// Which side opened a connection.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Direction {
+    /// The guest, to the host or beyond.
+    #[default]
+    Outbound,
+    /// The host, into a port of the guest (a preview URL, a port forward).
+    Inbound,
+}
+
 /// One record: a connection, a flow or a DNS query.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct NetRecord {
@@ -33,9 +44,12 @@ pub struct NetRecord {
     pub time_ms: u64,
     /// The protocol.
     pub protocol: Protocol,
-    /// Destination address.
+    /// Which side opened it.
+    pub direction: Direction,
+    /// Destination address (the guest's for an inbound connection).
     pub addr: IpAddr,
-    /// Destination port (0 for ICMP).
+    /// Destination port (0 for ICMP; the guest's port for an inbound
+    /// connection).
     pub port: u16,
     /// The domain: the DNS name asked, or the one the address was resolved
     /// from, or the SNI/Host seen.
@@ -77,6 +91,7 @@ impl NetRecord {
             id: 0,
             time_ms: now_ms(),
             protocol,
+            direction: Direction::Outbound,
             addr,
             port,
             domain,
@@ -176,6 +191,7 @@ mod tests {
             id: 0,
             time_ms,
             protocol: Protocol::Tcp,
+            direction: Direction::Outbound,
             addr: IpAddr::V4(Ipv4Addr::new(203, 0, 113, 7)),
             port: 443,
             domain: Some("example.com".into()),

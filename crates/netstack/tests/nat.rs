@@ -14,8 +14,9 @@ use std::time::{Duration, Instant};
 use hickory_proto::op::{Message, MessageType, OpCode, Query, ResponseCode};
 use hickory_proto::rr::rdata::A;
 use hickory_proto::rr::{Name, RData, Record, RecordType};
+use netstack::control::InboundError;
 use netstack::control::NetControl;
-use netstack::log::{NetRecord, Protocol};
+use netstack::log::{Direction, NetRecord, Protocol};
 use netstack::policy::{Egress, NetworkPolicy, ServerNetPolicy};
 use netstack::stack::{NetStack, StackConfig};
 use netstack::{DNS_ADDR, GATEWAY_ADDR, GATEWAY_MAC, GUEST_ADDR, GUEST_MAC, PREFIX_LEN};
@@ -192,6 +193,14 @@ impl World {
             got.len() >= data.len() || !s.is_active()
         });
         got
+    }
+
+    /// A guest TCP socket listening on `port`.
+    fn listen(&mut self, port: u16) -> SocketHandle {
+        let mut s =
+            tcp::Socket::new(tcp::SocketBuffer::new(vec![0; 256 * 1024]), tcp::SocketBuffer::new(vec![0; 256 * 1024]));
+        s.listen(port).unwrap();
+        self.sockets.add(s)
     }
 
     fn log(&self) -> Vec<NetRecord> {
@@ -1121,4 +1130,116 @@ fn dns_over_tcp_judges_every_query() {
     assert!(!recs[0].allowed);
     assert_eq!(recs[0].rule, "deny:bad.test");
     assert_eq!(recs[0].domain.as_deref(), Some("bad.test"));
+}
+
+// ----------------------------------------------------------------- inbound
+
+#[test]
+fn an_inbound_connection_carries_16_mib_each_way_into_a_guest_port() {
+    const LEN: usize = 16 << 20;
+    let down = data(LEN, 3);
+    let up = data(LEN, 5);
+    let down_sum = Sha256::digest(&down);
+    let up_sum = Sha256::digest(&up);
+    let mut w = World::new(NetworkPolicy { egress: Egress::Deny, ..Default::default() }, false, config());
+    let h = w.listen(8000);
+    let mut stream = w.control.connect_inbound(8000).unwrap();
+    // The host's side: everything down, then read everything up.
+    let host = thread::spawn(move || {
+        stream.write_all(&down).unwrap();
+        stream.shutdown(std::net::Shutdown::Write).unwrap();
+        let mut h = Sha256::new();
+        let mut n = 0usize;
+        let mut buf = vec![0u8; 65536];
+        loop {
+            let k = stream.read(&mut buf).unwrap();
+            if k == 0 {
+                break;
+            }
+            n += k;
+            h.update(&buf[..k]);
+        }
+        (n, h.finalize())
+    });
+    let start = Instant::now();
+    let (mut got, mut hasher, mut sent) = (0usize, Sha256::new(), 0usize);
+    w.until("both ways", |w| {
+        let s = w.tcp(h);
+        while s.can_recv() {
+            s.recv(|b| {
+                hasher.update(&*b);
+                got += b.len();
+                (b.len(), ())
+            })
+            .unwrap();
+        }
+        while sent < LEN && s.can_send() {
+            let n = s.send_slice(&up[sent..]).unwrap();
+            if n == 0 {
+                break;
+            }
+            sent += n;
+        }
+        if sent == LEN && !s.may_recv() {
+            s.close();
+        }
+        host.is_finished()
+    });
+    let secs = start.elapsed().as_secs_f64();
+    println!(
+        "inbound, both ways at once: 2 x {} MiB in {secs:.2} s = {:.1} MB/s",
+        LEN >> 20,
+        2.0 * LEN as f64 / secs / 1e6
+    );
+    let (n, sum) = host.join().unwrap();
+    assert_eq!((got, n), (LEN, LEN));
+    assert_eq!(hasher.finalize(), down_sum);
+    assert_eq!(sum, up_sum);
+    // Logged as inbound, to the guest's port, with its bytes, closed.
+    w.until("the record to close", |w| w.log().iter().any(|r| r.duration_ms.is_some()));
+    let log = w.log();
+    assert_eq!(log.len(), 1, "{log:?}");
+    let r = &log[0];
+    assert_eq!(
+        (r.direction, r.protocol, r.addr, r.port),
+        (Direction::Inbound, Protocol::Tcp, IpAddr::V4(GUEST_ADDR), 8000)
+    );
+    assert_eq!((r.allowed, r.rule.as_str()), (true, netstack::stack::RULE_INBOUND));
+    assert_eq!((r.bytes_out, r.bytes_in), (LEN as u64, LEN as u64));
+}
+
+#[test]
+fn an_inbound_connection_to_a_port_nobody_listens_on_closes_its_stream() {
+    let mut w = World::new(NetworkPolicy::default(), false, config());
+    let mut stream = w.control.connect_inbound(8001).unwrap();
+    stream.set_nonblocking(true).unwrap();
+    let mut eof = false;
+    w.until("the stream to close", |_| {
+        let mut b = [0u8; 1];
+        eof = matches!(stream.read(&mut b), Ok(0));
+        eof || matches!(stream.read(&mut b), Err(ref e) if e.kind() != std::io::ErrorKind::WouldBlock)
+    });
+    assert!(eof);
+    w.until("the record to close", |w| w.log().iter().any(|r| r.duration_ms.is_some()));
+    let r = &w.log()[0];
+    assert_eq!((r.direction, r.port), (Direction::Inbound, 8001));
+    assert_eq!(w.stack.stats().open_connections, 0);
+}
+
+#[test]
+fn inbound_connections_count_against_the_cap_and_port_0_is_refused() {
+    let mut w = World::new(NetworkPolicy::default(), false, StackConfig { max_connections: 1, ..config() });
+    assert!(matches!(w.control.connect_inbound(0), Err(InboundError::Port)));
+    let h = w.listen(8002);
+    let first = w.control.connect_inbound(8002).unwrap();
+    w.until("the first to be accepted", |w| w.tcp(h).state() == tcp::State::Established);
+    let mut second = w.control.connect_inbound(8002).unwrap();
+    second.set_nonblocking(true).unwrap();
+    w.until("the second to be refused", |_| matches!(second.read(&mut [0u8; 1]), Ok(0)));
+    assert_eq!(w.stack.stats().refused_by_cap, 1);
+    let log = w.log();
+    assert_eq!(log.len(), 2);
+    assert_eq!(log[1].rule, netstack::stack::RULE_LIMIT_CONNECTIONS);
+    assert_eq!(log[1].direction, Direction::Inbound);
+    drop(first);
 }

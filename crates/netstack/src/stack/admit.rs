@@ -20,7 +20,7 @@ use std::time::Instant;
 
 use crate::control::NetControl;
 use crate::dns::NameMap;
-use crate::log::{NetRecord, Protocol};
+use crate::log::{Direction, NetRecord, Protocol};
 use crate::policy::{CompiledPolicy, Verdict};
 use crate::GATEWAY_ADDR;
 
@@ -43,6 +43,8 @@ pub(super) fn host_ip(dst: Ipv4Addr) -> Ipv4Addr {
 pub(super) struct Ask {
     /// What the log calls it.
     pub protocol: Protocol,
+    /// Which side opens it.
+    pub direction: Direction,
     /// The destination the guest dialled.
     pub dst: SocketAddrV4,
     /// A verdict of the stack's own instead of the policy's (DNS over TCP
@@ -79,6 +81,7 @@ pub(super) fn admit(ask: Ask, control: &NetControl, names: &NameMap, cap: Cap<'_
     let policy = control.policy();
     let verdict = ask.fixed.unwrap_or_else(|| policy.check_addr(IpAddr::V4(judged), port, names));
     let mut record = NetRecord::starting(ask.protocol, IpAddr::V4(judged), port, names.first().cloned(), verdict);
+    record.direction = ask.direction;
     if record.allowed && cap.open >= cap.max {
         *cap.refused += 1;
         record.allowed = false;
@@ -170,7 +173,12 @@ mod tests {
     }
 
     fn ask(dst: [u8; 4], port: u16) -> Ask {
-        Ask { protocol: Protocol::Tcp, dst: SocketAddrV4::new(dst.into(), port), fixed: None }
+        Ask {
+            protocol: Protocol::Tcp,
+            direction: Direction::Outbound,
+            dst: SocketAddrV4::new(dst.into(), port),
+            fixed: None,
+        }
     }
 
     fn log(control: &NetControl) -> Vec<NetRecord> {

@@ -7,7 +7,9 @@
 //! - `admit`: one admission path for every new connection and flow
 //!   (policy verdict, connection cap, host socket, log record);
 //! - `tcp`: guest TCP connections spliced to host sockets, with the
-//!   name checks of the egress policy (TLS SNI, HTTP `Host`, DNS over TCP);
+//!   name checks of the egress policy (TLS SNI, HTTP `Host`, DNS over TCP),
+//!   and inbound connections from the host into a guest port
+//!   ([`NetControl::connect_inbound`]);
 //! - `udp`: the UDP NAT (every UDP flow but DNS);
 //! - [`crate::dns`]: the resolver at [`DNS_ADDR`], a smoltcp UDP socket.
 //!
@@ -54,10 +56,10 @@ use vmm_sys_util::timerfd::TimerFd;
 pub use self::admit::RULE_LIMIT_CONNECTIONS;
 use self::link::{Link, Peek};
 use self::tcp::Tcp;
-pub use self::tcp::{RULE_DNS_TCP, SNIFF_WAIT};
+pub use self::tcp::{RULE_DNS_TCP, RULE_INBOUND, SNIFF_WAIT};
 use self::udp::Udp;
 pub use self::udp::UDP_IDLE_TIMEOUT;
-use crate::control::NetControl;
+use crate::control::{NetControl, INBOUND_MAX_WAIT};
 pub use crate::dns::resolv_conf_upstreams;
 use crate::dns::Resolver;
 use crate::{DNS_ADDR, GATEWAY_ADDR, GATEWAY_MAC, MTU, PREFIX_LEN};
@@ -180,6 +182,9 @@ pub struct NetStack {
     events: Vec<EpollEvent>,
     /// The resolver's host sockets were reported readable.
     dns_ready: bool,
+    /// The eventfd was written: the guest took frames, or inbound
+    /// connections wait in the control.
+    woken: bool,
     /// When the timerfd fires (`None`: not armed).
     armed: Option<Instant>,
 }
@@ -223,6 +228,7 @@ impl NetStack {
         let wake = EventFd::new(EFD_NONBLOCK).map_err(StackError::Setup)?;
         shared.watch(timer.as_raw_fd(), TOKEN_TIMER)?;
         shared.watch(wake.as_raw_fd(), TOKEN_WAKE)?;
+        shared.control.set_inbound_waker(wake.try_clone().map_err(StackError::Setup)?);
         for fd in dns.host_fds() {
             shared.watch(fd, TOKEN_DNS)?;
         }
@@ -239,6 +245,7 @@ impl NetStack {
             epoch,
             events: vec![EpollEvent::default(); 256],
             dns_ready: false,
+            woken: false,
             armed: None,
         })
     }
@@ -271,6 +278,9 @@ impl NetStack {
     /// Runs the stack: guest frames, host sockets, timers.
     pub fn poll(&mut self) {
         self.collect_events();
+        if std::mem::take(&mut self.woken) {
+            self.dial_inbound();
+        }
         let now = self.now();
         self.iface.poll_maintenance(now);
         self.ingest(now);
@@ -326,6 +336,7 @@ impl NetStack {
                 }
                 TOKEN_WAKE => {
                     let _ = self.wake.read();
+                    self.woken = true;
                 }
                 TOKEN_DNS => self.dns_ready = true,
                 token => {
@@ -334,6 +345,18 @@ impl NetStack {
                     }
                 }
             }
+        }
+    }
+
+    /// Dials the inbound connections asked for (dropping any that waited
+    /// longer than [`INBOUND_MAX_WAIT`]: its asker has given up).
+    fn dial_inbound(&mut self) {
+        for request in self.shared.control.take_inbound() {
+            if request.asked.elapsed() > INBOUND_MAX_WAIT {
+                continue;
+            }
+            let open = self.open_count();
+            self.tcp.dial(request, &mut self.iface, &mut self.sockets, &mut self.shared, open);
         }
     }
 

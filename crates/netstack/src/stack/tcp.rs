@@ -12,6 +12,13 @@
 //! a connection closed cleanly lingers in [`State::TimeWait`] until smoltcp
 //! lets it go.
 //!
+//! A connection into the guest (an inbound one, [`Tcp::dial`]) is the
+//! other way round: the host's end is a Unix stream the daemon holds
+//! ([`NetControl::connect_inbound`](crate::control::NetControl::connect_inbound)),
+//! the smoltcp socket connects from the gateway to the guest's port
+//! ([`State::Dialing`]), and once the guest accepts, bytes flow as above. A
+//! guest that refuses closes the host's end before any byte.
+//!
 //! What the guest's bytes wait for before they reach the host is the
 //! connection's [`Gate`]: nothing, a name in the first bytes (TLS SNI or
 //! HTTP `Host`, [`crate::sniff`]) when the policy has domain rules, or,
@@ -23,7 +30,7 @@ use std::net::{Shutdown, SocketAddr, SocketAddrV4};
 use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
-use smoltcp::iface::{SocketHandle, SocketSet};
+use smoltcp::iface::{Interface, SocketHandle, SocketSet};
 use smoltcp::socket::tcp;
 use smoltcp::wire::IpListenEndpoint;
 use socket2::{Domain, SockAddr, Socket, Type};
@@ -32,11 +39,12 @@ use vmm_sys_util::epoll::{Epoll, EventSet};
 use super::admit::{admit, Ask, Cap, Meter};
 use super::interest::Interest;
 use super::{Shared, Tuple};
+use crate::control::InboundRequest;
 use crate::dns::NameMap;
-use crate::log::Protocol;
+use crate::log::{Direction, Protocol};
 use crate::policy::Verdict;
 use crate::sniff::{sniff, Sniffed, MAX_SNIFF_BYTES};
-use crate::DNS_ADDR;
+use crate::{DNS_ADDR, GATEWAY_ADDR, GUEST_ADDR};
 
 /// The rule of a log record for DNS over TCP to the resolver (refused
 /// when there is no upstream; each query is judged by name).
@@ -46,6 +54,14 @@ pub const RULE_DNS_TCP: &str = "dns:tcp";
 /// (a protocol that is neither TLS nor HTTP may send a few bytes and wait
 /// for an answer); then they go on as if no name were in them.
 pub const SNIFF_WAIT: Duration = Duration::from_secs(1);
+
+/// The rule of a log record for an inbound connection (the host's own,
+/// not judged by the egress policy; the cap applies).
+pub const RULE_INBOUND: &str = "inbound";
+
+/// The gateway's ports for inbound connections (RFC 6335 §6: the dynamic
+/// range).
+const INBOUND_PORTS: std::ops::RangeInclusive<u16> = 49152..=65535;
 
 /// smoltcp aborts a connection whose guest does not acknowledge data for
 /// this long.
@@ -72,6 +88,9 @@ enum State {
     /// `writable`: the host socket was reported writable (connect done or
     /// failed) and not looked at yet.
     Connecting { host: Socket, writable: bool },
+    /// Inbound: the smoltcp socket's SYN is on its way to the guest; the
+    /// host's end waits (its bytes stay in its buffer).
+    Dialing { host: Socket },
     /// The host connect finished: bytes flow.
     Open(Open),
     /// The host side is gone and the log record final; the smoltcp socket
@@ -100,7 +119,7 @@ impl State {
     /// The host socket, if the state has one.
     fn into_host(self) -> Option<Socket> {
         match self {
-            State::Connecting { host, .. } => Some(host),
+            State::Connecting { host, .. } | State::Dialing { host } => Some(host),
             State::Open(o) => Some(o.host),
             State::TimeWait | State::Aborted => None,
         }
@@ -119,9 +138,12 @@ struct Conn {
 }
 
 impl Conn {
-    /// The host connect finished: bytes may flow.
+    /// The host connect (outbound) or the guest's accept (inbound)
+    /// finished: bytes may flow.
     fn establish(&mut self) {
-        if let State::Connecting { host, .. } = std::mem::replace(&mut self.state, State::Aborted) {
+        if let State::Connecting { host, .. } | State::Dialing { host } =
+            std::mem::replace(&mut self.state, State::Aborted)
+        {
             self.state = State::Open(Open { host, readable: true, writable: true, host_eof: false, guest_eof: false });
         }
     }
@@ -155,7 +177,7 @@ impl Conn {
                 }
                 (o.host.as_raw_fd(), want)
             }
-            State::TimeWait | State::Aborted => return,
+            State::Dialing { .. } | State::TimeWait | State::Aborted => return,
         };
         self.interest.set(epoll, fd, token, want);
     }
@@ -170,7 +192,7 @@ impl Conn {
                 o.readable |= readable;
                 o.writable |= writable;
             }
-            State::TimeWait | State::Aborted => {}
+            State::Dialing { .. } | State::TimeWait | State::Aborted => {}
         }
     }
 }
@@ -189,6 +211,8 @@ pub(super) struct Tcp {
     sniff_buf: Vec<u8>,
     /// One DNS-over-TCP message (2-byte length + up to 64 KiB).
     dns_buf: Vec<u8>,
+    /// The gateway port the next inbound connection tries first.
+    next_inbound_port: u16,
 }
 
 impl Tcp {
@@ -203,6 +227,7 @@ impl Tcp {
             dns_upstream,
             sniff_buf: vec![0; MAX_SNIFF_BYTES],
             dns_buf: vec![0; 2 + 65535],
+            next_inbound_port: *INBOUND_PORTS.start(),
         }
     }
 
@@ -242,7 +267,9 @@ impl Tcp {
             (Protocol::Tcp, None)
         };
         let cap = Cap { open, max: shared.max_connections, refused: &mut shared.stats.refused_by_cap };
-        let Some(admitted) = admit(Ask { protocol, dst, fixed }, &shared.control, names, cap) else {
+        let Some(admitted) =
+            admit(Ask { protocol, direction: Direction::Outbound, dst, fixed }, &shared.control, names, cap)
+        else {
             return;
         };
         let gate = if dns {
@@ -277,6 +304,70 @@ impl Tcp {
         let state = State::Connecting { host, writable: true };
         self.conns.insert(token, Conn { tuple, handle, state, gate, interest: Interest::default(), meter });
         self.by_tuple.insert(tuple, token);
+    }
+
+    /// Dials the inbound connection `request` asked for: a smoltcp socket
+    /// connecting from a free gateway port to the guest's port (its SYN
+    /// goes out at the next egress poll), spliced to the request's stream
+    /// once the guest accepts. Refused by the cap (`open`: connections and
+    /// flows open now) or with no free gateway port, it is logged and the
+    /// stream closed.
+    pub(super) fn dial(
+        &mut self,
+        request: InboundRequest,
+        iface: &mut Interface,
+        sockets: &mut SocketSet<'static>,
+        shared: &mut Shared,
+        open: usize,
+    ) {
+        let dst = SocketAddrV4::new(GUEST_ADDR, request.port);
+        let Some(local) = self.free_inbound_port(dst) else {
+            tracing::warn!("inbound connection to guest port {}: no free gateway port", request.port);
+            return;
+        };
+        let tuple = Tuple { guest: dst, dst: SocketAddrV4::new(GATEWAY_ADDR, local) };
+        let fixed = Some(Verdict { allowed: true, rule: RULE_INBOUND.to_owned() });
+        let ask = Ask { protocol: Protocol::Tcp, direction: Direction::Inbound, dst, fixed };
+        let cap = Cap { open, max: shared.max_connections, refused: &mut shared.stats.refused_by_cap };
+        let Some(admitted) = admit(ask, &shared.control, &NameMap::default(), cap) else {
+            return;
+        };
+        let buf = self.buffer_bytes;
+        let opened = admitted.open(&shared.control, || {
+            let host = Socket::from(std::os::fd::OwnedFd::from(request.stream));
+            host.set_nonblocking(true)?;
+            let mut socket =
+                tcp::Socket::new(tcp::SocketBuffer::new(vec![0; buf]), tcp::SocketBuffer::new(vec![0; buf]));
+            socket.set_nagle_enabled(false);
+            socket.set_timeout(Some(GUEST_TIMEOUT.into()));
+            socket
+                .connect(iface.context(), (GUEST_ADDR, request.port), (GATEWAY_ADDR, local))
+                .map_err(|e| io::Error::other(format!("connect: {e}")))?;
+            Ok((host, socket))
+        });
+        let Some(((host, socket), meter)) = opened else {
+            return;
+        };
+        let handle = sockets.add(socket);
+        let token = shared.token();
+        let state = State::Dialing { host };
+        self.conns.insert(token, Conn { tuple, handle, state, gate: Gate::Open, interest: Interest::default(), meter });
+        self.by_tuple.insert(tuple, token);
+    }
+
+    /// A gateway port no connection to `guest` uses, from
+    /// [`INBOUND_PORTS`] in turn.
+    fn free_inbound_port(&mut self, guest: SocketAddrV4) -> Option<u16> {
+        let span = usize::from(INBOUND_PORTS.end() - INBOUND_PORTS.start()) + 1;
+        for _ in 0..span {
+            let port = self.next_inbound_port;
+            self.next_inbound_port = if port == *INBOUND_PORTS.end() { *INBOUND_PORTS.start() } else { port + 1 };
+            let tuple = Tuple { guest, dst: SocketAddrV4::new(GATEWAY_ADDR, port) };
+            if !self.by_tuple.contains_key(&tuple) {
+                return Some(port);
+            }
+        }
+        None
     }
 
     /// After the interface took a frame of `tuple`: a connection whose
@@ -375,6 +466,15 @@ impl Tcp {
                     }
                 }
             }
+            State::Dialing { .. } => match socket.state() {
+                tcp::State::SynSent => return,
+                tcp::State::Closed | tcp::State::Listen => {
+                    // Refused (RST) or timed out: the host's end closes.
+                    self.close(token, false, sockets, shared);
+                    return;
+                }
+                _ => conn.establish(),
+            },
             State::Open(_) => {}
         }
         let State::Open(open) = &mut conn.state else {
@@ -747,5 +847,42 @@ mod tests {
         tcp.reset(&mut sockets, &shared);
         assert!(tcp.conns.is_empty() && tcp.by_tuple.is_empty());
         assert_eq!(sockets.iter().count(), 0);
+    }
+
+    #[test]
+    fn an_inbound_dial_uses_a_free_gateway_port_and_is_logged_inbound() {
+        let (mut tcp, mut sockets, mut shared) = world(8, false);
+        let mut link = super::super::link::Link::new(8);
+        let mut iface = smoltcp::iface::Interface::new(
+            smoltcp::iface::Config::new(smoltcp::wire::EthernetAddress(crate::GATEWAY_MAC).into()),
+            &mut link,
+            smoltcp::time::Instant::ZERO,
+        );
+        iface.update_ip_addrs(|a| {
+            let _ = a.push(smoltcp::wire::IpCidr::new(GATEWAY_ADDR.into(), crate::PREFIX_LEN));
+        });
+        // The first port is taken by a connection to the same guest port.
+        let taken = Tuple { guest: SocketAddrV4::new(GUEST_ADDR, 8000), dst: SocketAddrV4::new(GATEWAY_ADDR, 49152) };
+        tcp.by_tuple.insert(taken, 1);
+        for _ in 0..2 {
+            let (_ours, theirs) = std::os::unix::net::UnixStream::pair().unwrap();
+            let request = InboundRequest { port: 8000, stream: theirs, asked: Instant::now() };
+            tcp.dial(request, &mut iface, &mut sockets, &mut shared, 0);
+        }
+        let mut dialled: Vec<&Conn> = tcp.conns.values().collect();
+        dialled.sort_by_key(|c| c.tuple.dst.port());
+        let ports: Vec<u16> = dialled.iter().map(|c| c.tuple.dst.port()).collect();
+        assert_eq!(ports, [49153, 49154]);
+        for c in &dialled {
+            assert!(matches!(c.state, State::Dialing { .. }));
+            assert_eq!(sockets.get::<tcp::Socket>(c.handle).state(), tcp::State::SynSent);
+        }
+        let log = shared.control.query(0, 10).0;
+        assert_eq!(log.len(), 2);
+        assert!(log.iter().all(|r| r.direction == Direction::Inbound && r.rule == RULE_INBOUND && r.port == 8000));
+        // The range wraps around.
+        tcp.next_inbound_port = *INBOUND_PORTS.end();
+        assert_eq!(tcp.free_inbound_port(SocketAddrV4::new(GUEST_ADDR, 9)), Some(65535));
+        assert_eq!(tcp.free_inbound_port(SocketAddrV4::new(GUEST_ADDR, 9)), Some(49152));
     }
 }

@@ -22,7 +22,7 @@ use super::interest::Interest;
 use super::link::Link;
 use super::{Shared, Tuple};
 use crate::dns::NameMap;
-use crate::log::Protocol;
+use crate::log::{Direction, Protocol};
 use crate::{GATEWAY_MAC, MTU};
 
 /// How long a UDP flow lives without a datagram either way.
@@ -89,7 +89,7 @@ impl Udp {
         if self.refused.contains_key(&tuple) {
             return;
         }
-        let ask = Ask { protocol: Protocol::Udp, dst: tuple.dst, fixed: None };
+        let ask = Ask { protocol: Protocol::Udp, direction: Direction::Outbound, dst: tuple.dst, fixed: None };
         let cap = Cap { open, max: shared.max_connections, refused: &mut shared.stats.refused_by_cap };
         let Some(admitted) = admit(ask, &shared.control, names, cap) else {
             if self.refused.len() >= MAX_REFUSED_FLOWS {
