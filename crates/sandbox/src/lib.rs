@@ -54,8 +54,9 @@ pub use limits::{
 pub use manager::images;
 pub use manager::{
     BackendError, BranchResult, DiskBytes, ExecRequest, Lineage, Manager, ManagerConfig, NetworkLog, PoolStatus,
-    ProcessId, ProcessInfo, ProcessPage, ProcessState, Recipe, SandboxError, SandboxId, SandboxInfo, SandboxSpec,
-    SandboxState, SandboxUpdate, SetupStep, Usage, WaitResult, WaitSpec, MAX_FILES, MAX_STEPS,
+    PortConnection, PortLease, ProcessId, ProcessInfo, ProcessPage, ProcessState, Recipe, SandboxError, SandboxId,
+    SandboxInfo, SandboxSpec, SandboxState, SandboxUpdate, SetupStep, Usage, WaitResult, WaitSpec, MAX_FILES,
+    MAX_STEPS,
 };
 pub use memory::{BudgetUse, OverBudget};
 pub use progress::{CallContext, ProgressSink, ProgressUpdate};

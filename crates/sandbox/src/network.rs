@@ -24,8 +24,9 @@ use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::sync::Arc;
 
+pub use netstack::control::InboundError;
 use netstack::control::NetControl;
-pub use netstack::log::{NetRecord, Protocol};
+pub use netstack::log::{Direction, NetRecord, Protocol};
 use netstack::policy::{CompiledPolicy, PolicyError, ServerNetPolicy};
 pub use netstack::policy::{Egress, NetworkPolicy, MAX_RULES as MAX_POLICY_RULES};
 use netstack::stack::StackConfig;

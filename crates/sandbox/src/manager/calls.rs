@@ -104,6 +104,22 @@ impl Manager {
         self.with_agent_holding(id, CALL_HOLD, call).await
     }
 
+    /// Makes sandbox `sb` run for a use (`what`, for the log): waits for a
+    /// pool hand-out to finish, wakes it if hibernated, resumes it if
+    /// paused. The state may still be other than running afterwards (it
+    /// failed, or was stopped); callers check.
+    ///
+    /// Errors: as [`Manager::resume`], and the wake's (quotas, memory).
+    pub(super) async fn wake_for_use(&self, sb: &Arc<Sandbox>, what: &str) -> Result<(), SandboxError> {
+        sb.handed_out().await?;
+        self.awake(sb).await?;
+        if sb.state() == SandboxState::Paused {
+            tracing::info!(sandbox = %sb.id, "resuming a paused sandbox for {what}");
+            self.resume(&sb.id).await?;
+        }
+        Ok(())
+    }
+
     /// As [`Manager::with_agent`], holding the call slot at most `hold`:
     /// [`IDLE_CALL_HOLD`] for calls that mostly wait in the guest (a
     /// process wait, a kill waiting for the tree to go), which must not
@@ -121,12 +137,7 @@ impl Manager {
         Fut: Future<Output = Result<T, ClientError>>,
     {
         let sb = self.get(id)?;
-        sb.handed_out().await?;
-        self.awake(&sb).await?;
-        if sb.state() == SandboxState::Paused {
-            tracing::info!(sandbox = %sb.id, "resuming a paused sandbox for a call");
-            self.resume(id).await?;
-        }
+        self.wake_for_use(&sb, "a call").await?;
         let agent = {
             let st = lock(&sb.status);
             match st.state {

@@ -268,6 +268,9 @@ pub enum SandboxError {
     /// The server gives sandboxes no network.
     #[error("this server gives sandboxes no network ([network] enabled = false in its configuration)")]
     NoNetwork,
+    /// A connection into a guest port could not be asked for.
+    #[error(transparent)]
+    Inbound(#[from] netstack::control::InboundError),
     /// A process id that does not read `<sandbox_id>:p<n>`.
     #[error("bad process id {0:?}: process ids look like sb-3:p7")]
     BadProcessId(String),
