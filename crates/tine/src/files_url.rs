@@ -257,7 +257,7 @@ pub fn routes(manager: Arc<Manager>, urls: Arc<FileUrls>, auth: Arc<crate::auth:
 /// A refused request: its status and message, answered as JSON
 /// (`{"error": reason phrase, "message": ...}`).
 #[derive(Debug)]
-struct Refusal(StatusCode, String);
+pub(crate) struct Refusal(StatusCode, String);
 
 impl IntoResponse for Refusal {
     fn into_response(self) -> Response {
@@ -267,12 +267,12 @@ impl IntoResponse for Refusal {
     }
 }
 
-fn refuse(status: StatusCode, message: impl std::fmt::Display) -> Refusal {
+pub(crate) fn refuse(status: StatusCode, message: impl std::fmt::Display) -> Refusal {
     Refusal(status, message.to_string())
 }
 
 /// The status a sandbox error answers with.
-fn sandbox_refusal(e: &SandboxError) -> Refusal {
+pub(crate) fn sandbox_refusal(e: &SandboxError) -> Refusal {
     let status = match e {
         SandboxError::NotFound(_) | SandboxError::Agent(AgentError::NotFound { .. }) => StatusCode::NOT_FOUND,
         SandboxError::Agent(AgentError::PermissionDenied { .. }) => StatusCode::FORBIDDEN,

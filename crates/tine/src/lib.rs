@@ -26,4 +26,5 @@ mod config;
 mod files_url;
 mod mcp;
 mod metrics;
+mod port_forward;
 mod server;

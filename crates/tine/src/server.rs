@@ -277,6 +277,7 @@ pub fn router(
         .route("/metrics", get(metrics_text))
         .with_state((manager.clone(), metrics, sessions))
         .merge(mcp_router)
+        .merge(crate::port_forward::routes(manager.clone(), opts.cluster.host().to_owned()))
         .layer(axum::middleware::from_fn_with_state(auth.clone(), crate::auth::authenticate));
     let mut open = Router::new().route("/healthz", get(healthz)).with_state((manager.clone(), auth.clone()));
     if auth.oauth().is_some() {

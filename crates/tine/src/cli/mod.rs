@@ -9,6 +9,8 @@
 //!   (`cli::doctor`).
 //! - `tine image build`: an OCI or Docker image to a base image
 //!   (`cli::image`).
+//! - `tine port-forward`: a local TCP port into a sandbox's guest port,
+//!   through the server's HTTP API (`cli::port_forward`).
 //! - `tine vm run`: boot one microVM with a given kernel and stream its
 //!   serial console to stdout (a developer command).
 //!
@@ -18,6 +20,7 @@
 mod doctor;
 mod image;
 mod manager;
+mod port_forward;
 mod server;
 mod template;
 mod tenant;
@@ -54,6 +57,9 @@ enum Command {
     /// OCI and Docker images: base images a guest boots.
     #[command(subcommand)]
     Image(image::ImageCommand),
+    /// Forward a local TCP port into a sandbox's guest port, through the
+    /// server's HTTP API.
+    PortForward(port_forward::PortForwardArgs),
     /// Work with single VMs directly.
     #[command(subcommand)]
     Vm(vm::VmCommand),
@@ -118,6 +124,7 @@ pub fn main() -> ExitCode {
         Command::Template(cmd) => template::run(cmd),
         Command::Tenant(cmd) => tenant::run(cmd),
         Command::Image(cmd) => image::run(cmd),
+        Command::PortForward(args) => port_forward::run(args),
         Command::Doctor(args) => resolve(&args).map(|r| doctor::run(&r)),
     };
     match result {

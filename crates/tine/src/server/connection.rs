@@ -197,7 +197,7 @@ where
     let accepted = Instant::now();
     let (tx, mut activity) = watch::channel(Activity { requests: 0, in_flight: 0, idle_since: accepted });
     let service = Tracked { app: TowerToHyperService::new(app), activity: Arc::new(tx) };
-    let conn = builder.serve_connection(TokioIo::new(io), service).into_owned();
+    let conn = builder.serve_connection_with_upgrades(TokioIo::new(io), service).into_owned();
     async move {
         let mut conn = std::pin::pin!(conn);
         // When the connection was asked to close at one of its deadlines,

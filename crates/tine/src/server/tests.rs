@@ -608,3 +608,33 @@ async fn an_initialize_past_max_sessions_gets_503_saying_what_to_do() {
     assert_eq!(send(&app, delete).await.status(), StatusCode::OK);
     initialized_session(&app).await;
 }
+
+/// `GET /ports/{sandbox}/{port}`, upgraded to a port forward unless
+/// `upgrade` is false.
+fn port_forward(sandbox: &str, authorization: Option<&str>, upgrade: bool) -> Request<Body> {
+    let mut req = Request::get(format!("/ports/{sandbox}/8080")).header(header::HOST, "127.0.0.1:5555");
+    if upgrade {
+        req = req.header(header::CONNECTION, "upgrade").header(header::UPGRADE, crate::port_forward::PROTOCOL);
+    }
+    if let Some(a) = authorization {
+        req = req.header(header::AUTHORIZATION, a);
+    }
+    req.body(Body::empty()).unwrap()
+}
+
+#[tokio::test]
+async fn a_port_forward_needs_the_token_an_upgrade_and_a_sandbox_of_this_host() {
+    let dir = tempfile::tempdir().unwrap();
+    let app = app(&dir, Some(TOKEN));
+    let auth = bearer(TOKEN);
+    let r = send(&app, port_forward("sb-t1-0000000000000000", None, true)).await;
+    assert_eq!(r.status(), StatusCode::UNAUTHORIZED);
+    let r = send(&app, port_forward("sb-t1-0000000000000000", Some(&auth), false)).await;
+    assert_eq!(r.status(), StatusCode::UPGRADE_REQUIRED);
+    let r = send(&app, port_forward("sb-t1-0000000000000000", Some(&auth), true)).await;
+    assert_eq!(r.status(), StatusCode::NOT_FOUND);
+    let r = send(&app, port_forward("sb-t2-0000000000000000", Some(&auth), true)).await;
+    assert_eq!(r.status(), StatusCode::MISDIRECTED_REQUEST);
+    let body = axum::body::to_bytes(r.into_body(), 4096).await.unwrap();
+    assert!(String::from_utf8_lossy(&body).contains("lives on host t2"), "{body:?}");
+}

@@ -85,9 +85,14 @@ pub struct NetworkRecord {
     pub time_ms: u64,
     /// "tcp", "udp", "dns" or "icmp".
     pub protocol: String,
-    /// Destination address (the host loopback for the gateway 10.0.2.2).
+    /// "outbound" (the sandbox connected out) or "inbound" (a port
+    /// forward into the sandbox).
+    pub direction: String,
+    /// Destination address (the host loopback for the gateway 10.0.2.2;
+    /// the sandbox's own 10.0.2.15 for an inbound connection).
     pub addr: String,
-    /// Destination port (0 for ICMP).
+    /// Destination port (0 for ICMP; the sandbox's port for an inbound
+    /// connection).
     pub port: u16,
     /// The DNS name asked or resolved, or the TLS SNI / HTTP Host seen.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -133,6 +138,10 @@ impl NetworkLogResult {
                 id: r.id,
                 time_ms: r.time_ms,
                 protocol: serde_json::to_value(r.protocol)
+                    .ok()
+                    .and_then(|v| v.as_str().map(str::to_string))
+                    .unwrap_or_default(),
+                direction: serde_json::to_value(r.direction)
                     .ok()
                     .and_then(|v| v.as_str().map(str::to_string))
                     .unwrap_or_default(),
