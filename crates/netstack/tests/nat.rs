@@ -274,6 +274,22 @@ fn data(len: usize, seed: u64) -> Vec<u8> {
         .collect()
 }
 
+/// Reads `r` to its end: the byte count and the SHA-256 of the bytes.
+fn read_hashed(r: &mut impl Read) -> (usize, sha2::digest::Output<Sha256>) {
+    let mut h = Sha256::new();
+    let mut n = 0usize;
+    let mut buf = vec![0u8; 65536];
+    loop {
+        let k = r.read(&mut buf).unwrap();
+        if k == 0 {
+            break;
+        }
+        n += k;
+        h.update(&buf[..k]);
+    }
+    (n, h.finalize())
+}
+
 fn rec_for(log: &[NetRecord], protocol: Protocol, port: u16) -> Vec<NetRecord> {
     log.iter().filter(|r| r.protocol == protocol && r.port == port).cloned().collect()
 }
@@ -294,18 +310,7 @@ fn transfers_16_mib_each_way_through_the_nat() {
         let (mut c, _) = l.accept().unwrap();
         c.write_all(&down).unwrap();
         c.shutdown(std::net::Shutdown::Write).unwrap();
-        let mut h = Sha256::new();
-        let mut n = 0usize;
-        let mut buf = vec![0u8; 65536];
-        loop {
-            let k = c.read(&mut buf).unwrap();
-            if k == 0 {
-                break;
-            }
-            n += k;
-            h.update(&buf[..k]);
-        }
-        tx.send((n, h.finalize())).unwrap();
+        tx.send(read_hashed(&mut c)).unwrap();
     });
 
     let mut w = World::new(NetworkPolicy::default(), true, config());
@@ -1148,18 +1153,7 @@ fn an_inbound_connection_carries_16_mib_each_way_into_a_guest_port() {
     let host = thread::spawn(move || {
         stream.write_all(&down).unwrap();
         stream.shutdown(std::net::Shutdown::Write).unwrap();
-        let mut h = Sha256::new();
-        let mut n = 0usize;
-        let mut buf = vec![0u8; 65536];
-        loop {
-            let k = stream.read(&mut buf).unwrap();
-            if k == 0 {
-                break;
-            }
-            n += k;
-            h.update(&buf[..k]);
-        }
-        (n, h.finalize())
+        read_hashed(&mut stream)
     });
     let start = Instant::now();
     let (mut got, mut hasher, mut sent) = (0usize, Sha256::new(), 0usize);

@@ -106,18 +106,32 @@ impl Manager {
 
     /// Makes sandbox `sb` run for a use (`what`, for the log): waits for a
     /// pool hand-out to finish, wakes it if hibernated, resumes it if
-    /// paused. The state may still be other than running afterwards (it
-    /// failed, or was stopped); callers check.
+    /// paused; returns its agent connection (`None`: gone).
     ///
-    /// Errors: as [`Manager::resume`], and the wake's (quotas, memory).
-    pub(super) async fn wake_for_use(&self, sb: &Arc<Sandbox>, what: &str) -> Result<(), SandboxError> {
+    /// Errors: as [`Manager::resume`], the wake's (quotas, memory),
+    /// [`SandboxError::Starting`], [`SandboxError::NotRunning`] (it failed
+    /// or was stopped).
+    pub(super) async fn wake_for_use(
+        &self,
+        sb: &Arc<Sandbox>,
+        what: &str,
+    ) -> Result<Option<Arc<AgentClient>>, SandboxError> {
         sb.handed_out().await?;
         self.awake(sb).await?;
         if sb.state() == SandboxState::Paused {
             tracing::info!(sandbox = %sb.id, "resuming a paused sandbox for {what}");
             self.resume(&sb.id).await?;
         }
-        Ok(())
+        let st = lock(&sb.status);
+        match st.state {
+            SandboxState::Running => Ok(st.agent.clone()),
+            SandboxState::Starting => Err(SandboxError::Starting(sb.id.clone())),
+            state => Err(SandboxError::NotRunning {
+                id: sb.id.clone(),
+                state,
+                reason: st.error.clone().unwrap_or_else(|| "it ended".into()),
+            }),
+        }
     }
 
     /// As [`Manager::with_agent`], holding the call slot at most `hold`:
@@ -137,21 +151,7 @@ impl Manager {
         Fut: Future<Output = Result<T, ClientError>>,
     {
         let sb = self.get(id)?;
-        self.wake_for_use(&sb, "a call").await?;
-        let agent = {
-            let st = lock(&sb.status);
-            match st.state {
-                SandboxState::Running => st.agent.clone(),
-                SandboxState::Starting => return Err(SandboxError::Starting(sb.id.clone())),
-                state => {
-                    return Err(SandboxError::NotRunning {
-                        id: sb.id.clone(),
-                        state,
-                        reason: st.error.clone().unwrap_or_else(|| "it ended".into()),
-                    })
-                }
-            }
-        };
+        let agent = self.wake_for_use(&sb, "a call").await?;
         let Some(agent) = agent else {
             return Err(SandboxError::Connection { id: sb.id.clone(), reason: "the agent connection is gone".into() });
         };

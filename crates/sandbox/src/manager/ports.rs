@@ -15,7 +15,7 @@ use std::sync::Arc;
 
 use netstack::control::NetControl;
 
-use super::{Manager, Sandbox, SandboxError, SandboxState};
+use super::{Manager, Sandbox, SandboxError};
 use crate::lock;
 
 /// An open connection into a guest port; the sandbox counts as busy until
@@ -84,20 +84,6 @@ impl Manager {
         let control: Arc<NetControl> = lock(&sb.net).clone().ok_or(SandboxError::NoNetwork)?;
         let busy = Busy::new(Arc::clone(&sb));
         self.wake_for_use(&sb, "a connection into the guest").await?;
-        {
-            let st = lock(&sb.status);
-            match st.state {
-                SandboxState::Running => {}
-                SandboxState::Starting => return Err(SandboxError::Starting(sb.id.clone())),
-                state => {
-                    return Err(SandboxError::NotRunning {
-                        id: sb.id.clone(),
-                        state,
-                        reason: st.error.clone().unwrap_or_else(|| "it ended".into()),
-                    })
-                }
-            }
-        }
         // A merge may have given the sandbox its winner's network meanwhile.
         let control = lock(&sb.net).clone().unwrap_or(control);
         let stream = control.connect_inbound(port)?;
