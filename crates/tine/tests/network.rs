@@ -208,6 +208,63 @@ fn exit_code(v: &Value) -> i64 {
     v["exit_code"].as_i64().unwrap_or(-1)
 }
 
+/// A TCP echo server on guest port 7000 for the sandbox's interpreter:
+/// it listens before the cell ends, then a thread echoes each connection
+/// until its end, one at a time.
+const ECHO_SERVER: &str = "import socket, threading
+echo_listener = socket.socket()
+echo_listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+echo_listener.bind(('0.0.0.0', 7000))
+echo_listener.listen(8)
+def echo_serve(s):
+    while True:
+        c, _ = s.accept()
+        while True:
+            d = c.recv(65536)
+            if not d:
+                break
+            c.sendall(d)
+        c.shutdown(socket.SHUT_WR)
+        c.close()
+threading.Thread(target=echo_serve, args=(echo_listener,), daemon=True).start()
+";
+
+/// A running `tine port-forward SANDBOX PORT 0` against the server at
+/// `base`: killed on drop.
+struct Forward(std::process::Child);
+
+impl Drop for Forward {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Starts `tine port-forward` to guest `port` of `sandbox` on a free local
+/// port; the process and the address it listens on.
+fn port_forward(base: &str, sandbox: &str, port: u16) -> (Forward, std::net::SocketAddr) {
+    let mut child = std::process::Command::new(binary())
+        .args(["port-forward", sandbox, &port.to_string(), "0", "--url", base])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("start tine port-forward");
+    let stdout = child.stdout.take().unwrap();
+    let forward = Forward(child);
+    let mut line = String::new();
+    BufReader::new(stdout).read_line(&mut line).expect("its first line");
+    // "forwarding 127.0.0.1:PORT -> SANDBOX:PORT"
+    let addr = line.split_whitespace().nth(1).and_then(|a| a.parse().ok());
+    let addr = addr.unwrap_or_else(|| panic!("tine port-forward printed {line:?}"));
+    (forward, addr)
+}
+
+/// The closed record of an inbound connection to the guest's `port`.
+fn closed_inbound(records: &[Value], port: u16) -> Option<&Value> {
+    records.iter().find(|r| {
+        r["direction"] == "inbound" && r["port"] == port && r["addr"] == "10.0.2.15" && !r["duration_ms"].is_null()
+    })
+}
+
 async fn log_records(client: &testkit::mcp::McpClient, id: &str) -> Vec<Value> {
     let v = call(client, "sandbox_network_log", json!({"sandbox_id": id})).await.expect("network log");
     v["records"].as_array().cloned().unwrap_or_default()
@@ -381,6 +438,64 @@ async fn guests_reach_the_host_through_the_nat_under_their_policy() {
     assert_eq!(http.held.load(Ordering::SeqCst), 0, "connections are closed when the guest's end closes");
 
     phase("cap checked");
+    // Inbound: `tine port-forward` carries a TCP echo both ways into a
+    // guest port, through the server's API; a port nobody listens on
+    // closes the connection at once; both are logged as inbound, and the
+    // branch child (whose own network this is not) sees neither.
+    // The sandbox's warm interpreter serves it from a thread (a new
+    // python3 process takes 15 s to listen here).
+    let r = call(&client, "sandbox_run_python", json!({"sandbox_id": id, "code": ECHO_SERVER}))
+        .await
+        .expect("start the echo server");
+    assert!(r.get("exception").is_none_or(Value::is_null), "{r}");
+    let message: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
+    let (forward, local) = port_forward(&server.base, &id, 7000);
+    let sent = message.clone();
+    let echoed = tokio::task::spawn_blocking(move || {
+        let mut c = TcpStream::connect(local).expect("connect to the forward");
+        c.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+        let writer = {
+            let mut c = c.try_clone().unwrap();
+            std::thread::spawn(move || {
+                c.write_all(&sent).unwrap();
+                c.shutdown(std::net::Shutdown::Write).unwrap();
+            })
+        };
+        let mut back = Vec::new();
+        c.read_to_end(&mut back).expect("read the echo");
+        writer.join().unwrap();
+        back
+    })
+    .await
+    .unwrap();
+    assert!(echoed == message, "the echo comes back whole: {} of {} bytes", echoed.len(), message.len());
+    drop(forward);
+    let (closed, local) = port_forward(&server.base, &id, 7001);
+    let got = tokio::task::spawn_blocking(move || {
+        let mut c = TcpStream::connect(local).expect("connect to the forward");
+        c.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+        let mut back = Vec::new();
+        c.read_to_end(&mut back).map(|_| back.len())
+    })
+    .await
+    .unwrap();
+    assert_eq!(got.ok(), Some(0), "a port nobody listens on closes the connection with no byte");
+    drop(closed);
+    // Both records, closed (the bytes are written at the close).
+    let t = std::time::Instant::now();
+    let mut records = log_records(&client, &id).await;
+    while [7000, 7001].iter().any(|p| closed_inbound(&records, *p).is_none()) && t.elapsed() < Duration::from_secs(30) {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        records = log_records(&client, &id).await;
+    }
+    let inbound = closed_inbound(&records, 7000).unwrap_or_else(|| panic!("7000 logged inbound: {records:?}"));
+    let n = message.len() as u64;
+    assert_eq!((inbound["bytes_in"].as_u64(), inbound["bytes_out"].as_u64()), (Some(n), Some(n)), "{inbound}");
+    assert!(closed_inbound(&records, 7001).is_some(), "7001 logged inbound: {records:?}");
+    let child_records = log_records(&client, &child).await;
+    assert!(!child_records.iter().any(|r| r["direction"] == "inbound"), "{child_records:?}");
+
+    phase("port forward checked");
     call(&client, "sandbox_kill", json!({"sandbox_id": child})).await.expect("kill child");
     call(&client, "sandbox_kill", json!({"sandbox_id": id})).await.expect("kill");
 }

@@ -96,11 +96,29 @@ async fn tenants_see_and_touch_only_their_own() {
         .to_string();
     let http = reqwest::Client::new();
     assert_eq!(http.get(&url).send().await.unwrap().text().await.unwrap(), "acme's");
+    // A port forward into A's sandbox: A may, B gets what a missing
+    // sandbox gets.
+    let (host_part, _) = id_a.rsplit_once('-').unwrap();
+    let ghost = format!("{host_part}-999999");
+    let forward = |sandbox: &str, key: &str| {
+        http.get(format!("{}/ports/{sandbox}/80", server.base))
+            .header("connection", "upgrade")
+            .header("upgrade", "tine-port-forward")
+            .bearer_auth(key)
+            .send()
+    };
+    assert_eq!(forward(&id_a, &key_a).await.unwrap().status(), 101);
+    let theirs = forward(&id_a, &key_b).await.unwrap();
+    let missing = forward(&ghost, &key_b).await.unwrap();
+    assert_eq!((theirs.status().as_u16(), missing.status().as_u16()), (404, 404));
+    assert_eq!(
+        theirs.text().await.unwrap().replace(&id_a, "ID"),
+        missing.text().await.unwrap().replace(&ghost, "ID"),
+        "B learns nothing of A's sandbox from a port forward"
+    );
 
     // B walks every tool that names a sandbox or process with A's ids, then
     // with ids that do not exist: the answers are the same.
-    let (host_part, _) = id_a.rsplit_once('-').unwrap();
-    let ghost = format!("{host_part}-999999");
     let a_ids = vec![proc_a.clone(), id_a.clone()];
     let ghost_ids = vec![format!("{ghost}:p1"), ghost.clone()];
     let tools = b.list_all_tools().await.unwrap();
