@@ -195,6 +195,20 @@ impl World {
         got
     }
 
+    /// Reads what guest socket `h` holds into `hasher`, adding the bytes
+    /// to `got`.
+    fn recv_hashed(&mut self, h: SocketHandle, hasher: &mut Sha256, got: &mut usize) {
+        let s = self.tcp(h);
+        while s.can_recv() {
+            s.recv(|b| {
+                hasher.update(&*b);
+                *got += b.len();
+                (b.len(), ())
+            })
+            .unwrap();
+        }
+    }
+
     /// A guest TCP socket listening on `port`.
     fn listen(&mut self, port: u16) -> SocketHandle {
         let mut s =
@@ -321,16 +335,8 @@ fn transfers_16_mib_each_way_through_the_nat() {
     let mut hasher = Sha256::new();
     let mut got = 0usize;
     w.until("the download", |w| {
-        let s = w.tcp(h);
-        while s.can_recv() {
-            s.recv(|b| {
-                hasher.update(&*b);
-                got += b.len();
-                (b.len(), ())
-            })
-            .unwrap();
-        }
-        !s.may_recv()
+        w.recv_hashed(h, &mut hasher, &mut got);
+        !w.tcp(h).may_recv()
     });
     let secs = start.elapsed().as_secs_f64();
     println!("host->guest: {} MiB in {secs:.2} s = {:.1} MB/s", LEN >> 20, LEN as f64 / secs / 1e6);
@@ -1158,15 +1164,8 @@ fn an_inbound_connection_carries_16_mib_each_way_into_a_guest_port() {
     let start = Instant::now();
     let (mut got, mut hasher, mut sent) = (0usize, Sha256::new(), 0usize);
     w.until("both ways", |w| {
+        w.recv_hashed(h, &mut hasher, &mut got);
         let s = w.tcp(h);
-        while s.can_recv() {
-            s.recv(|b| {
-                hasher.update(&*b);
-                got += b.len();
-                (b.len(), ())
-            })
-            .unwrap();
-        }
         while sent < LEN && s.can_send() {
             let n = s.send_slice(&up[sent..]).unwrap();
             if n == 0 {
