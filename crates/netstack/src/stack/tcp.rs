@@ -283,27 +283,19 @@ impl Tcp {
             Some(upstream) => upstream,
             None => SocketAddr::V4(SocketAddrV4::new(admitted.host_ip, dst.port())),
         };
-        let buf = self.buffer_bytes;
         let opened = admitted.open(&shared.control, || {
             let host = connect(target)?;
-            let mut socket =
-                tcp::Socket::new(tcp::SocketBuffer::new(vec![0; buf]), tcp::SocketBuffer::new(vec![0; buf]));
+            let mut socket = self.socket();
             socket.pause_synack(true);
-            socket.set_nagle_enabled(false);
-            socket.set_timeout(Some(GUEST_TIMEOUT.into()));
             socket
                 .listen(IpListenEndpoint { addr: Some((*dst.ip()).into()), port: dst.port() })
                 .map_err(|e| io::Error::other(format!("listen: {e}")))?;
             Ok((host, socket))
         });
-        let Some(((host, socket), meter)) = opened else {
-            return;
-        };
-        let handle = sockets.add(socket);
-        let token = shared.token();
-        let state = State::Connecting { host, writable: true };
-        self.conns.insert(token, Conn { tuple, handle, state, gate, interest: Interest::default(), meter });
-        self.by_tuple.insert(tuple, token);
+        if let Some(((host, socket), meter)) = opened {
+            let (handle, state) = (sockets.add(socket), State::Connecting { host, writable: true });
+            self.add(Conn { tuple, handle, state, gate, interest: Interest::default(), meter }, shared);
+        }
     }
 
     /// Dials the inbound connection `request` asked for: a smoltcp socket
@@ -332,27 +324,36 @@ impl Tcp {
         let Some(admitted) = admit(ask, &shared.control, &NameMap::default(), cap) else {
             return;
         };
-        let buf = self.buffer_bytes;
         let opened = admitted.open(&shared.control, || {
             let host = Socket::from(std::os::fd::OwnedFd::from(request.stream));
             host.set_nonblocking(true)?;
-            let mut socket =
-                tcp::Socket::new(tcp::SocketBuffer::new(vec![0; buf]), tcp::SocketBuffer::new(vec![0; buf]));
-            socket.set_nagle_enabled(false);
-            socket.set_timeout(Some(GUEST_TIMEOUT.into()));
+            let mut socket = self.socket();
             socket
                 .connect(iface.context(), (GUEST_ADDR, request.port), (GATEWAY_ADDR, local))
                 .map_err(|e| io::Error::other(format!("connect: {e}")))?;
             Ok((host, socket))
         });
-        let Some(((host, socket), meter)) = opened else {
-            return;
-        };
-        let handle = sockets.add(socket);
+        if let Some(((host, socket), meter)) = opened {
+            let (handle, state) = (sockets.add(socket), State::Dialing { host });
+            self.add(Conn { tuple, handle, state, gate: Gate::Open, interest: Interest::default(), meter }, shared);
+        }
+    }
+
+    /// A smoltcp socket for a new connection: [`Tcp::buffer_bytes`] each
+    /// way, no Nagle, the guest's acknowledgement timeout.
+    fn socket(&self) -> tcp::Socket<'static> {
+        let buf = self.buffer_bytes;
+        let mut socket = tcp::Socket::new(tcp::SocketBuffer::new(vec![0; buf]), tcp::SocketBuffer::new(vec![0; buf]));
+        socket.set_nagle_enabled(false);
+        socket.set_timeout(Some(GUEST_TIMEOUT.into()));
+        socket
+    }
+
+    /// Registers `conn` under a new token.
+    fn add(&mut self, conn: Conn, shared: &mut Shared) {
         let token = shared.token();
-        let state = State::Dialing { host };
-        self.conns.insert(token, Conn { tuple, handle, state, gate: Gate::Open, interest: Interest::default(), meter });
-        self.by_tuple.insert(tuple, token);
+        self.by_tuple.insert(conn.tuple, token);
+        self.conns.insert(token, conn);
     }
 
     /// A gateway port no connection to `guest` uses, from
