@@ -10,11 +10,11 @@
 //! under the connection.
 
 use std::os::unix::net::UnixStream;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use netstack::control::NetControl;
 
+use super::sandbox::BusyGuard;
 use super::{Manager, Sandbox, SandboxError};
 use crate::lock;
 
@@ -27,7 +27,7 @@ pub struct PortConnection {
 
 impl std::fmt::Debug for PortConnection {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PortConnection").field("sandbox", &self.lease.0 .0.id).finish_non_exhaustive()
+        f.debug_struct("PortConnection").field("sandbox", &self.lease.0.sandbox().id).finish_non_exhaustive()
     }
 }
 
@@ -43,31 +43,12 @@ impl PortConnection {
 }
 
 /// Keeps a sandbox busy (not idle) while a connection into it lives.
-pub struct PortLease(Busy);
+pub struct PortLease(BusyGuard<Arc<Sandbox>>);
 
 impl PortLease {
     /// Records a use of the sandbox now (traffic on the connection).
     pub fn touch(&self) {
-        self.0 .0.touch();
-    }
-}
-
-/// A sandbox held busy by an owner that outlives a borrow (as
-/// [`Sandbox::mark_busy`] does for a call).
-struct Busy(Arc<Sandbox>);
-
-impl Busy {
-    fn new(sb: Arc<Sandbox>) -> Self {
-        sb.busy.fetch_add(1, Ordering::SeqCst);
-        sb.touch();
-        Self(sb)
-    }
-}
-
-impl Drop for Busy {
-    fn drop(&mut self) {
-        self.0.touch();
-        self.0.busy.fetch_sub(1, Ordering::SeqCst);
+        self.0.sandbox().touch();
     }
 }
 
@@ -82,7 +63,7 @@ impl Manager {
     pub async fn connect_port(&self, id: &str, port: u16) -> Result<PortConnection, SandboxError> {
         let sb = self.get(id)?;
         let control: Arc<NetControl> = lock(&sb.net).clone().ok_or(SandboxError::NoNetwork)?;
-        let busy = Busy::new(Arc::clone(&sb));
+        let busy = sb.mark_busy_owned();
         self.wake_for_use(&sb, "a connection into the guest").await?;
         // A merge may have given the sandbox its winner's network meanwhile.
         let control = lock(&sb.net).clone().unwrap_or(control);

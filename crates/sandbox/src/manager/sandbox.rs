@@ -210,10 +210,24 @@ impl Lineage {
     }
 }
 
-/// A call in flight on a sandbox ([`Sandbox::mark_busy`]).
-pub(super) struct BusyGuard<'a>(&'a Sandbox);
+/// A use in flight on a sandbox ([`Sandbox::mark_busy`],
+/// [`Sandbox::mark_busy_owned`]), holding it by reference or by `Arc`.
+pub(super) struct BusyGuard<S: std::ops::Deref<Target = Sandbox>>(S);
 
-impl Drop for BusyGuard<'_> {
+impl<S: std::ops::Deref<Target = Sandbox>> BusyGuard<S> {
+    fn new(sb: S) -> Self {
+        sb.busy.fetch_add(1, Ordering::SeqCst);
+        sb.touch();
+        Self(sb)
+    }
+
+    /// The sandbox held busy.
+    pub fn sandbox(&self) -> &Sandbox {
+        &self.0
+    }
+}
+
+impl<S: std::ops::Deref<Target = Sandbox>> Drop for BusyGuard<S> {
     fn drop(&mut self) {
         self.0.touch();
         self.0.busy.fetch_sub(1, Ordering::SeqCst);
@@ -450,10 +464,14 @@ impl Sandbox {
     /// Counts a call in flight until the guard is dropped, which also
     /// happens when the call's future is dropped midway (a cancelled MCP
     /// request); touches the sandbox at both ends.
-    pub fn mark_busy(&self) -> BusyGuard<'_> {
-        self.busy.fetch_add(1, Ordering::SeqCst);
-        self.touch();
-        BusyGuard(self)
+    pub fn mark_busy(&self) -> BusyGuard<&Sandbox> {
+        BusyGuard::new(self)
+    }
+
+    /// As [`Sandbox::mark_busy`], for a use that outlives the caller's
+    /// borrow (a connection into the guest).
+    pub fn mark_busy_owned(self: &Arc<Self>) -> BusyGuard<Arc<Sandbox>> {
+        BusyGuard::new(Arc::clone(self))
     }
 
     /// Records a use now (resets the idle clock).
