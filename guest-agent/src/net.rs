@@ -26,7 +26,7 @@ pub const DNS_ADDR: Ipv4Addr = Ipv4Addr::new(10, 0, 2, 3);
 /// Prefix length of the guest network, 10.0.2.0/24 (netstack `PREFIX_LEN`).
 pub const PREFIX_LEN: u8 = 24;
 /// The link MTU in bytes (netstack `MTU`).
-pub const MTU: i32 = 1500;
+pub const MTU: i32 = 65280;
 /// The NIC's name: the first (only) Ethernet device the kernel finds.
 pub const NIC: &str = "eth0";
 /// The resolver file's path.

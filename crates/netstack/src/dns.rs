@@ -38,10 +38,11 @@ pub const MAX_PENDING: usize = 256;
 pub const MAX_MAPPED_ADDRS: usize = 4096;
 /// Names remembered per address, at most (oldest out).
 pub const MAX_NAMES_PER_ADDR: usize = 4;
-/// The largest DNS message over UDP to the guest: the IPv4 MTU less the
-/// IPv4 and UDP headers (no fragmentation). Larger answers are truncated
-/// (TC bit, RFC 1035 §4.1.1).
-pub const MAX_GUEST_MESSAGE: usize = crate::MTU - 20 - 8;
+/// The largest DNS message over UDP to the guest: Ethernet's 1500-byte
+/// MTU less the IPv4 and UDP headers, so an answer fits a guest whose
+/// interface kept that MTU (an agent older than the 64 KiB link). Larger
+/// answers are truncated (TC bit, RFC 1035 §4.1.1).
+pub const MAX_GUEST_MESSAGE: usize = 1500 - 20 - 8;
 /// TTL of the answers for static hosts (seconds).
 pub const STATIC_TTL: u32 = 60;
 

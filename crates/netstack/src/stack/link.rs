@@ -20,48 +20,110 @@ use smoltcp::wire::{
 use super::Tuple;
 use crate::{DNS_ADDR, GATEWAY_ADDR, GATEWAY_MAC, MTU};
 
-/// Frame buffers kept for reuse, at most.
-const MAX_SPARE: usize = 64;
+/// Bytes of frames queued each way, at most (besides the frame counts):
+/// with a 64 KiB MTU, 256 full frames would be 16 MiB per sandbox.
+pub(super) const MAX_QUEUED_BYTES: usize = 1 << 20;
+
+/// Bytes of frame buffers kept for reuse, at most.
+const MAX_SPARE_BYTES: usize = 256 * 1024;
+
+/// Frames one way, with their total length in bytes.
+#[derive(Default)]
+struct Frames {
+    frames: VecDeque<Vec<u8>>,
+    bytes: usize,
+}
+
+impl Frames {
+    fn push(&mut self, frame: Vec<u8>) {
+        self.bytes += frame.len();
+        self.frames.push_back(frame);
+    }
+
+    fn pop(&mut self) -> Option<Vec<u8>> {
+        let frame = self.frames.pop_front()?;
+        self.bytes -= frame.len();
+        Some(frame)
+    }
+
+    fn clear(&mut self) {
+        self.frames.clear();
+        self.bytes = 0;
+    }
+
+    /// Whether `frames` frames or [`MAX_QUEUED_BYTES`] bytes are queued.
+    fn is_full(&self, frames: usize) -> bool {
+        self.frames.len() >= frames || self.bytes >= MAX_QUEUED_BYTES
+    }
+}
+
+/// Frame buffers kept for reuse, their capacity at most
+/// [`MAX_SPARE_BYTES`] together.
+#[derive(Default)]
+struct Spare {
+    bufs: Vec<Vec<u8>>,
+    bytes: usize,
+}
+
+impl Spare {
+    /// A cleared buffer, reused when one is kept.
+    fn take(&mut self) -> Vec<u8> {
+        let Some(mut buf) = self.bufs.pop() else {
+            return Vec::new();
+        };
+        self.bytes -= buf.capacity();
+        buf.clear();
+        buf
+    }
+
+    fn keep(&mut self, buf: Vec<u8>) {
+        if self.bytes + buf.capacity() <= MAX_SPARE_BYTES {
+            self.bytes += buf.capacity();
+            self.bufs.push(buf);
+        }
+    }
+}
 
 /// Frames both ways between the guest and the interface.
 pub(super) struct Link {
     /// Frames from the guest not yet looked at.
-    from_guest: VecDeque<Vec<u8>>,
+    from_guest: Frames,
     /// The one frame handed to the interface next.
     slot: Option<Vec<u8>>,
     /// Frames toward the guest.
-    to_guest: VecDeque<Vec<u8>>,
+    to_guest: Frames,
     max_to_guest: usize,
     max_from_guest: usize,
     /// Something wanted to send while `to_guest` was full.
     starved: bool,
     /// Frame buffers to reuse.
-    spare: Vec<Vec<u8>>,
+    spare: Spare,
 }
 
 impl Link {
     /// A link queueing at most `max_guest_frames` frames toward the guest
-    /// (at least 1) and `max(max_guest_frames, 64)` from it.
+    /// (at least 1) and `max(max_guest_frames, 64)` from it, and at most
+    /// [`MAX_QUEUED_BYTES`] each way.
     pub(super) fn new(max_guest_frames: usize) -> Self {
         Self {
-            from_guest: VecDeque::new(),
+            from_guest: Frames::default(),
             slot: None,
-            to_guest: VecDeque::new(),
+            to_guest: Frames::default(),
             max_to_guest: max_guest_frames.max(1),
             max_from_guest: max_guest_frames.max(64),
             starved: false,
-            spare: Vec::new(),
+            spare: Spare::default(),
         }
     }
 
     /// Queues a copy of a guest frame; `false`: the queue is full.
     pub(super) fn push_from_guest(&mut self, frame: &[u8]) -> bool {
-        if self.from_guest.len() >= self.max_from_guest {
+        if self.from_guest.is_full(self.max_from_guest) {
             return false;
         }
-        let mut buf = self.buffer();
+        let mut buf = self.spare.take();
         buf.extend_from_slice(frame);
-        self.from_guest.push_back(buf);
+        self.from_guest.push(buf);
         true
     }
 
@@ -70,12 +132,12 @@ impl Link {
     /// an ARP reply); then the link is starved if frames wait.
     pub(super) fn next_from_guest(&mut self) -> Option<Vec<u8>> {
         if self.to_guest_full() {
-            if !self.from_guest.is_empty() {
+            if !self.from_guest.frames.is_empty() {
                 self.starved = true;
             }
             return None;
         }
-        self.from_guest.pop_front()
+        self.from_guest.pop()
     }
 
     /// Puts `frame` where the interface's next receive takes it.
@@ -94,17 +156,20 @@ impl Link {
 
     /// The next frame for the guest (not removed).
     pub(super) fn front_to_guest(&self) -> Option<&[u8]> {
-        self.to_guest.front().map(Vec::as_slice)
+        self.to_guest.frames.front().map(Vec::as_slice)
     }
 
     /// Removes the frame [`Link::front_to_guest`] returned; `true` when the
     /// link was starved and the queue is now at most half full (the stack
     /// has work again).
     pub(super) fn pop_to_guest(&mut self) -> bool {
-        if let Some(buf) = self.to_guest.pop_front() {
+        if let Some(buf) = self.to_guest.pop() {
             self.recycle(buf);
         }
-        if self.starved && self.to_guest.len() <= self.max_to_guest / 2 {
+        if self.starved
+            && self.to_guest.frames.len() <= self.max_to_guest / 2
+            && self.to_guest.bytes <= MAX_QUEUED_BYTES / 2
+        {
             self.starved = false;
             return true;
         }
@@ -113,7 +178,7 @@ impl Link {
 
     /// Whether the queue toward the guest is full.
     pub(super) fn to_guest_full(&self) -> bool {
-        self.to_guest.len() >= self.max_to_guest
+        self.to_guest.is_full(self.max_to_guest)
     }
 
     /// Queues a frame toward the guest built by `build` into a cleared
@@ -123,9 +188,9 @@ impl Link {
             self.starved = true;
             return false;
         }
-        let mut buf = self.buffer();
+        let mut buf = self.spare.take();
         build(&mut buf);
-        self.to_guest.push_back(buf);
+        self.to_guest.push(buf);
         true
     }
 
@@ -139,11 +204,9 @@ impl Link {
         self.starved
     }
 
-    /// Keeps a frame buffer for reuse (a few at most).
+    /// Keeps a frame buffer for reuse (up to [`MAX_SPARE_BYTES`] of them).
     pub(super) fn recycle(&mut self, buf: Vec<u8>) {
-        if self.spare.len() < MAX_SPARE {
-            self.spare.push(buf);
-        }
+        self.spare.keep(buf);
     }
 
     /// Drops every queued frame both ways.
@@ -153,19 +216,13 @@ impl Link {
         self.slot = None;
         self.starved = false;
     }
-
-    fn buffer(&mut self) -> Vec<u8> {
-        let mut buf = self.spare.pop().unwrap_or_default();
-        buf.clear();
-        buf
-    }
 }
 
 pub(super) struct RxTok(Vec<u8>);
 
 pub(super) struct TxTok<'a> {
-    queue: &'a mut VecDeque<Vec<u8>>,
-    spare: &'a mut Vec<Vec<u8>>,
+    queue: &'a mut Frames,
+    spare: &'a mut Spare,
 }
 
 impl phy::RxToken for RxTok {
@@ -182,11 +239,10 @@ impl phy::TxToken for TxTok<'_> {
     where
         F: FnOnce(&mut [u8]) -> R,
     {
-        let mut buf = self.spare.pop().unwrap_or_default();
-        buf.clear();
+        let mut buf = self.spare.take();
         buf.resize(len, 0);
         let r = f(&mut buf);
-        self.queue.push_back(buf);
+        self.queue.push(buf);
         r
     }
 }
@@ -499,6 +555,32 @@ mod tests {
         assert!(link.is_starved());
         assert!(link.pop_to_guest());
         assert_eq!(link.next_from_guest(), Some(vec![1]));
+    }
+
+    #[test]
+    fn the_queues_are_bounded_in_bytes_too() {
+        let big = 60 * 1024;
+        let mut link = Link::new(256);
+        let mut queued = 0;
+        while link.push_to_guest(|b| b.resize(big, 0)) {
+            queued += 1;
+        }
+        assert_eq!(queued, MAX_QUEUED_BYTES.div_ceil(big), "full at the byte bound, not at 256 frames");
+        assert!(link.is_starved());
+        while !link.pop_to_guest() {}
+        assert!(link.to_guest.bytes <= MAX_QUEUED_BYTES / 2, "wakes at half the bytes");
+        let mut from = 0;
+        while link.push_from_guest(&vec![0; big]) {
+            from += 1;
+        }
+        assert_eq!(from, MAX_QUEUED_BYTES.div_ceil(big));
+        while link.front_to_guest().is_some() {
+            link.pop_to_guest();
+        }
+        while let Some(buf) = link.next_from_guest() {
+            link.recycle(buf);
+        }
+        assert!(link.spare.bytes > 0 && link.spare.bytes <= MAX_SPARE_BYTES, "some buffers kept, within the bound");
     }
 
     #[test]
