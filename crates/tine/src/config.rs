@@ -29,6 +29,9 @@
 //! [memory]
 //! huge_pages = false            # guest RAM of 2 MiB pages (vm.nr_hugepages)
 //!
+//! [preview]
+//! domain = "preview.example.com"   # preview URLs https://<id>.preview.example.com/
+//!
 //! [cluster]
 //! host_name = "tine-a"          # in sandbox ids, sb-tine-a-<n>; default: the host name
 //! peers = { tine-b = "http://10.0.0.2:5555" }   # where other hosts' calls go
@@ -121,6 +124,8 @@ pub struct FileConfig {
     /// `[images]`: templates from OCI images
     /// ([`tine_sandbox::images`]).
     pub images: tine_sandbox::images::ImagesConfig,
+    /// `[preview]`: preview URLs ([`crate::preview::PreviewConfig`]).
+    pub preview: crate::preview::PreviewConfig,
 }
 
 /// The tenants file's name in the data directory, where
@@ -412,6 +417,7 @@ mod tests {
             "deploy/tine.toml shows no insecure registry"
         );
         assert_eq!(c.cluster, crate::cluster::ClusterConfig::default(), "deploy/tine.toml shows no peers");
+        assert_eq!(c.preview, crate::preview::PreviewConfig::default(), "deploy/tine.toml shows the preview defaults");
         let huge: FileConfig = toml::from_str("[memory]\nhuge_pages = true\n").unwrap();
         assert!(huge.memory.huge_pages);
         assert_eq!(

@@ -15,6 +15,8 @@
 //!   go there).
 //! - `config`: the configuration file and the data directory.
 //! - `files_url`: signed URLs that stream one sandbox file in or out.
+//! - `preview`: preview URLs, a browser's way to a server in a sandbox;
+//!   `port_forward`: raw TCP into a guest port over an upgraded request.
 //! - `metrics` and `audit`: `/metrics` and the audit log.
 
 pub mod cli;
@@ -27,4 +29,5 @@ mod files_url;
 mod mcp;
 mod metrics;
 mod port_forward;
+mod preview;
 mod server;

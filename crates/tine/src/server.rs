@@ -120,6 +120,9 @@ pub struct ServeOptions {
     pub public_url: Option<String>,
     /// This host's name and its peers ([`crate::cluster`]).
     pub cluster: Arc<Cluster>,
+    /// Preview URLs ([`crate::preview`]): their forms, limits, store and
+    /// token key.
+    pub previews: Arc<crate::preview::Previews>,
 }
 
 /// Errors of serving.
@@ -226,7 +229,9 @@ async fn metrics_text(
 /// bearer check), the open `/healthz` and `/files/{sandbox}`, whose signed
 /// URLs (from `files`) need no token, and with `[auth.oauth]` the open
 /// protected resource metadata ([`crate::auth::oauth::METADATA_PATH`] and
-/// the same followed by `/mcp`, RFC 9728 §3). Cancelling `cancel` ends every MCP
+/// the same followed by `/mcp`, RFC 9728 §3). Before all of them, requests
+/// for a preview URL (by `Host`, or by path where on) go to the sandbox
+/// ([`crate::preview::dispatch`]). Cancelling `cancel` ends every MCP
 /// session and its streams. Starts following the manager's events for the
 /// metrics (call it in a Tokio runtime).
 ///
@@ -260,6 +265,7 @@ pub fn router(
         metrics: metrics.clone(),
         tools,
         auth: auth.clone(),
+        previews: opts.previews.clone(),
     };
     let owners = SessionOwners::new(sessions.clone());
     let mcp = StreamableHttpService::new(move || Ok(TineMcp::new(&shared)), sessions.clone(), mcp_config);
@@ -289,7 +295,12 @@ pub fn router(
                 .with_state(auth.clone()),
         );
     }
-    Ok(open.merge(protected).merge(crate::files_url::routes(manager, files, auth)))
+    let dispatch =
+        crate::preview::Dispatch { manager: manager.clone(), previews: opts.previews.clone(), auth: auth.clone() };
+    Ok(open
+        .merge(protected)
+        .merge(crate::files_url::routes(manager, files, auth))
+        .layer(axum::middleware::from_fn_with_state(dispatch, crate::preview::dispatch)))
 }
 
 /// Serves until SIGTERM/SIGINT, then ends every session and kills every
@@ -459,7 +470,8 @@ async fn accept_loop(
             );
             continue;
         };
-        let conn = connection::serve_connection(&builder, stream, app.clone(), limits, open.shutdown.clone());
+        let conn =
+            connection::serve_connection(&builder, stream, Some(peer), app.clone(), limits, open.shutdown.clone());
         tokio::spawn(async move {
             match conn.await {
                 Ok(()) => {}

@@ -42,6 +42,7 @@ fn filler(tool: &str, name: &str) -> Value {
         "language" => json!("python"),
         "method" => json!("GET"),
         "stream" => json!("stdout"),
+        "port" => json!(8000),
         _ => panic!("{tool}: the tenant walk has no value for its required argument {name}; add one"),
     }
 }

@@ -147,6 +147,15 @@ pub(super) fn start(args: StartArgs) -> anyhow::Result<ExitCode> {
             "none (--dev)".into()
         }
     );
+    let forms = crate::preview::UrlForms::new(&r.file.preview, args.dev, listen);
+    let previews = crate::preview::Previews::open(&r.data_dir, r.file.preview.clone(), forms)?;
+    // Previews of sandboxes that did not survive the last stop are gone.
+    match previews.store.forget_gone(|id| manager.contains(id)) {
+        Ok(0) => {}
+        Ok(n) => tracing::info!("{n} preview URLs removed: their sandboxes are gone"),
+        Err(e) => tracing::warn!("{e}"),
+    }
+    let previews = std::sync::Arc::new(previews);
     let opts = server::ServeOptions {
         listen,
         auth,
@@ -172,6 +181,7 @@ pub(super) fn start(args: StartArgs) -> anyhow::Result<ExitCode> {
         build_default_template: r.file.templates.build_default,
         public_url: r.file.public_url.clone(),
         cluster,
+        previews,
     };
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(server::serve(manager, opts))?;

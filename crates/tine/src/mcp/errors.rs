@@ -42,6 +42,9 @@ pub enum ToolError {
     /// A file URL cannot be made.
     #[error("{0}")]
     Url(#[from] crate::files_url::UrlError),
+    /// A preview URL cannot be made or revoked.
+    #[error("{0}")]
+    Preview(#[from] crate::preview::PreviewError),
     /// A GET URL for something that is not a regular file.
     #[error("{path} is not a regular file; sandbox_download_dir packs a directory")]
     NotAFile {

@@ -123,6 +123,8 @@ pub struct TineMcp {
     log: Arc<SessionLog>,
     /// Signs file URLs (`sandbox_files_url`).
     files: Arc<FileUrls>,
+    /// Preview URLs (`sandbox_preview_url`).
+    previews: Arc<crate::preview::Previews>,
     /// This host and its peers: calls naming another host's sandbox go there.
     cluster: Arc<Cluster>,
     /// Tool calls are counted and timed here.
@@ -144,6 +146,8 @@ pub struct Shared {
     pub manager: Arc<Manager>,
     /// Signs file URLs (`sandbox_files_url`).
     pub files: Arc<FileUrls>,
+    /// Preview URLs (`sandbox_preview_url`).
+    pub previews: Arc<crate::preview::Previews>,
     /// This host and its peers.
     pub cluster: Arc<Cluster>,
     /// The server's metrics.
@@ -166,6 +170,7 @@ impl TineMcp {
             key,
             log: SessionLog::new(key),
             files: shared.files.clone(),
+            previews: shared.previews.clone(),
             cluster: shared.cluster.clone(),
             metrics: shared.metrics.clone(),
             tools: shared.tools.clone(),

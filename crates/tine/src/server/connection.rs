@@ -160,6 +160,8 @@ impl HttpBody for TrackedBody {
 pub struct Tracked {
     app: TowerToHyperService<Router>,
     activity: Arc<watch::Sender<Activity>>,
+    /// The client's address.
+    peer: Option<std::net::SocketAddr>,
 }
 
 impl hyper::service::Service<Request<Incoming>> for Tracked {
@@ -167,7 +169,10 @@ impl hyper::service::Service<Request<Incoming>> for Tracked {
     type Error = Infallible;
     type Future = Pin<Box<dyn Future<Output = Result<Response<Body>, Infallible>> + Send>>;
 
-    fn call(&self, req: Request<Incoming>) -> Self::Future {
+    fn call(&self, mut req: Request<Incoming>) -> Self::Future {
+        if let Some(peer) = self.peer {
+            req.extensions_mut().insert(axum::extract::ConnectInfo(peer));
+        }
         let in_flight = InFlight::begin(&self.activity);
         let answer = self.app.call(req);
         Box::pin(async move {
@@ -177,8 +182,9 @@ impl hyper::service::Service<Request<Incoming>> for Tracked {
     }
 }
 
-/// Serves `app` on `io` with `builder` under `limits` (see the module's
-/// documentation) until the connection ends; `shutdown` asks it to close
+/// Serves `app` on `io` (from `peer`, given to every request as
+/// [`axum::extract::ConnectInfo`]) with `builder` under `limits` (see the
+/// module's documentation) until the connection ends; `shutdown` asks it to close
 /// gracefully (without a deadline: the caller bounds the drain).
 ///
 /// Errors: [`ConnError`] when the connection was closed at a deadline
@@ -187,6 +193,7 @@ impl hyper::service::Service<Request<Incoming>> for Tracked {
 pub fn serve_connection<I>(
     builder: &auto::Builder<TokioExecutor>,
     io: I,
+    peer: Option<std::net::SocketAddr>,
     app: Router,
     limits: ConnLimits,
     shutdown: CancellationToken,
@@ -196,7 +203,7 @@ where
 {
     let accepted = Instant::now();
     let (tx, mut activity) = watch::channel(Activity { requests: 0, in_flight: 0, idle_since: accepted });
-    let service = Tracked { app: TowerToHyperService::new(app), activity: Arc::new(tx) };
+    let service = Tracked { app: TowerToHyperService::new(app), activity: Arc::new(tx), peer };
     let conn = builder.serve_connection_with_upgrades(TokioIo::new(io), service).into_owned();
     async move {
         let mut conn = std::pin::pin!(conn);

@@ -51,6 +51,14 @@ fn options(token: Option<&str>, allowed_origins: Vec<String>) -> ServeOptions {
         max_sessions: super::DEFAULT_MAX_SESSIONS,
         build_default_template: false,
         public_url: None,
+        previews: std::sync::Arc::new(
+            crate::preview::Previews::open(
+                &tempfile::tempdir().unwrap().keep(),
+                Default::default(),
+                crate::preview::UrlForms { host: Some(("http".into(), "localhost".into(), Some(5555))), path: true },
+            )
+            .unwrap(),
+        ),
         cluster: std::sync::Arc::new(
             crate::cluster::Cluster::new(
                 &crate::cluster::ClusterConfig { host_name: Some("t1".into()), ..Default::default() },

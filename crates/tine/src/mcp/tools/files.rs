@@ -290,12 +290,12 @@ fn shell_quote(s: &str) -> String {
 
 impl TineMcp {
     /// The base URLs of this request start with.
-    fn url_base(&self, ctx: &RequestContext<RoleServer>) -> String {
+    pub(super) fn url_base(&self, ctx: &RequestContext<RoleServer>) -> String {
         self.files.base_for(ctx.extensions.get::<axum::http::request::Parts>())
     }
 
     /// The grant file URLs of sandbox `id` are signed over.
-    fn url_grant(&self, id: &str) -> String {
+    pub(super) fn url_grant(&self, id: &str) -> String {
         self.auth.url_grant(self.manager.tenant_of(id).flatten().as_deref())
     }
 }

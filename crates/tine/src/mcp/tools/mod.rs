@@ -15,6 +15,7 @@
 //! - [`network`]: `sandbox_network_log`, and the network policy
 //!   `sandbox_create` and `sandbox_update` take.
 //! - [`volumes`]: `volume_create`, `volume_list`, `volume_delete`.
+//! - [`preview`]: `sandbox_preview_url`, `sandbox_preview_revoke`.
 //!
 //! `tools/list` is sorted by name whatever the order here (rmcp's
 //! `ToolRouter::list_all`).
@@ -23,6 +24,7 @@ mod code;
 mod common;
 mod files;
 mod network;
+mod preview;
 mod processes;
 mod sandboxes;
 mod templates;
@@ -42,4 +44,5 @@ pub(super) fn router() -> ToolRouter<TineMcp> {
         + TineMcp::processes_router()
         + TineMcp::network_router()
         + TineMcp::volumes_router()
+        + TineMcp::preview_router()
 }

@@ -53,7 +53,7 @@ fn connect(
 ) -> (DuplexStream, JoinHandle<Result<(), ConnError>>, CancellationToken) {
     let (client, server) = tokio::io::duplex(64 << 10);
     let shutdown = CancellationToken::new();
-    let conn = serve_connection(&builder(header_read), server, app(), limits, shutdown.clone());
+    let conn = serve_connection(&builder(header_read), server, None, app(), limits, shutdown.clone());
     (client, tokio::spawn(conn), shutdown)
 }
 

@@ -1,0 +1,584 @@
+//! A preview request's way to the guest: which preview a request is for
+//! ([`target`]), its token or cookie checked, then HTTP/1.1 to the guest's
+//! port over a connection from the sandbox's network
+//! (`tine_sandbox::Manager::connect_port`), one connection per request.
+//!
+//! Headers that belong to one connection (RFC 9110 §7.6.1) are not passed
+//! on, but an upgrade (RFC 9110 §7.8: WebSockets, RFC 6455 §4) is: the
+//! guest's `101` is answered to the client and the two connections are
+//! spliced until both close. Bodies are streamed both ways (chunked,
+//! Server-Sent Events) under [`super::PreviewConfig`]'s size limits; the
+//! server holds a few frames of each at a time. The guest sees
+//! `X-Forwarded-For`, `-Proto`, `-Host` (and `-Prefix` for a path-based
+//! URL), and `Host: localhost:<port>` unless `rewrite_host` is off.
+//! Refusals are small HTML pages that say what to do.
+
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::extract::{ConnectInfo, Request};
+use axum::http::{header, HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Uri, Version};
+use axum::response::{IntoResponse, Response};
+use hyper::upgrade::OnUpgrade;
+use hyper_util::rt::TokioIo;
+use tine_sandbox::network::InboundError;
+use tine_sandbox::SandboxError;
+
+use super::store::{is_id, now_ms, Preview};
+use super::{Dispatch, UrlForms, COOKIE, PATH_PREFIX, TOKEN_PARAM};
+
+/// Which preview a request is for, and how it named it.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Target {
+    /// The preview id.
+    pub id: String,
+    /// The URL's form.
+    pub form: Form,
+}
+
+/// How a request named its preview.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Form {
+    /// By `Host`: `<id>.<domain>`.
+    Host,
+    /// By path: `/preview/<id>[.<token>]`, `prefix` bytes of the path.
+    Path {
+        /// The token in the path, if any.
+        token: Option<String>,
+        /// Bytes of the path that name the preview (`/preview/<segment>`).
+        prefix: usize,
+    },
+}
+
+/// The host a request was sent to, lower case, without a port: `Host`
+/// (HTTP/1.1) or the URI's authority (HTTP/2's `:authority`).
+fn request_host(req: &Request) -> Option<String> {
+    let raw = req.headers().get(header::HOST).and_then(|v| v.to_str().ok()).or(req.uri().host())?;
+    let host = match raw.rsplit_once(':') {
+        Some((h, port)) if port.bytes().all(|b| b.is_ascii_digit()) => h,
+        _ => raw,
+    };
+    Some(host.trim_end_matches('.').to_ascii_lowercase())
+}
+
+/// The preview `req` is for, if any: a `Host` of `<id>.<domain>` when
+/// host-based URLs are on, a path under [`PATH_PREFIX`] when path-based
+/// ones are.
+pub fn target(forms: &UrlForms, req: &Request) -> Option<Target> {
+    if let Some((_, domain, _)) = &forms.host {
+        if let Some(host) = request_host(req) {
+            if let Some(id) = host.strip_suffix(domain.as_str()).and_then(|h| h.strip_suffix('.')) {
+                if is_id(id) {
+                    return Some(Target { id: id.to_string(), form: Form::Host });
+                }
+            }
+        }
+    }
+    if forms.path {
+        let rest = req.uri().path().strip_prefix(PATH_PREFIX)?;
+        let segment = rest.split('/').next().unwrap_or_default();
+        let (id, token) = match segment.split_once('.') {
+            Some((id, token)) => (id, Some(token.to_string())),
+            None => (segment, None),
+        };
+        if is_id(id) {
+            return Some(Target {
+                id: id.to_string(),
+                form: Form::Path { token, prefix: PATH_PREFIX.len() + segment.len() },
+            });
+        }
+    }
+    None
+}
+
+/// The URL a preview is reached at, with its token when it is not public:
+/// host-based when `host` is set, else path-based under `base`.
+pub fn url(forms: &UrlForms, p: &Preview, token: Option<&str>, host_form: bool, base: &str) -> String {
+    match (&forms.host, host_form) {
+        (Some((scheme, domain, port)), true) => {
+            let port = port.map(|p| format!(":{p}")).unwrap_or_default();
+            let query = token.map(|t| format!("?{TOKEN_PARAM}={t}")).unwrap_or_default();
+            format!("{scheme}://{}.{domain}{port}/{query}", p.preview_id)
+        }
+        _ => {
+            let token = token.map(|t| format!(".{t}")).unwrap_or_default();
+            format!("{}{PATH_PREFIX}{}{token}/", base.trim_end_matches('/'), p.preview_id)
+        }
+    }
+}
+
+/// A small HTML page (`Cache-Control: no-store`).
+pub fn page(status: StatusCode, title: &str, message: &str) -> Response {
+    let esc = |s: &str| s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;");
+    let body = format!(
+        "<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>{t}</title></head>\n<body><h1>{t}</h1>\n<p>{m}</p>\n\
+         <p><small>tine preview, {s}</small></p></body></html>\n",
+        t = esc(title),
+        m = esc(message),
+        s = status.as_u16()
+    );
+    (status, [(header::CONTENT_TYPE, "text/html; charset=utf-8"), (header::CACHE_CONTROL, "no-store")], body)
+        .into_response()
+}
+
+fn not_found() -> Response {
+    page(
+        StatusCode::NOT_FOUND,
+        "No such preview",
+        "This preview URL was revoked, expired, or its sandbox is gone. Ask the agent for a new one \
+         (sandbox_preview_url).",
+    )
+}
+
+/// The value of cookie `name` in `headers` (RFC 6265 §5.4's `Cookie`).
+fn cookie<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
+    headers
+        .get_all(header::COOKIE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(';'))
+        .filter_map(|pair| pair.trim().split_once('='))
+        .find(|(n, _)| *n == name)
+        .map(|(_, v)| v)
+}
+
+/// `Cookie` without the pair `name`; `None` when nothing is left.
+fn cookie_without(headers: &HeaderMap, name: &str) -> Option<HeaderValue> {
+    let kept: Vec<&str> = headers
+        .get_all(header::COOKIE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(';'))
+        .map(str::trim)
+        .filter(|pair| !pair.is_empty() && pair.split_once('=').is_none_or(|(n, _)| n != name))
+        .collect();
+    if kept.is_empty() {
+        return None;
+    }
+    HeaderValue::from_str(&kept.join("; ")).ok()
+}
+
+/// The query without [`TOKEN_PARAM`], and the token if it was there.
+fn split_token(query: Option<&str>) -> (Option<String>, Option<String>) {
+    let Some(q) = query else { return (None, None) };
+    let mut token = None;
+    let kept: Vec<&str> = q
+        .split('&')
+        .filter(|pair| match pair.split_once('=') {
+            Some((TOKEN_PARAM, v)) => {
+                token = Some(v.to_string());
+                false
+            }
+            _ => *pair != TOKEN_PARAM,
+        })
+        .collect();
+    let rest = if kept.is_empty() { None } else { Some(kept.join("&")) };
+    (rest, token)
+}
+
+/// Whether a header belongs to one connection (RFC 9110 §7.6.1), with
+/// those the request's `Connection` names.
+fn hop_by_hop(name: &HeaderName, connection: &[String]) -> bool {
+    matches!(
+        name.as_str(),
+        "connection"
+            | "keep-alive"
+            | "proxy-connection"
+            | "proxy-authorization"
+            | "te"
+            | "trailer"
+            | "transfer-encoding"
+            | "upgrade"
+    ) || connection.iter().any(|c| c.eq_ignore_ascii_case(name.as_str()))
+}
+
+/// The tokens of the `Connection` headers, lower case.
+fn connection_tokens(headers: &HeaderMap) -> Vec<String> {
+    headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(|t| t.trim().to_ascii_lowercase())
+        .filter(|t| !t.is_empty())
+        .collect()
+}
+
+/// Whether a request or response asks to switch protocols.
+fn is_upgrade(headers: &HeaderMap) -> bool {
+    connection_tokens(headers).iter().any(|t| t == "upgrade") && headers.contains_key(header::UPGRADE)
+}
+
+/// Answers a request for preview `target`: the preview's checks, then the
+/// guest's answer.
+pub async fn serve(d: &Dispatch, target: Target, req: Request) -> Response {
+    let Some(p) = d.previews.store.get(&target.id) else {
+        return not_found();
+    };
+    if d.manager.tenant_of(&p.sandbox_id).is_none() {
+        // Its sandbox is gone: so is the preview.
+        let _ = d.previews.store.forget_gone(|s| s != p.sandbox_id);
+        return not_found();
+    }
+    // A path-based URL without the slash after its prefix: relative URLs
+    // in the page would resolve outside it.
+    if let Form::Path { prefix, .. } = &target.form {
+        if req.uri().path().len() == *prefix {
+            let q = req.uri().query().map(|q| format!("?{q}")).unwrap_or_default();
+            let to = format!("{}/{q}", req.uri().path());
+            return (StatusCode::PERMANENT_REDIRECT, [(header::LOCATION, to)]).into_response();
+        }
+    }
+    let (query, url_token) = split_token(req.uri().query());
+    if !p.public {
+        let grant = d.auth.url_grant(p.tenant.as_deref());
+        let now = now_ms() / 1000;
+        let refused =
+            |e: &dyn std::fmt::Display| page(StatusCode::UNAUTHORIZED, "This preview needs its token", &format!("{e}"));
+        match &target.form {
+            Form::Path { token, .. } => match token {
+                Some(t) => {
+                    if let Err(e) = d.previews.tokens.verify(t, &p, &grant, now) {
+                        return refused(&e);
+                    }
+                }
+                None => return refused(&"open the whole URL sandbox_preview_url gave (it carries a token)"),
+            },
+            Form::Host => match (url_token.as_deref(), cookie(req.headers(), COOKIE)) {
+                (Some(t), _) => {
+                    if let Err(e) = d.previews.tokens.verify(t, &p, &grant, now) {
+                        return refused(&e);
+                    }
+                    if req.method() == Method::GET || req.method() == Method::HEAD {
+                        return exchange(&p, t, req.uri().path(), query.as_deref(), secure(&d.previews.forms, &req));
+                    }
+                }
+                (None, Some(c)) => {
+                    if let Err(e) = d.previews.tokens.verify(c, &p, &grant, now) {
+                        return refused(&e);
+                    }
+                }
+                (None, None) => return refused(&"open the whole URL sandbox_preview_url gave (it carries a token)"),
+            },
+        }
+    }
+    forward(d, &p, &target.form, query, req).await
+}
+
+/// Whether the client reached the server over TLS: the URL's scheme, or a
+/// TLS proxy's `X-Forwarded-Proto`.
+fn secure(forms: &UrlForms, req: &Request) -> bool {
+    let forwarded = req.headers().get("x-forwarded-proto").and_then(|v| v.to_str().ok());
+    forwarded == Some("https") || forms.host.as_ref().is_some_and(|(scheme, ..)| scheme == "https")
+}
+
+/// The token in the URL for a cookie: `303` to the same path and query
+/// without the token, setting an HttpOnly, SameSite=Lax, host-only cookie
+/// (no `Domain`: RFC 6265 §5.3 step 6) that lasts as long as the preview.
+fn exchange(p: &Preview, token: &str, path: &str, query: Option<&str>, secure: bool) -> Response {
+    let max_age = p.expires_at_ms.saturating_sub(now_ms()) / 1000;
+    let secure = if secure { "; Secure" } else { "" };
+    let cookie = format!("{COOKIE}={token}; Path=/; Max-Age={max_age}; HttpOnly; SameSite=Lax{secure}");
+    let location = match query {
+        Some(q) => format!("{path}?{q}"),
+        None => path.to_string(),
+    };
+    (
+        StatusCode::SEE_OTHER,
+        [(header::LOCATION, location), (header::SET_COOKIE, cookie), (header::CACHE_CONTROL, "no-store".into())],
+    )
+        .into_response()
+}
+
+/// Why a request did not reach the guest, as a page.
+fn unreachable(p: &Preview, e: &SandboxError) -> Response {
+    let (status, title) = match e {
+        SandboxError::NotFound(_) => return not_found(),
+        SandboxError::Inbound(InboundError::Busy) => (StatusCode::SERVICE_UNAVAILABLE, "The sandbox is busy"),
+        SandboxError::Timeout { .. } => (StatusCode::GATEWAY_TIMEOUT, "The sandbox did not wake in time"),
+        _ => (StatusCode::BAD_GATEWAY, "The sandbox cannot be reached"),
+    };
+    page(status, title, &format!("Port {} of sandbox {}: {e}", p.port, p.sandbox_id))
+}
+
+/// The page for a guest that gave no HTTP response on the port.
+fn nothing_listening(p: &Preview, e: &hyper::Error) -> Response {
+    page(
+        StatusCode::BAD_GATEWAY,
+        &format!("Nothing answers on port {}", p.port),
+        &format!(
+            "Sandbox {} has no server answering HTTP on port {} ({e}). Start one that listens on 0.0.0.0:{} (a server \
+             bound to 127.0.0.1 cannot be reached from outside the sandbox), then reload.",
+            p.sandbox_id, p.port, p.port
+        ),
+    )
+}
+
+/// The request as the guest gets it: origin-form target, hop-by-hop
+/// headers out (an upgrade's kept), the preview cookie out, `Host` and
+/// `X-Forwarded-*`; `None` when the target is not a valid URI.
+fn guest_request(
+    d: &Dispatch,
+    p: &Preview,
+    form: &Form,
+    query: Option<String>,
+    parts: &axum::http::request::Parts,
+) -> Option<axum::http::request::Builder> {
+    let path = match form {
+        Form::Host => parts.uri.path(),
+        Form::Path { prefix, .. } => parts.uri.path().get(*prefix..).filter(|r| r.starts_with('/')).unwrap_or("/"),
+    };
+    let target = match &query {
+        Some(q) => format!("{path}?{q}"),
+        None => path.to_string(),
+    };
+    let uri: Uri = target.parse().ok()?;
+    let connection = connection_tokens(&parts.headers);
+    let upgrade = is_upgrade(&parts.headers);
+    let mut b = axum::http::Request::builder().method(parts.method.clone()).uri(uri).version(Version::HTTP_11);
+    let original_host = request_host_of(parts);
+    for (name, value) in &parts.headers {
+        if hop_by_hop(name, &connection) || name == header::HOST || name == header::COOKIE {
+            continue;
+        }
+        if name.as_str().starts_with("x-forwarded-") && name != "x-forwarded-for" && name != "x-forwarded-proto" {
+            continue;
+        }
+        b = b.header(name, value);
+    }
+    if let Some(c) = cookie_without(&parts.headers, COOKIE) {
+        b = b.header(header::COOKIE, c);
+    }
+    if upgrade {
+        b = b.header(header::CONNECTION, "upgrade");
+        for v in parts.headers.get_all(header::UPGRADE) {
+            b = b.header(header::UPGRADE, v);
+        }
+    }
+    let host = if d.previews.config.rewrite_host { format!("localhost:{}", p.port) } else { original_host.clone() };
+    b = b.header(header::HOST, host);
+    if let Some(ConnectInfo(peer)) = parts.extensions.get::<ConnectInfo<std::net::SocketAddr>>() {
+        let before = parts.headers.get("x-forwarded-for").and_then(|v| v.to_str().ok());
+        let chain = match before {
+            Some(b) => format!("{b}, {}", peer.ip()),
+            None => peer.ip().to_string(),
+        };
+        b = b.header("x-forwarded-for", chain);
+    }
+    if !parts.headers.contains_key("x-forwarded-proto") {
+        let proto = match &d.previews.forms.host {
+            Some((scheme, ..)) if matches!(form, Form::Host) => scheme.clone(),
+            _ => "http".into(),
+        };
+        b = b.header("x-forwarded-proto", proto);
+    }
+    if !original_host.is_empty() {
+        b = b.header("x-forwarded-host", original_host);
+    }
+    if let Form::Path { prefix, .. } = form {
+        if let Some(pre) = parts.uri.path().get(..*prefix) {
+            b = b.header("x-forwarded-prefix", pre);
+        }
+    }
+    Some(b)
+}
+
+/// `Host` as the client sent it (with its port), or the URI's authority.
+fn request_host_of(parts: &axum::http::request::Parts) -> String {
+    parts
+        .headers
+        .get(header::HOST)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string)
+        .or_else(|| parts.uri.authority().map(|a| a.to_string()))
+        .unwrap_or_default()
+}
+
+/// Sends the request to the guest and answers its response (or its `101`
+/// and the splice).
+async fn forward(d: &Dispatch, p: &Preview, form: &Form, query: Option<String>, req: Request) -> Response {
+    let (mut parts, body) = req.into_parts();
+    let max_request = d.previews.max_request_bytes();
+    let declared =
+        parts.headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > max_request) {
+        return page(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "Request too large",
+            &format!(
+                "This server passes request bodies of at most {} MiB to a sandbox ([preview] max_request_mib).",
+                d.previews.config.max_request_mib
+            ),
+        );
+    }
+    let Some(builder) = guest_request(d, p, form, query, &parts) else {
+        return page(StatusCode::BAD_REQUEST, "Bad request", "the request's target is not a valid URI");
+    };
+    let client_upgrade = parts.extensions.remove::<OnUpgrade>();
+    let limited = http_body_util::Limited::new(body, usize::try_from(max_request).unwrap_or(usize::MAX));
+    let Ok(request) = builder.body(Body::new(limited)) else {
+        return page(StatusCode::BAD_REQUEST, "Bad request", "the request's headers cannot be passed on");
+    };
+    let connect = tokio::time::timeout(d.previews.wake_timeout(), d.manager.connect_port(&p.sandbox_id, p.port));
+    let conn = match connect.await {
+        Ok(Ok(c)) => c,
+        Ok(Err(e)) => return unreachable(p, &e),
+        Err(_) => {
+            let secs = d.previews.wake_timeout().as_secs();
+            return unreachable(p, &SandboxError::Timeout { id: p.sandbox_id.clone(), secs });
+        }
+    };
+    let (stream, lease) = conn.into_parts();
+    let lease = Arc::new(lease);
+    let stream = match stream.set_nonblocking(true).and_then(|()| tokio::net::UnixStream::from_std(stream)) {
+        Ok(s) => s,
+        Err(e) => return page(StatusCode::BAD_GATEWAY, "The sandbox cannot be reached", &e.to_string()),
+    };
+    let (mut sender, connection) =
+        match hyper::client::conn::http1::Builder::new().handshake(TokioIo::new(stream)).await {
+            Ok(pair) => pair,
+            Err(e) => return nothing_listening(p, &e),
+        };
+    let held = lease.clone();
+    tokio::spawn(async move {
+        // Ends when the response is read and the sender dropped, or when
+        // an upgrade takes the connection.
+        let _ = connection.with_upgrades().await;
+        drop(held);
+    });
+    let mut response = match sender.send_request(request).await {
+        Ok(r) => r,
+        // Refused (the guest's reset closes the stream with no byte),
+        // closed mid-request, or not HTTP: no answer either way.
+        Err(e) => return nothing_listening(p, &e),
+    };
+    lease.touch();
+    if response.status() == StatusCode::SWITCHING_PROTOCOLS {
+        let Some(client) = client_upgrade else {
+            return page(
+                StatusCode::BAD_GATEWAY,
+                "Upgrade not possible",
+                "the guest switched protocols on a request that cannot be upgraded (HTTP/2?)",
+            );
+        };
+        let guest = hyper::upgrade::on(&mut response);
+        let (sandbox, port) = (p.sandbox_id.clone(), p.port);
+        tokio::spawn(async move {
+            match tokio::try_join!(client, guest) {
+                Ok((client, guest)) => {
+                    let (mut client, mut guest) = (TokioIo::new(client), TokioIo::new(guest));
+                    let r = tokio::io::copy_bidirectional(&mut client, &mut guest).await;
+                    tracing::debug!(sandbox = %sandbox, port, "preview upgrade closed: {r:?}");
+                }
+                Err(e) => tracing::debug!(sandbox = %sandbox, port, "preview upgrade failed: {e}"),
+            }
+            drop(lease);
+        });
+        let (parts, _) = response.into_parts();
+        return axum::http::Response::from_parts(parts, Body::empty());
+    }
+    let (mut parts, body) = response.into_parts();
+    let connection = connection_tokens(&parts.headers);
+    let names: Vec<HeaderName> = parts.headers.keys().filter(|n| hop_by_hop(n, &connection)).cloned().collect();
+    for n in names {
+        parts.headers.remove(n);
+    }
+    let max_response = usize::try_from(d.previews.max_response_bytes()).unwrap_or(usize::MAX);
+    axum::http::Response::from_parts(parts, Body::new(http_body_util::Limited::new(body, max_response)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn forms(path: bool) -> UrlForms {
+        UrlForms { host: Some(("https".into(), "preview.example.com".into(), None)), path }
+    }
+
+    fn req(host: &str, path: &str) -> Request {
+        axum::http::Request::builder().uri(path).header(header::HOST, host).body(Body::empty()).unwrap()
+    }
+
+    #[test]
+    fn the_host_or_the_path_names_the_preview() {
+        let id = "0123456789ab";
+        let t = target(&forms(false), &req(&format!("{id}.preview.example.com:8443"), "/x")).unwrap();
+        assert_eq!(t, Target { id: id.into(), form: Form::Host });
+        assert_eq!(
+            target(&forms(false), &req(&format!("{}.Preview.Example.com.", id.to_uppercase()), "/")).map(|t| t.id),
+            Some(id.into())
+        );
+        assert_eq!(target(&forms(false), &req("preview.example.com", "/")), None);
+        assert_eq!(target(&forms(false), &req("x.0123456789ab.preview.example.com", "/")), None);
+        assert_eq!(target(&forms(false), &req(&format!("{id}.example.com"), "/")), None);
+        assert_eq!(
+            target(&forms(false), &req("tine.example.com", &format!("/preview/{id}/"))),
+            None,
+            "path URLs are off"
+        );
+        let t = target(&forms(true), &req("tine.example.com", &format!("/preview/{id}.123.abcd/a/b?c"))).unwrap();
+        assert_eq!(
+            t,
+            Target { id: id.into(), form: Form::Path { token: Some("123.abcd".into()), prefix: 9 + 12 + 9 } }
+        );
+        assert_eq!(target(&forms(true), &req("tine.example.com", "/preview/short/")), None);
+        assert_eq!(target(&forms(true), &req("tine.example.com", "/mcp")), None);
+    }
+
+    #[test]
+    fn urls_carry_the_token_where_their_form_keeps_it() {
+        let p = Preview {
+            preview_id: "0123456789ab".into(),
+            sandbox_id: "sb-a".into(),
+            port: 8000,
+            tenant: None,
+            public: false,
+            created_at_ms: 0,
+            expires_at_ms: 1,
+        };
+        let dev = UrlForms { host: Some(("http".into(), "localhost".into(), Some(5555))), path: true };
+        assert_eq!(
+            url(&dev, &p, Some("9.ff"), true, "http://h"),
+            "http://0123456789ab.localhost:5555/?tine_preview_token=9.ff"
+        );
+        assert_eq!(url(&dev, &p, None, true, "http://h"), "http://0123456789ab.localhost:5555/");
+        assert_eq!(url(&dev, &p, Some("9.ff"), false, "http://h/"), "http://h/preview/0123456789ab.9.ff/");
+        assert_eq!(url(&forms(true), &p, None, true, ""), "https://0123456789ab.preview.example.com/");
+    }
+
+    #[test]
+    fn the_token_and_the_cookie_never_reach_the_guest() {
+        assert_eq!(split_token(Some("a=1&tine_preview_token=9.ff&b=2")), (Some("a=1&b=2".into()), Some("9.ff".into())));
+        assert_eq!(split_token(Some("tine_preview_token=9.ff")), (None, Some("9.ff".into())));
+        assert_eq!(split_token(Some("a")), (Some("a".into()), None));
+        let mut h = HeaderMap::new();
+        h.append(header::COOKIE, HeaderValue::from_static("a=1; tine_preview=9.ff"));
+        h.append(header::COOKIE, HeaderValue::from_static("b=2"));
+        assert_eq!(cookie(&h, COOKIE), Some("9.ff"));
+        assert_eq!(cookie_without(&h, COOKIE).unwrap(), "a=1; b=2");
+        let mut only = HeaderMap::new();
+        only.insert(header::COOKIE, HeaderValue::from_static("tine_preview=9.ff"));
+        assert_eq!(cookie_without(&only, COOKIE), None);
+    }
+
+    #[test]
+    fn hop_by_hop_headers_stay_but_an_upgrade_is_seen() {
+        let mut h = HeaderMap::new();
+        h.insert(header::CONNECTION, HeaderValue::from_static("keep-alive, Upgrade, X-Private"));
+        h.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
+        assert!(is_upgrade(&h));
+        let conn = connection_tokens(&h);
+        assert!(hop_by_hop(&HeaderName::from_static("x-private"), &conn));
+        assert!(hop_by_hop(&header::TRANSFER_ENCODING, &conn));
+        assert!(!hop_by_hop(&header::CONTENT_TYPE, &conn));
+        h.remove(header::UPGRADE);
+        assert!(!is_upgrade(&h));
+    }
+
+    #[test]
+    fn pages_escape_what_they_quote() {
+        let r = page(StatusCode::BAD_GATEWAY, "t", "<script>");
+        assert_eq!(r.status(), StatusCode::BAD_GATEWAY);
+        assert_eq!(r.headers()[header::CONTENT_TYPE], "text/html; charset=utf-8");
+    }
+}

@@ -1,0 +1,433 @@
+//! Preview URLs end to end: a real `tine --dev` server, a real guest
+//! serving HTTP from its Python interpreter, a real MCP client making the
+//! URLs, and HTTP and WebSocket clients opening them as a browser would
+//! (`<id>.localhost:<port>`, resolved to the loopback by the client as
+//! browsers do, RFC 6761 §6.3).
+//!
+//! One server and one sandbox (and its branch child) for every case.
+//! Transfers are 16 MiB each way (`TINE_TEST_FULL`: 100 MiB; the guest's
+//! network moves about 1.4 MB/s here, docs/hosts.md).
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use futures_util::{SinkExt, StreamExt};
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+use testkit::mcp::{call, TineServer};
+
+/// Bytes moved each way through a preview URL.
+fn transfer_bytes() -> usize {
+    if testkit::full_size() {
+        100 << 20
+    } else {
+        16 << 20
+    }
+}
+
+/// Most the server's own memory (outside guest RAM) may grow while it
+/// streams a transfer (bytes): far less than the transfer.
+const RSS_GROWTH_BOUND: u64 = 12 << 20;
+
+/// The app: an HTTP/1.1 server on guest port 8000 in a thread of the
+/// sandbox's interpreter (a new python3 process takes 15 s here):
+/// `/headers` (what it was sent, as JSON), `/sse` (one event, then the
+/// second once `/release` is asked for, chunked), `/ws` (a WebSocket echo
+/// of one text message, RFC 6455), `/blob?n=N` (N bytes, byte i = i % 251),
+/// `PUT /upload` (the SHA-256 of the body), `/count` (requests seen, not
+/// counting itself), `/` (a page).
+const APP: &str = r#"
+import base64, hashlib, http.server, json, threading, urllib.parse
+app_seen = [0]
+app_release = threading.Event()
+APP_BLOCK = bytes(i % 251 for i in range(251 * 261))
+class AppHandler(http.server.BaseHTTPRequestHandler):
+    protocol_version = 'HTTP/1.1'
+    def log_message(self, *a):
+        pass
+    def reply(self, code, body, ctype='text/plain'):
+        self.send_response(code)
+        self.send_header('Content-Type', ctype)
+        self.send_header('Content-Length', str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def chunk(self, data):
+        self.wfile.write(b'%x\r\n%s\r\n' % (len(data), data))
+        self.wfile.flush()
+    def do_GET(self):
+        url = urllib.parse.urlsplit(self.path)
+        if url.path != '/count':
+            app_seen[0] += 1
+        if url.path == '/count':
+            self.reply(200, str(app_seen[0]).encode())
+        elif url.path == '/headers':
+            seen = {k.lower(): v for k, v in self.headers.items()}
+            seen['target'] = self.path
+            self.reply(200, json.dumps(seen).encode(), 'application/json')
+        elif url.path == '/release':
+            app_release.set()
+            self.reply(200, b'released')
+        elif url.path == '/sse':
+            self.send_response(200)
+            self.send_header('Content-Type', 'text/event-stream')
+            self.send_header('Transfer-Encoding', 'chunked')
+            self.end_headers()
+            self.chunk(b'data: one\n\n')
+            app_release.wait(300)
+            self.chunk(b'data: two\n\n')
+            self.chunk(b'')
+        elif url.path == '/ws':
+            key = self.headers['Sec-WebSocket-Key']
+            accept = base64.b64encode(hashlib.sha1((key + '258EAFA5-E914-47DA-95CA-C5AB0DC85B11').encode()).digest())
+            self.send_response(101)
+            self.send_header('Upgrade', 'websocket')
+            self.send_header('Connection', 'Upgrade')
+            self.send_header('Sec-WebSocket-Accept', accept.decode())
+            self.end_headers()
+            self.wfile.flush()
+            r = self.rfile
+            b0, b1 = r.read(2)
+            n = b1 & 127
+            if n == 126:
+                n = int.from_bytes(r.read(2), 'big')
+            elif n == 127:
+                n = int.from_bytes(r.read(8), 'big')
+            mask = r.read(4)
+            data = bytes(c ^ mask[i % 4] for i, c in enumerate(r.read(n)))
+            out = b'echo: ' + data
+            self.wfile.write(bytes([0x81, len(out)]) + out + bytes([0x88, 0]))
+            self.wfile.flush()
+            self.close_connection = True
+        elif url.path == '/blob':
+            n = int(urllib.parse.parse_qs(url.query)['n'][0])
+            self.send_response(200)
+            self.send_header('Content-Type', 'application/octet-stream')
+            self.send_header('Content-Length', str(n))
+            self.end_headers()
+            while n > 0:
+                piece = APP_BLOCK[:n]
+                self.wfile.write(piece)
+                n -= len(piece)
+        else:
+            self.reply(200, b'<!doctype html><title>app</title><p id=app>hello from the sandbox</p>', 'text/html')
+    def do_PUT(self):
+        app_seen[0] += 1
+        n = int(self.headers['Content-Length'])
+        h = hashlib.sha256()
+        while n > 0:
+            d = self.rfile.read(min(n, 1 << 16))
+            if not d:
+                break
+            h.update(d)
+            n -= len(d)
+        self.reply(200, h.hexdigest().encode())
+class AppServer(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 256
+app_server = AppServer(('0.0.0.0', 8000), AppHandler)
+threading.Thread(target=app_server.serve_forever, daemon=True).start()
+"#;
+
+fn binary() -> &'static Path {
+    Path::new(env!("CARGO_BIN_EXE_tine"))
+}
+
+/// The pattern `/blob` sends: byte i is i % 251.
+fn pattern(n: usize) -> Vec<u8> {
+    (0..n).map(|i| (i % 251) as u8).collect()
+}
+
+fn hex_sha256(data: &[u8]) -> String {
+    Sha256::digest(data).iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// An HTTP client that sends `*.localhost` to the server and follows no
+/// redirects (the test looks at each).
+fn http_for(url: &str, server: SocketAddr) -> reqwest::Client {
+    let host = reqwest::Url::parse(url).unwrap().host_str().unwrap().to_string();
+    reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .resolve(&host, server)
+        .timeout(Duration::from_secs(600))
+        .build()
+        .unwrap()
+}
+
+/// `url` without its query.
+fn origin_of(url: &str) -> String {
+    let mut u = reqwest::Url::parse(url).unwrap();
+    u.set_query(None);
+    u.to_string().trim_end_matches('/').to_string()
+}
+
+async fn preview(client: &testkit::mcp::McpClient, args: Value) -> Value {
+    call(client, "sandbox_preview_url", args.clone())
+        .await
+        .unwrap_or_else(|e| panic!("sandbox_preview_url {args}: {e}"))
+}
+
+/// The cookie a host-based URL's token is exchanged for: the first
+/// request's `303` (to the same URL without the token) sets it.
+async fn exchange(http: &reqwest::Client, url: &str) -> String {
+    let r = http.get(url).send().await.expect("open the preview URL");
+    assert_eq!(r.status(), 303, "the token is exchanged for a cookie");
+    assert_eq!(r.headers()["location"], "/", "the token leaves the address bar");
+    let set = r.headers()["set-cookie"].to_str().unwrap().to_string();
+    assert!(set.contains("HttpOnly") && set.contains("SameSite=Lax") && !set.contains("Domain"), "{set}");
+    set.split(';').next().unwrap().to_string()
+}
+
+async fn count(http: &reqwest::Client, origin: &str, cookie: &str) -> u64 {
+    let r = http.get(format!("{origin}/count")).header("cookie", cookie).send().await.expect("GET /count");
+    assert_eq!(r.status(), 200);
+    r.text().await.unwrap().trim().parse().expect("a count")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_browser_reaches_the_guest_through_its_preview_url() {
+    if !testkit::kvm_available("preview") {
+        return;
+    }
+    let config = "[preview]\npath_urls = true\n";
+    let server = TineServer::start_with_default_template(binary(), None, config);
+    let addr: SocketAddr = server.base.trim_start_matches("http://").parse().unwrap();
+    let client = server.client().await;
+    let started = Instant::now();
+    let phase = |what: &str| eprintln!("preview test: {what} at {:.1} s", started.elapsed().as_secs_f64());
+
+    let sb = call(&client, "sandbox_create", json!({})).await.expect("create");
+    let id = sb["sandbox_id"].as_str().unwrap().to_string();
+    let r = call(&client, "sandbox_run_python", json!({"sandbox_id": id, "code": APP})).await.expect("start the app");
+    assert!(r.get("exception").is_none_or(Value::is_null), "{r}");
+    phase("app started");
+
+    // A URL with a token: without it, with a mangled one, or with another
+    // preview's, the request is refused and the guest sees nothing.
+    let p = preview(&client, json!({"sandbox_id": id, "port": 8000})).await;
+    let url = p["url"].as_str().unwrap().to_string();
+    let pid = p["preview_id"].as_str().unwrap().to_string();
+    assert!(url.starts_with(&format!("http://{pid}.localhost:")) && url.contains("tine_preview_token="), "{p}");
+    assert_eq!(
+        (p["public"].as_bool(), p["port"].as_u64(), p["form"].as_str()),
+        (Some(false), Some(8000), Some("host"))
+    );
+    let origin = origin_of(&url);
+    let http = http_for(&url, addr);
+    let cookie = exchange(&http, &url).await;
+    let seen_before = count(&http, &origin, &cookie).await;
+    let other = preview(&client, json!({"sandbox_id": id, "port": 8001})).await;
+    let other_token = other["url"].as_str().unwrap().split("tine_preview_token=").nth(1).unwrap().to_string();
+    for (what, req) in [
+        ("no token", http.get(format!("{origin}/"))),
+        ("a mangled token", http.get(format!("{origin}/?tine_preview_token=1.00"))),
+        ("another preview's token", http.get(format!("{origin}/?tine_preview_token={other_token}"))),
+        (
+            "another preview's cookie",
+            http.get(format!("{origin}/")).header("cookie", format!("tine_preview={other_token}")),
+        ),
+    ] {
+        let r = req.send().await.unwrap();
+        assert_eq!(r.status(), 401, "{what}");
+        assert!(r.text().await.unwrap().contains("token"), "{what}: the page says why");
+    }
+    assert_eq!(count(&http, &origin, &cookie).await, seen_before, "refused requests never reach the guest");
+    let unknown = format!("http://{}.localhost:{}/", "0000000000aa", addr.port());
+    assert_eq!(http_for(&unknown, addr).get(&unknown).send().await.unwrap().status(), 404);
+
+    // With the cookie: the page, and what the guest saw (no token, no
+    // cookie of ours, Host rewritten, X-Forwarded-*).
+    let r = http.get(format!("{origin}/")).header("cookie", &cookie).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(r.text().await.unwrap().contains("hello from the sandbox"));
+    let seen: Value = http
+        .get(format!("{origin}/headers?a=1"))
+        .header("cookie", format!("theirs=1; {cookie}"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(seen["host"], "localhost:8000", "{seen}");
+    assert_eq!(seen["cookie"], "theirs=1", "{seen}");
+    assert_eq!(seen["target"], "/headers?a=1", "{seen}");
+    assert_eq!(seen["x-forwarded-host"].as_str(), Some(origin.trim_start_matches("http://")), "{seen}");
+    assert_eq!(
+        (seen["x-forwarded-proto"].as_str(), seen["x-forwarded-for"].as_str()),
+        (Some("http"), Some("127.0.0.1"))
+    );
+    phase("auth and headers checked");
+
+    // Server-Sent Events arrive as they are sent: the first before the
+    // second is released.
+    let mut sse = http.get(format!("{origin}/sse")).header("cookie", &cookie).send().await.unwrap();
+    assert_eq!(sse.headers()["content-type"], "text/event-stream");
+    let first = sse.chunk().await.unwrap().expect("the first event");
+    assert_eq!(&first[..], b"data: one\n\n");
+    let released = http.get(format!("{origin}/release")).header("cookie", &cookie).send().await.unwrap();
+    assert_eq!(released.status(), 200);
+    let mut rest = Vec::new();
+    while let Some(c) = sse.chunk().await.unwrap() {
+        rest.extend_from_slice(&c);
+    }
+    assert_eq!(rest, b"data: two\n\n");
+    phase("SSE checked");
+
+    // A WebSocket echo through the URL, with the cookie.
+    let ws_url = format!("ws://{}/ws", origin.trim_start_matches("http://"));
+    let mut request = tokio_tungstenite::tungstenite::client::IntoClientRequest::into_client_request(ws_url).unwrap();
+    request.headers_mut().insert("cookie", cookie.parse().unwrap());
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (mut ws, resp) = tokio_tungstenite::client_async(request, tcp).await.expect("WebSocket handshake");
+    assert_eq!(resp.status(), 101);
+    ws.send(tokio_tungstenite::tungstenite::Message::text("hi there")).await.unwrap();
+    let echo = ws.next().await.expect("an echo").unwrap();
+    assert_eq!(echo.to_text().unwrap(), "echo: hi there");
+    drop(ws);
+    phase("WebSocket checked");
+
+    // A download and an upload larger than any buffer on the way, with
+    // the server's own memory bounded.
+    let n = transfer_bytes();
+    let rss_before = server.own_rss_bytes();
+    let t = Instant::now();
+    let got = http.get(format!("{origin}/blob?n={n}")).header("cookie", &cookie).send().await.unwrap();
+    assert_eq!(got.status(), 200);
+    let mut body = got.bytes_stream();
+    let (mut hasher, mut len, mut peak) = (Sha256::new(), 0usize, 0u64);
+    while let Some(c) = body.next().await {
+        let c = c.unwrap();
+        hasher.update(&c);
+        len += c.len();
+        if len % (1 << 20) < c.len() {
+            peak = peak.max(server.own_rss_bytes());
+        }
+    }
+    let down = t.elapsed();
+    assert_eq!(len, n);
+    let want = pattern(n);
+    assert_eq!(hasher.finalize().as_slice(), Sha256::digest(&want).as_slice(), "the download is whole");
+    let t = Instant::now();
+    let up = http.put(format!("{origin}/upload")).header("cookie", &cookie).body(want.clone()).send().await.unwrap();
+    assert_eq!(up.status(), 200);
+    assert_eq!(up.text().await.unwrap(), hex_sha256(&want), "the upload is whole");
+    let up = t.elapsed();
+    peak = peak.max(server.own_rss_bytes());
+    assert!(
+        peak.saturating_sub(rss_before) < RSS_GROWTH_BOUND,
+        "the server's memory grew {} bytes while moving {n} each way",
+        peak.saturating_sub(rss_before)
+    );
+    phase(&format!(
+        "{} MiB down in {:.1} s, up in {:.1} s, server RSS {} -> peak {} KiB",
+        n >> 20,
+        down.as_secs_f64(),
+        up.as_secs_f64(),
+        rss_before >> 10,
+        peak >> 10
+    ));
+
+    // Nothing listening: the 502 page names the port.
+    let closed = preview(&client, json!({"sandbox_id": id, "port": 7999})).await;
+    let closed_url = closed["url"].as_str().unwrap();
+    let c = http_for(closed_url, addr);
+    let ck = exchange(&c, closed_url).await;
+    let r = c.get(format!("{}/", origin_of(closed_url))).header("cookie", ck).send().await.unwrap();
+    assert_eq!(r.status(), 502);
+    let text = r.text().await.unwrap();
+    assert!(text.contains("port 7999") && text.contains("0.0.0.0:7999"), "{text}");
+
+    // Path-based: the token in the path, no cookie, the prefix stripped.
+    let path = preview(&client, json!({"sandbox_id": id, "port": 8000, "form": "path"})).await;
+    let path_url = path["url"].as_str().unwrap().to_string();
+    assert!(path_url.starts_with(&format!("{}/preview/", server.base)), "{path}");
+    let plain = reqwest::Client::builder().redirect(reqwest::redirect::Policy::none()).build().unwrap();
+    let seen: Value = plain.get(format!("{path_url}headers")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(seen["target"], "/headers", "{seen}");
+    assert!(seen["x-forwarded-prefix"].as_str().is_some_and(|p| p.starts_with("/preview/")), "{seen}");
+    let r = plain.get(path_url.trim_end_matches('/')).send().await.unwrap();
+    assert_eq!(r.status(), 308, "the prefix gets its slash");
+    let bare = format!("{}/preview/{}/", server.base, path["preview_id"].as_str().unwrap());
+    assert_eq!(plain.get(&bare).send().await.unwrap().status(), 401);
+
+    // Public: no token; revoked: gone.
+    let public = preview(&client, json!({"sandbox_id": id, "port": 8000, "public": true})).await;
+    let public_url = public["url"].as_str().unwrap().to_string();
+    assert!(!public_url.contains("token"), "{public}");
+    let ph = http_for(&public_url, addr);
+    assert_eq!(ph.get(&public_url).send().await.unwrap().status(), 200);
+    let revoked =
+        call(&client, "sandbox_preview_revoke", json!({"sandbox_id": id, "preview_id": public["preview_id"]}))
+            .await
+            .expect("revoke");
+    assert_eq!(revoked["revoked"].as_array().map(Vec::len), Some(1), "{revoked}");
+    assert_eq!(ph.get(&public_url).send().await.unwrap().status(), 404, "a revoked URL stops working");
+
+    // A URL that expires stops working.
+    let short = preview(&client, json!({"sandbox_id": id, "port": 8000, "public": true, "ttl_secs": 1})).await;
+    let short_url = short["url"].as_str().unwrap().to_string();
+    let sh = http_for(&short_url, addr);
+    let t = Instant::now();
+    while sh.get(&short_url).send().await.unwrap().status() != 404 {
+        assert!(t.elapsed() < Duration::from_secs(30), "the 1 s URL still works after 30 s");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    phase("502, path form, public, revoke and expiry checked");
+
+    // A branch child has its own URLs; the parent's never reach it.
+    let child = call(&client, "sandbox_branch", json!({"sandbox_id": id, "n": 1})).await.expect("branch");
+    let child_id = child["children"][0]["sandbox_id"].as_str().unwrap_or_else(|| panic!("{child}")).to_string();
+    let cp = preview(&client, json!({"sandbox_id": child_id, "port": 8000})).await;
+    let cp_url = cp["url"].as_str().unwrap().to_string();
+    let ch = http_for(&cp_url, addr);
+    let ccookie = exchange(&ch, &cp_url).await;
+    let child_seen = count(&ch, &origin_of(&cp_url), &ccookie).await;
+    let parent_seen = count(&http, &origin, &cookie).await;
+    assert_eq!(http.get(format!("{origin}/")).header("cookie", &cookie).send().await.unwrap().status(), 200);
+    assert_eq!(
+        count(&ch, &origin_of(&cp_url), &ccookie).await,
+        child_seen,
+        "the parent's request stayed in the parent"
+    );
+    assert_eq!(count(&http, &origin, &cookie).await, parent_seen + 1);
+    let cross = http.get(format!("{origin}/")).header("cookie", ccookie.clone()).send().await.unwrap();
+    assert_eq!(cross.status(), 401, "the child's cookie does not open the parent");
+
+    // 200 requests at once to one guest: each is answered (or refused
+    // with 503 when the sandbox's queue of connections is full), and the
+    // server goes on answering calls about another sandbox meanwhile.
+    let burst: Vec<_> = (0..200)
+        .map(|_| {
+            let (http, url, cookie) = (http.clone(), format!("{origin}/"), cookie.clone());
+            tokio::spawn(
+                async move { http.get(url).header("cookie", cookie).send().await.map(|r| r.status().as_u16()) },
+            )
+        })
+        .collect();
+    let t = Instant::now();
+    let other_call = call(&client, "sandbox_info", json!({"sandbox_id": child_id})).await.expect("info meanwhile");
+    let answered_in = t.elapsed();
+    assert_eq!(other_call["sandbox_id"], child_id.as_str());
+    let mut statuses = std::collections::BTreeMap::new();
+    for b in burst {
+        *statuses.entry(b.await.unwrap().expect("every request is answered")).or_insert(0) += 1;
+    }
+    assert!(statuses.keys().all(|s| *s == 200 || *s == 503), "{statuses:?}");
+    assert!(statuses.get(&200).copied().unwrap_or(0) > 0, "{statuses:?}");
+    phase(&format!("200 at once: {statuses:?}; another sandbox's call answered in {answered_in:?}"));
+
+    // A hibernated sandbox wakes for a request and serves it.
+    let h = call(&client, "sandbox_pause", json!({"sandbox_id": id, "to_disk": true})).await.expect("hibernate");
+    assert_eq!(h["state"], "hibernated", "{h}");
+    let r = http.get(format!("{origin}/")).header("cookie", &cookie).send().await.unwrap();
+    assert_eq!(r.status(), 200, "the request woke the sandbox");
+    assert!(r.text().await.unwrap().contains("hello from the sandbox"));
+    let info = call(&client, "sandbox_info", json!({"sandbox_id": id})).await.expect("info");
+    assert_eq!(info["state"], "running", "{info}");
+    phase("wake on request checked");
+
+    call(&client, "sandbox_kill", json!({"sandbox_id": child_id})).await.expect("kill child");
+    call(&client, "sandbox_kill", json!({"sandbox_id": id})).await.expect("kill");
+    assert_eq!(http.get(format!("{origin}/")).header("cookie", &cookie).send().await.unwrap().status(), 404);
+}
