@@ -65,8 +65,10 @@ trap cleanup EXIT
 # nginx (1.22): tests run their own, with their own configuration, as a
 # child process; see below for the system service. docker-registry (the
 # distribution registry 2.8): the image-pull tests (crates/image) run
-# their own on a loopback port, likewise.
-packages=(linux-source-6.1 build-essential bc flex bison libelf-dev libssl-dev cpio xz-utils patch e2fsprogs busybox-static mmdebstrap libclang-dev python3-venv qemu-system-x86 curl nginx docker-registry)
+# their own on a loopback port, likewise. chromium: the preview test
+# (crates/tine/tests/preview.rs) loads a page through a preview URL in it,
+# headless (16 s to install here, 348 MiB).
+packages=(linux-source-6.1 build-essential bc flex bison libelf-dev libssl-dev cpio xz-utils patch e2fsprogs busybox-static mmdebstrap libclang-dev python3-venv qemu-system-x86 curl nginx docker-registry chromium)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -14,7 +14,7 @@ cargo clippy --workspace --all-targets -q -- -D warnings
 # setup.sh made the Python SDK venv, installed nginx (the test of two hosts
 # behind it), docker-registry (the image-pull test) and installed the images in the default data directory: those
 # tests must run, not skip.
-export TINE_REQUIRE_PY_SDK=1 TINE_REQUIRE_NGINX=1 TINE_REQUIRE_REGISTRY=1 TINE_REQUIRE_INSTALLED_IMAGES=1 TINE_KERNEL="$kernel"
+export TINE_REQUIRE_PY_SDK=1 TINE_REQUIRE_NGINX=1 TINE_REQUIRE_CHROMIUM=1 TINE_REQUIRE_REGISTRY=1 TINE_REQUIRE_INSTALLED_IMAGES=1 TINE_KERNEL="$kernel"
 # The huge-page tests (vmm: branch and snapshot of guest RAM of 2 MiB
 # pages) need 2 GiB of the host's hugetlbfs pool: as root, grow the pool
 # by what is missing for the run and give it back at exit; then they must

@@ -295,8 +295,17 @@ pub fn router(
                 .with_state(auth.clone()),
         );
     }
-    let dispatch =
-        crate::preview::Dispatch { manager: manager.clone(), previews: opts.previews.clone(), auth: auth.clone() };
+    let dispatch = crate::preview::Dispatch {
+        manager: manager.clone(),
+        previews: opts.previews.clone(),
+        auth: auth.clone(),
+        cluster: opts.cluster.clone(),
+        upstream: Arc::new(crate::preview::upstream::Upstream::new(
+            manager.clone(),
+            opts.previews.wake_timeout(),
+            opts.previews.config.max_guest_connections,
+        )),
+    };
     Ok(open
         .merge(protected)
         .merge(crate::files_url::routes(manager, files, auth))

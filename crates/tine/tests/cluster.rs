@@ -6,7 +6,8 @@
 //! request of one host's session sent to the other is proxied to it,
 //! `/metrics` holds the expected series after a create, an exec, a branch
 //! and a kill, a tenant's call forwarded to the other host acts as that
-//! tenant there (and another tenant's is refused as for an unknown id),
+//! tenant there (and another tenant's is refused as for an unknown id), a
+//! preview URL of one host's sandbox opened through the other reaches it,
 //! and killing one host leaves the other's sessions working.
 //!
 //! Needs KVM, the guest images and `/usr/sbin/nginx` (scripts/setup.sh
@@ -186,7 +187,7 @@ async fn two_hosts_behind_nginx() {
     let config = |me: &str, other: &str, port: u16| {
         format!(
             "[cluster]\nhost_name = \"{me}\"\npeers = {{ {other} = \"http://127.0.0.1:{port}\" }}\n[auth]\n\
-             tenants_file = \"{}\"\n",
+             tenants_file = \"{}\"\n[preview]\ndomain = \"preview.test\"\nscheme = \"http\"\n",
             tenants.display()
         )
     };
@@ -240,6 +241,37 @@ async fn two_hosts_behind_nginx() {
     let both =
         raw_call_via(&h1, &h2, "sandbox_run_python", json!({"sandbox_id": s2, "code": "print('both', x)"})).await;
     assert!(both.contains(&format!("both {}", i2 * 7)), "proxied, then forwarded: {both}");
+
+    // A preview URL of h1's sandbox opened through h2 is passed to h1,
+    // token, cookie exchange and all (the id's first characters name h1).
+    let app = "import http.server, threading\n\
+               class PreviewApp(http.server.BaseHTTPRequestHandler):\n\
+               \x20   def do_GET(self):\n\
+               \x20       b = b'served by h1'\n\
+               \x20       self.send_response(200)\n\
+               \x20       self.send_header('Content-Length', str(len(b)))\n\
+               \x20       self.end_headers()\n\
+               \x20       self.wfile.write(b)\n\
+               preview_app = http.server.ThreadingHTTPServer(('0.0.0.0', 8000), PreviewApp)\n\
+               threading.Thread(target=preview_app.serve_forever, daemon=True).start()\n";
+    call(&direct, "sandbox_run_python", json!({"code": app})).await.unwrap();
+    let pv = call(&direct, "sandbox_preview_url", json!({"port": 8000})).await.unwrap();
+    let url = pv["url"].as_str().unwrap().to_string();
+    let host = format!("{}.preview.test", pv["preview_id"].as_str().unwrap());
+    assert!(url.starts_with(&format!("http://{host}/?tine_preview_token=")), "{pv}");
+    let via_h2 = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .resolve(&host, format!("127.0.0.1:{p2}").parse().unwrap())
+        .build()
+        .unwrap();
+    let first = via_h2.get(url.replace(&host, &format!("{host}:{p2}"))).send().await.unwrap();
+    assert_eq!(first.status(), 303, "h1 exchanged the token through h2");
+    let cookie = first.headers()["set-cookie"].to_str().unwrap().split(';').next().unwrap().to_string();
+    let page = via_h2.get(format!("http://{host}:{p2}/")).header("cookie", &cookie).send().await.unwrap();
+    assert_eq!(page.status(), 200);
+    assert_eq!(page.text().await.unwrap(), "served by h1");
+    let bare = via_h2.get(format!("http://{host}:{p2}/")).send().await.unwrap();
+    assert_eq!(bare.status(), 401, "h1 checks the token, not h2");
 
     // A tenant's call on h2 naming its sandbox on h1 is forwarded and acts
     // as that tenant there; another tenant's is refused by h1 as for an

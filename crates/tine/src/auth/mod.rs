@@ -226,6 +226,7 @@ impl Auth {
             key_sha256: String::new(),
             quota: Arc::new(self.default_quota.clone()),
             ceiling: None,
+            public_previews: None,
         });
         created.insert(name.to_string(), t.clone());
         crate::audit::change("tenant made from an OAuth token (create_tenants)", name);

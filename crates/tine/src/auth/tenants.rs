@@ -11,6 +11,7 @@
 //! [tenant.acme]
 //! key_sha256 = "9f86d081884c7d65..."   # SHA-256 (FIPS 180-4) of its API key, hex
 //! created_at_ms = 1764230400000
+//! public_previews = false              # no public preview URLs (default: [preview] public)
 //! [tenant.acme.quota]                  # overrides of [limits.tenant]
 //! max_running = 4
 //! [tenant.acme.network]                # its ceiling (default: the server's [network])
@@ -174,6 +175,10 @@ pub struct TenantEntry {
     /// Its network ceiling (`None`: the server's `[network]` policy).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub network: Option<NetworkPolicy>,
+    /// Whether it may make public preview URLs (`None`: the server's
+    /// `[preview] public`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub public_previews: Option<bool>,
 }
 
 fn is_default(q: &QuotaOverride) -> bool {
@@ -303,6 +308,7 @@ impl TenantsFile {
             removed: false,
             quota,
             network: None,
+            public_previews: None,
         };
         self.tenant.insert(name.to_string(), entry);
         Ok(key)
@@ -346,6 +352,9 @@ pub struct Tenant {
     pub quota: Arc<Quota>,
     /// Its network ceiling (`None`: the server's policy is the ceiling).
     pub ceiling: Option<NetworkPolicy>,
+    /// Whether it may make public preview URLs (`None`: the server's
+    /// `[preview] public` decides).
+    pub public_previews: Option<bool>,
 }
 
 /// The tenants file as read at one time: live tenants by key hash and by
@@ -379,6 +388,7 @@ impl Roster {
                 key_sha256: e.key_sha256.to_ascii_lowercase(),
                 quota: Arc::new(e.quota.apply(defaults)),
                 ceiling: e.network.clone(),
+                public_previews: e.public_previews,
             });
             roster.by_hash.insert(t.key_sha256.clone(), t.clone());
             roster.by_name.insert(name.clone(), t);

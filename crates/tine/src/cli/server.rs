@@ -148,7 +148,17 @@ pub(super) fn start(args: StartArgs) -> anyhow::Result<ExitCode> {
         }
     );
     let forms = crate::preview::UrlForms::new(&r.file.preview, args.dev, listen);
-    let previews = crate::preview::Previews::open(&r.data_dir, r.file.preview.clone(), forms)?;
+    let previews = crate::preview::Previews::open(&r.data_dir, r.file.preview.clone(), forms, cluster.host())?;
+    for peer in cluster.named_peers() {
+        if crate::preview::store::host_tag(peer) == previews.store.tag() {
+            tracing::warn!(
+                "hosts {} and {peer} share the preview id tag {}: requests for one's previews that reach the other \
+                 are refused; rename one ([cluster] host_name)",
+                cluster.host(),
+                previews.store.tag()
+            );
+        }
+    }
     // Previews of sandboxes that did not survive the last stop are gone.
     match previews.store.forget_gone(|id| manager.contains(id)) {
         Ok(0) => {}

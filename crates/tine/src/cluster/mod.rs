@@ -271,8 +271,20 @@ impl Cluster {
     }
 
     /// The base URL of peer `host`, if this host can reach it.
-    fn peer(&self, host: &str) -> Option<String> {
+    pub(crate) fn peer(&self, host: &str) -> Option<String> {
         self.peers.get(host).cloned().or_else(|| self.peer_url.as_ref().map(|t| t.replace("{host}", host)))
+    }
+
+    /// The peers [`ClusterConfig::peers`] names (not those only
+    /// [`ClusterConfig::peer_url`] reaches: they are not known by name).
+    pub(crate) fn named_peers(&self) -> impl Iterator<Item = &str> {
+        self.peers.keys().map(String::as_str)
+    }
+
+    /// The HTTP client for peers (no redirects; connect timeout
+    /// [`PEER_CONNECT_TIMEOUT`]).
+    pub(crate) fn http(&self) -> &reqwest::Client {
+        &self.http
     }
 }
 

@@ -35,12 +35,18 @@
 //! `localhost:<port>`. A guest with nothing on the port gives a 502 page
 //! naming it.
 //!
+//! In a cluster the first two characters of a preview id name the host
+//! that made it ([`store::host_tag`]); a request for a preview of another
+//! host is passed to that host whole, WebSockets included ([`peer`]), once.
+//!
 //! [`dispatch`] is the middleware that sees every request first and takes
 //! those for a preview; everything else goes on to the MCP routes.
 
+pub mod peer;
 pub mod proxy;
 pub mod store;
 pub mod token;
+pub mod upstream;
 
 use std::path::Path;
 use std::sync::Arc;
@@ -80,6 +86,7 @@ pub const PATH_PREFIX: &str = "/preview/";
 /// max_request_mib = 1024           # request bodies through a preview, at most
 /// max_response_mib = 4096          # response bodies, at most
 /// wake_timeout_secs = 60           # a hibernated sandbox has this long to wake for a request
+/// max_guest_connections = 32       # requests in flight to one sandbox port; more wait
 /// ```
 #[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
 #[serde(default, deny_unknown_fields)]
@@ -104,8 +111,12 @@ pub struct PreviewConfig {
     /// Largest response body (MiB); a longer one is cut off.
     pub max_response_mib: u64,
     /// Longest a request waits for its sandbox to wake and the guest to
-    /// accept the connection (s).
+    /// accept the connection, or for a place among the port's
+    /// `max_guest_connections` (s).
     pub wake_timeout_secs: u64,
+    /// Requests in flight to one sandbox's port at once (each on its own
+    /// guest connection; WebSockets count while open); more wait.
+    pub max_guest_connections: usize,
 }
 
 impl Default for PreviewConfig {
@@ -120,6 +131,7 @@ impl Default for PreviewConfig {
             max_request_mib: 1024,
             max_response_mib: 4096,
             wake_timeout_secs: 60,
+            max_guest_connections: 32,
         }
     }
 }
@@ -133,8 +145,8 @@ pub enum PreviewError {
          [preview] path_urls = true; until then use `tine port-forward` on the host"
     )]
     Off,
-    /// Public URLs are not allowed.
-    #[error("public preview URLs are off on this server ([preview] public = false): leave public false")]
+    /// Public URLs are not allowed (for this tenant, or on this server).
+    #[error("public preview URLs are not allowed here (the operator's [preview] public or the tenant's public_previews): leave public false")]
     PublicOff,
     /// The form asked for is off.
     #[error("{0}-based preview URLs are off on this server; ask for the other form")]
@@ -213,14 +225,14 @@ pub struct Previews {
 }
 
 impl Previews {
-    /// Previews kept in `data_dir` (`previews.json`, `preview.key`, made
-    /// at the first start).
+    /// The previews of host `host` kept in `data_dir` (`previews.json`,
+    /// `preview.key`, made at the first start).
     ///
     /// Errors: [`PreviewError::Io`], [`PreviewError::Corrupt`],
     /// [`PreviewError::Random`].
-    pub fn open(data_dir: &Path, config: PreviewConfig, forms: UrlForms) -> Result<Self, PreviewError> {
+    pub fn open(data_dir: &Path, config: PreviewConfig, forms: UrlForms, host: &str) -> Result<Self, PreviewError> {
         Ok(Previews {
-            store: PreviewStore::open(&data_dir.join(store::FILE))?,
+            store: PreviewStore::open(&data_dir.join(store::FILE), host)?,
             tokens: token::TokenKey::open(&data_dir.join(token::KEY_FILE))?,
             config,
             forms,
@@ -252,6 +264,10 @@ pub struct Dispatch {
     pub previews: Arc<Previews>,
     /// The server's credentials (a tenant's grant binds its tokens).
     pub auth: Arc<crate::auth::Auth>,
+    /// This host and its peers: a preview of another host is passed there.
+    pub cluster: Arc<crate::cluster::Cluster>,
+    /// The pooled connections into guests.
+    pub upstream: Arc<upstream::Upstream>,
 }
 
 /// Takes requests for a preview (by `Host` or, where on, by path) and

@@ -13,8 +13,6 @@
 //! URL), and `Host: localhost:<port>` unless `rewrite_host` is off.
 //! Refusals are small HTML pages that say what to do.
 
-use std::sync::Arc;
-
 use axum::body::Body;
 use axum::extract::{ConnectInfo, Request};
 use axum::http::{header, HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Uri, Version};
@@ -24,7 +22,7 @@ use hyper_util::rt::TokioIo;
 use tine_sandbox::network::InboundError;
 use tine_sandbox::SandboxError;
 
-use super::store::{is_id, now_ms, Preview};
+use super::store::{is_id, now_ms, tag_of, Preview};
 use super::{Dispatch, UrlForms, COOKIE, PATH_PREFIX, TOKEN_PARAM};
 
 /// Which preview a request is for, and how it named it.
@@ -121,7 +119,7 @@ pub fn page(status: StatusCode, title: &str, message: &str) -> Response {
         .into_response()
 }
 
-fn not_found() -> Response {
+pub(super) fn not_found() -> Response {
     page(
         StatusCode::NOT_FOUND,
         "No such preview",
@@ -178,7 +176,7 @@ fn split_token(query: Option<&str>) -> (Option<String>, Option<String>) {
 
 /// Whether a header belongs to one connection (RFC 9110 §7.6.1), with
 /// those the request's `Connection` names.
-fn hop_by_hop(name: &HeaderName, connection: &[String]) -> bool {
+pub(super) fn hop_by_hop(name: &HeaderName, connection: &[String]) -> bool {
     matches!(
         name.as_str(),
         "connection"
@@ -193,7 +191,7 @@ fn hop_by_hop(name: &HeaderName, connection: &[String]) -> bool {
 }
 
 /// The tokens of the `Connection` headers, lower case.
-fn connection_tokens(headers: &HeaderMap) -> Vec<String> {
+pub(super) fn connection_tokens(headers: &HeaderMap) -> Vec<String> {
     headers
         .get_all(header::CONNECTION)
         .iter()
@@ -205,7 +203,7 @@ fn connection_tokens(headers: &HeaderMap) -> Vec<String> {
 }
 
 /// Whether a request or response asks to switch protocols.
-fn is_upgrade(headers: &HeaderMap) -> bool {
+pub(super) fn is_upgrade(headers: &HeaderMap) -> bool {
     connection_tokens(headers).iter().any(|t| t == "upgrade") && headers.contains_key(header::UPGRADE)
 }
 
@@ -213,6 +211,9 @@ fn is_upgrade(headers: &HeaderMap) -> bool {
 /// guest's answer.
 pub async fn serve(d: &Dispatch, target: Target, req: Request) -> Response {
     let Some(p) = d.previews.store.get(&target.id) else {
+        if tag_of(&target.id) != d.previews.store.tag() {
+            return super::peer::pass_on(d, &target.id, req).await;
+        }
         return not_found();
     };
     if d.manager.tenant_of(&p.sandbox_id).is_none() {
@@ -302,7 +303,7 @@ fn unreachable(p: &Preview, e: &SandboxError) -> Response {
 }
 
 /// The page for a guest that gave no HTTP response on the port.
-fn nothing_listening(p: &Preview, e: &hyper::Error) -> Response {
+fn nothing_listening(p: &Preview, e: &dyn std::fmt::Display) -> Response {
     page(
         StatusCode::BAD_GATEWAY,
         &format!("Nothing answers on port {}", p.port),
@@ -394,8 +395,36 @@ fn request_host_of(parts: &axum::http::request::Parts) -> String {
         .unwrap_or_default()
 }
 
-/// Sends the request to the guest and answers its response (or its `101`
-/// and the splice).
+/// A response body that holds the request's place (and so its guest
+/// connection's) until it ends.
+struct Placed {
+    body: http_body_util::Limited<hyper::body::Incoming>,
+    _place: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl http_body::Body for Placed {
+    type Data = bytes::Bytes;
+    type Error = Box<dyn std::error::Error + Send + Sync>;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        std::pin::Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.body.size_hint()
+    }
+}
+
+/// Sends the request to the guest over a pooled connection
+/// ([`super::upstream`]) and answers its response (or its `101` and the
+/// splice).
 async fn forward(d: &Dispatch, p: &Preview, form: &Form, query: Option<String>, req: Request) -> Response {
     let (mut parts, body) = req.into_parts();
     let max_request = d.previews.max_request_bytes();
@@ -416,43 +445,32 @@ async fn forward(d: &Dispatch, p: &Preview, form: &Form, query: Option<String>, 
     };
     let client_upgrade = parts.extensions.remove::<OnUpgrade>();
     let limited = http_body_util::Limited::new(body, usize::try_from(max_request).unwrap_or(usize::MAX));
-    let Ok(request) = builder.body(Body::new(limited)) else {
+    let Ok(mut request) = builder.body(Body::new(limited)) else {
         return page(StatusCode::BAD_REQUEST, "Bad request", "the request's headers cannot be passed on");
     };
-    let connect = tokio::time::timeout(d.previews.wake_timeout(), d.manager.connect_port(&p.sandbox_id, p.port));
-    let conn = match connect.await {
-        Ok(Ok(c)) => c,
-        Ok(Err(e)) => return unreachable(p, &e),
-        Err(_) => {
-            let secs = d.previews.wake_timeout().as_secs();
-            return unreachable(p, &SandboxError::Timeout { id: p.sandbox_id.clone(), secs });
+    // The pool's key: the sandbox and port, as the URI's authority.
+    let target = request.uri().path_and_query().map(|t| t.as_str()).unwrap_or("/");
+    let Ok(uri) = format!("http://{}:{}{target}", p.sandbox_id, p.port).parse::<Uri>() else {
+        return page(StatusCode::BAD_REQUEST, "Bad request", "the request's target is not a valid URI");
+    };
+    *request.uri_mut() = uri;
+    let place = match d.upstream.place(&p.sandbox_id, p.port).await {
+        Ok(place) => place,
+        Err(e) => {
+            return page(StatusCode::SERVICE_UNAVAILABLE, "The sandbox is busy", &format!("Port {}: {e}", p.port))
         }
     };
-    let (stream, lease) = conn.into_parts();
-    let lease = Arc::new(lease);
-    let stream = match stream.set_nonblocking(true).and_then(|()| tokio::net::UnixStream::from_std(stream)) {
-        Ok(s) => s,
-        Err(e) => return page(StatusCode::BAD_GATEWAY, "The sandbox cannot be reached", &e.to_string()),
-    };
-    let (mut sender, connection) =
-        match hyper::client::conn::http1::Builder::new().handshake(TokioIo::new(stream)).await {
-            Ok(pair) => pair,
-            Err(e) => return nothing_listening(p, &e),
-        };
-    let held = lease.clone();
-    tokio::spawn(async move {
-        // Ends when the response is read and the sender dropped, or when
-        // an upgrade takes the connection.
-        let _ = connection.with_upgrades().await;
-        drop(held);
-    });
-    let mut response = match sender.send_request(request).await {
+    let mut response = match d.upstream.client().request(request).await {
         Ok(r) => r,
-        // Refused (the guest's reset closes the stream with no byte),
-        // closed mid-request, or not HTTP: no answer either way.
-        Err(e) => return nothing_listening(p, &e),
+        Err(e) => {
+            return match super::upstream::sandbox_error(&e) {
+                Some(se) => unreachable(p, se),
+                // Refused (the guest's reset closes the stream with no
+                // byte), closed mid-request, or not HTTP: no answer.
+                None => nothing_listening(p, &e),
+            };
+        }
     };
-    lease.touch();
     if response.status() == StatusCode::SWITCHING_PROTOCOLS {
         let Some(client) = client_upgrade else {
             return page(
@@ -472,7 +490,7 @@ async fn forward(d: &Dispatch, p: &Preview, form: &Form, query: Option<String>, 
                 }
                 Err(e) => tracing::debug!(sandbox = %sandbox, port, "preview upgrade failed: {e}"),
             }
-            drop(lease);
+            drop(place);
         });
         let (parts, _) = response.into_parts();
         return axum::http::Response::from_parts(parts, Body::empty());
@@ -484,7 +502,8 @@ async fn forward(d: &Dispatch, p: &Preview, form: &Form, query: Option<String>, 
         parts.headers.remove(n);
     }
     let max_response = usize::try_from(d.previews.max_response_bytes()).unwrap_or(usize::MAX);
-    axum::http::Response::from_parts(parts, Body::new(http_body_util::Limited::new(body, max_response)))
+    let body = Placed { body: http_body_util::Limited::new(body, max_response), _place: place };
+    axum::http::Response::from_parts(parts, Body::new(body))
 }
 
 #[cfg(test)]

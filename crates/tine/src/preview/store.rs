@@ -4,9 +4,11 @@
 //! a restart as the sandboxes they name do.
 //!
 //! An id is 12 characters of base32 (RFC 4648 §7's extended-hex alphabet,
-//! lower case: `0-9a-v`) from 60 random bits: a DNS label of its own
-//! (RFC 1035 §2.3.4: 63 at most) whatever the host's and sandboxes'
-//! names, and unguessable for a public URL whose id is its only secret.
+//! lower case: `0-9a-v`): 2 naming the host that made it ([`host_tag`]: in
+//! a cluster, the host a request lands on finds the preview's host by
+//! them) and 10 from 50 random bits. So it is a DNS label of its own (RFC
+//! 1035 §2.3.4: 63 at most) whatever the host's and sandboxes' names, and
+//! unguessable for a public URL whose id is its only secret.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -57,13 +59,34 @@ pub fn is_id(s: &str) -> bool {
     s.len() == ID_LEN && s.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'v').contains(&b))
 }
 
-/// A new random preview id.
+/// Characters of an id that name its host.
+pub const TAG_LEN: usize = 2;
+
+/// The tag of host `host` in the preview ids it makes: the first 10 bits
+/// of the SHA-256 of its name, as 2 base32 characters. (Two hosts of a
+/// cluster may share a tag, 1 in 1024 for a pair: the server warns at
+/// start, and a request for the other's preview is then refused.)
+pub fn host_tag(host: &str) -> String {
+    use sha2::Digest;
+    let digest = sha2::Sha256::digest(host.as_bytes());
+    let mut tag = data_encoding::BASE32_DNSSEC.encode(&digest[..2]);
+    tag.truncate(TAG_LEN);
+    tag
+}
+
+/// The host tag of preview id `id` (which [`is_id`] accepts).
+pub fn tag_of(id: &str) -> &str {
+    id.get(..TAG_LEN).unwrap_or_default()
+}
+
+/// A new preview id of the host tagged `tag`.
 ///
 /// Errors: [`PreviewError::Random`].
-pub fn mint_id() -> Result<String, PreviewError> {
+pub fn mint_id(tag: &str) -> Result<String, PreviewError> {
     let mut bytes = [0u8; 8];
     getrandom::fill(&mut bytes).map_err(|e| PreviewError::Random(e.to_string()))?;
-    let mut id = data_encoding::BASE32_DNSSEC.encode(&bytes);
+    let mut id = tag.to_string();
+    id.push_str(&data_encoding::BASE32_DNSSEC.encode(&bytes));
     id.truncate(ID_LEN);
     Ok(id)
 }
@@ -71,16 +94,18 @@ pub fn mint_id() -> Result<String, PreviewError> {
 /// The previews, in memory and on disk.
 pub struct PreviewStore {
     path: PathBuf,
+    /// This host's [`host_tag`].
+    tag: String,
     previews: Mutex<BTreeMap<String, Preview>>,
 }
 
 impl PreviewStore {
-    /// The store kept at `path` (empty when the file does not exist);
-    /// expired previews are left out.
+    /// The store of host `host` kept at `path` (empty when the file does
+    /// not exist); expired previews are left out.
     ///
     /// Errors: [`PreviewError::Io`], [`PreviewError::Corrupt`] (a file
     /// this server did not write: it is left as it is, for the operator).
-    pub fn open(path: &Path) -> Result<Self, PreviewError> {
+    pub fn open(path: &Path, host: &str) -> Result<Self, PreviewError> {
         let io = |source| PreviewError::Io { path: path.to_path_buf(), source };
         let previews = match std::fs::read(path) {
             Ok(bytes) => {
@@ -96,7 +121,7 @@ impl PreviewStore {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => BTreeMap::new(),
             Err(e) => return Err(io(e)),
         };
-        Ok(PreviewStore { path: path.to_path_buf(), previews: Mutex::new(previews) })
+        Ok(PreviewStore { path: path.to_path_buf(), tag: host_tag(host), previews: Mutex::new(previews) })
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Preview>> {
@@ -137,9 +162,9 @@ impl PreviewStore {
         if previews.values().filter(|p| p.sandbox_id == sandbox_id).count() >= MAX_PER_SANDBOX {
             return Err(PreviewError::TooMany(sandbox_id.to_string()));
         }
-        let mut id = mint_id()?;
+        let mut id = mint_id(&self.tag)?;
         while previews.contains_key(&id) {
-            id = mint_id()?;
+            id = mint_id(&self.tag)?;
         }
         let preview = Preview {
             preview_id: id.clone(),
@@ -156,6 +181,11 @@ impl PreviewStore {
             return Err(e);
         }
         Ok(preview)
+    }
+
+    /// This host's tag in preview ids.
+    pub fn tag(&self) -> &str {
+        &self.tag
     }
 
     /// The preview `id`, unless it expired.
@@ -214,9 +244,13 @@ mod tests {
 
     #[test]
     fn ids_are_dns_labels_of_twelve_base32_characters() {
+        let tag = host_tag("tine-a");
+        assert_eq!(tag.len(), TAG_LEN);
+        assert_ne!(tag, host_tag("tine-b"));
         for _ in 0..100 {
-            let id = mint_id().unwrap();
+            let id = mint_id(&tag).unwrap();
             assert!(is_id(&id), "{id}");
+            assert_eq!(tag_of(&id), tag);
         }
         assert!(!is_id("ABCDEFGHIJKL"));
         assert!(!is_id("abcdefghijk"));
@@ -227,7 +261,7 @@ mod tests {
     fn previews_outlive_the_process_and_revocation_is_kept() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join(FILE);
-        let store = PreviewStore::open(&path).unwrap();
+        let store = PreviewStore::open(&path, "h").unwrap();
         let a = store.create("sb-a", 8000, Some("t1"), false, 60).unwrap();
         let b = store.create("sb-a", 8001, Some("t1"), true, 60).unwrap();
         let c = store.create("sb-b", 8000, None, false, 60).unwrap();
@@ -236,22 +270,22 @@ mod tests {
         both.sort_by(|x, y| (x.created_at_ms, &x.preview_id).cmp(&(y.created_at_ms, &y.preview_id)));
         assert_eq!(store.of_sandbox("sb-a"), both);
 
-        let again = PreviewStore::open(&path).unwrap();
+        let again = PreviewStore::open(&path, "h").unwrap();
         assert_eq!(again.get(&b.preview_id), Some(b.clone()));
         assert_eq!(again.revoke("sb-a", |p| p.port == 8001).unwrap(), vec![b.clone()]);
         assert_eq!(again.revoke("sb-b", |p| p.preview_id == a.preview_id).unwrap(), vec![], "another sandbox's");
 
-        let third = PreviewStore::open(&path).unwrap();
+        let third = PreviewStore::open(&path, "h").unwrap();
         assert_eq!(third.get(&b.preview_id), None, "revoked stays revoked");
         assert_eq!(third.forget_gone(|s| s != "sb-b").unwrap(), 1);
         assert_eq!(third.get(&c.preview_id), None);
-        assert_eq!(PreviewStore::open(&path).unwrap().of_sandbox("sb-a"), vec![a]);
+        assert_eq!(PreviewStore::open(&path, "h").unwrap().of_sandbox("sb-a"), vec![a]);
     }
 
     #[test]
     fn expired_previews_are_gone_and_a_sandbox_has_a_cap() {
         let dir = tempfile::tempdir().unwrap();
-        let store = PreviewStore::open(&dir.path().join(FILE)).unwrap();
+        let store = PreviewStore::open(&dir.path().join(FILE), "h").unwrap();
         let p = store.create("sb-a", 1, None, false, 0).unwrap();
         assert_eq!(store.get(&p.preview_id), None, "a zero lifetime is already over");
         for port in 0..MAX_PER_SANDBOX as u16 {
@@ -266,7 +300,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join(FILE);
         std::fs::write(&path, b"{not json").unwrap();
-        assert!(matches!(PreviewStore::open(&path), Err(PreviewError::Corrupt { .. })));
+        assert!(matches!(PreviewStore::open(&path, "h"), Err(PreviewError::Corrupt { .. })));
         assert_eq!(std::fs::read(&path).unwrap(), b"{not json");
     }
 }

@@ -56,6 +56,7 @@ fn options(token: Option<&str>, allowed_origins: Vec<String>) -> ServeOptions {
                 &tempfile::tempdir().unwrap().keep(),
                 Default::default(),
                 crate::preview::UrlForms { host: Some(("http".into(), "localhost".into(), Some(5555))), path: true },
+                "t1",
             )
             .unwrap(),
         ),

@@ -109,7 +109,11 @@ impl TineMcp {
         if p.port == 0 {
             return Err(PreviewError::BadPort.into());
         }
-        if p.public && !previews.config.public {
+        let public_allowed = match self.caller() {
+            crate::auth::Principal::Tenant(t) => t.public_previews.unwrap_or(previews.config.public),
+            crate::auth::Principal::Admin => previews.config.public,
+        };
+        if p.public && !public_allowed {
             return Err(PreviewError::PublicOff.into());
         }
         let ttl = p.ttl_secs.unwrap_or(DEFAULT_TTL_SECS);
