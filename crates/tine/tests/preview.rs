@@ -312,19 +312,36 @@ async fn a_browser_reaches_the_guest_through_its_preview_url() {
     );
     phase("auth and headers checked");
 
-    // Server-Sent Events arrive as they are sent: the first before the
-    // second is released.
-    let mut sse = http.get(format!("{origin}/sse")).header("cookie", &cookie).send().await.unwrap();
-    assert_eq!(sse.headers()["content-type"], "text/event-stream");
-    let first = sse.chunk().await.unwrap().expect("the first event");
-    assert_eq!(&first[..], b"data: one\n\n");
+    // Server-Sent Events arrive as they are sent: curl prints the first
+    // before the second is released.
+    let authority = origin.trim_start_matches("http://").to_string();
+    let host_only = authority.split(':').next().unwrap().to_string();
+    let mut curl = std::process::Command::new("curl")
+        .args(["-sN", "--resolve", &format!("{host_only}:{}:127.0.0.1", addr.port()), "-H"])
+        .arg(format!("cookie: {cookie}"))
+        .arg(format!("{origin}/sse"))
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("run curl");
+    let mut events = std::io::BufReader::new(curl.stdout.take().unwrap());
+    let first = tokio::task::spawn_blocking(move || {
+        let mut line = String::new();
+        std::io::BufRead::read_line(&mut events, &mut line).expect("curl's first line");
+        (line, events)
+    });
+    let (first, mut events) = first.await.unwrap();
+    assert_eq!(first, "data: one\n", "the first event, before the second is sent");
     let released = http.get(format!("{origin}/release")).header("cookie", &cookie).send().await.unwrap();
     assert_eq!(released.status(), 200);
-    let mut rest = Vec::new();
-    while let Some(c) = sse.chunk().await.unwrap() {
-        rest.extend_from_slice(&c);
-    }
-    assert_eq!(rest, b"data: two\n\n");
+    let rest = tokio::task::spawn_blocking(move || {
+        let mut rest = String::new();
+        std::io::Read::read_to_string(&mut events, &mut rest).expect("the rest of the stream");
+        rest
+    })
+    .await
+    .unwrap();
+    assert_eq!(rest, "\ndata: two\n\n");
+    assert!(curl.wait().unwrap().success());
     phase("SSE checked");
 
     // A WebSocket echo through the URL, with the cookie.

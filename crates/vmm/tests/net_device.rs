@@ -260,10 +260,12 @@ fn udp_partial(payload: &[u8]) -> Vec<u8> {
     f
 }
 
-/// A good frame goes out and comes back (the device still works).
+/// A good frame goes out and comes back (the device still works) in
+/// 2048-byte receive buffers (4, or as many as it needs).
 fn good_frame_round_trips(h: &mut Harness, len: usize) {
     let before = h.stats();
-    h.post_rx(0, 4, 2048);
+    let buffers = (HDR_LEN + len).div_ceil(2048).max(4) as u16;
+    h.post_rx(0, buffers, 2048);
     let f = frame(len);
     h.send(NetHdr::default(), &f, 1);
     assert!(!h.d.needs_reset(), "the device is broken");
@@ -271,7 +273,7 @@ fn good_frame_round_trips(h: &mut Harness, len: usize) {
     let got = h.received();
     let (hdr, last) = got.last().expect("a frame came back");
     assert_eq!(*last, f);
-    assert_eq!(hdr.num_buffers, 1);
+    assert_eq!(usize::from(hdr.num_buffers), (HDR_LEN + len).div_ceil(2048));
     let after = h.stats();
     assert_eq!(after.tx_frames, before.tx_frames + 1);
     assert_eq!(after.rx_frames, before.rx_frames + got.len() as u64);
@@ -287,12 +289,12 @@ fn identity_config_and_a_good_frame() {
     let mut mtu = [0u8; 2];
     h.d.transport.read(reg::CONFIG + 10, &mut mtu);
     assert_eq!(u16::from_le_bytes(mtu) as usize, netstack::MTU);
-    for len in [14, 60, 1000, MAX_FRAME_LEN] {
+    for len in [14, 60, 1000, 1514] {
         good_frame_round_trips(&mut h, len);
     }
     let s = h.stats();
     assert_eq!((s.tx_frames, s.rx_frames, s.tx_dropped, s.rx_bad_buffers), (4, 4, 0, 0));
-    assert_eq!(s.tx_bytes, (14 + 60 + 1000 + MAX_FRAME_LEN) as u64);
+    assert_eq!(s.tx_bytes, (14 + 60 + 1000 + 1514) as u64);
     assert_eq!(s.rx_bytes, s.tx_bytes);
     // Every TX chain came back, with nothing written.
     let used = h.d.used(TXQ);
@@ -403,6 +405,16 @@ fn device_writable_tx_buffers_and_loops_are_dropped() {
     good_frame_round_trips(&mut h, 100);
 }
 
+/// The largest frame the link carries (64 KiB MTU) goes out and comes
+/// back over 2048-byte mergeable buffers.
+#[test]
+fn the_largest_frame_round_trips() {
+    let mut h = Harness::new(FEATURES, QUEUE_SIZE);
+    good_frame_round_trips(&mut h, MAX_FRAME_LEN);
+    let s = h.stats();
+    assert_eq!((s.tx_frames, s.rx_frames, s.tx_bytes), (1, 1, MAX_FRAME_LEN as u64));
+}
+
 #[test]
 fn bad_rx_buffers_are_returned_empty_and_the_frame_goes_to_the_next() {
     let mut h = Harness::new(FEATURES, QUEUE_SIZE);
@@ -434,9 +446,10 @@ fn bad_rx_buffers_are_returned_empty_and_the_frame_goes_to_the_next() {
 #[test]
 fn a_frame_spreads_over_many_tiny_buffers() {
     let mut h = Harness::new(FEATURES, QUEUE_SIZE);
-    // 1526 bytes in 16-byte buffers: 96 of them.
+    // An Ethernet-sized frame, 1514 bytes (1526 with the header), in
+    // 16-byte buffers: 96 of them.
     h.post_rx(0, 100, 16);
-    let f = frame(MAX_FRAME_LEN);
+    let f = frame(1514);
     h.send(NetHdr::default(), &f, 1);
     let got = h.received();
     assert_eq!(got.len(), 1);
@@ -455,12 +468,15 @@ fn a_frame_spreads_over_many_tiny_buffers() {
 #[test]
 fn without_mergeable_buffers_a_frame_needs_one_big_buffer() {
     let mut h = Harness::new(FEATURES & !VIRTIO_NET_F_MRG_RXBUF, QUEUE_SIZE);
+    // The largest frame, in one buffer (it spans the harness's slots
+    // after slot 1, which nothing else uses here).
+    let whole = (HDR_LEN + MAX_FRAME_LEN) as u32;
     h.post_rx(0, 1, 1000);
-    h.post_rx(1, 1, 1526);
+    h.post_rx(1, 1, whole);
     let f = frame(MAX_FRAME_LEN);
     h.send(NetHdr::default(), &f, 1);
     let used = h.d.used(RXQ);
-    assert_eq!(used, vec![(0, 0), (1, 1526)]);
+    assert_eq!(used, vec![(0, 0), (1, whole)]);
     let raw: [u8; HDR_LEN] = h.d.read_bytes(h.rx_bufs[1].0, HDR_LEN).try_into().unwrap();
     assert_eq!(NetHdr::from_bytes(&raw).num_buffers, 1);
     assert_eq!(h.stats().rx_bad_buffers, 1);
