@@ -280,12 +280,6 @@ impl Cluster {
     pub(crate) fn named_peers(&self) -> impl Iterator<Item = &str> {
         self.peers.keys().map(String::as_str)
     }
-
-    /// The HTTP client for peers (no redirects; connect timeout
-    /// [`PEER_CONNECT_TIMEOUT`]).
-    pub(crate) fn http(&self) -> &reqwest::Client {
-        &self.http
-    }
 }
 
 #[cfg(test)]

@@ -90,16 +90,7 @@ pub async fn proxy_foreign_session(State(cluster): State<Arc<Cluster>>, req: Req
     if let Ok(v) = HeaderValue::from_str(caller.name()) {
         headers.insert(HeaderName::from_static(TENANT_HEADER), v);
     }
-    if let Ok(v) = HeaderValue::from_str(&cluster.host) {
-        headers.insert(HeaderName::from_static(PROXIED_HEADER), v);
-    }
-    let sent = cluster
-        .http
-        .request(parts.method.clone(), format!("{base}{path}"))
-        .headers(headers)
-        .body(reqwest::Body::wrap_stream(body.into_data_stream()))
-        .send()
-        .await;
+    let sent = cluster.pass_on(parts.method.clone(), format!("{base}{path}"), headers, body).await;
     let resp = match sent {
         Ok(r) => r,
         Err(e) => {
@@ -123,4 +114,28 @@ pub async fn proxy_foreign_session(State(cluster): State<Arc<Cluster>>, req: Req
         tracing::warn!("session of host {host}: bad answer from {base}: {e}");
         StatusCode::BAD_GATEWAY.into_response()
     })
+}
+
+impl Cluster {
+    /// Sends a request to a peer's `url` as this host passes one on:
+    /// `headers` and [`PROXIED_HEADER`] naming this host, `body` streamed.
+    ///
+    /// Errors: reqwest's, when the peer does not answer.
+    pub(crate) async fn pass_on(
+        &self,
+        method: axum::http::Method,
+        url: String,
+        mut headers: HeaderMap,
+        body: Body,
+    ) -> Result<reqwest::Response, reqwest::Error> {
+        if let Ok(v) = HeaderValue::from_str(&self.host) {
+            headers.insert(HeaderName::from_static(PROXIED_HEADER), v);
+        }
+        self.http
+            .request(method, url)
+            .headers(headers)
+            .body(reqwest::Body::wrap_stream(body.into_data_stream()))
+            .send()
+            .await
+    }
 }

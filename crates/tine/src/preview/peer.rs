@@ -9,13 +9,13 @@
 //! it (the key is that host's).
 
 use axum::body::Body;
-use axum::extract::{ConnectInfo, Request};
+use axum::extract::Request;
 use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use axum::response::Response;
 use hyper::upgrade::OnUpgrade;
 use hyper_util::rt::TokioIo;
 
-use super::proxy::{connection_tokens, hop_by_hop, is_upgrade, page};
+use super::proxy::{connection_tokens, forwarded_for, hop_by_hop, is_upgrade, page};
 use super::store::{host_tag, tag_of};
 use super::Dispatch;
 use crate::cluster::PROXIED_HEADER;
@@ -29,9 +29,8 @@ fn host_for(d: &Dispatch, id: &str) -> Option<String> {
 }
 
 /// The headers passed on: all but hop-by-hop ones (an upgrade's kept),
-/// with this host in [`PROXIED_HEADER`] and the client in
-/// `X-Forwarded-For`.
-fn passed_headers(req: &Request, host: &str) -> HeaderMap {
+/// with the client in `X-Forwarded-For`.
+fn passed_headers(req: &Request) -> HeaderMap {
     let connection = connection_tokens(req.headers());
     let mut headers = HeaderMap::new();
     for (name, value) in req.headers() {
@@ -45,20 +44,8 @@ fn passed_headers(req: &Request, host: &str) -> HeaderMap {
             headers.append(axum::http::header::UPGRADE, v.clone());
         }
     }
-    let before = req.headers().get("x-forwarded-for").and_then(|v| v.to_str().ok());
-    if let Some(ConnectInfo(peer)) = req.extensions().get::<ConnectInfo<std::net::SocketAddr>>() {
-        let chain = match before {
-            Some(b) => format!("{b}, {}", peer.ip()),
-            None => peer.ip().to_string(),
-        };
-        if let Ok(v) = HeaderValue::from_str(&chain) {
-            headers.insert(HeaderName::from_static("x-forwarded-for"), v);
-        }
-    } else if let Some(v) = before.and_then(|b| HeaderValue::from_str(b).ok()) {
+    if let Some(v) = forwarded_for(req.headers(), req.extensions()) {
         headers.insert(HeaderName::from_static("x-forwarded-for"), v);
-    }
-    if let Ok(v) = HeaderValue::from_str(host) {
-        headers.insert(HeaderName::from_static(PROXIED_HEADER), v);
     }
     headers
 }
@@ -77,17 +64,10 @@ pub async fn pass_on(d: &Dispatch, id: &str, mut req: Request) -> Response {
         return super::proxy::not_found();
     };
     let target = req.uri().path_and_query().map(|p| p.as_str()).unwrap_or("/").to_string();
-    let headers = passed_headers(&req, d.cluster.host());
+    let headers = passed_headers(&req);
     let client_upgrade = req.extensions_mut().remove::<OnUpgrade>();
     let (parts, body) = req.into_parts();
-    let sent = d
-        .cluster
-        .http()
-        .request(parts.method, format!("{base}{target}"))
-        .headers(headers)
-        .body(reqwest::Body::wrap_stream(body.into_data_stream()))
-        .send()
-        .await;
+    let sent = d.cluster.pass_on(parts.method, format!("{base}{target}"), headers, body).await;
     let resp = match sent {
         Ok(r) => r,
         Err(e) => {

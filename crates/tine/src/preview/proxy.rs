@@ -342,7 +342,8 @@ fn guest_request(
         if hop_by_hop(name, &connection) || name == header::HOST || name == header::COOKIE {
             continue;
         }
-        if name.as_str().starts_with("x-forwarded-") && name != "x-forwarded-for" && name != "x-forwarded-proto" {
+        // Ours replace the client's, but a TLS proxy's X-Forwarded-Proto.
+        if name.as_str().starts_with("x-forwarded-") && name != "x-forwarded-proto" {
             continue;
         }
         b = b.header(name, value);
@@ -358,13 +359,8 @@ fn guest_request(
     }
     let host = if d.previews.config.rewrite_host { format!("localhost:{}", p.port) } else { original_host.clone() };
     b = b.header(header::HOST, host);
-    if let Some(ConnectInfo(peer)) = parts.extensions.get::<ConnectInfo<std::net::SocketAddr>>() {
-        let before = parts.headers.get("x-forwarded-for").and_then(|v| v.to_str().ok());
-        let chain = match before {
-            Some(b) => format!("{b}, {}", peer.ip()),
-            None => peer.ip().to_string(),
-        };
-        b = b.header("x-forwarded-for", chain);
+    if let Some(v) = forwarded_for(&parts.headers, &parts.extensions) {
+        b = b.header("x-forwarded-for", v);
     }
     if !parts.headers.contains_key("x-forwarded-proto") {
         let proto = match &d.previews.forms.host {
@@ -382,6 +378,19 @@ fn guest_request(
         }
     }
     Some(b)
+}
+
+/// `X-Forwarded-For` as passed on: the client's chain with the client's
+/// address (from [`ConnectInfo`]) appended, or the chain as it came.
+pub(super) fn forwarded_for(headers: &HeaderMap, extensions: &axum::http::Extensions) -> Option<HeaderValue> {
+    let before = headers.get("x-forwarded-for").and_then(|v| v.to_str().ok());
+    let chain = match (before, extensions.get::<ConnectInfo<std::net::SocketAddr>>()) {
+        (Some(b), Some(ConnectInfo(peer))) => format!("{b}, {}", peer.ip()),
+        (None, Some(ConnectInfo(peer))) => peer.ip().to_string(),
+        (Some(b), None) => b.to_string(),
+        (None, None) => return None,
+    };
+    HeaderValue::from_str(&chain).ok()
 }
 
 /// `Host` as the client sent it (with its port), or the URI's authority.
@@ -592,6 +601,19 @@ mod tests {
         assert!(!hop_by_hop(&header::CONTENT_TYPE, &conn));
         h.remove(header::UPGRADE);
         assert!(!is_upgrade(&h));
+    }
+
+    #[test]
+    fn the_client_joins_the_forwarded_chain() {
+        let mut ext = axum::http::Extensions::new();
+        let mut h = HeaderMap::new();
+        assert_eq!(forwarded_for(&h, &ext), None);
+        h.insert("x-forwarded-for", HeaderValue::from_static("203.0.113.7"));
+        assert_eq!(forwarded_for(&h, &ext).unwrap(), "203.0.113.7");
+        ext.insert(ConnectInfo(std::net::SocketAddr::from(([10, 0, 0, 2], 4000))));
+        assert_eq!(forwarded_for(&h, &ext).unwrap(), "203.0.113.7, 10.0.0.2");
+        h.clear();
+        assert_eq!(forwarded_for(&h, &ext).unwrap(), "10.0.0.2");
     }
 
     #[test]
