@@ -31,3 +31,4 @@ mod metrics;
 mod port_forward;
 mod preview;
 mod server;
+mod splice;

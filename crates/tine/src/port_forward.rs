@@ -23,7 +23,6 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Extension, Router};
 use hyper::upgrade::OnUpgrade;
-use hyper_util::rt::TokioIo;
 use tine_sandbox::{Manager, PortConnection, SandboxError};
 
 use crate::auth::Principal;
@@ -103,27 +102,18 @@ async fn forward(
 }
 
 /// Copies both ways between the upgraded client connection and the guest
-/// connection until both directions are closed.
+/// connection until both directions are closed ([`crate::splice`]).
 async fn splice(on_upgrade: OnUpgrade, conn: PortConnection, sandbox: String, port: u16) {
+    use crate::splice::SpliceError;
     let (stream, lease) = conn.into_parts();
-    let guest = stream.set_nonblocking(true).and_then(|()| tokio::net::UnixStream::from_std(stream));
-    let (client, mut guest) = match (on_upgrade.await, guest) {
-        (Ok(client), Ok(guest)) => (client, guest),
-        (Err(e), _) => {
-            tracing::debug!(sandbox = %sandbox, port, "port forward: the upgrade failed: {e}");
-            return;
-        }
-        (_, Err(e)) => {
-            tracing::warn!(sandbox = %sandbox, port, "port forward: {e}");
-            return;
-        }
-    };
-    let mut client = TokioIo::new(client);
-    let result = tokio::io::copy_bidirectional(&mut client, &mut guest).await;
+    let guest = async { stream.set_nonblocking(true).and_then(|()| tokio::net::UnixStream::from_std(stream)) };
+    let result = crate::splice::splice(on_upgrade, guest).await;
     drop(lease);
     match result {
         Ok((up, down)) => tracing::info!(sandbox = %sandbox, port, up, down, "port forward closed"),
-        Err(e) => tracing::info!(sandbox = %sandbox, port, "port forward closed: {e}"),
+        Err(e @ SpliceError::Client(_)) => tracing::debug!(sandbox = %sandbox, port, "port forward: {e}"),
+        Err(e @ SpliceError::Other(_)) => tracing::warn!(sandbox = %sandbox, port, "port forward: {e}"),
+        Err(e @ SpliceError::Io(_)) => tracing::info!(sandbox = %sandbox, port, "port forward closed: {e}"),
     }
 }
 

@@ -10,12 +10,11 @@
 
 use axum::body::Body;
 use axum::extract::Request;
-use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
+use axum::http::{HeaderMap, HeaderName, StatusCode};
 use axum::response::Response;
 use hyper::upgrade::OnUpgrade;
-use hyper_util::rt::TokioIo;
 
-use super::proxy::{connection_tokens, forwarded_for, hop_by_hop, is_upgrade, page};
+use super::proxy::{end_to_end, forwarded_for, page, strip_hop_by_hop};
 use super::store::{host_tag, tag_of};
 use super::Dispatch;
 use crate::cluster::PROXIED_HEADER;
@@ -28,22 +27,11 @@ fn host_for(d: &Dispatch, id: &str) -> Option<String> {
     hosts.next().is_none().then(|| host.to_string())
 }
 
-/// The headers passed on: all but hop-by-hop ones (an upgrade's kept),
-/// with the client in `X-Forwarded-For`.
+/// The headers passed on: the end-to-end ones ([`end_to_end`]), with the
+/// client in `X-Forwarded-For`.
 fn passed_headers(req: &Request) -> HeaderMap {
-    let connection = connection_tokens(req.headers());
-    let mut headers = HeaderMap::new();
-    for (name, value) in req.headers() {
-        if !hop_by_hop(name, &connection) && name != "x-forwarded-for" {
-            headers.append(name.clone(), value.clone());
-        }
-    }
-    if is_upgrade(req.headers()) {
-        headers.insert(axum::http::header::CONNECTION, HeaderValue::from_static("upgrade"));
-        for v in req.headers().get_all(axum::http::header::UPGRADE) {
-            headers.append(axum::http::header::UPGRADE, v.clone());
-        }
-    }
+    let mut headers = end_to_end(req.headers());
+    headers.remove("x-forwarded-for");
     if let Some(v) = forwarded_for(req.headers(), req.extensions()) {
         headers.insert(HeaderName::from_static("x-forwarded-for"), v);
     }
@@ -80,29 +68,22 @@ pub async fn pass_on(d: &Dispatch, id: &str, mut req: Request) -> Response {
         }
     };
     let status = resp.status();
+    let mut headers = resp.headers().clone();
+    if status != StatusCode::SWITCHING_PROTOCOLS {
+        strip_hop_by_hop(&mut headers);
+    }
     let mut out = Response::builder().status(status);
-    let connection = connection_tokens(resp.headers());
-    for (name, value) in resp.headers() {
-        if status == StatusCode::SWITCHING_PROTOCOLS || !hop_by_hop(name, &connection) {
-            out = out.header(name, value);
-        }
+    if let Some(h) = out.headers_mut() {
+        *h = headers;
     }
     if status == StatusCode::SWITCHING_PROTOCOLS {
         let Some(client) = client_upgrade else {
             return page(StatusCode::BAD_GATEWAY, "Upgrade not possible", "this request cannot be upgraded (HTTP/2?)");
         };
-        let id = id.to_string();
+        let what = format!("preview {id} upgrade through {host}");
         tokio::spawn(async move {
-            match (client.await, resp.upgrade().await) {
-                (Ok(client), Ok(mut remote)) => {
-                    let mut client = TokioIo::new(client);
-                    let r = tokio::io::copy_bidirectional(&mut client, &mut remote).await;
-                    tracing::debug!(preview = %id, "preview upgrade through {host} closed: {r:?}");
-                }
-                (c, r) => {
-                    tracing::debug!(preview = %id, "preview upgrade through {host} failed: {:?} {:?}", c.err(), r.err())
-                }
-            }
+            let r = crate::splice::splice(client, resp.upgrade()).await;
+            tracing::debug!("{what} closed: {r:?}");
         });
         return out.body(Body::empty()).unwrap_or_else(|_| super::proxy::not_found());
     }

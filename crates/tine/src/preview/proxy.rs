@@ -1,7 +1,8 @@
 //! A preview request's way to the guest: which preview a request is for
 //! ([`target`]), its token or cookie checked, then HTTP/1.1 to the guest's
 //! port over a connection from the sandbox's network
-//! (`tine_sandbox::Manager::connect_port`), one connection per request.
+//! (`tine_sandbox::Manager::connect_port`), kept for the next request
+//! ([`super::upstream`]).
 //!
 //! Headers that belong to one connection (RFC 9110 §7.6.1) are not passed
 //! on, but an upgrade (RFC 9110 §7.8: WebSockets, RFC 6455 §4) is: the
@@ -48,28 +49,33 @@ pub enum Form {
     },
 }
 
-/// The host a request was sent to, lower case, without a port: `Host`
-/// (HTTP/1.1) or the URI's authority (HTTP/2's `:authority`).
-fn request_host(req: &Request) -> Option<String> {
+/// The host a request was sent to, as sent, without a port or a final
+/// dot: `Host` (HTTP/1.1) or the URI's authority (HTTP/2's
+/// `:authority`).
+fn request_host(req: &Request) -> Option<&str> {
     let raw = req.headers().get(header::HOST).and_then(|v| v.to_str().ok()).or(req.uri().host())?;
     let host = match raw.rsplit_once(':') {
         Some((h, port)) if port.bytes().all(|b| b.is_ascii_digit()) => h,
         _ => raw,
     };
-    Some(host.trim_end_matches('.').to_ascii_lowercase())
+    Some(host.trim_end_matches('.'))
 }
 
 /// The preview `req` is for, if any: a `Host` of `<id>.<domain>` when
 /// host-based URLs are on, a path under [`PATH_PREFIX`] when path-based
-/// ones are.
+/// ones are. Every request passes here: nothing is allocated unless it
+/// names a preview.
 pub fn target(forms: &UrlForms, req: &Request) -> Option<Target> {
     if let Some((_, domain, _)) = &forms.host {
-        if let Some(host) = request_host(req) {
-            if let Some(id) = host.strip_suffix(domain.as_str()).and_then(|h| h.strip_suffix('.')) {
-                if is_id(id) {
-                    return Some(Target { id: id.to_string(), form: Form::Host });
-                }
-            }
+        // `<id>.<domain>`, any case (`domain` is kept in lower case).
+        let label = request_host(req).and_then(|host| {
+            let cut = host.len().checked_sub(domain.len() + 1)?;
+            let (label, rest) = (host.get(..cut)?, host.get(cut..)?);
+            let rest = rest.strip_prefix('.')?;
+            rest.eq_ignore_ascii_case(domain).then_some(label)
+        });
+        if let Some(id) = label.map(str::to_ascii_lowercase).filter(|id| is_id(id)) {
+            return Some(Target { id, form: Form::Host });
         }
     }
     if forms.path {
@@ -176,7 +182,7 @@ fn split_token(query: Option<&str>) -> (Option<String>, Option<String>) {
 
 /// Whether a header belongs to one connection (RFC 9110 §7.6.1), with
 /// those the request's `Connection` names.
-pub(super) fn hop_by_hop(name: &HeaderName, connection: &[String]) -> bool {
+fn hop_by_hop(name: &HeaderName, connection: &[String]) -> bool {
     matches!(
         name.as_str(),
         "connection"
@@ -191,7 +197,7 @@ pub(super) fn hop_by_hop(name: &HeaderName, connection: &[String]) -> bool {
 }
 
 /// The tokens of the `Connection` headers, lower case.
-pub(super) fn connection_tokens(headers: &HeaderMap) -> Vec<String> {
+fn connection_tokens(headers: &HeaderMap) -> Vec<String> {
     headers
         .get_all(header::CONNECTION)
         .iter()
@@ -203,8 +209,37 @@ pub(super) fn connection_tokens(headers: &HeaderMap) -> Vec<String> {
 }
 
 /// Whether a request or response asks to switch protocols.
-pub(super) fn is_upgrade(headers: &HeaderMap) -> bool {
+fn is_upgrade(headers: &HeaderMap) -> bool {
     connection_tokens(headers).iter().any(|t| t == "upgrade") && headers.contains_key(header::UPGRADE)
+}
+
+/// A request's end-to-end headers, to pass on: hop-by-hop ones out, but
+/// an upgrade's `Connection: upgrade` and `Upgrade` kept.
+pub(super) fn end_to_end(headers: &HeaderMap) -> HeaderMap {
+    let connection = connection_tokens(headers);
+    let mut out = HeaderMap::new();
+    for (name, value) in headers {
+        if !hop_by_hop(name, &connection) {
+            out.append(name.clone(), value.clone());
+        }
+    }
+    if is_upgrade(headers) {
+        out.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+        for v in headers.get_all(header::UPGRADE) {
+            out.append(header::UPGRADE, v.clone());
+        }
+    }
+    out
+}
+
+/// Takes a response's hop-by-hop headers out (not for a `101`, whose
+/// `Connection` and `Upgrade` the client needs).
+pub(super) fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    let connection = connection_tokens(headers);
+    let names: Vec<HeaderName> = headers.keys().filter(|n| hop_by_hop(n, &connection)).cloned().collect();
+    for n in names {
+        headers.remove(n);
+    }
 }
 
 /// Answers a request for preview `target`: the preview's checks, then the
@@ -315,8 +350,10 @@ fn nothing_listening(p: &Preview, e: &dyn std::fmt::Display) -> Response {
     )
 }
 
-/// The request as the guest gets it: origin-form target, hop-by-hop
-/// headers out (an upgrade's kept), the preview cookie out, `Host` and
+/// The request as the guest gets it: its URI,
+/// `http://<sandbox_id>:<port>/<target>` (the pool's key is the sandbox
+/// and port; the guest sees the origin form), and its headers: end-to-end
+/// ones ([`end_to_end`]), the preview cookie out, `Host` and
 /// `X-Forwarded-*`; `None` when the target is not a valid URI.
 fn guest_request(
     d: &Dispatch,
@@ -324,60 +361,50 @@ fn guest_request(
     form: &Form,
     query: Option<String>,
     parts: &axum::http::request::Parts,
-) -> Option<axum::http::request::Builder> {
+) -> Option<(Uri, HeaderMap)> {
     let path = match form {
         Form::Host => parts.uri.path(),
         Form::Path { prefix, .. } => parts.uri.path().get(*prefix..).filter(|r| r.starts_with('/')).unwrap_or("/"),
     };
-    let target = match &query {
-        Some(q) => format!("{path}?{q}"),
-        None => path.to_string(),
-    };
-    let uri: Uri = target.parse().ok()?;
-    let connection = connection_tokens(&parts.headers);
-    let upgrade = is_upgrade(&parts.headers);
-    let mut b = axum::http::Request::builder().method(parts.method.clone()).uri(uri).version(Version::HTTP_11);
-    let original_host = request_host_of(parts);
-    for (name, value) in &parts.headers {
-        if hop_by_hop(name, &connection) || name == header::HOST || name == header::COOKIE {
-            continue;
-        }
-        // Ours replace the client's, but a TLS proxy's X-Forwarded-Proto.
-        if name.as_str().starts_with("x-forwarded-") && name != "x-forwarded-proto" {
-            continue;
-        }
-        b = b.header(name, value);
+    let query = query.map(|q| format!("?{q}")).unwrap_or_default();
+    let uri: Uri = format!("http://{}:{}{path}{query}", p.sandbox_id, p.port).parse().ok()?;
+    let mut headers = end_to_end(&parts.headers);
+    headers.remove(header::HOST);
+    headers.remove(header::COOKIE);
+    // Ours replace the client's, but a TLS proxy's X-Forwarded-Proto.
+    let theirs: Vec<HeaderName> = headers
+        .keys()
+        .filter(|n| n.as_str().starts_with("x-forwarded-") && *n != "x-forwarded-proto")
+        .cloned()
+        .collect();
+    for n in theirs {
+        headers.remove(n);
     }
     if let Some(c) = cookie_without(&parts.headers, COOKIE) {
-        b = b.header(header::COOKIE, c);
+        headers.insert(header::COOKIE, c);
     }
-    if upgrade {
-        b = b.header(header::CONNECTION, "upgrade");
-        for v in parts.headers.get_all(header::UPGRADE) {
-            b = b.header(header::UPGRADE, v);
-        }
-    }
+    let original_host = request_host_of(parts);
     let host = if d.previews.config.rewrite_host { format!("localhost:{}", p.port) } else { original_host.clone() };
-    b = b.header(header::HOST, host);
+    headers.insert(header::HOST, HeaderValue::from_str(&host).ok()?);
     if let Some(v) = forwarded_for(&parts.headers, &parts.extensions) {
-        b = b.header("x-forwarded-for", v);
+        headers.insert("x-forwarded-for", v);
     }
-    if !parts.headers.contains_key("x-forwarded-proto") {
+    if !headers.contains_key("x-forwarded-proto") {
         let proto = match &d.previews.forms.host {
-            Some((scheme, ..)) if matches!(form, Form::Host) => scheme.clone(),
-            _ => "http".into(),
+            Some((scheme, ..)) if matches!(form, Form::Host) => scheme.as_str(),
+            _ => "http",
         };
-        b = b.header("x-forwarded-proto", proto);
+        headers.insert("x-forwarded-proto", HeaderValue::from_str(proto).ok()?);
     }
     if !original_host.is_empty() {
-        b = b.header("x-forwarded-host", original_host);
+        headers.insert("x-forwarded-host", HeaderValue::from_str(&original_host).ok()?);
     }
     if let Form::Path { prefix, .. } = form {
         if let Some(pre) = parts.uri.path().get(..*prefix) {
-            b = b.header("x-forwarded-prefix", pre);
+            headers.insert("x-forwarded-prefix", HeaderValue::from_str(pre).ok()?);
         }
     }
-    Some(b)
+    Some((uri, headers))
 }
 
 /// `X-Forwarded-For` as passed on: the client's chain with the client's
@@ -449,20 +476,17 @@ async fn forward(d: &Dispatch, p: &Preview, form: &Form, query: Option<String>, 
             ),
         );
     }
-    let Some(builder) = guest_request(d, p, form, query, &parts) else {
-        return page(StatusCode::BAD_REQUEST, "Bad request", "the request's target is not a valid URI");
+    let Some((uri, headers)) = guest_request(d, p, form, query, &parts) else {
+        return page(StatusCode::BAD_REQUEST, "Bad request", "the request's target or headers cannot be passed on");
     };
     let client_upgrade = parts.extensions.remove::<OnUpgrade>();
     let limited = http_body_util::Limited::new(body, usize::try_from(max_request).unwrap_or(usize::MAX));
-    let Ok(mut request) = builder.body(Body::new(limited)) else {
-        return page(StatusCode::BAD_REQUEST, "Bad request", "the request's headers cannot be passed on");
+    let Ok(mut request) =
+        axum::http::Request::builder().method(parts.method).uri(uri).version(Version::HTTP_11).body(Body::new(limited))
+    else {
+        return page(StatusCode::BAD_REQUEST, "Bad request", "the request cannot be passed on");
     };
-    // The pool's key: the sandbox and port, as the URI's authority.
-    let target = request.uri().path_and_query().map(|t| t.as_str()).unwrap_or("/");
-    let Ok(uri) = format!("http://{}:{}{target}", p.sandbox_id, p.port).parse::<Uri>() else {
-        return page(StatusCode::BAD_REQUEST, "Bad request", "the request's target is not a valid URI");
-    };
-    *request.uri_mut() = uri;
+    *request.headers_mut() = headers;
     let place = match d.upstream.place(&p.sandbox_id, p.port).await {
         Ok(place) => place,
         Err(e) => {
@@ -489,27 +513,17 @@ async fn forward(d: &Dispatch, p: &Preview, form: &Form, query: Option<String>, 
             );
         };
         let guest = hyper::upgrade::on(&mut response);
-        let (sandbox, port) = (p.sandbox_id.clone(), p.port);
+        let what = format!("preview upgrade to {}:{}", p.sandbox_id, p.port);
         tokio::spawn(async move {
-            match tokio::try_join!(client, guest) {
-                Ok((client, guest)) => {
-                    let (mut client, mut guest) = (TokioIo::new(client), TokioIo::new(guest));
-                    let r = tokio::io::copy_bidirectional(&mut client, &mut guest).await;
-                    tracing::debug!(sandbox = %sandbox, port, "preview upgrade closed: {r:?}");
-                }
-                Err(e) => tracing::debug!(sandbox = %sandbox, port, "preview upgrade failed: {e}"),
-            }
+            let r = crate::splice::splice(client, async { guest.await.map(TokioIo::new) }).await;
+            tracing::debug!("{what} closed: {r:?}");
             drop(place);
         });
         let (parts, _) = response.into_parts();
         return axum::http::Response::from_parts(parts, Body::empty());
     }
     let (mut parts, body) = response.into_parts();
-    let connection = connection_tokens(&parts.headers);
-    let names: Vec<HeaderName> = parts.headers.keys().filter(|n| hop_by_hop(n, &connection)).cloned().collect();
-    for n in names {
-        parts.headers.remove(n);
-    }
+    strip_hop_by_hop(&mut parts.headers);
     let max_response = usize::try_from(d.previews.max_response_bytes()).unwrap_or(usize::MAX);
     let body = Placed { body: http_body_util::Limited::new(body, max_response), _place: place };
     axum::http::Response::from_parts(parts, Body::new(body))
@@ -599,8 +613,20 @@ mod tests {
         assert!(hop_by_hop(&HeaderName::from_static("x-private"), &conn));
         assert!(hop_by_hop(&header::TRANSFER_ENCODING, &conn));
         assert!(!hop_by_hop(&header::CONTENT_TYPE, &conn));
+        h.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
+        h.insert("x-private", HeaderValue::from_static("1"));
+        h.insert("keep-alive", HeaderValue::from_static("timeout=5"));
+        let passed = end_to_end(&h);
+        assert_eq!(passed[header::CONNECTION], "upgrade");
+        assert_eq!(passed[header::UPGRADE], "websocket");
+        assert_eq!(passed[header::CONTENT_TYPE], "text/plain");
+        assert!(!passed.contains_key("x-private") && !passed.contains_key("keep-alive"));
+        let mut response = h.clone();
+        strip_hop_by_hop(&mut response);
+        assert_eq!(response.keys().collect::<Vec<_>>(), vec![header::CONTENT_TYPE]);
         h.remove(header::UPGRADE);
         assert!(!is_upgrade(&h));
+        assert!(!end_to_end(&h).contains_key(header::CONNECTION));
     }
 
     #[test]
