@@ -40,6 +40,7 @@ mod manager;
 pub mod memory;
 pub mod network;
 pub mod progress;
+pub mod published_ports;
 pub mod store;
 pub mod templates;
 pub mod volumes;

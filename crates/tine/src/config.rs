@@ -32,6 +32,9 @@
 //! [preview]
 //! domain = "preview.example.com"   # preview URLs https://<id>.preview.example.com/
 //!
+//! [ports]
+//! bind = ["127.0.0.1"]          # where sandbox_create { ports } listens
+//!
 //! [cluster]
 //! host_name = "tine-a"          # in sandbox ids, sb-tine-a-<n>; default: the host name
 //! peers = { tine-b = "http://10.0.0.2:5555" }   # where other hosts' calls go
@@ -126,6 +129,9 @@ pub struct FileConfig {
     pub images: tine_sandbox::images::ImagesConfig,
     /// `[preview]`: preview URLs ([`crate::preview::PreviewConfig`]).
     pub preview: crate::preview::PreviewConfig,
+    /// `[ports]`: published host ports
+    /// ([`crate::published_ports::PortsConfig`]).
+    pub ports: crate::published_ports::PortsConfig,
 }
 
 /// The tenants file's name in the data directory, where
@@ -418,6 +424,11 @@ mod tests {
         );
         assert_eq!(c.cluster, crate::cluster::ClusterConfig::default(), "deploy/tine.toml shows no peers");
         assert_eq!(c.preview, crate::preview::PreviewConfig::default(), "deploy/tine.toml shows the preview defaults");
+        assert_eq!(
+            c.ports,
+            crate::published_ports::PortsConfig::default(),
+            "deploy/tine.toml shows the [ports] defaults"
+        );
         let huge: FileConfig = toml::from_str("[memory]\nhuge_pages = true\n").unwrap();
         assert!(huge.memory.huge_pages);
         assert_eq!(

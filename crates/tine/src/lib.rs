@@ -16,7 +16,8 @@
 //! - `config`: the configuration file and the data directory.
 //! - `files_url`: signed URLs that stream one sandbox file in or out.
 //! - `preview`: preview URLs, a browser's way to a server in a sandbox;
-//!   `port_forward`: raw TCP into a guest port over an upgraded request.
+//!   `port_forward`: raw TCP into a guest port over an upgraded request;
+//!   `published_ports`: host ports the server listens on for a sandbox.
 //! - `metrics` and `audit`: `/metrics` and the audit log.
 
 pub mod cli;
@@ -30,5 +31,6 @@ mod mcp;
 mod metrics;
 mod port_forward;
 mod preview;
+mod published_ports;
 mod server;
 mod splice;

@@ -123,6 +123,8 @@ pub struct ServeOptions {
     /// Preview URLs ([`crate::preview`]): their forms, limits, store and
     /// token key.
     pub previews: Arc<crate::preview::Previews>,
+    /// Published host ports ([`crate::published_ports`]).
+    pub ports: crate::published_ports::PortsConfig,
 }
 
 /// Errors of serving.
@@ -146,13 +148,15 @@ pub enum ServeError {
 }
 
 /// `/healthz`: `{"status":"ok"}` to anyone; to the operator (or under
-/// `--dev`) also how many sandboxes exist and the warm pool,
-/// `{"status":"ok","sandboxes":3,"pool":{"size":2,"ready":2,"filling":false}}`.
-async fn healthz(State((manager, auth)): State<(Arc<Manager>, Arc<Auth>)>, req: Request) -> Response {
+/// `--dev`) also this host's name, how many sandboxes exist and the warm
+/// pool, `{"status":"ok","host":"h1","sandboxes":3,"pool":{"size":2,"ready":2,"filling":false}}`
+/// (hosts ask each other their names so: `crate::cluster::discovery`).
+async fn healthz(State((manager, auth, host)): State<(Arc<Manager>, Arc<Auth>, String)>, req: Request) -> Response {
     let body = match auth.authenticate(req.headers()) {
-        Ok(Principal::Admin) => {
-            serde_json::json!({"status": "ok", "sandboxes": manager.len(), "pool": manager.pool_status()}).to_string()
-        }
+        Ok(Principal::Admin) => serde_json::json!({
+            "status": "ok", "host": host, "sandboxes": manager.len(), "pool": manager.pool_status()
+        })
+        .to_string(),
         _ => r#"{"status":"ok"}"#.to_string(),
     };
     ([(header::CONTENT_TYPE, "application/json")], body).into_response()
@@ -258,7 +262,12 @@ pub fn router(
     let files = Arc::new(files);
     let tools = Arc::new(crate::mcp::Tools::new(&manager).map_err(ServeError::Tools)?);
     let auth = opts.auth.clone();
+    let ports = crate::published_ports::Publisher::new(manager.clone(), opts.ports.clone());
+    ports.watch();
+    let restoring = ports.clone();
+    tokio::spawn(async move { restoring.restore().await });
     let shared = Shared {
+        ports,
         manager: manager.clone(),
         files: files.clone(),
         cluster: cluster.clone(),
@@ -285,7 +294,11 @@ pub fn router(
         .merge(mcp_router)
         .merge(crate::port_forward::routes(manager.clone(), opts.cluster.host().to_owned()))
         .layer(axum::middleware::from_fn_with_state(auth.clone(), crate::auth::authenticate));
-    let mut open = Router::new().route("/healthz", get(healthz)).with_state((manager.clone(), auth.clone()));
+    let mut open = Router::new().route("/healthz", get(healthz)).with_state((
+        manager.clone(),
+        auth.clone(),
+        opts.cluster.host().to_string(),
+    ));
     if auth.oauth().is_some() {
         let path = crate::auth::oauth::METADATA_PATH;
         open = open.merge(

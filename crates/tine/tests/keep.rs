@@ -5,7 +5,9 @@
 //!
 //! - a sandbox with a file, a Python variable, an env var, a network
 //!   policy, labels and a background web server survives a SIGTERM
-//!   restart with all of it, the web server serving again;
+//!   restart with all of it, the web server serving again, also through
+//!   the host port it publishes (`ports`), whose first connection after
+//!   the restart wakes it; its kill closes the host port;
 //! - idle means hibernated, and the next exec resumes it;
 //! - a branch child and its parent hibernated over a restart still diff
 //!   and merge;
@@ -42,6 +44,23 @@ const GET: &str = "exec 3<>/dev/tcp/127.0.0.1/8000 && printf 'GET / HTTP/1.0\\r\
 
 /// The executable of the agent that runs an exec (the shell's parent).
 const AGENT_EXE: &str = "readlink /proc/$PPID/exe";
+
+/// A GET of `/` on host port `port` (a published guest web server): the
+/// status line, or the error. Waits up to 5 min (a hibernated sandbox
+/// wakes for it).
+async fn host_get(port: u16) -> std::io::Result<String> {
+    tokio::task::spawn_blocking(move || {
+        use std::io::{Read, Write};
+        let mut c = std::net::TcpStream::connect(("127.0.0.1", port))?;
+        c.set_read_timeout(Some(Duration::from_secs(300)))?;
+        c.write_all(b"GET / HTTP/1.0\r\n\r\n")?;
+        let mut got = Vec::new();
+        c.read_to_end(&mut got)?;
+        Ok(String::from_utf8_lossy(&got).lines().next().unwrap_or_default().to_string())
+    })
+    .await
+    .unwrap()
+}
 
 async fn exec(client: &Peer<RoleClient>, id: &str, command: &str) -> Result<String, String> {
     let r = call(client, "sandbox_exec", json!({"sandbox_id": id, "command": command})).await?;
@@ -90,10 +109,12 @@ async fn sandboxes_outlive_idleness_restarts_and_crashes() {
     let client = server.client().await;
 
     // A: everything an agent leaves in a sandbox.
+    let published = testkit::mcp::free_port();
     let a = create(
         &client,
         json!({"labels": {"job": "keep"}, "env": {"FOO": "bar"},
-               "network": {"egress": "deny", "allow": ["example.com"]}}),
+               "network": {"egress": "deny", "allow": ["example.com"]},
+               "ports": [format!("{published}:8000")]}),
     )
     .await;
     exec(&client, &a, "mkdir -p /root/work && echo hello > /root/work/f.txt").await.unwrap();
@@ -115,7 +136,12 @@ async fn sandboxes_outlive_idleness_restarts_and_crashes() {
     .await
     .unwrap();
     assert_eq!(w["outcome"], "matched", "{w}");
-    let policy = info(&client, &a).await["network"].clone();
+    let i = info(&client, &a).await;
+    let policy = i["network"].clone();
+    let host_port = format!("127.0.0.1:{published}");
+    assert_eq!(i["ports"], json!([{"host": host_port, "guest_port": 8000, "listening": true}]), "{i}");
+    let got = host_get(published).await.expect("GET through the published port");
+    assert!(got.starts_with("HTTP/1.0 200"), "the published port reaches the web server: {got}");
     eprintln!("A ready with a web server at {:.0} s", t0.elapsed().as_secs_f64());
 
     // B, a template of it, E from that template; C a branch child of B.
@@ -244,9 +270,13 @@ async fn sandboxes_outlive_idleness_restarts_and_crashes() {
     assert!(i.get("lineage").is_none(), "no lineage: {i}");
     assert_eq!(info(&client, &c).await["lineage"]["parent"], b.as_str());
 
+    // The published port's first connection wakes A.
+    assert_eq!(i["ports"][0]["listening"], true, "listening again after the restart: {i}");
     let t = Instant::now();
+    let got = host_get(published).await.expect("GET through the published port after the restart");
+    assert!(got.starts_with("HTTP/1.0 200"), "the published port serves again: {got}");
+    eprintln!("A resumed from disk for a published port's connection, answered in {:?}", t.elapsed());
     assert_eq!(exec(&client, &a, "cat /root/work/f.txt; echo $FOO").await.unwrap(), "hello\nbar\n");
-    eprintln!("A resumed from disk to its first answer in {:?}", t.elapsed());
     let r = call(&client, "sandbox_run_python", json!({"sandbox_id": a, "code": "x + 1"})).await.unwrap();
     assert_eq!(r["result"], "42", "{r}");
     let got = exec(&client, &a, GET).await.unwrap();
@@ -302,5 +332,12 @@ async fn sandboxes_outlive_idleness_restarts_and_crashes() {
     }
     let i = info(&client, &d).await;
     assert_eq!(i["state"], "failed", "the damaged one is kept, failed, for the operator: {i}");
+    // A's kill closes its published port.
+    call(&client, "sandbox_kill", json!({"sandbox_id": a})).await.expect("kill A");
+    let t = Instant::now();
+    while std::net::TcpStream::connect(("127.0.0.1", published)).is_ok() {
+        assert!(t.elapsed() < Duration::from_secs(10), "A's host port is still open after its kill");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     eprintln!("done in {:.0} s", t0.elapsed().as_secs_f64());
 }

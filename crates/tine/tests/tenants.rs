@@ -75,6 +75,10 @@ async fn tenants_see_and_touch_only_their_own() {
 
     // A's objects: a sandbox, a file, a background process, a template,
     // a file URL.
+    // Host ports are the operator's to give: a tenant's create with ports
+    // is refused before any VM starts ([ports] tenants is off by default).
+    let e = call(&a, "sandbox_create", json!({"ports": ["18080:80"]})).await.unwrap_err();
+    assert!(e.contains("publishing host ports is not allowed for this tenant"), "{e}");
     let sa = call(&a, "sandbox_create", json!({})).await.unwrap();
     assert_eq!(sa["tenant"], "acme", "{sa}");
     let id_a = sa["sandbox_id"].as_str().unwrap().to_string();

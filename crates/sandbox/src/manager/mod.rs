@@ -44,6 +44,7 @@ mod ports;
 mod prefetch;
 mod pressure;
 mod processes;
+mod published_ports;
 mod quota;
 mod recipes;
 mod records;

@@ -78,6 +78,10 @@ pub(super) struct Record {
     /// slots; a kill lets go of them.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub volumes: Vec<crate::volumes::AttachedVolume>,
+    /// Its published host ports ([`crate::published_ports`]; `listening`
+    /// and `error` as last known): the server listens again at start.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ports: Vec<crate::published_ports::PublishedPort>,
 }
 
 /// Where a hibernation is and what it was written against.
@@ -155,6 +159,7 @@ fn record_of(sb: &Sandbox, pin: Option<String>, hibernated: Option<&Hibernated>)
         network_ceiling: policy.as_ref().and_then(|c| c.ceiling().map(|c| c.policy().clone())),
         hibernation,
         volumes: lock(&sb.volumes).clone(),
+        ports: lock(&sb.ports).clone(),
     }
 }
 
@@ -383,6 +388,8 @@ impl Manager {
         let found = hibernation.is_some();
         *lock(&sb.hibernation) = hibernation;
         *lock(&sb.volumes) = r.volumes.clone();
+        *lock(&sb.ports) =
+            r.ports.iter().map(|p| crate::published_ports::PublishedPort { listening: false, ..p.clone() }).collect();
         let (state, error) = match r.state.as_str() {
             "hibernated" if found => (SandboxState::Hibernated, None),
             "hibernated" => {

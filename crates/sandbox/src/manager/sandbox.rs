@@ -180,6 +180,10 @@ pub struct SandboxInfo {
     /// child's copies of its parent's writable ones are `shared: false`).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub volumes: Vec<crate::volumes::AttachedVolume>,
+    /// Host ports the server listens on for it (`sandbox_create { ports
+    /// }`, [`crate::published_ports`]).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub ports: Vec<crate::published_ports::PublishedPort>,
 }
 
 /// A sandbox's place in a branch tree.
@@ -404,6 +408,9 @@ pub(super) struct Sandbox {
     /// Its VM's device slots' chains when the VM last stopped (the tops
     /// included): what a writer's release gives its volume.
     pub slot_chains: Mutex<Vec<tine_storage::ChainSpec>>,
+    /// The host ports published for it ([`crate::published_ports`]); a
+    /// branch child has none.
+    pub ports: Mutex<Vec<crate::published_ports::PublishedPort>>,
 }
 
 impl Sandbox {
@@ -440,6 +447,7 @@ impl Sandbox {
             net: Mutex::new(None),
             volumes: Mutex::new(Vec::new()),
             slot_chains: Mutex::new(Vec::new()),
+            ports: Mutex::new(Vec::new()),
         }
     }
 
@@ -653,6 +661,7 @@ impl Sandbox {
                 .iter()
                 .map(|v| crate::volumes::AttachedVolume { stored: String::new(), ..v.clone() })
                 .collect(),
+            ports: lock(&self.ports).clone(),
         }
     }
 

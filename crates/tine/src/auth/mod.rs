@@ -227,6 +227,7 @@ impl Auth {
             quota: Arc::new(self.default_quota.clone()),
             ceiling: None,
             public_previews: None,
+            publish_ports: None,
         });
         created.insert(name.to_string(), t.clone());
         crate::audit::change("tenant made from an OAuth token (create_tenants)", name);

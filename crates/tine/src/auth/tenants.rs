@@ -12,6 +12,7 @@
 //! key_sha256 = "9f86d081884c7d65..."   # SHA-256 (FIPS 180-4) of its API key, hex
 //! created_at_ms = 1764230400000
 //! public_previews = false              # no public preview URLs (default: [preview] public)
+//! publish_ports = true                 # may publish host ports (default: [ports] tenants)
 //! [tenant.acme.quota]                  # overrides of [limits.tenant]
 //! max_running = 4
 //! [tenant.acme.network]                # its ceiling (default: the server's [network])
@@ -179,6 +180,10 @@ pub struct TenantEntry {
     /// `[preview] public`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub public_previews: Option<bool>,
+    /// Whether it may publish host ports (`sandbox_create { ports }`;
+    /// `None`: the server's `[ports] tenants`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub publish_ports: Option<bool>,
 }
 
 fn is_default(q: &QuotaOverride) -> bool {
@@ -309,6 +314,7 @@ impl TenantsFile {
             quota,
             network: None,
             public_previews: None,
+            publish_ports: None,
         };
         self.tenant.insert(name.to_string(), entry);
         Ok(key)
@@ -355,6 +361,9 @@ pub struct Tenant {
     /// Whether it may make public preview URLs (`None`: the server's
     /// `[preview] public` decides).
     pub public_previews: Option<bool>,
+    /// Whether it may publish host ports (`None`: the server's `[ports]
+    /// tenants` decides).
+    pub publish_ports: Option<bool>,
 }
 
 /// The tenants file as read at one time: live tenants by key hash and by
@@ -389,6 +398,7 @@ impl Roster {
                 quota: Arc::new(e.quota.apply(defaults)),
                 ceiling: e.network.clone(),
                 public_previews: e.public_previews,
+                publish_ports: e.publish_ports,
             });
             roster.by_hash.insert(t.key_sha256.clone(), t.clone());
             roster.by_name.insert(name.clone(), t);

@@ -192,6 +192,7 @@ pub(super) fn start(args: StartArgs) -> anyhow::Result<ExitCode> {
         public_url: r.file.public_url.clone(),
         cluster,
         previews,
+        ports: r.file.ports.clone(),
     };
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(server::serve(manager, opts))?;

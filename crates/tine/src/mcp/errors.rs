@@ -45,6 +45,9 @@ pub enum ToolError {
     /// A preview URL cannot be made or revoked.
     #[error("{0}")]
     Preview(#[from] crate::preview::PreviewError),
+    /// `sandbox_create { ports }` cannot publish a port.
+    #[error("{0}")]
+    Ports(#[from] crate::published_ports::PublishError),
     /// A GET URL for something that is not a regular file.
     #[error("{path} is not a regular file; sandbox_download_dir packs a directory")]
     NotAFile {

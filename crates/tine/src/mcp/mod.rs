@@ -125,6 +125,8 @@ pub struct TineMcp {
     files: Arc<FileUrls>,
     /// Preview URLs (`sandbox_preview_url`).
     previews: Arc<crate::preview::Previews>,
+    /// Published host ports (`sandbox_create { ports }`).
+    ports: Arc<crate::published_ports::Publisher>,
     /// This host and its peers: calls naming another host's sandbox go there.
     cluster: Arc<Cluster>,
     /// Tool calls are counted and timed here.
@@ -148,6 +150,8 @@ pub struct Shared {
     pub files: Arc<FileUrls>,
     /// Preview URLs (`sandbox_preview_url`).
     pub previews: Arc<crate::preview::Previews>,
+    /// Published host ports.
+    pub ports: Arc<crate::published_ports::Publisher>,
     /// This host and its peers.
     pub cluster: Arc<Cluster>,
     /// The server's metrics.
@@ -171,6 +175,7 @@ impl TineMcp {
             log: SessionLog::new(key),
             files: shared.files.clone(),
             previews: shared.previews.clone(),
+            ports: shared.ports.clone(),
             cluster: shared.cluster.clone(),
             metrics: shared.metrics.clone(),
             tools: shared.tools.clone(),

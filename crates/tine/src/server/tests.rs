@@ -51,6 +51,7 @@ fn options(token: Option<&str>, allowed_origins: Vec<String>) -> ServeOptions {
         max_sessions: super::DEFAULT_MAX_SESSIONS,
         build_default_template: false,
         public_url: None,
+        ports: Default::default(),
         previews: std::sync::Arc::new(
             crate::preview::Previews::open(
                 &tempfile::tempdir().unwrap().keep(),
@@ -226,7 +227,9 @@ async fn healthz_is_open_and_says_more_only_with_the_token() {
     let with_token = app(&dir, Some(TOKEN));
     assert_eq!(healthz(&with_token, None).await, serde_json::json!({"status": "ok"}));
     assert_eq!(healthz(&with_token, Some(&bearer("wrong-token"))).await, serde_json::json!({"status": "ok"}));
-    let full = serde_json::json!({"status": "ok", "sandboxes": 0, "pool": {"size": 0, "ready": 0, "filling": false}});
+    let full = serde_json::json!({
+        "status": "ok", "host": "t1", "sandboxes": 0, "pool": {"size": 0, "ready": 0, "filling": false}
+    });
     assert_eq!(healthz(&with_token, Some(&bearer(TOKEN))).await, full);
     // --dev has no token: the details are for anyone on loopback.
     let dev = app(&dir, None);

@@ -75,6 +75,14 @@ pub struct CreateParams {
     #[serde(default)]
     #[schemars(length(max = tine_sandbox::MAX_VOLUME_SLOTS))]
     pub volumes: Vec<tine_sandbox::volumes::VolumeRequest>,
+    /// Host ports the server listens on for the sandbox's life, each
+    /// connection going to a guest port: "HOST_PORT:GUEST_PORT"
+    /// ("5432:5432"), on the server host's loopback unless the operator
+    /// allows other addresses ("ADDRESS:HOST_PORT:GUEST_PORT"). Raw TCP,
+    /// no auth: for HTTP to a person, use sandbox_preview_url.
+    #[serde(default)]
+    #[schemars(length(max = tine_sandbox::published_ports::MAX_PUBLISHED_PORTS), inner(length(max = 64)))]
+    pub ports: Vec<String>,
 }
 
 /// `sandbox_update`.
@@ -289,7 +297,14 @@ impl TineMcp {
             volumes: p.volumes,
         };
         self.check_ceiling(spec.network.as_ref())?;
-        let info = Reporter::around(&ctx, self.cx(), async |cx| self.manager.create_with(spec, cx).await).await?;
+        // Host ports are bound before the VM starts: a taken one costs none.
+        let ports = self.ports.config().check(&p.ports, &self.caller())?;
+        let bound = self.ports.bind(&ports).await?;
+        let mut info = Reporter::around(&ctx, self.cx(), async |cx| self.manager.create_with(spec, cx).await).await?;
+        if !bound.is_empty() {
+            self.ports.start(&info.sandbox_id, bound);
+            info.ports = self.manager.published_ports(&info.sandbox_id);
+        }
         self.log.watch(&info.sandbox_id);
         self.session.created(&info.sandbox_id).await;
         Ok(Json(info))
