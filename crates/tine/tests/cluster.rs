@@ -7,7 +7,9 @@
 //! `/metrics` holds the expected series after a create, an exec, a branch
 //! and a kill, a tenant's call forwarded to the other host acts as that
 //! tenant there (and another tenant's is refused as for an unknown id), a
-//! preview URL of one host's sandbox opened through the other reaches it,
+//! preview URL of one host's sandbox opened through the other reaches it
+//! (and through a third host that knows no peer by name, only
+//! `[cluster] peer_dns`, WebSocket included),
 //! and killing one host leaves the other's sessions working.
 //!
 //! Needs KVM, the guest images and `/usr/sbin/nginx` (scripts/setup.sh
@@ -19,6 +21,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use futures_util::{SinkExt, StreamExt};
 use serde_json::{json, Value};
 use testkit::mcp::{call, connect, free_port, McpClient, TineServer};
 
@@ -26,6 +29,8 @@ const TOKEN: &str = "cluster-test-token-0123456789abcdef0123456789";
 const NGINX: &str = "/usr/sbin/nginx";
 /// Sessions opened through nginx.
 const SESSIONS: usize = 10;
+/// The guest web app of the preview test (`/count`, `/ws`, ...).
+const APP: &str = include_str!("py/preview_app.py");
 
 /// nginx (`$TINE_NGINX`, else Debian's), or `None` (with a loud SKIPPED
 /// line) where it is missing and not required.
@@ -244,17 +249,7 @@ async fn two_hosts_behind_nginx() {
 
     // A preview URL of h1's sandbox opened through h2 is passed to h1,
     // token, cookie exchange and all (the id's first characters name h1).
-    let app = "import http.server, threading\n\
-               class PreviewApp(http.server.BaseHTTPRequestHandler):\n\
-               \x20   def do_GET(self):\n\
-               \x20       b = b'served by h1'\n\
-               \x20       self.send_response(200)\n\
-               \x20       self.send_header('Content-Length', str(len(b)))\n\
-               \x20       self.end_headers()\n\
-               \x20       self.wfile.write(b)\n\
-               preview_app = http.server.ThreadingHTTPServer(('0.0.0.0', 8000), PreviewApp)\n\
-               threading.Thread(target=preview_app.serve_forever, daemon=True).start()\n";
-    call(&direct, "sandbox_run_python", json!({"code": app})).await.unwrap();
+    call(&direct, "sandbox_run_python", json!({"code": APP})).await.unwrap();
     let pv = call(&direct, "sandbox_preview_url", json!({"port": 8000})).await.unwrap();
     let url = pv["url"].as_str().unwrap().to_string();
     let host = format!("{}.preview.test", pv["preview_id"].as_str().unwrap());
@@ -267,11 +262,41 @@ async fn two_hosts_behind_nginx() {
     let first = via_h2.get(url.replace(&host, &format!("{host}:{p2}"))).send().await.unwrap();
     assert_eq!(first.status(), 303, "h1 exchanged the token through h2");
     let cookie = first.headers()["set-cookie"].to_str().unwrap().split(';').next().unwrap().to_string();
-    let page = via_h2.get(format!("http://{host}:{p2}/")).header("cookie", &cookie).send().await.unwrap();
+    let page = via_h2.get(format!("http://{host}:{p2}/count")).header("cookie", &cookie).send().await.unwrap();
     assert_eq!(page.status(), 200);
-    assert_eq!(page.text().await.unwrap(), "served by h1");
-    let bare = via_h2.get(format!("http://{host}:{p2}/")).send().await.unwrap();
+    let served: u64 = page.text().await.unwrap().parse().expect("h1's guest app answers its count");
+    let bare = via_h2.get(format!("http://{host}:{p2}/count")).send().await.unwrap();
     assert_eq!(bare.status(), 401, "h1 checks the token, not h2");
+    // h3 names no peer: it finds the preview's host among those its
+    // peer_dns resolves to (localhost: h1's address), asking each its
+    // name; the page and a WebSocket echo pass through it.
+    let p3 = free_port();
+    let h3_config = format!(
+        "[cluster]\nhost_name = \"h3\"\npeer_dns = \"http://localhost:{p1}\"\n[templates]\nbuild_default = false\n\
+         [preview]\ndomain = \"preview.test\"\nscheme = \"http\"\n"
+    );
+    let h3 = TineServer::start_on(&bin, Some(TOKEN), &h3_config, p3);
+    let via_h3 = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .resolve(&host, format!("127.0.0.1:{p3}").parse().unwrap())
+        .build()
+        .unwrap();
+    let page = via_h3.get(format!("http://{host}:{p3}/count")).header("cookie", &cookie).send().await.unwrap();
+    assert_eq!(page.status(), 200, "h3 found h1 by peer_dns");
+    let again: u64 = page.text().await.unwrap().parse().unwrap();
+    assert_eq!(again, served, "the same guest app (/count counts other paths)");
+    let mut request =
+        tokio_tungstenite::tungstenite::client::IntoClientRequest::into_client_request(format!("ws://{host}:{p3}/ws"))
+            .unwrap();
+    request.headers_mut().insert("cookie", cookie.parse().unwrap());
+    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", p3)).await.unwrap();
+    let (mut ws, resp) = tokio_tungstenite::client_async(request, tcp).await.expect("WebSocket handshake through h3");
+    assert_eq!(resp.status(), 101);
+    ws.send(tokio_tungstenite::tungstenite::Message::text("via h3")).await.unwrap();
+    let echo = ws.next().await.expect("an echo").unwrap();
+    assert_eq!(echo.to_text().unwrap(), "echo: via h3", "a WebSocket through a peer host");
+    drop(ws);
+    drop(h3);
 
     // A tenant's call on h2 naming its sandbox on h1 is forwarded and acts
     // as that tenant there; another tenant's is refused by h1 as for an

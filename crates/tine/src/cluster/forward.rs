@@ -156,7 +156,7 @@ mod tests {
             host_name: Some("h1".into()),
             peers: peers.iter().map(|(a, b)| (a.to_string(), b.to_string())).collect(),
             peer_url: peer_url.map(str::to_string),
-            peer_key_file: None,
+            ..Default::default()
         };
         Cluster::new(&config, None).unwrap()
     }

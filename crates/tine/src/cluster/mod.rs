@@ -29,11 +29,16 @@
 //! not move between hosts: a host that stops takes its sandboxes and
 //! sessions with it.
 //!
-//! The parts: [`ids`] (host names and the hosts that ids name),
+//! Preview ids name their host by a short tag only: a host finds the
+//! tagged host among `peers`, or among the hosts `peer_dns` resolves to
+//! ([`discovery`]).
+//!
+//! The parts: [`ids`] (host names and the hosts that ids name), [`discovery`] (hosts found by DNS),
 //! [`forward`] (where a tool call runs, and forwarding it), [`proxy`] (a
 //! session's requests passed on whole) and [`sessions`] (this host's MCP
 //! sessions, named after it). Every error is a [`ClusterError`].
 
+pub mod discovery;
 pub mod forward;
 pub mod ids;
 pub mod proxy;
@@ -70,6 +75,7 @@ const PEER_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// peers = { tine-b = "http://10.0.0.2:5555" }
 /// peer_url = "http://{host}.tine-peers:5555"   # for hosts not in peers
 /// peer_key_file = "/etc/tine/peer-key"         # default: the operator's token
+/// peer_dns = "http://tine-peers.tine.svc.cluster.local:5555"   # every host's address, for previews
 /// ```
 #[derive(Clone, Debug, Default, Deserialize, PartialEq, Eq)]
 #[serde(default, deny_unknown_fields)]
@@ -90,6 +96,10 @@ pub struct ClusterConfig {
     /// printable bytes, mode 0600; the same on every host). Unset: the
     /// operator's token.
     pub peer_key_file: Option<std::path::PathBuf>,
+    /// A URL whose name resolves to every host's address (Kubernetes: the
+    /// headless Service): a host finds the host of a preview it did not
+    /// make among them ([`discovery`]). Unset: only among `peers`.
+    pub peer_dns: Option<String>,
 }
 
 /// Errors of the cluster configuration, of forwarding and of this host's
@@ -203,6 +213,8 @@ pub struct Cluster {
     clients: std::sync::Mutex<BTreeMap<(String, String), Arc<forward::PeerClient>>>,
     /// Forwarded calls by peer and outcome, for `/metrics`.
     pub(crate) forwarded: crate::metrics::Forwarded,
+    /// The hosts `peer_dns` finds.
+    discovery: Option<discovery::Discovery>,
 }
 
 impl Cluster {
@@ -234,7 +246,9 @@ impl Cluster {
             .redirect(reqwest::redirect::Policy::none())
             .build()
             .map_err(|e| ClusterError::Client(e.to_string()))?;
+        let discovery = config.peer_dns.as_deref().map(discovery::Discovery::new).transpose()?;
         Ok(Cluster {
+            discovery,
             host,
             peers,
             peer_url: config.peer_url.as_ref().map(|t| t.trim_end_matches('/').to_string()),
@@ -279,6 +293,40 @@ impl Cluster {
     /// [`ClusterConfig::peer_url`] reaches: they are not known by name).
     pub(crate) fn named_peers(&self) -> impl Iterator<Item = &str> {
         self.peers.keys().map(String::as_str)
+    }
+
+    /// The other hosts [`ClusterConfig::peer_dns`] finds, by name and base
+    /// URL (none without it): the last lookup's while fresh; with `miss`
+    /// (the caller did not find what it looked for) a new one unless the
+    /// last is very recent ([`discovery::RETRY`]).
+    pub(crate) async fn discovered_peers(&self, miss: bool) -> Vec<discovery::Found> {
+        let Some(d) = &self.discovery else { return Vec::new() };
+        let mut found = d.hosts(miss, |base| self.ask_name(base)).await;
+        found.retain(|f| f.name != self.host);
+        found
+    }
+
+    /// The host name the server at `base` gives in its `/healthz`
+    /// (which names it to the operator's credential, and so the peer key's).
+    async fn ask_name(&self, base: String) -> Option<String> {
+        let mut req = self.http.get(format!("{base}/healthz"));
+        if let Some(key) = &self.peer_key {
+            req = req.bearer_auth(key);
+        }
+        let resp = match req.send().await {
+            Ok(r) if r.status().is_success() => r,
+            Ok(r) => {
+                tracing::debug!("[cluster] peer_dns: {base}/healthz answered {}", r.status());
+                return None;
+            }
+            Err(e) => {
+                tracing::debug!("[cluster] peer_dns: {base} does not answer: {e}");
+                return None;
+            }
+        };
+        let body: serde_json::Value = resp.json().await.ok()?;
+        let name = body.get("host")?.as_str()?;
+        host_name(name).ok()
     }
 }
 

@@ -3,7 +3,8 @@
 //! streamed; an upgrade's `101` and the connection after it spliced), as
 //! `crate::cluster::proxy_foreign_session` does for MCP sessions. The
 //! preview id's tag ([`super::store::host_tag`]) says which host; only
-//! hosts that `[cluster] peers` names are known by tag. The request
+//! hosts that `[cluster] peers` names, and those `[cluster] peer_dns`
+//! finds (`crate::cluster::discovery`), are known by tag. The request
 //! carries [`PROXIED_HEADER`], and one that already has it is not passed
 //! on again. The token or cookie goes with it: the preview's host checks
 //! it (the key is that host's).
@@ -19,12 +20,29 @@ use super::store::{host_tag, tag_of};
 use super::Dispatch;
 use crate::cluster::PROXIED_HEADER;
 
-/// The named peer whose tag `id` carries, if exactly one has it.
-fn host_for(d: &Dispatch, id: &str) -> Option<String> {
-    let tag = tag_of(id);
-    let mut hosts = d.cluster.named_peers().filter(|h| host_tag(h) == tag);
+/// The one name of `names` whose tag is `tag`, if exactly one has it.
+fn tagged<'a>(tag: &str, mut names: impl Iterator<Item = &'a str>) -> Option<&'a str> {
+    let mut hosts = names.by_ref().filter(|h| host_tag(h) == tag);
     let host = hosts.next()?;
-    hosts.next().is_none().then(|| host.to_string())
+    hosts.next().is_none().then_some(host)
+}
+
+/// The host whose tag `id` carries and its base URL: among the named
+/// peers, else among those `[cluster] peer_dns` finds (looked up again
+/// once on a miss).
+async fn host_for(d: &Dispatch, id: &str) -> Option<(String, String)> {
+    let tag = tag_of(id);
+    if let Some(host) = tagged(tag, d.cluster.named_peers()) {
+        return Some((host.to_string(), d.cluster.peer(host)?));
+    }
+    for miss in [false, true] {
+        let found = d.cluster.discovered_peers(miss).await;
+        if let Some(host) = tagged(tag, found.iter().map(|f| f.name.as_str())) {
+            let f = found.iter().find(|f| f.name == host)?;
+            return Some((f.name.clone(), f.base.clone()));
+        }
+    }
+    None
 }
 
 /// The headers passed on: the end-to-end ones ([`end_to_end`]), with the
@@ -45,10 +63,7 @@ pub async fn pass_on(d: &Dispatch, id: &str, mut req: Request) -> Response {
     if req.headers().contains_key(PROXIED_HEADER) {
         return super::proxy::not_found();
     }
-    let Some(host) = host_for(d, id) else {
-        return super::proxy::not_found();
-    };
-    let Some(base) = d.cluster.peer(&host) else {
+    let Some((host, base)) = host_for(d, id).await else {
         return super::proxy::not_found();
     };
     let target = req.uri().path_and_query().map(|p| p.as_str()).unwrap_or("/").to_string();
