@@ -1,0 +1,278 @@
+//! One flow: both TLS handshakes, then HTTP/1.1 or HTTP/2 request by
+//! request, each passed on with its placeholders swapped.
+
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use hyper::header::{HeaderValue, CONTENT_LENGTH, HOST, TRANSFER_ENCODING};
+use hyper::{Request, Response, StatusCode};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use rustls::server::{Acceptor, ResolvesServerCert};
+use rustls::sign::CertifiedKey;
+use rustls_pki_types::ServerName;
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio_rustls::{LazyConfigAcceptor, TlsConnector};
+
+use crate::swap::{swap_body, swap_head, MAX_SWAP_BODY};
+use crate::{Broker, BrokerError, BrokerEvent, Flow, FlowHooks, HANDSHAKE_TIMEOUT, IDLE_TIMEOUT};
+
+type Body = BoxBody<Bytes, Box<dyn std::error::Error + Send + Sync>>;
+
+/// What one flow carried.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FlowStats {
+    /// Requests passed on.
+    pub requests: u64,
+    /// Requests in which at least one value was swapped in.
+    pub swapped: u64,
+    /// Whether the flow spoke HTTP/2.
+    pub http2: bool,
+}
+
+/// The leaf for the flow's one name, whatever the ClientHello asks.
+#[derive(Debug)]
+struct OneLeaf(Arc<CertifiedKey>);
+
+impl ResolvesServerCert for OneLeaf {
+    fn resolve(&self, _hello: rustls::server::ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
+        Some(self.0.clone())
+    }
+}
+
+/// The upstream side of a flow's requests.
+enum Upstream {
+    Http1(tokio::sync::Mutex<hyper::client::conn::http1::SendRequest<Body>>),
+    Http2(hyper::client::conn::http2::SendRequest<Body>),
+}
+
+/// What each request of a flow shares.
+struct Shared {
+    name: String,
+    hooks: Arc<dyn FlowHooks>,
+    upstream: Upstream,
+    requests: AtomicU64,
+    swapped: AtomicU64,
+}
+
+async fn timed<T, E>(
+    what: &'static str,
+    f: impl std::future::Future<Output = Result<T, E>>,
+    side: &'static str,
+) -> Result<T, BrokerError>
+where
+    E: Into<std::io::Error>,
+{
+    match tokio::time::timeout(HANDSHAKE_TIMEOUT, f).await {
+        Ok(Ok(t)) => Ok(t),
+        Ok(Err(e)) => Err(BrokerError::Io { side, source: e.into() }),
+        Err(_) => Err(BrokerError::Timeout(what)),
+    }
+}
+
+pub(crate) async fn serve<G, U>(broker: &Broker, guest: G, flow: Flow<U>) -> Result<FlowStats, BrokerError>
+where
+    G: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    U: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let Flow { name, upstream, hooks } = flow;
+    // The guest's ClientHello first: its name and ALPN list.
+    let start = timed("guest", LazyConfigAcceptor::new(Acceptor::default(), guest), "guest").await?;
+    let hello = start.client_hello();
+    let sni = hello.server_name().map(str::to_ascii_lowercase);
+    if sni.as_deref() != Some(name.as_str()) {
+        return Err(BrokerError::Misdirected { want: name, got: sni });
+    }
+    let offered: Vec<Vec<u8>> =
+        hello.alpn().into_iter().flatten().filter(|p| *p == b"h2" || *p == b"http/1.1").map(<[u8]>::to_vec).collect();
+    // The real host, offered what the guest offered.
+    let mut client = (*broker.client).clone();
+    client.alpn_protocols = offered;
+    let server_name =
+        ServerName::try_from(name.clone()).map_err(|e| BrokerError::Tls(rustls::Error::General(e.to_string())))?;
+    let up = timed("upstream", TlsConnector::from(Arc::new(client)).connect(server_name, upstream), "upstream").await?;
+    let proto = up.get_ref().1.alpn_protocol().map(<[u8]>::to_vec);
+    // The guest gets the host's choice only.
+    let leaf = broker.ca.leaf(&name)?;
+    let mut server = rustls::ServerConfig::builder_with_provider(broker.provider.clone())
+        .with_safe_default_protocol_versions()?
+        .with_no_client_auth()
+        .with_cert_resolver(Arc::new(OneLeaf(leaf)));
+    server.alpn_protocols = proto.iter().cloned().collect();
+    let guest = timed("guest", start.into_stream(Arc::new(server)), "guest").await?;
+    let http2 = proto.as_deref() == Some(b"h2");
+    let (guest, up) = (TokioIo::new(guest), TokioIo::new(up));
+    let upstream = if http2 {
+        let (send, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new()).handshake(up).await?;
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!("broker: upstream HTTP/2 connection: {e}");
+            }
+        });
+        Upstream::Http2(send)
+    } else {
+        let (send, conn) = hyper::client::conn::http1::Builder::new().handshake(up).await?;
+        tokio::spawn(async move {
+            if let Err(e) = conn.with_upgrades().await {
+                tracing::debug!("broker: upstream HTTP/1.1 connection: {e}");
+            }
+        });
+        Upstream::Http1(tokio::sync::Mutex::new(send))
+    };
+    let shared = Arc::new(Shared { name, hooks, upstream, requests: AtomicU64::new(0), swapped: AtomicU64::new(0) });
+    let service = {
+        let shared = shared.clone();
+        hyper::service::service_fn(move |req| {
+            let shared = shared.clone();
+            async move { Ok::<_, Infallible>(handle(&shared, req).await) }
+        })
+    };
+    if http2 {
+        hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+            .timer(TokioTimer::new())
+            .keep_alive_interval(Some(IDLE_TIMEOUT))
+            .max_concurrent_streams(100)
+            .serve_connection(guest, service)
+            .await?;
+    } else {
+        hyper::server::conn::http1::Builder::new()
+            .timer(TokioTimer::new())
+            .header_read_timeout(IDLE_TIMEOUT)
+            .serve_connection(guest, service)
+            .with_upgrades()
+            .await?;
+    }
+    Ok(FlowStats {
+        requests: shared.requests.load(Ordering::Relaxed),
+        swapped: shared.swapped.load(Ordering::Relaxed),
+        http2,
+    })
+}
+
+/// A response of the broker's own.
+fn own(status: StatusCode, text: &str) -> Response<Body> {
+    let mut r = Response::new(Full::new(Bytes::from(format!("tine broker: {text}\n"))).map_err(|e| match e {}).boxed());
+    *r.status_mut() = status;
+    r
+}
+
+/// The request's authority's host (lower case, without port): the
+/// target's for HTTP/2 and absolute-form, else `Host`'s.
+fn authority(req: &Request<Incoming>) -> Option<String> {
+    let from_uri = req.uri().host().map(str::to_string);
+    let host = from_uri.or_else(|| {
+        let h = req.headers().get(HOST)?.to_str().ok()?;
+        let h = h.rsplit_once(':').filter(|(_, p)| p.bytes().all(|b| b.is_ascii_digit())).map_or(h, |(h, _)| h);
+        Some(h.to_string())
+    })?;
+    Some(host.trim_end_matches('.').to_ascii_lowercase())
+}
+
+/// Passes one request on.
+async fn handle(shared: &Shared, mut req: Request<Incoming>) -> Response<Body> {
+    let method = req.method().to_string();
+    let path = req.uri().path().to_string();
+    let host = shared.name.clone();
+    let event = |status: u16, swapped: Vec<String>| {
+        shared.hooks.event(BrokerEvent::Request {
+            method: method.clone(),
+            host: host.clone(),
+            path: path.clone(),
+            status,
+            swapped,
+        })
+    };
+    match authority(&req) {
+        Some(a) if a == shared.name => {}
+        other => {
+            let authority = other.unwrap_or_default();
+            shared.hooks.event(BrokerEvent::Misdirected { host: shared.name.clone(), authority: authority.clone() });
+            event(421, Vec::new());
+            return own(
+                StatusCode::MISDIRECTED_REQUEST,
+                &format!("this connection is for {}, not {authority:?}", shared.name),
+            );
+        }
+    }
+    let guest_upgrade = req.headers().contains_key(hyper::header::UPGRADE).then(|| hyper::upgrade::on(&mut req));
+    let (mut parts, body) = req.into_parts();
+    let bindings = shared.hooks.bindings();
+    let swapped = match swap_head(&mut parts, &shared.name, &bindings) {
+        Ok(s) => s,
+        Err(secret) => {
+            event(502, Vec::new());
+            return own(StatusCode::BAD_GATEWAY, &format!("secret {secret}'s value cannot be sent in an HTTP header"));
+        }
+    };
+    if !swapped.leaked.is_empty() {
+        shared.hooks.event(BrokerEvent::LeakBlocked { host: shared.name.clone(), secrets: swapped.leaked.clone() });
+    }
+    let mut names = swapped.swapped.clone();
+    let body: Body = if swapped.in_body.is_empty() {
+        body.map_err(Into::into).boxed()
+    } else {
+        match Limited::new(body, MAX_SWAP_BODY).collect().await {
+            Ok(collected) => {
+                let (new, more) = swap_body(&collected.to_bytes(), &bindings, &swapped.in_body);
+                names.extend(more.into_iter().filter(|m| !swapped.swapped.contains(m)));
+                parts.headers.remove(TRANSFER_ENCODING);
+                if !new.is_empty() || parts.headers.contains_key(CONTENT_LENGTH) {
+                    parts.headers.insert(CONTENT_LENGTH, HeaderValue::from(new.len()));
+                }
+                Full::new(Bytes::from(new)).map_err(|e| match e {}).boxed()
+            }
+            Err(_) => {
+                event(413, Vec::new());
+                return own(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    &format!("a body in which a secret is swapped may be {MAX_SWAP_BODY} bytes at most"),
+                );
+            }
+        }
+    };
+    let request = Request::from_parts(parts, body);
+    let sent = match &shared.upstream {
+        Upstream::Http1(send) => {
+            let mut send = send.lock().await;
+            match send.ready().await {
+                Ok(()) => send.send_request(request).await,
+                Err(e) => Err(e),
+            }
+        }
+        Upstream::Http2(send) => send.clone().send_request(request).await,
+    };
+    shared.requests.fetch_add(1, Ordering::Relaxed);
+    if !names.is_empty() {
+        shared.swapped.fetch_add(1, Ordering::Relaxed);
+    }
+    let mut resp = match sent {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::debug!("broker: {host}: the request failed upstream: {e}");
+            event(502, names);
+            let mut r = own(StatusCode::BAD_GATEWAY, &format!("{host} did not answer: {e}"));
+            r.headers_mut().insert(hyper::header::CONNECTION, HeaderValue::from_static("close"));
+            return r;
+        }
+    };
+    event(resp.status().as_u16(), names);
+    if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
+        if let Some(guest_upgrade) = guest_upgrade {
+            let up_upgrade = hyper::upgrade::on(&mut resp);
+            tokio::spawn(async move {
+                match tokio::try_join!(guest_upgrade, up_upgrade) {
+                    Ok((g, u)) => {
+                        let (mut g, mut u) = (TokioIo::new(g), TokioIo::new(u));
+                        let _ = tokio::io::copy_bidirectional(&mut g, &mut u).await;
+                    }
+                    Err(e) => tracing::debug!("broker: upgrade: {e}"),
+                }
+            });
+        }
+    }
+    resp.map(|b| b.map_err(Into::into).boxed())
+}

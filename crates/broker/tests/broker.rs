@@ -1,0 +1,287 @@
+//! The broker end to end on loopback, no guest: a client that trusts the
+//! broker's CA (as a guest does) speaks TLS to the broker over a socket
+//! pair (the NAT's hand-over); the broker passes its requests on to a
+//! real HTTPS server (hyper and rustls, with a test CA the broker trusts
+//! through `extra_roots`) over a TCP connection the test opened (the
+//! NAT's). The server answers what it was sent, so each test checks what
+//! reached it: the real value where the placeholder was, in HTTP/1.1 and
+//! HTTP/2, nothing after a detach, the placeholder left alone for a host
+//! the secret may not go to, 421 for another authority.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::{Request, Response};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use rustls_pki_types::pem::PemObject;
+use tine_broker::{
+    Binding, Broker, BrokerConfig, BrokerEvent, CertificateAuthority, Flow, FlowHooks, HostPattern, SecretValue,
+};
+
+const PLACEHOLDER: &str = "tine_placeholder_5f1c";
+const VALUE: &str = "sk-the-real-value";
+
+/// The test's upstream: an HTTPS server for `api.test` that answers each
+/// request with what it got (`auth=<Authorization> query=<query>
+/// body=<body> proto=<version>`) and counts them.
+struct Upstream {
+    addr: SocketAddr,
+    ca_file: tempfile::NamedTempFile,
+    requests: Arc<AtomicU64>,
+}
+
+fn upstream() -> Upstream {
+    let ca_key = rcgen::KeyPair::generate().unwrap();
+    let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    ca_params.distinguished_name.push(rcgen::DnType::CommonName, "test upstream CA");
+    let ca_cert = ca_params.self_signed(&ca_key).unwrap();
+    let issuer = rcgen::Issuer::new(ca_params, ca_key);
+    let key = rcgen::KeyPair::generate().unwrap();
+    let cert = rcgen::CertificateParams::new(vec!["api.test".to_string()]).unwrap().signed_by(&key, &issuer).unwrap();
+    let ca_file = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(ca_file.path(), ca_cert.pem()).unwrap();
+    let mut config =
+        rustls::ServerConfig::builder_with_provider(Arc::new(rustls::crypto::aws_lc_rs::default_provider()))
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_no_client_auth()
+            .with_single_cert(
+                vec![cert.der().clone()],
+                rustls_pki_types::PrivateKeyDer::from_pem_slice(key.serialize_pem().as_bytes()).unwrap(),
+            )
+            .unwrap();
+    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let requests = Arc::new(AtomicU64::new(0));
+    let counted = requests.clone();
+    tokio::spawn(async move {
+        let listener = tokio::net::TcpListener::from_std(listener).unwrap();
+        loop {
+            let Ok((tcp, _)) = listener.accept().await else { return };
+            let (acceptor, counted) = (acceptor.clone(), counted.clone());
+            tokio::spawn(async move {
+                let Ok(tls) = acceptor.accept(tcp).await else { return };
+                let service = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
+                    let counted = counted.clone();
+                    async move {
+                        counted.fetch_add(1, Ordering::SeqCst);
+                        let auth = req.headers().get("authorization").map(|v| v.to_str().unwrap().to_string());
+                        let query = req.uri().query().unwrap_or_default().to_string();
+                        let version = format!("{:?}", req.version());
+                        let body = req.into_body().collect().await.unwrap().to_bytes();
+                        let text = format!(
+                            "auth={} query={query} body={} proto={version}",
+                            auth.unwrap_or_default(),
+                            String::from_utf8_lossy(&body)
+                        );
+                        Ok::<_, Infallible>(Response::new(Full::new(Bytes::from(text))))
+                    }
+                });
+                let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                    .serve_connection(TokioIo::new(tls), service)
+                    .await;
+            });
+        }
+    });
+    Upstream { addr, ca_file, requests }
+}
+
+/// The sandbox's side: its bindings (changeable) and its events.
+#[derive(Default)]
+struct Hooks {
+    bindings: Mutex<Vec<Arc<Binding>>>,
+    events: Mutex<Vec<BrokerEvent>>,
+}
+
+impl FlowHooks for Hooks {
+    fn bindings(&self) -> Vec<Arc<Binding>> {
+        self.bindings.lock().unwrap().clone()
+    }
+    fn event(&self, event: BrokerEvent) {
+        self.events.lock().unwrap().push(event);
+    }
+}
+
+fn binding(secret: &str, placeholder: &str, host: &str, in_body: bool) -> Arc<Binding> {
+    Arc::new(Binding {
+        secret: secret.into(),
+        placeholder: placeholder.into(),
+        value: Arc::new(SecretValue::new(VALUE.as_bytes().to_vec())),
+        hosts: vec![HostPattern::parse(host).unwrap()],
+        header: None,
+        format: None,
+        in_query: true,
+        in_body,
+    })
+}
+
+/// A client connection through the broker: TLS to `api.test` trusting
+/// the broker's CA with `alpn`, then HTTP/1.1 or HTTP/2 as negotiated.
+enum Client {
+    H1(hyper::client::conn::http1::SendRequest<Full<Bytes>>),
+    H2(hyper::client::conn::http2::SendRequest<Full<Bytes>>),
+}
+
+impl Client {
+    async fn send(&mut self, req: Request<Full<Bytes>>) -> (u16, String) {
+        let resp = match self {
+            Client::H1(s) => s.send_request(req).await.unwrap(),
+            Client::H2(s) => s.send_request(req).await.unwrap(),
+        };
+        let status = resp.status().as_u16();
+        let body = resp.into_body().collect().await.unwrap().to_bytes();
+        (status, String::from_utf8_lossy(&body).into_owned())
+    }
+}
+
+/// Starts a flow: the broker serves one end of a socket pair, the client
+/// speaks on the other.
+async fn open(broker: &Arc<Broker>, up: &Upstream, hooks: Arc<Hooks>, alpn: &[&[u8]]) -> Client {
+    let (guest, inside) = tokio::net::UnixStream::pair().unwrap();
+    let upstream = tokio::net::TcpStream::connect(up.addr).await.unwrap();
+    let b = broker.clone();
+    tokio::spawn(async move {
+        let r = b.serve(inside, Flow { name: "api.test".into(), upstream, hooks }).await;
+        if let Err(e) = r {
+            eprintln!("flow ended: {e}");
+        }
+    });
+    let mut roots = rustls::RootCertStore::empty();
+    for c in rustls_pki_types::CertificateDer::pem_slice_iter(broker.ca_pem().as_bytes()) {
+        roots.add(c.unwrap()).unwrap();
+    }
+    let mut config =
+        rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::aws_lc_rs::default_provider()))
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+    config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    let name = rustls_pki_types::ServerName::try_from("api.test").unwrap();
+    let tls = tokio_rustls::TlsConnector::from(Arc::new(config)).connect(name, guest).await.expect("TLS to the broker");
+    let h2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
+    let io = TokioIo::new(tls);
+    if h2 {
+        let (send, conn) = hyper::client::conn::http2::handshake(TokioExecutor::new(), io).await.unwrap();
+        tokio::spawn(conn);
+        Client::H2(send)
+    } else {
+        let (send, conn) = hyper::client::conn::http1::handshake(io).await.unwrap();
+        tokio::spawn(conn);
+        Client::H1(send)
+    }
+}
+
+fn broker(up: &Upstream) -> Arc<Broker> {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = Arc::new(CertificateAuthority::load_or_create(dir.path(), "test").unwrap());
+    Arc::new(
+        Broker::new(BrokerConfig { ca, native_roots: false, extra_roots: vec![up.ca_file.path().to_path_buf()] })
+            .unwrap(),
+    )
+}
+
+fn get(uri: &str, host: &str, auth: &str) -> Request<Full<Bytes>> {
+    Request::get(uri).header("host", host).header("authorization", auth).body(Full::default()).unwrap()
+}
+
+#[tokio::test]
+async fn http1_requests_carry_the_value_until_the_secret_is_detached() {
+    let up = upstream();
+    let broker = broker(&up);
+    let hooks = Arc::new(Hooks::default());
+    hooks.bindings.lock().unwrap().push(binding("api", PLACEHOLDER, "api.test", false));
+    let mut c = open(&broker, &up, hooks.clone(), &[b"http/1.1"]).await;
+    assert!(matches!(c, Client::H1(_)));
+    let (status, body) =
+        c.send(get(&format!("/v1?key={PLACEHOLDER}"), "api.test", &format!("Bearer {PLACEHOLDER}"))).await;
+    assert_eq!(status, 200);
+    assert_eq!(body, format!("auth=Bearer {VALUE} query=key={VALUE} body= proto=HTTP/1.1"));
+    // Detached: the next request on the same connection is not swapped.
+    hooks.bindings.lock().unwrap().clear();
+    let (_, body) = c.send(get("/v1", "api.test", &format!("Bearer {PLACEHOLDER}"))).await;
+    assert_eq!(body, format!("auth=Bearer {PLACEHOLDER} query= body= proto=HTTP/1.1"));
+    let events = hooks.events.lock().unwrap().clone();
+    assert!(
+        matches!(&events[0], BrokerEvent::Request { status: 200, swapped, path, .. } if swapped == &["api"] && path == "/v1"),
+        "{events:?}"
+    );
+    assert!(matches!(&events[1], BrokerEvent::Request { swapped, .. } if swapped.is_empty()), "{events:?}");
+    assert!(!format!("{events:?}").contains(VALUE), "events never carry the value");
+}
+
+#[tokio::test]
+async fn http2_stays_http2_and_bodies_are_swapped_where_the_secret_says() {
+    let up = upstream();
+    let broker = broker(&up);
+    let hooks = Arc::new(Hooks::default());
+    hooks.bindings.lock().unwrap().push(binding("api", PLACEHOLDER, "api.test", true));
+    let mut c = open(&broker, &up, hooks.clone(), &[b"h2", b"http/1.1"]).await;
+    assert!(matches!(c, Client::H2(_)), "the host chose h2, so the guest gets h2");
+    let req = Request::post("https://api.test/v1/chat")
+        .header("authorization", format!("Bearer {PLACEHOLDER}"))
+        .body(Full::new(Bytes::from(format!("{{\"key\":\"{PLACEHOLDER}\"}}"))))
+        .unwrap();
+    let (status, body) = c.send(req).await;
+    assert_eq!(status, 200);
+    assert_eq!(body, format!("auth=Bearer {VALUE} query= body={{\"key\":\"{VALUE}\"}} proto=HTTP/2.0"));
+}
+
+#[tokio::test]
+async fn another_authority_gets_421_and_another_hosts_placeholder_stays() {
+    let up = upstream();
+    let broker = broker(&up);
+    let hooks = Arc::new(Hooks::default());
+    hooks.bindings.lock().unwrap().push(binding("api", PLACEHOLDER, "api.test", false));
+    hooks.bindings.lock().unwrap().push(binding("other", "tine_placeholder_other", "other.test", false));
+    let mut c = open(&broker, &up, hooks.clone(), &[b"http/1.1"]).await;
+    let before = up.requests.load(Ordering::SeqCst);
+    let (status, _) = c.send(get("/", "evil.test", &format!("Bearer {PLACEHOLDER}"))).await;
+    assert_eq!(status, 421, "a request for another authority is not passed on");
+    assert_eq!(up.requests.load(Ordering::SeqCst), before);
+    let (status, body) = c.send(get("/", "api.test", "Bearer tine_placeholder_other")).await;
+    assert_eq!(status, 200);
+    assert_eq!(body, "auth=Bearer tine_placeholder_other query= body= proto=HTTP/1.1", "not for this host");
+    let events = hooks.events.lock().unwrap().clone();
+    assert!(events.iter().any(|e| matches!(e, BrokerEvent::Misdirected { authority, .. } if authority == "evil.test")));
+    assert!(events.iter().any(|e| matches!(e, BrokerEvent::LeakBlocked { secrets, .. } if secrets == &["other"])));
+}
+
+#[tokio::test]
+async fn an_upstream_the_broker_does_not_trust_ends_the_flow() {
+    let up = upstream();
+    let dir = tempfile::tempdir().unwrap();
+    let ca = Arc::new(CertificateAuthority::load_or_create(dir.path(), "test").unwrap());
+    // Trusting only its own CA: the upstream's certificate does not verify.
+    let own = dir.path().join(tine_broker::ca::CA_CERT_FILE);
+    let broker = Broker::new(BrokerConfig { ca, native_roots: false, extra_roots: vec![own] }).unwrap();
+    let (guest, inside) = tokio::net::UnixStream::pair().unwrap();
+    let upstream = tokio::net::TcpStream::connect(up.addr).await.unwrap();
+    let hooks = Arc::new(Hooks::default());
+    let client = tokio::spawn(async move {
+        let mut roots = rustls::RootCertStore::empty();
+        roots.add_parsable_certificates(
+            rustls_pki_types::CertificateDer::pem_file_iter(up.ca_file.path()).unwrap().map(Result::unwrap),
+        );
+        let config =
+            rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::aws_lc_rs::default_provider()))
+                .with_safe_default_protocol_versions()
+                .unwrap()
+                .with_root_certificates(roots)
+                .with_no_client_auth();
+        let name = rustls_pki_types::ServerName::try_from("api.test").unwrap();
+        tokio_rustls::TlsConnector::from(Arc::new(config)).connect(name, guest).await.is_ok()
+    });
+    let r = broker.serve(inside, Flow { name: "api.test".into(), upstream, hooks }).await;
+    let e = r.unwrap_err().to_string();
+    assert!(e.starts_with("upstream:") && e.contains("certificate"), "{e}");
+    assert!(!client.await.unwrap(), "the guest's handshake does not complete");
+}
