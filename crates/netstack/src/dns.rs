@@ -43,6 +43,11 @@ pub const MAX_NAMES_PER_ADDR: usize = 4;
 /// interface kept that MTU (an agent older than the 64 KiB link). Larger
 /// answers are truncated (TC bit, RFC 1035 §4.1.1).
 pub const MAX_GUEST_MESSAGE: usize = 1500 - 20 - 8;
+/// The bytes a [`Resolver`] holds in buffers at most: its smoltcp
+/// socket's (16 KiB in, 64 KiB out, with their packet metadata), its host
+/// sockets' kernel buffers (two sockets, the default 208 KiB each way,
+/// doubled) and its scratch buffer.
+pub const BYTES_MAX: usize = 16 * 1024 + 64 * 1024 + 96 * 64 + 2 * 4 * 208 * 1024 + 65536;
 /// TTL of the answers for static hosts (seconds).
 pub const STATIC_TTL: u32 = 60;
 

@@ -17,6 +17,8 @@
 //! - [`sniff`]: the TLS SNI or HTTP `Host` of a connection's first bytes.
 //! - [`host_name`]: the one form host names are compared in.
 //! - [`log`]: the bounded per-sandbox network log.
+//! - [`rate`]: token buckets for the rates of new connections and DNS
+//!   queries.
 //! - [`control`]: what the sandbox manager holds per sandbox: the live
 //!   policy (changeable while the guest runs) and the log.
 //!
@@ -29,6 +31,7 @@ pub mod dns;
 pub mod host_name;
 pub mod log;
 pub mod policy;
+pub mod rate;
 pub mod sniff;
 pub mod stack;
 

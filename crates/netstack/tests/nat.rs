@@ -91,13 +91,14 @@ fn policy(egress: Egress, allow: &[&str], deny: &[&str]) -> NetworkPolicy {
     }
 }
 
+/// The default config with no upstream, no static host and no rate limit.
 fn config() -> StackConfig {
     StackConfig {
         dns_upstreams: Vec::new(),
         static_hosts: BTreeMap::new(),
-        max_connections: 256,
-        tcp_buffer_bytes: 256 * 1024,
-        max_guest_frames: 256,
+        connection_rate: None,
+        dns_rate: None,
+        ..StackConfig::default()
     }
 }
 
@@ -150,6 +151,17 @@ impl World {
     fn until(&mut self, what: &str, mut cond: impl FnMut(&mut World) -> bool) {
         let deadline = Instant::now() + Duration::from_secs(30);
         while !cond(self) {
+            if Instant::now() >= deadline {
+                let states: Vec<_> = self
+                    .sockets
+                    .iter()
+                    .filter_map(|(_, s)| match s {
+                        smoltcp::socket::Socket::Tcp(t) => Some((t.state(), t.send_queue(), t.recv_queue())),
+                        _ => None,
+                    })
+                    .collect();
+                eprintln!("DEBUG {:?} {:?} buffered {}", states, self.stack.stats(), self.stack.buffered_bytes());
+            }
             assert!(Instant::now() < deadline, "timed out waiting for {what}");
             self.pump();
         }
@@ -908,6 +920,8 @@ fn a_guest_that_takes_no_frames_stops_the_host_reads_without_spinning() {
     });
     let mut cfg = config();
     cfg.max_guest_frames = 32;
+    // Room in the connection's buffer for more than the queue holds.
+    cfg.tcp_buffer_bytes = 256 * 1024;
     let mut w = World::new(NetworkPolicy::default(), true, cfg);
     let h = w.connect(GATEWAY_ADDR, port);
     assert!(w.connected(h));
@@ -1235,4 +1249,98 @@ fn inbound_connections_count_against_the_cap_and_port_0_is_refused() {
     assert_eq!(log[1].rule, netstack::stack::RULE_LIMIT_CONNECTIONS);
     assert_eq!(log[1].direction, Direction::Inbound);
     drop(first);
+}
+
+// --------------------------------------------------------------- resources
+
+/// A port on 127.0.0.1 whose listener's accept queue is full: Linux drops
+/// further SYNs to it, so a connect there never completes. The listener
+/// and the connection filling its queue live as long as the guard.
+fn unanswering_port() -> (u16, Vec<socket2::Socket>) {
+    use socket2::{Domain, SockAddr, Socket, Type};
+    let l = Socket::new(Domain::IPV4, Type::STREAM, None).unwrap();
+    l.bind(&SockAddr::from(SocketAddr::from((Ipv4Addr::LOCALHOST, 0)))).unwrap();
+    l.listen(0).unwrap();
+    let addr = l.local_addr().unwrap();
+    // A backlog of 0 holds one connection.
+    let filler = Socket::new(Domain::IPV4, Type::STREAM, None).unwrap();
+    filler.connect(&addr).unwrap();
+    let port = addr.as_socket().unwrap().port();
+    (port, vec![l, filler])
+}
+
+#[test]
+fn a_host_connect_that_never_answers_times_out_without_busy_wake_ups() {
+    let (port, _guard) = unanswering_port();
+    let timeout = Duration::from_millis(1500);
+    let mut w = World::new(NetworkPolicy::default(), true, StackConfig { connect_timeout: timeout, ..config() });
+    let start = Instant::now();
+    let h = w.connect(GATEWAY_ADDR, port);
+    w.until("the SYN to be held", |w| w.stack.stats().open_connections == 1);
+    // The connect is pending: count how often the stack's epoll fd wakes
+    // it in 500 ms (it used to wake every 1 ms).
+    let mut wakes = 0;
+    let counting = Instant::now();
+    while counting.elapsed() < Duration::from_millis(500) {
+        let mut pfd = libc::pollfd { fd: w.stack.epoll_fd(), events: libc::POLLIN, revents: 0 };
+        // SAFETY: one valid pollfd, count 1.
+        if unsafe { libc::poll(&mut pfd, 1, 50) } > 0 {
+            wakes += 1;
+            w.stack.poll();
+        }
+    }
+    println!("{wakes} wake-ups in 500 ms with a connect pending");
+    assert!(wakes <= 5, "{wakes} wake-ups: the stack spins");
+    assert_eq!(w.tcp(h).state(), tcp::State::SynSent);
+    // At the deadline the guest gets a RST and the slot is free.
+    assert!(!w.connected(h));
+    assert!(start.elapsed() >= timeout, "reset after {:?}", start.elapsed());
+    assert_eq!(w.stack.stats().open_connections, 0);
+    let recs = rec_for(&w.log(), Protocol::Tcp, port);
+    assert_eq!(recs.len(), 1);
+    assert!(recs[0].duration_ms.is_some_and(|ms| ms >= 1500), "{recs:?}");
+}
+
+#[test]
+fn connections_to_a_host_that_never_reads_stay_within_the_buffer_bound() {
+    const CONNS: usize = 32;
+    const EACH: usize = 256 * 1024;
+    // The host accepts and never reads.
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    thread::spawn(move || {
+        let mut held = Vec::new();
+        for c in l.incoming() {
+            let Ok(c) = c else { break };
+            held.push(c);
+        }
+    });
+    let cfg =
+        StackConfig { max_connections: CONNS, tcp_buffer_bytes: 16 * 1024, host_buffer_bytes: 8 * 1024, ..config() };
+    let mut w = World::new(NetworkPolicy::default(), true, cfg);
+    let bound = w.stack.buffer_bytes_max();
+    let payload = data(EACH, 9);
+    let hs: Vec<_> = (0..CONNS).map(|_| w.connect(GATEWAY_ADDR, port)).collect();
+    for &h in &hs {
+        assert!(w.connected(h));
+        assert_eq!(w.tcp(h).send_slice(&payload).unwrap(), EACH);
+    }
+    // Pump until the stack holds no more than it did 200 rounds ago.
+    let (mut most, mut still) = (0, 0);
+    w.until("the buffers to fill", |w| {
+        let now = w.stack.buffered_bytes();
+        assert!(now <= bound, "{now} bytes buffered, bound {bound}");
+        if now > most {
+            (most, still) = (now, 0);
+        } else {
+            still += 1;
+        }
+        still >= 200
+    });
+    println!("{CONNS} stuck connections hold {most} bytes in the stack; its bound is {bound}");
+    // The guests' data is stuck (the host reads nothing), the smoltcp
+    // buffers are full, and all of it is within the bound.
+    assert!(most >= (CONNS * 16 * 1024) as u64, "{most}");
+    assert!(hs.iter().all(|&h| w.tcp(h).send_queue() > 0));
+    assert_eq!(w.stack.stats().open_connections, CONNS);
 }

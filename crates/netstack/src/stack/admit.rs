@@ -22,6 +22,7 @@ use crate::control::NetControl;
 use crate::dns::NameMap;
 use crate::log::{Direction, NetRecord, Protocol};
 use crate::policy::{CompiledPolicy, Verdict};
+use crate::rate::{Limiter, Take, RULE_LIMIT_RATE};
 use crate::GATEWAY_ADDR;
 
 /// The rule of a log record for a connection refused by
@@ -52,7 +53,7 @@ pub(super) struct Ask {
     pub fixed: Option<Verdict>,
 }
 
-/// Where a new connection stands against the cap.
+/// Where a new connection stands against the cap and the rate.
 pub(super) struct Cap<'a> {
     /// Connections and flows open now.
     pub open: usize,
@@ -60,6 +61,9 @@ pub(super) struct Cap<'a> {
     pub max: usize,
     /// [`StackStats::refused_by_cap`](super::StackStats::refused_by_cap).
     pub refused: &'a mut u64,
+    /// [`StackConfig::connection_rate`](super::StackConfig::connection_rate)'s
+    /// limiter (`None`: not limited, as inbound connections are not).
+    pub rate: Option<&'a mut Limiter>,
 }
 
 /// A connection the policy and the cap let through; its record is not in
@@ -72,8 +76,9 @@ pub(super) struct Admitted {
     pub host_ip: Ipv4Addr,
 }
 
-/// Judges `ask` (policy, then cap); a refusal is logged with a duration of
-/// 0 and gives `None`.
+/// Judges `ask` (policy, then rate, then cap); a refusal is logged with a
+/// duration of 0 and gives `None` (a rate refusal only the first of each
+/// second, see [`crate::rate`]).
 pub(super) fn admit(ask: Ask, control: &NetControl, names: &NameMap, cap: Cap<'_>) -> Option<Admitted> {
     let judged = host_ip(*ask.dst.ip());
     let port = ask.dst.port();
@@ -82,6 +87,15 @@ pub(super) fn admit(ask: Ask, control: &NetControl, names: &NameMap, cap: Cap<'_
     let verdict = ask.fixed.unwrap_or_else(|| policy.check_addr(IpAddr::V4(judged), port, names));
     let mut record = NetRecord::starting(ask.protocol, IpAddr::V4(judged), port, names.first().cloned(), verdict);
     record.direction = ask.direction;
+    if record.allowed {
+        if let Some(Take::Refused { log }) = cap.rate.map(|r| r.take(Instant::now())) {
+            if !log {
+                return None;
+            }
+            record.allowed = false;
+            record.rule = RULE_LIMIT_RATE.to_owned();
+        }
+    }
     if record.allowed && cap.open >= cap.max {
         *cap.refused += 1;
         record.allowed = false;
@@ -189,8 +203,12 @@ mod tests {
     fn a_denied_connection_is_logged_once_and_opens_nothing() {
         let c = control(Egress::Deny, &[], &[]);
         let mut refused = 0;
-        let got =
-            admit(ask([192, 0, 2, 7], 443), &c, &NameMap::default(), Cap { open: 0, max: 8, refused: &mut refused });
+        let got = admit(
+            ask([192, 0, 2, 7], 443),
+            &c,
+            &NameMap::default(),
+            Cap { open: 0, max: 8, refused: &mut refused, rate: None },
+        );
         assert!(got.is_none());
         let log = log(&c);
         assert_eq!(log.len(), 1);
@@ -203,8 +221,12 @@ mod tests {
     fn the_cap_refuses_after_the_policy_allowed() {
         let c = control(Egress::Allow, &[], &[]);
         let mut refused = 0;
-        let got =
-            admit(ask([192, 0, 2, 7], 80), &c, &NameMap::default(), Cap { open: 8, max: 8, refused: &mut refused });
+        let got = admit(
+            ask([192, 0, 2, 7], 80),
+            &c,
+            &NameMap::default(),
+            Cap { open: 8, max: 8, refused: &mut refused, rate: None },
+        );
         assert!(got.is_none());
         assert_eq!(refused, 1);
         let log = log(&c);
@@ -219,8 +241,13 @@ mod tests {
         let mut names = NameMap::default();
         names.insert(IpAddr::V4(GATEWAY_ADDR), "host.tine.internal");
         let mut refused = 0;
-        let a = admit(ask(GATEWAY_ADDR.octets(), 8080), &c, &names, Cap { open: 0, max: 8, refused: &mut refused })
-            .expect("allowed");
+        let a = admit(
+            ask(GATEWAY_ADDR.octets(), 8080),
+            &c,
+            &names,
+            Cap { open: 0, max: 8, refused: &mut refused, rate: None },
+        )
+        .expect("allowed");
         assert_eq!(a.host_ip, Ipv4Addr::LOCALHOST);
         assert!(log(&c).is_empty(), "not logged before the host side opens");
         let (v, mut meter) = a.open(&c, || Ok(5)).unwrap();
@@ -242,8 +269,13 @@ mod tests {
     fn a_host_side_that_fails_is_logged_with_no_duration() {
         let c = control(Egress::Allow, &[], &[]);
         let mut refused = 0;
-        let a = admit(ask([192, 0, 2, 7], 80), &c, &NameMap::default(), Cap { open: 0, max: 8, refused: &mut refused })
-            .unwrap();
+        let a = admit(
+            ask([192, 0, 2, 7], 80),
+            &c,
+            &NameMap::default(),
+            Cap { open: 0, max: 8, refused: &mut refused, rate: None },
+        )
+        .unwrap();
         assert!(a.open::<()>(&c, || Err(io::Error::other("refused"))).is_none());
         let log = log(&c);
         assert_eq!(log.len(), 1);
@@ -256,7 +288,8 @@ mod tests {
         let c = control(Egress::Deny, &[], &[]);
         let mut refused = 0;
         let fixed = Ask { fixed: Some(Verdict { allowed: true, rule: "dns:tcp".into() }), ..ask([10, 0, 2, 3], 53) };
-        let a = admit(fixed, &c, &NameMap::default(), Cap { open: 0, max: 8, refused: &mut refused }).unwrap();
+        let a =
+            admit(fixed, &c, &NameMap::default(), Cap { open: 0, max: 8, refused: &mut refused, rate: None }).unwrap();
         a.open(&c, || Ok(())).unwrap();
         assert_eq!(log(&c)[0].rule, "dns:tcp");
     }
@@ -265,9 +298,13 @@ mod tests {
     fn a_name_seen_later_is_judged_into_the_same_record() {
         let c = control(Egress::Allow, &[], &["*.blocked.example"]);
         let mut refused = 0;
-        let a =
-            admit(ask([192, 0, 2, 7], 443), &c, &NameMap::default(), Cap { open: 0, max: 8, refused: &mut refused })
-                .unwrap();
+        let a = admit(
+            ask([192, 0, 2, 7], 443),
+            &c,
+            &NameMap::default(),
+            Cap { open: 0, max: 8, refused: &mut refused, rate: None },
+        )
+        .unwrap();
         let (_, meter) = a.open(&c, || Ok(())).unwrap();
         assert!(meter.judge_name(&c, "ok.example".into()));
         assert_eq!(log(&c)[0].domain.as_deref(), Some("ok.example"));

@@ -27,6 +27,11 @@ pub(super) const MAX_QUEUED_BYTES: usize = 1 << 20;
 /// Bytes of frame buffers kept for reuse, at most.
 const MAX_SPARE_BYTES: usize = 256 * 1024;
 
+/// The bytes a [`Link`] holds at most: each queue may pass
+/// [`MAX_QUEUED_BYTES`] by one frame (the bound is checked before a
+/// push), one frame waits in the slot, and the spare buffers.
+pub(super) const BYTES_MAX: usize = 2 * (MAX_QUEUED_BYTES + super::MAX_FRAME) + super::MAX_FRAME + MAX_SPARE_BYTES;
+
 /// Frames one way, with their total length in bytes.
 #[derive(Default)]
 struct Frames {
@@ -207,6 +212,11 @@ impl Link {
     /// Keeps a frame buffer for reuse (up to [`MAX_SPARE_BYTES`] of them).
     pub(super) fn recycle(&mut self, buf: Vec<u8>) {
         self.spare.keep(buf);
+    }
+
+    /// The bytes of the frames queued both ways now.
+    pub(super) fn queued_bytes(&self) -> usize {
+        self.from_guest.bytes + self.to_guest.bytes + self.slot.as_ref().map_or(0, Vec::len)
     }
 
     /// Drops every queued frame both ways.

@@ -16,11 +16,14 @@
 //! One smoltcp [`Interface`] (Medium::Ethernet, [`GATEWAY_MAC`], addresses
 //! [`GATEWAY_ADDR`]/24 and [`DNS_ADDR`]/24, "any IP" with a default route
 //! via [`GATEWAY_ADDR`]) takes every frame the guest sends, whatever the
-//! destination address, one at a time: a TCP SYN is admitted just before
-//! it goes in, a UDP datagram for the NAT never goes in. ICMP echo is
+//! destination address, one at a time: a TCP SYN is admitted before it
+//! goes in and held there until its host connect finishes, a UDP datagram
+//! for the NAT never goes in. ICMP echo is
 //! answered for [`GATEWAY_ADDR`] and [`DNS_ADDR`] only (not forwarded).
 //! TCP connections and UDP flows count against
-//! [`StackConfig::max_connections`].
+//! [`StackConfig::max_connections`] and [`StackConfig::connection_rate`];
+//! what the stack may hold in buffers is bounded by
+//! [`StackConfig::buffer_bytes_max`].
 //!
 //! Frames toward the guest are bounded by
 //! [`StackConfig::max_guest_frames`]; when that queue is full nothing more
@@ -53,6 +56,7 @@ use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 use vmm_sys_util::timerfd::TimerFd;
 
+use self::admit::Cap;
 pub use self::admit::RULE_LIMIT_CONNECTIONS;
 use self::link::{Link, Peek};
 use self::tcp::Tcp;
@@ -62,6 +66,8 @@ pub use self::udp::UDP_IDLE_TIMEOUT;
 use crate::control::{NetControl, INBOUND_MAX_WAIT};
 pub use crate::dns::resolv_conf_upstreams;
 use crate::dns::Resolver;
+use crate::rate::Limiter;
+pub use crate::rate::{RateLimit, RULE_LIMIT_RATE};
 use crate::{DNS_ADDR, GATEWAY_ADDR, GATEWAY_MAC, MTU, PREFIX_LEN};
 
 /// Server-level settings of every sandbox's stack.
@@ -75,23 +81,80 @@ pub struct StackConfig {
     pub static_hosts: BTreeMap<String, IpAddr>,
     /// Open TCP connections plus UDP flows per sandbox, at most.
     pub max_connections: usize,
-    /// Buffer per direction per connection (bytes).
+    /// smoltcp buffer per direction per TCP connection (bytes; at least
+    /// 4096 is used). Allocated when the host connect succeeds, freed when
+    /// the connection ends (no buffer lingers in TIME-WAIT).
     pub tcp_buffer_bytes: usize,
+    /// `SO_RCVBUF` and `SO_SNDBUF` asked for on each host socket (bytes; at
+    /// least 4096 is used). Linux doubles the value for its bookkeeping
+    /// and caps it at `net.core.rmem_max` / `wmem_max` (socket(7)); asking
+    /// also turns the kernel's autotuning off for the socket, so this is
+    /// what a host socket holds at most.
+    pub host_buffer_bytes: usize,
     /// Frames queued toward the guest, at most.
     pub max_guest_frames: usize,
+    /// How long a host TCP connect may take; then the guest's SYN gets a
+    /// RST and the slot is free.
+    pub connect_timeout: Duration,
+    /// New TCP connections and UDP flows the guest may open (`None`: no
+    /// limit); over it a SYN gets a RST, a datagram is dropped, logged
+    /// with [`RULE_LIMIT_RATE`] (the first refusal of each second).
+    pub connection_rate: Option<RateLimit>,
+    /// DNS queries the guest may send to the resolver over UDP (`None`: no
+    /// limit); over it a query gets `REFUSED`, logged as above.
+    pub dns_rate: Option<RateLimit>,
 }
 
 impl Default for StackConfig {
-    /// Upstreams from `/etc/resolv.conf`, no static hosts, 256 connections,
-    /// 256 KiB per direction, 256 frames toward the guest.
+    /// Upstreams from `/etc/resolv.conf`, no static hosts, 256
+    /// connections, 64 KiB per direction in smoltcp, 32 KiB asked for each
+    /// host socket buffer, 256 frames toward the guest, a 20 s connect
+    /// timeout, 100 new connections a second (bursts of 200) and 100 DNS
+    /// queries a second (bursts of 200).
     fn default() -> Self {
         Self {
             dns_upstreams: resolv_conf_upstreams(),
             static_hosts: BTreeMap::new(),
             max_connections: 256,
-            tcp_buffer_bytes: 256 * 1024,
+            tcp_buffer_bytes: 64 * 1024,
+            host_buffer_bytes: 32 * 1024,
             max_guest_frames: 256,
+            connect_timeout: Duration::from_secs(20),
+            connection_rate: Some(RateLimit { per_second: 100, burst: 200 }),
+            dns_rate: Some(RateLimit { per_second: 100, burst: 200 }),
         }
+    }
+}
+
+impl StackConfig {
+    /// The bytes a stack with this config may hold in buffers at most: what
+    /// the sandbox manager charges to the sandbox's memory budget. The sum
+    /// of
+    ///
+    /// - per connection or flow ([`StackConfig::max_connections`]): the
+    ///   smoltcp buffers (2 x [`StackConfig::tcp_buffer_bytes`]), the host
+    ///   socket's kernel buffers as capped (2 x 2 x
+    ///   [`StackConfig::host_buffer_bytes`]: receive and send, each doubled
+    ///   by Linux) and a held SYN frame;
+    /// - the frame queues both ways (1 MiB each, plus one frame over) and
+    ///   the spare frame buffers;
+    /// - the resolver: its smoltcp socket, one host socket per outstanding
+    ///   query (as capped), its scratch buffer;
+    /// - the stack's scratch buffers (a datagram, a DNS-over-TCP message).
+    ///
+    /// Not counted: the bookkeeping of each connection (a few hundred
+    /// bytes), the network log (in the control, bounded by its own
+    /// capacity) and the name map (bounded by [`crate::dns::MAX_MAPPED_ADDRS`]).
+    pub fn buffer_bytes_max(&self) -> u64 {
+        let tcp = tcp::buffer_bytes(self.tcp_buffer_bytes) as u64;
+        let host = 4 * tcp::host_buffer_bytes(self.host_buffer_bytes) as u64;
+        let per_conn = 2 * tcp + host + tcp::MAX_SYN_FRAME as u64;
+        let conns = per_conn.saturating_mul(self.max_connections as u64);
+        conns
+            .saturating_add(link::BYTES_MAX as u64)
+            .saturating_add(crate::dns::BYTES_MAX as u64)
+            .saturating_add(udp::SCRATCH_BYTES as u64)
+            .saturating_add(tcp::SCRATCH_BYTES as u64)
     }
 }
 
@@ -113,6 +176,9 @@ pub struct StackStats {
     pub open_connections: usize,
     /// Connections refused because of `max_connections`.
     pub refused_by_cap: u64,
+    /// Connections and flows refused by [`StackConfig::connection_rate`],
+    /// logged or not.
+    pub refused_by_rate: u64,
     /// Guest frames dropped (malformed or over a limit).
     pub frames_dropped: u64,
 }
@@ -146,13 +212,33 @@ struct Shared {
     stats: StackStats,
     /// [`StackConfig::max_connections`].
     max_connections: usize,
+    /// [`StackConfig::connection_rate`].
+    rate: Limiter,
     next_token: u64,
 }
 
 impl Shared {
-    fn new(control: Arc<NetControl>, max_connections: usize) -> Result<Self, StackError> {
+    fn new(control: Arc<NetControl>, max_connections: usize, rate: Option<RateLimit>) -> Result<Self, StackError> {
         let epoll = Epoll::new().map_err(StackError::Setup)?;
-        Ok(Self { control, epoll, stats: StackStats::default(), max_connections, next_token: TOKEN_CONN_BASE })
+        Ok(Self {
+            control,
+            epoll,
+            stats: StackStats::default(),
+            max_connections,
+            rate: Limiter::new(rate, Instant::now()),
+            next_token: TOKEN_CONN_BASE,
+        })
+    }
+
+    /// Where a new outbound connection or flow stands (`open`: connections
+    /// and flows open now): the cap and the rate.
+    fn cap(&mut self, open: usize) -> Cap<'_> {
+        Cap { open, max: self.max_connections, refused: &mut self.stats.refused_by_cap, rate: Some(&mut self.rate) }
+    }
+
+    /// The same for an inbound connection: the cap only (the host's own).
+    fn cap_inbound(&mut self, open: usize) -> Cap<'_> {
+        Cap { open, max: self.max_connections, refused: &mut self.stats.refused_by_cap, rate: None }
     }
 
     /// A new epoll token for a connection or flow.
@@ -187,6 +273,8 @@ pub struct NetStack {
     woken: bool,
     /// When the timerfd fires (`None`: not armed).
     armed: Option<Instant>,
+    /// [`StackConfig::buffer_bytes_max`].
+    buffer_bytes_max: u64,
 }
 
 impl std::fmt::Debug for NetStack {
@@ -223,7 +311,7 @@ impl NetStack {
             .map_err(|_| StackError::Setup(io::Error::other("route table full")))?;
         let mut sockets = SocketSet::new(Vec::new());
         let dns = Resolver::new(&config.dns_upstreams, &config.static_hosts, &mut sockets, seed >> 16)?;
-        let shared = Shared::new(control, config.max_connections)?;
+        let shared = Shared::new(control, config.max_connections, config.connection_rate)?;
         let timer = TimerFd::new().map_err(|e| StackError::Setup(io::Error::from_raw_os_error(e.errno())))?;
         let wake = EventFd::new(EFD_NONBLOCK).map_err(StackError::Setup)?;
         shared.watch(timer.as_raw_fd(), TOKEN_TIMER)?;
@@ -237,8 +325,8 @@ impl NetStack {
             link,
             sockets,
             shared,
-            tcp: Tcp::new(config.tcp_buffer_bytes, config.dns_upstreams.first().copied()),
-            udp: Udp::new(),
+            tcp: Tcp::new(&config),
+            udp: Udp::new(tcp::host_buffer_bytes(config.host_buffer_bytes)),
             dns,
             timer,
             wake,
@@ -247,7 +335,22 @@ impl NetStack {
             dns_ready: false,
             woken: false,
             armed: None,
+            buffer_bytes_max: config.buffer_bytes_max(),
         })
+    }
+
+    /// [`StackConfig::buffer_bytes_max`] of the config this stack was
+    /// made with (bytes).
+    pub fn buffer_bytes_max(&self) -> u64 {
+        self.buffer_bytes_max
+    }
+
+    /// The bytes the stack's buffers hold now: the data queued in the
+    /// smoltcp sockets, the frames queued both ways, and the data the host
+    /// sockets' kernel buffers hold (`SIOCINQ`/`SIOCOUTQ`, tcp(7)). For
+    /// tests and statistics; one system call per host socket.
+    pub fn buffered_bytes(&self) -> u64 {
+        self.tcp.buffered_bytes(&self.sockets) + self.link.queued_bytes() as u64
     }
 
     /// Takes one Ethernet frame from the guest; `false`: queue full, retry later.
@@ -284,12 +387,12 @@ impl NetStack {
         let now = self.now();
         self.iface.poll_maintenance(now);
         self.ingest(now);
-        self.tcp.service_all(&mut self.sockets, &self.shared);
+        self.service_tcp(now);
         let dns_ready = std::mem::take(&mut self.dns_ready);
         self.dns.poll(&mut self.sockets, &self.shared.control, Instant::now(), dns_ready);
         self.udp.poll(&mut self.link, &self.shared);
         while self.iface.poll_egress(now, &mut self.link, &mut self.sockets) == PollResult::SocketStateChanged {}
-        self.tcp.service_all(&mut self.sockets, &self.shared);
+        self.service_tcp(now);
         self.arm_timer();
     }
 
@@ -310,7 +413,24 @@ impl NetStack {
 
     /// Counters.
     pub fn stats(&self) -> StackStats {
-        StackStats { open_connections: self.open_count(), ..self.shared.stats }
+        StackStats {
+            open_connections: self.open_count(),
+            refused_by_rate: self.shared.rate.refused(),
+            ..self.shared.stats
+        }
+    }
+
+    /// Services the TCP connections, then hands the interface the SYNs
+    /// whose host connect finished (a listener waits for each) or failed
+    /// (none: smoltcp answers with a RST).
+    fn service_tcp(&mut self, now: smoltcp::time::Instant) {
+        self.tcp.service_all(&mut self.sockets, &mut self.shared, self.link.is_starved());
+        for (tuple, frame) in self.tcp.take_released() {
+            self.link.load(frame);
+            let _ = self.iface.poll_ingress_single(now, &mut self.link, &mut self.sockets);
+            self.link.unload();
+            self.tcp.after_frame(tuple, &mut self.sockets, &self.shared);
+        }
     }
 
     /// TCP connections and UDP flows open now.
@@ -360,15 +480,17 @@ impl NetStack {
         }
     }
 
-    /// Hands the guest's frames to the interface one at a time, admitting
-    /// new TCP connections just before their SYN goes in.
+    /// Hands the guest's frames to the interface one at a time; a SYN of a
+    /// new TCP connection is admitted and held until its host connect
+    /// finishes ([`Tcp::segment`]).
     fn ingest(&mut self, now: smoltcp::time::Instant) {
         while let Some(frame) = self.link.next_from_guest() {
             let tuple = match link::peek(&frame) {
                 Peek::Tcp(tuple, syn) => {
-                    if syn {
-                        let open = self.open_count();
-                        self.tcp.on_syn(tuple, &mut self.sockets, &mut self.shared, self.dns.names(), open);
+                    let open = self.open_count();
+                    if !self.tcp.segment(tuple, syn, &frame, &mut self.shared, self.dns.names(), open) {
+                        self.link.recycle(frame);
+                        continue;
                     }
                     Some(tuple)
                 }
@@ -401,7 +523,10 @@ impl NetStack {
     }
 
     /// Arms the timerfd for the first deadline: smoltcp's, the resolver's,
-    /// a sniffing connection's, an idle UDP flow's.
+    /// a connect's or a sniffing connection's, an idle UDP flow's. No
+    /// smoltcp socket waits on a host connect (the SYN is held, not the
+    /// socket), so smoltcp's delay is real: zero only while the queue
+    /// toward the guest is full (then the eventfd wakes the stack).
     fn arm_timer(&mut self) {
         let now = Instant::now();
         let smoltcp = self.iface.poll_delay(self.now(), &self.sockets).map(Duration::from);

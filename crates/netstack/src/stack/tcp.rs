@@ -3,14 +3,22 @@
 //!
 //! A guest SYN (RFC 9293 §3.5) for a 4-tuple with no connection yet goes
 //! through [`super::admit`]; a refused one gets no listener, so smoltcp
-//! answers with a RST. An admitted one gets a smoltcp socket listening on
-//! exactly that destination, its SYN-ACK held back until the host connect
-//! finishes ([`State::Connecting`]); a refused host connect resets the
-//! guest. Then bytes flow both ways through the smoltcp socket buffers
-//! (no copy in between; a full buffer stops the reads of the other side,
-//! by host socket interest or TCP window), FIN and RST pass both ways, and
-//! a connection closed cleanly lingers in [`State::TimeWait`] until smoltcp
-//! lets it go.
+//! answers with a RST. An admitted one starts the host connect and is
+//! held, frame and all, with no smoltcp socket and no buffer yet
+//! ([`State::Connecting`]; the guest's retransmitted SYNs are dropped
+//! meanwhile). When the host connect finishes, a smoltcp socket listening
+//! on exactly that destination is made and the SYN handed to the
+//! interface, which answers with the SYN-ACK; a host connect that fails or
+//! takes longer than [`StackConfig::connect_timeout`](super::StackConfig::connect_timeout)
+//! hands the SYN over with no listener, so the guest gets a RST. Then
+//! bytes flow both ways through the smoltcp socket buffers (no copy in
+//! between; a full buffer stops the reads of the other side, by host
+//! socket interest or TCP window), FIN and RST pass both ways. A
+//! connection ends (its socket and buffers go) when both sides are closed:
+//! the smoltcp socket does not linger in TIME-WAIT (RFC 9293 §3.6.1 keeps
+//! it to answer a retransmitted FIN and to keep old segments out of a new
+//! connection; on this lossless virtual link a late FIN gets a RST, which
+//! the guest takes as the end it was waiting for anyway).
 //!
 //! A connection into the guest (an inbound one, [`Tcp::dial`]) is the
 //! other way round: the host's end is a Unix stream the daemon holds
@@ -36,9 +44,9 @@ use smoltcp::wire::IpListenEndpoint;
 use socket2::{Domain, SockAddr, Socket, Type};
 use vmm_sys_util::epoll::{Epoll, EventSet};
 
-use super::admit::{admit, Ask, Cap, Meter};
+use super::admit::{admit, Ask, Meter};
 use super::interest::Interest;
-use super::{Shared, Tuple};
+use super::{Shared, StackConfig, Tuple};
 use crate::control::InboundRequest;
 use crate::dns::NameMap;
 use crate::log::{Direction, Protocol};
@@ -67,6 +75,36 @@ const INBOUND_PORTS: std::ops::RangeInclusive<u16> = 49152..=65535;
 /// this long.
 const GUEST_TIMEOUT: Duration = Duration::from_secs(120);
 
+/// How long a connection whose both sides closed keeps its smoltcp socket:
+/// long enough for smoltcp to send its ACK of the guest's FIN (it delays
+/// ACKs by 10 ms), then its buffers go (instead of the 10 s smoltcp's
+/// TIME-WAIT would keep them).
+const FINAL_ACK_GRACE: Duration = Duration::from_millis(50);
+
+/// A SYN frame held while its host connect runs, at most (bytes): an
+/// Ethernet, an IPv4 and a TCP header with all their options (14 + 60 +
+/// 60) and room to spare. A longer SYN carries data (TCP Fast Open, which
+/// smoltcp never offers) and is dropped.
+pub(super) const MAX_SYN_FRAME: usize = 256;
+
+/// The scratch buffers of [`Tcp`] (bytes): the sniffed first bytes and one
+/// DNS-over-TCP message.
+pub(super) const SCRATCH_BYTES: usize = MAX_SNIFF_BYTES + 2 + 65535;
+
+/// The smoltcp buffer per direction for
+/// [`StackConfig::tcp_buffer_bytes`](super::StackConfig::tcp_buffer_bytes)
+/// (bytes).
+pub(super) fn buffer_bytes(configured: usize) -> usize {
+    configured.max(4096)
+}
+
+/// The `SO_RCVBUF`/`SO_SNDBUF` asked for
+/// [`StackConfig::host_buffer_bytes`](super::StackConfig::host_buffer_bytes)
+/// (bytes; Linux doubles it).
+pub(super) fn host_buffer_bytes(configured: usize) -> usize {
+    configured.max(4096)
+}
+
 /// What the guest's bytes wait for before they go on to the host.
 #[derive(Debug, PartialEq, Eq)]
 enum Gate {
@@ -84,19 +122,17 @@ enum Gate {
 /// Where a connection is.
 #[derive(Debug)]
 enum State {
-    /// The host connect is under way; the guest's SYN-ACK is held back.
+    /// The host connect is under way; the guest's SYN waits here (`syn`:
+    /// the whole frame) and the connection has no smoltcp socket yet.
     /// `writable`: the host socket was reported writable (connect done or
-    /// failed) and not looked at yet.
-    Connecting { host: Socket, writable: bool },
+    /// failed) and not looked at yet; `deadline`: when the connect is given
+    /// up.
+    Connecting { host: Socket, writable: bool, syn: Vec<u8>, deadline: Instant },
     /// Inbound: the smoltcp socket's SYN is on its way to the guest; the
     /// host's end waits (its bytes stay in its buffer).
     Dialing { host: Socket },
     /// The host connect finished: bytes flow.
     Open(Open),
-    /// The host side is gone and the log record final; the smoltcp socket
-    /// stays in TIME-WAIT (to acknowledge the guest's FIN again if needed)
-    /// until smoltcp closes it.
-    TimeWait,
     /// Reset both ways: waiting for smoltcp to send the guest its RST.
     Aborted,
 }
@@ -113,6 +149,9 @@ struct Open {
     host_eof: bool,
     /// The guest's FIN was passed on (`shutdown(Write)` on the host).
     guest_eof: bool,
+    /// When both sides were found closed (the smoltcp socket in
+    /// TIME-WAIT); it goes [`FINAL_ACK_GRACE`] later.
+    finished: Option<Instant>,
 }
 
 impl State {
@@ -121,7 +160,7 @@ impl State {
         match self {
             State::Connecting { host, .. } | State::Dialing { host } => Some(host),
             State::Open(o) => Some(o.host),
-            State::TimeWait | State::Aborted => None,
+            State::Aborted => None,
         }
     }
 }
@@ -130,7 +169,8 @@ impl State {
 #[derive(Debug)]
 struct Conn {
     tuple: Tuple,
-    handle: SocketHandle,
+    /// Its smoltcp socket (`None` while [`State::Connecting`]).
+    handle: Option<SocketHandle>,
     state: State,
     gate: Gate,
     interest: Interest,
@@ -139,22 +179,30 @@ struct Conn {
 
 impl Conn {
     /// The host connect (outbound) or the guest's accept (inbound)
-    /// finished: bytes may flow.
-    fn establish(&mut self) {
-        if let State::Connecting { host, .. } | State::Dialing { host } =
-            std::mem::replace(&mut self.state, State::Aborted)
-        {
-            self.state = State::Open(Open { host, readable: true, writable: true, host_eof: false, guest_eof: false });
-        }
+    /// finished: bytes may flow. Returns the SYN held while connecting.
+    fn establish(&mut self) -> Option<Vec<u8>> {
+        let (host, syn) = match std::mem::replace(&mut self.state, State::Aborted) {
+            State::Connecting { host, syn, .. } => (host, Some(syn)),
+            State::Dialing { host } => (host, None),
+            other => {
+                self.state = other;
+                return None;
+            }
+        };
+        self.state = State::Open(Open {
+            host,
+            readable: true,
+            writable: true,
+            host_eof: false,
+            guest_eof: false,
+            finished: None,
+        });
+        syn
     }
 
     /// Resets both sides: RST to the guest (smoltcp sends it; then the
-    /// connection is removed) and to the host. Nothing for a connection in
-    /// TIME-WAIT.
+    /// connection is removed) and to the host.
     fn abort(&mut self, socket: &mut tcp::Socket, epoll: &Epoll) {
-        if matches!(self.state, State::TimeWait) {
-            return;
-        }
         socket.abort();
         if let Some(host) = std::mem::replace(&mut self.state, State::Aborted).into_host() {
             self.interest.clear(epoll, host.as_raw_fd());
@@ -162,11 +210,12 @@ impl Conn {
         }
     }
 
-    /// Registers exactly the host events the connection waits for.
-    fn update_interest(&mut self, socket: &tcp::Socket, epoll: &Epoll, token: u64) {
-        let (fd, want) = match &self.state {
-            State::Connecting { host, .. } => (host.as_raw_fd(), EventSet::OUT),
-            State::Open(o) => {
+    /// Registers exactly the host events the connection waits for
+    /// (`socket`: its smoltcp socket, once it has one).
+    fn update_interest(&mut self, socket: Option<&tcp::Socket>, epoll: &Epoll, token: u64) {
+        let (fd, want) = match (&self.state, socket) {
+            (State::Connecting { host, .. }, _) => (host.as_raw_fd(), EventSet::OUT),
+            (State::Open(o), Some(socket)) => {
                 let mut want = EventSet::empty();
                 if !o.host_eof && !o.readable && socket.may_send() && socket.send_queue() < socket.send_capacity() {
                     want |= EventSet::IN;
@@ -177,7 +226,7 @@ impl Conn {
                 }
                 (o.host.as_raw_fd(), want)
             }
-            State::Dialing { .. } | State::TimeWait | State::Aborted => return,
+            (State::Open(_) | State::Dialing { .. } | State::Aborted, _) => return,
         };
         self.interest.set(epoll, fd, token, want);
     }
@@ -192,7 +241,7 @@ impl Conn {
                 o.readable |= readable;
                 o.writable |= writable;
             }
-            State::Dialing { .. } | State::TimeWait | State::Aborted => {}
+            State::Dialing { .. } | State::Aborted => {}
         }
     }
 }
@@ -202,10 +251,14 @@ pub(super) struct Tcp {
     /// Connections by epoll token, and their tokens by 4-tuple.
     conns: HashMap<u64, Conn>,
     by_tuple: HashMap<Tuple, u64>,
-    /// Connections in `conns` in [`State::TimeWait`].
-    lingering: usize,
-    /// Buffer per direction per connection (bytes).
+    /// SYNs whose host connect finished or failed, for the interface now.
+    released: Vec<(Tuple, Vec<u8>)>,
+    /// smoltcp buffer per direction per connection (bytes).
     buffer_bytes: usize,
+    /// `SO_RCVBUF`/`SO_SNDBUF` asked for each host socket (bytes).
+    host_buffer_bytes: usize,
+    /// [`StackConfig::connect_timeout`](super::StackConfig::connect_timeout).
+    connect_timeout: Duration,
     /// Where DNS over TCP to the resolver goes (`None`: refused).
     dns_upstream: Option<SocketAddr>,
     sniff_buf: Vec<u8>,
@@ -216,46 +269,60 @@ pub(super) struct Tcp {
 }
 
 impl Tcp {
-    /// No connections; `buffer_bytes` per direction per connection (at
-    /// least 4096), DNS over TCP to `dns_upstream`.
-    pub(super) fn new(buffer_bytes: usize, dns_upstream: Option<SocketAddr>) -> Self {
+    /// No connections; buffers, the connect timeout and DNS over TCP
+    /// (to the first upstream) as `config` says.
+    pub(super) fn new(config: &StackConfig) -> Self {
         Self {
             conns: HashMap::new(),
             by_tuple: HashMap::new(),
-            lingering: 0,
-            buffer_bytes: buffer_bytes.max(4096),
-            dns_upstream,
+            released: Vec::new(),
+            buffer_bytes: buffer_bytes(config.tcp_buffer_bytes),
+            host_buffer_bytes: host_buffer_bytes(config.host_buffer_bytes),
+            connect_timeout: config.connect_timeout,
+            dns_upstream: config.dns_upstreams.first().copied(),
             sniff_buf: vec![0; MAX_SNIFF_BYTES],
             dns_buf: vec![0; 2 + 65535],
             next_inbound_port: *INBOUND_PORTS.start(),
         }
     }
 
-    /// Connections open now (not lingering in TIME-WAIT).
+    /// Connections open now.
     pub(super) fn open_count(&self) -> usize {
-        self.conns.len() - self.lingering
+        self.conns.len()
     }
 
-    /// A guest SYN (checksums verified) for `tuple`, about to go into the
-    /// interface: admits a new connection unless one has the 4-tuple (one
-    /// in TIME-WAIT goes: the guest reused its port). `open`: connections
-    /// and flows open now.
-    pub(super) fn on_syn(
+    /// A guest TCP segment of `tuple` (`syn`: a SYN without ACK, checksums
+    /// verified; `frame`: the whole frame), before the interface sees it;
+    /// `true`: give it to the interface. A segment of a connection whose
+    /// host connect runs is dropped (the guest retransmits its SYN); a SYN
+    /// for a 4-tuple with no connection is admitted ([`Tcp::on_syn`]):
+    /// held if admitted, given to the interface (which answers with a
+    /// RST) if not. `open`: connections and flows open now.
+    pub(super) fn segment(
         &mut self,
         tuple: Tuple,
-        sockets: &mut SocketSet<'static>,
+        syn: bool,
+        frame: &[u8],
         shared: &mut Shared,
         names: &NameMap,
         open: usize,
-    ) {
-        if let Some(&old) = self.by_tuple.get(&tuple) {
-            if self.conns.get(&old).is_some_and(|c| matches!(c.state, State::TimeWait)) {
-                self.close(old, false, sockets, shared);
-            }
+    ) -> bool {
+        if let Some(conn) = self.by_tuple.get(&tuple).and_then(|t| self.conns.get(t)) {
+            return !matches!(conn.state, State::Connecting { .. });
         }
-        if self.by_tuple.contains_key(&tuple) {
-            return;
+        if !syn {
+            return true;
         }
+        if frame.len() > MAX_SYN_FRAME {
+            shared.stats.frames_dropped += 1;
+            return false;
+        }
+        !self.on_syn(tuple, frame, shared, names, open)
+    }
+
+    /// Admits a new connection for the guest SYN `frame` of `tuple`;
+    /// `true`: admitted, the host connect started and the frame held.
+    fn on_syn(&mut self, tuple: Tuple, frame: &[u8], shared: &mut Shared, names: &NameMap, open: usize) -> bool {
         let dst = tuple.dst;
         // DNS over TCP to the resolver (RFC 7766: a client retries there
         // after a truncated answer) goes to the first upstream.
@@ -266,11 +333,9 @@ impl Tcp {
         } else {
             (Protocol::Tcp, None)
         };
-        let cap = Cap { open, max: shared.max_connections, refused: &mut shared.stats.refused_by_cap };
-        let Some(admitted) =
-            admit(Ask { protocol, direction: Direction::Outbound, dst, fixed }, &shared.control, names, cap)
-        else {
-            return;
+        let ask = Ask { protocol, direction: Direction::Outbound, dst, fixed };
+        let Some(admitted) = admit(ask, &shared.control.clone(), names, shared.cap(open)) else {
+            return false;
         };
         let gate = if dns {
             Gate::Dns { cleared: 0 }
@@ -283,19 +348,13 @@ impl Tcp {
             Some(upstream) => upstream,
             None => SocketAddr::V4(SocketAddrV4::new(admitted.host_ip, dst.port())),
         };
-        let opened = admitted.open(&shared.control, || {
-            let host = connect(target)?;
-            let mut socket = self.socket();
-            socket.pause_synack(true);
-            socket
-                .listen(IpListenEndpoint { addr: Some((*dst.ip()).into()), port: dst.port() })
-                .map_err(|e| io::Error::other(format!("listen: {e}")))?;
-            Ok((host, socket))
-        });
-        if let Some(((host, socket), meter)) = opened {
-            let (handle, state) = (sockets.add(socket), State::Connecting { host, writable: true });
-            self.add(Conn { tuple, handle, state, gate, interest: Interest::default(), meter }, shared);
-        }
+        let Some((host, meter)) = admitted.open(&shared.control, || connect(target, self.host_buffer_bytes)) else {
+            return false;
+        };
+        let deadline = Instant::now() + self.connect_timeout;
+        let state = State::Connecting { host, writable: true, syn: frame.to_vec(), deadline };
+        self.add(Conn { tuple, handle: None, state, gate, interest: Interest::default(), meter }, shared);
+        true
     }
 
     /// Dials the inbound connection `request` asked for: a smoltcp socket
@@ -320,33 +379,49 @@ impl Tcp {
         let tuple = Tuple { guest: dst, dst: SocketAddrV4::new(GATEWAY_ADDR, local) };
         let fixed = Some(Verdict { allowed: true, rule: RULE_INBOUND.to_owned() });
         let ask = Ask { protocol: Protocol::Tcp, direction: Direction::Inbound, dst, fixed };
-        let cap = Cap { open, max: shared.max_connections, refused: &mut shared.stats.refused_by_cap };
-        let Some(admitted) = admit(ask, &shared.control, &NameMap::default(), cap) else {
+        let control = shared.control.clone();
+        let Some(admitted) = admit(ask, &control, &NameMap::default(), shared.cap_inbound(open)) else {
             return;
         };
         let opened = admitted.open(&shared.control, || {
             let host = Socket::from(std::os::fd::OwnedFd::from(request.stream));
             host.set_nonblocking(true)?;
-            let mut socket = self.socket();
+            let mut socket = new_socket(self.buffer_bytes);
             socket
                 .connect(iface.context(), (GUEST_ADDR, request.port), (GATEWAY_ADDR, local))
                 .map_err(|e| io::Error::other(format!("connect: {e}")))?;
             Ok((host, socket))
         });
         if let Some(((host, socket), meter)) = opened {
-            let (handle, state) = (sockets.add(socket), State::Dialing { host });
+            let (handle, state) = (Some(sockets.add(socket)), State::Dialing { host });
             self.add(Conn { tuple, handle, state, gate: Gate::Open, interest: Interest::default(), meter }, shared);
         }
     }
 
-    /// A smoltcp socket for a new connection: [`Tcp::buffer_bytes`] each
-    /// way, no Nagle, the guest's acknowledgement timeout.
-    fn socket(&self) -> tcp::Socket<'static> {
-        let buf = self.buffer_bytes;
-        let mut socket = tcp::Socket::new(tcp::SocketBuffer::new(vec![0; buf]), tcp::SocketBuffer::new(vec![0; buf]));
-        socket.set_nagle_enabled(false);
-        socket.set_timeout(Some(GUEST_TIMEOUT.into()));
-        socket
+    /// The SYNs to hand to the interface now, with their 4-tuples (see
+    /// [`State::Connecting`]).
+    pub(super) fn take_released(&mut self) -> Vec<(Tuple, Vec<u8>)> {
+        std::mem::take(&mut self.released)
+    }
+
+    /// The data the connections hold now (bytes): queued in their smoltcp
+    /// sockets and in their host sockets' kernel buffers.
+    pub(super) fn buffered_bytes(&self, sockets: &SocketSet<'static>) -> u64 {
+        self.conns
+            .values()
+            .map(|c| {
+                let smoltcp = c.handle.map_or(0, |h| {
+                    let s = sockets.get::<tcp::Socket>(h);
+                    s.recv_queue() + s.send_queue()
+                });
+                let host = match &c.state {
+                    State::Connecting { host, .. } | State::Dialing { host } => kernel_queued(host),
+                    State::Open(o) => kernel_queued(&o.host),
+                    State::Aborted => 0,
+                };
+                smoltcp as u64 + host
+            })
+            .sum()
     }
 
     /// Registers `conn` under a new token.
@@ -378,10 +453,13 @@ impl Tcp {
         let Some(&token) = self.by_tuple.get(&tuple) else {
             return;
         };
-        let listening =
-            self.conns.get(&token).is_some_and(|c| sockets.get::<tcp::Socket>(c.handle).state() == tcp::State::Listen);
+        let listening = self
+            .conns
+            .get(&token)
+            .and_then(|c| c.handle)
+            .is_some_and(|h| sockets.get::<tcp::Socket>(h).state() == tcp::State::Listen);
         if listening {
-            self.close(token, false, sockets, shared);
+            self.close(token, true, sockets, shared);
         }
     }
 
@@ -396,20 +474,24 @@ impl Tcp {
         }
     }
 
-    /// Services every connection.
-    pub(super) fn service_all(&mut self, sockets: &mut SocketSet<'static>, shared: &Shared) {
+    /// Services every connection (`starved`: the queue toward the guest
+    /// was full, so a finished connection's last ACK may still wait).
+    pub(super) fn service_all(&mut self, sockets: &mut SocketSet<'static>, shared: &mut Shared, starved: bool) {
         let tokens: Vec<u64> = self.conns.keys().copied().collect();
         for token in tokens {
-            self.service(token, sockets, shared);
+            self.service(token, sockets, shared, starved);
         }
     }
 
-    /// When the first sniffing connection stops waiting for a name.
+    /// When the first connect is given up, a finished connection goes or
+    /// the first sniffing connection stops waiting for a name.
     pub(super) fn next_deadline(&self) -> Option<Instant> {
         self.conns
             .values()
-            .filter_map(|c| match c.gate {
-                Gate::Sniff { since: Some(t) } => Some(t + SNIFF_WAIT),
+            .filter_map(|c| match (&c.state, &c.gate) {
+                (State::Connecting { deadline, .. }, _) => Some(*deadline),
+                (State::Open(Open { finished: Some(t), .. }), _) => Some(*t + FINAL_ACK_GRACE),
+                (_, Gate::Sniff { since: Some(t) }) => Some(*t + SNIFF_WAIT),
                 _ => None,
             })
             .min()
@@ -424,49 +506,74 @@ impl Tcp {
         }
     }
 
-    /// Moves data of one connection, passes FIN/RST on, updates interest,
-    /// and removes it when both sides are done.
-    fn service(&mut self, token: u64, sockets: &mut SocketSet<'static>, shared: &Shared) {
+    /// A connection whose host connect runs: once it is known, the held
+    /// SYN goes to the interface, to a new listener (connected) or to none
+    /// (refused, failed or past its deadline: the guest gets a RST).
+    fn service_connecting(&mut self, token: u64, sockets: &mut SocketSet<'static>, shared: &Shared) {
         let Some(conn) = self.conns.get_mut(&token) else {
             return;
         };
-        let socket = sockets.get_mut::<tcp::Socket>(conn.handle);
-        match &mut conn.state {
-            State::TimeWait => {
-                if socket.state() != tcp::State::TimeWait {
-                    self.close(token, false, sockets, shared);
+        let State::Connecting { host, writable, deadline, .. } = &mut conn.state else {
+            return;
+        };
+        let connected = if *writable {
+            match host.take_error() {
+                Ok(None) if host.peer_addr().is_ok() => Some(true),
+                Ok(None) => {
+                    // Not yet (a spurious wake-up).
+                    *writable = false;
+                    None
                 }
+                _ => Some(false),
+            }
+        } else {
+            None
+        };
+        let connected = match connected {
+            None if Instant::now() < *deadline => {
+                conn.update_interest(None, &shared.epoll, token);
                 return;
             }
+            None => false,
+            Some(c) => c,
+        };
+        let listener = connected.then(|| listening_socket(self.buffer_bytes, conn.tuple.dst)).and_then(Result::ok);
+        let tuple = conn.tuple;
+        match listener {
+            Some(socket) => {
+                conn.handle = Some(sockets.add(socket));
+                if let Some(syn) = conn.establish() {
+                    self.released.push((tuple, syn));
+                }
+            }
+            None => {
+                if let State::Connecting { syn, .. } = &mut conn.state {
+                    self.released.push((tuple, std::mem::take(syn)));
+                }
+                self.close(token, true, sockets, shared);
+            }
+        }
+    }
+
+    /// Moves data of one connection, passes FIN/RST on, updates interest,
+    /// and removes it when both sides are done.
+    fn service(&mut self, token: u64, sockets: &mut SocketSet<'static>, shared: &Shared, starved: bool) {
+        let Some(conn) = self.conns.get_mut(&token) else {
+            return;
+        };
+        let Some(handle) = conn.handle else {
+            self.service_connecting(token, sockets, shared);
+            return;
+        };
+        let socket = sockets.get_mut::<tcp::Socket>(handle);
+        match &mut conn.state {
             State::Aborted => {
                 if socket.remote_endpoint().is_none() {
                     self.close(token, false, sockets, shared);
                 }
                 return;
             }
-            State::Connecting { host, writable } => {
-                if !*writable {
-                    conn.update_interest(socket, &shared.epoll, token);
-                    return;
-                }
-                match host.take_error() {
-                    Ok(None) if host.peer_addr().is_ok() => {
-                        conn.establish();
-                        socket.pause_synack(false);
-                    }
-                    Ok(None) => {
-                        // Not yet (a spurious wake-up).
-                        *writable = false;
-                        conn.update_interest(socket, &shared.epoll, token);
-                        return;
-                    }
-                    _ => {
-                        // Refused: the guest gets a RST to its SYN.
-                        conn.abort(socket, &shared.epoll);
-                        return;
-                    }
-                }
-            }
+            State::Connecting { .. } => return,
             State::Dialing { .. } => match socket.state() {
                 tcp::State::SynSent => return,
                 tcp::State::Closed | tcp::State::Listen => {
@@ -474,7 +581,9 @@ impl Tcp {
                     self.close(token, false, sockets, shared);
                     return;
                 }
-                _ => conn.establish(),
+                _ => {
+                    conn.establish();
+                }
             },
             State::Open(_) => {}
         }
@@ -494,7 +603,7 @@ impl Tcp {
                 return;
             }
             tcp::State::SynReceived => {
-                conn.update_interest(socket, &shared.epoll, token);
+                conn.update_interest(Some(socket), &shared.epoll, token);
                 return;
             }
             _ => {}
@@ -606,57 +715,88 @@ impl Tcp {
             }
         }
         if open.host_eof && open.guest_eof && state == tcp::State::TimeWait {
-            self.finish(token, false, sockets, shared);
-            return;
+            // Both sides are done: the socket and its buffers go once its
+            // last ACK is out.
+            let now = Instant::now();
+            let since = *open.finished.get_or_insert(now);
+            if now >= since + FINAL_ACK_GRACE && !starved {
+                self.close(token, false, sockets, shared);
+                return;
+            }
         }
-        conn.update_interest(socket, &shared.epoll, token);
+        conn.update_interest(Some(socket), &shared.epoll, token);
     }
 
-    /// Removes a connection; `reset_host`: the host side gets a RST
-    /// instead of a FIN.
+    /// Removes a connection and its smoltcp socket, and completes its log
+    /// record; `reset_host`: the host side gets a RST instead of a FIN.
     fn close(&mut self, token: u64, reset_host: bool, sockets: &mut SocketSet<'static>, shared: &Shared) {
-        self.finish(token, reset_host, sockets, shared);
-        let Some(conn) = self.conns.remove(&token) else {
+        let Some(mut conn) = self.conns.remove(&token) else {
             return;
         };
-        self.lingering -= 1;
         self.by_tuple.remove(&conn.tuple);
-        sockets.remove(conn.handle);
-    }
-
-    /// Closes the host side (`reset_host`: with a RST instead of a FIN)
-    /// and completes the log record; the smoltcp socket stays (see
-    /// [`State::TimeWait`]). At most `max_connections` connections linger,
-    /// the oldest go first.
-    fn finish(&mut self, token: u64, reset_host: bool, sockets: &mut SocketSet<'static>, shared: &Shared) {
-        let Some(conn) = self.conns.get_mut(&token) else {
-            return;
-        };
-        if matches!(conn.state, State::TimeWait) {
-            return;
-        }
-        if let Some(host) = std::mem::replace(&mut conn.state, State::TimeWait).into_host() {
+        if let Some(host) = std::mem::replace(&mut conn.state, State::Aborted).into_host() {
             conn.interest.clear(&shared.epoll, host.as_raw_fd());
             if reset_host {
                 let _ = host.set_linger(Some(Duration::ZERO));
             }
         }
         conn.meter.close(&shared.control);
-        self.lingering += 1;
-        if self.lingering > shared.max_connections {
-            let oldest = self.conns.iter().filter(|(_, c)| matches!(c.state, State::TimeWait)).map(|(t, _)| *t).min();
-            if let Some(oldest) = oldest {
-                self.close(oldest, false, sockets, shared);
-            }
+        if let Some(handle) = conn.handle {
+            sockets.remove(handle);
         }
     }
 }
 
-/// A non-blocking host TCP socket connecting to `target`.
-fn connect(target: SocketAddr) -> io::Result<Socket> {
+/// A smoltcp socket for a new connection: `buffer_bytes` each way, no
+/// Nagle, the guest's acknowledgement timeout.
+fn new_socket(buffer_bytes: usize) -> tcp::Socket<'static> {
+    let mut socket =
+        tcp::Socket::new(tcp::SocketBuffer::new(vec![0; buffer_bytes]), tcp::SocketBuffer::new(vec![0; buffer_bytes]));
+    socket.set_nagle_enabled(false);
+    socket.set_timeout(Some(GUEST_TIMEOUT.into()));
+    socket
+}
+
+/// A smoltcp socket listening on exactly `dst` (for the held SYN).
+fn listening_socket(buffer_bytes: usize, dst: SocketAddrV4) -> io::Result<tcp::Socket<'static>> {
+    let mut socket = new_socket(buffer_bytes);
+    socket
+        .listen(IpListenEndpoint { addr: Some((*dst.ip()).into()), port: dst.port() })
+        .map_err(|e| io::Error::other(format!("listen: {e}")))?;
+    Ok(socket)
+}
+
+/// The data bytes a host socket's kernel buffers hold now: unread
+/// (`SIOCINQ`) plus unsent or unacknowledged (`SIOCOUTQ`), tcp(7) and
+/// unix(7); 0 where the ioctl fails.
+fn kernel_queued(socket: &Socket) -> u64 {
+    let fd = socket.as_raw_fd();
+    [libc::FIONREAD, libc::TIOCOUTQ]
+        .into_iter()
+        .map(|request| {
+            let mut n: libc::c_int = 0;
+            // SAFETY: `fd` is a socket this stack owns and keeps open for
+            // the call; both requests write one c_int to the pointer given,
+            // which points at `n`, alive for the call.
+            let r = unsafe { libc::ioctl(fd, request, &mut n as *mut libc::c_int) };
+            if r == 0 {
+                u64::try_from(n).unwrap_or(0)
+            } else {
+                0
+            }
+        })
+        .sum()
+}
+
+/// A non-blocking host TCP socket connecting to `target`, its kernel
+/// buffers asked to be `buffer_bytes` each way (see
+/// [`StackConfig::host_buffer_bytes`](super::StackConfig::host_buffer_bytes)).
+fn connect(target: SocketAddr, buffer_bytes: usize) -> io::Result<Socket> {
     let socket = Socket::new(Domain::for_address(target), Type::STREAM, None)?;
     socket.set_nonblocking(true)?;
     socket.set_tcp_nodelay(true)?;
+    socket.set_recv_buffer_size(buffer_bytes)?;
+    socket.set_send_buffer_size(buffer_bytes)?;
     match socket.connect(&SockAddr::from(target)) {
         Ok(()) => {}
         Err(e) if e.raw_os_error() == Some(libc::EINPROGRESS) => {}
@@ -688,7 +828,14 @@ mod tests {
         let policy = NetworkPolicy { egress: Egress::Deny, allow, deny: Vec::new() };
         let server = ServerNetPolicy { permit_ranges: vec!["127.0.0.0/8".parse().unwrap()], host_addrs: Vec::new() };
         let control = NetControl::new(&policy, None, Arc::new(server), 64).unwrap();
-        (Tcp::new(4096, None), SocketSet::new(Vec::new()), Shared::new(control, max_connections).unwrap())
+        let config = StackConfig {
+            dns_upstreams: Vec::new(),
+            tcp_buffer_bytes: 4096,
+            host_buffer_bytes: 4096,
+            connect_timeout: Duration::from_secs(20),
+            ..StackConfig::default()
+        };
+        (Tcp::new(&config), SocketSet::new(Vec::new()), Shared::new(control, max_connections, None).unwrap())
     }
 
     fn tuple(guest_port: u16, dst: SocketAddrV4) -> Tuple {
@@ -704,98 +851,154 @@ mod tests {
         tcp.conns.values().next().unwrap()
     }
 
-    #[test]
-    fn an_admitted_syn_listens_on_its_destination_while_the_host_connects() {
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let (mut tcp, mut sockets, mut shared) = world(8, false);
-        let t = tuple(40000, gateway(&l));
-        tcp.on_syn(t, &mut sockets, &mut shared, &NameMap::default(), 0);
-        tcp.on_syn(t, &mut sockets, &mut shared, &NameMap::default(), 1);
-        let conn = only(&tcp);
-        assert!(matches!(conn.state, State::Connecting { writable: true, .. }));
-        assert_eq!(conn.gate, Gate::Open);
-        let socket = sockets.get::<tcp::Socket>(conn.handle);
-        assert_eq!(socket.state(), tcp::State::Listen);
-        assert_eq!(tcp.open_count(), 1);
-        // The host side reached the listener.
-        l.set_nonblocking(false).unwrap();
-        let (_peer, from) = l.accept().unwrap();
-        assert!(from.ip().is_loopback());
-        let log = shared.control.query(0, 10).0;
-        assert_eq!(log.len(), 1);
-        assert_eq!((log[0].addr, log[0].allowed, log[0].duration_ms), (Ipv4Addr::LOCALHOST.into(), true, None));
-    }
+    /// A stand-in for a SYN frame (the table does not parse it).
+    const SYN: &[u8] = b"a SYN frame";
 
-    #[test]
-    fn a_syn_the_interface_did_not_take_leaves_nothing_behind() {
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let (mut tcp, mut sockets, mut shared) = world(8, false);
-        let t = tuple(40001, gateway(&l));
-        tcp.on_syn(t, &mut sockets, &mut shared, &NameMap::default(), 0);
-        // No SYN reached the listener: it still listens, so it goes.
-        tcp.after_frame(t, &mut sockets, &shared);
-        assert!(tcp.conns.is_empty() && tcp.by_tuple.is_empty());
-        assert_eq!((tcp.open_count(), tcp.lingering), (0, 0));
-        assert_eq!(sockets.iter().count(), 0);
-        let log = shared.control.query(0, 10).0;
-        assert!(log[0].duration_ms.is_some(), "the record is closed");
-    }
-
-    #[test]
-    fn a_listener_service_finds_without_its_syn_is_closed() {
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let (mut tcp, mut sockets, mut shared) = world(8, false);
-        tcp.on_syn(tuple(40002, gateway(&l)), &mut sockets, &mut shared, &NameMap::default(), 0);
-        // The loopback connect completes; service opens the connection and
-        // then finds its socket still listening.
+    /// Services and waits on the epoll set until `done` (at most 5 s).
+    fn service_until(
+        tcp: &mut Tcp,
+        sockets: &mut SocketSet<'static>,
+        shared: &mut Shared,
+        done: impl Fn(&Tcp) -> bool,
+    ) {
         let deadline = Instant::now() + Duration::from_secs(5);
         let mut events = vec![EpollEvent::default(); 4];
         loop {
-            tcp.service_all(&mut sockets, &shared);
-            if tcp.conns.is_empty() {
-                break;
+            tcp.service_all(sockets, shared, false);
+            if done(tcp) {
+                return;
             }
-            assert!(Instant::now() < deadline, "still {:?}", only(&tcp).state);
+            assert!(Instant::now() < deadline, "timed out");
             let n = shared.epoll.wait(100, &mut events).unwrap();
             for e in &events[..n] {
                 tcp.ready(e.data(), e.event_set());
             }
         }
-        assert_eq!(tcp.lingering, 0);
+    }
+
+    #[test]
+    fn an_admitted_syn_is_held_without_a_socket_until_the_host_connects() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let (mut tcp, mut sockets, mut shared) = world(8, false);
+        let t = tuple(40000, gateway(&l));
+        assert!(!tcp.segment(t, true, SYN, &mut shared, &NameMap::default(), 0), "held, not for the interface");
+        // The guest's retransmitted SYN is dropped while the connect runs.
+        assert!(!tcp.segment(t, true, SYN, &mut shared, &NameMap::default(), 1));
+        let conn = only(&tcp);
+        assert!(matches!(conn.state, State::Connecting { writable: true, .. }));
+        assert!(conn.handle.is_none() && sockets.iter().count() == 0, "no socket, no buffers yet");
+        assert_eq!(conn.gate, Gate::Open);
+        assert_eq!(tcp.open_count(), 1);
+        // The host side reached the listener.
+        l.set_nonblocking(false).unwrap();
+        let (_peer, from) = l.accept().unwrap();
+        assert!(from.ip().is_loopback());
+        // Once the connect is done, the SYN is released to a listener.
+        service_until(&mut tcp, &mut sockets, &mut shared, |tcp| !tcp.released.is_empty());
+        assert_eq!(tcp.take_released(), vec![(t, SYN.to_vec())]);
+        let conn = only(&tcp);
+        assert!(matches!(conn.state, State::Open(_)));
+        assert_eq!(sockets.get::<tcp::Socket>(conn.handle.unwrap()).state(), tcp::State::Listen);
+        // The interface did not take it: the listener goes.
+        tcp.after_frame(t, &mut sockets, &shared);
+        assert!(tcp.conns.is_empty() && tcp.by_tuple.is_empty());
+        assert_eq!(sockets.iter().count(), 0);
+        let log = shared.control.query(0, 10).0;
+        assert_eq!(log.len(), 1);
+        assert_eq!((log[0].addr, log[0].allowed), (Ipv4Addr::LOCALHOST.into(), true));
+        assert!(log[0].duration_ms.is_some(), "the record is closed");
+    }
+
+    #[test]
+    fn a_refused_or_timed_out_connect_releases_the_syn_to_no_listener() {
+        let closed = TcpListener::bind("127.0.0.1:0").unwrap();
+        let t = tuple(40001, gateway(&closed));
+        drop(closed);
+        let (mut tcp, mut sockets, mut shared) = world(8, false);
+        assert!(!tcp.segment(t, true, SYN, &mut shared, &NameMap::default(), 0));
+        service_until(&mut tcp, &mut sockets, &mut shared, |tcp| tcp.conns.is_empty());
+        assert_eq!(tcp.take_released(), vec![(t, SYN.to_vec())]);
+        assert_eq!(sockets.iter().count(), 0);
+        // A connect past its deadline: the same, without waiting for it.
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let t = tuple(40002, gateway(&l));
+        tcp.connect_timeout = Duration::ZERO;
+        assert!(!tcp.segment(t, true, SYN, &mut shared, &NameMap::default(), 0));
+        if let Some(State::Connecting { writable, .. }) = tcp.conns.values_mut().next().map(|c| &mut c.state) {
+            *writable = false;
+        }
+        assert!(tcp.next_deadline().is_some_and(|d| d <= Instant::now()));
+        tcp.service_all(&mut sockets, &mut shared, false);
+        assert!(tcp.conns.is_empty());
+        assert_eq!(tcp.take_released(), vec![(t, SYN.to_vec())]);
+        let log = shared.control.query(0, 10).0;
+        assert_eq!(log.len(), 2);
+        assert!(log.iter().all(|r| r.allowed && r.duration_ms.is_some()));
+    }
+
+    #[test]
+    fn segments_of_unknown_connections_and_long_syns() {
+        let (mut tcp, _sockets, mut shared) = world(8, false);
+        let t = tuple(40003, SocketAddrV4::new(GATEWAY_ADDR, 9));
+        // Not a SYN, no connection: the interface answers it (a RST).
+        assert!(tcp.segment(t, false, SYN, &mut shared, &NameMap::default(), 0));
+        // A SYN carrying data is dropped and counted.
+        assert!(!tcp.segment(t, true, &[0; MAX_SYN_FRAME + 1], &mut shared, &NameMap::default(), 0));
+        assert_eq!(shared.stats.frames_dropped, 1);
+        assert!(tcp.conns.is_empty());
+        assert!(shared.control.query(0, 10).0.is_empty());
     }
 
     #[test]
     fn refusals_log_and_open_nothing() {
-        let (mut tcp, mut sockets, mut shared) = world(1, false);
-        // The policy.
-        tcp.on_syn(
+        let (mut tcp, _sockets, mut shared) = world(1, false);
+        let names = NameMap::default();
+        // The policy: the interface gets the SYN (and answers with a RST).
+        assert!(tcp.segment(
             tuple(1, SocketAddrV4::new(Ipv4Addr::new(192, 0, 2, 1), 80)),
-            &mut sockets,
+            true,
+            SYN,
             &mut shared,
-            &NameMap::default(),
-            0,
-        );
+            &names,
+            0
+        ));
         // DNS over TCP with no upstream.
-        tcp.on_syn(tuple(2, SocketAddrV4::new(DNS_ADDR, 53)), &mut sockets, &mut shared, &NameMap::default(), 0);
+        assert!(tcp.segment(tuple(2, SocketAddrV4::new(DNS_ADDR, 53)), true, SYN, &mut shared, &names, 0));
         // The cap (one open elsewhere).
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        tcp.on_syn(tuple(3, gateway(&l)), &mut sockets, &mut shared, &NameMap::default(), 1);
+        assert!(tcp.segment(tuple(3, gateway(&l)), true, SYN, &mut shared, &names, 1));
         assert!(tcp.conns.is_empty());
-        assert_eq!(sockets.iter().count(), 0);
         assert_eq!(shared.stats.refused_by_cap, 1);
         let rules: Vec<String> = shared.control.query(0, 10).0.into_iter().map(|r| r.rule).collect();
         assert_eq!(rules[1..], [RULE_DNS_TCP.to_string(), crate::stack::RULE_LIMIT_CONNECTIONS.to_string()]);
     }
 
     #[test]
+    fn the_connection_rate_refuses_past_its_burst_and_logs_once() {
+        let (mut tcp, _sockets, mut shared) = world(8, false);
+        shared.rate =
+            crate::rate::Limiter::new(Some(crate::rate::RateLimit { per_second: 0, burst: 1 }), Instant::now());
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let names = NameMap::default();
+        assert!(!tcp.segment(tuple(1, gateway(&l)), true, SYN, &mut shared, &names, 0), "the burst");
+        for port in 2..5 {
+            assert!(tcp.segment(tuple(port, gateway(&l)), true, SYN, &mut shared, &names, 1), "refused: a RST");
+        }
+        assert_eq!(shared.rate.refused(), 3);
+        let log = shared.control.query(0, 10).0;
+        assert_eq!(log.len(), 2, "one refusal logged: {log:?}");
+        assert_eq!((log[1].allowed, log[1].rule.as_str()), (false, crate::rate::RULE_LIMIT_RATE));
+    }
+
+    #[test]
     fn domain_rules_make_a_connection_wait_for_its_name() {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let (mut tcp, mut sockets, mut shared) = world(8, true);
-        tcp.on_syn(tuple(40003, gateway(&l)), &mut sockets, &mut shared, &NameMap::default(), 0);
+        let (mut tcp, _sockets, mut shared) = world(8, true);
+        tcp.segment(tuple(40003, gateway(&l)), true, SYN, &mut shared, &NameMap::default(), 0);
         assert_eq!(only(&tcp).gate, Gate::Sniff { since: None });
-        assert_eq!(tcp.next_deadline(), None, "no deadline before the first bytes");
         let since = Instant::now();
         tcp.conns.values_mut().for_each(|c| c.gate = Gate::Sniff { since: Some(since) });
+        tcp.conns.values_mut().for_each(|c| c.state = State::Aborted);
         assert_eq!(tcp.next_deadline(), Some(since + SNIFF_WAIT));
     }
 
@@ -803,48 +1006,27 @@ mod tests {
     fn interest_follows_the_state() {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let (mut tcp, mut sockets, mut shared) = world(8, false);
-        tcp.on_syn(tuple(40004, gateway(&l)), &mut sockets, &mut shared, &NameMap::default(), 0);
+        tcp.segment(tuple(40004, gateway(&l)), true, SYN, &mut shared, &NameMap::default(), 0);
         let token = *tcp.conns.keys().next().unwrap();
         let conn = tcp.conns.get_mut(&token).unwrap();
-        let socket = sockets.get_mut::<tcp::Socket>(conn.handle);
         let mut events = vec![EpollEvent::default(); 4];
         // Connecting: waits for the connect (writable).
-        conn.update_interest(socket, &shared.epoll, token);
+        conn.update_interest(None, &shared.epoll, token);
         let n = shared.epoll.wait(1000, &mut events).unwrap();
         assert_eq!((n, events[0].data()), (1, token));
         conn.ready(events[0].event_set());
         assert!(matches!(conn.state, State::Connecting { writable: true, .. }));
         // Open, readable and writable as far as it knows: waits for nothing.
-        conn.establish();
-        conn.update_interest(socket, &shared.epoll, token);
+        let socket = listening_socket(4096, conn.tuple.dst).unwrap();
+        conn.handle = Some(sockets.add(socket));
+        assert_eq!(conn.establish(), Some(SYN.to_vec()));
+        let socket = sockets.get_mut::<tcp::Socket>(conn.handle.unwrap());
+        conn.update_interest(Some(socket), &shared.epoll, token);
         assert_eq!(shared.epoll.wait(0, &mut events).unwrap(), 0);
         // Aborted: out of the set, the host side reset.
         conn.abort(socket, &shared.epoll);
         assert!(matches!(conn.state, State::Aborted));
         assert_eq!(shared.epoll.wait(0, &mut events).unwrap(), 0);
-    }
-
-    #[test]
-    fn at_most_max_connections_linger_and_the_oldest_goes_first() {
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let (mut tcp, mut sockets, mut shared) = world(2, false);
-        for port in 1..=3 {
-            tcp.on_syn(tuple(port, gateway(&l)), &mut sockets, &mut shared, &NameMap::default(), 0);
-        }
-        let mut tokens: Vec<u64> = tcp.conns.keys().copied().collect();
-        tokens.sort_unstable();
-        for &t in &tokens {
-            tcp.finish(t, false, &mut sockets, &shared);
-        }
-        assert_eq!((tcp.conns.len(), tcp.lingering, tcp.open_count()), (2, 2, 0));
-        assert!(!tcp.conns.contains_key(&tokens[0]));
-        // A new SYN on a lingering 4-tuple replaces the old connection.
-        let reused = tcp.conns[&tokens[1]].tuple;
-        tcp.on_syn(reused, &mut sockets, &mut shared, &NameMap::default(), 0);
-        assert_eq!((tcp.conns.len(), tcp.lingering, tcp.open_count()), (2, 1, 1));
-        assert!(!tcp.conns.contains_key(&tokens[1]));
-        let log = shared.control.query(0, 10).0;
-        assert_eq!(log.iter().filter(|r| r.duration_ms.is_some()).count(), 3);
         tcp.reset(&mut sockets, &shared);
         assert!(tcp.conns.is_empty() && tcp.by_tuple.is_empty());
         assert_eq!(sockets.iter().count(), 0);
@@ -876,7 +1058,7 @@ mod tests {
         assert_eq!(ports, [49153, 49154]);
         for c in &dialled {
             assert!(matches!(c.state, State::Dialing { .. }));
-            assert_eq!(sockets.get::<tcp::Socket>(c.handle).state(), tcp::State::SynSent);
+            assert_eq!(sockets.get::<tcp::Socket>(c.handle.unwrap()).state(), tcp::State::SynSent);
         }
         let log = shared.control.query(0, 10).0;
         assert_eq!(log.len(), 2);

@@ -17,7 +17,7 @@ use smoltcp::wire::{
 };
 use vmm_sys_util::epoll::EventSet;
 
-use super::admit::{admit, Ask, Cap, Meter};
+use super::admit::{admit, Ask, Meter};
 use super::interest::Interest;
 use super::link::Link;
 use super::{Shared, Tuple};
@@ -34,6 +34,8 @@ const MAX_REFUSED_FLOWS: usize = 1024;
 const REFUSED_FLOW_MEMORY: Duration = Duration::from_secs(10);
 /// The largest UDP payload in one frame to the guest (no fragmentation).
 const MAX_UDP_PAYLOAD: usize = MTU - 20 - 8;
+/// The scratch buffer of [`Udp`]: one datagram from a host socket (bytes).
+pub(super) const SCRATCH_BYTES: usize = 65536;
 
 /// One UDP flow and its connected host socket.
 struct Flow {
@@ -56,11 +58,21 @@ pub(super) struct Udp {
     refused: HashMap<Tuple, Instant>,
     /// One datagram from a host socket.
     buf: Vec<u8>,
+    /// `SO_RCVBUF`/`SO_SNDBUF` asked for each host socket (bytes).
+    host_buffer_bytes: usize,
 }
 
 impl Udp {
-    pub(super) fn new() -> Self {
-        Self { flows: HashMap::new(), by_tuple: HashMap::new(), refused: HashMap::new(), buf: vec![0; 65536] }
+    /// No flows; host sockets asked for `host_buffer_bytes` of kernel
+    /// buffer each way.
+    pub(super) fn new(host_buffer_bytes: usize) -> Self {
+        Self {
+            flows: HashMap::new(),
+            by_tuple: HashMap::new(),
+            refused: HashMap::new(),
+            buf: vec![0; SCRATCH_BYTES],
+            host_buffer_bytes,
+        }
     }
 
     /// Flows open now.
@@ -90,8 +102,8 @@ impl Udp {
             return;
         }
         let ask = Ask { protocol: Protocol::Udp, direction: Direction::Outbound, dst: tuple.dst, fixed: None };
-        let cap = Cap { open, max: shared.max_connections, refused: &mut shared.stats.refused_by_cap };
-        let Some(admitted) = admit(ask, &shared.control, names, cap) else {
+        let control = shared.control.clone();
+        let Some(admitted) = admit(ask, &control, names, shared.cap(open)) else {
             if self.refused.len() >= MAX_REFUSED_FLOWS {
                 self.refused.clear();
             }
@@ -99,7 +111,7 @@ impl Udp {
             return;
         };
         let target = SocketAddr::V4(SocketAddrV4::new(admitted.host_ip, tuple.dst.port()));
-        let Some((host, mut meter)) = admitted.open(&shared.control, || connect(target)) else {
+        let Some((host, mut meter)) = admitted.open(&shared.control, || connect(target, self.host_buffer_bytes)) else {
             return;
         };
         meter.bytes_out = host.send(payload).map(|n| n as u64).unwrap_or(0);
@@ -195,11 +207,16 @@ impl Udp {
     }
 }
 
-/// A non-blocking host UDP socket connected to `target`.
-fn connect(target: SocketAddr) -> io::Result<UdpSocket> {
+/// A non-blocking host UDP socket connected to `target`, its kernel
+/// buffers asked to be `buffer_bytes` each way.
+fn connect(target: SocketAddr, buffer_bytes: usize) -> io::Result<UdpSocket> {
     let bind: SocketAddr =
         if target.is_ipv4() { (Ipv4Addr::UNSPECIFIED, 0).into() } else { (std::net::Ipv6Addr::UNSPECIFIED, 0).into() };
-    let socket = UdpSocket::bind(bind)?;
+    let socket = socket2::Socket::new(socket2::Domain::for_address(target), socket2::Type::DGRAM, None)?;
+    socket.set_recv_buffer_size(buffer_bytes)?;
+    socket.set_send_buffer_size(buffer_bytes)?;
+    socket.bind(&bind.into())?;
+    let socket = UdpSocket::from(socket);
     socket.set_nonblocking(true)?;
     socket.connect(target)?;
     Ok(socket)
@@ -250,7 +267,7 @@ mod tests {
         let policy = NetworkPolicy { egress, allow: vec!["127.0.0.1/32".into()], deny: Vec::new() };
         let server = ServerNetPolicy { permit_ranges: vec!["127.0.0.0/8".parse().unwrap()], host_addrs: Vec::new() };
         let control = NetControl::new(&policy, None, Arc::new(server), 64).unwrap();
-        Shared::new(control, max_connections).unwrap()
+        Shared::new(control, max_connections, None).unwrap()
     }
 
     fn tuple(dst: SocketAddrV4) -> Tuple {
@@ -296,7 +313,7 @@ mod tests {
         let echo = UdpSocket::bind("127.0.0.1:0").unwrap();
         let port = echo.local_addr().unwrap().port();
         let mut shared = shared(Egress::Deny, 8);
-        let mut udp = Udp::new();
+        let mut udp = Udp::new(4096);
         let mut link = Link::new(8);
         let t = tuple(SocketAddrV4::new(GATEWAY_ADDR, port));
         udp.out(t, GUEST_MAC, b"ping", &mut shared, &NameMap::default(), 0);
@@ -322,7 +339,7 @@ mod tests {
     #[test]
     fn a_refused_flow_is_logged_once_and_remembered() {
         let mut shared = shared(Egress::Deny, 8);
-        let mut udp = Udp::new();
+        let mut udp = Udp::new(4096);
         let t = tuple(SocketAddrV4::new(Ipv4Addr::new(192, 0, 2, 9), 443));
         for _ in 0..3 {
             udp.out(t, GUEST_MAC, b"quic", &mut shared, &NameMap::default(), 0);
@@ -336,7 +353,7 @@ mod tests {
     #[test]
     fn the_cap_counts_tcp_and_udp_together() {
         let mut shared = shared(Egress::Allow, 2);
-        let mut udp = Udp::new();
+        let mut udp = Udp::new(4096);
         let t = tuple(SocketAddrV4::new(GATEWAY_ADDR, 9));
         udp.out(t, GUEST_MAC, b"x", &mut shared, &NameMap::default(), 2);
         assert_eq!(udp.len(), 0);
