@@ -14,7 +14,10 @@
 //!   rules use.
 //! - [`policy`]: the egress policy (allow/deny by domain and CIDR, the
 //!   always-denied ranges) and its verdicts.
-//! - [`sniff`]: the TLS SNI or HTTP `Host` of a connection's first bytes.
+//! - [`sniff`]: what a connection's first bytes are: a TLS ClientHello
+//!   (its SNI) or an HTTP/1.x request head.
+//! - [`http`]: HTTP/1.x request heads and a plain-HTTP connection's bytes
+//!   taken request by request.
 //! - [`host_name`]: the one form host names are compared in.
 //! - [`log`]: the bounded per-sandbox network log.
 //! - [`rate`]: token buckets for the rates of new connections and DNS
@@ -29,6 +32,7 @@
 pub mod control;
 pub mod dns;
 pub mod host_name;
+pub mod http;
 pub mod log;
 pub mod policy;
 pub mod rate;

@@ -13,6 +13,16 @@
 //! 3. the allow list, the same way: rule `allow:<entry>`;
 //! 4. the default: rule `egress:allow` or `egress:deny`.
 //!
+//! What a connection admitted by its address must still show by name is
+//! [`CompiledPolicy::name_check`]: nothing when an address rule allowed
+//! the address ([`NameCheck::Off`]); when only a domain rule did (the
+//! names DNS gave the address, under `egress: "deny"`), the name in its
+//! first bytes must be there and allowed ([`NameCheck::Required`]: the
+//! stack refuses what it cannot check, and UDP); when the default allowed
+//! it and the policy has domain rules, a name seen is judged
+//! ([`NameCheck::IfSeen`]). Under a ceiling the stricter of the two
+//! applies. See `stack::gate` for what the stack does with it.
+//!
 //! A name (a DNS query, the TLS SNI or HTTP `Host` of a connection) is
 //! judged by the domain entries ([`CompiledPolicy::check_name`]): deny
 //! list, allow list, then the default. A name that is an IP literal (a
@@ -126,6 +136,23 @@ impl Verdict {
     fn new(allowed: bool, rule: String) -> Self {
         Self { allowed, rule }
     }
+}
+
+/// What a connection to an admitted address must still show by name (the
+/// TLS SNI, the HTTP `Host`); ordered from the least to the most.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum NameCheck {
+    /// Nothing: the policy has no domain rule, or an address rule
+    /// (address or CIDR) allowed the address.
+    Off,
+    /// The default (`egress: "allow"`) allowed the address and the policy
+    /// has domain rules: a name the connection shows is judged, a denied
+    /// one refuses it; a connection that shows none goes on.
+    IfSeen,
+    /// Only a domain rule allowed the address (through the names DNS gave
+    /// it, under `egress: "deny"`): the connection must show a name, and
+    /// the name must be allowed.
+    Required,
 }
 
 /// The always-denied ranges, each with the RFC that sets it apart. An
@@ -446,6 +473,34 @@ impl CompiledPolicy {
         }
     }
 
+    /// What a connection to `ip` that [`CompiledPolicy::check_addr`]
+    /// allowed (with the same `names`) must still show by name (see
+    /// [`NameCheck`]); the stricter of this policy's and its ceiling's.
+    /// Meaningless for an address `check_addr` refuses.
+    pub fn name_check(&self, ip: IpAddr, names: &[String]) -> NameCheck {
+        let own = self.name_check_own(ip, names);
+        match &self.ceiling {
+            Some(c) => own.max(c.name_check(ip, names)),
+            None => own,
+        }
+    }
+
+    fn name_check_own(&self, ip: IpAddr, names: &[String]) -> NameCheck {
+        let ip = canonical(ip);
+        if self.allow.iter().any(|r| r.matches_ip(ip)) {
+            return NameCheck::Off;
+        }
+        let names: Vec<String> = names.iter().filter_map(|n| host_name::fold(n)).collect();
+        let by_name = self.allow.iter().any(|r| names.iter().any(|n| r.matches_name(n)));
+        if by_name && self.policy.egress == Egress::Deny {
+            NameCheck::Required
+        } else if self.allow.iter().chain(&self.deny).any(Rule::is_domain) {
+            NameCheck::IfSeen
+        } else {
+            NameCheck::Off
+        }
+    }
+
     fn check_addr_own(&self, ip: IpAddr, _port: u16, names: &[String]) -> Verdict {
         if let Some(rule) = self.blocked_rule(ip) {
             return Verdict::new(false, rule);
@@ -737,6 +792,30 @@ mod tests {
         assert_eq!(p.check_name("198.51.100.7"), v(false, "deny:198.51.100.7"));
         assert_eq!(p.check_name("127.0.0.1"), v(true, "egress:allow"));
         assert!(!pol(Egress::Deny, &[], &[]).has_domain_rules());
+    }
+
+    #[test]
+    fn name_check_follows_what_allowed_the_address() {
+        let a = ip("198.51.100.1");
+        let named = names(&["pypi.org"]);
+        let p = pol(Egress::Deny, &["pypi.org", "203.0.113.0/24"], &[]);
+        assert_eq!(p.name_check(a, &named), NameCheck::Required, "only the name allowed it");
+        assert_eq!(p.name_check(ip("203.0.113.9"), &named), NameCheck::Off, "the CIDR allowed it");
+        assert_eq!(p.name_check(ip("::ffff:203.0.113.9"), &[]), NameCheck::Off);
+        // Egress allow with domain rules: names are judged if seen.
+        let p = pol(Egress::Allow, &["pypi.org"], &["evil.example"]);
+        assert_eq!(p.name_check(a, &named), NameCheck::IfSeen);
+        assert_eq!(p.name_check(a, &[]), NameCheck::IfSeen);
+        assert_eq!(pol(Egress::Allow, &[], &["198.51.100.0/24"]).name_check(a, &[]), NameCheck::Off);
+        assert_eq!(pol(Egress::Allow, &[], &[]).name_check(a, &named), NameCheck::Off);
+        // The stricter of the policy and its ceiling.
+        let ceiling = std::sync::Arc::new(pol(Egress::Deny, &["pypi.org"], &[]));
+        let own = pol(Egress::Deny, &["198.51.100.0/24"], &[]).with_ceiling(Some(ceiling));
+        assert!(own.check_addr(a, 443, &named).allowed);
+        assert_eq!(own.name_check(a, &named), NameCheck::Required);
+        let ceiling = std::sync::Arc::new(pol(Egress::Deny, &["198.51.100.0/24"], &[]));
+        let own = pol(Egress::Deny, &["pypi.org"], &[]).with_ceiling(Some(ceiling));
+        assert_eq!(own.name_check(a, &named), NameCheck::Required);
     }
 
     #[test]

@@ -1,37 +1,46 @@
-//! The name a connection's first bytes carry: the TLS ClientHello's SNI
-//! (RFC 6066 §3) or the HTTP/1.x `Host` header (RFC 9112 §3.2).
+//! What a connection's first bytes are: a TLS ClientHello and its SNI
+//! (RFC 6066 §3), an HTTP/1.x request head ([`crate::http`]), or
+//! neither.
 //!
 //! The bytes come from the guest and are hostile: every read is
 //! bounds-checked, nothing here panics, and nothing allocates more than
-//! [`MAX_SNIFF_BYTES`] (plus the name found).
+//! [`MAX_SNIFF_BYTES`] (plus the names found).
 //!
-//! Limits (the verdict on the name is a check on top of the verdict on
-//! the address, not a replacement for it):
-//! - only the first request of an HTTP connection is looked at (a later
-//!   request on a kept-alive connection may name another host);
-//! - if a ClientHello carries more than one `host_name`, or a request more
-//!   than one `Host` (both forbidden: RFC 6066 §3, RFC 9112 §3.2), the
-//!   first is returned.
+//! A ClientHello with more than one `host_name` (forbidden: RFC 6066 §3)
+//! gives the first. What the stack does with the answer (and what a
+//! domain rule guarantees) is in `stack::gate`.
 
-use crate::host_name;
+use crate::http::{self, Head, Parsed};
 
 /// What the first bytes of a connection say.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Sniffed {
-    /// A name was found (lower-case, without port).
-    Name(String),
+    /// A whole TLS ClientHello, with its SNI `host_name` (lower-case,
+    /// without a trailing dot; `None`: no `server_name` extension, or no
+    /// usable `host_name` in it).
+    ClientHello(Option<String>),
+    /// A whole HTTP/1.x request head.
+    Request(Head),
     /// The bytes are TLS or HTTP but incomplete: wait for more (up to
     /// [`MAX_SNIFF_BYTES`]).
     NeedMore,
-    /// Not TLS/HTTP, or no name in it.
-    NoName,
+    /// TLS or HTTP/1.x, but not well-formed, or a ClientHello or request
+    /// head that does not fit in [`MAX_SNIFF_BYTES`]; `tls`: it started as
+    /// a TLS record.
+    Malformed {
+        /// The bytes started as a TLS handshake record.
+        tls: bool,
+    },
+    /// Neither TLS nor HTTP/1.x.
+    Other,
 }
 
-/// Bytes looked at, at most; past this the connection counts as `NoName`.
+/// Bytes looked at, at most; past this an incomplete message is
+/// [`Sniffed::Malformed`].
 pub const MAX_SNIFF_BYTES: usize = 16 * 1024;
 
 /// TLS record content type `handshake` (RFC 8446 §5.1).
-const CONTENT_HANDSHAKE: u8 = 22;
+pub const CONTENT_HANDSHAKE: u8 = 22;
 /// Handshake message type `client_hello` (RFC 8446 §4).
 const HANDSHAKE_CLIENT_HELLO: u8 = 1;
 /// Extension type `server_name` (RFC 6066 §3).
@@ -40,31 +49,28 @@ const EXT_SERVER_NAME: u16 = 0;
 const NAME_TYPE_HOST_NAME: u8 = 0;
 /// A TLS record's payload, at most (RFC 8446 §5.1: 2^14).
 const MAX_RECORD_PAYLOAD: usize = 1 << 14;
-/// Headers parsed in an HTTP request's head, at most.
-const MAX_HTTP_HEADERS: usize = 64;
-/// An HTTP method's length, at most, before the bytes count as not HTTP
-/// (the longest registered methods are 17 bytes: `BASELINE-CONTROL`,
-/// `VERSION-CONTROL`...).
-const MAX_METHOD_LEN: usize = 20;
-/// A name's length, at most (RFC 1035 §2.3.4: 253 bytes as text; a little
-/// more for a port or brackets in `Host`).
-const MAX_NAME_LEN: usize = 262;
 
 /// Looks at a connection's first bytes (all of them so far, from the
-/// first byte on): a TLS ClientHello (a record of type 22) gives its SNI
-/// `host_name`, an HTTP/1.x request its `Host`.
+/// first byte on): a TLS ClientHello (a record of type 22) or an HTTP/1.x
+/// request head.
 ///
 /// [`Sniffed::NeedMore`] only while `first` is shorter than
-/// [`MAX_SNIFF_BYTES`]; from there on an incomplete message is `NoName`.
+/// [`MAX_SNIFF_BYTES`]; from there on an incomplete message is
+/// [`Sniffed::Malformed`].
 pub fn sniff(first: &[u8]) -> Sniffed {
     let first = first.get(..MAX_SNIFF_BYTES).unwrap_or(first);
     let found = match first.first() {
         None => Sniffed::NeedMore,
         Some(&CONTENT_HANDSHAKE) => sniff_tls(first),
-        Some(_) => sniff_http(first),
+        Some(_) => match http::parse_head(first) {
+            Parsed::Head(head) => Sniffed::Request(head),
+            Parsed::Partial => Sniffed::NeedMore,
+            Parsed::NotHttp => Sniffed::Other,
+            Parsed::Malformed => Sniffed::Malformed { tls: false },
+        },
     };
     if found == Sniffed::NeedMore && first.len() >= MAX_SNIFF_BYTES {
-        Sniffed::NoName
+        Sniffed::Malformed { tls: first.first() == Some(&CONTENT_HANDSHAKE) }
     } else {
         found
     }
@@ -163,7 +169,7 @@ fn sniff_tls(bytes: &[u8]) -> Sniffed {
         handshake.extend_from_slice(payload);
     }
     match client_hello_sni(&handshake) {
-        Sniffed::NeedMore if ended => Sniffed::NoName,
+        Sniffed::NeedMore if ended => Sniffed::Malformed { tls: true },
         found => found,
     }
 }
@@ -176,7 +182,7 @@ fn client_hello_sni(handshake: &[u8]) -> Sniffed {
         return Sniffed::NeedMore;
     };
     if kind != HANDSHAKE_CLIENT_HELLO {
-        return Sniffed::NoName;
+        return Sniffed::Malformed { tls: true };
     }
     let Some(len) = r.u24() else {
         return Sniffed::NeedMore;
@@ -184,14 +190,14 @@ fn client_hello_sni(handshake: &[u8]) -> Sniffed {
     // 4 header bytes + 5 of the first record: a message that cannot fit
     // in what we look at never completes.
     if len.saturating_add(9) > MAX_SNIFF_BYTES {
-        return Sniffed::NoName;
+        return Sniffed::Malformed { tls: true };
     }
     let Some(body) = r.take(len) else {
         return Sniffed::NeedMore;
     };
     match client_hello_body_sni(body) {
-        Some(Some(name)) => Sniffed::Name(name),
-        Some(None) | None => Sniffed::NoName,
+        Some(name) => Sniffed::ClientHello(name),
+        None => Sniffed::Malformed { tls: true },
     }
 }
 
@@ -221,7 +227,7 @@ fn client_hello_body_sni(body: &[u8]) -> Option<Option<String>> {
             let name_type = list.u8()?;
             let name = list.vec16()?;
             if name_type == NAME_TYPE_HOST_NAME {
-                return Some(normal_name(name));
+                return Some(http::normal_name(name));
             }
         }
         return Some(None);
@@ -229,81 +235,45 @@ fn client_hello_body_sni(body: &[u8]) -> Option<Option<String>> {
     Some(None)
 }
 
-/// `name` as a [`Sniffed::Name`] ([`host_name::fold`]); `None` if empty,
-/// too long or not printable ASCII.
-fn normal_name(name: &[u8]) -> Option<String> {
-    if name.len() > MAX_NAME_LEN || !name.iter().all(|c| c.is_ascii_graphic()) {
-        return None;
-    }
-    host_name::fold(std::str::from_utf8(name).ok()?)
-}
-
-/// The `Host` of an HTTP/1.x request head (RFC 9112 §2.2, §3.2).
-fn sniff_http(bytes: &[u8]) -> Sniffed {
-    let mut headers = [httparse::EMPTY_HEADER; MAX_HTTP_HEADERS];
-    let mut req = httparse::Request::new(&mut headers);
-    match req.parse(bytes) {
-        Ok(httparse::Status::Complete(_)) => {
-            let host = req
-                .headers
-                .iter()
-                .find(|h| h.name.eq_ignore_ascii_case("host"))
-                .and_then(|h| host_without_port(h.value))
-                .and_then(normal_name);
-            match host {
-                Some(h) => Sniffed::Name(h),
-                None => Sniffed::NoName,
-            }
-        }
-        Ok(httparse::Status::Partial) => {
-            // httparse waits for more on any run of token bytes; a method
-            // longer than any real one is not HTTP.
-            let method_len = bytes.iter().position(|&b| b == b' ').unwrap_or(bytes.len());
-            if method_len > MAX_METHOD_LEN {
-                Sniffed::NoName
-            } else {
-                Sniffed::NeedMore
-            }
-        }
-        Err(_) => Sniffed::NoName,
-    }
-}
-
-/// The host of a `Host` value (RFC 9110 §7.2: `uri-host [ ":" port ]`),
-/// trimmed; an IPv6 literal loses its brackets.
-fn host_without_port(value: &[u8]) -> Option<&[u8]> {
-    let v = value.trim_ascii();
-    if let Some(inner) = v.strip_prefix(b"[") {
-        let end = inner.iter().position(|&b| b == b']')?;
-        let after = inner.get(end + 1..)?;
-        if !(after.is_empty() || is_port_suffix(after)) {
-            return None;
-        }
-        return inner.get(..end);
-    }
-    match v.iter().rposition(|&b| b == b':') {
-        Some(i) => {
-            let (host, port) = v.split_at(i);
-            if is_port_suffix(port) {
-                Some(host)
-            } else {
-                None
-            }
-        }
-        None => Some(v),
-    }
-}
-
-/// Whether `s` is `:` followed by digits only (an empty port is allowed,
-/// RFC 3986 §3.2.3).
-fn is_port_suffix(s: &[u8]) -> bool {
-    s.strip_prefix(b":").is_some_and(|p| p.iter().all(u8::is_ascii_digit))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    /// The answer as the name check sees it: a name, more needed, or none.
+    #[derive(Debug, PartialEq, Eq)]
+    enum Old {
+        Name(String),
+        NeedMore,
+        NoName,
+    }
+
+    /// [`super::sniff`], told as [`Old`].
+    fn sniff(bytes: &[u8]) -> Old {
+        match super::sniff(bytes) {
+            Sniffed::ClientHello(Some(n)) => Old::Name(n),
+            Sniffed::Request(h) => h.names.first().cloned().map_or(Old::NoName, Old::Name),
+            Sniffed::NeedMore => Old::NeedMore,
+            Sniffed::ClientHello(None) | Sniffed::Malformed { .. } | Sniffed::Other => Old::NoName,
+        }
+    }
+
+    #[test]
+    fn what_kind_of_nothing() {
+        let no_sni = records(&hello_message(Some(&[(16u16, vec16(&[2, b'h', b'2']))])), 1 << 14);
+        assert_eq!(super::sniff(&no_sni), Sniffed::ClientHello(None));
+        assert_eq!(super::sniff(&records(&hello_message(None), 1 << 14)), Sniffed::ClientHello(None));
+        assert_eq!(super::sniff(&[22, 3, 1, 0, 0]), Sniffed::Malformed { tls: true });
+        assert_eq!(super::sniff(b"SSH-2.0-OpenSSH_9.6\r\n"), Sniffed::Other);
+        assert_eq!(super::sniff(b"GET / HTTP/1.1\r\nHost: a b\r\n\r\n"), Sniffed::Malformed { tls: false });
+        let mut long = b"GET /".to_vec();
+        long.resize(MAX_SNIFF_BYTES, b'a');
+        assert_eq!(super::sniff(&long), Sniffed::Malformed { tls: false });
+        match super::sniff(b"GET / HTTP/1.1\r\nHost: a.example\r\nContent-Length: 3\r\n\r\nabc") {
+            Sniffed::Request(h) => assert_eq!((h.len, h.body), (54, crate::http::Body::Length(3))),
+            other => panic!("{other:?}"),
+        }
+    }
 
     /// A ClientHello `openssl s_client -connect 127.0.0.1:<port>
     /// -servername example.test` (OpenSSL 3.0.19) sent to a listener on
@@ -376,8 +346,8 @@ mod tests {
         out
     }
 
-    fn name(s: &str) -> Sniffed {
-        Sniffed::Name(s.to_string())
+    fn name(s: &str) -> Old {
+        Old::Name(s.to_string())
     }
 
     #[test]
@@ -386,7 +356,7 @@ mod tests {
         assert_eq!(hello.len(), 318);
         assert_eq!(sniff(&hello), name("example.test"));
         for n in 0..hello.len() {
-            assert_eq!(sniff(&hello[..n]), Sniffed::NeedMore, "prefix of {n} bytes");
+            assert_eq!(sniff(&hello[..n]), Old::NeedMore, "prefix of {n} bytes");
         }
         // Bytes after the hello (a change_cipher_spec record, early data)
         // do not change the answer.
@@ -405,28 +375,28 @@ mod tests {
         let frag = records(&msg, 7);
         assert_eq!(sniff(&frag), name("files.pythonhosted.org"));
         for n in 0..frag.len() {
-            assert_eq!(sniff(&frag[..n]), Sniffed::NeedMore, "prefix of {n} bytes");
+            assert_eq!(sniff(&frag[..n]), Old::NeedMore, "prefix of {n} bytes");
         }
         // A non-handshake record before the hello is whole: no name.
         let mut cut = records(&msg[..20], 1 << 14);
         cut.extend_from_slice(&[23, 3, 3, 0, 1, 0]);
-        assert_eq!(sniff(&cut), Sniffed::NoName);
+        assert_eq!(sniff(&cut), Old::NoName);
         // No server_name extension, no extensions at all.
-        assert_eq!(sniff(&records(&hello_message(Some(&[alpn])), 1 << 14)), Sniffed::NoName);
-        assert_eq!(sniff(&records(&hello_message(None), 1 << 14)), Sniffed::NoName);
+        assert_eq!(sniff(&records(&hello_message(Some(&[alpn])), 1 << 14)), Old::NoName);
+        assert_eq!(sniff(&records(&hello_message(None), 1 << 14)), Old::NoName);
         // A name type other than host_name is skipped.
         let other = server_name_ext(&[(7, b"x"), (0, b"b.example")]);
         assert_eq!(sniff(&records(&hello_message(Some(&[other])), 100)), name("b.example"));
         // Empty, binary or over-long names are no name.
         for bad in [&b""[..], b"a\x00b", b"a b.example", &[b'a'; 300]] {
             let ext = server_name_ext(&[(0, bad)]);
-            assert_eq!(sniff(&records(&hello_message(Some(&[ext])), 1 << 14)), Sniffed::NoName);
+            assert_eq!(sniff(&records(&hello_message(Some(&[ext])), 1 << 14)), Old::NoName);
         }
         // An extension whose length runs past the block: malformed.
         let mut msg = hello_message(Some(&[sni]));
         let n = msg.len();
         msg[n - 3] = 0xff;
-        assert_eq!(sniff(&records(&msg, 1 << 14)), Sniffed::NoName);
+        assert_eq!(sniff(&records(&msg, 1 << 14)), Old::NoName);
     }
 
     #[test]
@@ -435,22 +405,22 @@ mod tests {
         // version 2.x, a zero-length record, an oversized record.
         let mut server_hello = hello_message(None);
         server_hello[0] = 2;
-        assert_eq!(sniff(&records(&server_hello, 1 << 14)), Sniffed::NoName);
-        assert_eq!(sniff(&[0x80, 0x2e, 0x01, 0x03, 0x01]), Sniffed::NoName);
-        assert_eq!(sniff(&[22, 2, 0, 0, 4, 1, 0, 0, 0]), Sniffed::NoName);
-        assert_eq!(sniff(&[22, 2]), Sniffed::NoName);
-        assert_eq!(sniff(&[22, 3, 1, 0, 0]), Sniffed::NoName);
-        assert_eq!(sniff(&[22, 3, 1, 0x40, 0x01]), Sniffed::NoName);
+        assert_eq!(sniff(&records(&server_hello, 1 << 14)), Old::NoName);
+        assert_eq!(sniff(&[0x80, 0x2e, 0x01, 0x03, 0x01]), Old::NoName);
+        assert_eq!(sniff(&[22, 2, 0, 0, 4, 1, 0, 0, 0]), Old::NoName);
+        assert_eq!(sniff(&[22, 2]), Old::NoName);
+        assert_eq!(sniff(&[22, 3, 1, 0, 0]), Old::NoName);
+        assert_eq!(sniff(&[22, 3, 1, 0x40, 0x01]), Old::NoName);
         // A hello announcing more than fits in MAX_SNIFF_BYTES.
-        assert_eq!(sniff(&[22, 3, 1, 0x40, 0x00, 1, 0x00, 0x40, 0x00]), Sniffed::NoName);
+        assert_eq!(sniff(&[22, 3, 1, 0x40, 0x00, 1, 0x00, 0x40, 0x00]), Old::NoName);
         // A valid-looking record stream that does not complete within the
         // limit: a 16 KiB hello in 7-byte records.
         let mut big = vec![1, 0, 0x3f, 0x00];
         big.resize(4 + 0x3f00, 0);
         let stream = records(&big, 7);
         assert!(stream.len() > MAX_SNIFF_BYTES);
-        assert_eq!(sniff(&stream[..MAX_SNIFF_BYTES - 1]), Sniffed::NeedMore);
-        assert_eq!(sniff(&stream), Sniffed::NoName);
+        assert_eq!(sniff(&stream[..MAX_SNIFF_BYTES - 1]), Old::NeedMore);
+        assert_eq!(sniff(&stream), Old::NoName);
     }
 
     #[test]
@@ -458,25 +428,25 @@ mod tests {
         let req = b"GET /simple/ HTTP/1.1\r\nUser-Agent: pip\r\nhost: PyPI.org:8080\r\nAccept: */*\r\n\r\n";
         assert_eq!(sniff(req), name("pypi.org"));
         for n in 1..req.len() {
-            assert_eq!(sniff(&req[..n]), Sniffed::NeedMore, "prefix of {n} bytes");
+            assert_eq!(sniff(&req[..n]), Old::NeedMore, "prefix of {n} bytes");
         }
-        assert_eq!(sniff(b""), Sniffed::NeedMore);
-        let cases: &[(&[u8], Sniffed)] = &[
+        assert_eq!(sniff(b""), Old::NeedMore);
+        let cases: &[(&[u8], Old)] = &[
             (b"POST /x HTTP/1.0\r\nHost: example.com.\r\n\r\nbody", name("example.com")),
             (b"GET / HTTP/1.1\r\nHost:  [::1]:80 \r\n\r\n", name("::1")),
             (b"GET / HTTP/1.1\r\nHost: [2001:db8::1]\r\n\r\n", name("2001:db8::1")),
             (b"GET / HTTP/1.1\r\nHost: 203.0.113.1:\r\n\r\n", name("203.0.113.1")),
             (b"GET http://a.example/ HTTP/1.1\r\nHost: a.example\r\n\r\n", name("a.example")),
-            (b"GET / HTTP/1.0\r\nAccept: */*\r\n\r\n", Sniffed::NoName),
-            (b"GET / HTTP/1.1\r\nHost: \r\n\r\n", Sniffed::NoName),
-            (b"GET / HTTP/1.1\r\nHost: a.example:x\r\n\r\n", Sniffed::NoName),
-            (b"GET / HTTP/1.1\r\nHost: [::1]x\r\n\r\n", Sniffed::NoName),
-            (b"GET / HTTP/1.1\r\nHost: a b\r\n\r\n", Sniffed::NoName),
-            (b"SSH-2.0-OpenSSH_9.6\r\n", Sniffed::NoName),
-            (b"EHLO mail.example\r\n", Sniffed::NoName),
-            (b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", Sniffed::NoName),
-            (b"\x00\x01\x02binary", Sniffed::NoName),
-            (b"AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA", Sniffed::NoName),
+            (b"GET / HTTP/1.0\r\nAccept: */*\r\n\r\n", Old::NoName),
+            (b"GET / HTTP/1.1\r\nHost: \r\n\r\n", Old::NoName),
+            (b"GET / HTTP/1.1\r\nHost: a.example:x\r\n\r\n", Old::NoName),
+            (b"GET / HTTP/1.1\r\nHost: [::1]x\r\n\r\n", Old::NoName),
+            (b"GET / HTTP/1.1\r\nHost: a b\r\n\r\n", Old::NoName),
+            (b"SSH-2.0-OpenSSH_9.6\r\n", Old::NoName),
+            (b"EHLO mail.example\r\n", Old::NoName),
+            (b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", Old::NoName),
+            (b"\x00\x01\x02binary", Old::NoName),
+            (b"AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA", Old::NoName),
         ];
         for (bytes, want) in cases {
             assert_eq!(&sniff(bytes), want, "{:?}", String::from_utf8_lossy(bytes));
@@ -484,23 +454,23 @@ mod tests {
         // More headers than parsed: no name (the request is not judged by
         // a Host we did not read).
         let mut many = b"GET / HTTP/1.1\r\n".to_vec();
-        for i in 0..=MAX_HTTP_HEADERS {
+        for i in 0..=crate::http::MAX_HEADERS {
             many.extend_from_slice(format!("X-{i}: y\r\n").as_bytes());
         }
         many.extend_from_slice(b"Host: a.example\r\n\r\n");
-        assert_eq!(sniff(&many), Sniffed::NoName);
+        assert_eq!(sniff(&many), Old::NoName);
         // A request head longer than MAX_SNIFF_BYTES.
         let mut long = b"GET /".to_vec();
         long.resize(MAX_SNIFF_BYTES + 10, b'a');
-        assert_eq!(sniff(&long[..MAX_SNIFF_BYTES - 1]), Sniffed::NeedMore);
-        assert_eq!(sniff(&long), Sniffed::NoName);
+        assert_eq!(sniff(&long[..MAX_SNIFF_BYTES - 1]), Old::NeedMore);
+        assert_eq!(sniff(&long), Old::NoName);
     }
 
     /// `sniff` never panics, and never asks for more past the limit.
-    fn check_total(bytes: &[u8]) -> Sniffed {
+    fn check_total(bytes: &[u8]) -> Old {
         let got = sniff(bytes);
         if bytes.len() >= MAX_SNIFF_BYTES {
-            assert_ne!(got, Sniffed::NeedMore);
+            assert_ne!(got, Old::NeedMore);
         }
         got
     }
@@ -572,9 +542,9 @@ mod tests {
             let ext = server_name_ext(&[(0, &name)]);
             let got = sniff(&records(&hello_message(Some(&[ext])), 1 << 14));
             match got {
-                Sniffed::Name(n) => prop_assert_eq!(n, String::from_utf8_lossy(name.strip_suffix(b".").unwrap_or(&name)).to_ascii_lowercase()),
-                Sniffed::NoName => {}
-                Sniffed::NeedMore => prop_assert!(false, "complete hello needs more"),
+                Old::Name(n) => prop_assert_eq!(n, String::from_utf8_lossy(name.strip_suffix(b".").unwrap_or(&name)).to_ascii_lowercase()),
+                Old::NoName => {}
+                Old::NeedMore => prop_assert!(false, "complete hello needs more"),
             }
         }
     }

@@ -547,10 +547,12 @@ fn dns_static_forwarded_refused_and_names_feed_domain_rules() {
     let good = w.log().into_iter().find(|r| r.domain.as_deref() == Some("good.test")).unwrap();
     assert!(good.allowed && good.rule == "allow:good.test");
     assert!(good.bytes_in > 0 && good.duration_ms.is_some());
-    // Now 127.0.0.1 was named good.test: the domain rule lets it through.
+    // Now 127.0.0.1 was named good.test: the domain rule lets it through
+    // (with its name: see the name-check tests below).
     let h = w.connect(Ipv4Addr::LOCALHOST, port);
     assert!(w.connected(h));
-    assert_eq!(w.echo(h, b"hello"), b"hello");
+    let req = b"GET / HTTP/1.1\r\nHost: good.test\r\n\r\n";
+    assert_eq!(w.echo(h, req), req);
     let recs = rec_for(&w.log(), Protocol::Tcp, port);
     assert_eq!(recs.len(), 2);
     assert_eq!(recs[0].rule, "egress:deny");
@@ -1343,4 +1345,210 @@ fn connections_to_a_host_that_never_reads_stay_within_the_buffer_bound() {
     assert!(most >= (CONNS * 16 * 1024) as u64, "{most}");
     assert!(hs.iter().all(|&h| w.tcp(h).send_queue() > 0));
     assert_eq!(w.stack.stats().open_connections, CONNS);
+}
+
+// -------------------------------------------------------------- name check
+
+/// A server on 127.0.0.1 that reads each connection to its end (EOF or a
+/// reset) and reports the bytes it got.
+fn recorder() -> (u16, mpsc::Receiver<Vec<u8>>) {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    let (tx, rx) = mpsc::channel();
+    thread::spawn(move || {
+        for c in l.incoming() {
+            let Ok(mut c) = c else { break };
+            let tx = tx.clone();
+            thread::spawn(move || {
+                let mut got = Vec::new();
+                let mut buf = [0u8; 4096];
+                while let Ok(n @ 1..) = c.read(&mut buf) {
+                    got.extend_from_slice(&buf[..n]);
+                }
+                let _ = tx.send(got);
+            });
+        }
+    });
+    (port, rx)
+}
+
+impl World {
+    /// Pumps until the recorder reports a connection's bytes.
+    fn recorded(&mut self, rx: &mpsc::Receiver<Vec<u8>>) -> Vec<u8> {
+        let mut got = None;
+        self.until("the host's bytes", |_| {
+            got = rx.try_recv().ok();
+            got.is_some()
+        });
+        got.unwrap()
+    }
+
+    /// Sends all of `bytes` on `h` and waits until the NAT acknowledged them.
+    fn send_acked(&mut self, h: SocketHandle, bytes: &[u8]) {
+        let mut sent = 0;
+        self.until("the bytes' ACK", |w| {
+            let s = w.tcp(h);
+            if sent < bytes.len() && s.can_send() {
+                sent += s.send_slice(&bytes[sent..]).unwrap();
+            }
+            sent == bytes.len() && s.send_queue() == 0
+        });
+    }
+
+    /// The one TCP record for `port`.
+    fn record_for(&self, port: u16) -> NetRecord {
+        let recs = rec_for(&self.log(), Protocol::Tcp, port);
+        assert_eq!(recs.len(), 1, "{recs:?}");
+        recs[0].clone()
+    }
+}
+
+/// A guest under a deny-by-default policy with one allowed domain,
+/// `allowed.test`, which the resolver answers with 127.0.0.1 (the guest
+/// has asked): 127.0.0.1 is admitted only through the domain rule.
+fn domain_world() -> World {
+    let mut cfg = config();
+    cfg.static_hosts.insert("allowed.test".into(), IpAddr::V4(Ipv4Addr::LOCALHOST));
+    let mut w = World::new(policy(Egress::Deny, &["allowed.test"], &[]), true, cfg);
+    let m = w.dns("allowed.test.", RecordType::A, 1);
+    assert_eq!(answers(&m), vec![IpAddr::V4(Ipv4Addr::LOCALHOST)]);
+    w
+}
+
+/// A TLS 1.3 ClientHello in one record (RFC 8446 §4.1.2) with `sni` as
+/// its server_name (RFC 6066 §3; `None`: no such extension).
+fn client_hello(sni: Option<&str>) -> Vec<u8> {
+    let vec16 = |b: &[u8]| {
+        let mut v = (b.len() as u16).to_be_bytes().to_vec();
+        v.extend_from_slice(b);
+        v
+    };
+    let mut body = vec![3, 3];
+    body.extend_from_slice(&[0x5a; 32]);
+    body.push(32);
+    body.extend_from_slice(&[0x11; 32]);
+    body.extend_from_slice(&vec16(&[0x13, 0x01, 0x13, 0x02]));
+    body.extend_from_slice(&[1, 0]);
+    let mut exts = Vec::new();
+    if let Some(name) = sni {
+        let mut list = vec![0];
+        list.extend_from_slice(&vec16(name.as_bytes()));
+        exts.extend_from_slice(&0u16.to_be_bytes());
+        exts.extend_from_slice(&vec16(&vec16(&list)));
+    }
+    // supported_versions (TLS 1.3) and a key_share-sized filler.
+    exts.extend_from_slice(&43u16.to_be_bytes());
+    exts.extend_from_slice(&vec16(&[2, 3, 4]));
+    exts.extend_from_slice(&51u16.to_be_bytes());
+    exts.extend_from_slice(&vec16(&[0x77; 1200]));
+    body.extend_from_slice(&vec16(&exts));
+    let mut msg = vec![1];
+    msg.extend_from_slice(&(body.len() as u32).to_be_bytes()[1..]);
+    msg.extend_from_slice(&body);
+    let mut rec = vec![22, 3, 1];
+    rec.extend_from_slice(&vec16(&msg));
+    rec
+}
+
+#[test]
+fn a_client_hello_stalled_for_1_1_s_is_still_judged_by_its_name() {
+    let (port, rx) = recorder();
+    let mut w = domain_world();
+    for (sni, allowed) in [("allowed.test", true), ("other.test", false)] {
+        let hello = client_hello(Some(sni));
+        let h = w.connect(Ipv4Addr::LOCALHOST, port);
+        assert!(w.connected(h));
+        // The first half, acknowledged; 1.1 s with nothing; the rest.
+        let (first, rest) = hello.split_at(hello.len() / 2);
+        w.send_acked(h, first);
+        let resume = Instant::now() + Duration::from_millis(1100);
+        w.until("the stall's end", |_| Instant::now() >= resume);
+        assert!(w.tcp(h).is_active(), "{sni}: held, not judged, during the stall");
+        assert_eq!(w.tcp(h).send_slice(rest).unwrap(), rest.len());
+        if allowed {
+            w.tcp(h).close();
+            assert_eq!(w.recorded(&rx), hello, "{sni}: the whole hello reached the host");
+        } else {
+            w.until("the reset", |w| w.tcp(h).state() == tcp::State::Closed);
+            assert!(w.recorded(&rx).is_empty(), "{sni}: nothing reached the host");
+        }
+        w.until("the connection's end", |w| w.stack.stats().open_connections == 0);
+    }
+    let recs = rec_for(&w.log(), Protocol::Tcp, port);
+    assert_eq!(recs.len(), 2);
+    assert_eq!(
+        (recs[0].allowed, recs[0].rule.as_str(), recs[0].domain.as_deref()),
+        (true, "allow:allowed.test", Some("allowed.test"))
+    );
+    assert_eq!(
+        (recs[1].allowed, recs[1].rule.as_str(), recs[1].domain.as_deref()),
+        (false, "egress:deny", Some("other.test"))
+    );
+}
+
+#[test]
+fn a_client_hello_without_sni_is_refused() {
+    let (port, rx) = recorder();
+    let mut w = domain_world();
+    let h = w.connect(Ipv4Addr::LOCALHOST, port);
+    assert!(w.connected(h));
+    w.tcp(h).send_slice(&client_hello(None)).unwrap();
+    w.until("the reset", |w| w.tcp(h).state() == tcp::State::Closed);
+    assert!(w.recorded(&rx).is_empty());
+    let r = w.record_for(port);
+    assert_eq!((r.allowed, r.rule.as_str()), (false, netstack::stack::RULE_SNI_MISSING));
+}
+
+#[test]
+fn a_second_keep_alive_request_with_another_host_is_refused() {
+    let (port, rx) = recorder();
+    let mut w = domain_world();
+    let first = b"POST /a HTTP/1.1\r\nHost: allowed.test\r\nContent-Length: 36\r\n\r\nGET / HTTP/1.1\r\nHost: other.test\r\n\r\n";
+    let second = b"GET /b HTTP/1.1\r\nHost: other.test\r\n\r\n";
+    let h = w.connect(Ipv4Addr::LOCALHOST, port);
+    assert!(w.connected(h));
+    // The first request (whose body looks like a request: it is body) goes.
+    w.send_acked(h, first);
+    w.tcp(h).send_slice(second).unwrap();
+    w.until("the reset", |w| w.tcp(h).state() == tcp::State::Closed);
+    assert_eq!(w.recorded(&rx), first, "the first request only");
+    let r = w.record_for(port);
+    assert_eq!((r.allowed, r.rule.as_str(), r.domain.as_deref()), (false, "egress:deny", Some("other.test")));
+    assert_eq!(r.bytes_out, first.len() as u64);
+}
+
+#[test]
+fn an_absolute_form_target_to_another_host_is_refused() {
+    let (port, rx) = recorder();
+    let mut w = domain_world();
+    let h = w.connect(Ipv4Addr::LOCALHOST, port);
+    assert!(w.connected(h));
+    w.tcp(h).send_slice(b"GET http://other.test/ HTTP/1.1\r\nHost: allowed.test\r\n\r\n").unwrap();
+    w.until("the reset", |w| w.tcp(h).state() == tcp::State::Closed);
+    assert!(w.recorded(&rx).is_empty());
+    let r = w.record_for(port);
+    assert_eq!((r.allowed, r.rule.as_str(), r.domain.as_deref()), (false, "egress:deny", Some("other.test")));
+}
+
+#[test]
+fn udp_to_an_address_only_a_domain_rule_allows_is_refused() {
+    let echo = UdpSocket::bind("127.0.0.1:0").unwrap();
+    echo.set_nonblocking(true).unwrap();
+    let port = echo.local_addr().unwrap().port();
+    // The resolver still answers (domain_world asked it).
+    let mut w = domain_world();
+    let mut s = udp::Socket::new(
+        udp::PacketBuffer::new(vec![udp::PacketMetadata::EMPTY; 8], vec![0; 16384]),
+        udp::PacketBuffer::new(vec![udp::PacketMetadata::EMPTY; 8], vec![0; 16384]),
+    );
+    s.bind(5353).unwrap();
+    let h = w.sockets.add(s);
+    let to = IpEndpoint::new(IpAddress::Ipv4(Ipv4Addr::LOCALHOST), port);
+    w.sockets.get_mut::<udp::Socket>(h).send_slice(b"a QUIC Initial", to).unwrap();
+    w.until("the refusal", |w| !rec_for(&w.log(), Protocol::Udp, port).is_empty());
+    let recs = rec_for(&w.log(), Protocol::Udp, port);
+    assert_eq!((recs[0].allowed, recs[0].rule.as_str()), (false, netstack::stack::RULE_UDP_DOMAIN_ONLY));
+    assert_eq!(recs[0].domain.as_deref(), Some("allowed.test"));
+    assert!(echo.recv_from(&mut [0u8; 64]).is_err(), "nothing reached the host");
+    assert_eq!(w.stack.stats().open_connections, 0);
 }

@@ -15,19 +15,23 @@
 
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, SocketAddrV4};
-use std::sync::Arc;
 use std::time::Instant;
 
 use crate::control::NetControl;
 use crate::dns::NameMap;
 use crate::log::{Direction, NetRecord, Protocol};
-use crate::policy::{CompiledPolicy, Verdict};
+use crate::policy::{NameCheck, Verdict};
 use crate::rate::{Limiter, Take, RULE_LIMIT_RATE};
 use crate::GATEWAY_ADDR;
 
 /// The rule of a log record for a connection refused by
 /// [`StackConfig::max_connections`](super::StackConfig::max_connections).
 pub const RULE_LIMIT_CONNECTIONS: &str = "limit:connections";
+
+/// The rule of a log record for a UDP flow refused because only a domain
+/// rule allowed its address ([`NameCheck::Required`]): a datagram carries
+/// no name the stack checks.
+pub const RULE_UDP_DOMAIN_ONLY: &str = "udp:domain-only";
 
 /// Where a guest connection or flow goes on the host, and what the policy
 /// judges and the log shows: 127.0.0.1 for the gateway, else the address
@@ -70,8 +74,9 @@ pub(super) struct Cap<'a> {
 /// the log until [`Admitted::open`].
 pub(super) struct Admitted {
     record: NetRecord,
-    /// The policy it was judged by (the same one judges its names).
-    pub policy: Arc<CompiledPolicy>,
+    /// What it must still show by name ([`NameCheck::Off`] for a verdict
+    /// of the stack's own).
+    pub names: NameCheck,
     /// Where the host side goes.
     pub host_ip: Ipv4Addr,
 }
@@ -84,9 +89,21 @@ pub(super) fn admit(ask: Ask, control: &NetControl, names: &NameMap, cap: Cap<'_
     let port = ask.dst.port();
     let names = names.names(IpAddr::V4(*ask.dst.ip()));
     let policy = control.policy();
-    let verdict = ask.fixed.unwrap_or_else(|| policy.check_addr(IpAddr::V4(judged), port, names));
+    let (verdict, check) = match ask.fixed {
+        Some(v) => (v, NameCheck::Off),
+        None => {
+            let v = policy.check_addr(IpAddr::V4(judged), port, names);
+            let check = if v.allowed { policy.name_check(IpAddr::V4(judged), names) } else { NameCheck::Off };
+            (v, check)
+        }
+    };
     let mut record = NetRecord::starting(ask.protocol, IpAddr::V4(judged), port, names.first().cloned(), verdict);
     record.direction = ask.direction;
+    if record.allowed && ask.protocol == Protocol::Udp && check == NameCheck::Required {
+        // No name to check in a datagram (QUIC's Initial is not parsed).
+        record.allowed = false;
+        record.rule = RULE_UDP_DOMAIN_ONLY.to_owned();
+    }
     if record.allowed {
         if let Some(Take::Refused { log }) = cap.rate.map(|r| r.take(Instant::now())) {
             if !log {
@@ -106,7 +123,7 @@ pub(super) fn admit(ask: Ask, control: &NetControl, names: &NameMap, cap: Cap<'_
         control.record(record);
         return None;
     }
-    Some(Admitted { record, policy, host_ip: judged })
+    Some(Admitted { record, names: check, host_ip: judged })
 }
 
 impl Admitted {
@@ -156,23 +173,44 @@ impl Meter {
 
     /// Judges `name` (a connection's SNI or `Host`, or a DNS-over-TCP
     /// query's name) by the current policy and writes it into the record
-    /// (with the deciding rule when denied); returns whether it is allowed.
+    /// (the first name, and a denied one with the rule that denied it);
+    /// returns whether it is allowed.
     pub(super) fn judge_name(&self, control: &NetControl, name: String) -> bool {
         let v = control.policy().check_name(&name);
-        let allowed = v.allowed;
+        if v.allowed {
+            control.update(self.record, |r| {
+                if r.domain.is_none() {
+                    r.domain = Some(name);
+                }
+            });
+        } else {
+            self.refuse_with(control, v.rule, Some(name));
+        }
+        v.allowed
+    }
+
+    /// Marks the record refused by `rule` (the connection is reset).
+    pub(super) fn refuse(&self, control: &NetControl, rule: &str) {
+        self.refuse_with(control, rule.to_owned(), None);
+    }
+
+    /// The one path by which an open connection's record becomes a
+    /// refusal: `rule`, and `domain` if given.
+    fn refuse_with(&self, control: &NetControl, rule: String, domain: Option<String>) {
         control.update(self.record, |r| {
-            if !allowed {
-                r.allowed = false;
-                r.rule = v.rule;
+            r.allowed = false;
+            r.rule = rule;
+            if domain.is_some() {
+                r.domain = domain;
             }
-            r.domain = Some(name);
         });
-        allowed
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
+
     use super::*;
     use crate::policy::{Egress, NetworkPolicy, ServerNetPolicy};
 

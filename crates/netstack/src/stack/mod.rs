@@ -6,10 +6,13 @@
 //!   interface sees it;
 //! - `admit`: one admission path for every new connection and flow
 //!   (policy verdict, connection cap, host socket, log record);
-//! - `tcp`: guest TCP connections spliced to host sockets, with the
-//!   name checks of the egress policy (TLS SNI, HTTP `Host`, DNS over TCP),
-//!   and inbound connections from the host into a guest port
+//! - `tcp`: guest TCP connections spliced to host sockets, and inbound
+//!   connections from the host into a guest port
 //!   ([`NetControl::connect_inbound`]);
+//! - `gate`: what a connection's bytes wait for before they reach the host:
+//!   the name checks of the egress policy (TLS SNI, every HTTP request's
+//!   `Host`; what a domain rule guarantees and what it does not is in its
+//!   doc), or whole DNS queries over TCP;
 //! - `udp`: the UDP NAT (every UDP flow but DNS);
 //! - [`crate::dns`]: the resolver at [`DNS_ADDR`], a smoltcp UDP socket.
 //!
@@ -37,6 +40,7 @@
 //! while it is wanted, so a level-triggered fd never spins.
 
 mod admit;
+mod gate;
 mod interest;
 mod link;
 mod tcp;
@@ -57,10 +61,14 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 use vmm_sys_util::timerfd::TimerFd;
 
 use self::admit::Cap;
-pub use self::admit::RULE_LIMIT_CONNECTIONS;
+pub use self::admit::{RULE_LIMIT_CONNECTIONS, RULE_UDP_DOMAIN_ONLY};
+pub use self::gate::{
+    NAME_WAIT, RULE_DNS_MALFORMED, RULE_HOST_MALFORMED, RULE_HOST_MISSING, RULE_HOST_TIMEOUT, RULE_SNI_MALFORMED,
+    RULE_SNI_MISSING, RULE_SNI_TIMEOUT, RULE_UNKNOWN_PROTOCOL, SNIFF_WAIT,
+};
 use self::link::{Link, Peek};
 use self::tcp::Tcp;
-pub use self::tcp::{RULE_DNS_TCP, RULE_INBOUND, SNIFF_WAIT};
+pub use self::tcp::{RULE_DNS_TCP, RULE_INBOUND};
 use self::udp::Udp;
 pub use self::udp::UDP_IDLE_TIMEOUT;
 use crate::control::{NetControl, INBOUND_MAX_WAIT};

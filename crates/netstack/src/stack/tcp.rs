@@ -28,9 +28,11 @@
 //! guest that refuses closes the host's end before any byte.
 //!
 //! What the guest's bytes wait for before they reach the host is the
-//! connection's [`Gate`]: nothing, a name in the first bytes (TLS SNI or
-//! HTTP `Host`, [`crate::sniff`]) when the policy has domain rules, or,
-//! for DNS over TCP to the resolver, each whole query judged by its name.
+//! connection's [`Gate`] (see `gate`): nothing, the names it must show
+//! (TLS SNI, every HTTP request's `Host`) when the policy's
+//! [`NameCheck`](crate::policy::NameCheck) for its address asks for them,
+//! or, for DNS over TCP to the resolver, each whole query judged by its
+//! name.
 
 use std::collections::HashMap;
 use std::io::{self, Read, Write};
@@ -45,23 +47,18 @@ use socket2::{Domain, SockAddr, Socket, Type};
 use vmm_sys_util::epoll::{Epoll, EventSet};
 
 use super::admit::{admit, Ask, Meter};
+use super::gate::{Gate, Refusal};
 use super::interest::Interest;
 use super::{Shared, StackConfig, Tuple};
 use crate::control::InboundRequest;
 use crate::dns::NameMap;
 use crate::log::{Direction, Protocol};
 use crate::policy::Verdict;
-use crate::sniff::{sniff, Sniffed, MAX_SNIFF_BYTES};
 use crate::{DNS_ADDR, GATEWAY_ADDR, GUEST_ADDR};
 
 /// The rule of a log record for DNS over TCP to the resolver (refused
 /// when there is no upstream; each query is judged by name).
 pub const RULE_DNS_TCP: &str = "dns:tcp";
-
-/// How long the first bytes of a connection are held for sniffing at most
-/// (a protocol that is neither TLS nor HTTP may send a few bytes and wait
-/// for an answer); then they go on as if no name were in them.
-pub const SNIFF_WAIT: Duration = Duration::from_secs(1);
 
 /// The rule of a log record for an inbound connection (the host's own,
 /// not judged by the egress policy; the cap applies).
@@ -87,9 +84,9 @@ const FINAL_ACK_GRACE: Duration = Duration::from_millis(50);
 /// smoltcp never offers) and is dropped.
 pub(super) const MAX_SYN_FRAME: usize = 256;
 
-/// The scratch buffers of [`Tcp`] (bytes): the sniffed first bytes and one
-/// DNS-over-TCP message.
-pub(super) const SCRATCH_BYTES: usize = MAX_SNIFF_BYTES + 2 + 65535;
+/// The scratch buffer of [`Tcp`] (bytes): what a [`Gate`] looks at, at
+/// most one DNS-over-TCP message.
+pub(super) const SCRATCH_BYTES: usize = 2 + 65535;
 
 /// The smoltcp buffer per direction for
 /// [`StackConfig::tcp_buffer_bytes`](super::StackConfig::tcp_buffer_bytes)
@@ -103,20 +100,6 @@ pub(super) fn buffer_bytes(configured: usize) -> usize {
 /// (bytes; Linux doubles it).
 pub(super) fn host_buffer_bytes(configured: usize) -> usize {
     configured.max(4096)
-}
-
-/// What the guest's bytes wait for before they go on to the host.
-#[derive(Debug, PartialEq, Eq)]
-enum Gate {
-    /// Nothing.
-    Open,
-    /// A name (TLS SNI, HTTP `Host`) in the first bytes, or none, or
-    /// [`SNIFF_WAIT`] after the first bytes came (`since`).
-    Sniff { since: Option<Instant> },
-    /// DNS over TCP to the resolver: whole messages (RFC 7766 §8: a 2-byte
-    /// length, then the message), each judged by its name; `cleared`:
-    /// bytes judged and not yet passed on.
-    Dns { cleared: usize },
 }
 
 /// Where a connection is.
@@ -220,8 +203,7 @@ impl Conn {
                 if !o.host_eof && !o.readable && socket.may_send() && socket.send_queue() < socket.send_capacity() {
                     want |= EventSet::IN;
                 }
-                let sniffing = matches!(self.gate, Gate::Sniff { .. });
-                if !o.writable && !sniffing && socket.recv_queue() > 0 {
+                if !o.writable && self.gate.cleared() > 0 && socket.recv_queue() > 0 {
                     want |= EventSet::OUT;
                 }
                 (o.host.as_raw_fd(), want)
@@ -261,9 +243,9 @@ pub(super) struct Tcp {
     connect_timeout: Duration,
     /// Where DNS over TCP to the resolver goes (`None`: refused).
     dns_upstream: Option<SocketAddr>,
-    sniff_buf: Vec<u8>,
-    /// One DNS-over-TCP message (2-byte length + up to 64 KiB).
-    dns_buf: Vec<u8>,
+    /// The guest's bytes a gate looks at: up to one DNS-over-TCP message
+    /// (2-byte length + up to 64 KiB), or the first bytes of a connection.
+    scratch: Vec<u8>,
     /// The gateway port the next inbound connection tries first.
     next_inbound_port: u16,
 }
@@ -280,8 +262,7 @@ impl Tcp {
             host_buffer_bytes: host_buffer_bytes(config.host_buffer_bytes),
             connect_timeout: config.connect_timeout,
             dns_upstream: config.dns_upstreams.first().copied(),
-            sniff_buf: vec![0; MAX_SNIFF_BYTES],
-            dns_buf: vec![0; 2 + 65535],
+            scratch: vec![0; SCRATCH_BYTES],
             next_inbound_port: *INBOUND_PORTS.start(),
         }
     }
@@ -337,13 +318,7 @@ impl Tcp {
         let Some(admitted) = admit(ask, &shared.control.clone(), names, shared.cap(open)) else {
             return false;
         };
-        let gate = if dns {
-            Gate::Dns { cleared: 0 }
-        } else if admitted.policy.has_domain_rules() {
-            Gate::Sniff { since: None }
-        } else {
-            Gate::Open
-        };
+        let gate = if dns { Gate::dns() } else { Gate::new(admitted.names) };
         let target = match self.dns_upstream.filter(|_| dns) {
             Some(upstream) => upstream,
             None => SocketAddr::V4(SocketAddrV4::new(admitted.host_ip, dst.port())),
@@ -491,8 +466,7 @@ impl Tcp {
             .filter_map(|c| match (&c.state, &c.gate) {
                 (State::Connecting { deadline, .. }, _) => Some(*deadline),
                 (State::Open(Open { finished: Some(t), .. }), _) => Some(*t + FINAL_ACK_GRACE),
-                (_, Gate::Sniff { since: Some(t) }) => Some(*t + SNIFF_WAIT),
-                _ => None,
+                (_, gate) => gate.deadline(),
             })
             .min()
     }
@@ -608,61 +582,33 @@ impl Tcp {
             }
             _ => {}
         }
-        // Sniff the first bytes for a name; until then guest bytes wait.
-        if let Gate::Sniff { since } = &mut conn.gate {
-            let queued = socket.recv_queue();
-            let n = socket.peek_slice(&mut self.sniff_buf[..queued.min(MAX_SNIFF_BYTES)]).unwrap_or(0);
-            if n > 0 && since.is_none() {
-                *since = Some(Instant::now());
-            }
-            let waited = since.is_some_and(|t| t.elapsed() >= SNIFF_WAIT);
-            match sniff(self.sniff_buf.get(..n).unwrap_or(&[])) {
-                Sniffed::NeedMore
-                    if n < MAX_SNIFF_BYTES.min(socket.recv_capacity()) && socket.may_recv() && !waited => {}
-                Sniffed::Name(name) => {
-                    conn.gate = Gate::Open;
-                    if !conn.meter.judge_name(&shared.control, name) {
-                        conn.abort(socket, &shared.epoll);
-                        return;
-                    }
-                }
-                _ => conn.gate = Gate::Open,
-            }
-        }
-        // Guest -> host.
+        // Guest -> host: what the gate clears, looked at first when it
+        // clears nothing.
         loop {
-            if let Gate::Dns { cleared: cleared @ 0 } = &mut conn.gate {
-                // The next whole query, judged by its name.
-                let mut head = [0u8; 2];
-                if socket.peek_slice(&mut head) != Ok(2) {
-                    break;
-                }
-                let len = 2 + usize::from(u16::from_be_bytes(head));
-                if socket.recv_queue() < len {
-                    if len > socket.recv_capacity() {
-                        conn.abort(socket, &shared.epoll);
-                        return;
+            if conn.gate.cleared() == 0 {
+                let window = conn.gate.window();
+                let queued = socket.recv_queue().min(window);
+                let n = socket.peek_slice(&mut self.scratch[..queued]).unwrap_or(0);
+                let more = socket.may_recv() && n < window.min(socket.recv_capacity());
+                let (control, meter) = (&shared.control, &conn.meter);
+                let looked = self.scratch.get(..n).unwrap_or(&[]);
+                let verdict =
+                    conn.gate.advance(looked, more, Instant::now(), &mut |name| meter.judge_name(control, name));
+                if let Err(refusal) = verdict {
+                    if let Refusal::Rule(rule) = refusal {
+                        conn.meter.refuse(&shared.control, rule);
                     }
+                    conn.abort(socket, &shared.epoll);
+                    return;
+                }
+                if conn.gate.cleared() == 0 {
                     break;
                 }
-                let n = socket.peek_slice(&mut self.dns_buf[..len]).unwrap_or(0);
-                let Some(name) = self.dns_buf.get(2..n).and_then(crate::dns::query_name) else {
-                    conn.abort(socket, &shared.epoll);
-                    return;
-                };
-                if !conn.meter.judge_name(&shared.control, name) {
-                    conn.abort(socket, &shared.epoll);
-                    return;
-                }
-                *cleared = len;
             }
-            if matches!(conn.gate, Gate::Sniff { .. }) || !open.writable || !socket.can_recv() {
+            if !open.writable || !socket.can_recv() {
                 break;
             }
-            let limit = match conn.gate {
-                Gate::Dns { cleared } => cleared,
-                _ => usize::MAX,
-            };
+            let limit = usize::try_from(conn.gate.cleared()).unwrap_or(usize::MAX);
             let host = &open.host;
             let r = socket.recv(|buf| {
                 let buf = buf.get(..limit.min(buf.len())).unwrap_or(buf);
@@ -675,9 +621,7 @@ impl Tcp {
                 Ok(Ok(0)) | Err(_) => break,
                 Ok(Ok(n)) => {
                     conn.meter.bytes_out += n as u64;
-                    if let Gate::Dns { cleared } = &mut conn.gate {
-                        *cleared = cleared.saturating_sub(n);
-                    }
+                    conn.gate.passed(n);
                 }
                 Ok(Err(e)) if e.kind() == io::ErrorKind::WouldBlock => open.writable = false,
                 Ok(Err(e)) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -687,8 +631,7 @@ impl Tcp {
                 }
             }
         }
-        let sniffing = matches!(conn.gate, Gate::Sniff { .. });
-        if !open.guest_eof && !sniffing && !socket.may_recv() && socket.recv_queue() == 0 {
+        if !open.guest_eof && !socket.may_recv() && socket.recv_queue() == 0 {
             open.guest_eof = true;
             let _ = open.host.shutdown(Shutdown::Write);
         }
@@ -995,11 +938,24 @@ mod tests {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let (mut tcp, _sockets, mut shared) = world(8, true);
         tcp.segment(tuple(40003, gateway(&l)), true, SYN, &mut shared, &NameMap::default(), 0);
-        assert_eq!(only(&tcp).gate, Gate::Sniff { since: None });
+        // The gateway (127.0.0.1) is allowed by an address rule: no name
+        // is looked at.
+        assert_eq!(only(&tcp).gate, Gate::Open);
+        // An address only the name example.com allowed must show it.
+        let mut names = NameMap::default();
+        names.insert(Ipv4Addr::new(127, 0, 0, 2).into(), "example.com");
+        let t = tuple(40004, SocketAddrV4::new(Ipv4Addr::new(127, 0, 0, 2), 9));
+        tcp.segment(t, true, SYN, &mut shared, &names, 1);
+        let conn = tcp.conns.values().find(|c| c.tuple == t).unwrap();
+        assert!(matches!(conn.gate, Gate::First { check: crate::policy::NameCheck::Required, since: None, .. }));
         let since = Instant::now();
-        tcp.conns.values_mut().for_each(|c| c.gate = Gate::Sniff { since: Some(since) });
-        tcp.conns.values_mut().for_each(|c| c.state = State::Aborted);
-        assert_eq!(tcp.next_deadline(), Some(since + SNIFF_WAIT));
+        tcp.conns.values_mut().for_each(|c| {
+            c.state = State::Aborted;
+            if c.tuple == t {
+                c.gate = Gate::First { check: crate::policy::NameCheck::Required, since: Some(since), seen: 1 };
+            }
+        });
+        assert_eq!(tcp.next_deadline(), Some(since + crate::stack::NAME_WAIT));
     }
 
     #[test]
