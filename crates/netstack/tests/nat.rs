@@ -1552,3 +1552,19 @@ fn udp_to_an_address_only_a_domain_rule_allows_is_refused() {
     assert!(echo.recv_from(&mut [0u8; 64]).is_err(), "nothing reached the host");
     assert_eq!(w.stack.stats().open_connections, 0);
 }
+
+#[test]
+fn dns_queries_past_the_rate_are_refused_and_logged_once() {
+    let mut cfg = config();
+    cfg.static_hosts.insert("s.test".into(), IpAddr::V4(Ipv4Addr::new(203, 0, 113, 1)));
+    cfg.dns_rate = Some(netstack::stack::RateLimit { per_second: 0, burst: 2 });
+    let mut w = World::new(NetworkPolicy::default(), false, cfg);
+    let codes: Vec<ResponseCode> =
+        (0..5).map(|i| w.dns("s.test.", RecordType::A, 0x100 + i).metadata.response_code).collect();
+    assert_eq!(codes[..2], [ResponseCode::NoError; 2]);
+    assert_eq!(codes[2..], [ResponseCode::Refused; 3]);
+    assert_eq!(w.stack.stats().dns_refused_by_rate, 3);
+    let recs = rec_for(&w.log(), Protocol::Dns, 53);
+    assert_eq!(recs.len(), 3, "two answered, one refusal logged: {recs:?}");
+    assert_eq!((recs[2].allowed, recs[2].rule.as_str()), (false, netstack::stack::RULE_LIMIT_RATE));
+}

@@ -87,7 +87,7 @@ pub(super) struct Admitted {
 pub(super) fn admit(ask: Ask, control: &NetControl, names: &NameMap, cap: Cap<'_>) -> Option<Admitted> {
     let judged = host_ip(*ask.dst.ip());
     let port = ask.dst.port();
-    let names = names.names(IpAddr::V4(*ask.dst.ip()));
+    let names = &names.names(IpAddr::V4(*ask.dst.ip()));
     let policy = control.policy();
     let (verdict, check) = match ask.fixed {
         Some(v) => (v, NameCheck::Off),
@@ -277,7 +277,7 @@ mod tests {
     fn the_gateway_is_judged_and_logged_as_loopback_with_the_resolved_name() {
         let c = control(Egress::Deny, &["127.0.0.1/32"], &[]);
         let mut names = NameMap::default();
-        names.insert(IpAddr::V4(GATEWAY_ADDR), "host.tine.internal");
+        names.insert(IpAddr::V4(GATEWAY_ADDR), "host.tine.internal", 60, Instant::now());
         let mut refused = 0;
         let a = admit(
             ask(GATEWAY_ADDR.octets(), 8080),

@@ -187,6 +187,8 @@ pub struct StackStats {
     /// Connections and flows refused by [`StackConfig::connection_rate`],
     /// logged or not.
     pub refused_by_rate: u64,
+    /// DNS queries refused by [`StackConfig::dns_rate`], logged or not.
+    pub dns_refused_by_rate: u64,
     /// Guest frames dropped (malformed or over a limit).
     pub frames_dropped: u64,
 }
@@ -197,7 +199,8 @@ pub const MAX_FRAME: usize = MTU + 14 + 4;
 /// The smallest: an Ethernet header.
 pub const MIN_FRAME: usize = 14;
 
-/// epoll tokens: the timerfd, the eventfd, the resolver's host sockets,
+/// epoll tokens: the timerfd, the eventfd, the resolver's host sockets
+/// (one per forwarded query, all under one token),
 /// then one per TCP connection or UDP flow.
 const TOKEN_TIMER: u64 = 0;
 const TOKEN_WAKE: u64 = 1;
@@ -318,16 +321,13 @@ impl NetStack {
             .add_default_ipv4_route(GATEWAY_ADDR)
             .map_err(|_| StackError::Setup(io::Error::other("route table full")))?;
         let mut sockets = SocketSet::new(Vec::new());
-        let dns = Resolver::new(&config.dns_upstreams, &config.static_hosts, &mut sockets, seed >> 16)?;
+        let dns = Resolver::new(&config.dns_upstreams, &config.static_hosts, config.dns_rate, &mut sockets, TOKEN_DNS)?;
         let shared = Shared::new(control, config.max_connections, config.connection_rate)?;
         let timer = TimerFd::new().map_err(|e| StackError::Setup(io::Error::from_raw_os_error(e.errno())))?;
         let wake = EventFd::new(EFD_NONBLOCK).map_err(StackError::Setup)?;
         shared.watch(timer.as_raw_fd(), TOKEN_TIMER)?;
         shared.watch(wake.as_raw_fd(), TOKEN_WAKE)?;
         shared.control.set_inbound_waker(wake.try_clone().map_err(StackError::Setup)?);
-        for fd in dns.host_fds() {
-            shared.watch(fd, TOKEN_DNS)?;
-        }
         Ok(Self {
             iface,
             link,
@@ -397,7 +397,7 @@ impl NetStack {
         self.ingest(now);
         self.service_tcp(now);
         let dns_ready = std::mem::take(&mut self.dns_ready);
-        self.dns.poll(&mut self.sockets, &self.shared.control, Instant::now(), dns_ready);
+        self.dns.poll(&mut self.sockets, &self.shared.control, &self.shared.epoll, Instant::now(), dns_ready);
         self.udp.poll(&mut self.link, &self.shared);
         while self.iface.poll_egress(now, &mut self.link, &mut self.sockets) == PollResult::SocketStateChanged {}
         self.service_tcp(now);
@@ -424,6 +424,7 @@ impl NetStack {
         StackStats {
             open_connections: self.open_count(),
             refused_by_rate: self.shared.rate.refused(),
+            dns_refused_by_rate: self.dns.refused_by_rate(),
             ..self.shared.stats
         }
     }

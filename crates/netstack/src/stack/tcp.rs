@@ -943,7 +943,7 @@ mod tests {
         assert_eq!(only(&tcp).gate, Gate::Open);
         // An address only the name example.com allowed must show it.
         let mut names = NameMap::default();
-        names.insert(Ipv4Addr::new(127, 0, 0, 2).into(), "example.com");
+        names.insert(Ipv4Addr::new(127, 0, 0, 2).into(), "example.com", 60, Instant::now());
         let t = tuple(40004, SocketAddrV4::new(Ipv4Addr::new(127, 0, 0, 2), 9));
         tcp.segment(t, true, SYN, &mut shared, &names, 1);
         let conn = tcp.conns.values().find(|c| c.tuple == t).unwrap();
