@@ -203,7 +203,7 @@ mod tests {
     use std::net::{IpAddr, Ipv4Addr};
 
     fn public() -> IpAddr {
-        IpAddr::V4(Ipv4Addr::new(203, 0, 113, 9))
+        IpAddr::V4(Ipv4Addr::new(11, 0, 113, 9))
     }
 
     #[test]

@@ -43,6 +43,8 @@
 use std::fmt;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::str::FromStr;
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
 
 use ipnet::{IpNet, Ipv4Net};
 use serde::{Deserialize, Serialize};
@@ -93,9 +95,91 @@ pub struct ServerNetPolicy {
     /// `127.0.0.0/8` for a test's loopback server). An address is permitted
     /// when one of these ranges contains it.
     pub permit_ranges: Vec<IpNet>,
-    /// The host's own addresses (always denied unless permitted); see
-    /// [`host_addresses`].
-    pub host_addrs: Vec<IpAddr>,
+    /// The host's own addresses (always denied unless permitted):
+    /// [`HostAddrs::system`] in a server, read again as they change.
+    pub host_addrs: HostAddrs,
+}
+
+/// How old the host's addresses may be when a connection is judged by
+/// them; older, they are read again (one `getifaddrs(3)` then, none per
+/// connection or packet in between).
+pub const HOST_ADDRS_MAX_AGE: Duration = Duration::from_secs(30);
+
+/// The host's own addresses, shared by every policy of a server: read from
+/// the system ([`HostAddrs::system`], read again when older than
+/// [`HOST_ADDRS_MAX_AGE`] at a look-up, so an address the host gains later,
+/// a new interface or a DHCP change, is blocked within that time), or a
+/// fixed list ([`HostAddrs::fixed`]; the default is an empty one). Cheap to
+/// clone (an `Arc`).
+#[derive(Clone, Debug, Default)]
+pub struct HostAddrs(Arc<HostAddrsInner>);
+
+#[derive(Debug, Default)]
+struct HostAddrsInner {
+    /// Where they are read from (`None`: fixed).
+    source: Option<fn() -> Vec<IpAddr>>,
+    /// Canonical, sorted, without duplicates; when read.
+    state: RwLock<(Vec<IpAddr>, Option<Instant>)>,
+}
+
+/// `addrs` canonical ([`canonical`]), sorted, without duplicates.
+fn normal_addrs(addrs: Vec<IpAddr>) -> Vec<IpAddr> {
+    let mut addrs: Vec<IpAddr> = addrs.into_iter().map(canonical).collect();
+    addrs.sort();
+    addrs.dedup();
+    addrs
+}
+
+impl HostAddrs {
+    /// This host's addresses ([`host_addresses`]), read now and again at
+    /// look-ups when older than [`HOST_ADDRS_MAX_AGE`].
+    pub fn system() -> Self {
+        Self::reading(host_addresses)
+    }
+
+    /// Addresses read from `source` (as [`HostAddrs::system`] does).
+    fn reading(source: fn() -> Vec<IpAddr>) -> Self {
+        let now = Instant::now();
+        let state = RwLock::new((normal_addrs(source()), Some(now)));
+        Self(Arc::new(HostAddrsInner { source: Some(source), state }))
+    }
+
+    /// Exactly `addrs`, never read again.
+    pub fn fixed(addrs: Vec<IpAddr>) -> Self {
+        Self(Arc::new(HostAddrsInner { source: None, state: RwLock::new((normal_addrs(addrs), None)) }))
+    }
+
+    /// Whether `ip` (canonical) is one of them at `now`.
+    fn contains_at(&self, ip: IpAddr, now: Instant) -> bool {
+        let inner = &*self.0;
+        {
+            let state = inner.state.read().unwrap_or_else(|e| e.into_inner());
+            let fresh = state.1.is_none_or(|t| now.saturating_duration_since(t) < HOST_ADDRS_MAX_AGE);
+            if fresh || inner.source.is_none() {
+                return state.0.binary_search(&ip).is_ok();
+            }
+        }
+        let mut state = inner.state.write().unwrap_or_else(|e| e.into_inner());
+        // Another thread may have read them meanwhile.
+        if let (Some(source), Some(t)) = (inner.source, state.1) {
+            if now.saturating_duration_since(t) >= HOST_ADDRS_MAX_AGE {
+                *state = (normal_addrs(source()), Some(now));
+            }
+        }
+        state.0.binary_search(&ip).is_ok()
+    }
+
+    /// The addresses as last read.
+    pub fn snapshot(&self) -> Vec<IpAddr> {
+        self.0.state.read().unwrap_or_else(|e| e.into_inner()).0.clone()
+    }
+}
+
+impl From<Vec<IpAddr>> for HostAddrs {
+    /// [`HostAddrs::fixed`].
+    fn from(addrs: Vec<IpAddr>) -> Self {
+        Self::fixed(addrs)
+    }
 }
 
 /// Errors of a policy.
@@ -174,11 +258,26 @@ pub const BLOCKED_RANGES: &[(&str, &str)] = &[
     ("224.0.0.0/4", "RFC 5771: multicast"),
     ("255.255.255.255/32", "RFC 919 / RFC 8190: limited broadcast"),
     ("240.0.0.0/4", "RFC 1112 §4: reserved (class E)"),
+    ("192.0.0.0/24", "RFC 6890 §2.2.2: IETF protocol assignments (incl. 192.0.0.192, Oracle Cloud metadata)"),
+    ("192.0.2.0/24", "RFC 5737: documentation (TEST-NET-1)"),
+    ("198.51.100.0/24", "RFC 5737: documentation (TEST-NET-2)"),
+    ("203.0.113.0/24", "RFC 5737: documentation (TEST-NET-3)"),
+    ("198.18.0.0/15", "RFC 2544: benchmarking"),
+    ("192.88.99.0/24", "RFC 7526: deprecated 6to4 relay anycast"),
+    ("168.63.129.16/32", "Azure WireServer (the platform's host agent endpoint, reachable from every VM)"),
     ("::1/128", "RFC 4291 §2.5.3: loopback"),
     ("::/128", "RFC 4291 §2.5.2: unspecified"),
     ("fc00::/7", "RFC 4193: unique local"),
     ("fe80::/10", "RFC 4291 §2.5.6: link-local"),
+    ("fec0::/10", "RFC 3879: deprecated site-local"),
     ("ff00::/8", "RFC 4291 §2.7: multicast"),
+    ("100::/64", "RFC 6666: discard-only"),
+    ("64:ff9b:1::/48", "RFC 8215: local-use IPv4/IPv6 translation"),
+    ("2001::/23", "RFC 2928: IETF protocol assignments (Teredo, ORCHID, benchmarking...)"),
+    ("2001:db8::/32", "RFC 3849: documentation"),
+    ("3fff::/20", "RFC 9637: documentation"),
+    ("2002::/16", "RFC 3056: 6to4 (an IPv4 address inside; RFC 7526 deprecates its relays)"),
+    ("5f00::/16", "RFC 9602: SRv6 segment identifiers"),
 ];
 
 /// The NAT64 well-known prefix (RFC 6052 §2.1): an address in it is
@@ -211,8 +310,8 @@ fn nat64_embedded(v6: Ipv6Addr) -> Option<Ipv4Addr> {
 }
 
 /// This host's own interface addresses (every IPv4 and IPv6 address of every
-/// interface, as `getifaddrs(3)` lists them), for
-/// [`ServerNetPolicy::host_addrs`]. Empty if `getifaddrs` fails (logged).
+/// interface, as `getifaddrs(3)` lists them), as [`HostAddrs::system`]
+/// reads them. Empty if `getifaddrs` fails (logged).
 pub fn host_addresses() -> Vec<IpAddr> {
     let addrs = match nix::ifaddrs::getifaddrs() {
         Ok(a) => a,
@@ -330,7 +429,7 @@ pub struct CompiledPolicy {
     deny: Vec<Rule>,
     blocked: Vec<IpNet>,
     permit: Vec<IpNet>,
-    host_addrs: Vec<IpAddr>,
+    host_addrs: HostAddrs,
     /// The operator's limit over this policy (see the module doc).
     ceiling: Option<std::sync::Arc<CompiledPolicy>>,
 }
@@ -361,9 +460,7 @@ impl CompiledPolicy {
         let deny = policy.deny.iter().map(|e| Rule::parse(e)).collect::<Result<Vec<_>, _>>()?;
         let allow = policy.allow.iter().map(|e| Rule::parse(e)).collect::<Result<Vec<_>, _>>()?;
         let blocked = BLOCKED_RANGES.iter().filter_map(|(cidr, _)| IpNet::from_str(cidr).ok()).collect();
-        let mut host_addrs: Vec<IpAddr> = server.host_addrs.iter().map(|a| canonical(*a)).collect();
-        host_addrs.sort();
-        host_addrs.dedup();
+        let host_addrs = server.host_addrs.clone();
         Ok(Self {
             policy: policy.clone(),
             allow,
@@ -455,7 +552,7 @@ impl CompiledPolicy {
         if let Some(net) = self.blocked.iter().find(|n| n.contains(&ip)) {
             return Some(format!("blocked-range:{net}"));
         }
-        if self.host_addrs.binary_search(&ip).is_ok() {
+        if self.host_addrs.contains_at(ip, Instant::now()) {
             return Some(HOST_ADDRESS_RULE.to_string());
         }
         None
@@ -595,12 +692,12 @@ mod tests {
         let ok = [
             ("Example.COM.", "example.com"),
             ("*.Example.com", "*.example.com"),
-            ("203.0.113.7", "203.0.113.7"),
-            ("203.0.113.9/24", "203.0.113.0/24"),
-            ("2001:db8::1", "2001:db8::1"),
-            ("2001:DB8::/32", "2001:db8::/32"),
-            ("::ffff:203.0.113.7", "203.0.113.7"),
-            ("::ffff:203.0.113.0/120", "203.0.113.0/24"),
+            ("11.0.113.7", "11.0.113.7"),
+            ("11.0.113.9/24", "11.0.113.0/24"),
+            ("2600:db8::1", "2600:db8::1"),
+            ("2600:DB8::/32", "2600:db8::/32"),
+            ("::ffff:11.0.113.7", "11.0.113.7"),
+            ("::ffff:11.0.113.0/120", "11.0.113.0/24"),
             (" xn--bcher-kva.example ", "xn--bcher-kva.example"),
             ("a-b.c0", "a-b.c0"),
         ];
@@ -695,16 +792,75 @@ mod tests {
             );
         }
         // Edges just outside the ranges.
-        for a in ["172.32.0.1", "100.128.0.1", "11.0.0.1", "64:ff9b::cb00:7107", "::ffff:203.0.113.7", "2001:db8::1"] {
+        for a in ["172.32.0.1", "100.128.0.1", "11.0.0.1", "64:ff9b::b00:7107", "::ffff:11.0.113.7", "2600:db8::1"] {
             assert_eq!(p.check_addr(ip(a), 443, &[]), v(true, "egress:allow"), "{a}");
         }
+    }
+
+    #[test]
+    fn special_use_ranges_and_the_azure_wire_server_are_blocked() {
+        let p = pol(Egress::Allow, &[], &[]);
+        let cases = [
+            ("168.63.129.16", "168.63.129.16/32"),
+            ("192.0.0.192", "192.0.0.0/24"),
+            ("192.0.2.1", "192.0.2.0/24"),
+            ("198.51.100.1", "198.51.100.0/24"),
+            ("203.0.113.1", "203.0.113.0/24"),
+            ("198.19.255.255", "198.18.0.0/15"),
+            ("192.88.99.1", "192.88.99.0/24"),
+            ("fec0::1", "fec0::/10"),
+            ("100::1", "100::/64"),
+            ("64:ff9b:1::1", "64:ff9b:1::/48"),
+            ("2001::1", "2001::/23"),
+            ("2001:db8::1", "2001:db8::/32"),
+            ("3fff::1", "3fff::/20"),
+            ("2002:a9fe:a9fe::1", "2002::/16"),
+            ("5f00::1", "5f00::/16"),
+        ];
+        for (a, range) in cases {
+            assert_eq!(p.check_addr(ip(a), 443, &[]), v(false, &format!("blocked-range:{range}")), "{a}");
+        }
+        for a in ["168.63.129.15", "168.63.129.17", "198.20.0.1", "192.0.1.255", "2001:200::1", "2600::1"] {
+            assert!(p.check_addr(ip(a), 443, &[]).allowed, "{a}");
+        }
+    }
+
+    #[test]
+    fn host_addresses_are_read_again_when_old() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        static READS: AtomicUsize = AtomicUsize::new(0);
+        fn source() -> Vec<IpAddr> {
+            // The host gains an address at its second read.
+            match READS.fetch_add(1, Ordering::SeqCst) {
+                0 => vec![ip("11.0.0.1")],
+                _ => vec![ip("11.0.0.1"), ip("::ffff:11.0.0.2")],
+            }
+        }
+        let addrs = HostAddrs::reading(source);
+        let t0 = Instant::now();
+        assert!(addrs.contains_at(ip("11.0.0.1"), t0));
+        assert!(!addrs.contains_at(ip("11.0.0.2"), t0 + HOST_ADDRS_MAX_AGE / 2));
+        assert_eq!(READS.load(Ordering::SeqCst), 1, "no read while fresh");
+        assert!(addrs.contains_at(ip("11.0.0.2"), t0 + HOST_ADDRS_MAX_AGE));
+        assert_eq!(READS.load(Ordering::SeqCst), 2);
+        assert!(addrs.contains_at(ip("11.0.0.2"), t0 + HOST_ADDRS_MAX_AGE + Duration::from_secs(1)));
+        assert_eq!(READS.load(Ordering::SeqCst), 2);
+        // A policy compiled with them sees the new address.
+        let server = ServerNetPolicy { permit_ranges: vec![], host_addrs: addrs.clone() };
+        assert_eq!(
+            compile(Egress::Allow, &[], &[], &server).check_addr(ip("11.0.0.2"), 1, &[]).rule,
+            HOST_ADDRESS_RULE
+        );
+        let fixed = HostAddrs::fixed(vec![ip("11.0.0.9")]);
+        assert!(fixed.contains_at(ip("11.0.0.9"), t0 + Duration::from_secs(86400)));
+        assert_eq!(fixed.snapshot(), vec![ip("11.0.0.9")]);
     }
 
     #[test]
     fn permit_ranges_and_host_addresses() {
         let server = ServerNetPolicy {
             permit_ranges: vec!["127.0.0.1/32".parse().unwrap(), "fd00::/8".parse().unwrap()],
-            host_addrs: vec![ip("198.51.100.4"), ip("127.0.0.1"), ip("2001:db8::4")],
+            host_addrs: vec![ip("11.51.100.4"), ip("127.0.0.1"), ip("2600:db8::4")].into(),
         };
         let p = compile(Egress::Allow, &[], &[], &server);
         // Permitted: the range covers the address.
@@ -715,7 +871,7 @@ mod tests {
         assert_eq!(p.check_addr(ip("127.0.0.2"), 8080, &[]), v(false, "blocked-range:127.0.0.0/8"));
         assert_eq!(p.check_addr(ip("fc00::5"), 1, &[]), v(false, "blocked-range:fc00::/7"));
         // The host's own (public) addresses.
-        for a in ["198.51.100.4", "::ffff:198.51.100.4", "2001:db8::4"] {
+        for a in ["11.51.100.4", "::ffff:11.51.100.4", "2600:db8::4"] {
             assert_eq!(p.check_addr(ip(a), 22, &[]), v(false, HOST_ADDRESS_RULE), "{a}");
         }
         // Egress deny still applies to a permitted address.
@@ -729,16 +885,16 @@ mod tests {
     fn check_addr_order_deny_allow_default() {
         let p = pol(
             Egress::Deny,
-            &["203.0.113.0/24", "*.example.com", "2001:db8::/32"],
-            &["203.0.113.66", "bad.example.com"],
+            &["11.0.113.0/24", "*.example.com", "2600:db8::/32"],
+            &["11.0.113.66", "bad.example.com"],
         );
-        assert_eq!(p.check_addr(ip("203.0.113.5"), 443, &[]), v(true, "allow:203.0.113.0/24"));
-        assert_eq!(p.check_addr(ip("::ffff:203.0.113.5"), 443, &[]), v(true, "allow:203.0.113.0/24"));
-        assert_eq!(p.check_addr(ip("203.0.113.66"), 443, &[]), v(false, "deny:203.0.113.66"));
-        assert_eq!(p.check_addr(ip("2001:db8::9"), 443, &[]), v(true, "allow:2001:db8::/32"));
-        assert_eq!(p.check_addr(ip("198.51.100.1"), 443, &[]), v(false, "egress:deny"));
+        assert_eq!(p.check_addr(ip("11.0.113.5"), 443, &[]), v(true, "allow:11.0.113.0/24"));
+        assert_eq!(p.check_addr(ip("::ffff:11.0.113.5"), 443, &[]), v(true, "allow:11.0.113.0/24"));
+        assert_eq!(p.check_addr(ip("11.0.113.66"), 443, &[]), v(false, "deny:11.0.113.66"));
+        assert_eq!(p.check_addr(ip("2600:db8::9"), 443, &[]), v(true, "allow:2600:db8::/32"));
+        assert_eq!(p.check_addr(ip("11.51.100.1"), 443, &[]), v(false, "egress:deny"));
         // Domain rules go by the names DNS gave for the address.
-        let a = ip("198.51.100.1");
+        let a = ip("11.51.100.1");
         assert_eq!(p.check_addr(a, 443, &names(&["www.example.com"])), v(true, "allow:*.example.com"));
         assert_eq!(p.check_addr(a, 443, &names(&["WWW.Example.COM."])), v(true, "allow:*.example.com"));
         assert_eq!(p.check_addr(a, 443, &names(&["example.com"])), v(false, "egress:deny"));
@@ -749,15 +905,15 @@ mod tests {
         );
         assert_eq!(p.check_addr(a, 443, &names(&["other.org", "a.example.com"])), v(true, "allow:*.example.com"));
         // A CIDR deny beats a name allow.
-        assert_eq!(p.check_addr(ip("203.0.113.66"), 443, &names(&["a.example.com"])), v(false, "deny:203.0.113.66"));
+        assert_eq!(p.check_addr(ip("11.0.113.66"), 443, &names(&["a.example.com"])), v(false, "deny:11.0.113.66"));
         // Empty names match nothing; odd ones are still compared.
         assert_eq!(p.check_addr(a, 443, &names(&["", ".", "example.org"])), v(false, "egress:deny"));
         assert_eq!(p.check_addr(a, 443, &names(&["_x._tcp.Example.com"])), v(true, "allow:*.example.com"));
 
-        let p = pol(Egress::Allow, &[], &["*.example.com", "198.51.100.0/24"]);
-        assert_eq!(p.check_addr(ip("203.0.113.1"), 80, &names(&["a.b.example.com"])), v(false, "deny:*.example.com"));
-        assert_eq!(p.check_addr(ip("198.51.100.200"), 80, &[]), v(false, "deny:198.51.100.0/24"));
-        assert_eq!(p.check_addr(ip("203.0.113.1"), 80, &[]), v(true, "egress:allow"));
+        let p = pol(Egress::Allow, &[], &["*.example.com", "11.51.100.0/24"]);
+        assert_eq!(p.check_addr(ip("11.0.113.1"), 80, &names(&["a.b.example.com"])), v(false, "deny:*.example.com"));
+        assert_eq!(p.check_addr(ip("11.51.100.200"), 80, &[]), v(false, "deny:11.51.100.0/24"));
+        assert_eq!(p.check_addr(ip("11.0.113.1"), 80, &[]), v(true, "egress:allow"));
     }
 
     #[test]
@@ -786,43 +942,43 @@ mod tests {
         assert_eq!(p.check_name("_dmarc.DB.internal.example."), v(false, "deny:*.internal.example"));
         assert_eq!(p.check_name("internal.example"), v(true, "egress:allow"));
 
-        let p = pol(Egress::Allow, &["203.0.113.0/24"], &["198.51.100.7"]);
+        let p = pol(Egress::Allow, &["11.0.113.0/24"], &["11.51.100.7"]);
         assert!(!p.has_domain_rules());
         assert_eq!(p.check_name("anything.example"), v(true, "egress:allow"));
-        assert_eq!(p.check_name("198.51.100.7"), v(false, "deny:198.51.100.7"));
+        assert_eq!(p.check_name("11.51.100.7"), v(false, "deny:11.51.100.7"));
         assert_eq!(p.check_name("127.0.0.1"), v(true, "egress:allow"));
         assert!(!pol(Egress::Deny, &[], &[]).has_domain_rules());
     }
 
     #[test]
     fn name_check_follows_what_allowed_the_address() {
-        let a = ip("198.51.100.1");
+        let a = ip("11.51.100.1");
         let named = names(&["pypi.org"]);
-        let p = pol(Egress::Deny, &["pypi.org", "203.0.113.0/24"], &[]);
+        let p = pol(Egress::Deny, &["pypi.org", "11.0.113.0/24"], &[]);
         assert_eq!(p.name_check(a, &named), NameCheck::Required, "only the name allowed it");
-        assert_eq!(p.name_check(ip("203.0.113.9"), &named), NameCheck::Off, "the CIDR allowed it");
-        assert_eq!(p.name_check(ip("::ffff:203.0.113.9"), &[]), NameCheck::Off);
+        assert_eq!(p.name_check(ip("11.0.113.9"), &named), NameCheck::Off, "the CIDR allowed it");
+        assert_eq!(p.name_check(ip("::ffff:11.0.113.9"), &[]), NameCheck::Off);
         // Egress allow with domain rules: names are judged if seen.
         let p = pol(Egress::Allow, &["pypi.org"], &["evil.example"]);
         assert_eq!(p.name_check(a, &named), NameCheck::IfSeen);
         assert_eq!(p.name_check(a, &[]), NameCheck::IfSeen);
-        assert_eq!(pol(Egress::Allow, &[], &["198.51.100.0/24"]).name_check(a, &[]), NameCheck::Off);
+        assert_eq!(pol(Egress::Allow, &[], &["11.51.100.0/24"]).name_check(a, &[]), NameCheck::Off);
         assert_eq!(pol(Egress::Allow, &[], &[]).name_check(a, &named), NameCheck::Off);
         // The stricter of the policy and its ceiling.
         let ceiling = std::sync::Arc::new(pol(Egress::Deny, &["pypi.org"], &[]));
-        let own = pol(Egress::Deny, &["198.51.100.0/24"], &[]).with_ceiling(Some(ceiling));
+        let own = pol(Egress::Deny, &["11.51.100.0/24"], &[]).with_ceiling(Some(ceiling));
         assert!(own.check_addr(a, 443, &named).allowed);
         assert_eq!(own.name_check(a, &named), NameCheck::Required);
-        let ceiling = std::sync::Arc::new(pol(Egress::Deny, &["198.51.100.0/24"], &[]));
+        let ceiling = std::sync::Arc::new(pol(Egress::Deny, &["11.51.100.0/24"], &[]));
         let own = pol(Egress::Deny, &["pypi.org"], &[]).with_ceiling(Some(ceiling));
         assert_eq!(own.name_check(a, &named), NameCheck::Required);
     }
 
     #[test]
     fn summary_and_policy_round_trip() {
-        let p = pol(Egress::Deny, &["*.PyPI.org", "203.0.113.1/24"], &["bad.example"]);
-        assert_eq!(p.summary(), "egress:deny allow=[*.pypi.org, 203.0.113.0/24] deny=[bad.example]");
-        assert_eq!(p.policy().allow, vec!["*.PyPI.org", "203.0.113.1/24"]);
+        let p = pol(Egress::Deny, &["*.PyPI.org", "11.0.113.1/24"], &["bad.example"]);
+        assert_eq!(p.summary(), "egress:deny allow=[*.pypi.org, 11.0.113.0/24] deny=[bad.example]");
+        assert_eq!(p.policy().allow, vec!["*.PyPI.org", "11.0.113.1/24"]);
         assert_eq!(Egress::Deny.to_string(), "deny");
     }
 
@@ -837,7 +993,7 @@ mod tests {
     fn host_addresses_lists_loopback() {
         let addrs = host_addresses();
         assert!(addrs.contains(&ip("127.0.0.1")), "{addrs:?}");
-        let server = ServerNetPolicy { permit_ranges: vec![], host_addrs: addrs };
+        let server = ServerNetPolicy { permit_ranges: vec![], host_addrs: HostAddrs::system() };
         let p = compile(Egress::Allow, &[], &[], &server);
         assert!(!p.check_addr(ip("127.0.0.1"), 80, &[]).allowed);
     }
@@ -847,7 +1003,7 @@ mod tests {
         let server = ServerNetPolicy::default();
         let ceiling = std::sync::Arc::new(compile(
             Egress::Deny,
-            &["pypi.org", "*.pythonhosted.org", "203.0.113.0/24"],
+            &["pypi.org", "*.pythonhosted.org", "11.0.113.0/24"],
             &[],
             &server,
         ));
@@ -855,9 +1011,9 @@ mod tests {
         assert!(own.check_name("pypi.org").allowed);
         assert_eq!(own.check_name("example.com").rule, "ceiling:egress:deny");
         assert_eq!(own.check_name("evil.example").rule, "deny:evil.example", "its own refusal first");
-        assert!(own.check_addr(ip("203.0.113.9"), 443, &[]).allowed);
-        assert_eq!(own.check_addr(ip("198.51.100.1"), 443, &[]).rule, "ceiling:egress:deny");
-        assert!(own.check_addr(ip("198.51.100.1"), 443, &["files.pythonhosted.org".into()]).allowed);
+        assert!(own.check_addr(ip("11.0.113.9"), 443, &[]).allowed);
+        assert_eq!(own.check_addr(ip("11.51.100.1"), 443, &[]).rule, "ceiling:egress:deny");
+        assert!(own.check_addr(ip("11.51.100.1"), 443, &["files.pythonhosted.org".into()]).allowed);
         assert!(own.summary().contains("ceiling:(egress:deny"), "{}", own.summary());
 
         let wider = |egress, allow: &[&str]| NetworkPolicy {
@@ -867,7 +1023,7 @@ mod tests {
         };
         assert!(ceiling.refuses_more_than(&wider(Egress::Allow, &[])).unwrap().contains("egress"));
         assert!(ceiling.refuses_more_than(&wider(Egress::Deny, &["pypi.org", "*.pythonhosted.org"])).is_none());
-        assert!(ceiling.refuses_more_than(&wider(Egress::Deny, &["203.0.113.128/25"])).is_none());
+        assert!(ceiling.refuses_more_than(&wider(Egress::Deny, &["11.0.113.128/25"])).is_none());
         let e = ceiling.refuses_more_than(&wider(Egress::Deny, &["203.0.112.0/23"])).unwrap();
         assert!(e.contains("203.0.112.0/23"), "{e}");
         assert!(ceiling.refuses_more_than(&wider(Egress::Deny, &["*.pypi.org"])).is_some());

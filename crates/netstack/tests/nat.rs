@@ -106,7 +106,7 @@ impl World {
     fn new(policy: NetworkPolicy, permit_loopback: bool, config: StackConfig) -> Self {
         let server = ServerNetPolicy {
             permit_ranges: if permit_loopback { vec!["127.0.0.0/8".parse().unwrap()] } else { Vec::new() },
-            host_addrs: Vec::new(),
+            host_addrs: Default::default(),
         };
         let control = NetControl::new(&policy, None, Arc::new(server), 1024).unwrap();
         let stack = NetStack::new(config, Arc::clone(&control)).unwrap();
@@ -785,7 +785,7 @@ mod props {
                 None,
                 Arc::new(ServerNetPolicy {
                     permit_ranges: vec!["127.0.0.0/8".parse().unwrap()],
-                    host_addrs: Vec::new(),
+                    host_addrs: Default::default(),
                 }),
                 64,
             ).unwrap();

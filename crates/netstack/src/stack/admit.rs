@@ -220,7 +220,8 @@ mod tests {
             allow: allow.iter().map(|s| s.to_string()).collect(),
             deny: deny.iter().map(|s| s.to_string()).collect(),
         };
-        let server = ServerNetPolicy { permit_ranges: vec!["127.0.0.0/8".parse().unwrap()], host_addrs: Vec::new() };
+        let server =
+            ServerNetPolicy { permit_ranges: vec!["127.0.0.0/8".parse().unwrap()], host_addrs: Default::default() };
         NetControl::new(&policy, None, Arc::new(server), 64).unwrap()
     }
 
@@ -242,7 +243,7 @@ mod tests {
         let c = control(Egress::Deny, &[], &[]);
         let mut refused = 0;
         let got = admit(
-            ask([192, 0, 2, 7], 443),
+            ask([11, 0, 2, 7], 443),
             &c,
             &NameMap::default(),
             Cap { open: 0, max: 8, refused: &mut refused, rate: None },
@@ -260,7 +261,7 @@ mod tests {
         let c = control(Egress::Allow, &[], &[]);
         let mut refused = 0;
         let got = admit(
-            ask([192, 0, 2, 7], 80),
+            ask([11, 0, 2, 7], 80),
             &c,
             &NameMap::default(),
             Cap { open: 8, max: 8, refused: &mut refused, rate: None },
@@ -308,7 +309,7 @@ mod tests {
         let c = control(Egress::Allow, &[], &[]);
         let mut refused = 0;
         let a = admit(
-            ask([192, 0, 2, 7], 80),
+            ask([11, 0, 2, 7], 80),
             &c,
             &NameMap::default(),
             Cap { open: 0, max: 8, refused: &mut refused, rate: None },
@@ -337,7 +338,7 @@ mod tests {
         let c = control(Egress::Allow, &[], &["*.blocked.example"]);
         let mut refused = 0;
         let a = admit(
-            ask([192, 0, 2, 7], 443),
+            ask([11, 0, 2, 7], 443),
             &c,
             &NameMap::default(),
             Cap { open: 0, max: 8, refused: &mut refused, rate: None },

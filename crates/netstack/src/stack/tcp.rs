@@ -769,7 +769,8 @@ mod tests {
             allow.push("example.com".into());
         }
         let policy = NetworkPolicy { egress: Egress::Deny, allow, deny: Vec::new() };
-        let server = ServerNetPolicy { permit_ranges: vec!["127.0.0.0/8".parse().unwrap()], host_addrs: Vec::new() };
+        let server =
+            ServerNetPolicy { permit_ranges: vec!["127.0.0.0/8".parse().unwrap()], host_addrs: Default::default() };
         let control = NetControl::new(&policy, None, Arc::new(server), 64).unwrap();
         let config = StackConfig {
             dns_upstreams: Vec::new(),

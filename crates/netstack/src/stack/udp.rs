@@ -265,7 +265,8 @@ mod tests {
 
     fn shared(egress: Egress, max_connections: usize) -> Shared {
         let policy = NetworkPolicy { egress, allow: vec!["127.0.0.1/32".into()], deny: Vec::new() };
-        let server = ServerNetPolicy { permit_ranges: vec!["127.0.0.0/8".parse().unwrap()], host_addrs: Vec::new() };
+        let server =
+            ServerNetPolicy { permit_ranges: vec!["127.0.0.0/8".parse().unwrap()], host_addrs: Default::default() };
         let control = NetControl::new(&policy, None, Arc::new(server), 64).unwrap();
         Shared::new(control, max_connections, None).unwrap()
     }
