@@ -92,7 +92,7 @@ fn main() {
 fn run_tine(guest: &tine_benches::ProgramGuest) -> Option<Value> {
     let server = Arc::new(netstack::policy::ServerNetPolicy {
         permit_ranges: vec!["127.0.0.0/8".parse().unwrap()],
-        host_addrs: vec![],
+        host_addrs: Default::default(),
     });
     let control = netstack::control::NetControl::new(&netstack::policy::NetworkPolicy::default(), None, server, 1024)
         .expect("the default policy compiles");

@@ -132,7 +132,7 @@ impl NetworkSetup {
         }
         let server_policy = Arc::new(ServerNetPolicy {
             permit_ranges: config.permit_ranges.clone(),
-            host_addrs: netstack::policy::host_addresses(),
+            host_addrs: netstack::policy::HostAddrs::system(),
         });
         let default_policy =
             NetworkPolicy { egress: config.egress, allow: config.allow.clone(), deny: config.deny.clone() };

@@ -151,7 +151,7 @@ fn with_a_nic_eth0_has_the_fixed_addressing_and_reaches_the_host() {
     serve_http(listener, BODY);
     let server = Arc::new(netstack::policy::ServerNetPolicy {
         permit_ranges: vec!["127.0.0.0/8".parse().unwrap()],
-        host_addrs: vec![],
+        host_addrs: Default::default(),
     });
     let control = netstack::control::NetControl::new(&netstack::policy::NetworkPolicy::default(), None, server, 256)
         .expect("a policy");
@@ -161,6 +161,7 @@ fn with_a_nic_eth0_has_the_fixed_addressing_and_reaches_the_host() {
         max_connections: 16,
         tcp_buffer_bytes: 256 * 1024,
         max_guest_frames: 256,
+        ..netstack::stack::StackConfig::default()
     };
 
     let dir = tempfile::tempdir().unwrap();

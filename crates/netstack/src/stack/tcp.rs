@@ -474,6 +474,7 @@ impl Tcp {
     /// Drops every connection, resetting the host sides; the guest's next
     /// segment on one gets a RST (no socket matches it).
     pub(super) fn reset(&mut self, sockets: &mut SocketSet<'static>, shared: &Shared) {
+        self.released.clear();
         let tokens: Vec<u64> = self.conns.keys().copied().collect();
         for token in tokens {
             self.close(token, true, sockets, shared);

@@ -258,8 +258,10 @@ fn layout_lock(layout: &Path) -> std::sync::Arc<tokio::sync::Mutex<()>> {
 /// IPv4-mapped and NAT64 forms included), with nothing permitted: the
 /// registries the server itself fetches from meet the same rule.
 fn address_policy() -> netstack::policy::CompiledPolicy {
-    let server =
-        netstack::policy::ServerNetPolicy { permit_ranges: Vec::new(), host_addrs: netstack::policy::host_addresses() };
+    let server = netstack::policy::ServerNetPolicy {
+        permit_ranges: Vec::new(),
+        host_addrs: netstack::policy::HostAddrs::system(),
+    };
     netstack::policy::CompiledPolicy::new(&netstack::policy::NetworkPolicy::default(), &server)
         .expect("a policy without rules compiles")
 }
