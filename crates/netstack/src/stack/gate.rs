@@ -57,8 +57,22 @@
 //!
 //! [`first_message`] is the one place where a connection's first message
 //! is whole and its name known (its bytes still unread in the smoltcp
-//! socket's buffer): a later verdict, such as handing TLS for a secret's
-//! host to a broker instead of splicing it, goes there.
+//! socket's buffer). There TLS to a host one of the sandbox's secrets may
+//! go to is handed to the secret broker instead of being spliced
+//! ([`Decision::Broker`], [`crate::control::Handoff`]). A sandbox with
+//! secrets has every connection's first message looked at
+//! ([`Gate::inspecting`]), also where the policy needs no name (then no
+//! name is judged, only the broker and the leak check below look).
+//!
+//! # Placeholders in plain HTTP
+//!
+//! In a sandbox with secrets every plain HTTP request head (the first
+//! and, on keep-alive, each later one) is searched for the placeholders
+//! of secrets that may not go to the request's host
+//! ([`Secrets::leak`]): such a request is logged (`secret-leak-blocked`),
+//! and refused where the server says so ([`RULE_SECRET_LEAK`]). Request
+//! bodies are not searched, nor anything inside TLS to a host that has
+//! no secret: there the placeholder cannot be seen.
 
 use std::time::{Duration, Instant};
 
@@ -95,6 +109,35 @@ pub const RULE_UNKNOWN_PROTOCOL: &str = "name:unknown-protocol";
 /// Refused: a DNS-over-TCP message that is not a standard query with one
 /// question, or cut short.
 pub const RULE_DNS_MALFORMED: &str = "dns:malformed";
+
+/// Refused (where the server refuses leaks) or logged: a plain HTTP
+/// request carrying the placeholder of a secret that may not go to its
+/// host.
+pub const RULE_SECRET_LEAK: &str = "secret-leak-blocked";
+
+/// The sandbox's secrets as a gate asks about them.
+pub(super) trait Secrets {
+    /// Whether TLS whose ClientHello names `name` goes to the broker.
+    fn wants(&mut self, name: &str) -> bool;
+    /// Searches the plain HTTP request head `head` to `host` for
+    /// placeholders that may not go there, logging what it finds;
+    /// `true`: refuse the request.
+    fn leak(&mut self, host: &str, head: &[u8]) -> bool;
+}
+
+/// A sandbox without secrets.
+#[cfg(test)]
+pub(super) struct NoSecrets;
+
+#[cfg(test)]
+impl Secrets for NoSecrets {
+    fn wants(&mut self, _name: &str) -> bool {
+        false
+    }
+    fn leak(&mut self, _host: &str, _head: &[u8]) -> bool {
+        false
+    }
+}
 
 /// A DNS-over-TCP message with its 2-byte length (RFC 7766 §8), at most.
 const MAX_DNS_MESSAGE: usize = 2 + 65535;
@@ -133,25 +176,39 @@ enum Decision {
     Splice,
     /// Plain HTTP: this first request passes, later ones are judged.
     Http(Head),
+    /// TLS to a host a secret of the sandbox may go to: to the broker.
+    Broker(String),
 }
 
 /// Decides what becomes of a connection by its first message `first`
-/// (whole, or known never to be), judging its names with `judge` (which
-/// writes them into the connection's record): the one place where a first
-/// message is complete and its name known, see the module doc.
-fn first_message(check: NameCheck, first: Sniffed, judge: &mut dyn FnMut(String) -> bool) -> Result<Decision, Refusal> {
+/// (whole, or known never to be; `bytes` from its first byte on),
+/// judging its names with `judge` (which writes them into the
+/// connection's record; not under [`NameCheck::Off`]) and asking
+/// `secrets`: the one place where a first message is complete and its
+/// name known, see the module doc.
+fn first_message(
+    check: NameCheck,
+    first: Sniffed,
+    bytes: &[u8],
+    judge: &mut dyn FnMut(String) -> bool,
+    secrets: &mut dyn Secrets,
+) -> Result<Decision, Refusal> {
     let required = check == NameCheck::Required;
     match first {
         Sniffed::ClientHello(Some(name)) => {
-            if judge(name) {
-                Ok(Decision::Splice)
+            if check != NameCheck::Off && !judge(name.clone()) {
+                return Err(Refusal::Denied);
+            }
+            if secrets.wants(&name) {
+                Ok(Decision::Broker(name))
             } else {
-                Err(Refusal::Denied)
+                Ok(Decision::Splice)
             }
         }
         Sniffed::ClientHello(None) if required => Err(Refusal::Rule(RULE_SNI_MISSING)),
         Sniffed::Request(head) => {
             judge_head(check, &head, judge)?;
+            leak_check(&head, bytes, secrets)?;
             Ok(Decision::Http(head))
         }
         Sniffed::Malformed { tls: true } if required => Err(Refusal::Rule(RULE_SNI_MALFORMED)),
@@ -163,9 +220,22 @@ fn first_message(check: NameCheck, first: Sniffed, judge: &mut dyn FnMut(String)
     }
 }
 
-/// Judges every name of a request head; none at all is refused when
-/// names are required.
+/// Searches the request head `head` (its bytes the first `head.len` of
+/// `bytes`) for placeholders that may not go to its host.
+fn leak_check(head: &Head, bytes: &[u8], secrets: &mut dyn Secrets) -> Result<(), Refusal> {
+    let host = head.names.first().map(String::as_str).unwrap_or_default();
+    if secrets.leak(host, bytes.get(..head.len).unwrap_or(bytes)) {
+        return Err(Refusal::Rule(RULE_SECRET_LEAK));
+    }
+    Ok(())
+}
+
+/// Judges every name of a request head (none under [`NameCheck::Off`]);
+/// none at all is refused when names are required.
 fn judge_head(check: NameCheck, head: &Head, judge: &mut dyn FnMut(String) -> bool) -> Result<(), Refusal> {
+    if check == NameCheck::Off {
+        return Ok(());
+    }
     if head.names.is_empty() && check == NameCheck::Required {
         return Err(Refusal::Rule(RULE_HOST_MISSING));
     }
@@ -186,6 +256,12 @@ impl Gate {
             NameCheck::Off => Gate::Open,
             check => Gate::First { check, since: None, seen: 0 },
         }
+    }
+
+    /// The gate of a new connection of a sandbox with secrets: its first
+    /// message is looked at whatever `check` (see the module doc).
+    pub(super) fn inspecting(check: NameCheck) -> Self {
+        Gate::First { check, since: None, seen: 0 }
     }
 
     /// The gate of DNS over TCP to the resolver.
@@ -236,6 +312,7 @@ impl Gate {
     /// buffer full) at `now`, judging names with `judge` (which writes them
     /// into the connection's record; `false`: denied). Afterwards
     /// [`Gate::cleared`] says what may go; an error refuses the connection.
+    #[cfg(test)]
     pub(super) fn advance(
         &mut self,
         bytes: &[u8],
@@ -243,17 +320,31 @@ impl Gate {
         now: Instant,
         judge: &mut dyn FnMut(String) -> bool,
     ) -> Result<(), Refusal> {
+        self.advance_with(bytes, more, now, judge, &mut NoSecrets).map(|_| ())
+    }
+
+    /// [`Gate::advance`] in a sandbox with `secrets`; `Some(name)`: the
+    /// connection is TLS to `name` and goes to the broker (the gate is
+    /// open from here).
+    pub(super) fn advance_with(
+        &mut self,
+        bytes: &[u8],
+        more: bool,
+        now: Instant,
+        judge: &mut dyn FnMut(String) -> bool,
+        secrets: &mut dyn Secrets,
+    ) -> Result<Option<String>, Refusal> {
         match self {
-            Gate::Open => Ok(()),
+            Gate::Open => Ok(None),
             Gate::First { check, since, seen } => {
                 let Some(&first_byte) = bytes.first() else {
-                    return Ok(());
+                    return Ok(None);
                 };
                 let check = *check;
                 let since = *since.get_or_insert(now);
                 let waited = now >= since + wait(check);
                 if bytes.len() == *seen && more && !waited {
-                    return Ok(());
+                    return Ok(None);
                 }
                 *seen = bytes.len();
                 let tls = first_byte == CONTENT_HANDSHAKE;
@@ -264,13 +355,17 @@ impl Gate {
                             return Err(Refusal::Rule(if tls { RULE_SNI_TIMEOUT } else { RULE_HOST_TIMEOUT }));
                         }
                         *self = Gate::Open;
-                        return Ok(());
+                        return Ok(None);
                     }
-                    Sniffed::NeedMore => return Ok(()),
+                    Sniffed::NeedMore => return Ok(None),
                     first => first,
                 };
-                *self = match first_message(check, first, judge)? {
+                *self = match first_message(check, first, bytes, judge, secrets)? {
                     Decision::Splice => Gate::Open,
+                    Decision::Broker(name) => {
+                        *self = Gate::Open;
+                        return Ok(Some(name));
+                    }
                     Decision::Http(head) if head.ends_view => Gate::Open,
                     Decision::Http(head) => {
                         let mut stream = RequestStream::new();
@@ -281,28 +376,28 @@ impl Gate {
                 };
                 // The bytes after the first head, if any, are looked at
                 // once it has gone.
-                Ok(())
+                Ok(None)
             }
             Gate::Http { check, stream, cleared } => {
                 if *cleared > 0 {
-                    return Ok(());
+                    return Ok(None);
                 }
                 let check = *check;
-                if advance_http(check, stream, cleared, bytes, more, judge)? {
+                if advance_http(check, stream, cleared, bytes, more, judge, secrets)? {
                     *self = Gate::Open;
                 }
-                Ok(())
+                Ok(None)
             }
             Gate::Dns { cleared } => {
                 if *cleared > 0 {
-                    return Ok(());
+                    return Ok(None);
                 }
                 let Some(head) = bytes.get(..2) else {
-                    return if more || bytes.is_empty() { Ok(()) } else { Err(Refusal::Rule(RULE_DNS_MALFORMED)) };
+                    return if more || bytes.is_empty() { Ok(None) } else { Err(Refusal::Rule(RULE_DNS_MALFORMED)) };
                 };
                 let len = 2 + usize::from(u16::from_be_bytes([head[0], head[1]]));
                 let Some(message) = bytes.get(2..len) else {
-                    return if more { Ok(()) } else { Err(Refusal::Rule(RULE_DNS_MALFORMED)) };
+                    return if more { Ok(None) } else { Err(Refusal::Rule(RULE_DNS_MALFORMED)) };
                 };
                 let Some(name) = crate::dns::query_name(message) else {
                     return Err(Refusal::Rule(RULE_DNS_MALFORMED));
@@ -311,7 +406,7 @@ impl Gate {
                     return Err(Refusal::Denied);
                 }
                 *cleared = len;
-                Ok(())
+                Ok(None)
             }
         }
     }
@@ -337,6 +432,7 @@ fn advance_http(
     bytes: &[u8],
     more: bool,
     judge: &mut dyn FnMut(String) -> bool,
+    secrets: &mut dyn Secrets,
 ) -> Result<bool, Refusal> {
     let required = check == NameCheck::Required;
     let mut off = 0usize;
@@ -352,6 +448,7 @@ fn advance_http(
             }
             Step::Head(head) => {
                 judge_head(check, &head, judge)?;
+                leak_check(&head, rest, secrets)?;
                 *cleared = cleared.saturating_add(head.len as u64);
                 if head.ends_view {
                     return Ok(true);

@@ -47,10 +47,10 @@ use socket2::{Domain, SockAddr, Socket, Type};
 use vmm_sys_util::epoll::{Epoll, EventSet};
 
 use super::admit::{admit, Ask, Meter};
-use super::gate::{Gate, Refusal};
+use super::gate::{Gate, Refusal, Secrets, RULE_SECRET_LEAK};
 use super::interest::Interest;
 use super::{Shared, StackConfig, Tuple};
-use crate::control::InboundRequest;
+use crate::control::{Handoff, InboundRequest, NetControl};
 use crate::dns::NameMap;
 use crate::log::{Direction, Protocol};
 use crate::policy::Verdict;
@@ -93,6 +93,72 @@ pub(super) const SCRATCH_BYTES: usize = 2 + 65535;
 /// (bytes).
 pub(super) fn buffer_bytes(configured: usize) -> usize {
     configured.max(4096)
+}
+
+/// The sandbox's secrets as a connection's gate asks about them: its
+/// [`Handoff`], and where a leak is logged.
+struct SandboxSecrets<'a> {
+    handoff: Option<std::sync::Arc<dyn Handoff>>,
+    control: &'a NetControl,
+    dst: SocketAddrV4,
+}
+
+impl Secrets for SandboxSecrets<'_> {
+    fn wants(&mut self, name: &str) -> bool {
+        self.handoff.as_ref().is_some_and(|h| h.wants(name))
+    }
+
+    fn leak(&mut self, host: &str, head: &[u8]) -> bool {
+        let Some(h) = &self.handoff else { return false };
+        let found = h.leaked(host, head);
+        if found.is_empty() {
+            return false;
+        }
+        let refuse = h.refuse_leaks();
+        let verdict = Verdict { allowed: !refuse, rule: RULE_SECRET_LEAK.to_owned() };
+        let mut record = crate::log::NetRecord::starting(
+            Protocol::Tcp,
+            std::net::IpAddr::V4(super::admit::host_ip(*self.dst.ip())),
+            self.dst.port(),
+            Some(host.to_owned()).filter(|h| !h.is_empty()),
+            verdict,
+        );
+        record.secrets = found;
+        record.duration_ms = Some(0);
+        self.control.record(record);
+        refuse
+    }
+}
+
+/// Hands an open connection whose ClientHello names `name` to the secret
+/// broker: its host socket is given to the broker as the upstream, and a
+/// stream pair's end takes its place in the splice (the ClientHello, still
+/// in the smoltcp socket's buffer, goes on to the broker through it).
+///
+/// Errors: the pair cannot be made (the caller resets the connection).
+fn hand_to_broker(
+    record: u64,
+    open: &mut Open,
+    interest: &mut Interest,
+    shared: &Shared,
+    name: String,
+) -> io::Result<()> {
+    let Some(handoff) = shared.control.handoff() else {
+        return Err(io::Error::other("the sandbox's secrets went away"));
+    };
+    let (ours, theirs) = std::os::unix::net::UnixStream::pair()?;
+    ours.set_nonblocking(true)?;
+    interest.clear(&shared.epoll, open.host.as_raw_fd());
+    let upstream = std::mem::replace(&mut open.host, Socket::from(ours));
+    open.readable = true;
+    open.writable = true;
+    shared.control.update(record, |r| {
+        if r.domain.is_none() {
+            r.domain = Some(name.clone());
+        }
+    });
+    handoff.take(name, theirs, std::net::TcpStream::from(upstream), record);
+    Ok(())
 }
 
 /// The `SO_RCVBUF`/`SO_SNDBUF` asked for
@@ -318,7 +384,12 @@ impl Tcp {
         let Some(admitted) = admit(ask, &shared.control.clone(), names, shared.cap(open)) else {
             return false;
         };
-        let gate = if dns { Gate::dns() } else { Gate::new(admitted.names) };
+        let inspect = shared.control.handoff().is_some_and(|h| h.active());
+        let gate = match (dns, inspect) {
+            (true, _) => Gate::dns(),
+            (false, true) => Gate::inspecting(admitted.names),
+            (false, false) => Gate::new(admitted.names),
+        };
         let target = match self.dns_upstream.filter(|_| dns) {
             Some(upstream) => upstream,
             None => SocketAddr::V4(SocketAddrV4::new(admitted.host_ip, dst.port())),
@@ -593,14 +664,30 @@ impl Tcp {
                 let more = socket.may_recv() && n < window.min(socket.recv_capacity());
                 let (control, meter) = (&shared.control, &conn.meter);
                 let looked = self.scratch.get(..n).unwrap_or(&[]);
-                let verdict =
-                    conn.gate.advance(looked, more, Instant::now(), &mut |name| meter.judge_name(control, name));
-                if let Err(refusal) = verdict {
-                    if let Refusal::Rule(rule) = refusal {
-                        conn.meter.refuse(&shared.control, rule);
+                let mut secrets = SandboxSecrets { handoff: control.handoff(), control, dst: conn.tuple.dst };
+                let verdict = conn.gate.advance_with(
+                    looked,
+                    more,
+                    Instant::now(),
+                    &mut |name| meter.judge_name(control, name),
+                    &mut secrets,
+                );
+                match verdict {
+                    Err(refusal) => {
+                        if let Refusal::Rule(rule) = refusal {
+                            conn.meter.refuse(&shared.control, rule);
+                        }
+                        conn.abort(socket, &shared.epoll);
+                        return;
                     }
-                    conn.abort(socket, &shared.epoll);
-                    return;
+                    Ok(Some(name)) => {
+                        if let Err(e) = hand_to_broker(conn.meter.record(), open, &mut conn.interest, shared, name) {
+                            tracing::warn!("secret broker hand-over: {e}");
+                            conn.abort(socket, &shared.epoll);
+                            return;
+                        }
+                    }
+                    Ok(None) => {}
                 }
                 if conn.gate.cleared() == 0 {
                     break;
