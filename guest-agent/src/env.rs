@@ -10,9 +10,12 @@
 //! Below it lies the environment of a root login shell on Debian
 //! ([`LOGIN_ENV`]), which PID 1 sets for itself at start
 //! ([`set_login_defaults`]) so that the agent and everything it starts
-//! inherit it: a command's environment is the login defaults, then the
-//! sandbox environment, then the call's own `env`, each above the one
-//! before.
+//! inherit it. Two layers are the server's own: the trust variables
+//! (`Op::InstallTrust`, [`set_trust`]: where the CA bundle is) and the
+//! host environment (`Op::SetHostEnv`, [`set_host`]: its secrets'
+//! placeholders). A command's environment is the login defaults, the
+//! trust variables, the sandbox environment, the host environment, then
+//! the call's own `env`, each above the one before.
 
 use std::sync::Mutex;
 
@@ -52,30 +55,67 @@ pub fn login_default(name: &str) -> Option<&'static str> {
     LOGIN_ENV.iter().find(|(n, _)| *n == name).map(|(_, v)| *v)
 }
 
-/// The variables and their generation (0: never set).
+/// The layers and their generation (0: never set).
 struct SandboxEnv {
     generation: u64,
+    /// `Op::InstallTrust`'s variables.
+    trust: Vec<(String, String)>,
+    /// `Op::SetEnv`'s.
     vars: Vec<(String, String)>,
+    /// `Op::SetHostEnv`'s.
+    host: Vec<(String, String)>,
 }
 
-static ENV: Mutex<SandboxEnv> = Mutex::new(SandboxEnv { generation: 0, vars: Vec::new() });
+static ENV: Mutex<SandboxEnv> =
+    Mutex::new(SandboxEnv { generation: 0, trust: Vec::new(), vars: Vec::new(), host: Vec::new() });
+
+/// Replaces one layer with `vars` (checked as [`check_sandbox_env`]).
+fn set_layer(
+    vars: Vec<(String, String)>,
+    layer: fn(&mut SandboxEnv) -> &mut Vec<(String, String)>,
+) -> Result<(), AgentError> {
+    check_sandbox_env(&vars)?;
+    let mut env = ENV.lock().unwrap_or_else(|p| p.into_inner());
+    env.generation += 1;
+    *layer(&mut env) = vars;
+    Ok(())
+}
 
 /// Replaces the sandbox environment.
 ///
 /// Errors: `InvalidRequest` as [`check_sandbox_env`]; the old environment
 /// then stays.
 pub fn set(vars: Vec<(String, String)>) -> Result<(), AgentError> {
-    check_sandbox_env(&vars)?;
-    let mut env = ENV.lock().unwrap_or_else(|p| p.into_inner());
-    env.generation += 1;
-    env.vars = vars;
-    Ok(())
+    set_layer(vars, |e| &mut e.vars)
 }
 
-/// The current variables and their generation.
+/// Replaces the host environment (`Op::SetHostEnv`).
+///
+/// Errors: as [`set`].
+pub fn set_host(vars: Vec<(String, String)>) -> Result<(), AgentError> {
+    set_layer(vars, |e| &mut e.host)
+}
+
+/// Replaces the trust variables ([`crate::trust`]).
+///
+/// Errors: as [`set`].
+pub fn set_trust(vars: Vec<(String, String)>) -> Result<(), AgentError> {
+    set_layer(vars, |e| &mut e.trust)
+}
+
+/// The current variables, the layers merged (a later layer's name
+/// replaces an earlier one's, in the earlier's place), and their
+/// generation.
 pub fn current() -> (u64, Vec<(String, String)>) {
     let env = ENV.lock().unwrap_or_else(|p| p.into_inner());
-    (env.generation, env.vars.clone())
+    let mut merged: Vec<(String, String)> = Vec::with_capacity(env.trust.len() + env.vars.len() + env.host.len());
+    for (name, value) in env.trust.iter().chain(&env.vars).chain(&env.host) {
+        match merged.iter_mut().find(|(n, _)| n == name) {
+            Some(slot) => slot.1 = value.clone(),
+            None => merged.push((name.clone(), value.clone())),
+        }
+    }
+    (env.generation, merged)
 }
 
 #[cfg(test)]
@@ -114,6 +154,26 @@ mod tests {
         assert_eq!(current(), (g, vars), "a refused set changes nothing");
         set(vec![]).unwrap();
         assert_eq!(current(), (g + 1, vec![]));
+    }
+
+    #[test]
+    fn the_layers_stack_trust_then_sandbox_then_host() {
+        let _s = serial();
+        let kv = |k: &str, v: &str| (k.to_string(), v.to_string());
+        set_trust(vec![kv("SSL_CERT_FILE", "/run/tine/ca"), kv("A", "trust")]).unwrap();
+        set(vec![kv("A", "sandbox"), kv("KEY", "user's")]).unwrap();
+        set_host(vec![kv("KEY", "placeholder")]).unwrap();
+        let (g, vars) = current();
+        assert_eq!(vars, [kv("SSL_CERT_FILE", "/run/tine/ca"), kv("A", "sandbox"), kv("KEY", "placeholder")]);
+        // The client's own SetEnv leaves the host's layer as it is.
+        set(vec![]).unwrap();
+        assert_eq!(
+            current(),
+            (g + 1, vec![kv("SSL_CERT_FILE", "/run/tine/ca"), kv("A", "trust"), kv("KEY", "placeholder")])
+        );
+        set_host(vec![]).unwrap();
+        set_trust(vec![]).unwrap();
+        assert_eq!(current().1, vec![]);
     }
 
     /// Exec, a background process and the Python interpreter see the

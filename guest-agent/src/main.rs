@@ -35,6 +35,7 @@ mod node;
 mod procs;
 mod python;
 mod sys;
+mod trust;
 mod vsock;
 mod workers;
 
@@ -91,6 +92,8 @@ fn handle(op: Op, started: Instant, progress: &dyn Fn(Progress)) -> Result<Reply
         Op::SetProcessDefaults(d) => child::set_defaults(d).map(Reply::ProcessDefaults),
         Op::Mount(m) => mounts::mount(&m).map(|()| Reply::Done),
         Op::Unmount { path } => mounts::unmount(&path).map(|()| Reply::Done),
+        Op::InstallTrust { pem } => trust::install(&pem).map(|()| Reply::Done),
+        Op::SetHostEnv { env } => env::set_host(env).map(|()| Reply::Done),
     }
 }
 

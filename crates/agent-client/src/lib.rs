@@ -483,6 +483,34 @@ impl AgentClient {
         .await
     }
 
+    /// Replaces the host's environment (`Op::SetHostEnv`): the server's
+    /// own variables (secrets' placeholders), above the sandbox
+    /// environment.
+    ///
+    /// Errors: as [`AgentClient::set_env`]; `Unsupported` from an agent
+    /// older than the operation.
+    pub async fn set_host_env(&self, env: Vec<(String, String)>, timeout: Duration) -> Result<(), ClientError> {
+        self.call_for(Op::SetHostEnv { env }, timeout, |r| match r {
+            Reply::Done => Ok(()),
+            other => Err(Box::new(other)),
+        })
+        .await
+    }
+
+    /// Trusts the CA certificates `pem` beside the guest's own store
+    /// (`Op::InstallTrust`).
+    ///
+    /// Errors: as [`AgentClient::ping`]; [`ClientError::Agent`] with
+    /// `InvalidRequest` (not PEM, too large), `Io`, or `Unsupported` from
+    /// an agent older than the operation.
+    pub async fn install_trust(&self, pem: String, timeout: Duration) -> Result<(), ClientError> {
+        self.call_for(Op::InstallTrust { pem }, timeout, |r| match r {
+            Reply::Done => Ok(()),
+            other => Err(Box::new(other)),
+        })
+        .await
+    }
+
     /// Sets who every later exec, background process and interpreter runs
     /// as, and where (`Op::SetProcessDefaults`: an OCI image's `User` and
     /// `WorkingDir`); returns the defaults it replaced.

@@ -334,7 +334,41 @@ pub enum Op {
         /// The mount point.
         path: String,
     },
+    /// Trust `pem` (CA certificates, PEM) beside the guest's own store,
+    /// for the server's CAs (its secret broker's, the operator's extra
+    /// ones): writes [`TRUST_BUNDLE`] (the guest's system bundle, then the
+    /// certificates of `pem` it lacks) and [`TRUST_EXTRA`] (`pem` alone),
+    /// and points every later exec, background process and interpreter at
+    /// them: `SSL_CERT_FILE`, `REQUESTS_CA_BUNDLE`, `CURL_CA_BUNDLE`,
+    /// `PIP_CERT`, `GIT_SSL_CAINFO` name the bundle, `NODE_EXTRA_CA_CERTS`
+    /// the extra file (Node.js adds it to its own roots), under the
+    /// sandbox environment (which may set them otherwise). The host sends
+    /// it at every start and restore, so templates do not depend on it;
+    /// an empty `pem` takes the variables away. Answered [`Reply::Done`].
+    /// Errors: `InvalidRequest` (not PEM, over [`MAX_TRUST_BYTES`]), `Io`.
+    InstallTrust {
+        /// The certificates (PEM).
+        pem: String,
+    },
+    /// Replace the host's environment: variables the server sets for the
+    /// whole sandbox apart from the client's ([`Op::SetEnv`]), such as its
+    /// secrets' placeholders. They are above the sandbox environment and
+    /// below a request's own `env`; otherwise as [`Op::SetEnv`] (limits,
+    /// the interpreters following, kept in the agent's memory). Answered
+    /// [`Reply::Done`].
+    SetHostEnv {
+        /// The variables, names unique.
+        env: Vec<(String, String)>,
+    },
 }
+
+/// The trust bundle [`Op::InstallTrust`] writes: the guest's own CA
+/// certificates and the server's.
+pub const TRUST_BUNDLE: &str = "/run/tine/ca-certificates.crt";
+/// The server's CA certificates alone ([`Op::InstallTrust`]).
+pub const TRUST_EXTRA: &str = "/run/tine/extra-ca.pem";
+/// Most bytes of [`Op::InstallTrust`]'s `pem` (4 MiB).
+pub const MAX_TRUST_BYTES: usize = 4 << 20;
 
 /// A disk to mount ([`Op::Mount`]).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -80,6 +80,8 @@ fn arb_process_op() -> impl Strategy<Value = Op> {
             read_only
         })),
         ".{0,12}".prop_map(|path| Op::Unmount { path }),
+        ".{0,40}".prop_map(|pem| Op::InstallTrust { pem }),
+        proptest::collection::vec((".{0,8}", ".{0,8}"), 0..4).prop_map(|env| Op::SetHostEnv { env }),
     ]
 }
 
@@ -300,7 +302,14 @@ proptest! {
     /// 4 is refused for it before anything is sent.
     #[test]
     fn messages_round_trip_through_every_wire(id in any::<u64>(), op in arb_op(), result in arb_result()) {
-        let after_v4 = matches!(op, Op::SetProcessDefaults(_) | Op::Mount(_) | Op::Unmount { .. });
+        let after_v4 = matches!(
+            op,
+            Op::SetProcessDefaults(_)
+                | Op::Mount(_)
+                | Op::Unmount { .. }
+                | Op::InstallTrust { .. }
+                | Op::SetHostEnv { .. }
+        );
         let req = Request { id, op };
         let resp = Response { id, result };
         for wire in Wire::ALL {

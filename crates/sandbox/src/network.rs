@@ -14,7 +14,7 @@
 //! dns_upstreams = []          # default: the nameservers of /etc/resolv.conf
 //! max_connections = 256       # open TCP connections + UDP flows per sandbox
 //! log_records = 1024          # network log records kept per sandbox
-//! ca_certificates = []        # PEM files added to every guest's trust store
+//! ca_certificates = []        # PEM files added to every guest's trust store; "host": the host's own store
 //! [network.hosts]             # names the gateway's DNS answers itself
 //! # "files.internal" = "10.0.2.2"
 //! ```
@@ -58,8 +58,12 @@ pub struct NetworkConfig {
     pub max_connections: usize,
     /// Network log records kept per sandbox (older ones fall out, counted).
     pub log_records: usize,
-    /// PEM files of CA certificates added to every guest's trust store at
-    /// start (for TLS-inspecting proxies).
+    /// PEM files of CA certificates every guest trusts beside its own
+    /// store (for TLS-inspecting proxies); the entry `"host"` stands for
+    /// the host's own trust store (what `rustls-native-certs` finds:
+    /// `$SSL_CERT_FILE`, else `/etc/ssl/certs/ca-certificates.crt`...).
+    /// Installed at every start and restore (`Op::InstallTrust`), so
+    /// templates do not depend on them.
     pub ca_certificates: Vec<PathBuf>,
 }
 
@@ -111,9 +115,14 @@ pub struct NetworkSetup {
     pub server_policy: Arc<ServerNetPolicy>,
     /// Every stack's settings.
     pub stack: StackConfig,
-    /// The CA certificates (PEM text, concatenated) for guests' trust store.
+    /// The CA certificates (PEM text, concatenated) guests trust beside
+    /// their own store: `ca_certificates`' and, once the server adds it
+    /// ([`NetworkSetup::trust_also`]), its secret broker's.
     pub ca_pem: String,
 }
+
+/// The `ca_certificates` entry that stands for the host's own trust store.
+pub const HOST_TRUST: &str = "host";
 
 impl NetworkSetup {
     /// Checks `config` (the default policy compiles, limits in range, CA
@@ -146,6 +155,10 @@ impl NetworkSetup {
         let mut ca_pem = String::new();
         for path in &config.ca_certificates {
             let bad = |reason: String| NetworkError::CaCertificate { path: path.clone(), reason };
+            if path.as_os_str() == HOST_TRUST {
+                ca_pem.push_str(&host_trust_pem().map_err(bad)?);
+                continue;
+            }
             let text = std::fs::read_to_string(path).map_err(|e| bad(e.to_string()))?;
             if !text.contains("-----BEGIN CERTIFICATE-----") {
                 return Err(bad("no PEM certificate (-----BEGIN CERTIFICATE-----) in it".into()));
@@ -156,18 +169,21 @@ impl NetworkSetup {
         Ok(NetworkSetup { config, default_policy, server_policy, stack, ca_pem })
     }
 
-    /// What templates made under this set-up depend on: the network device
-    /// and the CA certificates (FNV-1a of their PEM text).
+    /// Adds the CA certificate(s) `pem` (the secret broker's) to what
+    /// guests trust.
+    pub fn trust_also(&mut self, pem: &str) {
+        if !self.ca_pem.is_empty() && !self.ca_pem.ends_with('\n') {
+            self.ca_pem.push('\n');
+        }
+        self.ca_pem.push_str(pem.trim_end());
+        self.ca_pem.push('\n');
+    }
+
+    /// What templates made under this set-up depend on: the network
+    /// device (the CA certificates are installed at every start and
+    /// restore, so they are not part of it).
     pub fn fingerprint(&self) -> String {
-        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-        for b in self.ca_pem.bytes() {
-            h = (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
-        }
-        if self.ca_pem.is_empty() {
-            "virtio-net".into()
-        } else {
-            format!("virtio-net; ca {h:016x}")
-        }
+        "virtio-net".into()
     }
 
     /// A new sandbox's control with `policy` (`None`: the default policy)
@@ -182,6 +198,31 @@ impl NetworkSetup {
         let policy = policy.unwrap_or(&self.default_policy);
         NetControl::new(policy, ceiling, self.server_policy.clone(), self.config.log_records)
     }
+}
+
+/// The host's own trust store as PEM text: the certificates
+/// `rustls-native-certs` finds (`$SSL_CERT_FILE`, `$SSL_CERT_DIR`, else
+/// the distribution's bundle).
+///
+/// Errors: none found, with what the search saw.
+pub fn host_trust_pem() -> Result<String, String> {
+    use base64::Engine;
+    let found = rustls_native_certs::load_native_certs();
+    if found.certs.is_empty() {
+        let why: Vec<String> = found.errors.iter().map(|e| e.to_string()).collect();
+        return Err(format!("the host's trust store has no certificates ({})", why.join("; ")));
+    }
+    let mut pem = String::new();
+    for c in &found.certs {
+        let b64 = base64::engine::general_purpose::STANDARD.encode(c.as_ref());
+        pem.push_str("-----BEGIN CERTIFICATE-----\n");
+        for line in b64.as_bytes().chunks(64) {
+            pem.push_str(std::str::from_utf8(line).unwrap_or_default());
+            pem.push('\n');
+        }
+        pem.push_str("-----END CERTIFICATE-----\n");
+    }
+    Ok(pem)
 }
 
 /// Checks that `policy`'s rules compile.
@@ -217,18 +258,27 @@ mod tests {
     }
 
     #[test]
-    fn templates_depend_on_the_ca_certificates() {
+    fn templates_do_not_depend_on_the_ca_certificates() {
         let plain = NetworkSetup::new(NetworkConfig::default()).unwrap();
         assert_eq!(plain.fingerprint(), "virtio-net");
         let dir = tempfile::tempdir().unwrap();
         let pem = dir.path().join("ca.pem");
         std::fs::write(&pem, "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n").unwrap();
-        let with_ca =
+        let mut with_ca =
             NetworkSetup::new(NetworkConfig { ca_certificates: vec![pem.clone()], ..Default::default() }).unwrap();
-        assert!(with_ca.fingerprint().starts_with("virtio-net; ca "), "{}", with_ca.fingerprint());
-        std::fs::write(&pem, "-----BEGIN CERTIFICATE-----\nBBBB\n-----END CERTIFICATE-----\n").unwrap();
-        let other = NetworkSetup::new(NetworkConfig { ca_certificates: vec![pem], ..Default::default() }).unwrap();
-        assert_ne!(with_ca.fingerprint(), other.fingerprint());
+        assert_eq!(with_ca.fingerprint(), "virtio-net", "installed at every start and restore instead");
+        assert_eq!(with_ca.ca_pem, "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n");
+        with_ca.trust_also("-----BEGIN CERTIFICATE-----\nBBBB\n-----END CERTIFICATE-----");
+        assert!(with_ca.ca_pem.ends_with(
+            "AAAA\n-----END CERTIFICATE-----\n-----BEGIN CERTIFICATE-----\nBBBB\n-----END CERTIFICATE-----\n"
+        ));
+        // "host": the host's own store, where it has one.
+        if std::path::Path::new("/etc/ssl/certs/ca-certificates.crt").exists() {
+            let host =
+                NetworkSetup::new(NetworkConfig { ca_certificates: vec![HOST_TRUST.into()], ..Default::default() })
+                    .unwrap();
+            assert!(host.ca_pem.matches("-----BEGIN CERTIFICATE-----").count() > 10, "the host's bundle");
+        }
     }
 
     #[test]

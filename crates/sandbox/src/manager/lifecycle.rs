@@ -669,6 +669,7 @@ impl Manager {
             },
         };
         let booted = matches!(source, VmSource::Boot);
+        let fresh = matches!(source, VmSource::Boot | VmSource::Template(_));
         // A boot's disk starts as the blank file system of its size (made
         // once per size).
         let blank_mib = if booted { sb.disk_mib } else { 0 };
@@ -708,8 +709,10 @@ impl Manager {
         let agent = self.wait_for_agent(sb, &*watch, &uds, progress, t0).await?;
         progress.report(secs(t0), None, format!("{}: agent ready; reseeding", sb.id));
         reseed(sb, &agent).await?;
-        if booted {
-            self.install_ca_certificates(sb, &agent).await?;
+        // A boot's or a template's guest: the server's CA certificates (a
+        // branch child's and a hibernated one's memory has them already).
+        if fresh {
+            self.install_trust(sb, &agent).await?;
         }
         let boot_ms = started.elapsed().as_millis() as u64;
         sb.transition(Transition::Ready { agent: Arc::new(agent), boot_ms }).map_err(|r| SandboxError::NotRunning {

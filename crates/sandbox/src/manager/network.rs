@@ -1,8 +1,8 @@
 //! A sandbox's network as the manager sees it: each sandbox's
 //! [`NetControl`] (made at create, inherited by branch children, taken over
 //! by a merge), changing the policy of a running sandbox, reading its
-//! network log, and the extra CA certificates put into a booted guest's
-//! trust store.
+//! network log, and the server's CA certificates given to a started or
+//! restored guest to trust.
 
 use std::sync::Arc;
 
@@ -10,20 +10,13 @@ use netstack::control::NetControl;
 use netstack::log::NetRecord;
 use netstack::policy::NetworkPolicy;
 use tine_agent_client::AgentClient;
-use tine_protocol::ExitStatus;
 
 use super::{Manager, Sandbox, SandboxError};
 use crate::lock;
 
-/// Where the extra CA certificates go in the guest (Debian's
-/// `update-ca-certificates` picks up `*.crt` there).
-const GUEST_CA_FILE: &str = "/usr/local/share/ca-certificates/tine-extra.crt";
-/// The guest's CA bundle (Debian's `ca-certificates`).
-const GUEST_CA_BUNDLE: &str = "/etc/ssl/certs/ca-certificates.crt";
-/// The directory of [`GUEST_CA_BUNDLE`].
-const GUEST_CA_DIR: &str = "/etc/ssl/certs";
-/// Deadline of the trust-store update in the guest.
-const CA_UPDATE_TIMEOUT_MS: u32 = 120_000;
+/// Deadline of the trust install in the guest (a bundle of a few hundred
+/// KiB read and written where every guest system call is emulated).
+const TRUST_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// A page of a sandbox's network log.
 #[derive(Clone, Debug, serde::Serialize)]
@@ -114,41 +107,25 @@ impl Manager {
         Ok(NetworkLog { records, dropped })
     }
 
-    /// Adds the server's extra CA certificates to a freshly booted guest's
-    /// trust store (restored guests have them from their template).
+    /// Gives a started or restored guest the server's CA certificates to
+    /// trust beside its own store (`Op::InstallTrust`; a template's guest
+    /// may have been made with others, or none). An agent older than the
+    /// operation goes on without them (logged).
     ///
-    /// Errors: [`SandboxError::Connection`] when the agent fails or the
-    /// update exits non-zero.
-    pub(super) async fn install_ca_certificates(&self, sb: &Sandbox, agent: &AgentClient) -> Result<(), SandboxError> {
+    /// Errors: [`SandboxError::Connection`] when the agent fails.
+    pub(super) async fn install_trust(&self, sb: &Sandbox, agent: &AgentClient) -> Result<(), SandboxError> {
         let Some(pem) = self.config.network.as_ref().map(|n| n.ca_pem.clone()).filter(|p| !p.is_empty()) else {
             return Ok(());
         };
-        let fail = |reason: String| SandboxError::Connection { id: sb.id.clone(), reason };
-        agent
-            .write_file(GUEST_CA_FILE, pem.into_bytes(), Some(0o644))
-            .await
-            .map_err(|e| fail(format!("write the CA certificates: {e}")))?;
-        // Appended to the bundle OpenSSL, curl, git and Debian's pip read
-        // (update-ca-certificates, which a later run keeps it through,
-        // takes minutes where guest kernel mode is emulated); its
-        // directory made where an image has none (busybox), with no
-        // process started where it has (the test is the shell's).
-        let reply = agent
-            .exec(
-                &format!("[ -d {GUEST_CA_DIR} ] || mkdir -p {GUEST_CA_DIR}; cat {GUEST_CA_FILE} >> {GUEST_CA_BUNDLE}"),
-                CA_UPDATE_TIMEOUT_MS,
-                4096,
-            )
-            .await
-            .map_err(|e| fail(format!("add the CA certificates to {GUEST_CA_BUNDLE}: {e}")))?;
-        if reply.status != ExitStatus::Code(0) {
-            return Err(fail(format!(
-                "adding the CA certificates to {GUEST_CA_BUNDLE} ended with {:?}: {}",
-                reply.status,
-                String::from_utf8_lossy(&reply.stderr.data)
-            )));
+        match agent.install_trust(pem, TRUST_TIMEOUT).await {
+            Ok(()) => Ok(()),
+            Err(tine_agent_client::ClientError::Agent(tine_protocol::AgentError::Unsupported { reason })) => {
+                tracing::warn!(sandbox = %sb.id, "its agent cannot install the server's CA certificates ({reason}); TLS through the secret broker or a TLS-inspecting proxy will not verify in it");
+                Ok(())
+            }
+            Err(e) => {
+                Err(SandboxError::Connection { id: sb.id.clone(), reason: format!("install the CA certificates: {e}") })
+            }
         }
-        tracing::info!(sandbox = %sb.id, "extra CA certificates installed");
-        Ok(())
     }
 }
