@@ -31,6 +31,9 @@ pub struct NetControl {
     /// Where flows that carry the sandbox's secrets go (`None`: it has
     /// none).
     handoff: RwLock<Option<Arc<dyn Handoff>>>,
+    /// The bytes the stack's buffers held when it last said
+    /// ([`crate::stack::BUFFERED_REPORT_EVERY`]).
+    buffered: std::sync::atomic::AtomicU64,
 }
 
 /// A sandbox's secrets as its network sees them: which TLS connections go
@@ -120,7 +123,21 @@ impl NetControl {
             log: Mutex::new(NetLog::new(log_capacity)),
             inbound: Mutex::new(Inbound::default()),
             handoff: RwLock::new(None),
+            buffered: std::sync::atomic::AtomicU64::new(0),
         }))
+    }
+
+    /// The bytes the sandbox's network buffers held at the stack's last
+    /// report (at most a second old while it runs;
+    /// [`crate::stack::NetStack::buffered_bytes`]): what the sandbox
+    /// manager charges to the memory budget on top of guest memory.
+    pub fn buffered_bytes(&self) -> u64 {
+        self.buffered.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// The stack's report of [`NetControl::buffered_bytes`].
+    pub(crate) fn set_buffered_bytes(&self, bytes: u64) {
+        self.buffered.store(bytes, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Sets where the sandbox's secret flows go (`None`: it has no

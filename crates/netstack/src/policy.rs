@@ -100,17 +100,17 @@ pub struct ServerNetPolicy {
     pub host_addrs: HostAddrs,
 }
 
-/// How old the host's addresses may be when a connection is judged by
-/// them; older, they are read again (one `getifaddrs(3)` then, none per
-/// connection or packet in between).
+/// How often the host's addresses are read again (one `getifaddrs(3)`,
+/// on a thread of its own: none per connection or packet, and none on a
+/// network thread, whose seccomp filter has no netlink socket).
 pub const HOST_ADDRS_MAX_AGE: Duration = Duration::from_secs(30);
 
 /// The host's own addresses, shared by every policy of a server: read from
-/// the system ([`HostAddrs::system`], read again when older than
-/// [`HOST_ADDRS_MAX_AGE`] at a look-up, so an address the host gains later,
-/// a new interface or a DHCP change, is blocked within that time), or a
-/// fixed list ([`HostAddrs::fixed`]; the default is an empty one). Cheap to
-/// clone (an `Arc`).
+/// the system ([`HostAddrs::system`], read again every
+/// [`HOST_ADDRS_MAX_AGE`] by a thread of its own while any clone lives, so
+/// an address the host gains later, a new interface or a DHCP change, is
+/// blocked within that time), or a fixed list ([`HostAddrs::fixed`]; the
+/// default is an empty one). Cheap to clone (an `Arc`).
 #[derive(Clone, Debug, Default)]
 pub struct HostAddrs(Arc<HostAddrsInner>);
 
@@ -131,10 +131,21 @@ fn normal_addrs(addrs: Vec<IpAddr>) -> Vec<IpAddr> {
 }
 
 impl HostAddrs {
-    /// This host's addresses ([`host_addresses`]), read now and again at
-    /// look-ups when older than [`HOST_ADDRS_MAX_AGE`].
+    /// This host's addresses ([`host_addresses`]), read now and again
+    /// every [`HOST_ADDRS_MAX_AGE`] by a thread that ends with the last
+    /// clone.
     pub fn system() -> Self {
-        Self::reading(host_addresses)
+        let addrs = Self::reading(host_addresses);
+        let weak = Arc::downgrade(&addrs.0);
+        let spawned = std::thread::Builder::new().name("tine-host-addrs".into()).spawn(move || loop {
+            std::thread::sleep(HOST_ADDRS_MAX_AGE);
+            let Some(inner) = weak.upgrade() else { return };
+            HostAddrs(inner).refresh_if_old(Instant::now());
+        });
+        if let Err(e) = spawned {
+            tracing::warn!("the host's addresses will not be read again: {e}");
+        }
+        addrs
     }
 
     /// Addresses read from `source` (as [`HostAddrs::system`] does).
@@ -149,24 +160,24 @@ impl HostAddrs {
         Self(Arc::new(HostAddrsInner { source: None, state: RwLock::new((normal_addrs(addrs), None)) }))
     }
 
-    /// Whether `ip` (canonical) is one of them at `now`.
-    fn contains_at(&self, ip: IpAddr, now: Instant) -> bool {
+    /// Whether `ip` (canonical) is one of them as last read.
+    fn contains(&self, ip: IpAddr) -> bool {
+        self.0.state.read().unwrap_or_else(|e| e.into_inner()).0.binary_search(&ip).is_ok()
+    }
+
+    /// Reads them again if the last read is [`HOST_ADDRS_MAX_AGE`] old at
+    /// `now` (never for a fixed list).
+    fn refresh_if_old(&self, now: Instant) {
         let inner = &*self.0;
-        {
+        let Some(source) = inner.source else { return };
+        let old = {
             let state = inner.state.read().unwrap_or_else(|e| e.into_inner());
-            let fresh = state.1.is_none_or(|t| now.saturating_duration_since(t) < HOST_ADDRS_MAX_AGE);
-            if fresh || inner.source.is_none() {
-                return state.0.binary_search(&ip).is_ok();
-            }
+            state.1.is_some_and(|t| now.saturating_duration_since(t) >= HOST_ADDRS_MAX_AGE)
+        };
+        if old {
+            let addrs = normal_addrs(source());
+            *inner.state.write().unwrap_or_else(|e| e.into_inner()) = (addrs, Some(now));
         }
-        let mut state = inner.state.write().unwrap_or_else(|e| e.into_inner());
-        // Another thread may have read them meanwhile.
-        if let (Some(source), Some(t)) = (inner.source, state.1) {
-            if now.saturating_duration_since(t) >= HOST_ADDRS_MAX_AGE {
-                *state = (normal_addrs(source()), Some(now));
-            }
-        }
-        state.0.binary_search(&ip).is_ok()
     }
 
     /// The addresses as last read.
@@ -553,7 +564,7 @@ impl CompiledPolicy {
         if let Some(net) = self.blocked.iter().find(|n| n.contains(&ip)) {
             return Some(format!("blocked-range:{net}"));
         }
-        if self.host_addrs.contains_at(ip, Instant::now()) {
+        if self.host_addrs.contains(ip) {
             return Some(HOST_ADDRESS_RULE.to_string());
         }
         None
@@ -846,12 +857,14 @@ mod tests {
         }
         let addrs = HostAddrs::reading(source);
         let t0 = Instant::now();
-        assert!(addrs.contains_at(ip("11.0.0.1"), t0));
-        assert!(!addrs.contains_at(ip("11.0.0.2"), t0 + HOST_ADDRS_MAX_AGE / 2));
+        assert!(addrs.contains(ip("11.0.0.1")));
+        addrs.refresh_if_old(t0 + HOST_ADDRS_MAX_AGE / 2);
+        assert!(!addrs.contains(ip("11.0.0.2")));
         assert_eq!(READS.load(Ordering::SeqCst), 1, "no read while fresh");
-        assert!(addrs.contains_at(ip("11.0.0.2"), t0 + HOST_ADDRS_MAX_AGE));
+        addrs.refresh_if_old(t0 + HOST_ADDRS_MAX_AGE + Duration::from_secs(1));
+        assert!(addrs.contains(ip("11.0.0.2")));
         assert_eq!(READS.load(Ordering::SeqCst), 2);
-        assert!(addrs.contains_at(ip("11.0.0.2"), t0 + HOST_ADDRS_MAX_AGE + Duration::from_secs(1)));
+        addrs.refresh_if_old(t0 + HOST_ADDRS_MAX_AGE + Duration::from_secs(2));
         assert_eq!(READS.load(Ordering::SeqCst), 2);
         // A policy compiled with them sees the new address.
         let server = ServerNetPolicy { permit_ranges: vec![], host_addrs: addrs.clone() };
@@ -860,7 +873,8 @@ mod tests {
             HOST_ADDRESS_RULE
         );
         let fixed = HostAddrs::fixed(vec![ip("11.0.0.9")]);
-        assert!(fixed.contains_at(ip("11.0.0.9"), t0 + Duration::from_secs(86400)));
+        fixed.refresh_if_old(t0 + Duration::from_secs(86400));
+        assert!(fixed.contains(ip("11.0.0.9")));
         assert_eq!(fixed.snapshot(), vec![ip("11.0.0.9")]);
     }
 

@@ -284,6 +284,9 @@ const FIONBIO: u64 = 0x5421;
 /// `FIONREAD` (asm-generic/ioctls.h): bytes waiting on a socket (the size
 /// of a UDP datagram before it is read).
 const FIONREAD: u64 = 0x541b;
+/// `TIOCOUTQ` (also `SIOCOUTQ` on sockets, tcp(7)): bytes not yet sent or
+/// acknowledged.
+const TIOCOUTQ: u64 = 0x5411;
 
 /// The vCPU ioctls a vCPU thread makes: `KVM_RUN`, and the state it saves
 /// and restores while parked for a snapshot or a branch (`vcpu_state`),
@@ -514,9 +517,16 @@ fn rules(kind: ThreadKind) -> Rules {
             );
         }
         ThreadKind::Net => {
-            // Sockets set non-blocking (Rust's set_nonblocking), and the
-            // bytes waiting on one.
-            r.insert(libc::SYS_ioctl, ioctl_rules(&[FIONBIO, FIONREAD]));
+            // Sockets set non-blocking (Rust's set_nonblocking), the bytes
+            // waiting on one, and the bytes not yet sent (the buffers'
+            // report to the memory budget, netstack's `buffered_bytes`).
+            r.insert(libc::SYS_ioctl, ioctl_rules(&[FIONBIO, FIONREAD, TIOCOUTQ]));
+            // The secret broker's hand-over: a Unix stream pair takes the
+            // host connection's place in the splice.
+            r.insert(
+                libc::SYS_socketpair,
+                vec![rule(vec![cond(0, SeccompCmpArgLen::Dword, SeccompCmpOp::Eq, libc::AF_UNIX as u64)])],
+            );
             // The NAT's host side: TCP connections and UDP flows (DNS
             // forwarding included) to IPv4 and IPv6 hosts; no Unix sockets,
             // no netlink, no packet sockets.
