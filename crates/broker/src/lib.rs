@@ -42,6 +42,7 @@ use std::time::Duration;
 
 pub use ca::{CaError, CertificateAuthority};
 pub use flow::FlowStats;
+pub use hyper::header::HeaderName;
 pub use swap::{Binding, HostPattern, SecretValue, SwapError};
 
 /// How long each TLS handshake may take.

@@ -41,6 +41,7 @@ pub mod memory;
 pub mod network;
 pub mod progress;
 pub mod published_ports;
+pub mod secrets;
 pub mod store;
 pub mod templates;
 pub mod volumes;

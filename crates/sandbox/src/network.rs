@@ -15,6 +15,7 @@
 //! max_connections = 256       # open TCP connections + UDP flows per sandbox
 //! log_records = 1024          # network log records kept per sandbox
 //! ca_certificates = []        # PEM files added to every guest's trust store; "host": the host's own store
+//! upstream_ca_certificates = [] # PEM files the secret broker trusts for upstream hosts
 //! [network.hosts]             # names the gateway's DNS answers itself
 //! # "files.internal" = "10.0.2.2"
 //! ```
@@ -65,6 +66,10 @@ pub struct NetworkConfig {
     /// Installed at every start and restore (`Op::InstallTrust`), so
     /// templates do not depend on them.
     pub ca_certificates: Vec<PathBuf>,
+    /// PEM files of CA certificates the secret broker trusts, beside the
+    /// host's own store, for the hosts it opens TLS to on a sandbox's
+    /// behalf (an internal API's private CA).
+    pub upstream_ca_certificates: Vec<PathBuf>,
 }
 
 impl Default for NetworkConfig {
@@ -80,6 +85,7 @@ impl Default for NetworkConfig {
             max_connections: 256,
             log_records: 1024,
             ca_certificates: Vec::new(),
+            upstream_ca_certificates: Vec::new(),
         }
     }
 }

@@ -123,6 +123,9 @@ struct ServerCommand {
     config_path: PathBuf,
     port: u16,
     token_file: Option<PathBuf>,
+    /// Where its standard error is copied as well as to the test's
+    /// ([`TineServer::log`]).
+    log: PathBuf,
 }
 
 impl ServerCommand {
@@ -140,12 +143,24 @@ impl ServerCommand {
             .arg(crate::rootfs())
             .env_remove("TINE_TOKEN")
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit());
+            .stderr(Stdio::piped());
         match &self.token_file {
             Some(f) => cmd.arg("--token-file").arg(f),
             None => cmd.arg("--dev"),
         };
         let mut child = cmd.spawn().expect("spawn tine server");
+        // Standard error to the test's and to the log file.
+        let mut stderr = child.stderr.take().expect("stderr");
+        let mut log =
+            std::fs::OpenOptions::new().create(true).append(true).open(&self.log).expect("open the server log");
+        std::thread::spawn(move || {
+            use std::io::{Read, Write};
+            let mut buf = [0u8; 8192];
+            while let Ok(n @ 1..) = stderr.read(&mut buf) {
+                let _ = std::io::stderr().write_all(&buf[..n]);
+                let _ = log.write_all(&buf[..n]);
+            }
+        });
         let stdout = child.stdout.take().expect("stdout");
         let mut lines = BufReader::new(stdout).lines();
         loop {
@@ -172,43 +187,6 @@ pub enum Stop {
     Term,
     /// SIGKILL, as an OOM kill or a crash would.
     Kill,
-}
-
-/// The host's CA bundle (Debian's path), which the guests must trust to
-/// reach the package registries through this host's TLS-inspecting proxy.
-const HOST_CA_BUNDLE: &str = "/etc/ssl/certs/ca-certificates.crt";
-
-/// The CA certificates that [`with_host_ca`] gives a configuration's
-/// guests: the host's bundle where it has one, else none. A sandbox
-/// manager of a test that shares the run's default template trusts these
-/// (its guest set-up is then that of the seeded servers).
-pub fn host_ca_certificates() -> Vec<PathBuf> {
-    Some(PathBuf::from(HOST_CA_BUNDLE)).filter(|p| p.exists()).into_iter().collect()
-}
-
-/// A server configuration for tests that reach the package registries:
-/// `[limits] boot_timeout_secs = 1200` and, where the host has its CA
-/// bundle, `[network] ca_certificates` naming it (so guests trust what
-/// the host trusts). [`TineServer::start_with_default_template`] gives
-/// every configuration that line ([`with_host_ca`]), so their servers
-/// share one default template.
-pub fn registry_config() -> String {
-    with_host_ca("[limits]\nboot_timeout_secs = 1200\n")
-}
-
-/// `config` with the host's CA bundle in its guests' trust store
-/// (`ca_certificates` in its `[network]` table, which is added if it has
-/// none), where the host has the bundle and `config` names no CA
-/// certificates of its own; else `config` as it is. The CA certificates
-/// are part of the default template's guest set-up: servers that need the
-/// default template all get them, so that one build of it serves a run
-/// (`packages.rs` needs them for pip through this host's TLS-inspecting
-/// proxy; to the others they are an extra file in the guest).
-pub fn with_host_ca(config: &str) -> String {
-    if !Path::new(HOST_CA_BUNDLE).exists() {
-        return config.to_string();
-    }
-    with_setting(config, "network", "ca_certificates", &format!("ca_certificates = [\"{HOST_CA_BUNDLE}\"]"))
 }
 
 /// `config` with `line` (a `key = value` setting) in its `[table]`, placed
@@ -250,12 +228,11 @@ pub fn shared_disk_mib() -> u64 {
     }
 }
 
-/// `config` as the run's seeded servers have it: [`with_host_ca`], and
-/// `[limits] default_disk_mib` of [`shared_disk_mib`] unless `config`
-/// names a size.
+/// `config` as the run's seeded servers have it: `[limits]
+/// default_disk_mib` of [`shared_disk_mib`] unless `config` names a size.
 pub fn shared_setup(config: &str) -> String {
     let line = format!("default_disk_mib = {}", shared_disk_mib());
-    with_setting(&with_host_ca(config), "limits", "default_disk_mib", &line)
+    with_setting(config, "limits", "default_disk_mib", &line)
 }
 
 /// A TCP port free on 127.0.0.1 now (the kernel's pick).
@@ -364,8 +341,15 @@ impl TineServer {
             std::fs::set_permissions(&f, std::os::unix::fs::PermissionsExt::from_mode(0o600)).expect("chmod");
             f
         });
-        let command =
-            ServerCommand { binary: binary.to_path_buf(), data_dir: data_dir.clone(), config_path, port, token_file };
+        let log = dir.path().join("server.log");
+        let command = ServerCommand {
+            binary: binary.to_path_buf(),
+            data_dir: data_dir.clone(),
+            config_path,
+            port,
+            token_file,
+            log,
+        };
         let child = command.spawn();
         TineServer {
             child: Some(child),
@@ -376,6 +360,12 @@ impl TineServer {
             command,
             _dir: dir,
         }
+    }
+
+    /// What the server wrote to its standard error so far (its log, from
+    /// its first start on).
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.command.log).unwrap_or_default()
     }
 
     /// The server's process id.
@@ -521,7 +511,7 @@ pub fn own_rss_kib(pid: u32) -> u64 {
 /// Where this test run keeps a copy of the default template built by
 /// `binary` from the test kernel and rootfs for servers of `config`: next
 /// to the binary, in a directory per guest set-up (the configuration's
-/// lines that change the default template's guest: `ca_certificates`, the
+/// lines that change the default template's guest: the
 /// network's `enabled` and the sandbox disk's `default_disk_mib`; "plain"
 /// when it has none), under a key made
 /// of the three files' identities (size, mtime, inode). A seed that does
@@ -553,7 +543,7 @@ fn setup_variant(config: &str) -> String {
     let mut setup: Vec<&str> = config
         .lines()
         .map(str::trim)
-        .filter(|l| l.starts_with("ca_certificates") || l.starts_with("enabled") || l.starts_with("default_disk_mib"))
+        .filter(|l| l.starts_with("enabled") || l.starts_with("default_disk_mib"))
         .collect();
     setup.sort_unstable();
     if setup.is_empty() {

@@ -132,6 +132,9 @@ pub struct FileConfig {
     /// `[ports]`: published host ports
     /// ([`crate::published_ports::PortsConfig`]).
     pub ports: crate::published_ports::PortsConfig,
+    /// `[secrets]`: the secrets store and the broker's CA
+    /// ([`crate::secrets::SecretsConfig`]).
+    pub secrets: crate::secrets::SecretsConfig,
 }
 
 /// The tenants file's name in the data directory, where
@@ -428,6 +431,11 @@ mod tests {
             c.ports,
             crate::published_ports::PortsConfig::default(),
             "deploy/tine.toml shows the [ports] defaults"
+        );
+        assert_eq!(
+            c.secrets,
+            crate::secrets::SecretsConfig::default(),
+            "deploy/tine.toml shows the [secrets] defaults"
         );
         let huge: FileConfig = toml::from_str("[memory]\nhuge_pages = true\n").unwrap();
         assert!(huge.memory.huge_pages);

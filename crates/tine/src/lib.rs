@@ -18,6 +18,8 @@
 //! - `preview`: preview URLs, a browser's way to a server in a sandbox;
 //!   `port_forward`: raw TCP into a guest port over an upgraded request;
 //!   `published_ports`: host ports the server listens on for a sandbox.
+//! - `secrets`: API keys a sandbox uses without holding them (sealed in
+//!   the data directory, swapped in by the broker, `crates/broker`).
 //! - `metrics` and `audit`: `/metrics` and the audit log.
 
 pub mod cli;
@@ -32,5 +34,6 @@ mod metrics;
 mod port_forward;
 mod preview;
 mod published_ports;
+mod secrets;
 mod server;
 mod splice;

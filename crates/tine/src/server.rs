@@ -125,6 +125,8 @@ pub struct ServeOptions {
     pub previews: Arc<crate::preview::Previews>,
     /// Published host ports ([`crate::published_ports`]).
     pub ports: crate::published_ports::PortsConfig,
+    /// The secrets store (`None`: none, in tests of the router alone).
+    pub secrets: Option<Arc<crate::secrets::Store>>,
 }
 
 /// Errors of serving.
@@ -268,6 +270,7 @@ pub fn router(
     tokio::spawn(async move { restoring.restore().await });
     let shared = Shared {
         ports,
+        secrets: opts.secrets.clone(),
         manager: manager.clone(),
         files: files.clone(),
         cluster: cluster.clone(),
@@ -340,6 +343,7 @@ pub async fn serve(manager: Arc<Manager>, opts: ServeOptions) -> Result<(), Serv
     let reload = opts.auth.spawn_reload();
     let jwks = opts.auth.spawn_oauth_refresh();
     let sweeper = tokio::spawn(follow_tenants(manager.clone(), opts.auth.subscribe()));
+    let secrets_reload = opts.secrets.as_ref().map(|s| s.spawn_reload());
     if opts.build_default_template {
         let m = manager.clone();
         tokio::spawn(async move {
@@ -366,6 +370,9 @@ pub async fn serve(manager: Arc<Manager>, opts: ServeOptions) -> Result<(), Serv
         j.abort();
     }
     sweeper.abort();
+    if let Some(s) = secrets_reload {
+        s.abort();
+    }
     tracing::info!("hibernating every sandbox");
     let kept = manager.shutdown_keeping().await;
     tracing::info!("{kept} sandboxes hibernated; the next start lists them again");

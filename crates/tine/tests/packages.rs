@@ -17,19 +17,22 @@
 //! `dist-packages`; the directory npm's prefix names is checked against
 //! `NODE_PATH` (processes.rs requires a module from there in the Node
 //! interpreter), and the registry's name resolves through the gateway's
-//! DNS. Through the NAT and the gateway's DNS to the real registries, with
-//! the host's CA bundle added to the guests' trust store
-//! (`ca_certificates`: this host's traffic passes a TLS-inspecting proxy).
+//! DNS. Through the NAT and the gateway's DNS to the real registries. First,
+//! on a `--dev` server with no trust configured (whose guests then trust
+//! the host's store, `ca_certificates = ["host"]`: this host's traffic
+//! passes a TLS-inspecting proxy), pip's own HTTPS client fetches the
+//! index's page of a package in the sandbox's interpreter: what `pip
+//! install` failed on with `CERTIFICATE_VERIFY_FAILED`.
 //! Skips loudly where `pypi.org` is not reachable from the host.
 //!
-//! The server's default template has the CA set-up, as every seeded test
-//! server's has (`testkit::mcp::with_host_ca`), so the run builds it once.
+//! The CA certificates are installed at every start and restore, so the
+//! server shares the run's default template.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use testkit::mcp::{call, registry_config, McpClient, TineServer};
+use testkit::mcp::{call, McpClient, TineServer};
 
 fn binary() -> &'static Path {
     Path::new(env!("CARGO_BIN_EXE_tine"))
@@ -68,9 +71,25 @@ async fn pip_and_npm_install_and_the_next_command_finds_the_package() {
         eprintln!("\n*** SKIPPED pip_and_npm: pypi.org:443 is not reachable from this host ***\n");
         return;
     }
-    let config = registry_config();
-    let server = TineServer::start_with_default_template(binary(), None, &config);
+    // A fresh --dev server with no trust configured: --dev gives guests
+    // the host's trust store (this host's TLS passes an inspecting proxy;
+    // with Debian's store alone pip fails with CERTIFICATE_VERIFY_FAILED).
+    let config = "[limits]\nboot_timeout_secs = 1200\n";
+    let server = TineServer::start_with_default_template(binary(), None, config);
     let client = server.client().await;
+
+    // pip's own HTTPS client (its vendored requests, as `pip install`
+    // uses it) verifies the index's certificate in the guest, in the
+    // sandbox's interpreter (a new Python process starts in 15 s here).
+    let sb = call(&client, "sandbox_create", json!({})).await.expect("create");
+    let fresh = sb["sandbox_id"].as_str().unwrap().to_string();
+    let code = "from pip._vendor import requests\n\
+                r = requests.get('https://pypi.org/simple/iniconfig/', timeout=120)\n\
+                (r.status_code, 'iniconfig' in r.text)";
+    let r = call(&client, "sandbox_run_python", json!({"sandbox_id": fresh, "code": code, "timeout_secs": 300})).await;
+    let r = r.expect("python");
+    assert_eq!(r["result"], "(200, True)", "pip's HTTPS to the index through this host's proxy: {r}");
+    call(&client, "sandbox_kill", json!({"sandbox_id": fresh})).await.expect("kill");
 
     // iniconfig: small, pure Python, and not in the image (six is: npm's
     // dependencies bring it, and pip then never asks the index); the step

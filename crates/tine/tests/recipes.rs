@@ -15,9 +15,7 @@
 //! are refused with a message.
 //!
 //! Its server's default template is a copy of the one the run's first
-//! server built (the recipes reach no registry but the test's own; every
-//! seeded server has the host's CA bundle, see
-//! `testkit::mcp::with_host_ca`).
+//! server built (the recipes reach no registry but the test's own).
 
 use std::path::Path;
 use std::time::Duration;

@@ -247,6 +247,10 @@ impl Manager {
             };
             let child = Sandbox::new(id, dir, source.vcpus, source.memory_mib, setup);
             *lock(&child.net) = nets.pop().flatten();
+            // Its source's secrets, placeholders and all (its processes
+            // hold them), as bindings of its own: a detach in the child
+            // leaves the source's as they are.
+            *lock(&child.secrets) = lock(&source.secrets).clone();
             // The parent's volumes: a read-only one is read by the child
             // too; a writable one becomes the child's copy-on-write view
             // (its slot gets a new top over what the branch froze), which
@@ -271,6 +275,12 @@ impl Manager {
         match made {
             Err(SandboxError::TooMany { live, max }) => {
                 Err(SandboxError::BranchCount { n, max: max.saturating_sub(live) })
+            }
+            Ok(children) => {
+                for c in &children {
+                    self.attach_handoff(c);
+                }
+                Ok(children)
             }
             r => r,
         }
@@ -419,6 +429,10 @@ impl Manager {
         // The winner's NAT runs in its VM, with the winner's control.
         let net = lock(&w.net).take();
         *lock(&p.net) = net;
+        // The winner's VM holds the winner's placeholders.
+        let secrets = lock(&w.secrets).clone();
+        *lock(&p.secrets) = secrets;
+        self.attach_handoff(p);
         let _ = p.transition(Transition::TakeOver { to: w_state, boot_ms: w_boot_ms, agent });
         if let Err(e) = p.spawn_monitor(watch) {
             tracing::error!(sandbox = %p.id, "cannot start a monitor thread after the merge: {e}; a crash will not be noticed")

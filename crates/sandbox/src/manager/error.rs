@@ -172,6 +172,9 @@ pub enum SandboxError {
     /// A create's volumes cannot be attached as asked.
     #[error("{0}")]
     Volumes(String),
+    /// Secrets cannot be bound as asked ([`crate::secrets`]).
+    #[error("secrets: {0}")]
+    Secrets(String),
     /// A template's OCI image cannot be pulled or made a base image.
     #[error(transparent)]
     Image(#[from] super::images::ImageBuildError),

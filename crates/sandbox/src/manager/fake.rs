@@ -89,6 +89,11 @@ impl FakeBackend {
         lock(&self.vms).values().filter(|vm| !vm.is_ended()).count()
     }
 
+    /// VM `name`'s host environment (`Op::SetHostEnv`) as last set.
+    pub fn host_env(&self, name: &str) -> Vec<(String, String)> {
+        lock(&self.vms).get(name).map(|vm| lock(&vm.host_env).clone()).unwrap_or_default()
+    }
+
     /// Whether VM `name`'s vCPUs are parked.
     pub fn is_paused(&self, name: &str) -> bool {
         lock(&self.vms).get(name).is_some_and(|vm| vm.paused.load(Ordering::SeqCst))
@@ -147,6 +152,8 @@ struct Shared {
     memory_bytes: u64,
     files: Mutex<Files>,
     procs: Mutex<Procs>,
+    /// The host environment the agent was given.
+    host_env: Mutex<Vec<(String, String)>>,
     /// The agent's connections, shut down when the VM ends.
     connections: Mutex<Vec<UnixStream>>,
 }
@@ -304,6 +311,12 @@ impl Shared {
                 tine_protocol::check_sandbox_env(&env)?;
                 Reply::Done
             }
+            Op::SetHostEnv { env } => {
+                tine_protocol::check_sandbox_env(&env)?;
+                *lock(&self.host_env) = env;
+                Reply::Done
+            }
+            Op::InstallTrust { .. } => Reply::Done,
             Op::SetProcessDefaults(_) => Reply::ProcessDefaults(tine_protocol::ProcessDefaults::default()),
             Op::Info => Reply::Info(AgentInfo {
                 agent_version: "fake".into(),

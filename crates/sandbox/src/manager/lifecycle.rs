@@ -155,10 +155,26 @@ impl Manager {
         spec: SandboxSpec,
         cx: &CallContext,
     ) -> Result<SandboxInfo, SandboxError> {
+        // Secrets that cannot be bound are refused before any VM starts.
+        let secrets = spec.secrets.clone();
+        self.bind_secrets(cx.tenant.as_deref(), &[], &secrets)?;
         let (me, cx) = (self.clone(), cx.clone());
-        match tokio::spawn(async move { me.create_inner(spec, cx).await }).await {
-            Ok(r) => r,
-            Err(e) => Err(task_failed("sandbox creation task")(e)),
+        let info = match tokio::spawn(async move { me.create_inner(spec, cx).await }).await {
+            Ok(r) => r?,
+            Err(e) => return Err(task_failed("sandbox creation task")(e)),
+        };
+        if secrets.is_empty() {
+            return Ok(info);
+        }
+        match self.set_secrets(&info.sandbox_id, &secrets).await {
+            Ok(bindings) => Ok(SandboxInfo { secrets: bindings, ..info }),
+            Err(e) => {
+                tracing::warn!(sandbox = %info.sandbox_id, "binding its secrets failed: {e}");
+                if let Err(k) = self.kill(&info.sandbox_id).await {
+                    tracing::warn!(sandbox = %info.sandbox_id, "{k}");
+                }
+                Err(e)
+            }
         }
     }
 
@@ -706,6 +722,8 @@ impl Manager {
         // A resumed writer's volumes have new tops.
         self.note_volume_chains(sb).await;
 
+        // Its secrets' hand-over (a recovered sandbox's is made here).
+        self.attach_handoff(sb);
         let agent = self.wait_for_agent(sb, &*watch, &uds, progress, t0).await?;
         progress.report(secs(t0), None, format!("{}: agent ready; reseeding", sb.id));
         reseed(sb, &agent).await?;

@@ -49,6 +49,7 @@ mod quota;
 mod recipes;
 mod records;
 mod sandbox;
+mod secrets;
 mod settings;
 mod slots;
 mod spec;
@@ -118,6 +119,9 @@ pub struct ManagerConfig {
     /// Where pulled images (`oci/`) and base images (`bases/`) are kept;
     /// created when first needed.
     pub images_dir: PathBuf,
+    /// Secrets ([`crate::secrets`]): the store and the broker (`None`:
+    /// sandboxes cannot bind secrets).
+    pub secrets: Option<crate::secrets::SecretsSetup>,
 }
 
 /// The sandbox manager. Cheap to share: hold it in an `Arc`.

@@ -180,7 +180,8 @@ impl Manager {
 
     /// Counts every running or paused sandbox (and every pooled one) in the
     /// memory budget by the host memory it holds of its own plus the
-    /// headroom, at most its guest memory. A sandbox whose VM is busy
+    /// headroom, at most its guest memory, plus what its network's buffers
+    /// hold (`NetControl::buffered_bytes`). A sandbox whose VM is busy
     /// (being paused, hibernated, branched) keeps its count until the next
     /// tick. Blocking: one `PAGEMAP_SCAN` per sandbox.
     pub(super) fn measure_memory(&self) {
@@ -197,7 +198,9 @@ impl Manager {
                 Err(_) => None,
             };
             let Some(own) = own else { continue };
-            let mib = own.div_ceil(1 << 20).saturating_add(headroom).min(sb.memory_mib);
+            // Its network's buffers are host memory too, outside the guest's.
+            let net = lock(&sb.net).as_ref().map_or(0, |c| c.buffered_bytes());
+            let mib = own.div_ceil(1 << 20).saturating_add(headroom).min(sb.memory_mib) + net.div_ceil(1 << 20);
             if let Some(r) = lock(&sb.memory).own.as_mut() {
                 r.set_mib(mib);
             }

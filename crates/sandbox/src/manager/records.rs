@@ -82,6 +82,10 @@ pub(super) struct Record {
     /// and `error` as last known): the server listens again at start.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub ports: Vec<crate::published_ports::PublishedPort>,
+    /// Its secrets' bindings (placeholders, never values): the guest's
+    /// memory holds the placeholders, so a resumed sandbox swaps again.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub secrets: Vec<crate::secrets::SecretBinding>,
 }
 
 /// Where a hibernation is and what it was written against.
@@ -160,6 +164,7 @@ fn record_of(sb: &Sandbox, pin: Option<String>, hibernated: Option<&Hibernated>)
         hibernation,
         volumes: lock(&sb.volumes).clone(),
         ports: lock(&sb.ports).clone(),
+        secrets: lock(&sb.secrets).clone(),
     }
 }
 
@@ -388,6 +393,7 @@ impl Manager {
         let found = hibernation.is_some();
         *lock(&sb.hibernation) = hibernation;
         *lock(&sb.volumes) = r.volumes.clone();
+        *lock(&sb.secrets) = r.secrets.clone();
         *lock(&sb.ports) =
             r.ports.iter().map(|p| crate::published_ports::PublishedPort { listening: false, ..p.clone() }).collect();
         let (state, error) = match r.state.as_str() {

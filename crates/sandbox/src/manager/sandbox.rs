@@ -184,6 +184,10 @@ pub struct SandboxInfo {
     /// }`, [`crate::published_ports`]).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub ports: Vec<crate::published_ports::PublishedPort>,
+    /// Its secrets: each environment variable, the secret it stands for
+    /// and the placeholder it holds (never the value).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub secrets: Vec<crate::secrets::SecretBinding>,
 }
 
 /// A sandbox's place in a branch tree.
@@ -411,6 +415,9 @@ pub(super) struct Sandbox {
     /// The host ports published for it ([`crate::published_ports`]); a
     /// branch child has none.
     pub ports: Mutex<Vec<crate::published_ports::PublishedPort>>,
+    /// Its secrets ([`crate::secrets`]), shared with its network's
+    /// hand-over to the broker.
+    pub secrets: Arc<Mutex<Vec<crate::secrets::SecretBinding>>>,
 }
 
 impl Sandbox {
@@ -448,6 +455,7 @@ impl Sandbox {
             volumes: Mutex::new(Vec::new()),
             slot_chains: Mutex::new(Vec::new()),
             ports: Mutex::new(Vec::new()),
+            secrets: Arc::new(Mutex::new(Vec::new())),
         }
     }
 
@@ -662,6 +670,7 @@ impl Sandbox {
                 .map(|v| crate::volumes::AttachedVolume { stored: String::new(), ..v.clone() })
                 .collect(),
             ports: lock(&self.ports).clone(),
+            secrets: lock(&self.secrets).clone(),
         }
     }
 

@@ -26,6 +26,10 @@ pub struct SandboxUpdate {
     pub env: Option<BTreeMap<String, String>>,
     /// A new egress policy.
     pub network: Option<NetworkPolicy>,
+    /// New secret bindings (environment variable → secret name), in place
+    /// of the old ones (empty: detach all); a pair bound already keeps its
+    /// placeholder.
+    pub secrets: Option<Vec<(String, String)>>,
 }
 
 /// A map of variables as the protocol carries them (sorted by name).
@@ -84,8 +88,14 @@ impl Manager {
         if let Some(env) = &env {
             check_sandbox_env(env)?;
         }
+        if let Some(requests) = &update.secrets {
+            self.bind_secrets(sb.tenant().as_deref(), &crate::lock(&sb.secrets).clone(), requests)?;
+        }
         if let Some(policy) = &update.network {
             self.set_network_policy(id, policy)?;
+        }
+        if let Some(requests) = &update.secrets {
+            self.set_secrets(id, requests).await?;
         }
         if let Some(env) = env {
             self.set_env(id, env).await?;

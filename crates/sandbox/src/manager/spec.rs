@@ -39,4 +39,7 @@ pub struct SandboxSpec {
     /// template, in order. A create with volumes does not take a pooled
     /// sandbox.
     pub volumes: Vec<crate::volumes::VolumeRequest>,
+    /// Secrets to bind ([`crate::secrets`]): environment variable →
+    /// secret name; the variable holds a placeholder the broker swaps.
+    pub secrets: Vec<(String, String)>,
 }

@@ -51,6 +51,7 @@ fn config(dir: &std::path::Path, limits: Limits, huge_pages: bool) -> ManagerCon
         host_name: None,
         images: Default::default(),
         images_dir: dir.join("images"),
+        secrets: None,
         prefetch: false,
     }
 }
@@ -1329,4 +1330,105 @@ async fn only_the_default_shape_is_poolable() {
     }
     let none = Manager::with_backend(config(dir.path(), limits(4), false), Arc::new(FakeBackend::default())).unwrap();
     assert!(!none.poolable(&default), "no pool, nothing poolable");
+}
+
+/// A store of one secret, `api-key` (hosts `api.test`), the operator's,
+/// and shared with tenants only when `shared`.
+struct OneSecret {
+    rule: Arc<crate::secrets::SecretRule>,
+    shared: bool,
+}
+
+impl crate::secrets::SecretSource for OneSecret {
+    fn lookup(&self, tenant: Option<&str>, name: &str) -> Option<Arc<crate::secrets::SecretRule>> {
+        (name == "api-key" && (tenant.is_none() || self.shared)).then(|| self.rule.clone())
+    }
+    fn refuse_leaks(&self) -> bool {
+        false
+    }
+}
+
+/// The secrets set-up of a test: [`OneSecret`] and a broker whose CA is
+/// made in `dir`.
+fn secrets_setup(dir: &std::path::Path, shared: bool) -> crate::secrets::SecretsSetup {
+    let ca = Arc::new(tine_broker::CertificateAuthority::load_or_create(dir, "t").unwrap());
+    let own = dir.join(tine_broker::ca::CA_CERT_FILE);
+    let broker =
+        tine_broker::Broker::new(tine_broker::BrokerConfig { ca, native_roots: false, extra_roots: vec![own] });
+    let rule = crate::secrets::SecretRule {
+        name: "api-key".into(),
+        value: Arc::new(crate::secrets::SecretValue::new(b"the-value".to_vec())),
+        hosts: vec![crate::secrets::HostPattern::parse("api.test").unwrap()],
+        header: None,
+        in_query: false,
+        in_body: false,
+    };
+    crate::secrets::SecretsSetup {
+        source: Arc::new(OneSecret { rule: Arc::new(rule), shared }),
+        broker: Arc::new(broker.unwrap()),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn secrets_bind_placeholders_that_children_keep_and_updates_reuse() {
+    let dir = tempfile::tempdir().unwrap();
+    let backend = Arc::new(FakeBackend::default());
+    let mut cfg = config(dir.path(), limits(4), false);
+    cfg.secrets = Some(secrets_setup(dir.path(), false));
+    let m = Manager::with_backend(cfg, backend.clone()).unwrap();
+    let spec = |secrets: &[(&str, &str)]| SandboxSpec {
+        secrets: secrets.iter().map(|(e, s)| (e.to_string(), s.to_string())).collect(),
+        ..SandboxSpec::default()
+    };
+    // Refused before any VM starts: an unknown secret, a bad name.
+    let e = m.create(spec(&[("KEY", "nope")])).await.unwrap_err();
+    assert!(matches!(e, SandboxError::Secrets(_)) && e.to_string().contains("no secret \"nope\""), "{e}");
+    assert!(matches!(m.create(spec(&[("BAD-NAME", "api-key")])).await, Err(SandboxError::Secrets(_))));
+    assert_eq!(backend.live_vms(), 0);
+    let info = m.create(spec(&[("API_KEY", "api-key")])).await.unwrap();
+    let b = info.secrets[0].clone();
+    assert_eq!((b.env.as_str(), b.secret.as_str()), ("API_KEY", "api-key"));
+    assert!(b.placeholder.starts_with(crate::secrets::PLACEHOLDER_PREFIX));
+    assert_eq!(backend.host_env(&info.sandbox_id), vec![("API_KEY".to_string(), b.placeholder.clone())]);
+    // A child keeps the binding; an update keeping the pair keeps its
+    // placeholder, a new variable gets a new one, {} detaches.
+    let kids = m.branch(&info.sandbox_id, 1).await.unwrap();
+    let child = kids.children[0].sandbox_id.clone();
+    assert_eq!(m.info(&child).await.unwrap().secrets, vec![b.clone()]);
+    let update = |secrets: &[(&str, &str)]| super::SandboxUpdate {
+        secrets: Some(secrets.iter().map(|(e, s)| (e.to_string(), s.to_string())).collect()),
+        ..Default::default()
+    };
+    let two = m.update(&info.sandbox_id, update(&[("API_KEY", "api-key"), ("OTHER", "api-key")])).await.unwrap();
+    assert_eq!(two.secrets[0], b, "the same pair keeps its placeholder");
+    assert_ne!(two.secrets[1].placeholder, b.placeholder);
+    let none = m.update(&info.sandbox_id, update(&[])).await.unwrap();
+    assert!(none.secrets.is_empty());
+    assert!(backend.host_env(&info.sandbox_id).is_empty());
+    assert_eq!(m.info(&child).await.unwrap().secrets, vec![b.clone()], "the child's are its own");
+    // A restart lists the child with its binding.
+    m.shutdown_keeping().await;
+    let again = Manager::with_backend(
+        ManagerConfig { secrets: Some(secrets_setup(dir.path(), false)), ..config(dir.path(), limits(4), false) },
+        Arc::new(FakeBackend::default()),
+    )
+    .unwrap();
+    assert_eq!(again.info(&child).await.unwrap().secrets, vec![b]);
+    // Without a store, nothing can be bound.
+    let plain = setup(limits(2));
+    assert!(matches!(plain.manager.create(spec(&[("API_KEY", "api-key")])).await, Err(SandboxError::Secrets(_))));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_binds_only_the_secrets_it_may_use() {
+    for shared in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = config(dir.path(), limits(4), false);
+        cfg.secrets = Some(secrets_setup(dir.path(), shared));
+        let m = Manager::with_backend(cfg, Arc::new(FakeBackend::default())).unwrap();
+        let cx = crate::CallContext { tenant: Some("acme".into()), ..Default::default() };
+        let spec = SandboxSpec { secrets: vec![("K".into(), "api-key".into())], ..SandboxSpec::default() };
+        let r = m.create_with(spec, &cx).await;
+        assert_eq!(r.is_ok(), shared, "{r:?}");
+    }
 }

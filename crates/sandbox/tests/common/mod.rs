@@ -30,7 +30,7 @@ fn tine_binary() -> PathBuf {
 ///
 /// The copy is the one crate tine's seeded servers use
 /// (`TineServer::start_with_default_template`): this manager has their
-/// guest set-up (a network device, the host's CA bundle, the run's disk
+/// guest set-up (a network device, the run's disk
 /// size, [`testkit::mcp::shared_setup`]). Test binaries run at the same
 /// time: the copy's lock file is held from the look until the copy is
 /// kept, so one of them builds while the others wait for its copy.
@@ -46,7 +46,6 @@ pub async fn manager_with_default_template(dir: &Path, limits: Limits) -> Arc<Ma
         assert!(testkit::mcp::copy_dir(&seed, &default), "copy the default template from {}", seed.display());
     }
     let network = NetworkSetup::new(NetworkConfig {
-        ca_certificates: testkit::mcp::host_ca_certificates(),
         // The tests need no egress; the policy is not part of the guest.
         egress: Egress::Deny,
         ..NetworkConfig::default()
@@ -67,6 +66,7 @@ pub async fn manager_with_default_template(dir: &Path, limits: Limits) -> Arc<Ma
         host_name: None,
         images: Default::default(),
         images_dir: dir.join("images"),
+        secrets: None,
         prefetch: false,
     })
     .expect("a manager");

@@ -18,6 +18,7 @@ pub(super) fn open_manager(
     profile: HostProfile,
     pool_size: usize,
     host: Option<&str>,
+    secrets: Option<tine_sandbox::secrets::SecretsSetup>,
 ) -> anyhow::Result<(Arc<tine_sandbox::Manager>, std::fs::File)> {
     config::check_image(config::KERNEL, &r.kernel)?;
     config::check_image(config::ROOTFS, &r.rootfs)?;
@@ -44,7 +45,15 @@ pub(super) fn open_manager(
         profile,
         limits: r.file.limits.clone(),
         network: match r.file.network.enabled {
-            true => Some(tine_sandbox::network::NetworkSetup::new(r.file.network.clone())?),
+            true => {
+                let mut setup = tine_sandbox::network::NetworkSetup::new(r.file.network.clone())?;
+                // Guests trust the broker's CA (installed at every start
+                // and restore).
+                if let Some(s) = &secrets {
+                    setup.trust_also(s.broker.ca_pem());
+                }
+                Some(setup)
+            }
             false => None,
         },
         pool_size,
@@ -52,6 +61,7 @@ pub(super) fn open_manager(
         host_name: host.map(str::to_string),
         images: r.file.images.clone(),
         images_dir: r.data_dir.join("images"),
+        secrets,
     })?;
     Ok((manager, lock))
 }

@@ -21,6 +21,7 @@ mod doctor;
 mod image;
 mod manager;
 mod port_forward;
+mod secret;
 mod server;
 mod template;
 mod tenant;
@@ -54,6 +55,10 @@ enum Command {
     /// API keys and quotas.
     #[command(subcommand)]
     Tenant(tenant::TenantCommand),
+    /// Secrets: API keys sandboxes use without holding them (set here,
+    /// never over MCP).
+    #[command(subcommand)]
+    Secret(secret::SecretCommand),
     /// OCI and Docker images: base images a guest boots.
     #[command(subcommand)]
     Image(image::ImageCommand),
@@ -123,6 +128,7 @@ pub fn main() -> ExitCode {
         Command::Server(server::ServerCommand::Keygen { out }) => server::keygen(out),
         Command::Template(cmd) => template::run(cmd),
         Command::Tenant(cmd) => tenant::run(cmd),
+        Command::Secret(cmd) => secret::run(cmd),
         Command::Image(cmd) => image::run(cmd),
         Command::PortForward(args) => port_forward::run(args),
         Command::Doctor(args) => resolve(&args).map(|r| doctor::run(&r)),

@@ -55,7 +55,12 @@ pub(super) struct StartArgs {
 /// directory locked, the sandbox manager opened, then [`server::serve`]
 /// until shutdown.
 pub(super) fn start(args: StartArgs) -> anyhow::Result<ExitCode> {
-    let r = resolve(&args.images)?;
+    let mut r = resolve(&args.images)?;
+    // --dev guests trust what this host trusts (a TLS-inspecting proxy's
+    // CA, for one) unless the configuration says otherwise.
+    if args.dev && r.file.network.ca_certificates.is_empty() {
+        r.file.network.ca_certificates = vec![tine_sandbox::network::HOST_TRUST.into()];
+    }
     // Registry credentials are read at each pull; a server checks them at
     // its start (the command line reads them when it pulls: a systemd
     // credential exists only while the service runs).
@@ -125,7 +130,10 @@ pub(super) fn start(args: StartArgs) -> anyhow::Result<ExitCode> {
     if r.file.pool.size > config::MAX_POOL_SIZE {
         anyhow::bail!("[pool] size = {} is more than {}", r.file.pool.size, config::MAX_POOL_SIZE);
     }
-    let (manager, _lock) = open_manager(&r, profile, r.file.pool.size, Some(cluster.host()))?;
+    let store = crate::secrets::Store::open(&r.file.secrets, &r.data_dir)?;
+    let broker = broker(&r, cluster.host())?;
+    let setup = tine_sandbox::secrets::SecretsSetup { source: store.clone(), broker };
+    let (manager, _lock) = open_manager(&r, profile, r.file.pool.size, Some(cluster.host()), Some(setup))?;
     tracing::info!(
         "host {}, data {}, kernel {}, rootfs {}, host profile {profile}, auth {}",
         cluster.host(),
@@ -193,6 +201,7 @@ pub(super) fn start(args: StartArgs) -> anyhow::Result<ExitCode> {
         cluster,
         previews,
         ports: r.file.ports.clone(),
+        secrets: Some(store),
     };
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(server::serve(manager, opts))?;
@@ -228,4 +237,28 @@ pub(super) fn keygen(out: Option<PathBuf>) -> anyhow::Result<ExitCode> {
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The secret broker: its CA (`[secrets] ca_cert`/`ca_key`, else the one
+/// kept in the data directory, made at the first start) and its upstream
+/// trust (the host's store and `[network] upstream_ca_certificates`).
+///
+/// Errors: a CA or trust file that cannot be read.
+fn broker(r: &super::Resolved, host: &str) -> anyhow::Result<std::sync::Arc<tine_broker::Broker>> {
+    use tine_broker::CertificateAuthority;
+    let ca = match (&r.file.secrets.ca_cert, &r.file.secrets.ca_key) {
+        (Some(c), Some(k)) => {
+            let read =
+                |p: &std::path::Path| std::fs::read_to_string(p).map_err(|e| anyhow::anyhow!("{}: {e}", p.display()));
+            CertificateAuthority::from_pem(&read(c)?, &read(k)?)?
+        }
+        (None, None) => CertificateAuthority::load_or_create(&r.data_dir, host)?,
+        _ => anyhow::bail!("[secrets] ca_cert and ca_key go together"),
+    };
+    let broker = tine_broker::Broker::new(tine_broker::BrokerConfig {
+        ca: std::sync::Arc::new(ca),
+        native_roots: true,
+        extra_roots: r.file.network.upstream_ca_certificates.clone(),
+    })?;
+    Ok(std::sync::Arc::new(broker))
 }

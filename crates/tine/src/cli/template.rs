@@ -69,7 +69,7 @@ pub(super) fn run(cmd: TemplateCommand) -> anyhow::Result<ExitCode> {
         recipe.check()?;
     }
     let r = resolve(&args)?;
-    let (manager, _lock) = open_manager(&r, HostProfile::detect(), 0, None)?;
+    let (manager, _lock) = open_manager(&r, HostProfile::detect(), 0, None, None)?;
     if build {
         let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
         let info = rt.block_on(async {

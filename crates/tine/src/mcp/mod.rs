@@ -127,6 +127,8 @@ pub struct TineMcp {
     previews: Arc<crate::preview::Previews>,
     /// Published host ports (`sandbox_create { ports }`).
     ports: Arc<crate::published_ports::Publisher>,
+    /// The secrets store (`secret_list`).
+    secrets: Option<Arc<crate::secrets::Store>>,
     /// This host and its peers: calls naming another host's sandbox go there.
     cluster: Arc<Cluster>,
     /// Tool calls are counted and timed here.
@@ -152,6 +154,8 @@ pub struct Shared {
     pub previews: Arc<crate::preview::Previews>,
     /// Published host ports.
     pub ports: Arc<crate::published_ports::Publisher>,
+    /// The secrets store.
+    pub secrets: Option<Arc<crate::secrets::Store>>,
     /// This host and its peers.
     pub cluster: Arc<Cluster>,
     /// The server's metrics.
@@ -176,6 +180,7 @@ impl TineMcp {
             files: shared.files.clone(),
             previews: shared.previews.clone(),
             ports: shared.ports.clone(),
+            secrets: shared.secrets.clone(),
             cluster: shared.cluster.clone(),
             metrics: shared.metrics.clone(),
             tools: shared.tools.clone(),

@@ -52,6 +52,7 @@ fn options(token: Option<&str>, allowed_origins: Vec<String>) -> ServeOptions {
         build_default_template: false,
         public_url: None,
         ports: Default::default(),
+        secrets: None,
         previews: std::sync::Arc::new(
             crate::preview::Previews::open(
                 &tempfile::tempdir().unwrap().keep(),
@@ -96,6 +97,7 @@ fn manager(dir: &tempfile::TempDir) -> std::sync::Arc<Manager> {
         host_name: None,
         images: Default::default(),
         images_dir: dir.path().join("images"),
+        secrets: None,
         prefetch: false,
     })
     .expect("a manager on empty images")

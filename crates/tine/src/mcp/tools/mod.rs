@@ -16,6 +16,8 @@
 //!   `sandbox_create` and `sandbox_update` take.
 //! - [`volumes`]: `volume_create`, `volume_list`, `volume_delete`.
 //! - [`preview`]: `sandbox_preview_url`, `sandbox_preview_revoke`.
+//! - [`secrets`]: `secret_list` (binding is `sandbox_create`'s and
+//!   `sandbox_update`'s `secrets`).
 //!
 //! `tools/list` is sorted by name whatever the order here (rmcp's
 //! `ToolRouter::list_all`).
@@ -27,6 +29,7 @@ mod network;
 mod preview;
 mod processes;
 mod sandboxes;
+mod secrets;
 mod templates;
 mod volumes;
 
@@ -45,4 +48,5 @@ pub(super) fn router() -> ToolRouter<TineMcp> {
         + TineMcp::network_router()
         + TineMcp::volumes_router()
         + TineMcp::preview_router()
+        + TineMcp::secrets_router()
 }

@@ -101,7 +101,7 @@ pub struct NetworkRecord {
     pub allowed: bool,
     /// The deciding rule: "allow:<entry>", "deny:<entry>",
     /// "blocked-range:<cidr>", "egress:allow", "egress:deny",
-    /// "limit:connections", ...
+    /// "limit:connections", "secret-leak-blocked", ...
     pub rule: String,
     /// Bytes from the sandbox to the destination.
     pub bytes_out: u64,
@@ -110,6 +110,10 @@ pub struct NetworkRecord {
     /// How long it lasted (ms); absent while open.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub duration_ms: Option<u64>,
+    /// The sandbox's secrets it concerns (names): swapped in on this
+    /// connection, or found where they may not go ("secret-leak-blocked").
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub secrets: Vec<String>,
 }
 
 /// `sandbox_network_log`'s result.
@@ -153,6 +157,7 @@ impl NetworkLogResult {
                 bytes_out: r.bytes_out,
                 bytes_in: r.bytes_in,
                 duration_ms: r.duration_ms,
+                secrets: r.secrets,
             })
             .collect();
         let next_since_ms = if full { records.last().map(|r| r.time_ms) } else { None };

@@ -83,6 +83,19 @@ pub struct CreateParams {
     #[serde(default)]
     #[schemars(length(max = tine_sandbox::published_ports::MAX_PUBLISHED_PORTS), inner(length(max = 64)))]
     pub ports: Vec<String>,
+    /// Secrets to give it (secret_list shows them): environment variable
+    /// name -> secret name. The variable holds a placeholder, not the
+    /// value; the server swaps it for the value only in HTTPS requests to
+    /// the secret's hosts (curl -H "Authorization: Bearer $OPENAI_API_KEY"
+    /// works as is).
+    #[serde(default)]
+    #[schemars(transform = secrets_map)]
+    pub secrets: BTreeMap<String, String>,
+}
+
+/// Schema of a secrets map: environment variable names to secret names.
+fn secrets_map(schema: &mut schemars::Schema) {
+    string_map::<{ tine_sandbox::secrets::MAX_BINDINGS as u64 }, 256, 64>(schema);
 }
 
 /// `sandbox_update`.
@@ -105,6 +118,11 @@ pub struct UpdateParams {
     /// A new idle timeout (seconds); the time already idle counts.
     #[schemars(range(min = 1, max = DEFAULT_MAX_IDLE_SECS))]
     pub idle_timeout_secs: Option<u64>,
+    /// New secret bindings (environment variable -> secret name),
+    /// replacing the old ones ({} detaches all): a detached secret stops
+    /// being swapped at once; later execs see the new variables.
+    #[schemars(transform = secrets_map)]
+    pub secrets: Option<BTreeMap<String, String>>,
 }
 
 /// `sandbox_snapshot`.
@@ -295,6 +313,7 @@ impl TineMcp {
             // Only a template's build from an OCI image boots a base image.
             base: None,
             volumes: p.volumes,
+            secrets: p.secrets.into_iter().collect(),
         };
         self.check_ceiling(spec.network.as_ref())?;
         // Host ports are bound before the VM starts: a taken one costs none.
@@ -338,8 +357,9 @@ impl TineMcp {
         description = "Change a sandbox's settings; each one given replaces the old: env (variables every \
                        later exec, background process and Python cell gets), labels, idle_timeout_secs, and \
                        network (egress \"allow\" or \"deny\", allow and deny lists of domains, *.domains, \
-                       addresses and CIDRs; connections opened from then on follow it). A refused value changes \
-                       nothing. Returns the sandbox's info.",
+                       addresses and CIDRs; connections opened from then on follow it), and secrets (ENV_NAME: \
+                       secret name, see secret_list; {} detaches all). A refused value changes nothing. Returns \
+                       the sandbox's info.",
         annotations(
             title = "Update sandbox",
             read_only_hint = false,
@@ -355,6 +375,7 @@ impl TineMcp {
             idle_timeout_secs: p.idle_timeout_secs,
             env: p.env,
             network: p.network.map(|n| n.into_policy()),
+            secrets: p.secrets.map(|s| s.into_iter().collect()),
         };
         self.check_ceiling(update.network.as_ref())?;
         self.manager.update(&id, update).await.map(Json).map_err(ToolError::from)
