@@ -1,0 +1,253 @@
+//! The secret broker's own cost (issue 35), on the host without a guest:
+//! a host client speaks TLS through the broker (over a socket pair, as
+//! the NAT hands a flow over) to a loopback HTTPS server (hyper and
+//! rustls, a CA of the bench's own), against the same client straight to
+//! the server, in one run:
+//!
+//! - the time per request once the connection is up (`BROKER_BENCH_REQUESTS`
+//!   small GETs one after the other on one connection, default 2000), over
+//!   HTTP/1.1 and HTTP/2, and what the broker adds;
+//! - the throughput of a `BROKER_BENCH_MIB` (default 10) MiB response, the
+//!   median of `BROKER_BENCH_ROUNDS` (default 5).
+//!
+//! Every request through the broker carries a placeholder that it swaps
+//! for the value (checked). Target: throughput at least 0.8x direct,
+//! under 1 ms added per request. Measures, asserts only that the swap
+//! happened.
+//!
+//! `cargo bench -p tine-benches --bench broker`.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::{Request, Response};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use tine_benches::{env_or, median, record};
+use tine_broker::{
+    Binding, Broker, BrokerConfig, BrokerEvent, CertificateAuthority, Flow, FlowHooks, HostPattern, SecretValue,
+};
+
+const VALUE: &str = "sk-bench-value";
+const PLACEHOLDER: &str = "tine_placeholder_bench";
+
+struct Hooks(Vec<Arc<Binding>>);
+
+impl FlowHooks for Hooks {
+    fn bindings(&self) -> Vec<Arc<Binding>> {
+        self.0.clone()
+    }
+    fn event(&self, _: BrokerEvent) {}
+}
+
+/// The server: `/small` answers 16 bytes (`ok` when `Authorization` has
+/// the value), `/big` `big` bytes.
+async fn server(big: usize, ca_file: &std::path::Path) -> std::net::SocketAddr {
+    let ca_key = rcgen::KeyPair::generate().unwrap();
+    let mut ca = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    let ca_cert = ca.self_signed(&ca_key).unwrap();
+    std::fs::write(ca_file, ca_cert.pem()).unwrap();
+    let issuer = rcgen::Issuer::new(ca, ca_key);
+    let key = rcgen::KeyPair::generate().unwrap();
+    let cert = rcgen::CertificateParams::new(vec!["api.bench".into()]).unwrap().signed_by(&key, &issuer).unwrap();
+    let mut config =
+        rustls::ServerConfig::builder_with_provider(Arc::new(rustls::crypto::aws_lc_rs::default_provider()))
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_no_client_auth()
+            .with_single_cert(
+                vec![cert.der().clone()],
+                rustls::pki_types::PrivateKeyDer::Pkcs8(key.serialize_der().into()),
+            )
+            .unwrap();
+    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let body = Bytes::from(vec![b'x'; big]);
+    tokio::spawn(async move {
+        while let Ok((tcp, _)) = listener.accept().await {
+            let _ = tcp.set_nodelay(true);
+            let (acceptor, body) = (acceptor.clone(), body.clone());
+            tokio::spawn(async move {
+                let Ok(tls) = acceptor.accept(tcp).await else { return };
+                let service = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
+                    let body = body.clone();
+                    async move {
+                        let out = if req.uri().path() == "/big" {
+                            body
+                        } else {
+                            let ok = req
+                                .headers()
+                                .get("authorization")
+                                .is_some_and(|v| v == format!("Bearer {VALUE}").as_str());
+                            Bytes::from_static(if ok { b"ok-ok-ok-ok-ok-o" } else { b"no-no-no-no-no-n" })
+                        };
+                        Ok::<_, Infallible>(Response::new(Full::new(out)))
+                    }
+                });
+                let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                    .serve_connection(TokioIo::new(tls), service)
+                    .await;
+            });
+        }
+    });
+    addr
+}
+
+enum Client {
+    H1(hyper::client::conn::http1::SendRequest<Full<Bytes>>),
+    H2(hyper::client::conn::http2::SendRequest<Full<Bytes>>),
+}
+
+impl Client {
+    async fn get(&mut self, path: &str) -> Bytes {
+        let req = Request::get(format!("https://api.bench{path}"))
+            .header("host", "api.bench")
+            .header("authorization", format!("Bearer {PLACEHOLDER}"))
+            .body(Full::default())
+            .unwrap();
+        let resp = match self {
+            Client::H1(s) => {
+                let (mut parts, body) = req.into_parts();
+                parts.uri = path.parse().unwrap();
+                s.send_request(Request::from_parts(parts, body)).await.unwrap()
+            }
+            Client::H2(s) => s.send_request(req).await.unwrap(),
+        };
+        resp.into_body().collect().await.unwrap().to_bytes()
+    }
+}
+
+/// A client connection trusting `roots`, over `io`, offering `alpn`.
+async fn client<S>(io: S, roots: &rustls::RootCertStore, alpn: &[u8]) -> Client
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let mut config =
+        rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::aws_lc_rs::default_provider()))
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_root_certificates(roots.clone())
+            .with_no_client_auth();
+    config.alpn_protocols = vec![alpn.to_vec()];
+    let tls = tokio_rustls::TlsConnector::from(Arc::new(config))
+        .connect(rustls::pki_types::ServerName::try_from("api.bench").unwrap(), io)
+        .await
+        .unwrap();
+    let io = TokioIo::new(tls);
+    if alpn == b"h2" {
+        let (s, conn) = hyper::client::conn::http2::handshake(TokioExecutor::new(), io).await.unwrap();
+        tokio::spawn(conn);
+        Client::H2(s)
+    } else {
+        let (s, conn) = hyper::client::conn::http1::handshake(io).await.unwrap();
+        tokio::spawn(conn);
+        Client::H1(s)
+    }
+}
+
+fn roots(pem_file: &std::path::Path) -> rustls::RootCertStore {
+    use rustls::pki_types::pem::PemObject;
+    let mut roots = rustls::RootCertStore::empty();
+    for c in rustls::pki_types::CertificateDer::pem_file_iter(pem_file).unwrap() {
+        roots.add(c.unwrap()).unwrap();
+    }
+    roots
+}
+
+/// A connection to `addr`: straight, or through the broker.
+async fn open(
+    addr: std::net::SocketAddr,
+    broker: Option<&Arc<Broker>>,
+    roots: &rustls::RootCertStore,
+    alpn: &[u8],
+) -> Client {
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    tcp.set_nodelay(true).unwrap();
+    match broker {
+        None => client(tcp, roots, alpn).await,
+        Some(b) => {
+            let (guest, inside) = tokio::net::UnixStream::pair().unwrap();
+            let b = b.clone();
+            let binding = Arc::new(Binding {
+                secret: "bench".into(),
+                placeholder: PLACEHOLDER.into(),
+                value: Arc::new(SecretValue::new(VALUE.as_bytes().to_vec())),
+                hosts: vec![HostPattern::parse("api.bench").unwrap()],
+                header: None,
+                format: None,
+                in_query: false,
+                in_body: false,
+            });
+            tokio::spawn(async move {
+                let _ = b
+                    .serve(
+                        inside,
+                        Flow { name: "api.bench".into(), upstream: tcp, hooks: Arc::new(Hooks(vec![binding])) },
+                    )
+                    .await;
+            });
+            client(guest, roots, alpn).await
+        }
+    }
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    let requests: usize = env_or("BROKER_BENCH_REQUESTS", 2000);
+    let mib: usize = env_or("BROKER_BENCH_MIB", 10);
+    let rounds: usize = env_or("BROKER_BENCH_ROUNDS", 5);
+    let dir = tempfile::tempdir().unwrap();
+    let upstream_ca = dir.path().join("upstream-ca.pem");
+    let addr = server(mib << 20, &upstream_ca).await;
+    let ca = Arc::new(CertificateAuthority::load_or_create(dir.path(), "bench").unwrap());
+    let broker = Arc::new(
+        Broker::new(BrokerConfig { ca, native_roots: false, extra_roots: vec![upstream_ca.clone()] }).unwrap(),
+    );
+    let direct_roots = roots(&upstream_ca);
+    let broker_roots = roots(&dir.path().join(tine_broker::ca::CA_CERT_FILE));
+    println!("broker bench: {requests} requests per run, {mib} MiB x {rounds} rounds");
+    for (proto, alpn) in [("http1", &b"http/1.1"[..]), ("http2", &b"h2"[..])] {
+        let mut per = Vec::new();
+        for (way, b, r) in [("direct", None, &direct_roots), ("broker", Some(&broker), &broker_roots)] {
+            let mut c = open(addr, b, r, alpn).await;
+            let first = c.get("/small").await;
+            if b.is_some() {
+                assert_eq!(&first[..], b"ok-ok-ok-ok-ok-o", "the broker swapped the placeholder");
+            }
+            let t = Instant::now();
+            for _ in 0..requests {
+                c.get("/small").await;
+            }
+            let each = t.elapsed() / requests as u32;
+            println!("{proto} {way}: {:.1} us per request", each.as_secs_f64() * 1e6);
+            record("broker", &format!("{proto}_{way}_request_us"), each.as_secs_f64() * 1e6, "us");
+            per.push(each);
+        }
+        let added = per[1].saturating_sub(per[0]);
+        println!("{proto}: the broker adds {:.1} us per request", added.as_secs_f64() * 1e6);
+        record("broker", &format!("{proto}_added_request_us"), added.as_secs_f64() * 1e6, "us");
+    }
+    let mut rates = Vec::new();
+    for (way, b, r) in [("direct", None, &direct_roots), ("broker", Some(&broker), &broker_roots)] {
+        let mut samples = Vec::new();
+        for _ in 0..rounds {
+            let mut c = open(addr, b, r, b"http/1.1").await;
+            let t = Instant::now();
+            let got = c.get("/big").await;
+            samples.push(t.elapsed());
+            assert_eq!(got.len(), mib << 20);
+        }
+        let m: Duration = median(&samples);
+        let rate = (mib << 20) as f64 / m.as_secs_f64() / 1e6;
+        println!("{mib} MiB {way}: {rate:.0} MB/s (median {:.1} ms)", m.as_secs_f64() * 1e3);
+        record("broker", &format!("throughput_{way}_mb_s"), rate, "MB/s");
+        rates.push(rate);
+    }
+    println!("throughput through the broker: {:.2}x direct", rates[1] / rates[0]);
+    record("broker", "throughput_ratio", rates[1] / rates[0], "x");
+}
