@@ -8,7 +8,8 @@
 //!   small GETs one after the other on one connection, default 2000), over
 //!   HTTP/1.1 and HTTP/2, and what the broker adds;
 //! - the throughput of a `BROKER_BENCH_MIB` (default 10) MiB response, the
-//!   median of `BROKER_BENCH_ROUNDS` (default 5).
+//!   median of `BROKER_BENCH_ROUNDS` (default 15), direct and brokered
+//!   rounds taking turns.
 //!
 //! Every request through the broker carries a placeholder that it swaps
 //! for the value (checked). Target: throughput at least 0.8x direct,
@@ -114,9 +115,13 @@ impl Client {
             Client::H1(s) => {
                 let (mut parts, body) = req.into_parts();
                 parts.uri = path.parse().unwrap();
+                s.ready().await.unwrap();
                 s.send_request(Request::from_parts(parts, body)).await.unwrap()
             }
-            Client::H2(s) => s.send_request(req).await.unwrap(),
+            Client::H2(s) => {
+                s.ready().await.unwrap();
+                s.send_request(req).await.unwrap()
+            }
         };
         resp.into_body().collect().await.unwrap().to_bytes()
     }
@@ -200,7 +205,7 @@ async fn open(
 async fn main() {
     let requests: usize = env_or("BROKER_BENCH_REQUESTS", 2000);
     let mib: usize = env_or("BROKER_BENCH_MIB", 10);
-    let rounds: usize = env_or("BROKER_BENCH_ROUNDS", 5);
+    let rounds: usize = env_or("BROKER_BENCH_ROUNDS", 15);
     let dir = tempfile::tempdir().unwrap();
     let upstream_ca = dir.path().join("upstream-ca.pem");
     let addr = server(mib << 20, &upstream_ca).await;
@@ -232,22 +237,47 @@ async fn main() {
         println!("{proto}: the broker adds {:.1} us per request", added.as_secs_f64() * 1e6);
         record("broker", &format!("{proto}_added_request_us"), added.as_secs_f64() * 1e6, "us");
     }
-    let mut rates = Vec::new();
-    for (way, b, r) in [("direct", None, &direct_roots), ("broker", Some(&broker), &broker_roots)] {
-        let mut samples = Vec::new();
-        for _ in 0..rounds {
+    // Direct and brokered rounds alternate, so that both see the same
+    // machine (this one's neighbours come and go); medians of each.
+    let mut samples: [Vec<Duration>; 2] = [Vec::new(), Vec::new()];
+    let mut cpu = [0.0f64; 2];
+    for _ in 0..rounds {
+        for (i, (b, r)) in [(None, &direct_roots), (Some(&broker), &broker_roots)].into_iter().enumerate() {
             let mut c = open(addr, b, r, b"http/1.1").await;
-            let t = Instant::now();
+            let (t, c0) = (Instant::now(), cpu_seconds());
             let got = c.get("/big").await;
-            samples.push(t.elapsed());
+            samples[i].push(t.elapsed());
+            cpu[i] += cpu_seconds() - c0;
             assert_eq!(got.len(), mib << 20);
         }
-        let m: Duration = median(&samples);
+    }
+    // Client, server and broker share this process: its CPU time per MiB
+    // moved says what the broker costs where cores are not the limit.
+    for (i, way) in ["direct", "broker"].into_iter().enumerate() {
+        let per_mib_ms = cpu[i] * 1e3 / (rounds * mib) as f64;
+        println!("{way}: {per_mib_ms:.2} ms of CPU per MiB (client, server and broker together)");
+        record("broker", &format!("cpu_{way}_ms_per_mib"), per_mib_ms, "ms");
+    }
+    let mut rates = Vec::new();
+    for (i, way) in ["direct", "broker"].into_iter().enumerate() {
+        let m: Duration = median(&samples[i]);
         let rate = (mib << 20) as f64 / m.as_secs_f64() / 1e6;
-        println!("{mib} MiB {way}: {rate:.0} MB/s (median {:.1} ms)", m.as_secs_f64() * 1e3);
+        println!("{mib} MiB {way}: {rate:.0} MB/s (median {:.1} ms of {rounds})", m.as_secs_f64() * 1e3);
         record("broker", &format!("throughput_{way}_mb_s"), rate, "MB/s");
         rates.push(rate);
     }
     println!("throughput through the broker: {:.2}x direct", rates[1] / rates[0]);
     record("broker", "throughput_ratio", rates[1] / rates[0], "x");
+}
+
+/// This process's CPU time so far (user and system, s), from
+/// `/proc/self/stat` (clock ticks of 10 ms: summed over many rounds).
+fn cpu_seconds() -> f64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    // The fields after the command's closing parenthesis; utime and stime
+    // are the 14th and 15th of the whole line (proc(5)).
+    let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or_default();
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: f64 = [11, 12].iter().filter_map(|&i| fields.get(i)?.parse::<f64>().ok()).sum();
+    ticks / 100.0
 }
