@@ -22,8 +22,8 @@ impl Manager {
     /// already keeps its placeholder, a new one gets a new placeholder.
     /// Checked before anything changes.
     ///
-    /// Errors: [`SandboxError::Secrets`] (no secrets on this server, a
-    /// secret the tenant may not use, a variable name the protocol
+    /// Errors: [`SandboxError::Secrets`] (no secrets or no network on this
+    /// server, a secret the tenant may not use, a variable name the protocol
     /// refuses or given twice, more than [`MAX_BINDINGS`]).
     pub(super) fn bind_secrets(
         &self,
@@ -38,6 +38,11 @@ impl Manager {
         let Some(setup) = &self.config.secrets else {
             return Err(bad("this server has no secret store ([secrets] in its configuration)".into()));
         };
+        if self.config.network.is_none() {
+            return Err(bad(
+                "this server gives sandboxes no network ([network] enabled = false): a secret could go nowhere".into(),
+            ));
+        }
         if requests.len() > MAX_BINDINGS {
             return Err(bad(format!("{} secrets: a sandbox binds at most {MAX_BINDINGS}", requests.len())));
         }

@@ -1375,6 +1375,7 @@ async fn secrets_bind_placeholders_that_children_keep_and_updates_reuse() {
     let backend = Arc::new(FakeBackend::default());
     let mut cfg = config(dir.path(), limits(4), false);
     cfg.secrets = Some(secrets_setup(dir.path(), false));
+    cfg.network = Some(crate::network::NetworkSetup::new(Default::default()).unwrap());
     let m = Manager::with_backend(cfg, backend.clone()).unwrap();
     let spec = |secrets: &[(&str, &str)]| SandboxSpec {
         secrets: secrets.iter().map(|(e, s)| (e.to_string(), s.to_string())).collect(),
@@ -1409,7 +1410,11 @@ async fn secrets_bind_placeholders_that_children_keep_and_updates_reuse() {
     // A restart lists the child with its binding.
     m.shutdown_keeping().await;
     let again = Manager::with_backend(
-        ManagerConfig { secrets: Some(secrets_setup(dir.path(), false)), ..config(dir.path(), limits(4), false) },
+        ManagerConfig {
+            secrets: Some(secrets_setup(dir.path(), false)),
+            network: Some(crate::network::NetworkSetup::new(Default::default()).unwrap()),
+            ..config(dir.path(), limits(4), false)
+        },
         Arc::new(FakeBackend::default()),
     )
     .unwrap();
@@ -1425,6 +1430,7 @@ async fn a_tenant_binds_only_the_secrets_it_may_use() {
         let dir = tempfile::tempdir().unwrap();
         let mut cfg = config(dir.path(), limits(4), false);
         cfg.secrets = Some(secrets_setup(dir.path(), shared));
+        cfg.network = Some(crate::network::NetworkSetup::new(Default::default()).unwrap());
         let m = Manager::with_backend(cfg, Arc::new(FakeBackend::default())).unwrap();
         let cx = crate::CallContext { tenant: Some("acme".into()), ..Default::default() };
         let spec = SandboxSpec { secrets: vec![("K".into(), "api-key".into())], ..SandboxSpec::default() };
