@@ -46,26 +46,9 @@ impl FlowHooks for Hooks {
 /// The server: `/small` answers 16 bytes (`ok` when `Authorization` has
 /// the value), `/big` `big` bytes.
 async fn server(big: usize, ca_file: &std::path::Path) -> std::net::SocketAddr {
-    let ca_key = rcgen::KeyPair::generate().unwrap();
-    let mut ca = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
-    ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-    let ca_cert = ca.self_signed(&ca_key).unwrap();
-    std::fs::write(ca_file, ca_cert.pem()).unwrap();
-    let issuer = rcgen::Issuer::new(ca, ca_key);
-    let key = rcgen::KeyPair::generate().unwrap();
-    let cert = rcgen::CertificateParams::new(vec!["api.bench".into()]).unwrap().signed_by(&key, &issuer).unwrap();
-    let mut config =
-        rustls::ServerConfig::builder_with_provider(Arc::new(rustls::crypto::aws_lc_rs::default_provider()))
-            .with_safe_default_protocol_versions()
-            .unwrap()
-            .with_no_client_auth()
-            .with_single_cert(
-                vec![cert.der().clone()],
-                rustls::pki_types::PrivateKeyDer::Pkcs8(key.serialize_der().into()),
-            )
-            .unwrap();
-    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
-    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+    let ca = testkit::tls::TestCa::new("broker bench CA");
+    ca.write_pem(ca_file);
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(ca.server_config("api.bench")));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let body = Bytes::from(vec![b'x'; big]);
@@ -156,12 +139,7 @@ where
 }
 
 fn roots(pem_file: &std::path::Path) -> rustls::RootCertStore {
-    use rustls::pki_types::pem::PemObject;
-    let mut roots = rustls::RootCertStore::empty();
-    for c in rustls::pki_types::CertificateDer::pem_file_iter(pem_file).unwrap() {
-        roots.add(c.unwrap()).unwrap();
-    }
-    roots
+    testkit::tls::roots(&std::fs::read_to_string(pem_file).unwrap())
 }
 
 /// A connection to `addr`: straight, or through the broker.

@@ -17,7 +17,6 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::{Request, Response};
 use hyper_util::rt::{TokioExecutor, TokioIo};
-use rustls_pki_types::pem::PemObject;
 use tine_broker::{
     Binding, Broker, BrokerConfig, BrokerEvent, CertificateAuthority, Flow, FlowHooks, HostPattern, SecretValue,
 };
@@ -35,28 +34,10 @@ struct Upstream {
 }
 
 fn upstream() -> Upstream {
-    let ca_key = rcgen::KeyPair::generate().unwrap();
-    let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
-    ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-    ca_params.distinguished_name.push(rcgen::DnType::CommonName, "test upstream CA");
-    let ca_cert = ca_params.self_signed(&ca_key).unwrap();
-    let issuer = rcgen::Issuer::new(ca_params, ca_key);
-    let key = rcgen::KeyPair::generate().unwrap();
-    let cert = rcgen::CertificateParams::new(vec!["api.test".to_string()]).unwrap().signed_by(&key, &issuer).unwrap();
+    let ca = testkit::tls::TestCa::new("test upstream CA");
     let ca_file = tempfile::NamedTempFile::new().unwrap();
-    std::fs::write(ca_file.path(), ca_cert.pem()).unwrap();
-    let mut config =
-        rustls::ServerConfig::builder_with_provider(Arc::new(rustls::crypto::aws_lc_rs::default_provider()))
-            .with_safe_default_protocol_versions()
-            .unwrap()
-            .with_no_client_auth()
-            .with_single_cert(
-                vec![cert.der().clone()],
-                rustls_pki_types::PrivateKeyDer::from_pem_slice(key.serialize_pem().as_bytes()).unwrap(),
-            )
-            .unwrap();
-    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
-    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+    ca.write_pem(ca_file.path());
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(ca.server_config("api.test")));
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     listener.set_nonblocking(true).unwrap();
     let addr = listener.local_addr().unwrap();
@@ -154,10 +135,7 @@ async fn open(broker: &Arc<Broker>, up: &Upstream, hooks: Arc<Hooks>, alpn: &[&[
             eprintln!("flow ended: {e}");
         }
     });
-    let mut roots = rustls::RootCertStore::empty();
-    for c in rustls_pki_types::CertificateDer::pem_slice_iter(broker.ca_pem().as_bytes()) {
-        roots.add(c.unwrap()).unwrap();
-    }
+    let roots = testkit::tls::roots(broker.ca_pem());
     let mut config =
         rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::aws_lc_rs::default_provider()))
             .with_safe_default_protocol_versions()
@@ -267,10 +245,7 @@ async fn an_upstream_the_broker_does_not_trust_ends_the_flow() {
     let upstream = tokio::net::TcpStream::connect(up.addr).await.unwrap();
     let hooks = Arc::new(Hooks::default());
     let client = tokio::spawn(async move {
-        let mut roots = rustls::RootCertStore::empty();
-        roots.add_parsable_certificates(
-            rustls_pki_types::CertificateDer::pem_file_iter(up.ca_file.path()).unwrap().map(Result::unwrap),
-        );
+        let roots = testkit::tls::roots(&std::fs::read_to_string(up.ca_file.path()).unwrap());
         let config =
             rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::aws_lc_rs::default_provider()))
                 .with_safe_default_protocol_versions()

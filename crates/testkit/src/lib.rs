@@ -6,6 +6,7 @@ pub mod cpio;
 
 pub mod mcp;
 pub mod oci;
+pub mod tls;
 
 use vmm::devices::ConsoleTail;
 

@@ -44,24 +44,9 @@ type Seen = Arc<Mutex<Vec<String>>>;
 /// CA of its own (written to `ca_path`): `/check` answers `auth-ok` when
 /// `Authorization` is `Bearer <value>`, else `auth-bad`.
 fn https_server(value: &str, ca_path: &Path) -> (u16, Seen) {
-    let ca_key = rcgen::KeyPair::generate().unwrap();
-    let mut ca = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
-    ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-    ca.distinguished_name.push(rcgen::DnType::CommonName, "secrets test CA");
-    let ca_cert = ca.self_signed(&ca_key).unwrap();
-    std::fs::write(ca_path, ca_cert.pem()).unwrap();
-    let issuer = rcgen::Issuer::new(ca, ca_key);
-    let key = rcgen::KeyPair::generate().unwrap();
-    let cert = rcgen::CertificateParams::new(vec!["api.test".into()]).unwrap().signed_by(&key, &issuer).unwrap();
-    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
-    let mut config = rustls::ServerConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .with_no_client_auth()
-        .with_single_cert(vec![cert.der().clone()], rustls::pki_types::PrivateKeyDer::Pkcs8(key.serialize_der().into()))
-        .unwrap();
-    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
-    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+    let ca = testkit::tls::TestCa::new("secrets test CA");
+    ca.write_pem(ca_path);
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(ca.server_config("api.test")));
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     listener.set_nonblocking(true).unwrap();
     let port = listener.local_addr().unwrap().port();
