@@ -243,6 +243,14 @@ if ! "$venv/bin/python" -c 'import importlib.metadata as m, sys; sys.exit(m.vers
   echo "setup: installing $authlib_pin in $venv" >&2
   "$venv/bin/pip" install -q --disable-pip-version-check "$authlib_pin"
 fi
+# The OpenAI Agents SDK, pinned, in the same venv: its strict-schema
+# converter checks every toolset meant for strict clients
+# (crates/tine/tests/py/toolsets.py, run by python_sdk.rs).
+agents_pin='openai-agents==0.24.0'
+if ! "$venv/bin/python" -c 'import importlib.metadata as m, sys; sys.exit(m.version("openai-agents") != "0.24.0")' 2>/dev/null; then
+  echo "setup: installing $agents_pin in $venv" >&2
+  "$venv/bin/pip" install -q --disable-pip-version-check "$agents_pin"
+fi
 # The official MCP conformance suite (npm), pinned, for the server scenarios
 # in crates/tine/tests/mcp.rs (testkit finds it at $TINE_CONFORMANCE or
 # here). 0.1.13: later versions need Node.js 22 (fs.globSync); the

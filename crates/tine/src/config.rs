@@ -135,6 +135,28 @@ pub struct FileConfig {
     /// `[secrets]`: the secrets store and the broker's CA
     /// ([`crate::secrets::SecretsConfig`]).
     pub secrets: crate::secrets::SecretsConfig,
+    /// `[mcp]`: what `/mcp` serves ([`McpConfig`]).
+    pub mcp: McpConfig,
+}
+
+/// `[mcp]` in the configuration file.
+///
+/// ```toml
+/// [mcp]
+/// tools = "full"   # the toolset of connections that name none: "full", or groups ("core", "core,processes")
+/// ```
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(default, deny_unknown_fields)]
+pub struct McpConfig {
+    /// The toolset of a connection that names none
+    /// ([`crate::mcp::toolsets`]).
+    pub tools: String,
+}
+
+impl Default for McpConfig {
+    fn default() -> Self {
+        McpConfig { tools: crate::mcp::toolsets::FULL.into() }
+    }
 }
 
 /// The tenants file's name in the data directory, where
@@ -437,6 +459,7 @@ mod tests {
             crate::secrets::SecretsConfig::default(),
             "deploy/tine.toml shows the [secrets] defaults"
         );
+        assert_eq!(c.mcp, McpConfig::default(), "deploy/tine.toml shows the [mcp] defaults");
         let huge: FileConfig = toml::from_str("[memory]\nhuge_pages = true\n").unwrap();
         assert!(huge.memory.huge_pages);
         assert_eq!(

@@ -127,6 +127,8 @@ pub struct ServeOptions {
     pub ports: crate::published_ports::PortsConfig,
     /// The secrets store (`None`: none, in tests of the router alone).
     pub secrets: Option<Arc<crate::secrets::Store>>,
+    /// The toolset of connections that name none (`[mcp] tools`).
+    pub toolset: crate::mcp::toolsets::Toolset,
 }
 
 /// Errors of serving.
@@ -262,7 +264,7 @@ pub fn router(
     let metrics = Metrics::new(cluster.host(), &cluster.forwarded);
     metrics.follow(&manager);
     let files = Arc::new(files);
-    let tools = Arc::new(crate::mcp::Tools::new(&manager).map_err(ServeError::Tools)?);
+    let tools = Arc::new(crate::mcp::Tools::new(&manager, opts.toolset.clone()).map_err(ServeError::Tools)?);
     let auth = opts.auth.clone();
     let ports = crate::published_ports::Publisher::new(manager.clone(), opts.ports.clone());
     ports.watch();

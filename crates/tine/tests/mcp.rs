@@ -123,10 +123,33 @@ async fn mcp_end_to_end() {
     assert_eq!(tool("sandbox_list").annotations.unwrap().read_only_hint, Some(true));
     assert_eq!(tool("sandbox_kill").annotations.unwrap().destructive_hint, Some(true));
     assert!(tool("sandbox_exec").output_schema.is_some(), "structured output has a schema");
-    for code_tool in ["sandbox_create", "sandbox_exec", "sandbox_run_python"] {
+    for code_tool in ["sandbox_create", "sandbox_exec"] {
         let d = tool(code_tool).description.unwrap_or_default();
         assert!(d.contains("Network: "), "{code_tool}'s description says what network sandboxes have: {d}");
     }
+    // The core toolset, as a client that asks for it sees it on a server
+    // with a network: at most 12 tools and 10,000 characters of
+    // descriptions and input schemas.
+    let core = testkit::mcp::connect(&format!("{}?tools=core", server.url), Some(TOKEN)).await;
+    let core_tools = core.list_all_tools().await.expect("tools/list of core");
+    let cost: usize = core_tools
+        .iter()
+        .map(|t| t.description.as_deref().map_or(0, str::len) + serde_json::to_string(&*t.input_schema).unwrap().len())
+        .sum();
+    eprintln!("core toolset: {} tools, {cost} characters (full: {} tools)", core_tools.len(), tools.len());
+    assert!(core_tools.len() <= 12 && cost <= 10_000, "core: {} tools, {cost} characters", core_tools.len());
+    // Its maps are arrays of {name, value}, as strict clients send them.
+    let r = call(
+        &core,
+        "sandbox_exec",
+        json!({"command": "echo $GREETING", "env": [{"name": "GREETING", "value": "pairs"}]}),
+    )
+    .await
+    .expect("exec with env as pairs");
+    assert_eq!(r["stdout"], "pairs\n", "{r}");
+    let e = call(&core, "sandbox_process_list", json!({})).await.unwrap_err();
+    assert!(e.contains("not in this connection's toolset (core)"), "{e}");
+    let _ = core.cancel().await;
 
     // Bad input: a tool error that says what to do, or a protocol error; the
     // server stays up.

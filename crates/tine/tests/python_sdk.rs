@@ -3,7 +3,10 @@
 //! tool's worst case fits the SDK's 1 MiB SSE event limit, the session rule
 //! holds, and the client closes without "Session termination failed".
 //! The client is `tests/py/worst_cases.py`, run in the venv that
-//! `scripts/setup.sh` makes. One server serves every check here.
+//! `scripts/setup.sh` makes; then `tests/py/toolsets.py` lists every
+//! toolset (`/mcp?tools=`) with the SDK and converts the schemas of those
+//! meant for strict clients with the OpenAI Agents SDK's converter. One
+//! server serves every check here.
 
 use std::path::Path;
 use std::time::Instant;
@@ -54,4 +57,12 @@ fn official_python_sdk_gets_every_worst_case() {
     for bad in ["Session termination failed", "SSE stream failed", "exceeded", "Traceback"] {
         assert!(!stderr.contains(bad), "the Python SDK logged {bad:?}");
     }
+
+    // Every toolset through the SDK, and the OpenAI Agents SDK's strict
+    // conversion of every toolset meant for it (tests/py/toolsets.py).
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/py/toolsets.py");
+    let out = std::process::Command::new(&python).arg(&script).arg(&server.url).output().expect("run toolsets.py");
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    eprintln!("--- toolsets.py stdout:\n{stdout}\n--- stderr:\n{stderr}");
+    assert!(out.status.success() && stdout.lines().last() == Some("ALL OK"), "toolsets.py: {stdout}");
 }

@@ -65,10 +65,8 @@ impl Manager {
             }
         };
         format!(
-            "Network: {default}, through a NAT (inbound only through `tine port-forward` on the host); loopback, private, link-local (cloud \
-             metadata) and CGNAT addresses are refused; curl, git and pip are installed. The policy is in \
-             sandbox_info.network; change it with sandbox_create {{ network }} or sandbox_update; see \
-             sandbox_network_log."
+            "Network: {default} through a NAT; loopback, private and cloud-metadata addresses are refused. Policy: \
+             sandbox_info.network, sandbox_update {{ network }}."
         )
     }
 

@@ -202,6 +202,8 @@ pub(super) fn start(args: StartArgs) -> anyhow::Result<ExitCode> {
         previews,
         ports: r.file.ports.clone(),
         secrets: Some(store),
+        toolset: crate::mcp::toolsets::Toolset::parse(&r.file.mcp.tools)
+            .map_err(|e| anyhow::anyhow!("[mcp] tools: {e}"))?,
     };
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(server::serve(manager, opts))?;

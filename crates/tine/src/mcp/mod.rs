@@ -29,6 +29,7 @@ pub mod progress;
 pub mod schema;
 mod session;
 mod tools;
+pub mod toolsets;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -73,7 +74,7 @@ fn router() -> ToolRouter<TineMcp> {
 }
 
 /// Tools whose description ends with what network the sandbox has.
-const CODE_TOOLS: [&str; 4] = ["sandbox_create", "sandbox_exec", "sandbox_run_python", "sandbox_run_code"];
+const CODE_TOOLS: [&str; 2] = ["sandbox_create", "sandbox_exec"];
 
 /// The router for `manager`'s server: the server's network stated in the
 /// descriptions of the tools that run code ([`CODE_TOOLS`]), and the
@@ -96,19 +97,66 @@ fn router_for(manager: &Manager) -> ToolRouter<TineMcp> {
 pub struct Tools {
     router: ToolRouter<TineMcp>,
     check: bounds::ArgCheck,
+    /// Each tool's input schema with its maps as arrays of pairs, as every
+    /// toolset but `full` lists it ([`toolsets::with_pairs`]), and as a
+    /// toolset with `core` lists it (fewer parameters,
+    /// [`toolsets::CORE_PARAMETERS`]).
+    pairs: std::collections::BTreeMap<String, (Arc<JsonObject>, Arc<JsonObject>)>,
+    /// The toolset of a connection that names none (`[mcp] tools`).
+    default: toolsets::Toolset,
 }
 
 impl Tools {
     /// The tools of `manager`'s server ([`router_for`]), their schemas
-    /// compiled for [`bounds::ArgCheck`].
+    /// compiled for [`bounds::ArgCheck`]; `default` is the toolset of
+    /// connections that name none.
     ///
     /// Errors: a tool whose input schema is not valid JSON Schema (a bug,
     /// found at start).
-    pub fn new(manager: &Manager) -> Result<Self, String> {
+    pub fn new(manager: &Manager, default: toolsets::Toolset) -> Result<Self, String> {
         let router = router_for(manager);
         let check =
             bounds::ArgCheck::new(router.map.values().map(|r| (r.attr.name.as_ref(), r.attr.input_schema.as_ref())))?;
-        Ok(Tools { router, check })
+        let pairs = router
+            .map
+            .values()
+            .map(|r| {
+                let pairs = toolsets::with_pairs(&r.attr.input_schema);
+                let core = match toolsets::CORE_PARAMETERS.iter().find(|(t, _)| *t == r.attr.name) {
+                    Some((_, keep)) => Arc::new(toolsets::trimmed(&pairs, keep)),
+                    None => pairs.clone(),
+                };
+                (r.attr.name.to_string(), (pairs, core))
+            })
+            .collect();
+        let tools = Tools { router, check, pairs, default };
+        if let Ok(core) = toolsets::Toolset::parse("core") {
+            let listed = tools.listed(&core);
+            let cost: usize = listed.iter().map(toolsets::cost).sum();
+            if listed.len() > toolsets::CORE_MAX_TOOLS || cost > toolsets::CORE_MAX_CHARS {
+                tracing::warn!(
+                    "the core toolset has {} tools and {cost} characters, more than its {} and {}",
+                    listed.len(),
+                    toolsets::CORE_MAX_TOOLS,
+                    toolsets::CORE_MAX_CHARS
+                );
+            }
+        }
+        Ok(tools)
+    }
+
+    /// The tools `set` lists, with its schemas.
+    pub fn listed(&self, set: &toolsets::Toolset) -> Vec<rmcp::model::Tool> {
+        let mut tools: Vec<rmcp::model::Tool> =
+            self.router.list_all().into_iter().filter(|t| set.has(&t.name)).collect();
+        if set.pairs() {
+            for t in &mut tools {
+                if let Some((pairs, core)) = self.pairs.get(t.name.as_ref()) {
+                    t.input_schema = if set.core() { core.clone() } else { pairs.clone() };
+                }
+            }
+        }
+        tools
     }
 }
 
@@ -316,6 +364,19 @@ fn own_names(caller: &Principal, mut r: CallToolResult) -> CallToolResult {
 
 #[tool_handler(router = self.tools.router)]
 impl ServerHandler for TineMcp {
+    /// `tools/list`: the connection's toolset ([`toolsets`]: `?tools=`, the
+    /// `X-Tine-Tools` header, else the server's `[mcp] tools`).
+    async fn list_tools(
+        &self,
+        _request: Option<rmcp::model::PaginatedRequestParams>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<rmcp::model::ListToolsResult, ErrorData> {
+        let parts = context.extensions.get::<axum::http::request::Parts>();
+        let set = toolsets::Toolset::of_request(parts, &self.tools.default)
+            .map_err(|e| ErrorData::invalid_params(e.to_string(), None))?;
+        Ok(rmcp::model::ListToolsResult::with_all_items(self.tools.listed(&set)))
+    }
+
     /// Checks the arguments against the tool's input schema
     /// ([`bounds::ArgCheck`]: a call out of bounds is refused before any
     /// work, here or on a peer), runs the tool here, or on the host its ids
@@ -337,11 +398,22 @@ impl ServerHandler for TineMcp {
         let caller = parts.and_then(|p| p.extensions.get::<Principal>()).cloned().unwrap_or(Principal::Admin);
         *self.principal.lock().unwrap_or_else(|p| p.into_inner()) = caller.clone();
         let refused = |message: String| CallToolResult::error(vec![rmcp::model::ContentBlock::text(message)]);
+        if let Some(args) = request.arguments.as_mut() {
+            toolsets::maps_from_pairs(args);
+        }
+        let set = toolsets::Toolset::of_request(parts, &self.tools.default);
+        let outside = match &set {
+            Ok(set) if self.tools.router.map.contains_key(tool.as_ref()) && !set.has(&tool) => Some(format!(
+                "{tool} is not in this connection's toolset ({}): connect to /mcp?tools=full, or add the group that has it",
+                set.spec()
+            )),
+            Ok(_) => None,
+            Err(e) => Some(e.to_string()),
+        };
         let ids: Vec<String> = crate::cluster::named_ids(request.arguments.as_ref()).map(str::to_string).collect();
-        let route = self
-            .tools
-            .check
-            .check(&tool, &mut request.arguments)
+        let route = outside
+            .map_or(Ok(()), Err)
+            .and_then(|()| self.tools.check.check(&tool, &mut request.arguments))
             .and_then(|()| self.check_owner(request.arguments.as_ref()).map_err(|e| e.to_string()))
             .and_then(|()| {
                 self.cluster

@@ -53,6 +53,7 @@ fn options(token: Option<&str>, allowed_origins: Vec<String>) -> ServeOptions {
         public_url: None,
         ports: Default::default(),
         secrets: None,
+        toolset: crate::mcp::toolsets::Toolset::full(),
         previews: std::sync::Arc::new(
             crate::preview::Previews::open(
                 &tempfile::tempdir().unwrap().keep(),
@@ -651,4 +652,108 @@ async fn a_port_forward_needs_the_token_an_upgrade_and_a_sandbox_of_this_host() 
     assert_eq!(r.status(), StatusCode::MISDIRECTED_REQUEST);
     let body = axum::body::to_bytes(r.into_body(), 4096).await.unwrap();
     assert!(String::from_utf8_lossy(&body).contains("lives on host t2"), "{body:?}");
+}
+
+/// `tools/list` in session `session`, sent to `uri` with `header` as the
+/// toolset header if given: the tools.
+async fn tools_at(
+    app: &axum::Router,
+    session: &axum::http::HeaderValue,
+    uri: &str,
+    header: Option<&str>,
+) -> Vec<serde_json::Value> {
+    let mut req = in_session(session, serde_json::json!({"jsonrpc": "2.0", "id": 7, "method": "tools/list"}));
+    *req.uri_mut() = uri.parse().unwrap();
+    if let Some(h) = header {
+        req.headers_mut().insert(crate::mcp::toolsets::HEADER, h.parse().unwrap());
+    }
+    let answer = rpc_answer(send(app, req).await, 7).await;
+    answer["result"]["tools"].as_array().cloned().unwrap_or_else(|| panic!("{answer}"))
+}
+
+/// Where in `schema` an object takes properties of any name
+/// (`additionalProperties` other than `false`): what strict-schema
+/// converters refuse.
+fn open_maps(schema: &serde_json::Value, at: &str, found: &mut Vec<String>) {
+    match schema {
+        serde_json::Value::Object(o) => {
+            if let Some(ap) = o.get("additionalProperties") {
+                if ap != &serde_json::Value::Bool(false) {
+                    found.push(at.to_string());
+                }
+            }
+            for (k, v) in o {
+                open_maps(v, &format!("{at}/{k}"), found);
+            }
+        }
+        serde_json::Value::Array(a) => {
+            a.iter().enumerate().for_each(|(i, v)| open_maps(v, &format!("{at}/{i}"), found))
+        }
+        _ => {}
+    }
+}
+
+#[tokio::test]
+async fn tools_list_serves_the_connection_toolset_and_core_fits_its_budget() {
+    use crate::mcp::toolsets::{CORE_MAX_CHARS, CORE_MAX_TOOLS};
+    let dir = tempfile::tempdir().unwrap();
+    let app = app(&dir, Some(TOKEN));
+    let (session, _) = initialized_session(&app).await;
+    let names =
+        |tools: &[serde_json::Value]| tools.iter().map(|t| t["name"].as_str().unwrap().to_string()).collect::<Vec<_>>();
+    let cost = |tools: &[serde_json::Value]| -> usize {
+        tools.iter().map(|t| t["description"].as_str().map_or(0, str::len) + t["inputSchema"].to_string().len()).sum()
+    };
+    let full = tools_at(&app, &session, "/mcp", None).await;
+    assert!(full.len() >= 30, "{:?}", names(&full));
+    let create = full.iter().find(|t| t["name"] == "sandbox_create").unwrap();
+    assert_eq!(create["inputSchema"]["properties"]["env"]["type"], "object", "full keeps its maps");
+    let core = tools_at(&app, &session, "/mcp?tools=core", None).await;
+    eprintln!(
+        "core: {} tools, {} characters; full: {} tools, {} characters",
+        core.len(),
+        cost(&core),
+        full.len(),
+        cost(&full)
+    );
+    for t in &core {
+        let props: Vec<(String, usize)> = t["inputSchema"]["properties"]
+            .as_object()
+            .map(|o| o.iter().map(|(k, v)| (k.clone(), v.to_string().len())).collect())
+            .unwrap_or_default();
+        eprintln!(
+            "  {} {} desc {} schema {} {:?}",
+            t["name"],
+            cost(std::slice::from_ref(t)),
+            t["description"].as_str().map_or(0, str::len),
+            t["inputSchema"].to_string().len(),
+            props
+        );
+    }
+    assert!(core.len() <= CORE_MAX_TOOLS, "{:?}", names(&core));
+    assert!(cost(&core) <= CORE_MAX_CHARS, "core costs {} characters: {:?}", cost(&core), names(&core));
+    let mut open = Vec::new();
+    for t in &core {
+        open_maps(&t["inputSchema"], t["name"].as_str().unwrap(), &mut open);
+    }
+    assert!(open.is_empty(), "maps in core's schemas: {open:?}");
+    let create = core.iter().find(|t| t["name"] == "sandbox_create").unwrap();
+    assert_eq!(create["inputSchema"]["properties"]["env"]["type"], "array", "core takes pairs");
+    // A header, groups combined.
+    let procs = tools_at(&app, &session, "/mcp", Some("processes,files")).await;
+    let procs = names(&procs);
+    assert!(procs.contains(&"sandbox_process_wait".to_string()) && procs.contains(&"sandbox_upload".to_string()));
+    assert!(!procs.contains(&"sandbox_branch".to_string()), "{procs:?}");
+    // A tool outside the toolset is not called; an unknown toolset is refused.
+    let call = serde_json::json!({"jsonrpc": "2.0", "id": 8, "method": "tools/call",
+                                  "params": {"name": "sandbox_process_list", "arguments": {}}});
+    let mut req = in_session(&session, call);
+    *req.uri_mut() = "/mcp?tools=core".parse().unwrap();
+    let answer = rpc_answer(send(&app, req).await, 8).await;
+    assert_eq!(answer["result"]["isError"], true, "{answer}");
+    assert!(answer.to_string().contains("not in this connection's toolset (core)"), "{answer}");
+    let mut req = in_session(&session, serde_json::json!({"jsonrpc": "2.0", "id": 7, "method": "tools/list"}));
+    *req.uri_mut() = "/mcp?tools=nope".parse().unwrap();
+    let answer = rpc_answer(send(&app, req).await, 7).await;
+    assert!(answer["error"]["message"].as_str().unwrap_or_default().contains("toolset \"nope\""), "{answer}");
 }

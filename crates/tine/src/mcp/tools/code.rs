@@ -318,16 +318,12 @@ impl PythonResult {
 #[tool_router(router = code_router, vis = "pub(super)")]
 impl TineMcp {
     #[tool(
-        description = "Run a bash command (command) or a program without a shell (argv) in a sandbox and \
-                       return its exit code, stdout and stderr (each cut \
-                       at 32 KiB, and further to fit the result budget; truncated says so, stdout_bytes and \
-                       stderr_bytes give the full sizes). The command and its children are killed at the \
-                       timeout; with a progressToken, progress (elapsed time, output so far, last lines) is \
-                       reported while it runs. background: true returns at once with a process_id instead (no \
-                       timeout; stdin stays open): follow it with sandbox_process_wait, _output, _write, _kill \
-                       and _list. Background processes get PYTHONUNBUFFERED=1, keep the last 256 KiB of each \
-                       stream, survive pause/resume, snapshots, templates and branches, and do not keep the \
-                       sandbox alive: its idle timeout counts tool calls only.",
+        description = "Run a bash command (or argv: a program without a shell) in the sandbox; returns \
+                       exit_code, stdout and stderr (each cut at 32 KiB: truncated and stdout_bytes/stderr_bytes \
+                       say so). It is killed with its children at timeout_secs (default 60). For servers and long \
+                       jobs use background: true: it returns a process_id at once (follow it with \
+                       sandbox_process_wait, _output, _kill; its output keeps the last 256 KiB). The idle timeout \
+                       counts tool calls, not running processes.",
         annotations(title = "Run command", read_only_hint = false, destructive_hint = true, open_world_hint = true)
     )]
     async fn sandbox_exec(
@@ -377,11 +373,11 @@ impl TineMcp {
     }
 
     #[tool(
-        description = "Run code in one of the sandbox's persistent interpreters, language \"python\" (as \
-                       sandbox_run_python) or \"javascript\" (Node.js: top-level let/const/function and await \
-                       work; variables stay defined between calls). Returns the final expression's value (Python \
-                       repr, JS util.inspect; cut at 64 KiB), printed output (cut at 32 KiB per stream, child \
-                       processes included), and any error with its traceback or stack.",
+        description = "Run code in the sandbox's persistent interpreter for language \"python\" or \
+                       \"javascript\" (Node.js; top-level let/const and await work): variables, imports and \
+                       functions stay defined between calls. Returns the last expression's value (repr or \
+                       util.inspect, cut at 64 KiB), printed output (32 KiB per stream) and any error with its \
+                       traceback.",
         annotations(title = "Run code", read_only_hint = false, destructive_hint = true, open_world_hint = true)
     )]
     async fn sandbox_run_code(

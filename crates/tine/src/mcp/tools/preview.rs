@@ -87,13 +87,10 @@ pub struct PreviewRevokeResult {
 #[tool_router(router = preview_router, vis = "pub(super)")]
 impl TineMcp {
     #[tool(
-        description = "Get a URL that shows a server running in the sandbox (a web app, a notebook, an API) to a \
-                       person's browser: requests go to the guest's port, WebSockets and streaming included. Start \
-                       the server first, listening on 0.0.0.0 (not 127.0.0.1), e.g. sandbox_exec { command: \
-                       \"python3 -m http.server 8000\", background: true }. The URL carries a token unless public \
-                       is true, and works until ttl_secs pass (default 24 h) or sandbox_preview_revoke; a \
-                       hibernated sandbox wakes on a request. It never reaches a branch child: ask for the child's \
-                       own.",
+        description = "Get a URL that shows a server in the sandbox (web app, notebook, API; WebSockets and \
+                       streaming pass) to a person's browser. Start the server first on 0.0.0.0, not 127.0.0.1 \
+                       (sandbox_exec with background: true). The URL carries a token unless public; it works for \
+                       ttl_secs (default 24 h) or until sandbox_preview_revoke, and wakes a hibernated sandbox.",
         annotations(title = "Preview URL", read_only_hint = false, destructive_hint = false, open_world_hint = false)
     )]
     async fn sandbox_preview_url(

@@ -285,10 +285,10 @@ impl DiffResult {
 #[tool_router(router = sandboxes_router, vis = "pub(super)")]
 impl TineMcp {
     #[tool(
-        description = "Create a new sandbox: an isolated Linux microVM (Debian, bash, Python 3, Node.js) with its own \
-                       kernel. Returns its sandbox_id. It becomes this session's sandbox: tools called without \
-                       sandbox_id use the sandbox this session created last. Reports progress (cold boot, \
-                       waiting for the default template) when the request has a progressToken.",
+        description = "Create a sandbox: an isolated Linux microVM (Debian, bash, Python 3, Node.js) with its own \
+                       kernel. Returns its info and sandbox_id; it becomes this session's sandbox, which tools \
+                       called without sandbox_id use. Reports progress (a cold boot can take long) when the \
+                       request has a progressToken.",
         annotations(
             title = "Create sandbox",
             read_only_hint = false,
@@ -464,11 +464,10 @@ impl TineMcp {
     }
 
     #[tool(
-        description = "Branch a running sandbox into n children: each child starts from the sandbox's exact \
-                       state at this instant (memory, running processes, Python variables, files) and then goes \
-                       its own way; the source keeps running, paused for milliseconds. Children share unchanged \
-                       memory. Returns the children's ids. Compare children with sandbox_diff, keep the best with \
-                       sandbox_merge_into, kill the rest with sandbox_kill.",
+        description = "Branch a running sandbox into n children, each starting from its exact state now (memory, \
+                       processes, Python variables, files) and going its own way; the source goes on (paused for \
+                       milliseconds). Returns the children. Compare them with sandbox_diff, keep the best with \
+                       sandbox_merge_into, kill the rest.",
         annotations(
             title = "Branch sandbox",
             read_only_hint = false,

@@ -21,11 +21,10 @@ pub struct SecretListResult {
 #[tool_router(router = secrets_router, vis = "pub(crate)")]
 impl TineMcp {
     #[tool(
-        description = "List the secrets you may give a sandbox (names, who owns them, the hosts each may be sent \
-                       to; never values). Bind one with sandbox_create or sandbox_update { secrets: { ENV_NAME: \
-                       \"secret-name\" } }: the sandbox's ENV_NAME then holds a placeholder, which the server \
-                       swaps for the real value only in HTTPS requests to the secret's hosts. Operators set \
-                       secrets on the server host with `tine secret set`.",
+        description = "List the secrets you may give a sandbox (name, owner, hosts; never values). Bind one with \
+                       sandbox_create or sandbox_update { secrets: { ENV_NAME: \"name\" } }: ENV_NAME then holds a \
+                       placeholder that the server replaces with the value only in HTTPS requests to the \
+                       secret's hosts.",
         annotations(title = "List secrets", read_only_hint = true, open_world_hint = false)
     )]
     async fn secret_list(&self) -> Result<Json<SecretListResult>, ToolError> {
