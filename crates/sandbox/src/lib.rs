@@ -57,8 +57,8 @@ pub use manager::images;
 pub use manager::{
     BackendError, BranchResult, DiskBytes, ExecRequest, Lineage, Manager, ManagerConfig, NetworkLog, PoolStatus,
     PortConnection, PortLease, ProcessId, ProcessInfo, ProcessPage, ProcessState, Recipe, SandboxError, SandboxId,
-    SandboxInfo, SandboxSpec, SandboxState, SandboxUpdate, SetupStep, Usage, WaitResult, WaitSpec, MAX_FILES,
-    MAX_STEPS,
+    SandboxInfo, SandboxSpec, SandboxState, SandboxUpdate, SetupStep, Spawned, Usage, WaitResult, WaitSpec, MAX_FILES,
+    MAX_SPAWN, MAX_STEPS,
 };
 pub use memory::{BudgetUse, OverBudget};
 pub use progress::{CallContext, ProgressSink, ProgressUpdate};

@@ -123,10 +123,8 @@ async fn mcp_end_to_end() {
     assert_eq!(tool("sandbox_list").annotations.unwrap().read_only_hint, Some(true));
     assert_eq!(tool("sandbox_kill").annotations.unwrap().destructive_hint, Some(true));
     assert!(tool("sandbox_exec").output_schema.is_some(), "structured output has a schema");
-    for code_tool in ["sandbox_create", "sandbox_exec"] {
-        let d = tool(code_tool).description.unwrap_or_default();
-        assert!(d.contains("Network: "), "{code_tool}'s description says what network sandboxes have: {d}");
-    }
+    let d = tool("sandbox_create").description.unwrap_or_default();
+    assert!(d.contains("Network: "), "sandbox_create's description says what network sandboxes have: {d}");
     // The core toolset, as a client that asks for it sees it on a server
     // with a network: at most 12 tools and 10,000 characters of
     // descriptions and input schemas.
@@ -169,14 +167,18 @@ async fn mcp_end_to_end() {
 
     // An explicit sandbox.
     let t = Instant::now();
-    let created = call(&client, "sandbox_create", json!({"labels": {"suite": "e2e"}})).await.expect("create");
+    let created =
+        call(&client, "sandbox_create", json!({"labels": {"suite": "e2e"}, "name": "e2e-box"})).await.expect("create");
     eprintln!("sandbox_create: {:.1} s", t.elapsed().as_secs_f64());
     let id = created["sandbox_id"].as_str().unwrap().to_string();
-    assert_eq!(created["state"], "running");
+    assert_eq!((created["state"].as_str(), created["name"].as_str()), (Some("running"), Some("e2e-box")));
+    let e = call(&client, "sandbox_create", json!({"name": "e2e-box"})).await.unwrap_err();
+    assert!(e.contains("a sandbox named \"e2e-box\" exists already"), "{e}");
     assert_eq!(created["vcpus"], 1);
     assert_eq!(created["memory_mib"], 512);
 
-    let v = call(&client, "sandbox_run_python", json!({"sandbox_id": id, "code": "import sys; sys.version"}))
+    // Its name is taken wherever its id is.
+    let v = call(&client, "sandbox_run_python", json!({"sandbox_id": "e2e-box", "code": "import sys; sys.version"}))
         .await
         .unwrap();
     assert!(v["result"].as_str().unwrap().starts_with("'3."), "{v}");
@@ -238,10 +240,27 @@ async fn mcp_end_to_end() {
         .unwrap();
     assert_eq!(x["timed_out"], true, "{x}");
 
-    let list = call(&client, "sandbox_list", json!({"labels": {"suite": "e2e"}})).await.unwrap();
+    let list = call(&client, "sandbox_list", json!({"labels": {"suite": "e2e"}, "usage": true})).await.unwrap();
     let ids: Vec<&str> =
         list["sandboxes"].as_array().unwrap().iter().map(|s| s["sandbox_id"].as_str().unwrap()).collect();
     assert_eq!(ids, vec![id.as_str()]);
+    assert_eq!(list["sandboxes"][0]["name"], "e2e-box");
+    let usage = &list["sandboxes"][0]["usage"];
+    assert!(usage["cpu_percent"].is_number() && usage["host_memory_bytes"].as_u64() > Some(1 << 20), "{list}");
+    // Spawn N: two of the default template in one call.
+    let spawned = call(&client, "sandbox_create", json!({"count": 2, "labels": {"suite": "spawn"}})).await.unwrap();
+    let made: Vec<String> = spawned["sandboxes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["sandbox_id"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(made.len(), 2, "{spawned}");
+    assert!(spawned["spawn_ms"].is_u64() && spawned["spawn_error"].is_null(), "{spawned}");
+    eprintln!("sandbox_create {{ count: 2 }}: {} ms", spawned["spawn_ms"]);
+    for s in &made {
+        call(&client, "sandbox_kill", json!({"sandbox_id": s})).await.unwrap();
+    }
     let none = call(&client, "sandbox_list", json!({"labels": {"suite": "other"}})).await.unwrap();
     assert!(none["sandboxes"].as_array().unwrap().is_empty());
     let info = call(&client, "sandbox_info", json!({"sandbox_id": id})).await.unwrap();
@@ -262,8 +281,8 @@ async fn mcp_end_to_end() {
     let r = call(&client, "sandbox_resume", json!({"sandbox_id": id})).await.unwrap();
     assert_eq!(r["state"], "running");
 
-    let k = call(&client, "sandbox_kill", json!({"sandbox_id": id})).await.unwrap();
-    assert_eq!(k["killed"], true);
+    let k = call(&client, "sandbox_kill", json!({"sandbox_id": "e2e-box"})).await.unwrap();
+    assert_eq!((k["killed"].as_bool(), k["sandbox_id"].as_str()), (Some(true), Some(id.as_str())), "killed by name");
     let e = call(&client, "sandbox_exec", json!({"sandbox_id": id, "command": "true"})).await.unwrap_err();
     assert!(e.contains(&format!("no sandbox {id}")), "{e}");
     assert!(!server.data_dir.join("sandboxes").join(&id).exists(), "the killed sandbox's files are gone");

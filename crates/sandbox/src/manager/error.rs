@@ -172,6 +172,12 @@ pub enum SandboxError {
     /// A create's volumes cannot be attached as asked.
     #[error("{0}")]
     Volumes(String),
+    /// A spawn that cannot be made as asked ([`super::spawn`]).
+    #[error("{0}")]
+    Spawn(String),
+    /// A sandbox name that cannot be given ([`super::names`]).
+    #[error("{0}")]
+    Name(String),
     /// Secrets cannot be bound as asked ([`crate::secrets`]).
     #[error("secrets: {0}")]
     Secrets(String),

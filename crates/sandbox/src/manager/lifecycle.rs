@@ -155,14 +155,28 @@ impl Manager {
         spec: SandboxSpec,
         cx: &CallContext,
     ) -> Result<SandboxInfo, SandboxError> {
-        // Secrets that cannot be bound are refused before any VM starts.
+        // Secrets that cannot be bound, and a name that cannot be given,
+        // are refused before any VM starts.
         let secrets = spec.secrets.clone();
         self.bind_secrets(cx.tenant.as_deref(), &[], &secrets)?;
+        let name = spec.name.clone();
+        if let Some(n) = &name {
+            self.check_new_name(cx.tenant.as_deref(), n)?;
+        }
         let (me, cx) = (self.clone(), cx.clone());
         let info = match tokio::spawn(async move { me.create_inner(spec, cx).await }).await {
             Ok(r) => r?,
             Err(e) => return Err(task_failed("sandbox creation task")(e)),
         };
+        if let Some(n) = &name {
+            if let Err(e) = self.give_name(&info.sandbox_id, n) {
+                if let Err(k) = self.kill(&info.sandbox_id).await {
+                    tracing::warn!(sandbox = %info.sandbox_id, "{k}");
+                }
+                return Err(e);
+            }
+        }
+        let info = SandboxInfo { name: name.clone(), ..info };
         if secrets.is_empty() {
             return Ok(info);
         }

@@ -38,6 +38,7 @@ mod hibernate;
 pub mod images;
 mod kvm;
 mod lifecycle;
+mod names;
 mod network;
 mod pool;
 mod ports;
@@ -52,6 +53,7 @@ mod sandbox;
 mod secrets;
 mod settings;
 mod slots;
+mod spawn;
 mod spec;
 #[cfg(test)]
 mod tests;
@@ -71,6 +73,7 @@ pub use recipes::{Recipe, SetupStep, MAX_FILES, MAX_STEPS};
 use sandbox::Sandbox;
 pub use sandbox::{Lineage, SandboxInfo, SandboxState, Usage};
 pub use settings::SandboxUpdate;
+pub use spawn::{Spawned, MAX_SPAWN};
 pub use spec::SandboxSpec;
 
 /// A sandbox's id, `sb-[<host>-]<random>` ([`crate::ids`]).
@@ -393,8 +396,21 @@ impl Manager {
             Some(a) => a.info(Duration::from_secs(10)).await.ok(),
             None => None,
         };
+        let cpu_percent = {
+            let now = std::time::Instant::now();
+            let mut last = lock(&sb.last_cpu);
+            let (since, before) = last.unwrap_or((sb.created, Duration::ZERO));
+            *last = Some((now, cpu));
+            let wall = now.saturating_duration_since(since).as_secs_f64();
+            if wall > 0.0 {
+                (cpu.saturating_sub(before).as_secs_f64() / wall * 1000.0).round() / 10.0
+            } else {
+                0.0
+            }
+        };
         Ok(sb.info(Some(Usage {
             cpu_time_ms: cpu.as_millis() as u64,
+            cpu_percent,
             host_memory_bytes: host_mem,
             guest_memory_used_bytes: guest.as_ref().map(|g| g.mem_total.saturating_sub(g.mem_available)),
             guest_memory_total_bytes: guest.as_ref().map(|g| g.mem_total),

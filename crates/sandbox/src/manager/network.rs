@@ -58,15 +58,13 @@ impl Manager {
             return "Network: none (this server gives sandboxes no network device).".into();
         };
         let default = match (n.default_policy.egress, n.default_policy.allow.is_empty()) {
-            (netstack::policy::Egress::Allow, _) => "outbound TCP, UDP and DNS to the public internet".to_string(),
+            (netstack::policy::Egress::Allow, _) => "the public internet".to_string(),
             (netstack::policy::Egress::Deny, true) => "no outbound connections by default".to_string(),
-            (netstack::policy::Egress::Deny, false) => {
-                format!("outbound connections only to {}", n.default_policy.allow.join(", "))
-            }
+            (netstack::policy::Egress::Deny, false) => format!("only {}", n.default_policy.allow.join(", ")),
         };
         format!(
-            "Network: {default} through a NAT; loopback, private and cloud-metadata addresses are refused. Policy: \
-             sandbox_info.network, sandbox_update {{ network }}."
+            "Network: {default}, through a NAT (not loopback, private or metadata addresses); policy: \
+             sandbox_update {{ network }}."
         )
     }
 

@@ -86,6 +86,9 @@ pub(super) struct Record {
     /// memory holds the placeholders, so a resumed sandbox swaps again.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub secrets: Vec<crate::secrets::SecretBinding>,
+    /// Its name, if it has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
 /// Where a hibernation is and what it was written against.
@@ -165,6 +168,7 @@ fn record_of(sb: &Sandbox, pin: Option<String>, hibernated: Option<&Hibernated>)
         volumes: lock(&sb.volumes).clone(),
         ports: lock(&sb.ports).clone(),
         secrets: lock(&sb.secrets).clone(),
+        name: lock(&sb.name).clone(),
     }
 }
 
@@ -394,6 +398,7 @@ impl Manager {
         *lock(&sb.hibernation) = hibernation;
         *lock(&sb.volumes) = r.volumes.clone();
         *lock(&sb.secrets) = r.secrets.clone();
+        *lock(&sb.name) = r.name.clone();
         *lock(&sb.ports) =
             r.ports.iter().map(|p| crate::published_ports::PublishedPort { listening: false, ..p.clone() }).collect();
         let (state, error) = match r.state.as_str() {

@@ -91,6 +91,9 @@ impl SandboxState {
 pub struct Usage {
     /// CPU time the vCPUs used since start (ms).
     pub cpu_time_ms: u64,
+    /// The vCPUs' use over the interval since the last usage reading
+    /// (since start at the first), in % of one CPU.
+    pub cpu_percent: f64,
     /// Host memory backing guest RAM now (bytes): the pages the guest touched.
     pub host_memory_bytes: u64,
     /// Guest RAM the guest kernel reports in use (bytes), if the agent answered.
@@ -118,6 +121,10 @@ pub struct Usage {
 pub struct SandboxInfo {
     /// The id.
     pub sandbox_id: SandboxId,
+    /// Its name, if it was given one (`sandbox_create { name }`), which
+    /// tools take wherever they take its id.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
     /// The tenant it belongs to (shown to the operator; `None`: the
     /// server's own).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -418,6 +425,11 @@ pub(super) struct Sandbox {
     /// Its secrets ([`crate::secrets`]), shared with its network's
     /// hand-over to the broker.
     pub secrets: Arc<Mutex<Vec<crate::secrets::SecretBinding>>>,
+    /// Its name ([`super::names`]; `None`: none).
+    pub name: Mutex<Option<String>>,
+    /// Its vCPU time at the last usage reading, and when: the interval its
+    /// CPU % is over ([`Usage::cpu_percent`]).
+    pub last_cpu: Mutex<Option<(std::time::Instant, Duration)>>,
 }
 
 impl Sandbox {
@@ -456,6 +468,8 @@ impl Sandbox {
             slot_chains: Mutex::new(Vec::new()),
             ports: Mutex::new(Vec::new()),
             secrets: Arc::new(Mutex::new(Vec::new())),
+            name: Mutex::new(None),
+            last_cpu: Mutex::new(None),
         }
     }
 
@@ -644,6 +658,7 @@ impl Sandbox {
         let st = lock(&self.status);
         SandboxInfo {
             sandbox_id: self.id.clone(),
+            name: lock(&self.name).clone(),
             tenant: self.tenant(),
             state: st.state,
             error: st.error.clone(),

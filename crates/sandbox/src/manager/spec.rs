@@ -42,4 +42,6 @@ pub struct SandboxSpec {
     /// Secrets to bind ([`crate::secrets`]): environment variable →
     /// secret name; the variable holds a placeholder the broker swaps.
     pub secrets: Vec<(String, String)>,
+    /// Its name ([`super::names`]), unique within its tenant on this host.
+    pub name: Option<String>,
 }

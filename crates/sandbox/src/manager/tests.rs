@@ -1438,3 +1438,52 @@ async fn a_tenant_binds_only_the_secrets_it_may_use() {
         assert_eq!(r.is_ok(), shared, "{r:?}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn names_are_unique_per_tenant_and_resolve_like_ids() {
+    let s = setup(limits(6));
+    let m = &s.manager;
+    let named = |n: &str| SandboxSpec { name: Some(n.into()), ..SandboxSpec::default() };
+    let a = m.create(named("primes")).await.unwrap();
+    assert_eq!(a.name.as_deref(), Some("primes"));
+    assert_eq!(m.resolve(None, "primes"), Some(a.sandbox_id.clone()));
+    assert_eq!(m.resolve(None, &a.sandbox_id), Some(a.sandbox_id.clone()), "an id is itself");
+    let e = m.create(named("primes")).await.unwrap_err();
+    assert!(matches!(e, SandboxError::Name(_)) && e.to_string().contains(&a.sandbox_id), "{e}");
+    assert!(matches!(m.create(named("sb-looks-like-an-id")).await, Err(SandboxError::Name(_))));
+    // Another tenant's namespace is its own.
+    let cx = crate::CallContext { tenant: Some("acme".into()), ..Default::default() };
+    let b = m.create_with(named("primes"), &cx).await.unwrap();
+    assert_eq!(m.resolve(Some("acme"), "primes"), Some(b.sandbox_id.clone()));
+    assert_eq!(m.resolve(Some("beta"), "primes"), None);
+    assert_eq!(m.resolve(None, "primes"), Some(a.sandbox_id.clone()), "the operator's own first");
+    // A branch child has none; a restart keeps the name; a kill frees it.
+    let kids = m.branch(&a.sandbox_id, 1).await.unwrap();
+    assert_eq!(kids.children[0].name, None);
+    m.shutdown_keeping().await;
+    let again = restart(&s);
+    assert_eq!(again.resolve(None, "primes"), Some(a.sandbox_id.clone()));
+    again.kill(&a.sandbox_id).await.unwrap();
+    assert_eq!(again.resolve(Some("acme"), "primes"), Some(b.sandbox_id.clone()));
+    assert_eq!(again.resolve(None, "primes"), Some(b.sandbox_id.clone()), "the operator: the one of any tenant");
+    again.kill(&b.sandbox_id).await.unwrap();
+    assert_eq!(again.resolve(None, "primes"), None, "a kill frees the name");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spawn_makes_n_and_keeps_what_it_made_when_the_cap_stops_it() {
+    let s = setup(limits(3));
+    let got = s.manager.create_many(SandboxSpec::default(), 2, &Default::default()).await.unwrap();
+    assert_eq!((got.sandboxes.len(), got.error.is_none()), (2, true));
+    let more = s.manager.create_many(SandboxSpec::default(), 3, &Default::default()).await.unwrap();
+    assert_eq!(more.sandboxes.len(), 1, "one place was left");
+    assert!(matches!(more.error, Some(SandboxError::TooMany { .. })), "{:?}", more.error);
+    let none = s.manager.create_many(SandboxSpec::default(), 1, &Default::default()).await.unwrap_err();
+    assert!(matches!(none, SandboxError::TooMany { .. }));
+    let named = SandboxSpec { name: Some("x".into()), ..SandboxSpec::default() };
+    assert!(matches!(s.manager.create_many(named, 2, &Default::default()).await, Err(SandboxError::Spawn(_))));
+    assert!(matches!(
+        s.manager.create_many(SandboxSpec::default(), 0, &Default::default()).await,
+        Err(SandboxError::Spawn(_))
+    ));
+}

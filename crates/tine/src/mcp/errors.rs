@@ -45,6 +45,9 @@ pub enum ToolError {
     /// A preview URL cannot be made or revoked.
     #[error("{0}")]
     Preview(#[from] crate::preview::PreviewError),
+    /// `sandbox_create { count }` cannot be made as asked.
+    #[error("{0}")]
+    Spawn(String),
     /// `sandbox_create { ports }` cannot publish a port.
     #[error("{0}")]
     Ports(#[from] crate::published_ports::PublishError),

@@ -74,7 +74,7 @@ fn router() -> ToolRouter<TineMcp> {
 }
 
 /// Tools whose description ends with what network the sandbox has.
-const CODE_TOOLS: [&str; 2] = ["sandbox_create", "sandbox_exec"];
+const CODE_TOOLS: [&str; 1] = ["sandbox_create"];
 
 /// The router for `manager`'s server: the server's network stated in the
 /// descriptions of the tools that run code ([`CODE_TOOLS`]), and the
@@ -323,6 +323,25 @@ impl TineMcp {
         Ok(())
     }
 
+    /// Puts sandbox ids in place of sandbox names (`sandbox_create {
+    /// name }`) in the arguments that take a sandbox (`sandbox_id`, `a`,
+    /// `b`, `winner`, `parent`), as `caller` names its sandboxes. A value
+    /// shaped like an id (`sb-...`) is left as it is, and so is a name this
+    /// host does not know: names are per host (in a cluster, call the host
+    /// that holds the sandbox, or use its id, which names its host), and
+    /// the call then answers as for an unknown sandbox.
+    fn resolve_names(&self, args: &mut JsonObject, caller: &Principal) {
+        for key in ["sandbox_id", "a", "b", "winner", "parent"] {
+            let Some(serde_json::Value::String(v)) = args.get(key) else { continue };
+            if v.starts_with("sb-") || v.is_empty() {
+                continue;
+            }
+            if let Some(id) = self.manager.resolve(caller.tenant(), v) {
+                args.insert(key.to_string(), serde_json::Value::String(id));
+            }
+        }
+    }
+
     /// The sandbox a call is about: the given id, or the session's
     /// sandbox (see [`session`]); made on first use without progress.
     async fn target(&self, id: Option<String>) -> Result<String, ToolError> {
@@ -400,6 +419,7 @@ impl ServerHandler for TineMcp {
         let refused = |message: String| CallToolResult::error(vec![rmcp::model::ContentBlock::text(message)]);
         if let Some(args) = request.arguments.as_mut() {
             toolsets::maps_from_pairs(args);
+            self.resolve_names(args, &caller);
         }
         let set = toolsets::Toolset::of_request(parts, &self.tools.default);
         let outside = match &set {

@@ -104,7 +104,7 @@ pub const GROUPS: &[(&str, &[&str])] = &[
 /// are still taken: a client that knows them may send them); a tool not
 /// named here lists all of its own.
 pub const CORE_PARAMETERS: &[(&str, &[&str])] = &[
-    ("sandbox_create", &["template", "env", "secrets", "idle_timeout_secs"]),
+    ("sandbox_create", &["name", "template", "env", "secrets"]),
     ("sandbox_list", &[]),
     ("sandbox_exec", &["sandbox_id", "command", "cwd", "env", "timeout_secs", "background"]),
     ("sandbox_files_write", &["sandbox_id", "path", "content", "append"]),

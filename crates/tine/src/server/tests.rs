@@ -716,20 +716,6 @@ async fn tools_list_serves_the_connection_toolset_and_core_fits_its_budget() {
         full.len(),
         cost(&full)
     );
-    for t in &core {
-        let props: Vec<(String, usize)> = t["inputSchema"]["properties"]
-            .as_object()
-            .map(|o| o.iter().map(|(k, v)| (k.clone(), v.to_string().len())).collect())
-            .unwrap_or_default();
-        eprintln!(
-            "  {} {} desc {} schema {} {:?}",
-            t["name"],
-            cost(std::slice::from_ref(t)),
-            t["description"].as_str().map_or(0, str::len),
-            t["inputSchema"].to_string().len(),
-            props
-        );
-    }
     assert!(core.len() <= CORE_MAX_TOOLS, "{:?}", names(&core));
     assert!(cost(&core) <= CORE_MAX_CHARS, "core costs {} characters: {:?}", cost(&core), names(&core));
     let mut open = Vec::new();

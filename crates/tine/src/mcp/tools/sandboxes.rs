@@ -83,14 +83,39 @@ pub struct CreateParams {
     #[serde(default)]
     #[schemars(length(max = tine_sandbox::published_ports::MAX_PUBLISHED_PORTS), inner(length(max = 64)))]
     pub ports: Vec<String>,
-    /// Secrets to give it (secret_list shows them): environment variable
-    /// name -> secret name. The variable holds a placeholder, not the
-    /// value; the server swaps it for the value only in HTTPS requests to
-    /// the secret's hosts (curl -H "Authorization: Bearer $OPENAI_API_KEY"
-    /// works as is).
+    /// Secrets (see secret_list): environment variable -> secret name. The
+    /// variable holds a placeholder that the server replaces with the
+    /// value in HTTPS requests to the secret's hosts only.
     #[serde(default)]
     #[schemars(transform = secrets_map)]
     pub secrets: BTreeMap<String, String>,
+    /// A name for it, unique among your sandboxes on this server: 1-63
+    /// lowercase letters, digits, '-' or '_' (not "sb-..."). Every tool
+    /// then takes the name wherever it takes sandbox_id.
+    #[schemars(length(min = 1, max = MAX_NAME_CHARS), pattern(NAME_PATTERN))]
+    pub name: Option<String>,
+    /// Make this many sandboxes at once (default 1), all of this spec;
+    /// the result's `sandboxes` lists them all. Leave name out with count.
+    #[schemars(range(min = 1, max = tine_sandbox::MAX_SPAWN))]
+    pub count: Option<usize>,
+}
+
+/// `sandbox_create`'s result: the (first) sandbox's info, and with `count`
+/// every sandbox made.
+#[derive(Debug, Serialize, JsonSchema)]
+pub struct CreateResult {
+    /// The sandbox (the first made, with `count`).
+    #[serde(flatten)]
+    pub info: SandboxInfo,
+    /// With `count`: every sandbox made, oldest first.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub sandboxes: Vec<SandboxInfo>,
+    /// With `count`: how long making them took (ms).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub spawn_ms: Option<u64>,
+    /// With `count`: why fewer than asked were made, if so.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub spawn_error: Option<String>,
 }
 
 /// Schema of a secrets map: environment variable names to secret names.
@@ -207,6 +232,10 @@ pub struct ListParams {
     #[serde(default)]
     #[schemars(transform = labels_map)]
     pub labels: BTreeMap<String, String>,
+    /// Also each running sandbox's use: CPU % since the last reading,
+    /// memory, disk (default false; slower: each guest is asked).
+    #[serde(default)]
+    pub usage: bool,
 }
 
 /// `sandbox_list`'s result.
@@ -300,7 +329,11 @@ impl TineMcp {
         &self,
         Parameters(p): Parameters<CreateParams>,
         ctx: RequestContext<RoleServer>,
-    ) -> Result<Json<SandboxInfo>, ToolError> {
+    ) -> Result<Json<CreateResult>, ToolError> {
+        let count = p.count.unwrap_or(1);
+        if count > 1 && !p.ports.is_empty() {
+            return Err(ToolError::Spawn("host ports name one sandbox: leave ports out with count".into()));
+        }
         let spec = SandboxSpec {
             vcpus: p.vcpus,
             memory_mib: p.memory_mib,
@@ -314,8 +347,27 @@ impl TineMcp {
             base: None,
             volumes: p.volumes,
             secrets: p.secrets.into_iter().collect(),
+            name: p.name,
         };
         self.check_ceiling(spec.network.as_ref())?;
+        if p.count.is_some() {
+            let made =
+                Reporter::around(&ctx, self.cx(), async |cx| self.manager.create_many(spec, count, cx).await).await?;
+            for s in &made.sandboxes {
+                self.log.watch(&s.sandbox_id);
+            }
+            let Some(last) = made.sandboxes.last() else {
+                return Err(ToolError::Spawn("no sandbox was made".into()));
+            };
+            self.session.created(&last.sandbox_id).await;
+            let info = made.sandboxes[0].clone();
+            return Ok(Json(CreateResult {
+                info,
+                sandboxes: made.sandboxes,
+                spawn_ms: Some(made.ms),
+                spawn_error: made.error.map(|e| ToolError::from(e).to_string()),
+            }));
+        }
         // Host ports are bound before the VM starts: a taken one costs none.
         let ports = self.ports.config().check(&p.ports, &self.caller())?;
         let bound = self.ports.bind(&ports).await?;
@@ -326,26 +378,36 @@ impl TineMcp {
         }
         self.log.watch(&info.sandbox_id);
         self.session.created(&info.sandbox_id).await;
-        Ok(Json(info))
+        Ok(Json(CreateResult { info, sandboxes: Vec::new(), spawn_ms: None, spawn_error: None }))
     }
 
     #[tool(
-        description = "List your sandboxes (every session's of your key), optionally only those carrying all the \
-                       given labels.",
+        description = "List your sandboxes (every session's of your key): ids, names, states; optionally only \
+                       those carrying all the given labels, and with usage: true each one's CPU %, memory and \
+                       disk.",
         annotations(title = "List sandboxes", read_only_hint = true, open_world_hint = false)
     )]
     async fn sandbox_list(&self, Parameters(p): Parameters<ListParams>) -> Result<Json<ListResult>, ToolError> {
         let caller = self.caller();
         let mut sandboxes = self.manager.list(&p.labels);
         sandboxes.retain(|s| caller.owns(s.tenant.as_deref()));
+        if p.usage {
+            let asked = sandboxes.iter().map(|s| self.manager.info(&s.sandbox_id));
+            let read = futures_util::future::join_all(asked).await;
+            for (s, r) in sandboxes.iter_mut().zip(read) {
+                if let Ok(info) = r {
+                    *s = info;
+                }
+            }
+        }
         let total = sandboxes.len() as u64;
         let truncated = budget::fit_list(&mut sandboxes, budget::CONTENT_BUDGET - 128) > 0;
         Ok(Json(ListResult { sandboxes, total, truncated }))
     }
 
     #[tool(
-        description = "A sandbox's state (starting, running, paused, stopped, failed), vCPUs, memory, uptime, labels, \
-                       outbound network policy, and CPU and memory use.",
+        description = "A sandbox's state (running, paused, hibernated, stopped, failed), shape, labels, uptime, \
+                       network policy, and CPU, memory and disk use.",
         annotations(title = "Sandbox info", read_only_hint = true, open_world_hint = false)
     )]
     async fn sandbox_info(&self, Parameters(p): Parameters<SandboxParams>) -> Result<Json<SandboxInfo>, ToolError> {
@@ -382,9 +444,8 @@ impl TineMcp {
     }
 
     #[tool(
-        description = "Kill a sandbox: stop its VM and delete everything in it. Without sandbox_id, kills this \
-                       session's sandbox (the one it created last, or the one made on first use; a new one is \
-                       made on next use).",
+        description = "Kill a sandbox: stop its VM and delete everything in it (without sandbox_id: this \
+                       session's sandbox; a new one is made on next use).",
         annotations(
             title = "Kill sandbox",
             read_only_hint = false,
