@@ -12,7 +12,7 @@ use rmcp::{tool, tool_router, Json, RoleServer};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use tine_protocol::{CellReply, ExecReply, ExitStatus, Output};
-use tine_sandbox::{ExecRequest, ProcessInfo};
+use tine_sandbox::{CallContext, ExecRequest, ProcessInfo};
 
 use super::common::{env_map, secs_to_ms};
 use crate::mcp::bounds::{
@@ -323,7 +323,8 @@ impl TineMcp {
                        at 32 KiB, and further to fit the result budget; truncated says so, stdout_bytes and \
                        stderr_bytes give the full sizes). The command and its children are killed at the \
                        timeout; with a progressToken, progress (elapsed time, output so far, last lines) is \
-                       reported while it runs. background: true returns at once with a process_id instead (no \
+                       reported while it runs; a cancelled request (notifications/cancelled) kills it. \
+                       background: true returns at once with a process_id instead (no \
                        timeout; stdin stays open): follow it with sandbox_process_wait, _output, _write, _kill \
                        and _list. Background processes get PYTHONUNBUFFERED=1, keep the last 256 KiB of each \
                        stream, survive pause/resume, snapshots, templates and branches, and do not keep the \
@@ -349,7 +350,10 @@ impl TineMcp {
             timeout_ms,
             output_limit: 0,
         };
-        Reporter::around(&ctx, self.cx(), async |cx| {
+        // A cancelled request (`notifications/cancelled`, or the session's
+        // end) kills the command in the guest.
+        let base = CallContext { cancel: ctx.ct.clone(), ..self.cx() };
+        Reporter::around(&ctx, base, async |cx| {
             let id = self.target_with(p.sandbox_id, cx).await?;
             let r = self.manager.exec_with(&id, req, cx).await?;
             Ok(Json(ExecResult::new(id, r)))
