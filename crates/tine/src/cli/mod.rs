@@ -2,7 +2,12 @@
 //!
 //! - `tine server start`: the MCP server (`cli::server`, over `crate::server`).
 //! - `tine server keygen`: make a bearer token.
-//! - `tine template build|list`: the default template, offline.
+//! - `tine template build|list`: the default template, offline; `tine
+//!   template ls|rm`: a running server's templates (`cli::template`).
+//! - `tine sandbox ls|create|exec|python|cp|branch|kill|logs`: a running
+//!   server's sandboxes, over MCP (`cli::sandbox`, on `cli::remote`).
+//! - `tine mcp stdio`: MCP on stdin/stdout, bridged to a server or served
+//!   in this process (`cli::mcp`).
 //! - `tine tenant add|list|rotate-key|remove`: the tenants and their API
 //!   keys (`cli::tenant`).
 //! - `tine doctor`: check the host and say how to fix what is missing
@@ -20,7 +25,10 @@
 mod doctor;
 mod image;
 mod manager;
+mod mcp;
 mod port_forward;
+mod remote;
+mod sandbox;
 mod secret;
 mod server;
 mod template;
@@ -62,6 +70,12 @@ enum Command {
     /// OCI and Docker images: base images a guest boots.
     #[command(subcommand)]
     Image(image::ImageCommand),
+    /// Sandboxes on a running server, over MCP: list, create, run
+    /// commands and Python, copy files, branch, kill, network logs.
+    Sandbox(sandbox::SandboxArgs),
+    /// MCP on stdin/stdout for clients that start servers as subprocesses.
+    #[command(subcommand)]
+    Mcp(mcp::McpCommand),
     /// Forward a local TCP port into a sandbox's guest port, through the
     /// server's HTTP API.
     PortForward(port_forward::PortForwardArgs),
@@ -131,6 +145,8 @@ pub fn main() -> ExitCode {
         Command::Secret(cmd) => secret::run(cmd),
         Command::Image(cmd) => image::run(cmd),
         Command::PortForward(args) => port_forward::run(args),
+        Command::Sandbox(args) => sandbox::run(args),
+        Command::Mcp(cmd) => mcp::run(cmd),
         Command::Doctor(args) => resolve(&args).map(|r| doctor::run(&r)),
     };
     match result {
