@@ -108,8 +108,13 @@ fn sandboxes_from_the_command_line() {
     let out = tine(&server, &["sandbox", "exec", &id, "--", "echo", "hello;", "exit", "3"]);
     assert_eq!(out.status.code(), Some(3), "the remote exit code");
     assert_eq!(String::from_utf8_lossy(&out.stdout), "hello\n");
-    let out = tine(&server, &["sandbox", "exec", &id, "--no-shell", "--", "/bin/sh", "-c", "echo $0 >&2", "argv"]);
-    assert_eq!((out.status.code(), String::from_utf8_lossy(&out.stderr).as_ref()), (Some(0), "argv\n"));
+    // A program without a shell, fed this command's stdin.
+    let mut cat = tine_command(&server, &["sandbox", "exec", &id, "--no-shell", "--stdin", "--", "/bin/cat"]);
+    let mut cat = cat.stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().expect("spawn tine");
+    std::io::Write::write_all(cat.stdin.as_mut().unwrap(), b"fed through stdin\n").unwrap();
+    drop(cat.stdin.take());
+    let out = cat.wait_with_output().unwrap();
+    assert_eq!((out.status.code(), String::from_utf8_lossy(&out.stdout).as_ref()), (Some(0), "fed through stdin\n"));
 
     assert_eq!(tine_ok(&server, &["sandbox", "python", &id, "x = 6 * 7\nx"]), "42\n");
 
@@ -127,11 +132,20 @@ fn sandboxes_from_the_command_line() {
     // The child has the parent's Python state.
     assert_eq!(tine_ok(&server, &["sandbox", "python", &child, "x + 1"]), "43\n");
 
+    // The network log: no traffic yet, the table's header alone.
+    let log = tine_json(&server, &["sandbox", "logs", &id]);
+    assert_eq!((log["sandbox_id"].as_str(), log["records"].as_array().map(Vec::len)), (Some(id.as_str()), Some(0)));
+    assert!(tine_ok(&server, &["sandbox", "logs", &id]).starts_with("TIME (UTC)  PROTO"));
+
     let templates = tine_json(&server, &["template", "ls"]);
     let names: Vec<&str> =
         templates["templates"].as_array().unwrap().iter().map(|t| t["name"].as_str().unwrap()).collect();
     assert!(names.contains(&"default"), "{templates}");
     assert!(tine_ok(&server, &["template", "ls"]).lines().any(|l| l.starts_with("default ") && l.contains("ready")));
+
+    let out = tine(&server, &["template", "rm", "no-such-template"]);
+    assert_eq!(out.status.code(), Some(2), "a tool error");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("template_delete: "), "{out:?}");
 
     let killed = tine_ok(&server, &["sandbox", "kill", &child, &id]);
     assert_eq!(killed, format!("killed {child}\nkilled {id}\n"));
