@@ -12,12 +12,15 @@ stdio ARGS...`, so that tine's own exit status is recorded when it exits
 process that did not end on its own leaves no status). Every check prints
 `CHECK <name> ok`; the session's own sandbox is printed as
 `SESSION_SANDBOX <id>` (it must be gone once the session ended); the last
-line is `ALL OK`. Any failure raises (exit status 1).
+line is `ALL OK`. Any failure raises (exit status 1). For the in-process
+server (no `--url`), a signed file URL is used too: the HTTP routes it
+serves beside the stdio session.
 """
 
 import asyncio
 import shlex
 import sys
+import urllib.request
 
 from mcp import ClientSession, StdioServerParameters
 from mcp.client.stdio import stdio_client
@@ -52,6 +55,12 @@ async def main(status_file, command):
             check("sandbox created", created["state"] == "running", str(created))
             p = await call(session, "sandbox_run_python", sandbox_id=a, code="x = 6 * 7\nx")
             check("python cell ran", p["result"] == "42" and p["error"] is None, str(p))
+            if "--url" not in command:
+                u = await call(session, "sandbox_files_url", sandbox_id=a, path="/tmp/up.txt", method="PUT")
+                put = urllib.request.Request(u["url"], data=b"through the file URL\n", method="PUT")
+                await asyncio.to_thread(lambda: urllib.request.urlopen(put, timeout=60).read())
+                r = await call(session, "sandbox_files_read", sandbox_id=a, path="/tmp/up.txt")
+                check("a signed file URL works", r["content"] == "through the file URL\n", str(r))
             k = await call(session, "sandbox_kill", sandbox_id=a)
             check("sandbox killed", k["killed"] is True, str(k))
 
