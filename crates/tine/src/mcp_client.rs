@@ -200,7 +200,31 @@ pub async fn connect(
     tokio::time::timeout(timeout, ().serve(transport))
         .await
         .map_err(|_| McpClientError::InitializeTimeout { url: url.clone(), secs: timeout.as_secs() })?
-        .map_err(|e| McpClientError::Connect { url, reason: e.to_string() })
+        .map_err(|e| {
+            let reason = match &e {
+                // The HTTP error and its causes, without the transport's
+                // type name.
+                rmcp::service::ClientInitializeError::TransportError { error, .. } => causes(error.error.as_ref()),
+                other => other.to_string(),
+            };
+            McpClientError::Connect { url, reason }
+        })
+}
+
+/// `e` and its sources, `: `-separated, each said once (a source whose
+/// text its error already holds is left out).
+pub fn causes(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = e.to_string();
+    let mut next = e.source();
+    while let Some(s) = next {
+        let text = s.to_string();
+        if !out.contains(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+        next = s.source();
+    }
+    out
 }
 
 /// Calls a tool on `peer`. When `cancel` resolves before the result, the
@@ -269,6 +293,18 @@ mod tests {
             let e = base_url(bad).unwrap_err().to_string();
             assert!(e.contains("bad server URL"), "{bad}: {e}");
         }
+    }
+
+    #[test]
+    fn causes_are_said_once_each() {
+        #[derive(Debug, thiserror::Error)]
+        #[error("outer")]
+        struct Outer(#[source] Mid);
+        #[derive(Debug, thiserror::Error)]
+        #[error("mid: inner")]
+        struct Mid(#[source] std::io::Error);
+        let e = Outer(Mid(std::io::Error::other("inner")));
+        assert_eq!(causes(&e), "outer: mid: inner");
     }
 
     #[test]

@@ -79,6 +79,14 @@ enum BridgeError {
     Setup(String),
 }
 
+impl McpCommand {
+    /// Whether it bridges to a running server (`--url`).
+    pub(super) fn is_bridge(&self) -> bool {
+        let McpCommand::Stdio(args) = self;
+        args.url.is_some()
+    }
+}
+
 /// Runs `tine mcp stdio`.
 pub(super) fn run(cmd: McpCommand) -> anyhow::Result<ExitCode> {
     let McpCommand::Stdio(args) = cmd;

@@ -124,18 +124,28 @@ fn resolve(args: &ImageArgs) -> anyhow::Result<Resolved> {
     Ok(Resolved { file, data_dir, kernel, rootfs })
 }
 
-/// The `tine` binary: logs to stderr (`RUST_LOG`, default
-/// `info,rmcp=warn`), parses the command line, runs the command and
-/// returns its exit code; an error is printed as `tine: error: ...` and
-/// exits 1.
+/// The `tine` binary: parses the command line, logs to stderr
+/// (`RUST_LOG`, default `info,rmcp=warn`; `warn,rmcp=off` for the commands
+/// that talk to a server, which report their errors themselves), runs the
+/// command and returns its exit code; an error is printed as `tine: error:
+/// ...` and exits 1.
 pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    // The commands that talk to a server say what failed themselves:
+    // rmcp's own error lines would say it twice.
+    let quiet = match &cli.command {
+        Command::Sandbox(_) => true,
+        Command::Template(t) => t.is_remote(),
+        Command::Mcp(m) => m.is_bridge(),
+        _ => false,
+    };
+    let default_filter = if quiet { "warn,rmcp=off" } else { "info,rmcp=warn" };
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info,rmcp=warn".into()),
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| default_filter.into()),
         )
         .with_writer(std::io::stderr)
         .init();
-    let cli = Cli::parse();
     let result = match cli.command {
         Command::Vm(vm::VmCommand::Run(args)) => vm::run(args),
         Command::Server(server::ServerCommand::Start(args)) => server::start(args),

@@ -158,8 +158,26 @@ struct ExecArgs {
     stdin: bool,
 }
 
+/// Checks what can be checked of `command` before a session is opened.
+///
+/// Errors: [`RemoteError::Usage`].
+fn check(command: &SandboxCommand) -> Result<(), RemoteError> {
+    match command {
+        SandboxCommand::Ls { labels } => pairs("label", labels).map(drop),
+        SandboxCommand::Create(c) => pairs("label", &c.labels).and_then(|_| pairs("env", &c.env)).map(drop),
+        SandboxCommand::Exec(e) => pairs("env", &e.env).map(drop),
+        SandboxCommand::Cp { source, destination } => {
+            sides(Place::parse(source)?, Place::parse(destination)?).map(drop)
+        }
+        _ => Ok(()),
+    }
+}
+
 /// Runs `tine sandbox ...`; errors are printed here with their exit codes.
 pub(super) fn run(args: SandboxArgs) -> anyhow::Result<ExitCode> {
+    if let Err(e) = check(&args.command) {
+        return Ok(e.report());
+    }
     let session = match Session::open(&args.remote) {
         Ok(s) => s,
         Err(e) => return Ok(e.report()),
@@ -461,26 +479,41 @@ async fn refusal(what: &str, response: reqwest::Response) -> RemoteError {
     RemoteError::Transfer(format!("{what}: the server answered {status}: {message}"))
 }
 
+/// Which way a copy goes.
+enum Copy {
+    /// A local file into a sandbox.
+    Up { local: PathBuf, sandbox: String, path: String },
+    /// A sandbox's file to here.
+    Down { sandbox: String, path: String, local: PathBuf },
+}
+
+/// The copy from `from` to `to`: exactly one of them in a sandbox.
+///
+/// Errors: [`RemoteError::Usage`] for two local or two sandbox paths.
+fn sides(from: Place, to: Place) -> Result<Copy, RemoteError> {
+    match (from, to) {
+        (Place::Local(local), Place::Remote { sandbox, path }) => Ok(Copy::Up { local, sandbox, path }),
+        (Place::Remote { sandbox, path }, Place::Local(local)) => Ok(Copy::Down { sandbox, path, local }),
+        (Place::Local(_), Place::Local(_)) => {
+            Err(RemoteError::Usage("both paths are local: name the sandbox side as SANDBOX:/path".into()))
+        }
+        (Place::Remote { .. }, Place::Remote { .. }) => Err(RemoteError::Usage(
+            "both paths are in sandboxes: copy to here first, then on (sandbox to sandbox is not direct)".into(),
+        )),
+    }
+}
+
 fn cp(session: &Session, source: &str, destination: &str, json: bool) -> Result<ExitCode, RemoteError> {
-    let (from, to) = (Place::parse(source)?, Place::parse(destination)?);
-    let (bytes, from_s, to_s) = match (from, to) {
-        (Place::Local(local), Place::Remote { sandbox, path }) => {
+    let (bytes, from_s, to_s) = match sides(Place::parse(source)?, Place::parse(destination)?)? {
+        Copy::Up { local, sandbox, path } => {
             let path = upload_target(&local, &path)?;
             let bytes = upload(session, &local, &sandbox, &path)?;
             (bytes, local.display().to_string(), format!("{sandbox}:{path}"))
         }
-        (Place::Remote { sandbox, path }, Place::Local(local)) => {
+        Copy::Down { sandbox, path, local } => {
             let local = download_target(&path, &local)?;
             let bytes = download(session, &sandbox, &path, &local)?;
             (bytes, format!("{sandbox}:{path}"), local.display().to_string())
-        }
-        (Place::Local(_), Place::Local(_)) => {
-            return Err(RemoteError::Usage("both paths are local: name a sandbox side as SANDBOX:/path".into()))
-        }
-        (Place::Remote { .. }, Place::Remote { .. }) => {
-            return Err(RemoteError::Usage(
-                "both paths are in sandboxes: copy to here first, then on (sandbox to sandbox is not direct)".into(),
-            ))
         }
     };
     if json {

@@ -58,6 +58,13 @@ pub(super) struct BuildArgs {
     name: Option<String>,
 }
 
+impl TemplateCommand {
+    /// Whether it talks to a running server (`ls`, `rm`).
+    pub(super) fn is_remote(&self) -> bool {
+        matches!(self, TemplateCommand::Ls { .. } | TemplateCommand::Rm { .. })
+    }
+}
+
 /// `tine template build`, `list`, `ls` and `rm`.
 pub(super) fn run(cmd: TemplateCommand) -> anyhow::Result<ExitCode> {
     let (args, build, recipe, image, name) = match cmd {
