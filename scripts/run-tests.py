@@ -60,6 +60,10 @@ EXPECTED_SECONDS = {
     # Added 2026-12-01 (issue 35): about 170 s of guest work here (curl,
     # Python and Node's first starts in the guest) after the template.
     "tine::secrets": 170,
+    # Added 2026-12-01 (issue 36, the command line and stdio): 42 s alone
+    # with the run's default template copied in, 98 s beside tine::mcp; its
+    # longest test is the 4 MiB cp each way (about 40 s of guest work).
+    "tine::cli": 90,
     "tine::default_template": 156,
     "tine::recipes": 143,
     "tine::extreme_arguments": 106,

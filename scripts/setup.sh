@@ -2,7 +2,7 @@
 # Everything a fresh Debian bookworm machine needs for Tine: build packages,
 # the guest kernel and root filesystem (cached under ~/.cache/tine), the
 # release binary, the guest agent and the test tools (a Python venv, the
-# MCP conformance suite). Then installs the kernel and root filesystem
+# MCP conformance suite, the MCP TypeScript SDK). Then installs the kernel and root filesystem
 # where `tine` looks by default: DATA_DIR/images/vmlinux and rootfs.ext4
 # (and bzImage), with DATA_DIR/images/build-inputs naming the build of
 # each, one line per image: "<file name> <inputs hash> <path built at>".
@@ -266,8 +266,23 @@ if [ "$(node -p "require('$conformance/node_modules/@modelcontextprotocol/confor
     npm install --silent --no-audit --no-fund --prefix "$conformance" "@modelcontextprotocol/conformance@$conformance_pin" >/dev/null
   echo "setup: MCP conformance suite installed in $(( $(now) - t )) s" >&2
 fi
+# The official MCP TypeScript SDK (npm), pinned, for its stdio client
+# against `tine mcp stdio` in crates/tine/tests/cli.rs (testkit finds it at
+# $TINE_TS_SDK or here).
+ts_sdk="${TINE_TS_SDK:-${XDG_CACHE_HOME:-$HOME/.cache}/tine/ts-sdk}"
+ts_sdk_pin='1.32.2'
+if [ "$(node -p "require('$ts_sdk/node_modules/@modelcontextprotocol/sdk/package.json').version" 2>/dev/null)" != "$ts_sdk_pin" ]; then
+  command -v npm >/dev/null || { echo "setup: npm is missing; install Node.js 20+ and npm" >&2; exit 1; }
+  t=$(now)
+  echo "setup: installing the MCP TypeScript SDK $ts_sdk_pin in $ts_sdk (npm) ..." >&2
+  mkdir -p "$ts_sdk"
+  heartbeat "installing the MCP TypeScript SDK" \
+    npm install --silent --no-audit --no-fund --prefix "$ts_sdk" "@modelcontextprotocol/sdk@$ts_sdk_pin" >/dev/null
+  echo "setup: MCP TypeScript SDK installed in $(( $(now) - t )) s" >&2
+fi
 echo "setup: python venv $venv" >&2
 echo "setup: conformance suite $conformance" >&2
+echo "setup: TypeScript SDK $ts_sdk" >&2
 echo "setup: rootfs $rootfs" >&2
 echo "setup: kernel $kernel" >&2
 echo "setup: images $images" >&2

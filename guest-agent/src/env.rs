@@ -141,7 +141,7 @@ mod tests {
             timeout_ms: 20_000,
             output_limit: 0,
         };
-        String::from_utf8(crate::exec::run(exec, None).expect("exec runs").stdout.data).unwrap()
+        String::from_utf8(crate::exec::run(exec, None, None).expect("exec runs").stdout.data).unwrap()
     }
 
     #[test]

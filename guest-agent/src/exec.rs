@@ -2,7 +2,8 @@
 //! stdout and stderr up to a cap (with the true byte count), and kill the
 //! whole group at the timeout. With a progress callback, a [`Progress`]
 //! (elapsed time, byte counts, the last lines of each stream) goes out at
-//! every interval while it runs.
+//! every interval while it runs. A [`Cancel`] (the host's `Op::Cancel`
+//! for the request) kills the group as the timeout does.
 //!
 //! One thread does it all: poll(2) on the output pipes, the stdin pipe
 //! and a pidfd of the command (pidfd_open(2), Linux 5.3). A thread per
@@ -12,7 +13,7 @@
 
 use std::fs::File;
 use std::io::{ErrorKind, Read, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
@@ -72,6 +73,51 @@ fn pidfd(pid: u32) -> Option<OwnedFd> {
     (fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd as i32) })
 }
 
+/// A running exec's cancellation (the host's `Op::Cancel`): an eventfd
+/// that [`run`]'s poll loop watches; [`Cancel::fire`] makes it readable,
+/// and the loop then kills the command's process group.
+pub struct Cancel {
+    fd: OwnedFd,
+}
+
+impl Cancel {
+    /// A cancellation not yet fired.
+    ///
+    /// Errors: eventfd(2) failed (out of file descriptors).
+    pub fn new() -> std::io::Result<Cancel> {
+        // SAFETY: eventfd(2) takes an initial value and flags and returns
+        // a new fd or -1.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: `fd` was just returned by the kernel and is ours alone.
+        Ok(Cancel { fd: unsafe { OwnedFd::from_raw_fd(fd) } })
+    }
+
+    /// Fires it: the exec watching it kills its command (at once if it
+    /// is polling, else at its next poll).
+    pub fn fire(&self) {
+        let one = 1u64.to_ne_bytes();
+        // SAFETY: write(2) of 8 bytes from a live buffer to our eventfd; a
+        // full counter (EAGAIN) means it was fired already.
+        unsafe { libc::write(self.fd.as_raw_fd(), one.as_ptr().cast(), one.len()) };
+    }
+
+    fn raw_fd(&self) -> RawFd {
+        self.fd.as_raw_fd()
+    }
+
+    /// Whether it was fired (consumes the event).
+    fn take(&self) -> bool {
+        let mut buf = [0u8; 8];
+        // SAFETY: read(2) of up to 8 bytes into a live buffer from our
+        // non-blocking eventfd; -1 (EAGAIN) means not fired.
+        let n = unsafe { libc::read(self.fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+        n == 8 && u64::from_ne_bytes(buf) > 0
+    }
+}
+
 /// Sends [`Progress`] frames at an interval.
 struct Ticker<'a> {
     send: &'a dyn Fn(Progress),
@@ -104,12 +150,18 @@ impl Ticker<'_> {
 /// are closed (a background child may hold them), all within the timeout;
 /// at the timeout the command's process group is killed and the streams
 /// get [`DRAIN_AFTER_KILL`] more to close (a process that left the group
-/// may hold them open), and the status is `TimedOut`.
+/// may hold them open), and the status is `TimedOut`. When `cancel` fires
+/// first, the group is killed the same way and the status is the
+/// command's (`Signal(9)`).
 ///
 /// Errors: `InvalidRequest` for limits out of range or an empty argv,
 /// `NotFound`/`PermissionDenied` when the program cannot be started,
 /// `Io` when waiting for it fails.
-pub fn run(req: Exec, progress: Option<(&dyn Fn(Progress), Duration)>) -> Result<ExecReply, AgentError> {
+pub fn run(
+    req: Exec,
+    progress: Option<(&dyn Fn(Progress), Duration)>,
+    cancel: Option<&Cancel>,
+) -> Result<ExecReply, AgentError> {
     let (timeout_ms, limit) = effective_limits(req.timeout_ms, req.output_limit)?;
     let limit = limit as usize;
     let argv = child::argv(req.command)?;
@@ -148,8 +200,11 @@ pub fn run(req: Exec, progress: Option<(&dyn Fn(Progress), Duration)>) -> Result
 
     let mut status = None;
     let mut timed_out = false;
+    // The group was killed (at the timeout, or cancelled): the streams
+    // are being drained.
+    let mut killed = false;
     // Until when the streams may stay open: the deadline, and after a
-    // timeout's kill DRAIN_AFTER_KILL more.
+    // kill DRAIN_AFTER_KILL more.
     let mut until = deadline;
     let mut buf = vec![0u8; 16 * 1024];
     loop {
@@ -169,7 +224,7 @@ pub fn run(req: Exec, progress: Option<(&dyn Fn(Progress), Duration)>) -> Result
             break;
         }
         if now >= until {
-            if timed_out {
+            if killed {
                 // Drained as long as we wait: the command itself was
                 // killed; what holds the streams is outside its group.
                 if status.is_some() {
@@ -177,6 +232,7 @@ pub fn run(req: Exec, progress: Option<(&dyn Fn(Progress), Duration)>) -> Result
                 }
             } else {
                 timed_out = true;
+                killed = true;
                 kill_group(pgid);
                 until = now + DRAIN_AFTER_KILL;
                 continue;
@@ -197,7 +253,10 @@ pub fn run(req: Exec, progress: Option<(&dyn Fn(Progress), Duration)>) -> Result
         if let (None, Some(p)) = (&status, &exited) {
             fds.push(libc::pollfd { fd: p.as_raw_fd(), events: libc::POLLIN, revents: 0 });
         }
-        let mut wake = if timed_out && status.is_none() { now + EXIT_POLL } else { until };
+        if let (false, Some(c)) = (killed, cancel) {
+            fds.push(libc::pollfd { fd: c.raw_fd(), events: libc::POLLIN, revents: 0 });
+        }
+        let mut wake = if killed && status.is_none() { now + EXIT_POLL } else { until };
         if let Some(t) = &ticker {
             wake = wake.min(t.next);
         }
@@ -217,6 +276,11 @@ pub fn run(req: Exec, progress: Option<(&dyn Fn(Progress), Duration)>) -> Result
             }
         }
 
+        if !killed && cancel.is_some_and(Cancel::take) {
+            killed = true;
+            kill_group(pgid);
+            until = Instant::now() + DRAIN_AFTER_KILL;
+        }
         // Read each stream until it would block; EOF or an error closes it.
         for (stream, out) in streams.iter_mut().zip(outputs.iter_mut()) {
             while let Some(s) = stream.as_mut() {
@@ -283,7 +347,7 @@ mod tests {
     /// output written before is kept.
     #[test]
     fn a_timeout_answers_while_an_escaped_process_holds_stdout() {
-        let r = run(shell("echo before; setsid sleep 60 & echo $!; sleep 60", 1000, 0), None).unwrap();
+        let r = run(shell("echo before; setsid sleep 60 & echo $!; sleep 60", 1000, 0), None, None).unwrap();
         let out = String::from_utf8_lossy(&r.stdout.data).into_owned();
         // The escaped sleep, by its pid.
         if let Some(pid) = out.lines().nth(1).and_then(|p| p.parse::<i32>().ok()) {
@@ -301,7 +365,7 @@ mod tests {
         let frames = Mutex::new(Vec::new());
         let send = |p: Progress| frames.lock().unwrap().push(p);
         let script = "for i in 1 2 3 4 5; do echo line$i; sleep 0.5; done";
-        let r = run(shell(script, 0, 0), Some((&send, Duration::from_millis(500)))).unwrap();
+        let r = run(shell(script, 0, 0), Some((&send, Duration::from_millis(500))), None).unwrap();
         assert_eq!(r.status, ExitStatus::Code(0));
         assert_eq!(r.stdout.data, b"line1\nline2\nline3\nline4\nline5\n");
         let frames = frames.into_inner().unwrap();
@@ -315,7 +379,7 @@ mod tests {
             assert!(tail.ends_with(&want) && tail.len() as u64 == f.stdout_bytes, "{f:?}");
         }
         // The same command without progress: no frames, the same answer.
-        let plain = run(shell("echo a", 0, 0), None).unwrap();
+        let plain = run(shell("echo a", 0, 0), None, None).unwrap();
         assert_eq!(plain.stdout.data, b"a\n");
     }
 
@@ -327,12 +391,12 @@ mod tests {
         let data: Vec<u8> = (0..300_000u32).map(|i| (i % 251) as u8).collect();
         let mut req = shell("cat", 10_000, 1 << 20);
         req.stdin = data.clone();
-        let r = run(req, None).unwrap();
+        let r = run(req, None, None).unwrap();
         assert_eq!(r.status, ExitStatus::Code(0));
         assert_eq!(r.stdout.data, data);
         let mut req = shell("echo skipped", 10_000, 0);
         req.stdin = data;
-        let r = run(req, None).unwrap();
+        let r = run(req, None, None).unwrap();
         assert_eq!((r.status, r.stdout.data.as_slice()), (ExitStatus::Code(0), b"skipped\n".as_slice()));
     }
 
@@ -341,16 +405,56 @@ mod tests {
     #[test]
     fn a_timeout_kills_the_command() {
         let t = Instant::now();
-        let r = run(shell("echo started; sleep 60", 500, 0), None).unwrap();
+        let r = run(shell("echo started; sleep 60", 500, 0), None, None).unwrap();
         assert_eq!(r.status, ExitStatus::TimedOut);
         assert_eq!(r.stdout.data, b"started\n");
         assert!(t.elapsed() < Duration::from_secs(30), "{:?}", t.elapsed());
     }
 
+    /// A fired cancel kills the command's group at once, long before its
+    /// timeout: its answer has the kill's signal and what it wrote, and
+    /// a child in the group is gone too.
+    #[test]
+    fn a_cancel_kills_the_group_long_before_the_timeout() {
+        let cancel = Cancel::new().unwrap();
+        let t = Instant::now();
+        let r = std::thread::scope(|s| {
+            let exec = s.spawn(|| run(shell("sleep 300 & echo $!; wait", 600_000, 0), None, Some(&cancel)));
+            std::thread::sleep(Duration::from_millis(300));
+            cancel.fire();
+            exec.join().unwrap().unwrap()
+        });
+        assert!(t.elapsed() < Duration::from_secs(20), "{:?}", t.elapsed());
+        assert_eq!(r.status, ExitStatus::Signal(libc::SIGKILL));
+        let out = String::from_utf8_lossy(&r.stdout.data).into_owned();
+        let pid: i32 = out.trim().parse().unwrap_or_else(|_| panic!("the child's pid in {out:?}"));
+        // The child got the same SIGKILL; once reaped by init (or by us,
+        // the test being its parent's parent), kill(2) finds it no more.
+        let gone = (0..200).any(|_| {
+            // SAFETY: kill(2) with signal 0 only checks for the process.
+            let alive = unsafe { libc::kill(pid, 0) } == 0 && !zombie(pid);
+            if alive {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            !alive
+        });
+        assert!(gone, "the sleep {pid} of the cancelled group is still running");
+        // A fired cancel that no exec watches changes nothing for the next.
+        let r = run(shell("echo a", 0, 0), None, None).unwrap();
+        assert_eq!(r.stdout.data, b"a\n");
+    }
+
+    /// Whether `pid` is a zombie (dead, not yet reaped).
+    fn zombie(pid: i32) -> bool {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .map(|s| s.rsplit_once(") ").is_some_and(|(_, rest)| rest.starts_with('Z')))
+            .unwrap_or(true)
+    }
+
     /// The per-stream totals count every byte, past the cap too.
     #[test]
     fn totals_count_past_the_cap() {
-        let r = run(shell("head -c 100000 /dev/zero; head -c 7 /dev/zero >&2", 0, 1000), None).unwrap();
+        let r = run(shell("head -c 100000 /dev/zero; head -c 7 /dev/zero >&2", 0, 1000), None, None).unwrap();
         assert_eq!((r.stdout.data.len(), r.stdout.truncated, r.stdout.total_bytes), (1000, true, 100_000));
         assert_eq!((r.stderr.data.len(), r.stderr.truncated, r.stderr.total_bytes), (7, false, 7));
     }

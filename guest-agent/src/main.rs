@@ -12,7 +12,8 @@
 //! Background processes (spawned by one request, outliving it) live in
 //! the agent's process table (see [`procs`]). `exec` with progress and a
 //! process wait with `progress_ms` send interim `Reply::Progress` frames
-//! with the request's id before their answer.
+//! with the request's id before their answer. `cancel` kills the command
+//! of an exec in flight on the same connection (see [`Running`]).
 //!
 //! The sandbox environment (`set_env`) applies to every later exec,
 //! background process and Python or Node.js cell (see [`env`]).
@@ -39,6 +40,7 @@ mod trust;
 mod vsock;
 mod workers;
 
+use std::collections::HashMap;
 use std::io::Write;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -60,15 +62,59 @@ const WIRES: &[Wire] = &[Wire::V4];
 /// The newest protocol version this agent speaks (`info` reports it).
 pub const PROTOCOL: Wire = WIRES[0];
 
+/// The execs in flight on one connection, by request id, with their
+/// cancellation (`Op::Cancel` names a request of its own connection).
+#[derive(Clone, Default)]
+struct Running(Arc<Mutex<HashMap<u64, Arc<exec::Cancel>>>>);
+
+impl Running {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Arc<exec::Cancel>>> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A cancellation for request `id` when `op` is an exec (none when
+    /// no eventfd can be made: the exec then runs uncancellable).
+    fn register(&self, id: u64, op: &Op) -> Option<Arc<exec::Cancel>> {
+        if !matches!(op, Op::Exec(_) | Op::ExecWithProgress { .. }) {
+            return None;
+        }
+        let cancel = Arc::new(exec::Cancel::new().ok()?);
+        self.lock().insert(id, cancel.clone());
+        Some(cancel)
+    }
+
+    /// Request `id` ended: its cancellation goes (if it is still `cancel`).
+    fn done(&self, id: u64, cancel: &Arc<exec::Cancel>) {
+        let mut map = self.lock();
+        if map.get(&id).is_some_and(|c| Arc::ptr_eq(c, cancel)) {
+            map.remove(&id);
+        }
+    }
+
+    /// `Op::Cancel { id }`: fires request `id`'s cancellation; whether it
+    /// was running.
+    fn cancel(&self, id: u64) -> bool {
+        self.lock().get(&id).map(|c| c.fire()).is_some()
+    }
+}
+
 /// Runs one request; `progress` sends an interim `Reply::Progress` frame
-/// for it (used by `ExecWithProgress` and `ProcessWait`).
-fn handle(op: Op, started: Instant, progress: &dyn Fn(Progress)) -> Result<Reply, AgentError> {
+/// for it (used by `ExecWithProgress` and `ProcessWait`); `cancel`, an
+/// exec's cancellation.
+fn handle(
+    op: Op,
+    started: Instant,
+    progress: &dyn Fn(Progress),
+    cancel: Option<&exec::Cancel>,
+) -> Result<Reply, AgentError> {
     match op {
         Op::Ping => Ok(Reply::Pong { agent_version: AGENT_VERSION.to_string() }),
-        Op::Exec(e) => exec::run(e, None).map(Reply::Exec),
+        Op::Exec(e) => exec::run(e, None, cancel).map(Reply::Exec),
         Op::ExecWithProgress { exec, progress_ms } => {
-            exec::run(exec, Some((progress, Duration::from_millis(u64::from(progress_ms))))).map(Reply::Exec)
+            exec::run(exec, Some((progress, Duration::from_millis(u64::from(progress_ms)))), cancel).map(Reply::Exec)
         }
+        // Answered by `serve` itself, on its reader thread.
+        Op::Cancel { .. } => Err(AgentError::InvalidRequest { reason: "cancel is answered by the reader".into() }),
         Op::Spawn(s) => procs::spawn(s).map(Reply::Process),
         Op::ProcessList => Ok(Reply::Processes(procs::list())),
         Op::ProcessOutput(r) => procs::output(r).map(Reply::ProcessOutput),
@@ -120,6 +166,7 @@ fn serve(conn: std::fs::File, started: Instant) {
         }
     };
     let mut reader = conn;
+    let running = Running::default();
     loop {
         let body = match read_body(&mut reader) {
             Ok(b) => b,
@@ -155,7 +202,18 @@ fn serve(conn: std::fs::File, started: Instant) {
                 continue;
             }
         };
+        if let Op::Cancel { id } = req.op {
+            // On the reader: at once, whatever the workers do.
+            let found = running.cancel(id);
+            let resp = Response { id: req.id, result: Ok(Reply::Cancelled { found }) };
+            if wire.encode_response(&resp).and_then(|f| send(&writer, &f).map_err(Into::into)).is_err() {
+                return;
+            }
+            continue;
+        }
         let writer = writer.clone();
+        let cancel = running.register(req.id, &req.op);
+        let running = running.clone();
         let spawned = workers::run(Box::new(move || {
             let id = req.id;
             let progress = |p: Progress| {
@@ -163,7 +221,10 @@ fn serve(conn: std::fs::File, started: Instant) {
                     let _ = send(&writer, &frame);
                 }
             };
-            let resp = Response { id, result: handle(req.op, started, &progress) };
+            let resp = Response { id, result: handle(req.op, started, &progress, cancel.as_deref()) };
+            if let Some(c) = &cancel {
+                running.done(id, c);
+            }
             // A reply too large for a frame (a huge directory listing, say)
             // is answered with that error rather than not at all, so the
             // host does not wait for it until its deadline.
@@ -277,6 +338,45 @@ mod tests {
         write_message(&mut host, &Request { id: 9, op: Op::ProcessList }).unwrap();
         let r: Response = read_message(&mut host).unwrap();
         assert!(matches!(r.result, Ok(Reply::Processes(_))), "{r:?}");
+    }
+
+    /// `Cancel` over the wire: a running exec of the connection is killed
+    /// and answers with the kill's signal; a cancel of no running request
+    /// says it found none. (Version 4 has no `Cancel`.)
+    #[cfg(not(feature = "protocol-v4"))]
+    #[test]
+    fn a_cancel_stops_a_running_exec_of_its_connection() {
+        let (agent_end, mut host) = UnixStream::pair().unwrap();
+        let conn = std::fs::File::from(OwnedFd::from(agent_end));
+        std::thread::spawn(move || serve(conn, Instant::now()));
+        let exec = Exec {
+            command: Command::Shell("echo started; sleep 300".into()),
+            cwd: None,
+            env: vec![],
+            stdin: vec![],
+            timeout_ms: 600_000,
+            output_limit: 0,
+        };
+        let t = Instant::now();
+        write_message(&mut host, &Request { id: 10, op: Op::Exec(exec) }).unwrap();
+        std::thread::sleep(Duration::from_millis(300));
+        write_message(&mut host, &Request { id: 11, op: Op::Cancel { id: 10 } }).unwrap();
+        let (mut cancelled, mut exec) = (None, None);
+        while cancelled.is_none() || exec.is_none() {
+            let r: Response = read_message(&mut host).unwrap();
+            match (r.id, r.result) {
+                (11, Ok(Reply::Cancelled { found })) => cancelled = Some(found),
+                (10, Ok(Reply::Exec(e))) => exec = Some(e),
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+        assert_eq!(cancelled, Some(true));
+        let exec = exec.unwrap();
+        assert_eq!((exec.status, exec.stdout.data.as_slice()), (ExitStatus::Signal(libc::SIGKILL), &b"started\n"[..]));
+        assert!(t.elapsed() < Duration::from_secs(20), "{:?}", t.elapsed());
+        write_message(&mut host, &Request { id: 12, op: Op::Cancel { id: 10 } }).unwrap();
+        let r: Response = read_message(&mut host).unwrap();
+        assert_eq!((r.id, r.result), (12, Ok(Reply::Cancelled { found: false })));
     }
 
     /// Each request is answered in its frame's version: version 4 frames

@@ -14,6 +14,10 @@
 //! has one, without ending the call; the reader never blocks on them (a
 //! full channel drops the frame).
 //!
+//! An exec call can be cancelled ([`AgentClient::run_cancellable`]): the
+//! client then sends `Op::Cancel` for its request id on the same
+//! connection, and the agent kills the command's process group.
+//!
 //! A call's request write and its reply share one deadline: a guest that
 //! stops reading its vsock connection (grants no credit) makes the call
 //! time out instead of holding the writer for ever. A request cut off
@@ -28,6 +32,7 @@
 #![deny(missing_docs)]
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -49,6 +54,11 @@ use tokio::sync::{mpsc, oneshot};
 pub use tine_protocol::AGENT_PORT;
 /// Longest wait for the `OK` of the hybrid-vsock handshake.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// After a call was cancelled, how long the client waits for the agent to
+/// take the cancel and for the cancelled call's own answer (the command
+/// killed) before it gives up on both: 30 s (guests on slow hosts are
+/// slow to run a kill).
+pub const CANCEL_WAIT: Duration = Duration::from_secs(30);
 
 /// Errors of the client.
 #[derive(Debug, thiserror::Error)]
@@ -92,6 +102,10 @@ pub enum ClientError {
     /// frame boundaries. Connect again.
     #[error("the connection to the agent was abandoned after a request could not be written in time (the guest stopped reading it)")]
     Abandoned,
+    /// The caller cancelled the call ([`AgentClient::run_cancellable`]):
+    /// the agent was asked to kill its command.
+    #[error("the call was cancelled by its caller; its command was stopped in the guest")]
+    Cancelled,
 }
 
 /// One call waiting for its answer.
@@ -154,6 +168,7 @@ fn reply_kind(r: &Reply) -> &'static str {
         Reply::ProcessWaited(_) => "process waited",
         Reply::ProcessWritten { .. } => "process written",
         Reply::ProcessDefaults(_) => "process defaults",
+        Reply::Cancelled { .. } => "cancelled",
     }
 }
 
@@ -351,19 +366,52 @@ impl AgentClient {
     /// [`ClientError::Timeout`], [`ClientError::Closed`],
     /// [`ClientError::Abandoned`], [`ClientError::Protocol`].
     pub async fn call(&self, op: Op, timeout: Duration) -> Result<Reply, ClientError> {
-        self.call_inner(op, timeout, None).await
+        self.call_inner(op, timeout, None, std::future::pending()).await
     }
 
     /// As [`AgentClient::call`]; interim [`Reply::Progress`] frames of the
     /// request go to `progress` (when given; a full channel drops them),
-    /// and the call returns the final answer.
+    /// and the call returns the final answer. When `cancel` resolves
+    /// first, the agent is sent `Op::Cancel` for the request and the call
+    /// ends with [`ClientError::Cancelled`] once the agent has answered
+    /// the request (its command killed), at most [`CANCEL_WAIT`] later.
     async fn call_inner(
         &self,
         op: Op,
         timeout: Duration,
         progress: Option<mpsc::Sender<Progress>>,
+        cancel: impl Future<Output = ()>,
     ) -> Result<Reply, ClientError> {
         let deadline = tokio::time::Instant::now() + timeout;
+        let (id, rx) = self.start(op, deadline, timeout, progress).await?;
+        tokio::pin!(cancel);
+        let answer = tokio::select! {
+            biased;
+            r = tokio::time::timeout_at(deadline, rx) => r,
+            () = &mut cancel => return Err(self.cancelled(id).await),
+        };
+        match answer {
+            Ok(Ok(result)) => Ok(result?),
+            Ok(Err(_)) => Err(ClientError::Closed),
+            Err(_) => {
+                self.forget(id);
+                Err(ClientError::Timeout(timeout))
+            }
+        }
+    }
+
+    /// Sends `op` as a new request, its writer's wait and the write due by
+    /// `deadline` (`timeout` from the call's start): the request's id and
+    /// where its answer will come.
+    ///
+    /// Errors: as [`AgentClient::call`].
+    async fn start(
+        &self,
+        op: Op,
+        deadline: tokio::time::Instant,
+        timeout: Duration,
+        progress: Option<mpsc::Sender<Progress>>,
+    ) -> Result<(u64, oneshot::Receiver<Result<Reply, AgentError>>), ClientError> {
         if self.abandoned.load(Ordering::SeqCst) {
             return Err(ClientError::Abandoned);
         }
@@ -377,11 +425,8 @@ impl AgentClient {
         };
         let (tx, rx) = oneshot::channel();
         self.waiters.lock().unwrap_or_else(|p| p.into_inner()).insert(id, Waiter { done: tx, progress });
-        let forget = || {
-            self.waiters.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
-        };
         if self.reader.is_finished() {
-            forget();
+            self.forget(id);
             return Err(ClientError::Closed);
         }
         let write = async {
@@ -396,30 +441,65 @@ impl AgentClient {
             r.map_err(|_| ClientError::Closed)
         };
         match tokio::time::timeout_at(deadline, write).await {
-            Ok(Ok(())) => {}
+            Ok(Ok(())) => Ok((id, rx)),
             Ok(Err(e)) => {
-                forget();
-                return Err(e);
+                self.forget(id);
+                Err(e)
             }
             Err(_) => {
-                forget();
+                self.forget(id);
                 if self.abandoned.load(Ordering::SeqCst) {
                     tracing::warn!(
                         request_bytes = frame.len(),
                         "a request to the agent could not be written within {timeout:?}; abandoning the connection"
                     );
                 }
-                return Err(ClientError::Timeout(timeout));
-            }
-        }
-        match tokio::time::timeout_at(deadline, rx).await {
-            Ok(Ok(result)) => Ok(result?),
-            Ok(Err(_)) => Err(ClientError::Closed),
-            Err(_) => {
-                forget();
                 Err(ClientError::Timeout(timeout))
             }
         }
+    }
+
+    /// Stops waiting for request `id`'s answer.
+    fn forget(&self, id: u64) {
+        self.waiters.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
+    }
+
+    /// Request `id` was cancelled by its caller: asks the agent to cancel
+    /// it (`Op::Cancel`), and when it was running waits for its answer
+    /// (the command killed), all within [`CANCEL_WAIT`]. An agent that
+    /// cannot cancel (an earlier release: `Unsupported`) leaves the
+    /// command to its timeout; that is logged.
+    async fn cancelled(&self, id: u64) -> ClientError {
+        let deadline = tokio::time::Instant::now() + CANCEL_WAIT;
+        // The request's own answer, taken over from the waiter.
+        let answer = self.waiters.lock().unwrap_or_else(|p| p.into_inner()).get_mut(&id).map(|w| {
+            let (tx, rx) = oneshot::channel();
+            (std::mem::replace(&mut w.done, tx), rx)
+        });
+        let found = match self.start(Op::Cancel { id }, deadline, CANCEL_WAIT, None).await {
+            Ok((cid, rx)) => match tokio::time::timeout_at(deadline, rx).await {
+                Ok(Ok(Ok(Reply::Cancelled { found }))) => found,
+                Ok(Ok(Err(e))) => {
+                    tracing::warn!("agent request {id} was cancelled but the agent cannot stop it ({e}); its command runs to its timeout");
+                    false
+                }
+                other => {
+                    self.forget(cid);
+                    tracing::warn!("agent request {id}: the cancel got no answer ({other:?})");
+                    false
+                }
+            },
+            Err(e) => {
+                tracing::warn!("agent request {id}: cannot send the cancel: {e}");
+                false
+            }
+        };
+        if let (true, Some((_, rx))) = (found, answer) {
+            // The kill's answer: the command is gone.
+            let _ = tokio::time::timeout_at(deadline, rx).await;
+        }
+        self.forget(id);
+        ClientError::Cancelled
     }
 
     /// Sends `op` and hands its reply to `pick`, which returns the typed
@@ -431,19 +511,20 @@ impl AgentClient {
         timeout: Duration,
         pick: impl FnOnce(Reply) -> Result<T, Box<Reply>>,
     ) -> Result<T, ClientError> {
-        self.call_for_with(op, timeout, None, pick).await
+        self.call_for_with(op, timeout, None, std::future::pending(), pick).await
     }
 
     /// As [`AgentClient::call_for`], with interim progress frames sent to
-    /// `progress`.
+    /// `progress`, cancelled when `cancel` resolves ([`AgentClient::call_inner`]).
     async fn call_for_with<T>(
         &self,
         op: Op,
         timeout: Duration,
         progress: Option<mpsc::Sender<Progress>>,
+        cancel: impl Future<Output = ()>,
         pick: impl FnOnce(Reply) -> Result<T, Box<Reply>>,
     ) -> Result<T, ClientError> {
-        pick(self.call_inner(op, timeout, progress).await?)
+        pick(self.call_inner(op, timeout, progress, cancel).await?)
             .map_err(|other| ClientError::Unexpected(reply_kind(&other).to_string()))
     }
 
@@ -597,8 +678,31 @@ impl AgentClient {
     ///
     /// Errors: as [`AgentClient::ping`].
     pub async fn run(&self, exec: Exec, timeout: Duration) -> Result<ExecReply, ClientError> {
+        self.run_cancellable(exec, None, timeout, std::future::pending()).await
+    }
+
+    /// Runs `exec` as [`AgentClient::run`]; with `progress =
+    /// Some((progress_ms, sender))` as [`AgentClient::run_with_progress`].
+    /// When `cancel` resolves before the answer, the agent kills the
+    /// command's process group (`Op::Cancel`) and the call ends with
+    /// [`ClientError::Cancelled`] once the command is gone (at most
+    /// [`CANCEL_WAIT`] later; an agent of an earlier release cannot
+    /// cancel, and its command runs on to its timeout).
+    ///
+    /// Errors: as [`AgentClient::run`], [`ClientError::Cancelled`].
+    pub async fn run_cancellable(
+        &self,
+        exec: Exec,
+        progress: Option<(u32, mpsc::Sender<Progress>)>,
+        timeout: Duration,
+        cancel: impl Future<Output = ()>,
+    ) -> Result<ExecReply, ClientError> {
         let limit = output_limit(exec.timeout_ms, exec.output_limit);
-        self.exec_op(Op::Exec(exec), limit, timeout, None).await
+        let (op, progress) = match progress {
+            Some((progress_ms, tx)) => (Op::ExecWithProgress { exec, progress_ms }, Some(tx)),
+            None => (Op::Exec(exec), None),
+        };
+        self.exec_op(op, limit, timeout, progress, cancel).await
     }
 
     /// One exec op's call, with its answer's streams checked against `limit`.
@@ -608,9 +712,10 @@ impl AgentClient {
         limit: u64,
         timeout: Duration,
         progress: Option<mpsc::Sender<Progress>>,
+        cancel: impl Future<Output = ()>,
     ) -> Result<ExecReply, ClientError> {
         let r = self
-            .call_for_with(op, timeout, progress, |r| match r {
+            .call_for_with(op, timeout, progress, cancel, |r| match r {
                 Reply::Exec(r) => Ok(r),
                 other => Err(Box::new(other)),
             })
@@ -634,8 +739,7 @@ impl AgentClient {
         timeout: Duration,
         progress: mpsc::Sender<Progress>,
     ) -> Result<ExecReply, ClientError> {
-        let limit = output_limit(exec.timeout_ms, exec.output_limit);
-        self.exec_op(Op::ExecWithProgress { exec, progress_ms }, limit, timeout, Some(progress)).await
+        self.run_cancellable(exec, Some((progress_ms, progress)), timeout, std::future::pending()).await
     }
 
     /// Starts a background process; returns its table entry.
@@ -705,7 +809,7 @@ impl AgentClient {
         progress: Option<mpsc::Sender<Progress>>,
     ) -> Result<ProcessWaited, ClientError> {
         let w = self
-            .call_for_with(Op::ProcessWait(wait), timeout, progress, |r| match r {
+            .call_for_with(Op::ProcessWait(wait), timeout, progress, std::future::pending(), |r| match r {
                 Reply::ProcessWaited(w) => Ok(w),
                 other => Err(Box::new(other)),
             })
@@ -1081,6 +1185,64 @@ mod tests {
         let e = c.ping(Duration::from_secs(5)).await.unwrap_err();
         assert!(matches!(e, ClientError::Abandoned), "{e}");
         assert!(e.to_string().contains("the guest stopped reading"), "{e}");
+    }
+
+    /// A cancelled exec: the client sends `Cancel` with the exec's id on the
+    /// same connection, waits for the exec's (killed) answer and ends with
+    /// `Cancelled`; an agent that answers the cancel `Unsupported` (an
+    /// earlier release) ends the call at once all the same.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_cancelled_exec_sends_cancel_for_its_id_and_waits_for_the_kill() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("vsock.sock");
+        let listener = UnixListener::bind(&path).unwrap();
+        let (seen_tx, seen) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let (mut w, mut r) = accept_connect(&listener);
+            let mut answer = |id: u64, result: Result<Reply, AgentError>| {
+                w.write_all(&Wire::V5.encode_response(&Response { id, result }).unwrap()).unwrap();
+            };
+            let ping = Wire::V5.decode_request(&tine_protocol::read_body(&mut r).unwrap()).unwrap();
+            answer(ping.id, Ok(Reply::Pong { agent_version: "peer".into() }));
+            // First exec: cancel answered, then the killed exec's answer.
+            let exec = Wire::V5.decode_request(&tine_protocol::read_body(&mut r).unwrap()).unwrap();
+            let cancel = Wire::V5.decode_request(&tine_protocol::read_body(&mut r).unwrap()).unwrap();
+            seen_tx.send(cancel.op.clone()).unwrap();
+            assert_eq!(cancel.op, Op::Cancel { id: exec.id });
+            answer(cancel.id, Ok(Reply::Cancelled { found: true }));
+            std::thread::sleep(Duration::from_millis(200));
+            let killed = ExecReply {
+                status: tine_protocol::ExitStatus::Signal(9),
+                stdout: Default::default(),
+                stderr: Default::default(),
+                duration_ms: 1,
+            };
+            answer(exec.id, Ok(Reply::Exec(killed)));
+            // Second exec: an agent that cannot cancel.
+            let _exec = Wire::V5.decode_request(&tine_protocol::read_body(&mut r).unwrap()).unwrap();
+            let cancel = Wire::V5.decode_request(&tine_protocol::read_body(&mut r).unwrap()).unwrap();
+            answer(cancel.id, Err(AgentError::Unsupported { reason: "old".into() }));
+            std::thread::sleep(Duration::from_secs(600));
+        });
+        let c = AgentClient::connect(&path, AGENT_PORT).await.unwrap();
+        let exec = Exec {
+            command: Command::Shell("sleep 600".into()),
+            cwd: None,
+            env: vec![],
+            stdin: vec![],
+            timeout_ms: 600_000,
+            output_limit: 0,
+        };
+        for _ in 0..2 {
+            let t = std::time::Instant::now();
+            let cancel = tokio::time::sleep(Duration::from_millis(100));
+            let e = c.run_cancellable(exec.clone(), None, Duration::from_secs(700), cancel).await.unwrap_err();
+            assert!(matches!(e, ClientError::Cancelled), "{e}");
+            assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+        }
+        assert!(matches!(seen.recv().unwrap(), Op::Cancel { .. }));
+        // The connection goes on.
+        assert!(!c.is_broken());
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -29,7 +29,9 @@
 //! "one answer per request": [`Op::ExecWithProgress`] and
 //! [`Op::ProcessWait`] (with `progress_ms > 0`) send interim
 //! [`Reply::Progress`] frames with the request's id before their final
-//! answer.
+//! answer. [`Op::Cancel`] names another request of the same connection
+//! (an exec in flight, whose command is then killed); it is answered at
+//! once, and the cancelled request's own answer follows as usual.
 
 #![deny(missing_docs)]
 

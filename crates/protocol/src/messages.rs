@@ -360,6 +360,19 @@ pub enum Op {
         /// The variables, names unique.
         env: Vec<(String, String)>,
     },
+    /// Cancel request `id` of this connection, when it is an
+    /// [`Op::Exec`] or [`Op::ExecWithProgress`] still running: its
+    /// command's process group is killed (SIGKILL) as at its timeout, and
+    /// its answer follows as usual (status `Signal(9)`, with the output
+    /// written until then). Answered [`Reply::Cancelled`], whether or not
+    /// such a request was running (it may have ended meanwhile): the
+    /// cancel and the request's own answer come in either order. An agent
+    /// of an earlier release answers `Unsupported` and the command runs
+    /// on to its end or timeout.
+    Cancel {
+        /// The id of the request to cancel.
+        id: u64,
+    },
 }
 
 /// The trust bundle [`Op::InstallTrust`] writes: the guest's own CA
@@ -643,6 +656,12 @@ pub enum Reply {
     /// To `SetProcessDefaults`: the defaults it replaced (empty values
     /// as none).
     ProcessDefaults(ProcessDefaults),
+    /// To `Cancel`.
+    Cancelled {
+        /// A running request of that id was cancelled (its command's
+        /// process group was sent SIGKILL); `false`: none was running.
+        found: bool,
+    },
 }
 
 /// A running request's progress.

@@ -82,6 +82,7 @@ fn arb_process_op() -> impl Strategy<Value = Op> {
         ".{0,12}".prop_map(|path| Op::Unmount { path }),
         ".{0,40}".prop_map(|pem| Op::InstallTrust { pem }),
         proptest::collection::vec((".{0,8}", ".{0,8}"), 0..4).prop_map(|env| Op::SetHostEnv { env }),
+        any::<u64>().prop_map(|id| Op::Cancel { id }),
     ]
 }
 
@@ -309,6 +310,7 @@ proptest! {
                 | Op::Unmount { .. }
                 | Op::InstallTrust { .. }
                 | Op::SetHostEnv { .. }
+                | Op::Cancel { .. }
         );
         let req = Request { id, op };
         let resp = Response { id, result };

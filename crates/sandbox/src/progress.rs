@@ -79,6 +79,11 @@ pub struct CallContext {
     pub ceiling: Option<netstack::policy::NetworkPolicy>,
     /// Where the call's progress goes.
     pub progress: ProgressSink,
+    /// Cancelled when the caller gives up on the call (an MCP
+    /// `notifications/cancelled`): an exec then has its command killed in
+    /// the guest ([`crate::Manager::exec_with`]). Never cancelled by
+    /// default.
+    pub cancel: tokio_util::sync::CancellationToken,
 }
 
 /// `n` bytes for people: `0 B`, `512 B`, `3.1 KiB`, `2.0 MiB`.

@@ -784,6 +784,24 @@ pub fn conformance_suite(test: &str) -> Option<PathBuf> {
     skip_unless_required(test, &format!("no MCP conformance suite at {} (run scripts/setup.sh)", dir.display()))
 }
 
+/// The official MCP TypeScript SDK's install (npm package
+/// `@modelcontextprotocol/sdk` 1.32.2, installed by `scripts/setup.sh` at
+/// `$TINE_TS_SDK` or `~/.cache/tine/ts-sdk`): its `node_modules`
+/// directory, for `NODE_PATH`. `None` with a loud SKIPPED line when it is
+/// missing, unless required (as [`python_sdk`]).
+pub fn typescript_sdk(test: &str) -> Option<PathBuf> {
+    let dir = cache_tool("TINE_TS_SDK", "ts-sdk").join("node_modules");
+    let package = dir.join("@modelcontextprotocol/sdk/package.json");
+    let version = std::fs::read_to_string(&package)
+        .ok()
+        .and_then(|t| serde_json::from_str::<Value>(&t).ok())
+        .and_then(|v| v["version"].as_str().map(str::to_string));
+    if version.as_deref() == Some("1.32.2") {
+        return Some(dir);
+    }
+    skip_unless_required(test, &format!("no MCP TypeScript SDK 1.32.2 at {} (run scripts/setup.sh)", dir.display()))
+}
+
 /// Runs one server scenario of the conformance suite (`bin server --url
 /// URL --scenario S`, at most 120 s). `Ok(output)` when it passed; `Err`
 /// with its output when it failed, did not end in time or did not start.

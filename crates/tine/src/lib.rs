@@ -13,6 +13,9 @@
 //! - `auth`: the operator token, tenants and their API keys, OAuth.
 //! - `cluster`: more than one host (calls naming another host's sandbox
 //!   go there).
+//! - `mcp_client`: the MCP client (rmcp's Streamable HTTP client) that
+//!   the cluster forwards calls with and the command line talks to a
+//!   server with.
 //! - `config`: the configuration file and the data directory.
 //! - `files_url`: signed URLs that stream one sandbox file in or out.
 //! - `preview`: preview URLs, a browser's way to a server in a sandbox;
@@ -30,6 +33,7 @@ mod cluster;
 mod config;
 mod files_url;
 mod mcp;
+mod mcp_client;
 mod metrics;
 mod port_forward;
 mod preview;

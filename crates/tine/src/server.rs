@@ -149,6 +149,9 @@ pub enum ServeError {
     /// A tool's input schema does not compile (a bug in a parameter type).
     #[error("{0}")]
     Tools(String),
+    /// The MCP session on stdio could not start (`tine mcp stdio`).
+    #[error("the MCP session on stdio did not start: {0}")]
+    Stdio(String),
 }
 
 /// `/healthz`: `{"status":"ok"}` to anyone; to the operator (or under
@@ -251,6 +254,19 @@ pub fn router(
     files: FileUrls,
     cancel: &CancellationToken,
 ) -> Result<Router, ServeError> {
+    router_and_shared(manager, opts, files, cancel).map(|(router, _)| router)
+}
+
+/// [`router`], and what its MCP sessions share (for a session served
+/// another way: [`serve_stdio`]).
+///
+/// Errors: as [`router`].
+fn router_and_shared(
+    manager: Arc<Manager>,
+    opts: &ServeOptions,
+    files: FileUrls,
+    cancel: &CancellationToken,
+) -> Result<(Router, Shared), ServeError> {
     let mcp_config = StreamableHttpServerConfig::default()
         .with_allowed_hosts(opts.allowed_hosts.clone())
         .with_allowed_origins(opts.allowed_origins.clone())
@@ -282,7 +298,8 @@ pub fn router(
         previews: opts.previews.clone(),
     };
     let owners = SessionOwners::new(sessions.clone());
-    let mcp = StreamableHttpService::new(move || Ok(TineMcp::new(&shared)), sessions.clone(), mcp_config);
+    let for_sessions = shared.clone();
+    let mcp = StreamableHttpService::new(move || Ok(TineMcp::new(&for_sessions)), sessions.clone(), mcp_config);
     let mcp_router = Router::new()
         .nest_service("/mcp", mcp)
         .layer(axum::middleware::from_fn(delete_answers_200))
@@ -324,10 +341,11 @@ pub fn router(
             opts.previews.config.max_guest_connections,
         )),
     };
-    Ok(open
+    let app = open
         .merge(protected)
         .merge(crate::files_url::routes(manager, files, auth))
-        .layer(axum::middleware::from_fn_with_state(dispatch, crate::preview::dispatch)))
+        .layer(axum::middleware::from_fn_with_state(dispatch, crate::preview::dispatch));
+    Ok((app, shared))
 }
 
 /// Serves until SIGTERM/SIGINT, then ends every session and kills every
@@ -379,6 +397,78 @@ pub async fn serve(manager: Arc<Manager>, opts: ServeOptions) -> Result<(), Serv
     let kept = manager.shutdown_keeping().await;
     tracing::info!("{kept} sandboxes hibernated; the next start lists them again");
     tracing::info!("stopped");
+    Ok(())
+}
+
+/// Serves one MCP session on this process's stdin and stdout (`tine mcp
+/// stdio` without `--url`) until the client closes stdin (or SIGTERM or
+/// SIGINT), beside the HTTP routes of [`router`] on `listener` (a loopback
+/// one, bound at `opts.listen`) for what the tools hand out as URLs:
+/// signed file URLs and preview URLs. `opts.auth` should hold a token
+/// nobody has: the session needs none, and `/mcp` then serves no one else.
+/// When the session ends, the sandbox it made on first use is killed and
+/// the others are hibernated, as at a server's stop. Nothing but the
+/// protocol goes to stdout (the log goes to stderr).
+///
+/// Errors: [`ServeError`]; [`ServeError::Stdio`] when the session cannot
+/// start.
+pub async fn serve_stdio(
+    manager: Arc<Manager>,
+    mut opts: ServeOptions,
+    listener: std::net::TcpListener,
+) -> Result<(), ServeError> {
+    use rmcp::ServiceExt;
+    let cancel = CancellationToken::new();
+    let bind = |source| ServeError::Bind { addr: opts.listen, source };
+    let listener =
+        listener.set_nonblocking(true).and_then(|()| tokio::net::TcpListener::from_std(listener)).map_err(bind)?;
+    let local = listener.local_addr().map_err(bind)?;
+    opts.listen = local;
+    opts.allowed_hosts.push(local.to_string());
+    let files = FileUrls::new(opts.public_url.clone(), local).map_err(ServeError::Files)?;
+    let (app, shared) = router_and_shared(manager.clone(), &opts, files, &cancel)?;
+    let reaper = manager.spawn_reaper(REAP_PERIOD);
+    let secrets_reload = opts.secrets.as_ref().map(|s| s.spawn_reload());
+    if opts.build_default_template {
+        let m = manager.clone();
+        tokio::spawn(async move {
+            let _ = m.ensure_default_template(false).await;
+        });
+    }
+    let ended = CancellationToken::new();
+    let http_ended = ended.clone();
+    let http = tokio::spawn(async move {
+        let open = accept_loop(listener, app, &opts, http_ended.cancelled()).await;
+        tokio::select! {
+            _ = open.close() => {}
+            _ = tokio::time::sleep(DRAIN_TIMEOUT) => {}
+        }
+    });
+    tracing::info!("serving one MCP session on stdio; file and preview URLs at http://{local}");
+    let handler = TineMcp::new(&shared);
+    let (stdin, stdout) = rmcp::transport::stdio_pipes();
+    let session = handler.clone().serve((stdin, stdout)).await.map_err(|e| ServeError::Stdio(e.to_string()));
+    match session {
+        Ok(running) => {
+            let stop = running.cancellation_token();
+            tokio::select! {
+                reason = running.waiting() => tracing::info!("the stdio session ended: {reason:?}"),
+                () = shutdown_signal() => stop.cancel(),
+            }
+        }
+        Err(e) => tracing::error!("{e}"),
+    }
+    handler.end_session().await;
+    ended.cancel();
+    let _ = http.await;
+    manager.begin_shutdown();
+    cancel.cancel();
+    reaper.abort();
+    if let Some(s) = secrets_reload {
+        s.abort();
+    }
+    let kept = manager.shutdown_keeping().await;
+    tracing::info!("{kept} sandboxes hibernated; the next start lists them again");
     Ok(())
 }
 

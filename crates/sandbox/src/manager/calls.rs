@@ -192,6 +192,7 @@ impl Manager {
             Ok(reply) => Ok(reply),
             Err(ClientError::Agent(e)) => Err(SandboxError::Agent(e)),
             Err(ClientError::Timeout(t)) => Err(SandboxError::Timeout { id: sb.id.clone(), secs: t.as_secs() }),
+            Err(ClientError::Cancelled) => Err(SandboxError::Cancelled { id: sb.id.clone() }),
             Err(ClientError::Unexpected(reply)) => Err(SandboxError::Connection {
                 id: sb.id.clone(),
                 reason: format!("the agent answered with an unexpected {reply}"),
@@ -268,8 +269,12 @@ impl Manager {
     /// progress every 2 s, reported as "running 12 s of 60 s; stdout
     /// 3.1 KiB, stderr 0 B" and the latest output lines (at most 3, each
     /// at most 200 bytes); progress: seconds, total: the timeout (s).
+    /// When `cx.cancel` is cancelled while the command runs, the agent
+    /// kills the command's process group and the call ends with
+    /// [`SandboxError::Cancelled`] once it is gone (a call cancelled before
+    /// it started sends nothing).
     ///
-    /// Errors: as [`Manager::exec`].
+    /// Errors: as [`Manager::exec`], [`SandboxError::Cancelled`].
     pub async fn exec_with(&self, id: &str, req: ExecRequest, cx: &CallContext) -> Result<ExecReply, SandboxError> {
         let limits = tine_protocol::effective_limits(req.timeout_ms, req.output_limit)?;
         tine_protocol::check_sandbox_env(&req.env)?;
@@ -282,8 +287,14 @@ impl Manager {
             output_limit: req.output_limit,
         };
         let timeout = Duration::from_millis(u64::from(limits.0)) + CALL_GRACE;
+        let cancel = cx.cancel.clone();
+        if cancel.is_cancelled() {
+            return Err(SandboxError::Cancelled { id: id.to_string() });
+        }
         if !cx.progress.is_active() {
-            return self.with_agent(id, |a| async move { a.run(exec, timeout).await }).await;
+            return self
+                .with_agent(id, |a| async move { a.run_cancellable(exec, None, timeout, cancel.cancelled()).await })
+                .await;
         }
         let (sink, total_secs) = (cx.progress.clone(), u64::from(limits.0) / 1000);
         self.with_agent(id, |a| async move {
@@ -291,7 +302,8 @@ impl Manager {
             // The client drops its sender with the call's end, which ends
             // the pump.
             let pump = crate::progress::report_frames(rx, &sink, "running ", total_secs);
-            let (r, ()) = tokio::join!(a.run_with_progress(exec, PROGRESS_MS, timeout, tx), pump);
+            let call = a.run_cancellable(exec, Some((PROGRESS_MS, tx)), timeout, cancel.cancelled());
+            let (r, ()) = tokio::join!(call, pump);
             r
         })
         .await

@@ -163,6 +163,13 @@ pub enum SandboxError {
     /// The server is shutting down.
     #[error("the server is shutting down")]
     ShuttingDown,
+    /// The caller cancelled the call ([`crate::CallContext::cancel`]);
+    /// an exec's command was killed in the guest.
+    #[error("the call on sandbox {id} was cancelled by its caller; its command was stopped")]
+    Cancelled {
+        /// The sandbox.
+        id: SandboxId,
+    },
     /// A template cannot be used or made.
     #[error(transparent)]
     Template(#[from] TemplateError),

@@ -2,7 +2,12 @@
 //!
 //! - `tine server start`: the MCP server (`cli::server`, over `crate::server`).
 //! - `tine server keygen`: make a bearer token.
-//! - `tine template build|list`: the default template, offline.
+//! - `tine template build|list`: the default template, offline; `tine
+//!   template ls|rm`: a running server's templates (`cli::template`).
+//! - `tine sandbox ls|create|exec|python|cp|branch|kill|logs`: a running
+//!   server's sandboxes, over MCP (`cli::sandbox`, on `cli::remote`).
+//! - `tine mcp stdio`: MCP on stdin/stdout, bridged to a server or served
+//!   in this process (`cli::mcp`).
 //! - `tine tenant add|list|rotate-key|remove`: the tenants and their API
 //!   keys (`cli::tenant`).
 //! - `tine doctor`: check the host and say how to fix what is missing
@@ -20,7 +25,10 @@
 mod doctor;
 mod image;
 mod manager;
+mod mcp;
 mod port_forward;
+mod remote;
+mod sandbox;
 mod secret;
 mod server;
 mod template;
@@ -62,6 +70,12 @@ enum Command {
     /// OCI and Docker images: base images a guest boots.
     #[command(subcommand)]
     Image(image::ImageCommand),
+    /// Sandboxes on a running server, over MCP: list, create, run
+    /// commands and Python, copy files, branch, kill, network logs.
+    Sandbox(sandbox::SandboxArgs),
+    /// MCP on stdin/stdout for clients that start servers as subprocesses.
+    #[command(subcommand)]
+    Mcp(mcp::McpCommand),
     /// Forward a local TCP port into a sandbox's guest port, through the
     /// server's HTTP API.
     PortForward(port_forward::PortForwardArgs),
@@ -110,18 +124,28 @@ fn resolve(args: &ImageArgs) -> anyhow::Result<Resolved> {
     Ok(Resolved { file, data_dir, kernel, rootfs })
 }
 
-/// The `tine` binary: logs to stderr (`RUST_LOG`, default
-/// `info,rmcp=warn`), parses the command line, runs the command and
-/// returns its exit code; an error is printed as `tine: error: ...` and
-/// exits 1.
+/// The `tine` binary: parses the command line, logs to stderr
+/// (`RUST_LOG`, default `info,rmcp=warn`; `warn,rmcp=off` for the commands
+/// that talk to a server, which report their errors themselves), runs the
+/// command and returns its exit code; an error is printed as `tine: error:
+/// ...` and exits 1.
 pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    // The commands that talk to a server say what failed themselves:
+    // rmcp's own error lines would say it twice.
+    let quiet = match &cli.command {
+        Command::Sandbox(_) => true,
+        Command::Template(t) => t.is_remote(),
+        Command::Mcp(m) => m.is_bridge(),
+        _ => false,
+    };
+    let default_filter = if quiet { "warn,rmcp=off" } else { "info,rmcp=warn" };
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info,rmcp=warn".into()),
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| default_filter.into()),
         )
         .with_writer(std::io::stderr)
         .init();
-    let cli = Cli::parse();
     let result = match cli.command {
         Command::Vm(vm::VmCommand::Run(args)) => vm::run(args),
         Command::Server(server::ServerCommand::Start(args)) => server::start(args),
@@ -131,6 +155,8 @@ pub fn main() -> ExitCode {
         Command::Secret(cmd) => secret::run(cmd),
         Command::Image(cmd) => image::run(cmd),
         Command::PortForward(args) => port_forward::run(args),
+        Command::Sandbox(args) => sandbox::run(args),
+        Command::Mcp(cmd) => mcp::run(cmd),
         Command::Doctor(args) => resolve(&args).map(|r| doctor::run(&r)),
     };
     match result {

@@ -14,11 +14,8 @@ use reqwest::header::{CONNECTION, UPGRADE};
 use reqwest::StatusCode;
 use tokio::net::{TcpListener, TcpStream};
 
+use crate::mcp_client::Endpoint;
 use crate::port_forward::{path, PROTOCOL};
-
-/// The server a port forward goes through when neither `--url` nor
-/// `TINE_URL` names one: a `--dev` server's default address.
-const DEFAULT_URL: &str = "http://127.0.0.1:5555";
 
 #[derive(Args)]
 pub(super) struct PortForwardArgs {
@@ -57,20 +54,9 @@ fn local_addr(local: Option<&str>, guest_port: u16) -> anyhow::Result<SocketAddr
 /// Errors: a bad address, URL or token file; the local port cannot be
 /// bound.
 pub(super) fn run(args: PortForwardArgs) -> anyhow::Result<ExitCode> {
-    let base = args.url.or_else(|| std::env::var("TINE_URL").ok()).unwrap_or_else(|| DEFAULT_URL.to_owned());
-    let base = base.trim_end_matches('/').trim_end_matches("/mcp").to_owned();
+    let Endpoint { base, token } = Endpoint::resolve(args.url, args.token_file)?;
     let url = reqwest::Url::parse(&format!("{base}{}", path(&args.sandbox, args.guest_port)))
         .with_context(|| format!("bad server URL {base:?}"))?;
-    let token_file = args.token_file.or_else(|| std::env::var_os("TINE_TOKEN_FILE").map(PathBuf::from));
-    let token = match token_file {
-        Some(f) => Some(
-            std::fs::read_to_string(&f)
-                .with_context(|| format!("read the token file {}", f.display()))?
-                .trim()
-                .to_owned(),
-        ),
-        None => std::env::var("TINE_TOKEN").ok().map(|t| t.trim().to_owned()).filter(|t| !t.is_empty()),
-    };
     let local = local_addr(args.local.as_deref(), args.guest_port)?;
     let client = reqwest::Client::builder().http1_only().build().context("HTTP client")?;
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;

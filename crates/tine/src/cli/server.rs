@@ -30,7 +30,7 @@ pub(super) enum ServerCommand {
 #[derive(Args)]
 pub(super) struct StartArgs {
     #[command(flatten)]
-    images: ImageArgs,
+    pub(super) images: ImageArgs,
     /// Development mode: loopback only, no authentication.
     #[arg(long)]
     dev: bool,
@@ -55,21 +55,83 @@ pub(super) struct StartArgs {
 /// directory locked, the sandbox manager opened, then [`server::serve`]
 /// until shutdown.
 pub(super) fn start(args: StartArgs) -> anyhow::Result<ExitCode> {
+    let (manager, _lock, opts, _) = prepare(args, Mode::Http)?;
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    rt.block_on(server::serve(manager, opts))?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `tine mcp stdio` without `--url`: the server of `tine server start`
+/// in this process for one MCP session on stdin and stdout
+/// ([`server::serve_stdio`]), its HTTP routes (file and preview URLs) on
+/// a loopback port of the kernel's choice behind a token nobody has.
+pub(super) fn start_stdio(images: ImageArgs) -> anyhow::Result<ExitCode> {
+    let args = StartArgs {
+        images,
+        dev: false,
+        listen: None,
+        token_file: None,
+        allowed_hosts: Vec::new(),
+        allowed_origins: Vec::new(),
+    };
+    let (manager, _lock, opts, listener) = prepare(args, Mode::Stdio)?;
+    let listener = listener.ok_or_else(|| anyhow::anyhow!("no listener for stdio mode"))?;
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    rt.block_on(server::serve_stdio(manager, opts, listener))?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// How the server's MCP sessions come.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// Over Streamable HTTP (`tine server start`).
+    Http,
+    /// One session on stdio (`tine mcp stdio`).
+    Stdio,
+}
+
+/// The configuration and flags merged, the data directory locked and the
+/// sandbox manager opened: the manager, the data directory's lock (held
+/// while the server runs) and the HTTP server's options. In
+/// [`Mode::Stdio`] the HTTP routes get a loopback port of the kernel's
+/// choice, bound here (the listener is returned) so that preview URLs
+/// name it, and a fresh random token; guests trust this host's CAs as
+/// under `--dev`.
+#[allow(clippy::type_complexity)]
+fn prepare(
+    args: StartArgs,
+    mode: Mode,
+) -> anyhow::Result<(
+    std::sync::Arc<tine_sandbox::Manager>,
+    std::fs::File,
+    server::ServeOptions,
+    Option<std::net::TcpListener>,
+)> {
+    let stdio = mode == Mode::Stdio;
     let mut r = resolve(&args.images)?;
-    // --dev guests trust what this host trusts (a TLS-inspecting proxy's
-    // CA, for one) unless the configuration says otherwise.
-    if args.dev && r.file.network.ca_certificates.is_empty() {
+    // --dev guests (and a stdio server's, a local user's) trust what this
+    // host trusts (a TLS-inspecting proxy's CA, for one) unless the
+    // configuration says otherwise.
+    if (args.dev || stdio) && r.file.network.ca_certificates.is_empty() {
         r.file.network.ca_certificates = vec![tine_sandbox::network::HOST_TRUST.into()];
     }
     // Registry credentials are read at each pull; a server checks them at
     // its start (the command line reads them when it pulls: a systemd
     // credential exists only while the service runs).
     r.file.images.check()?;
-    let listen = match args.listen.or(r.file.listen) {
-        Some(a) => a,
-        None => config::DEFAULT_LISTEN.parse()?,
+    let stdio_listener = match stdio {
+        true => Some(std::net::TcpListener::bind(("127.0.0.1", 0))?),
+        false => None,
     };
-    let token = if args.dev {
+    let listen = match (&stdio_listener, args.listen.or(r.file.listen)) {
+        (Some(l), _) => l.local_addr()?,
+        (None, Some(a)) => a,
+        (None, None) => config::DEFAULT_LISTEN.parse()?,
+    };
+    let token = if stdio {
+        // The session is the client's on stdio; /mcp serves nobody.
+        Some(auth::new_token()?)
+    } else if args.dev {
         if !listen.ip().is_loopback() {
             return Err(config::ConfigError::DevNotLoopback(listen).into());
         }
@@ -90,7 +152,7 @@ pub(super) fn start(args: StartArgs) -> anyhow::Result<ExitCode> {
         }
     }
     let peer_key = match (&r.file.cluster.peer_key_file, &token) {
-        (Some(f), Some(_)) => config::load_token(Some(f))?,
+        (Some(f), Some(_)) if !stdio => config::load_token(Some(f))?,
         _ => None,
     };
     let tenants_file = r.file.auth.tenants_file(&r.data_dir);
@@ -99,8 +161,8 @@ pub(super) fn start(args: StartArgs) -> anyhow::Result<ExitCode> {
         peer_key,
         tenants_file: tenants_file.clone(),
         default_quota: r.file.limits.tenant.clone(),
-        // --dev has no authentication: no OAuth either.
-        oauth: token.as_ref().and(r.file.auth.oauth.clone()),
+        // --dev has no authentication: no OAuth either (nor stdio).
+        oauth: token.as_ref().filter(|_| !stdio).and(r.file.auth.oauth.clone()),
     })?);
     if !auth.required() && auth.roster().names().next().is_some() {
         tracing::warn!("--dev: no authentication, the tenants in {} are not used", tenants_file.display());
@@ -155,7 +217,7 @@ pub(super) fn start(args: StartArgs) -> anyhow::Result<ExitCode> {
             "none (--dev)".into()
         }
     );
-    let forms = crate::preview::UrlForms::new(&r.file.preview, args.dev, listen);
+    let forms = crate::preview::UrlForms::new(&r.file.preview, args.dev || stdio, listen);
     let previews = crate::preview::Previews::open(&r.data_dir, r.file.preview.clone(), forms, cluster.host())?;
     for peer in cluster.named_peers() {
         if crate::preview::store::host_tag(peer) == previews.store.tag() {
@@ -205,9 +267,7 @@ pub(super) fn start(args: StartArgs) -> anyhow::Result<ExitCode> {
         toolset: crate::mcp::toolsets::Toolset::parse(&r.file.mcp.tools)
             .map_err(|e| anyhow::anyhow!("[mcp] tools: {e}"))?,
     };
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    rt.block_on(server::serve(manager, opts))?;
-    Ok(ExitCode::SUCCESS)
+    Ok((manager, _lock, opts, stdio_listener))
 }
 
 /// A duration of `configured` seconds (at least 1), else `default`.

@@ -1,5 +1,7 @@
 //! `tine template build|list`: the templates of a data directory, offline
-//! (the server must not be running on it).
+//! (the server must not be running on it); `tine template ls|rm`: the
+//! templates of a running server, over MCP (`template_list`,
+//! `template_delete`), as `tine sandbox` reaches it.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -8,6 +10,7 @@ use clap::{Args, Subcommand};
 use vmm::HostProfile;
 
 use super::manager::open_manager;
+use super::remote::{human_bytes, number, print_json, table, text, utc_time, RemoteArgs, RemoteError, Session};
 use super::{resolve, ImageArgs};
 
 // `tine template ...`.
@@ -19,8 +22,21 @@ pub(super) enum TemplateCommand {
     /// template from an OCI image (README "Base images from OCI images").
     /// The server must not be running on the same data directory.
     Build(BuildArgs),
-    /// List the templates in the data directory.
+    /// List the templates in the data directory, offline (JSON).
     List(ImageArgs),
+    /// List the templates of a running server (template_list, over MCP).
+    Ls {
+        #[command(flatten)]
+        remote: RemoteArgs,
+    },
+    /// Delete a template on a running server (template_delete, over MCP);
+    /// sandboxes made from it keep running.
+    Rm {
+        /// The template's name.
+        name: String,
+        #[command(flatten)]
+        remote: RemoteArgs,
+    },
 }
 
 // `tine template build`'s flags.
@@ -42,11 +58,20 @@ pub(super) struct BuildArgs {
     name: Option<String>,
 }
 
-/// `tine template build` and `tine template list`.
+impl TemplateCommand {
+    /// Whether it talks to a running server (`ls`, `rm`).
+    pub(super) fn is_remote(&self) -> bool {
+        matches!(self, TemplateCommand::Ls { .. } | TemplateCommand::Rm { .. })
+    }
+}
+
+/// `tine template build`, `list`, `ls` and `rm`.
 pub(super) fn run(cmd: TemplateCommand) -> anyhow::Result<ExitCode> {
     let (args, build, recipe, image, name) = match cmd {
         TemplateCommand::Build(a) => (a.images, true, a.recipe, a.image, a.name),
         TemplateCommand::List(a) => (a, false, None, None, None),
+        TemplateCommand::Ls { remote } => return Ok(remote_ls(&remote).unwrap_or_else(|e| e.report())),
+        TemplateCommand::Rm { name, remote } => return Ok(remote_rm(&remote, &name).unwrap_or_else(|e| e.report())),
     };
     let mut recipe = match recipe {
         Some(path) => {
@@ -90,4 +115,72 @@ pub(super) fn run(cmd: TemplateCommand) -> anyhow::Result<ExitCode> {
         println!("{}", serde_json::to_string_pretty(&manager.templates())?);
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The table of `template_list`'s templates.
+fn template_table(templates: &[serde_json::Value]) -> String {
+    let rows: Vec<Vec<String>> = templates
+        .iter()
+        .map(|t| {
+            let state = match t.get("step").and_then(serde_json::Value::as_str) {
+                Some(step) => format!("{} ({step})", text(t, "state")),
+                None => text(t, "state").to_owned(),
+            };
+            let note = t.get("error").and_then(serde_json::Value::as_str).unwrap_or_default();
+            let origin = t.get("source_sandbox").and_then(serde_json::Value::as_str).unwrap_or("-");
+            vec![
+                text(t, "name").to_owned(),
+                state,
+                number(t, "vcpus").to_string(),
+                human_bytes(number(t, "memory_mib") << 20),
+                human_bytes(number(t, "disk_bytes")),
+                utc_time(number(t, "created_at_ms")),
+                origin.to_owned(),
+                note.lines().next().unwrap_or_default().to_owned(),
+            ]
+        })
+        .collect();
+    table(&["NAME", "STATE", "VCPUS", "MEMORY", "DISK", "CREATED (UTC)", "FROM", "ERROR"], &rows)
+}
+
+/// `tine template ls`.
+fn remote_ls(remote: &RemoteArgs) -> Result<ExitCode, RemoteError> {
+    let r = Session::open(remote)?.call("template_list", serde_json::json!({}))?;
+    if remote.json {
+        print_json(&r);
+    } else {
+        let templates = r.get("templates").and_then(serde_json::Value::as_array).cloned().unwrap_or_default();
+        print!("{}", template_table(&templates));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `tine template rm NAME`.
+fn remote_rm(remote: &RemoteArgs, name: &str) -> Result<ExitCode, RemoteError> {
+    let r = Session::open(remote)?.call("template_delete", serde_json::json!({ "name": name }))?;
+    if remote.json {
+        print_json(&r);
+    } else {
+        println!("deleted {name}");
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn template_tables_show_state_shape_and_errors() {
+        let t = template_table(&[
+            serde_json::json!({"name": "default", "state": "ready", "vcpus": 1, "memory_mib": 512,
+                "disk_bytes": 3 << 20, "created_at_ms": 0}),
+            serde_json::json!({"name": "py", "state": "failed", "vcpus": 2, "memory_mib": 1024,
+                "disk_bytes": 0, "created_at_ms": 0, "error": "step 2 exited 1\nmore"}),
+        ]);
+        let lines: Vec<&str> = t.lines().collect();
+        assert!(lines[0].starts_with("NAME") && lines[0].ends_with("ERROR"), "{t}");
+        assert!(lines[1].starts_with("default  ready ") && lines[1].contains("3.0 MiB"), "{t}");
+        assert!(lines[2].starts_with("py       failed") && lines[2].ends_with("step 2 exited 1"), "{t}");
+    }
 }

@@ -1,20 +1,19 @@
 //! Where a tool call runs, and forwarding it: a call naming another
 //! host's sandbox is made again on that host, over an MCP session this host
 //! keeps with it per caller, authenticated with the peer key and carrying
-//! the caller's tenant ([`crate::auth::TENANT_HEADER`]).
+//! the caller's tenant ([`crate::auth::TENANT_HEADER`]). The client is
+//! [`crate::mcp_client`]'s, as the command line's; a call cancelled here is
+//! cancelled on the peer too.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::http::{HeaderName, HeaderValue};
 use rmcp::model::{CallToolRequestParams, CallToolResult, JsonObject};
-use rmcp::service::RunningService;
-use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
-use rmcp::transport::StreamableHttpClientTransport;
-use rmcp::{RoleClient, ServiceExt};
+use tokio_util::sync::CancellationToken;
 
 use super::{host_of, named_ids, Cluster, ClusterError, FORWARDED_HEADER};
 use crate::auth::{Principal, TENANT_HEADER};
+use crate::mcp_client::{self, Client};
 
 /// Where a tool call runs.
 #[derive(Debug, PartialEq, Eq)]
@@ -80,21 +79,25 @@ impl Cluster {
 
     /// Calls `request` on peer `host` at `url` over this host's MCP
     /// session with it (made on first use, made again once if it broke),
-    /// marked as forwarded by this host.
+    /// marked as forwarded by this host. When `cancel` is cancelled (the
+    /// caller cancelled its request here), the peer is sent the
+    /// cancellation and the call ends.
     ///
     /// Errors: [`ClusterError::Peer`] when the peer cannot be reached or the
-    /// call fails at the protocol level (a tool error is a result).
+    /// call fails at the protocol level (a tool error is a result), or it
+    /// was cancelled.
     pub async fn forward(
         &self,
         host: &str,
         url: &str,
         request: CallToolRequestParams,
         caller: &Principal,
+        cancel: &CancellationToken,
     ) -> Result<CallToolResult, ClusterError> {
-        let result = self.forward_once((host, url), request.clone(), caller, false).await;
+        let result = self.forward_once((host, url), request.clone(), caller, false, cancel).await;
         let result = match result {
-            Err(_) => self.forward_once((host, url), request, caller, true).await,
-            ok => ok,
+            Err(_) if !cancel.is_cancelled() => self.forward_once((host, url), request, caller, true, cancel).await,
+            other => other,
         };
         self.forwarded.observe(&self.peer_label(host, result.is_ok()), result.is_ok());
         result.map_err(|reason| ClusterError::Peer { host: host.into(), url: url.into(), reason })
@@ -106,6 +109,7 @@ impl Cluster {
         request: CallToolRequestParams,
         caller: &Principal,
         reconnect: bool,
+        cancel: &CancellationToken,
     ) -> Result<CallToolResult, String> {
         let slot = {
             let mut clients = self.clients.lock().unwrap_or_else(|p| p.into_inner());
@@ -122,29 +126,20 @@ impl Cluster {
                 }
             }
         };
-        client.call_tool(request).await.map_err(|e| e.to_string())
+        mcp_client::call_tool(client.peer(), request, cancel.cancelled()).await.map_err(|e| e.to_string())
     }
 
     /// A new MCP session with the peer at `url`, acting for `caller`.
-    async fn connect(&self, url: &str, caller: &Principal) -> Result<RunningService<RoleClient, ()>, String> {
-        let mut config = StreamableHttpClientTransportConfig::with_uri(format!("{url}/mcp"));
-        if let Some(t) = &self.peer_key {
-            config = config.auth_header(t.clone());
-        }
-        let value = HeaderValue::from_str(&self.host).map_err(|e| e.to_string())?;
-        config.custom_headers.insert(HeaderName::from_static(FORWARDED_HEADER), value);
-        let tenant = HeaderValue::from_str(caller.name()).map_err(|e| e.to_string())?;
-        config.custom_headers.insert(HeaderName::from_static(TENANT_HEADER), tenant);
-        let transport = StreamableHttpClientTransport::with_client(self.http.clone(), config);
-        tokio::time::timeout(Duration::from_secs(30), ().serve(transport))
-            .await
-            .map_err(|_| "no MCP initialize answer within 30 s".to_string())?
-            .map_err(|e| e.to_string())
+    async fn connect(&self, url: &str, caller: &Principal) -> Result<Client, String> {
+        let headers = [(FORWARDED_HEADER, self.host.clone()), (TENANT_HEADER, caller.name().to_string())];
+        let config = mcp_client::transport_config(&format!("{url}/mcp"), self.peer_key.as_deref(), headers)
+            .map_err(|e| e.to_string())?;
+        mcp_client::connect(self.http.clone(), config, Duration::from_secs(30)).await.map_err(|e| e.to_string())
     }
 }
 
 /// This host's MCP session with one peer, made on first use.
-pub(super) type PeerClient = tokio::sync::Mutex<Option<Arc<RunningService<RoleClient, ()>>>>;
+pub(super) type PeerClient = tokio::sync::Mutex<Option<Arc<Client>>>;
 
 #[cfg(test)]
 mod tests {

@@ -237,6 +237,13 @@ impl TineMcp {
         }
     }
 
+    /// Ends the session now (a session served on stdio, whose handler
+    /// outlives its transport): the sandbox it made on first use is killed
+    /// and waited for.
+    pub async fn end_session(&self) {
+        self.session.end().await;
+    }
+
     /// Who this call acts as.
     fn caller(&self) -> Principal {
         self.principal.lock().unwrap_or_else(|p| p.into_inner()).clone()
@@ -446,7 +453,10 @@ impl ServerHandler for TineMcp {
                 self.tools.router.call(tcc).await
             }
             Ok(Route::Forward { host, url }) => Ok(CallToolResponse::Complete(
-                self.cluster.forward(&host, &url, request, &caller).await.unwrap_or_else(|e| refused(e.to_string())),
+                self.cluster
+                    .forward(&host, &url, request, &caller, &context.ct)
+                    .await
+                    .unwrap_or_else(|e| refused(e.to_string())),
             )),
             Err(message) => Ok(CallToolResponse::Complete(refused(message))),
         };

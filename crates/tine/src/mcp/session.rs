@@ -114,6 +114,18 @@ impl SessionSandbox {
     }
 }
 
+impl SessionSandbox {
+    /// The session ended: kills the sandbox it made on first use, if any,
+    /// and waits for that (the drop does it in the background).
+    pub async fn end(&self) {
+        let made = self.ids.lock().await.made.take();
+        if let Some(id) = made {
+            tracing::info!(sandbox = %id, "MCP session ended: killing the sandbox it made on first use");
+            let _ = self.manager.kill(&id).await;
+        }
+    }
+}
+
 impl Drop for SessionSandbox {
     fn drop(&mut self) {
         if let Some(id) = self.ids.get_mut().made.take() {

@@ -12,7 +12,7 @@ use rmcp::{tool, tool_router, Json, RoleServer};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use tine_protocol::{CellReply, ExecReply, ExitStatus, Output};
-use tine_sandbox::{ExecRequest, ProcessInfo};
+use tine_sandbox::{CallContext, ExecRequest, ProcessInfo};
 
 use super::common::{env_map, secs_to_ms};
 use crate::mcp::bounds::{
@@ -320,7 +320,7 @@ impl TineMcp {
     #[tool(
         description = "Run a bash command (or argv: a program without a shell) in the sandbox; returns \
                        exit_code, stdout and stderr (each cut at 32 KiB: truncated and stdout_bytes/stderr_bytes \
-                       say so). It is killed with its children at timeout_secs (default 60). For servers and long \
+                       say so). It is killed with its children at timeout_secs (default 60) or when the request is cancelled. For servers and long \
                        jobs use background: true: it returns a process_id at once (follow it with \
                        sandbox_process_wait, _output, _kill; its output keeps the last 256 KiB). The idle timeout \
                        counts tool calls, not running processes.",
@@ -345,7 +345,10 @@ impl TineMcp {
             timeout_ms,
             output_limit: 0,
         };
-        Reporter::around(&ctx, self.cx(), async |cx| {
+        // A cancelled request (`notifications/cancelled`, or the session's
+        // end) kills the command in the guest.
+        let base = CallContext { cancel: ctx.ct.clone(), ..self.cx() };
+        Reporter::around(&ctx, base, async |cx| {
             let id = self.target_with(p.sandbox_id, cx).await?;
             let r = self.manager.exec_with(&id, req, cx).await?;
             Ok(Json(ExecResult::new(id, r)))
