@@ -34,6 +34,7 @@ mod config;
 mod files_url;
 mod mcp;
 mod mcp_client;
+mod mcp_seed;
 mod metrics;
 mod port_forward;
 mod preview;

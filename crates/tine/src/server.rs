@@ -299,8 +299,21 @@ fn router_and_shared(
     };
     let owners = SessionOwners::new(sessions.clone());
     let for_sessions = shared.clone();
-    let mcp = StreamableHttpService::new(move || Ok(TineMcp::new(&for_sessions)), sessions.clone(), mcp_config);
-    let mcp_router = Router::new()
+    let mcp = StreamableHttpService::new(move || Ok(TineMcp::new(&for_sessions)), sessions.clone(), mcp_config.clone());
+    let mut mcp_router = Router::new();
+    for seed in crate::mcp_seed::seeds() {
+        let for_seed = shared.clone();
+        let tools = crate::mcp_seed::SeedMcp::tools_of(seed);
+        mcp_router = mcp_router.route_service(
+            &format!("/mcp/{}", seed.name()),
+            StreamableHttpService::new(
+                move || Ok(crate::mcp_seed::SeedMcp::new(&for_seed, seed, tools.clone())),
+                sessions.clone(),
+                mcp_config.clone(),
+            ),
+        );
+    }
+    let mcp_router = mcp_router
         .nest_service("/mcp", mcp)
         .layer(axum::middleware::from_fn(delete_answers_200))
         .layer(axum::middleware::from_fn_with_state(owners, crate::auth::sessions::bind))

@@ -388,31 +388,15 @@ fn own_names(caller: &Principal, mut r: CallToolResult) -> CallToolResult {
     r
 }
 
-#[tool_handler(router = self.tools.router)]
-impl ServerHandler for TineMcp {
-    /// `tools/list`: the connection's toolset ([`toolsets`]: `?tools=`, the
-    /// `X-Tine-Tools` header, else the server's `[mcp] tools`).
-    async fn list_tools(
-        &self,
-        _request: Option<rmcp::model::PaginatedRequestParams>,
-        context: RequestContext<RoleServer>,
-    ) -> Result<rmcp::model::ListToolsResult, ErrorData> {
-        let parts = context.extensions.get::<axum::http::request::Parts>();
-        let set = toolsets::Toolset::of_request(parts, &self.tools.default)
-            .map_err(|e| ErrorData::invalid_params(e.to_string(), None))?;
-        Ok(rmcp::model::ListToolsResult::with_all_items(self.tools.listed(&set)))
-    }
-
-    /// Checks the arguments against the tool's input schema
-    /// ([`bounds::ArgCheck`]: a call out of bounds is refused before any
-    /// work, here or on a peer), runs the tool here, or on the host its ids
-    /// name ([`Cluster::route`]), then [`budget::guard`]: a result over
-    /// the budget is replaced by an error, never sent. Counted and timed in
-    /// the metrics.
-    async fn call_tool(
+impl TineMcp {
+    /// A `tools/call` as [`ServerHandler::call_tool`] makes it, in the
+    /// connection's toolset, or in `toolset` when given (a seed endpoint's
+    /// native calls, [`crate::mcp_seed`], use [`toolsets::Toolset::full`]).
+    pub(crate) async fn call(
         &self,
         mut request: CallToolRequestParams,
         context: RequestContext<RoleServer>,
+        toolset: Option<toolsets::Toolset>,
     ) -> Result<CallToolResponse, ErrorData> {
         let tool = request.name.clone();
         let started = Instant::now();
@@ -428,7 +412,10 @@ impl ServerHandler for TineMcp {
             toolsets::maps_from_pairs(args);
             self.resolve_names(args, &caller);
         }
-        let set = toolsets::Toolset::of_request(parts, &self.tools.default);
+        let set = match toolset {
+            Some(set) => Ok(set),
+            None => toolsets::Toolset::of_request(parts, &self.tools.default),
+        };
         let outside = match &set {
             Ok(set) if self.tools.router.map.contains_key(tool.as_ref()) && !set.has(&tool) => Some(format!(
                 "{tool} is not in this connection's toolset ({}): connect to /mcp?tools=full, or add the group that has it",
@@ -476,6 +463,36 @@ impl ServerHandler for TineMcp {
         self.metrics.tool_call(label, caller.name(), elapsed, ok);
         response
     }
+}
+
+#[tool_handler(router = self.tools.router)]
+impl ServerHandler for TineMcp {
+    /// `tools/list`: the connection's toolset ([`toolsets`]: `?tools=`, the
+    /// `X-Tine-Tools` header, else the server's `[mcp] tools`).
+    async fn list_tools(
+        &self,
+        _request: Option<rmcp::model::PaginatedRequestParams>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<rmcp::model::ListToolsResult, ErrorData> {
+        let parts = context.extensions.get::<axum::http::request::Parts>();
+        let set = toolsets::Toolset::of_request(parts, &self.tools.default)
+            .map_err(|e| ErrorData::invalid_params(e.to_string(), None))?;
+        Ok(rmcp::model::ListToolsResult::with_all_items(self.tools.listed(&set)))
+    }
+
+    /// Checks the arguments against the tool's input schema
+    /// ([`bounds::ArgCheck`]: a call out of bounds is refused before any
+    /// work, here or on a peer), runs the tool here, or on the host its ids
+    /// name ([`Cluster::route`]), then [`budget::guard`]: a result over
+    /// the budget is replaced by an error, never sent. Counted and timed in
+    /// the metrics.
+    async fn call_tool(
+        &self,
+        request: CallToolRequestParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResponse, ErrorData> {
+        self.call(request, context, None).await
+    }
 
     /// The session is ready: sandbox events start flowing to it as log
     /// messages ([`logging`]).
@@ -494,7 +511,6 @@ impl ServerHandler for TineMcp {
         self.log.start(ctx.peer.clone(), self.manager.subscribe_events());
         Ok(())
     }
-
     #[allow(deprecated)]
     fn get_info(&self) -> ServerConfig {
         ServerConfig::new(ServerCapabilities::builder().enable_logging().enable_tools().build())

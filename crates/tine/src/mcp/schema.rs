@@ -154,6 +154,33 @@ fn tighten(schema: &mut Map<String, Value>, key: &str, bound: i64, keeps: impl F
     }
 }
 
+/// Puts each local reference's target (`{"$ref": "#/$defs/NAME"}`) in its
+/// place, the referring schema's own keywords winning, and drops `$defs`:
+/// strict-schema converters refuse a `$ref` they did not resolve (the
+/// OpenAI Agents SDK's `MCPUtil.to_function_tool`, whose strict mode then
+/// falls back to a loose schema). A reference within its own expansion
+/// (a recursive type) is left as it is.
+pub fn inline_refs(schema: &mut Map<String, Value>) {
+    let Some(Value::Object(defs)) = schema.remove("$defs") else { return };
+    fn expand(s: &mut Map<String, Value>, defs: &Map<String, Value>, seen: &mut Vec<String>) {
+        if let Some(Value::String(r)) = s.get("$ref").cloned() {
+            let name = r.strip_prefix("#/$defs/").unwrap_or_default().to_string();
+            if let (Some(Value::Object(target)), false) = (defs.get(&name), seen.contains(&name)) {
+                s.remove("$ref");
+                for (k, v) in target {
+                    s.entry(k.clone()).or_insert_with(|| v.clone());
+                }
+                seen.push(name);
+                expand(s, defs, seen);
+                seen.pop();
+                return;
+            }
+        }
+        for_each_subschema(s, &mut |sub| expand(sub, defs, seen));
+    }
+    expand(schema, &defs, &mut Vec::new());
+}
+
 /// Calls `f` on each direct subschema of `schema` that is an object.
 pub fn for_each_subschema(schema: &mut Map<String, Value>, f: &mut impl FnMut(&mut Map<String, Value>)) {
     for (k, v) in schema.iter_mut() {

@@ -201,6 +201,7 @@ impl Toolset {
 /// as arrays of `{ "name", "value" }`, each bounded as the map was.
 pub fn with_pairs(schema: &JsonObject) -> Arc<JsonObject> {
     let mut schema = schema.clone();
+    super::schema::inline_refs(&mut schema);
     if let Some(Value::Object(props)) = schema.get_mut("properties") {
         for name in MAP_ARGUMENTS {
             let Some(Value::Object(map)) = props.get(name) else { continue };

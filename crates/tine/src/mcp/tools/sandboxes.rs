@@ -176,9 +176,9 @@ pub struct BranchParams {
 /// `sandbox_diff`.
 #[derive(Debug, Deserialize, JsonSchema)]
 pub struct DiffParams {
-    /// One sandbox ("before").
+    /// One sandbox ("before"; default: this session's own sandbox).
     #[schemars(length(max = MAX_ID_CHARS))]
-    pub a: String,
+    pub a: Option<String>,
     /// The other ("after").
     #[schemars(length(max = MAX_ID_CHARS))]
     pub b: String,
@@ -199,9 +199,10 @@ pub struct MergeParams {
     /// from parent. Its id ceases to exist.
     #[schemars(length(max = MAX_ID_CHARS))]
     pub winner: String,
-    /// The sandbox that takes the winner's state and keeps its own id.
+    /// The sandbox that takes the winner's state and keeps its own id
+    /// (default: this session's own sandbox).
     #[schemars(length(max = MAX_ID_CHARS))]
-    pub parent: String,
+    pub parent: Option<String>,
 }
 
 /// Tools that only need the sandbox.
@@ -560,9 +561,9 @@ impl TineMcp {
         if let Some(max) = p.max_text_bytes {
             opts.max_text_bytes = max;
         }
-        self.watch(&p.a);
+        let a = self.target(p.a).await?;
         self.watch(&p.b);
-        let report: DiffReport = self.manager.diff(&p.a, &p.b, opts).await?;
+        let report: DiffReport = self.manager.diff(&a, &p.b, opts).await?;
         Ok(Json(DiffResult::new(report, budget::CONTENT_BUDGET)))
     }
 
@@ -579,9 +580,9 @@ impl TineMcp {
         )
     )]
     async fn sandbox_merge_into(&self, Parameters(p): Parameters<MergeParams>) -> Result<Json<SandboxInfo>, ToolError> {
-        self.watch(&p.parent);
-        let info = self.manager.merge_into(&p.winner, &p.parent).await?;
-        self.session.merged(&p.winner, &p.parent).await;
+        let parent = self.target(p.parent).await?;
+        let info = self.manager.merge_into(&p.winner, &parent).await?;
+        self.session.merged(&p.winner, &parent).await;
         Ok(Json(info))
     }
 }
