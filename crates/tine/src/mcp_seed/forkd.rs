@@ -17,8 +17,10 @@ use super::{field, parse, tool, Answer, NativeCall, Seed, SeedError, Step};
 /// The endpoint.
 pub struct Forkd;
 
-/// Tools without arguments.
+/// Tools without arguments (none others taken: strict converters want
+/// `additionalProperties: false`).
 #[derive(Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
 pub struct NoArgs {}
 
 /// `create_snapshot`.
@@ -284,9 +286,8 @@ impl Seed for Forkd {
             "branch_sandbox" => {
                 let a: Branch = parse(name, args)?;
                 let tag = a.tag.unwrap_or_else(|| {
-                    let ms = std::time::SystemTime::now()
-                        .duration_since(std::time::UNIX_EPOCH)
-                        .map_or(0, |d| d.as_millis());
+                    let ms =
+                        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis());
                     format!("{}-{ms}", a.sandbox_id.to_ascii_lowercase())
                 });
                 NativeCall::new("sandbox_snapshot", json!({ "sandbox_id": a.sandbox_id, "name": tag }))
@@ -384,9 +385,7 @@ impl Seed for Forkd {
                 let elapsed: u64 = words.next().and_then(|w| w.parse().ok()).unwrap_or_default();
                 done(json!({ "found": found, "elapsed_ms": elapsed, "last_excerpt": tail }))
             }
-            "ping_sandbox" => {
-                done(json!({ "pong": native["exit_code"] == 0, "sandbox_id": native["sandbox_id"] }))
-            }
+            "ping_sandbox" => done(json!({ "pong": native["exit_code"] == 0, "sandbox_id": native["sandbox_id"] })),
             "kill_sandbox" => done(json!({ "id": args["sandbox_id"], "killed": native["killed"] })),
             other => Err(SeedError::UnknownTool(other.to_string())),
         }

@@ -399,9 +399,8 @@ mod tests {
         assert_eq!(cmd, NativeCall::new("sandbox_exec", json!({"sandbox_id": "s", "argv": ["ls", "-la", "/"]})));
         let e = m.plan("sandbox_run_code", json!({"sandbox": "s", "code": "", "language": "ruby"})).unwrap_err();
         assert!(e.to_string().contains("Unsupported language: ruby"), "{e}");
-        let e = m
-            .plan("sandbox_start", json!({"sandbox": "s", "config": {"volumes": ["/home/me:/data"]}}))
-            .unwrap_err();
+        let e =
+            m.plan("sandbox_start", json!({"sandbox": "s", "config": {"volumes": ["/home/me:/data"]}})).unwrap_err();
         assert!(e.to_string().contains("volume_create"), "{e}");
         assert!(m.plan("sandbox_start", json!({"namespace": "x"})).is_err(), "sandbox is required");
     }
@@ -409,9 +408,7 @@ mod tests {
     #[test]
     fn output_lines_keep_their_stream() {
         let native = json!({"stdout": "a\nb\n", "stderr": "oops\n", "exit_code": null});
-        let Step::Done(a) = Microsandbox
-            .answer("sandbox_run_command", &json!({"command": "x"}), 0, native)
-            .unwrap()
+        let Step::Done(a) = Microsandbox.answer("sandbox_run_command", &json!({"command": "x"}), 0, native).unwrap()
         else {
             panic!("one step")
         };

@@ -27,8 +27,8 @@ pub mod superserve;
 use std::sync::{Arc, OnceLock};
 
 use rmcp::model::{
-    CallToolRequestParams, CallToolResponse, CallToolResult, ContentBlock, Implementation, JsonObject,
-    ListToolsResult, PaginatedRequestParams, ServerCapabilities, ServerConfig, Tool,
+    CallToolRequestParams, CallToolResponse, CallToolResult, ContentBlock, Implementation, JsonObject, ListToolsResult,
+    PaginatedRequestParams, ServerCapabilities, ServerConfig, Tool,
 };
 use rmcp::service::{NotificationContext, RequestContext};
 use rmcp::{ErrorData, RoleServer, ServerHandler};
@@ -166,18 +166,35 @@ pub fn seeds() -> [&'static dyn Seed; 4] {
     [&microsandbox::Microsandbox, &podflare::Podflare, &forkd::Forkd, &superserve::Superserve]
 }
 
-/// Parses a seed tool's arguments.
+/// Parses a seed tool's arguments. A `null` member of an object is taken as
+/// absent: strict-schema clients (the OpenAI Agents SDK's strict mode)
+/// send every property, `null` for those the model leaves out.
 ///
 /// Errors: [`SeedError::Arguments`].
-pub fn parse<T: DeserializeOwned>(tool: &str, args: Value) -> Result<T, SeedError> {
+pub fn parse<T: DeserializeOwned>(tool: &str, mut args: Value) -> Result<T, SeedError> {
+    drop_nulls(&mut args);
     serde_json::from_value(args).map_err(|e| SeedError::Arguments { tool: tool.to_string(), why: e.to_string() })
 }
 
+/// Removes the `null` members of every object in `v`.
+fn drop_nulls(v: &mut Value) {
+    match v {
+        Value::Object(m) => {
+            m.retain(|_, v| !v.is_null());
+            m.values_mut().for_each(drop_nulls);
+        }
+        Value::Array(a) => a.iter_mut().for_each(drop_nulls),
+        _ => {}
+    }
+}
+
 /// A tool for a seed's list: its input schema from `T` (schemars, then
-/// standard JSON Schema, [`crate::mcp::schema::standardize`]).
+/// standard JSON Schema, [`crate::mcp::schema::standardize`], references
+/// inlined for strict-schema converters, [`crate::mcp::schema::inline_refs`]).
 pub fn tool<T: schemars::JsonSchema + 'static>(name: &'static str, description: &'static str) -> Tool {
     let mut schema = rmcp::handler::server::common::schema_for_type::<T>().as_ref().clone();
     crate::mcp::schema::standardize(&mut schema);
+    crate::mcp::schema::inline_refs(&mut schema);
     Tool::new(name, description, Arc::new(schema))
 }
 
@@ -253,7 +270,8 @@ impl ServerHandler for SeedMcp {
         context: RequestContext<RoleServer>,
     ) -> Result<CallToolResponse, ErrorData> {
         let tool = request.name.to_string();
-        let args = Value::Object(request.arguments.clone().unwrap_or_default());
+        let mut args = Value::Object(request.arguments.clone().unwrap_or_default());
+        drop_nulls(&mut args);
         let plan = match self.seed.plan(&tool, args.clone()) {
             Ok(plan) => plan,
             Err(e) => return Ok(refused(e.to_string())),
@@ -305,5 +323,34 @@ impl ServerHandler for SeedMcp {
                 env!("CARGO_PKG_VERSION"),
             ))
             .with_instructions(self.seed.instructions())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every seed tool's input schema is standard JSON Schema (what the
+    /// TypeScript SDK's Ajv and the Python SDK read without a warning),
+    /// its tools are named once, and each plans its own documented call
+    /// name (no seed tool falls through to "unknown").
+    #[test]
+    fn seed_schemas_are_standard_and_every_tool_is_mapped() {
+        for seed in seeds() {
+            let tools = seed.tools();
+            let mut names: Vec<&str> = tools.iter().map(|t| t.name.as_ref()).collect();
+            names.sort();
+            names.dedup();
+            assert_eq!(names.len(), tools.len(), "{}: a tool named twice", seed.name());
+            for t in &tools {
+                let found = crate::mcp::schema::nonstandard(&t.input_schema, &format!("{}/{}", seed.name(), t.name));
+                assert!(found.is_empty(), "{found:?}");
+                if std::env::var_os("TINE_DUMP_SEED_SCHEMAS").is_some() {
+                    println!("SCHEMA {} {} {}", seed.name(), t.name, Value::Object(JsonObject::clone(&t.input_schema)));
+                }
+                let e = seed.plan(&t.name, Value::Object(JsonObject::new()));
+                assert!(!matches!(e, Err(SeedError::UnknownTool(_))), "{}/{} is not mapped", seed.name(), t.name);
+            }
+        }
     }
 }

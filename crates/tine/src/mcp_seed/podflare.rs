@@ -162,11 +162,17 @@ impl Seed for Podflare {
             }
             "upload" => {
                 let a: Upload = parse(name, args)?;
-                NativeCall::new("sandbox_upload", json!({ "sandbox_id": a.sandbox_id, "path": a.path, "data_base64": a.content }))
+                NativeCall::new(
+                    "sandbox_upload",
+                    json!({ "sandbox_id": a.sandbox_id, "path": a.path, "data_base64": a.content }),
+                )
             }
             "download" => {
                 let a: Download = parse(name, args)?;
-                NativeCall::new("sandbox_download", json!({ "sandbox_id": a.sandbox_id, "path": a.path, "offset": a.offset }))
+                NativeCall::new(
+                    "sandbox_download",
+                    json!({ "sandbox_id": a.sandbox_id, "path": a.path, "offset": a.offset }),
+                )
             }
             other => return Err(SeedError::UnknownTool(other.to_string())),
         })
@@ -204,7 +210,9 @@ impl Seed for Podflare {
                 done(Value::Array(children))
             }
             "diff" => {
-                let report = field(name, &native, "report")?;
+                // The report's lists are at the top of the native result.
+                let report = native.get("report").unwrap_or(&native);
+                field(name, report, "added")?;
                 let paths = |k: &str| -> Vec<Value> {
                     report[k].as_array().into_iter().flatten().map(|c| c["path"].clone()).collect()
                 };

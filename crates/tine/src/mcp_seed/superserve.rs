@@ -269,8 +269,10 @@ pub struct TemplateCreate {
     pub ready_cmd: Option<String>,
 }
 
-/// Tools without arguments.
+/// Tools without arguments (none others taken: strict converters want
+/// `additionalProperties: false`).
 #[derive(Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
 pub struct NoArgs {}
 
 /// `sandbox_attach_secret`.
@@ -315,10 +317,10 @@ fn status(state: &Value) -> &'static str {
 /// RFC 3339 from ms since the Unix epoch.
 fn iso(ms: &Value) -> Value {
     match ms.as_u64() {
-        Some(ms) => json!(humantime::format_rfc3339_millis(
-            std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms)
-        )
-        .to_string()),
+        Some(ms) => {
+            json!(humantime::format_rfc3339_millis(std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms))
+                .to_string())
+        }
         None => Value::Null,
     }
 }
@@ -412,7 +414,8 @@ const CREATE: &str = "Create a sandbox (a Linux microVM; from_template or from_s
     environment, allow_out/deny_out set its egress (deny_out [\"0.0.0.0/0\"] with allow_out: an allowlist), \
     timeout_seconds its idle timeout. Returns {id, name, status}.";
 const UPDATE: &str = "Change a sandbox's metadata, egress (allow_out/deny_out) or idle timeout (timeout_seconds).";
-const LIST: &str = "List sandboxes, optionally those with all of metadata: {sandboxes: [{id, name, status, metadata}]}.";
+const LIST: &str =
+    "List sandboxes, optionally those with all of metadata: {sandboxes: [{id, name, status, metadata}]}.";
 const INFO: &str = "One sandbox: id, name, status, vcpu_count, memory_mib, created_at, metadata, timeout_seconds, \
     network, secrets.";
 const EXEC: &str = "Run a shell command in a sandbox: {stdout, stderr, exit_code, truncated} (each stream cut at \
@@ -489,8 +492,8 @@ impl Seed for Superserve {
                 if a.preview_access.as_deref().is_some_and(|p| p != "public") {
                     return Err(unsupported("preview_access: only \"public\" preview URLs are made here"));
                 }
-                let network = (!a.allow_out.is_empty() || !a.deny_out.is_empty())
-                    .then(|| policy(&a.allow_out, &a.deny_out));
+                let network =
+                    (!a.allow_out.is_empty() || !a.deny_out.is_empty()).then(|| policy(&a.allow_out, &a.deny_out));
                 NativeCall::new(
                     "sandbox_create",
                     json!({
@@ -614,7 +617,9 @@ impl Seed for Superserve {
         let id = || args["sandbox_id"].clone();
         match name {
             "sandbox_create" => {
-                let info = field(name, &native, "info")?;
+                // The first sandbox's info is at the top of the native result.
+                let info = native.get("info").unwrap_or(&native);
+                field(name, info, "sandbox_id")?;
                 let st = status(&info["state"]);
                 done(
                     format!("created sandbox {} ({}), status {st}", info["sandbox_id"], info["name"]),
@@ -706,8 +711,8 @@ impl Seed for Superserve {
             "sandbox_files_download_dir" => {
                 let path = field(name, &native, "path")?.clone();
                 if let Some(data) = native["data_base64"].as_str() {
-                    let (content, bytes) = zip_of_tar_gz(data)
-                        .map_err(|why| SeedError::Unsupported { tool: name.to_string(), why })?;
+                    let (content, bytes) =
+                        zip_of_tar_gz(data).map_err(|why| SeedError::Unsupported { tool: name.to_string(), why })?;
                     done(
                         format!("downloaded {path} as a zip ({bytes} bytes; base64 in structured content)"),
                         json!({ "path": path, "format": "zip", "encoding": "base64", "bytes": bytes,
@@ -806,10 +811,9 @@ impl Seed for Superserve {
                 format!("attached {} as {}", args["secret_name"], args["env_key"]),
                 json!({ "sandbox_id": id(), "env_key": args["env_key"], "secret_name": args["secret_name"] }),
             ),
-            "sandbox_detach_secret" => done(
-                format!("detached {}", args["env_key"]),
-                json!({ "sandbox_id": id(), "env_key": args["env_key"] }),
-            ),
+            "sandbox_detach_secret" => {
+                done(format!("detached {}", args["env_key"]), json!({ "sandbox_id": id(), "env_key": args["env_key"] }))
+            }
             other => Err(SeedError::UnknownTool(other.to_string())),
         }
     }

@@ -743,3 +743,117 @@ async fn tools_list_serves_the_connection_toolset_and_core_fits_its_budget() {
     let answer = rpc_answer(send(&app, req).await, 7).await;
     assert!(answer["error"]["message"].as_str().unwrap_or_default().contains("toolset \"nope\""), "{answer}");
 }
+
+/// `tine_tool_calls_total` by tool (every tenant and outcome), from
+/// `/metrics`.
+async fn tool_calls(app: &axum::Router) -> std::collections::BTreeMap<String, u64> {
+    let req = Request::get("/metrics")
+        .header(header::HOST, "localhost")
+        .header(header::AUTHORIZATION, bearer(TOKEN))
+        .body(Body::empty())
+        .unwrap();
+    let body = axum::body::to_bytes(send(app, req).await.into_body(), 1 << 22).await.unwrap();
+    let mut calls = std::collections::BTreeMap::new();
+    for line in String::from_utf8_lossy(&body).lines() {
+        let Some(rest) = line.strip_prefix("tine_tool_calls_total{tool=\"") else { continue };
+        let (tool, rest) = rest.split_once('"').unwrap();
+        let n: u64 = rest.rsplit(' ').next().unwrap().parse().unwrap();
+        *calls.entry(tool.to_string()).or_default() += n;
+    }
+    calls
+}
+
+/// The contract of the seed endpoints (`crate::mcp_seed`): a seed call is
+/// the native calls its plan names, made through the native handler (so
+/// with its checks, metrics and audit), and nothing else: for each seed's
+/// documented calls, the server's count of native tool calls grows by
+/// exactly the plan's calls, and the seed's own tool name is never counted
+/// as a native one. (The planned arguments are checked in each seed's unit
+/// tests; the guest's answers in tests/seeds.rs.) This server has no
+/// guest images, so the native calls fail past the seed layer, which the
+/// contract does not depend on; a multi-step call stops at its first
+/// failed step.
+#[tokio::test]
+async fn seed_calls_are_the_native_calls_they_map_to() {
+    use crate::mcp_seed::seeds;
+    let dir = tempfile::tempdir().unwrap();
+    let app = app(&dir, Some(TOKEN));
+    let examples: &[(&str, &str, serde_json::Value, &[&str])] = &[
+        (
+            "microsandbox",
+            "sandbox_start",
+            serde_json::json!({"sandbox": "py", "namespace": "default", "config": {"image": "microsandbox/python"}}),
+            &["sandbox_create"],
+        ),
+        (
+            "microsandbox",
+            "sandbox_run_code",
+            serde_json::json!({"sandbox": "py", "namespace": "default", "code": "1", "language": "python"}),
+            &["sandbox_run_code"],
+        ),
+        (
+            "microsandbox",
+            "sandbox_run_command",
+            serde_json::json!({"sandbox": "py", "namespace": "default", "command": "ls", "args": ["/"]}),
+            &["sandbox_exec"],
+        ),
+        ("microsandbox", "sandbox_get_metrics", serde_json::json!({"namespace": "default"}), &["sandbox_list"]),
+        (
+            "microsandbox",
+            "sandbox_stop",
+            serde_json::json!({"sandbox": "py", "namespace": "default"}),
+            &["sandbox_kill"],
+        ),
+        ("podflare", "fork", serde_json::json!({"n": 2}), &["sandbox_branch"]),
+        ("podflare", "merge_into", serde_json::json!({"winner": "sb-x"}), &["sandbox_merge_into"]),
+        ("forkd", "spawn_sandboxes", serde_json::json!({"snapshot_tag": "default", "n": 2}), &["sandbox_create"]),
+        ("forkd", "list_snapshots", serde_json::json!({}), &["template_list"]),
+        ("forkd", "kill_sandbox", serde_json::json!({"sandbox_id": "sb-x"}), &["sandbox_kill"]),
+        ("superserve", "sandbox_list", serde_json::json!({"metadata": {"team": "a"}}), &["sandbox_list"]),
+        ("superserve", "sandbox_template_list", serde_json::json!({}), &["template_list"]),
+        (
+            "superserve",
+            "sandbox_attach_secret",
+            serde_json::json!({"sandbox_id": "sb-x", "env_key": "K", "secret_name": "s"}),
+            &["sandbox_info"],
+        ),
+    ];
+    for seed in seeds() {
+        let path = format!("/mcp/{}", seed.name());
+        let mut init = post("localhost", Some(&bearer(TOKEN)), initialize());
+        *init.uri_mut() = path.parse().unwrap();
+        let r = send(&app, init).await;
+        assert_eq!(r.status(), StatusCode::OK, "{path}");
+        let session = r.headers().get("mcp-session-id").expect("a session").clone();
+        let listed = {
+            let mut req = in_session(&session, serde_json::json!({"jsonrpc": "2.0", "id": 2, "method": "tools/list"}));
+            *req.uri_mut() = path.parse().unwrap();
+            rpc_answer(send(&app, req).await, 2).await
+        };
+        let names: Vec<&str> =
+            listed["result"]["tools"].as_array().unwrap().iter().map(|t| t["name"].as_str().unwrap()).collect();
+        let mine = seed.tools();
+        assert_eq!(names, mine.iter().map(|t| t.name.as_ref()).collect::<Vec<_>>(), "{path} lists its tools");
+        for (_, tool, args, native) in examples.iter().filter(|e| e.0 == seed.name()) {
+            let plan = seed.plan(tool, args.clone()).unwrap_or_else(|e| panic!("{tool}: {e}"));
+            assert_eq!(plan.tool, native[0], "{path} {tool}: the plan's first call");
+            let before = tool_calls(&app).await;
+            let call = serde_json::json!({"jsonrpc": "2.0", "id": 3, "method": "tools/call",
+                                          "params": {"name": tool, "arguments": args}});
+            let mut req = in_session(&session, call);
+            *req.uri_mut() = path.parse().unwrap();
+            let answer = rpc_answer(send(&app, req).await, 3).await;
+            assert!(answer.get("result").is_some(), "{path} {tool}: {answer}");
+            let after = tool_calls(&app).await;
+            let mut grown: Vec<String> = Vec::new();
+            for (t, n) in &after {
+                for _ in before.get(t).copied().unwrap_or(0)..*n {
+                    grown.push(t.clone());
+                }
+            }
+            let mut want: Vec<String> = native.iter().map(|s| s.to_string()).collect();
+            want.sort();
+            assert_eq!(grown, want, "{path} {tool}: the native calls made ({answer})");
+        }
+    }
+}
