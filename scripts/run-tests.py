@@ -64,6 +64,10 @@ EXPECTED_SECONDS = {
     # with the run's default template copied in, 98 s beside tine::mcp; its
     # longest test is the 4 MiB cp each way (about 40 s of guest work).
     "tine::cli": 90,
+    # Added 2026-12-02 (issue 36, the seed endpoints): 231 s alone with a
+    # cold default template (60 s of it); its longest test, superserve's,
+    # is about 90 s of guest work.
+    "tine::seeds": 170,
     "tine::default_template": 156,
     "tine::recipes": 143,
     "tine::extreme_arguments": 106,

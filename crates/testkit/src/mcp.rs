@@ -240,6 +240,15 @@ pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("bind a free port").port()
 }
 
+/// The server the tests of one test binary share
+/// ([`TineServer::shared`]).
+static SHARED: Mutex<Option<Arc<TineServer>>> = Mutex::new(None);
+
+extern "C" fn stop_shared() {
+    let server = SHARED.lock().unwrap_or_else(|p| p.into_inner()).take();
+    drop(server);
+}
+
 impl TineServer {
     /// Starts `binary server start` with a fresh data directory, the test
     /// kernel and rootfs, and `config` (TOML) as its configuration file;
@@ -276,6 +285,26 @@ impl TineServer {
     /// another server copies it.
     pub fn start_with_default_template(binary: &Path, token: Option<&str>, config: &str) -> TineServer {
         Self::start_with_default_template_on(binary, token, config, free_port())
+    }
+
+    /// The `--dev` server with the default template that every test of
+    /// this test binary shares: started by the first that asks
+    /// ([`TineServer::start_with_default_template`] with `config`, which
+    /// every caller passes the same), stopped when the binary exits (an
+    /// `atexit` handler: libtest has no teardown). Each test makes its own
+    /// sandboxes.
+    pub fn shared(binary: &Path, config: &str) -> Arc<TineServer> {
+        let mut slot = SHARED.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(s) = slot.as_ref() {
+            return s.clone();
+        }
+        let s = Arc::new(TineServer::start_with_default_template(binary, None, config));
+        // SAFETY: atexit(3) registers a function without arguments that
+        // runs once at the process's normal exit; `stop_shared` only
+        // touches Rust statics.
+        unsafe { libc::atexit(stop_shared) };
+        *slot = Some(s.clone());
+        s
     }
 
     /// [`TineServer::start_with_default_template`], listening on

@@ -8,7 +8,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
@@ -17,28 +17,9 @@ use testkit::mcp::{call, connect, python_sdk, typescript_sdk, TineServer};
 
 const CONFIG: &str = "[limits]\nboot_timeout_secs = 1200\n";
 
-/// The server the tests share: made by the first test that asks, stopped
-/// when the test binary exits (an `atexit` handler: libtest has no
-/// teardown).
-static SERVER: Mutex<Option<Arc<TineServer>>> = Mutex::new(None);
-
-extern "C" fn stop_server() {
-    let server = SERVER.lock().unwrap_or_else(|p| p.into_inner()).take();
-    drop(server);
-}
-
+/// The server the tests share ([`TineServer::shared`]).
 fn server() -> Arc<TineServer> {
-    let mut slot = SERVER.lock().unwrap_or_else(|p| p.into_inner());
-    if let Some(s) = slot.as_ref() {
-        return s.clone();
-    }
-    let s = Arc::new(TineServer::start_with_default_template(binary(), None, CONFIG));
-    // SAFETY: atexit(3) registers a function without arguments that runs
-    // once at the process's normal exit; `stop_server` only touches Rust
-    // statics.
-    unsafe { libc::atexit(stop_server) };
-    *slot = Some(s.clone());
-    s
+    TineServer::shared(binary(), CONFIG)
 }
 
 fn binary() -> &'static Path {
