@@ -138,6 +138,13 @@ fn record_of(sb: &Sandbox, pin: Option<String>, hibernated: Option<&Hibernated>)
         }
         None => lock(&sb.hibernation).clone(),
     };
+    // One lock at a time: guards taken inside the struct expression below
+    // would all be held to its end, in an order of their own (`info` takes
+    // `name` before these; the two deadlocked).
+    let volumes = lock(&sb.volumes).clone();
+    let ports = lock(&sb.ports).clone();
+    let secrets = lock(&sb.secrets).clone();
+    let name = lock(&sb.name).clone();
     let hibernation = hib.map(|h| HibernationRecord {
         dir: h.dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(),
         at_ms: h.at_ms,
@@ -165,10 +172,10 @@ fn record_of(sb: &Sandbox, pin: Option<String>, hibernated: Option<&Hibernated>)
         network: policy.as_ref().map(|c| c.policy().clone()),
         network_ceiling: policy.as_ref().and_then(|c| c.ceiling().map(|c| c.policy().clone())),
         hibernation,
-        volumes: lock(&sb.volumes).clone(),
-        ports: lock(&sb.ports).clone(),
-        secrets: lock(&sb.secrets).clone(),
-        name: lock(&sb.name).clone(),
+        volumes,
+        ports,
+        secrets,
+        name,
     }
 }
 

@@ -22,6 +22,13 @@
 //!
 //! `labels`, `idle_timeout`, `owner`, `handout`, `base`, `hibernation`,
 //! `pin` and the manager's `pool` are leaves: nothing else is taken while one is held.
+//! So are `net`, `name`, `tenant`, `volumes`, `ports`, `secrets` and
+//! `last_cpu`, but that a branch copies its source's `secrets` and
+//! `volumes` into its new child's (source first). A value built from
+//! several of them copies each out in a statement of its own: a guard taken
+//! inside a struct expression lives to the expression's end, so its locks
+//! would be held together in field order (`info` and a record written at
+//! the same time deadlocked that way).
 //!
 //! No lock is held across an `.await`; `vm` is not held while joining the
 //! monitor thread (which takes `vm` and `status` itself).
@@ -655,22 +662,38 @@ impl Sandbox {
     pub fn info(&self, usage: Option<Usage>) -> SandboxInfo {
         let hib = lock(&self.hibernation).clone();
         let policy = lock(&self.net).as_ref().map(|c| c.policy());
-        let st = lock(&self.status);
+        // One lock at a time: a guard taken inside the struct expression
+        // lives to its end, so several would be held at once in the
+        // expression's order (with `status`, and against `records::record_of`,
+        // which takes the same ones: the two deadlocked over `name`).
+        let name = lock(&self.name).clone();
+        let lineage = lock(&self.lineage).clone();
+        // The stored names (with the tenant) are the server's.
+        let volumes = lock(&self.volumes)
+            .iter()
+            .map(|v| crate::volumes::AttachedVolume { stored: String::new(), ..v.clone() })
+            .collect();
+        let ports = lock(&self.ports).clone();
+        let secrets = lock(&self.secrets).clone();
+        let (state, error, boot_ms) = {
+            let st = lock(&self.status);
+            (st.state, st.error.clone(), st.boot_ms)
+        };
         SandboxInfo {
             sandbox_id: self.id.clone(),
-            name: lock(&self.name).clone(),
+            name,
             tenant: self.tenant(),
-            state: st.state,
-            error: st.error.clone(),
+            state,
+            error,
             vcpus: self.vcpus,
             memory_mib: self.memory_mib,
             disk_mib: self.disk_mib,
             labels: self.labels(),
             template: self.template.clone(),
-            lineage: lock(&self.lineage).clone(),
+            lineage,
             created_at_ms: self.created_at_ms,
             uptime_ms: self.created.elapsed().as_millis() as u64,
-            boot_ms: st.boot_ms,
+            boot_ms,
             idle_timeout_secs: self.idle_timeout().as_secs(),
             idle_ms: self.idle().as_millis() as u64,
             network: policy.as_ref().map(|c| c.policy().clone()),
@@ -679,13 +702,9 @@ impl Sandbox {
             hibernated_at_ms: hib.as_ref().map(|h| h.at_ms),
             expires_at_ms: hib.as_ref().map(|h| h.expires_at_ms),
             usage,
-            // The stored names (with the tenant) are the server's.
-            volumes: lock(&self.volumes)
-                .iter()
-                .map(|v| crate::volumes::AttachedVolume { stored: String::new(), ..v.clone() })
-                .collect(),
-            ports: lock(&self.ports).clone(),
-            secrets: lock(&self.secrets).clone(),
+            volumes,
+            ports,
+            secrets,
         }
     }
 

@@ -1470,6 +1470,49 @@ async fn names_are_unique_per_tenant_and_resolve_like_ids() {
     assert_eq!(again.resolve(None, "primes"), None, "a kill frees the name");
 }
 
+/// A sandbox's info and its record, made at the same time on two threads,
+/// never wait for each other: each takes its sandbox's locks one at a time
+/// (they once held several to the end of a struct expression, in orders
+/// of their own, and a branch's children info beside their records hung
+/// the server). Hangs, and fails at the join's deadline, if that returns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn info_and_record_at_once_do_not_deadlock() {
+    let s = setup(limits(2));
+    let m = &s.manager;
+    let made = m.create(SandboxSpec { name: Some("busy".into()), ..SandboxSpec::default() }).await.unwrap();
+    let sb = m.get(&made.sandbox_id).unwrap();
+    let writing = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    let reader = {
+        let (sb, writing, done) = (sb.clone(), writing.clone(), done_tx.clone());
+        std::thread::spawn(move || {
+            let mut n = 0u64;
+            while writing.load(std::sync::atomic::Ordering::SeqCst) {
+                std::hint::black_box(sb.info(None));
+                n += 1;
+            }
+            done.send(n).unwrap();
+        })
+    };
+    let writer = {
+        let (m, sb) = (m.clone(), sb.clone());
+        std::thread::spawn(move || {
+            for _ in 0..500 {
+                m.write_record(&sb, None, None).unwrap();
+            }
+            writing.store(false, std::sync::atomic::Ordering::SeqCst);
+            done_tx.send(0).unwrap();
+        })
+    };
+    let mut infos = 0;
+    for _ in 0..2 {
+        infos += done_rx.recv_timeout(Duration::from_secs(120)).expect("info and write_record deadlocked");
+    }
+    reader.join().unwrap();
+    writer.join().unwrap();
+    assert!(infos > 0, "infos were made while records were written");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn spawn_makes_n_and_keeps_what_it_made_when_the_cap_stops_it() {
     let s = setup(limits(3));
