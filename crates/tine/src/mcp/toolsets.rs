@@ -202,6 +202,7 @@ impl Toolset {
 pub fn with_pairs(schema: &JsonObject) -> Arc<JsonObject> {
     let mut schema = schema.clone();
     super::schema::inline_refs(&mut schema);
+    close_if_empty(&mut schema);
     if let Some(Value::Object(props)) = schema.get_mut("properties") {
         for name in MAP_ARGUMENTS {
             let Some(Value::Object(map)) = props.get(name) else { continue };
@@ -231,6 +232,17 @@ pub fn with_pairs(schema: &JsonObject) -> Arc<JsonObject> {
     Arc::new(schema)
 }
 
+/// Marks an input schema without properties (a tool without arguments, or
+/// one `core` lists without any) `additionalProperties: false`: strict
+/// converters refuse an object that declares no property and does not
+/// close itself (the OpenAI Agents SDK's `MCPUtil.to_function_tool`).
+fn close_if_empty(schema: &mut JsonObject) {
+    let empty = schema.get("properties").and_then(Value::as_object).is_none_or(|p| p.is_empty());
+    if empty && !schema.contains_key("additionalProperties") {
+        schema.insert("additionalProperties".into(), Value::Bool(false));
+    }
+}
+
 /// `schema` with only the properties `keep` names (and the `$defs` they
 /// use), as `core` lists it.
 pub fn trimmed(schema: &JsonObject, keep: &[&str]) -> JsonObject {
@@ -238,6 +250,7 @@ pub fn trimmed(schema: &JsonObject, keep: &[&str]) -> JsonObject {
     if let Some(Value::Object(props)) = schema.get_mut("properties") {
         props.retain(|k, _| keep.contains(&k.as_str()));
     }
+    close_if_empty(&mut schema);
     if let Some(Value::Array(required)) = schema.get_mut("required") {
         required.retain(|r| r.as_str().is_some_and(|r| keep.contains(&r)));
     }
