@@ -4,7 +4,9 @@
 //! walks one seed's documented calls, in the request shapes of its docs
 //! and source, and checks each result's documented fields. Then the
 //! OpenAI Agents SDK lists the microsandbox endpoint's tools, converts
-//! them to strict schemas and calls them unchanged (`tests/py/seed_agents.py`).
+//! them to strict schemas and calls them unchanged (`tests/py/seed_agents.py`),
+//! and the TypeScript SDK compiles every toolset's and seed's schemas
+//! without a warning (`tests/js/schemas.cjs`).
 //! One server serves every test here ([`TineServer::shared`]).
 
 use std::io::Read;
@@ -15,7 +17,7 @@ use std::time::Duration;
 use base64::Engine;
 use rmcp::model::CallToolResult;
 use serde_json::{json, Value};
-use testkit::mcp::{call, connect, python_sdk, try_call, McpClient, TineServer};
+use testkit::mcp::{call, connect, python_sdk, try_call, typescript_sdk, McpClient, TineServer};
 
 const CONFIG: &str = "[limits]\nboot_timeout_secs = 1200\n";
 
@@ -480,4 +482,29 @@ fn an_agent_framework_uses_the_microsandbox_endpoint() {
     let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     eprintln!("--- seed_agents.py stdout:\n{stdout}\n--- stderr:\n{stderr}");
     assert!(out.status.success() && stdout.lines().last() == Some("ALL OK"), "seed_agents.py: {stdout}");
+}
+
+/// The official TypeScript SDK lists every toolset of `/mcp` and every
+/// seed endpoint, and its own schema validator (Ajv) compiles every input
+/// and output schema, without a warning (`tests/js/schemas.cjs`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_typescript_sdk_takes_every_toolset_and_seed_schema() {
+    if !testkit::kvm_available("the_typescript_sdk_takes_every_toolset_and_seed_schema") {
+        return;
+    }
+    let Some(node_modules) = typescript_sdk("the_typescript_sdk_takes_every_toolset_and_seed_schema") else {
+        return;
+    };
+    let server = tokio::task::spawn_blocking(server).await.unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/js/schemas.cjs");
+    let out = tokio::process::Command::new("node")
+        .arg(&script)
+        .arg(&server.url)
+        .env("NODE_PATH", &node_modules)
+        .output()
+        .await
+        .expect("run node");
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    eprintln!("--- schemas.cjs stdout:\n{stdout}\n--- stderr:\n{stderr}");
+    assert!(out.status.success() && stdout.lines().last() == Some("ALL OK"), "schemas.cjs: {stdout}");
 }
