@@ -86,9 +86,10 @@ pub struct CallContext {
     pub cancel: tokio_util::sync::CancellationToken,
 }
 
-/// `n` bytes for people: `0 B`, `512 B`, `3.1 KiB`, `2.0 MiB`.
-pub(crate) fn human_bytes(n: u64) -> String {
-    const UNITS: [&str; 4] = ["KiB", "MiB", "GiB", "TiB"];
+/// `n` bytes for people: `0 B`, `512 B`, `3.1 KiB`, `2.0 MiB` (binary
+/// units, one decimal; progress messages and the command line's tables).
+pub fn human_bytes(n: u64) -> String {
+    const UNITS: [&str; 5] = ["KiB", "MiB", "GiB", "TiB", "PiB"];
     if n < 1024 {
         return format!("{n} B");
     }

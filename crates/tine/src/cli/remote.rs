@@ -243,23 +243,7 @@ pub(super) fn table(headers: &[&str], rows: &[Vec<String>]) -> String {
     out
 }
 
-/// `n` bytes for people: `512 B`, `3.1 KiB`, `2.0 MiB`, ...
-pub(super) fn human_bytes(n: u64) -> String {
-    const UNITS: [&str; 5] = ["KiB", "MiB", "GiB", "TiB", "PiB"];
-    if n < 1024 {
-        return format!("{n} B");
-    }
-    let mut v = n as f64 / 1024.0;
-    let mut unit = UNITS[0];
-    for u in &UNITS[1..] {
-        if v < 1024.0 {
-            break;
-        }
-        v /= 1024.0;
-        unit = u;
-    }
-    format!("{v:.1} {unit}")
-}
+pub(super) use tine_sandbox::progress::human_bytes;
 
 /// `ms` for people: `850ms`, `12s`, `3m12s`, `2h05m`, `3d04h`.
 pub(super) fn human_duration(ms: u64) -> String {
