@@ -6,17 +6,18 @@
 //!
 //! Each endpoint is a [`Seed`] in a module of its own and is only a
 //! mapping: a seed call becomes one native tool call ([`NativeCall`],
-//! [`Seed::plan`]), made through the native handler exactly as a call to
+//! [`Seed::plan`]; at most [`MAX_STEPS`], where the second needs the
+//! first's result: Superserve's secret attach reads the bindings it
+//! replaces), each made through the native handler exactly as a call to
 //! `/mcp` is made ([`crate::mcp::TineMcp`]: the same argument check, owner
 //! check, cluster routing, session sandbox, progress, cancellation,
-//! metrics and result budget), and the native call's structured result
-//! becomes the seed's result ([`Seed::answer`]). A native error is passed
+//! metrics and result budget), and the last native call's structured
+//! result becomes the seed's result ([`Seed::answer`]). A native error is passed
 //! on as it is. Where a seed's behaviour cannot be matched exactly, its
 //! tool's description says what differs.
 //!
 //! Every seed session is an MCP session of its own with its own session
-//! sandbox: the tools that take no sandbox (Podflare's, forkd's without
-//! `sandbox_id`) use the one the session made last, else one made on
+//! sandbox: the tools that take no sandbox (Podflare's) use the one the session made last, else one made on
 //! first use and killed when the session ends ([`crate::mcp`]).
 
 pub mod forkd;
