@@ -373,6 +373,12 @@ impl TineMcp {
     }
 }
 
+/// `s` quoted for bash: inside single quotes, each `'` as `'\''` (the
+/// commands the file tools and the seed endpoints run in the guest).
+pub(crate) fn shell_quote(s: &str) -> String {
+    format!("'{}'", s.replace('\'', r"'\''"))
+}
+
 /// A failed call's message as a tenant sees it: its templates under their
 /// own names (`"data"`, not the stored `"acme~data"`).
 fn own_names(caller: &Principal, mut r: CallToolResult) -> CallToolResult {

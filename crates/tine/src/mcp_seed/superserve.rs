@@ -586,7 +586,7 @@ impl Seed for Superserve {
                 let a: TemplateCreate = parse(name, args)?;
                 let mut setup = a.run_steps;
                 if let Some(start) = a.start_cmd {
-                    setup.push(format!("nohup bash -c {} >/tmp/start_cmd.log 2>&1 &", shell_quote(&start)));
+                    setup.push(format!("nohup bash -c {} >/tmp/start_cmd.log 2>&1 &", crate::mcp::shell_quote(&start)));
                 }
                 if let Some(ready) = a.ready_cmd {
                     setup.push(format!("for i in $(seq 600); do ({ready}) && exit 0; sleep 1; done; exit 1"));
@@ -817,11 +817,6 @@ impl Seed for Superserve {
             other => Err(SeedError::UnknownTool(other.to_string())),
         }
     }
-}
-
-/// `s` quoted for bash: inside single quotes, each `'` as `'\''`.
-fn shell_quote(s: &str) -> String {
-    format!("'{}'", s.replace('\'', r"'\''"))
 }
 
 #[cfg(test)]

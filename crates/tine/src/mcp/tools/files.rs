@@ -283,11 +283,6 @@ pub struct DownloadDirResult {
     pub archive_path: Option<String>,
 }
 
-/// `s` quoted for bash: inside single quotes, each `'` as `'\''`.
-fn shell_quote(s: &str) -> String {
-    format!("'{}'", s.replace('\'', r"'\''"))
-}
-
 impl TineMcp {
     /// The base URLs of this request start with.
     pub(super) fn url_base(&self, ctx: &RequestContext<RoleServer>) -> String {
@@ -438,7 +433,8 @@ impl TineMcp {
             return Err(ToolError::NotADir { path: p.path });
         }
         let archive = format!("/tmp/tine-dir-{}-{}.tar.gz", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed));
-        let script = format!("tar -czf {} -C {} .", shell_quote(&archive), shell_quote(&p.path));
+        let script =
+            format!("tar -czf {} -C {} .", crate::mcp::shell_quote(&archive), crate::mcp::shell_quote(&p.path));
         let req = ExecRequest { command: script, timeout_ms: TAR_TIMEOUT_MS, ..ExecRequest::default() };
         let x = self.manager.exec(&id, req).await?;
         if x.status != tine_protocol::ExitStatus::Code(0) {
@@ -500,8 +496,8 @@ impl TineMcp {
         }
         let signed = self.files.url(&self.url_base(&ctx), p.method, (&id, &self.url_grant(&id)), &p.path, ttl)?;
         let curl = match p.method {
-            UrlMethod::Get => format!("curl -fsS -o FILE {}", shell_quote(&signed.url)),
-            UrlMethod::Put => format!("curl -fsS -T FILE {}", shell_quote(&signed.url)),
+            UrlMethod::Get => format!("curl -fsS -o FILE {}", crate::mcp::shell_quote(&signed.url)),
+            UrlMethod::Put => format!("curl -fsS -T FILE {}", crate::mcp::shell_quote(&signed.url)),
         };
         Ok(Json(FilesUrlResult {
             sandbox_id: id,
