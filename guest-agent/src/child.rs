@@ -206,14 +206,14 @@ pub enum Home {
     User,
 }
 
-/// A command ready to spawn: `argv[0]` with the rest as arguments, in its
-/// own process group, in `cwd` (else the default working directory, else
-/// as `home` says), with the user's identity variables and `env` (the
-/// sandbox environment) over the inherited login defaults, running as the
-/// default user, to whom its fds 0-2 and the inherited fds `shared` are
+/// A command ready to [`spawn`]: `argv[0]` with the rest as arguments, in
+/// its own process group, with the user's identity variables and `env`
+/// (the sandbox environment) over the inherited login defaults, running as
+/// the default user, to whom its fds 0-2 and the inherited fds `shared` are
 /// given when they are pipes or sockets. Returns it with the directory it
-/// starts in (for [`start_error`]). The caller sets stdio and adds its
-/// own variables.
+/// is to start in: `cwd`, else the default working directory, else as
+/// `home` says (for [`spawn`] and [`start_error`]). The caller sets stdio
+/// and adds its own variables.
 pub fn command(
     argv: &[String],
     cwd: Option<&str>,
@@ -245,7 +245,7 @@ fn command_under(
         (None, None, _) => "/".into(),
     };
     let mut p = Process::new(&argv[0]);
-    p.args(&argv[1..]).current_dir(&dir).process_group(0);
+    p.args(&argv[1..]).process_group(0);
     if let Some(id) = &d.identity {
         p.env("HOME", &user_home);
         if let Some(name) = &id.name {
@@ -255,6 +255,51 @@ fn command_under(
     }
     p.envs(env.iter().map(|(k, v)| (k, v)));
     (p, dir)
+}
+
+/// Starts `p` (made by [`command`]) in `dir`.
+///
+/// The directory is not given to `p` (`Command::current_dir`): with it,
+/// std's statically linked build, which the agent is, cannot find glibc's
+/// `posix_spawn_file_actions_addchdir_np` and forks the whole agent
+/// instead of spawning (`clone(2)` without `CLONE_VM`; with `CLONE_VM |
+/// CLONE_VFORK` otherwise, strace). A fork costs a copy-on-write fault for
+/// every agent page written before the exec, and a guest page fault is
+/// milliseconds where guest kernel mode is emulated (docs/hosts.md). So
+/// the calling thread takes a working directory of its own once
+/// (unshare(2) `CLONE_FS`: only its cwd, root and umask stop being shared
+/// with the agent's other threads), changes to `dir`, spawns (the child
+/// starts where its parent thread is) and goes back. Commands that drop
+/// to another user, or keep fds open (`pre_exec`), still fork, in `dir`
+/// all the same.
+///
+/// Errors: chdir(2)'s for `dir` (`NotFound`, `NotADirectory`, ...; see
+/// [`start_error`]), then the spawn's.
+pub fn spawn(p: &mut Process, dir: &str) -> std::io::Result<std::process::Child> {
+    thread_local! {
+        /// Whether this thread has its own working directory (unshare(2)).
+        static OWN_CWD: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    }
+    if !OWN_CWD.get() {
+        // SAFETY: unshare(2) with CLONE_FS only: the calling thread gets a
+        // copy of its filesystem attributes; no memory is involved.
+        if unsafe { libc::unshare(libc::CLONE_FS) } != 0 {
+            // Not allowed here (a seccomp filter, say): the fork path.
+            return p.current_dir(dir).spawn();
+        }
+        OWN_CWD.set(true);
+    }
+    let Ok(back) = std::fs::File::open(".") else {
+        // No way back from `dir` (the thread's directory went away?).
+        return p.current_dir(dir).spawn();
+    };
+    std::env::set_current_dir(dir)?;
+    let spawned = p.spawn();
+    // SAFETY: fchdir(2) on an fd this function opened and still owns.
+    if unsafe { libc::fchdir(std::os::fd::AsRawFd::as_raw_fd(&back)) } != 0 {
+        eprintln!("tine-agent: cannot go back to the thread's directory: {}", std::io::Error::last_os_error());
+    }
+    spawned
 }
 
 /// Makes `p` drop to `id` in the child before exec: fds 0-2 and `shared`
@@ -332,6 +377,33 @@ pub fn exit_status(s: std::process::ExitStatus) -> ExitStatus {
 mod tests {
     use super::*;
 
+    /// `p` started by [`spawn`] in `dir`, its stdout and stderr captured.
+    fn output(p: &mut Process, dir: &str) -> std::process::Output {
+        p.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped());
+        spawn(p, dir).unwrap().wait_with_output().unwrap()
+    }
+
+    /// A spawn in a directory starts the child there and leaves the
+    /// spawning thread, and the process's other threads, where they were;
+    /// a missing directory is `NotADirectory`.
+    #[test]
+    fn a_spawn_in_a_directory_moves_no_other_thread() {
+        let before = std::env::current_dir().unwrap();
+        let pwd = ["pwd".to_string()];
+        let (out, after) = std::thread::spawn(move || {
+            let (mut p, dir) = command_under(&under(None, None), &pwd, Some("/tmp"), Home::Root, &[], &[]);
+            (output(&mut p, &dir), std::env::current_dir().unwrap())
+        })
+        .join()
+        .unwrap();
+        assert_eq!(String::from_utf8_lossy(&out.stdout), "/tmp\n");
+        assert_eq!((after, std::env::current_dir().unwrap()), (before.clone(), before));
+        let (mut p, dir) =
+            command_under(&under(None, None), &["pwd".into()], Some("/no/such/dir"), Home::Root, &[], &[]);
+        let e = spawn(&mut p, &dir).unwrap_err();
+        assert!(matches!(start_error(e, "pwd", &dir), AgentError::NotADirectory { .. }));
+    }
+
     fn lines(s: &str) -> Vec<Vec<String>> {
         s.lines().map(|l| l.split(':').map(str::to_string).collect()).collect()
     }
@@ -408,8 +480,8 @@ mod tests {
         make_working_dir(work, None).unwrap();
         assert!(matches!(make_working_dir("rel", None), Err(AgentError::InvalidRequest { .. })));
         let pwd = |d: &Defaults, cwd: Option<&str>| {
-            let (mut p, _) = command_under(d, &["pwd".to_string()], cwd, Home::Root, &[], &[]);
-            String::from_utf8(p.output().unwrap().stdout).unwrap()
+            let (mut p, dir) = command_under(d, &["pwd".to_string()], cwd, Home::Root, &[], &[]);
+            String::from_utf8(output(&mut p, &dir).stdout).unwrap()
         };
         assert_eq!(pwd(&under(None, Some(work)), None), format!("{work}\n"));
         assert_eq!(pwd(&under(None, Some(work)), Some("/tmp")), "/tmp\n");
@@ -439,7 +511,7 @@ mod tests {
         let env = [("EXTRA".to_string(), "x".to_string()), ("LOGNAME".to_string(), "mine".to_string())];
         let argv = ["sh".to_string(), "-c".to_string(), script];
         let (mut p, dir) = command_under(&under(Some(id), None), &argv, None, Home::User, &env, &[]);
-        let out = p.stdout(std::process::Stdio::piped()).output().unwrap();
+        let out = output(&mut p, &dir);
         assert_eq!(dir, "/", "a home that does not exist is not a working directory");
         assert_eq!(
             String::from_utf8_lossy(&out.stdout),
@@ -449,7 +521,7 @@ mod tests {
         );
         let anon = resolve("4242", &[], &[]).unwrap();
         let argv = ["sh".to_string(), "-c".to_string(), "id -u; id -g; echo $HOME".to_string()];
-        let (mut p, _) = command_under(&under(Some(anon), None), &argv, None, Home::Root, &[], &[]);
-        assert_eq!(String::from_utf8_lossy(&p.output().unwrap().stdout), "4242\n0\n/\n");
+        let (mut p, dir) = command_under(&under(Some(anon), None), &argv, None, Home::Root, &[], &[]);
+        assert_eq!(String::from_utf8_lossy(&output(&mut p, &dir).stdout), "4242\n0\n/\n");
     }
 }

@@ -169,13 +169,12 @@ pub fn run(
     let deadline = started + Duration::from_millis(u64::from(timeout_ms));
     let (mut process, cwd) =
         child::command(&argv, req.cwd.as_deref(), child::Home::Root, &crate::env::current().1, &[]);
-    let mut child = process
+    process
         .envs(req.env.iter().map(|(k, v)| (k, v)))
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .map_err(|e| child::start_error(e, &argv[0], &cwd))?;
+        .stderr(Stdio::piped());
+    let mut child = child::spawn(&mut process, &cwd).map_err(|e| child::start_error(e, &argv[0], &cwd))?;
     let pgid = child.id();
     let exited = pidfd(pgid);
 

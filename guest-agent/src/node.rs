@@ -80,7 +80,7 @@ fn spawn(env: &[(String, String)]) -> Result<Spawned, AgentError> {
             Ok(())
         });
     }
-    let spawned = cmd.spawn();
+    let spawned = child::spawn(&mut cmd, &cwd);
     // The parent's copies of the child's ends (the pipes' writers on fds 1
     // and 2 were moved into `cmd`).
     drop(cmd);

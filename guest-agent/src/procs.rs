@@ -330,15 +330,14 @@ pub fn spawn(req: Spawn) -> Result<ProcessInfo, AgentError> {
     let mut env = vec![("PYTHONUNBUFFERED".to_string(), "1".to_string())];
     env.extend(crate::env::current().1);
     let (mut process, cwd) = child::command(&argv, req.cwd.as_deref(), child::Home::Root, &env, &[]);
-    let mut child = process
+    process
         .envs(req.env.iter().map(|(k, v)| (k, v)))
         .env("TINE_PROCESS_ID", format!("p{id}"))
         .env("TINE_AGENT_PID", std::process::id().to_string())
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .map_err(|e| child::start_error(e, &argv[0], &cwd))?;
+        .stderr(Stdio::piped());
+    let mut child = child::spawn(&mut process, &cwd).map_err(|e| child::start_error(e, &argv[0], &cwd))?;
     table.next_id += 1;
     if let Some(id) = evict {
         table.procs.remove(&id);

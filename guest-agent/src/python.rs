@@ -32,13 +32,8 @@ static INTERPRETER: Repl = Repl::new(Language { name: "Python", program: "python
 fn spawn(env: &[(String, String)]) -> Result<Spawned, AgentError> {
     let argv = ["python3", "-u", "-c", REPL].map(String::from);
     let (mut process, cwd) = child::command(&argv, None, child::Home::User, env, &[]);
-    let mut child = process
-        .env("PYTHONIOENCODING", "utf-8")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .map_err(|e| INTERPRETER.language().spawn_error(e, &cwd))?;
+    process.env("PYTHONIOENCODING", "utf-8").stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::null());
+    let mut child = child::spawn(&mut process, &cwd).map_err(|e| INTERPRETER.language().spawn_error(e, &cwd))?;
     let (Some(stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else {
         let _ = child.kill();
         let _ = child.wait();
