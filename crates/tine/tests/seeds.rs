@@ -415,11 +415,14 @@ async fn superserve_documented_calls() {
     );
     assert_eq!(ok(&ss, "sandbox_list", json!({"metadata": {"team": "seeds"}})).await["sandboxes"], json!([]));
 
-    // Blocked by the policy: the record says so, nothing leaves the host.
+    // Blocked by the policy: the NAT resets the connect at once, the record
+    // says so, nothing leaves the host. The connect is a redirection of the
+    // `:` builtin (no fork). No `timeout 3 bash -c` around it: on a loaded
+    // CI guest the inner bash's start outlasted the 3 s (stop 56).
     ok(
         &ss,
         "sandbox_exec",
-        json!({"sandbox_id": id, "command": "timeout 3 bash -c 'echo > /dev/tcp/192.0.2.1/80'; true"}),
+        json!({"sandbox_id": id, "command": ": 3<>/dev/tcp/192.0.2.1/80 2>/dev/null; true", "timeout_ms": 600_000}),
     )
     .await;
     let log = ok(&ss, "sandbox_network_log", json!({"sandbox_id": id, "verdict": "blocked"})).await;
