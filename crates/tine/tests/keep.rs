@@ -42,6 +42,20 @@ const CONFIG: &str = "[limits]\nboot_timeout_secs = 1200\nmax_sandboxes = 12\nma
 /// `/dev/tcp`: its status line.
 const GET: &str = "exec 3<>/dev/tcp/127.0.0.1/8000 && printf 'GET / HTTP/1.0\\r\\n\\r\\n' >&3 && head -n 1 <&3";
 
+/// A's web server on port 8000, in the background: a few lines of Python
+/// on its socket module that answer every request with a 200 (the
+/// `Serving HTTP` line once it listens). Not `python3 -m http.server`:
+/// its imports took 34 s of this test's time on the nested host, and what
+/// is tested is that a listening process outlives hibernation.
+const WEB: &str = r#"exec python3 -c "import socket
+s = socket.create_server(('', 8000))
+print('Serving HTTP on port 8000', flush=True)
+while True:
+    c = s.accept()[0]
+    c.recv(65536)
+    c.sendall(b'HTTP/1.0 200 OK\r\nContent-Length: 3\r\n\r\nok\n')
+    c.close()""#;
+
 /// The executable of the agent that runs an exec (the shell's parent).
 const AGENT_EXE: &str = "readlink /proc/$PPID/exe";
 
@@ -120,13 +134,8 @@ async fn sandboxes_outlive_idleness_restarts_and_crashes() {
     exec(&client, &a, "mkdir -p /root/work && echo hello > /root/work/f.txt").await.unwrap();
     let r = call(&client, "sandbox_run_python", json!({"sandbox_id": a, "code": "x = 41"})).await.unwrap();
     assert!(r.get("exception").is_none_or(Value::is_null), "{r}");
-    let web = call(
-        &client,
-        "sandbox_exec",
-        json!({"sandbox_id": a, "command": "cd /tmp && exec python3 -m http.server 8000", "background": true}),
-    )
-    .await
-    .unwrap();
+    let web =
+        call(&client, "sandbox_exec", json!({"sandbox_id": a, "command": WEB, "background": true})).await.unwrap();
     let web_id = web["process_id"].as_str().unwrap().to_string();
     let w = call(
         &client,
