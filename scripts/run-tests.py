@@ -190,20 +190,34 @@ def main():
                 if not queue:
                     return
                 name, exe, cwd = queue.pop(0)
-            run(name, exe, cwd)
+            try:
+                run(name, exe, cwd)
+            finally:
+                # Also when run raised: the waiting binaries must not wait
+                # for ever.
+                if name in FIRST:
+                    first_done.set()
 
     def run(name, exe, cwd):
         """Runs one binary, logs its output and prints its result."""
         log_path = os.path.join(opts.logs, name.replace("::", "--") + ".log")
         t = time.monotonic()
         with open(log_path, "wb") as log:
-            child = subprocess.Popen([exe, *opts.args], cwd=cwd, stdout=log, stderr=subprocess.STDOUT)
-            # wait4: the binary's CPU time with that of the children it
-            # waited for (the servers it started, which run the guests).
-            _, status, usage = os.wait4(child.pid, 0)
-            child.returncode = rc = os.waitstatus_to_exitcode(status)
+            try:
+                child = subprocess.Popen([exe, *opts.args], cwd=cwd, stdout=log, stderr=subprocess.STDOUT)
+            except OSError as e:
+                # Not started: a failure of the run, not a binary left out.
+                log.write(f"run-tests: cannot start {exe}: {e}\n".encode())
+                child = None
+            if child is not None:
+                # wait4: the binary's CPU time with that of the children it
+                # waited for (the servers it started, which run the guests).
+                _, status, usage = os.wait4(child.pid, 0)
+                child.returncode = rc = os.waitstatus_to_exitcode(status)
+                cpu = usage.ru_utime + usage.ru_stime
+            else:
+                rc, cpu = 127, 0.0
         took = time.monotonic() - t
-        cpu = usage.ru_utime + usage.ru_stime
         with open(log_path, encoding="utf-8", errors="replace") as log:
             text = log.read()
         if rc == 0:
@@ -211,8 +225,6 @@ def main():
             body = "\n".join(shown)
         else:
             body = text
-        if name in FIRST:
-            first_done.set()
         with lock:
             results.append((name, rc, took, cpu))
             verdict = "ok" if rc == 0 else f"FAILED (exit {rc})"
