@@ -2,7 +2,7 @@
 # Build Tine's guest root filesystem: Debian trixie, the current stable
 # (Python 3.13, Node.js 20; TINE_DEBIAN_SUITE=bookworm builds Debian 12
 # with Python 3.11 and Node.js 18 instead) (minbase plus bash,
-# coreutils, python3 with pip and venv, nodejs with npm, ca-certificates,
+# coreutils, python3 with pip and venv (and `python` for it), nodejs with npm, ca-certificates,
 # procps, curl, git, iproute2, netbase) made with mmdebstrap, the
 # guest agent as /sbin/init, written to an ext4 image with `mkfs.ext4 -d`
 # (no loop mount, no root-only mounts). The guest mounts it read-only and
@@ -24,7 +24,7 @@ root=$(cd "$here/.." && pwd)
 cache=${TINE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/tine}/rootfs
 agent=${1:-$root/target/guest/x86_64-unknown-linux-gnu/release/tine-agent}
 suite=${TINE_DEBIAN_SUITE:-trixie}
-packages=bash,coreutils,python3,python3-pip,python3-venv,nodejs,npm,ca-certificates,procps,curl,git,iproute2,netbase
+packages=bash,coreutils,python3,python-is-python3,python3-pip,python3-venv,nodejs,npm,ca-certificates,procps,curl,git,iproute2,netbase
 
 if [ ! -x "$agent" ]; then
   echo "build-rootfs.sh: no agent at $agent; build it first (scripts/setup.sh)" >&2
@@ -75,6 +75,15 @@ install -m 0755 "$agent" "$work/root/usr/local/sbin/tine-agent"
 ln -sfn /usr/local/sbin/tine-agent "$work/root/sbin/init"
 # Mount points the read-only image must already have.
 mkdir -p "$work/root/overlay" "$work/root/proc" "$work/root/sys" "$work/root/dev" "$work/root/tmp" "$work/root/run"
+# A working directory for code (microsandbox's images and guides use
+# /workspace): in the image, so what is written there goes to the
+# overlay's upper layer, the sandbox's own disk.
+install -d -m 0755 "$work/root/workspace"
+# A sandbox is its user's own machine: `pip install X` installs into the
+# system's Python as in other sandboxes' images, not refused as Debian's
+# externally managed environment (PEP 668) would.
+printf '[global]\nbreak-system-packages = true\n' > "$work/root/etc/pip.conf"
+chmod 0644 "$work/root/etc/pip.conf"
 rm -rf "$work/root/var/lib/apt/lists/"* "$work/root/var/cache/apt/"*.bin "$work/root/var/cache/apt/archives/"*.deb
 echo "tine" > "$work/root/etc/hostname"
 # The network every sandbox shares (crates/netstack/src/lib.rs; the agent

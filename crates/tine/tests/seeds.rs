@@ -140,6 +140,47 @@ async fn microsandbox_documented_calls() {
     assert_eq!(r["success"], false);
     assert_eq!(r["output"], json!([{"stream": "stdout", "text": "hello"}, {"stream": "stderr", "text": "oops"}]));
 
+    // microsandbox's MCP guide (docs/guides/mcp.md), its calls as they
+    // are: "Simple Command" and "Command with Arguments" list /workspace,
+    // where its images work, and "Custom Configuration" sets PYTHONPATH to
+    // it; commands and code start there, with the sandbox's envs.
+    let r = text_call(&ms, "sandbox_run_command", json!({"sandbox": sb, "namespace": ns, "command": "pwd"})).await;
+    assert_eq!(r["output"], json!([{"stream": "stdout", "text": "/workspace"}]), "{r}");
+    let r = text_call(
+        &ms,
+        "sandbox_run_command",
+        json!({"sandbox": sb, "namespace": ns, "command": "ls", "args": ["-la", "/workspace"]}),
+    )
+    .await;
+    assert_eq!(r["exit_code"], 0, "ls -la /workspace: {r}");
+    let (guide, research) = ("data-analysis", "research");
+    let started = text_call(
+        &ms,
+        "sandbox_start",
+        json!({"sandbox": guide, "namespace": research,
+               "config": {"image": "microsandbox/python", "memory": 1024, "cpus": 2, "envs": ["PYTHONPATH=/workspace"]}}),
+    )
+    .await;
+    assert_eq!(started, json!(format!("Sandbox {guide} started successfully")));
+    let r = text_call(
+        &ms,
+        "sandbox_run_command",
+        json!({"sandbox": guide, "namespace": research, "command": "sh",
+               "args": ["-c", "echo 'def f(): return 7' > mod7.py"]}),
+    )
+    .await;
+    assert_eq!(r["exit_code"], 0, "a file written in /workspace: {r}");
+    let r = text_call(
+        &ms,
+        "sandbox_run_code",
+        json!({"sandbox": guide, "namespace": research, "language": "python",
+               "code": "import os, mod7\nprint(os.getcwd(), os.environ['PYTHONPATH'], mod7.f())"}),
+    )
+    .await;
+    assert_eq!(stdout_lines(&r["output"]), ["/workspace /workspace 7"], "{r}");
+    let stopped = text_call(&ms, "sandbox_stop", json!({"sandbox": guide, "namespace": research})).await;
+    assert_eq!(stopped, json!(format!("Sandbox {guide} stopped successfully")));
+
     let m = text_call(&ms, "sandbox_get_metrics", json!({"namespace": ns, "sandbox": sb})).await;
     let list = m["sandboxes"].as_array().unwrap_or_else(|| panic!("{m}"));
     assert_eq!(list.len(), 1, "{m}");
@@ -284,6 +325,7 @@ async fn forkd_documented_calls() {
     let r = ok(&fk, "eval_code", json!({"sandbox_id": id, "code": "undefined_name"})).await;
     assert_eq!(r["exit_code"], 1);
     assert!(r["error"].as_str().unwrap().contains("NameError"), "{r}");
+    assert!(r["traceback"].as_str().is_some_and(|t| t.contains("NameError")), "forkd's traceback: {r}");
     let w = ok(&fk, "wait_for_text", json!({"sandbox_id": id, "path": "/tmp/app.log", "marker": "ready"})).await;
     assert_eq!(w["found"], true, "{w}");
     assert_eq!(w["last_excerpt"], "booting\nready\n");
@@ -361,6 +403,18 @@ async fn superserve_documented_calls() {
     assert_eq!(e["stdout_bytes"], 40_003, "the original length");
     assert!(e["stdout"].as_str().unwrap().starts_with("30\n000"));
     assert_eq!(e["stderr"], "");
+    // Superserve's MCP guide: a script written to /app, run with `python`;
+    // commands start in /home/user with HOME there, as its agent runs them.
+    let script = "import os\nn = int(os.environ['LIMIT'])\n\
+                  print([p for p in range(2, n) if all(p % d for d in range(2, p))])\n";
+    ok(&ss, "sandbox_files_write", json!({"sandbox_id": id, "path": "/app/primes.py", "content": script})).await;
+    let e = ok(
+        &ss,
+        "sandbox_exec",
+        json!({"sandbox_id": id, "command": "pwd; echo $HOME; python /app/primes.py", "timeout_ms": 60000}),
+    )
+    .await;
+    assert_eq!(e["stdout"], "/home/user\n/home/user\n[2, 3, 5, 7, 11, 13, 17, 19, 23, 29]\n", "{e}");
 
     let w =
         ok(&ss, "sandbox_files_write", json!({"sandbox_id": id, "path": "/root/d/a.txt", "content": "alpha\n"})).await;

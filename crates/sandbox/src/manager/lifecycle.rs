@@ -356,6 +356,10 @@ impl Manager {
             Ok(()) if !env.is_empty() => self.set_env(&sandbox.id, env).await,
             started => started,
         };
+        let started = match (started, spec.working_dir) {
+            (Ok(()), Some(dir)) => self.set_working_dir(&sandbox.id, dir).await,
+            (started, _) => started,
+        };
         let started = match started {
             Ok(()) if !spec.volumes.is_empty() => {
                 cx.progress.report(secs(t0), None, format!("{}: attaching {} volumes", sandbox.id, spec.volumes.len()));
@@ -470,18 +474,12 @@ impl Manager {
         self.record_in_background(&sb);
         let info = sb.info(None);
         let me = self.clone();
+        let working_dir = spec.working_dir;
         tokio::spawn(async move {
             let agent = lock(&sb.status).agent.clone();
             let r = match agent {
                 None => Err(sb.gone()),
-                Some(agent) => match agent.reseed(seed, RESEED_TIMEOUT).await {
-                    Err(e) => Err(SandboxError::Connection { id: id.clone(), reason: format!("reseed: {e}") }),
-                    Ok(()) if env.is_empty() => Ok(()),
-                    Ok(()) => agent.set_env(env, RESEED_TIMEOUT).await.map_err(|e| SandboxError::Connection {
-                        id: id.clone(),
-                        reason: format!("set the environment: {e}"),
-                    }),
-                },
+                Some(agent) => hand_out_in_guest(&agent, &id, seed, env, working_dir).await,
             };
             match r {
                 Ok(()) => {
@@ -948,6 +946,35 @@ impl Manager {
             }
         }
     }
+}
+
+/// A pooled sandbox's hand-out in its guest, in this order: the reseed
+/// (fresh entropy, the host's clock), the spec's environment, its working
+/// directory. The pool's sandboxes are the default template's (root, no
+/// working directory of their own), so the working directory goes with
+/// no user.
+///
+/// Errors: [`SandboxError::Connection`] naming the step that failed.
+async fn hand_out_in_guest(
+    agent: &AgentClient,
+    id: &str,
+    seed: Reseed,
+    env: Vec<(String, String)>,
+    working_dir: Option<String>,
+) -> Result<(), SandboxError> {
+    let failed = |step: &str, e: tine_agent_client::ClientError| SandboxError::Connection {
+        id: id.to_string(),
+        reason: format!("{step}: {e}"),
+    };
+    agent.reseed(seed, RESEED_TIMEOUT).await.map_err(|e| failed("reseed", e))?;
+    if !env.is_empty() {
+        agent.set_env(env, RESEED_TIMEOUT).await.map_err(|e| failed("set the environment", e))?;
+    }
+    if let Some(dir) = working_dir {
+        let defaults = tine_protocol::ProcessDefaults { user: None, working_dir: Some(dir) };
+        agent.set_process_defaults(defaults, RESEED_TIMEOUT).await.map_err(|e| failed("set the working directory", e))?;
+    }
+    Ok(())
 }
 
 /// Emits `sb`'s [`EventKind::Ready`], its VM from `source` (`boot`,

@@ -68,6 +68,19 @@ impl Manager {
         self.with_agent(id, |a| async move { a.set_process_defaults(defaults, SHORT_CALL).await }).await
     }
 
+    /// Makes `dir` (absolute) the directory sandbox `id`'s later commands
+    /// without a `cwd` and its interpreters start in, keeping who they run
+    /// as (see [`Manager::set_process_defaults`]; a running interpreter is
+    /// replaced at its next cell).
+    ///
+    /// Errors: as [`Manager::set_process_defaults`] (`InvalidRequest` for a
+    /// relative or too long `dir`).
+    pub async fn set_working_dir(&self, id: &str, dir: String) -> Result<(), SandboxError> {
+        let before = self.set_process_defaults(id, ProcessDefaults::default()).await?;
+        let defaults = ProcessDefaults { user: before.user, working_dir: Some(dir) };
+        self.set_process_defaults(id, defaults).await.map(drop)
+    }
+
     /// Changes sandbox `id`'s settings and returns its info. Everything is
     /// checked first, so a refused value changes nothing; then the network
     /// policy, the environment, the labels and the idle timeout are set in

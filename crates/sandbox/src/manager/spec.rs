@@ -44,4 +44,9 @@ pub struct SandboxSpec {
     pub secrets: Vec<(String, String)>,
     /// Its name ([`super::names`]), unique within its tenant on this host.
     pub name: Option<String>,
+    /// The absolute directory its commands without a `cwd` and its
+    /// interpreters start in, made if missing (`Op::SetProcessDefaults`'s
+    /// `working_dir`, kept with the template's user); `None`: the
+    /// template's (`/` for commands, the user's home for interpreters).
+    pub working_dir: Option<String>,
 }

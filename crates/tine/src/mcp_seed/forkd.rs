@@ -61,9 +61,10 @@ pub struct Spawn {
     /// The snapshot to spawn from ("default": the default template).
     #[schemars(length(min = 1, max = 63))]
     pub snapshot_tag: String,
-    /// How many (default 1).
+    /// How many (default 1; at most 64 per call here, where forkd takes
+    /// 1000: the native sandbox_create's count).
     #[serde(default = "one")]
-    #[schemars(range(min = 1, max = 1000))]
+    #[schemars(range(min = 1, max = tine_sandbox::MAX_SPAWN))]
     pub n: usize,
     /// Ignored: each sandbox has its own network already.
     #[serde(default)]
@@ -178,7 +179,7 @@ const CREATE_SNAPSHOT: &str = "Boot a fresh sandbox and snapshot it as tag, to s
 const SPAWN: &str = "Spawn n sandboxes from snapshot snapshot_tag in one call (\"default\": the default template, \
     served from the warm pool first). Returns their records: id, snapshot_tag, created_at_unix, branch_count.";
 const BRANCH: &str = "Snapshot a running sandbox's memory and disk as a new snapshot (tag) to spawn from; the \
-    sandbox keeps running. Returns the snapshot record with branched_from and pause_ms.";
+    sandbox keeps running. Returns the snapshot record with branched_from.";
 const LIST_SANDBOXES: &str = "List running sandboxes with their records.";
 const GET_SANDBOX: &str = "One sandbox's record.";
 const EXEC: &str = "Run a program with arguments (args is argv, no shell: use [\"sh\", \"-c\", \"...\"] for a \
@@ -373,6 +374,7 @@ impl Seed for Forkd {
                 done(json!({
                     "result": native["result"],
                     "error": error,
+                    "traceback": native["error"]["traceback"],
                     "exit_code": i32::from(error.is_some()),
                     "stdout": native["stdout"],
                 }))

@@ -20,6 +20,10 @@ use super::{env_map, field, parse, tool, Answer, NativeCall, Seed, SeedError, St
 /// The label that holds a sandbox's microsandbox namespace.
 pub const NAMESPACE_LABEL: &str = "namespace";
 
+/// Where microsandbox's images work: commands and code start there (it is
+/// in Tine's image, on the sandbox's disk).
+pub const WORKSPACE: &str = "/workspace";
+
 /// The endpoint.
 pub struct Microsandbox;
 
@@ -256,6 +260,9 @@ impl Seed for Microsandbox {
                         "env": env_map(&config.envs),
                         "ports": config.ports.iter().map(|p| port_of(p)).collect::<Vec<_>>(),
                         "volumes": volumes,
+                        // microsandbox's images work in /workspace (its
+                        // guide lists it and sets PYTHONPATH to it).
+                        "working_dir": WORKSPACE,
                     }),
                 )
             }
@@ -380,7 +387,8 @@ mod tests {
             NativeCall::new(
                 "sandbox_create",
                 json!({"name": "my-python-env", "labels": {"namespace": "default"}, "memory_mib": 512, "vcpus": 1,
-                       "env": {"A": "1", "B": "x=y"}, "ports": ["8080:80", "9000:9000"], "volumes": []})
+                       "env": {"A": "1", "B": "x=y"}, "ports": ["8080:80", "9000:9000"], "volumes": [],
+                       "working_dir": "/workspace"})
             )
         );
         let code = m

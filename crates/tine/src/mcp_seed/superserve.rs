@@ -20,6 +20,32 @@ use super::{field, parse, tool, Answer, NativeCall, Seed, SeedError, Step};
 /// The endpoint.
 pub struct Superserve;
 
+/// Where Superserve's guests work: its agent runs every command without a
+/// `cwd` in `/home/user`, with `HOME` there (its `boxd`), and its docs'
+/// examples rely on it (`python script.py`).
+pub const HOME: &str = "/home/user";
+
+/// Superserve's own templates as a native template: its base, Python and
+/// Node.js ones are the default template (Python 3 and Node.js), `None`;
+/// another of its names (`superserve/code-interpreter`, ...) is refused;
+/// any other name is a Tine template's.
+///
+/// Errors: [`SeedError::Unsupported`] for a Superserve template Tine has no
+/// counterpart of.
+fn template_of(tool: &str, template: Option<String>) -> Result<Option<String>, SeedError> {
+    match template.as_deref() {
+        None | Some("superserve/base" | "superserve/python-3.11" | "superserve/node-22") => Ok(None),
+        Some(t) if t.starts_with("superserve/") => Err(SeedError::Unsupported {
+            tool: tool.to_string(),
+            why: format!(
+                "template {t} is not here: leave from_template out for Python 3 and Node.js, or build one with \
+                 sandbox_template_create"
+            ),
+        }),
+        Some(_) => Ok(template),
+    }
+}
+
 /// A string map (`metadata`, `env_vars`, `secrets`).
 type StrMap = std::collections::BTreeMap<String, String>;
 
@@ -494,14 +520,22 @@ impl Seed for Superserve {
                 }
                 let network =
                     (!a.allow_out.is_empty() || !a.deny_out.is_empty()).then(|| policy(&a.allow_out, &a.deny_out));
+                let template = match a.from_template {
+                    Some(t) => template_of(name, Some(t))?,
+                    None => a.from_snapshot,
+                };
+                // HOME as Superserve's agent sets it, under the caller's.
+                let mut env = a.env_vars;
+                env.entry("HOME".into()).or_insert_with(|| HOME.into());
                 NativeCall::new(
                     "sandbox_create",
                     json!({
                         "name": a.name,
-                        "template": a.from_template.or(a.from_snapshot),
+                        "template": template,
                         "idle_timeout_secs": a.timeout_seconds,
                         "labels": a.metadata,
-                        "env": a.env_vars,
+                        "working_dir": HOME,
+                        "env": env,
                         "secrets": a.secrets,
                         "network": network,
                     }),
@@ -837,14 +871,22 @@ mod tests {
             create,
             NativeCall::new(
                 "sandbox_create",
-                json!({"name": "primes", "template": "py", "labels": {"team": "a"}, "env": {},
-                       "secrets": {"OPENAI_API_KEY": "openai"},
+                json!({"name": "primes", "template": "py", "labels": {"team": "a"}, "env": {"HOME": "/home/user"},
+                       "working_dir": "/home/user", "secrets": {"OPENAI_API_KEY": "openai"},
                        "network": {"egress": "deny", "allow": ["pypi.org"], "deny": []}})
             )
         );
         let exec = s.plan("sandbox_exec", json!({"sandbox_id": "sb-1", "command": "ls", "timeout_ms": 1500})).unwrap();
         assert_eq!(exec.args, json!({"sandbox_id": "sb-1", "command": "ls", "env": {}, "timeout_secs": 2}));
         assert!(s.plan("sandbox_create", json!({"auto_delete_seconds": 60})).is_err());
+        // Superserve's own templates: its base, Python and Node.js ones are
+        // the default; one Tine lacks is refused with what to do.
+        let base = s.plan("sandbox_create", json!({"from_template": "superserve/python-3.11"})).unwrap();
+        assert_eq!(base.args["template"], Value::Null, "{base:?}");
+        let e = s.plan("sandbox_create", json!({"from_template": "superserve/code-interpreter"})).unwrap_err();
+        assert!(e.to_string().contains("sandbox_template_create"), "{e}");
+        let mine = s.plan("sandbox_create", json!({"env_vars": {"HOME": "/srv"}})).unwrap();
+        assert_eq!(mine.args["env"], json!({"HOME": "/srv"}), "the caller's HOME wins");
         let attach = s
             .plan("sandbox_attach_secret", json!({"sandbox_id": "sb-1", "env_key": "K", "secret_name": "gh"}))
             .unwrap();

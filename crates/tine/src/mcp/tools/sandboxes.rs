@@ -17,7 +17,8 @@ use super::common::env_map;
 use super::network::NetworkParams;
 use crate::mcp::bounds::{
     string_map, DEFAULT_MAX_DISK_MIB, DEFAULT_MAX_IDLE_SECS, DEFAULT_MAX_LABELS, DEFAULT_MAX_MEMORY_MIB,
-    DEFAULT_MAX_SANDBOXES, DEFAULT_MAX_VCPUS, MAX_ID_CHARS, MAX_NAME_CHARS, MIN_DISK_MIB, MIN_MEMORY_MIB, NAME_PATTERN,
+    DEFAULT_MAX_SANDBOXES, DEFAULT_MAX_VCPUS, MAX_ID_CHARS, MAX_NAME_CHARS, MAX_PATH_CHARS, MIN_DISK_MIB, MIN_MEMORY_MIB,
+    NAME_PATTERN,
 };
 use crate::mcp::errors::ToolError;
 use crate::mcp::progress::Reporter;
@@ -94,6 +95,11 @@ pub struct CreateParams {
     /// then takes the name wherever it takes sandbox_id.
     #[schemars(length(min = 1, max = MAX_NAME_CHARS), pattern(NAME_PATTERN))]
     pub name: Option<String>,
+    /// The absolute directory commands without a cwd and the Python and
+    /// JavaScript interpreters start in, made if missing (default: `/` for
+    /// commands, /root for the interpreters; a template's own if it has one).
+    #[schemars(length(min = 1, max = MAX_PATH_CHARS))]
+    pub working_dir: Option<String>,
     /// Make this many sandboxes at once (default 1), all of this spec;
     /// the result's `sandboxes` lists them all. Leave name out with count.
     #[schemars(range(min = 1, max = tine_sandbox::MAX_SPAWN))]
@@ -349,6 +355,7 @@ impl TineMcp {
             volumes: p.volumes,
             secrets: p.secrets.into_iter().collect(),
             name: p.name,
+            working_dir: p.working_dir,
         };
         self.check_ceiling(spec.network.as_ref())?;
         if p.count.is_some() {
