@@ -9,8 +9,10 @@
 //!
 //! HTTP hardening: `Host` and `Origin` are checked (the transport spec's
 //! "Security Warning": servers MUST validate `Origin`; a foreign one gets
-//! 403), at most [`ServeOptions::max_connections`] connections are served
-//! at once (more wait in the listen backlog; at most
+//! 403; a `--dev` server, which has no credentials, accepts only its own
+//! loopback origins, [`loopback_origins`]), at most
+//! [`ServeOptions::max_connections`] connections are served at once
+//! (more wait in the listen backlog; at most
 //! [`ServeOptions::max_connections_per_address`] from one address), a
 //! connection has [`ServeOptions::header_read_timeout`] to send its first
 //! request, whatever its HTTP version, and is closed after
@@ -152,6 +154,24 @@ pub enum ServeError {
     /// The MCP session on stdio could not start (`tine mcp stdio`).
     #[error("the MCP session on stdio did not start: {0}")]
     Stdio(String),
+}
+
+/// The browser origins (RFC 6454 §6.2 serializations) of a loopback
+/// server listening on `listen`, which a `--dev` server accepts and no
+/// other: `http://localhost:PORT`, `http://127.0.0.1:PORT`,
+/// `http://[::1]:PORT` and the listen address's own, with its port. Not
+/// `*.localhost` (a preview's page, `<id>.localhost:PORT`, must not drive
+/// a server without credentials), not another port (another local
+/// program's page), not https (this server speaks http).
+pub fn loopback_origins(listen: SocketAddr) -> Vec<String> {
+    let port = listen.port();
+    let mut origins: Vec<String> =
+        ["localhost", "127.0.0.1", "[::1]"].iter().map(|h| format!("http://{h}:{port}")).collect();
+    let own = format!("http://{listen}");
+    if listen.ip().is_loopback() && !origins.contains(&own) {
+        origins.push(own);
+    }
+    origins
 }
 
 /// `/healthz`: `{"status":"ok"}` to anyone; to the operator (or under

@@ -8,7 +8,12 @@
 //! - with the default `max_connections` (256) taken by such connections,
 //!   a client still gets through once the server has closed them;
 //! - past `max_sessions` an `initialize` is refused with 503 and a message
-//!   saying what to do, and after a `DELETE /mcp` a new session is made.
+//!   saying what to do, and after a `DELETE /mcp` a new session is made;
+//! - a `--dev` server (no credentials) answers a browser's `Origin` of its
+//!   own listen address (`localhost`, `127.0.0.1`, `[::1]` with its port)
+//!   and refuses every other with 403: a foreign site, another loopback
+//!   port, and a preview page's `<id>.localhost` (a guest's page must not
+//!   drive the server); `/mcp` under a preview's host never reaches MCP.
 //!
 //! No sandbox is made (the tool called is `sandbox_list`), no default
 //! template is built and the warm pool is off, so no guest boots and KVM
@@ -370,4 +375,57 @@ async fn a_tenants_open_streams_stop_at_its_quota() {
         tokio::task::yield_now().await;
     }
     drop(second);
+}
+
+/// `POST /mcp` `initialize` of a `--dev` server, with `origin` as `Origin`
+/// (none when `None`) and `host` as `Host`.
+async fn dev_initialize(server: &TineServer, host: &str, origin: Option<&str>) -> reqwest::Response {
+    let body = json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "raw", "version": "0"}}});
+    let mut req = reqwest::Client::new()
+        .post(&server.url)
+        .header("host", host)
+        .header("content-type", "application/json")
+        .header("accept", "application/json, text/event-stream")
+        .body(body.to_string());
+    if let Some(o) = origin {
+        req = req.header("origin", o);
+    }
+    req.send().await.expect("POST /mcp")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dev_server_answers_its_own_loopback_origins_only() {
+    let server = TineServer::start(binary(), None, QUIET);
+    let port = addr(&server).rsplit_once(':').unwrap().1.to_string();
+    let other_port = if port == "5555" { "5556" } else { "5555" };
+    let own = format!("127.0.0.1:{port}");
+    // The transport spec's DNS rebinding protection: a loopback server
+    // accepts the origins it is reached by and refuses the others.
+    let cases: Vec<(Option<String>, u16)> = vec![
+        (None, 200),
+        (Some(format!("http://localhost:{port}")), 200),
+        (Some(format!("http://127.0.0.1:{port}")), 200),
+        (Some(format!("http://[::1]:{port}")), 200),
+        (Some("http://evil.example".into()), 403),
+        (Some(format!("http://evil.example:{port}")), 403),
+        (Some(format!("http://localhost:{other_port}")), 403),
+        (Some(format!("http://127.0.0.1:{other_port}")), 403),
+        (Some(format!("https://localhost:{port}")), 403),
+        (Some(format!("http://0123456789ab.localhost:{port}")), 403),
+        (Some(format!("http://localhost.evil.example:{port}")), 403),
+        (Some("null".into()), 403),
+    ];
+    let mut seen = Vec::new();
+    for (origin, _) in &cases {
+        let r = dev_initialize(&server, &own, origin.as_deref()).await;
+        seen.push((origin.clone(), r.status().as_u16()));
+    }
+    let want = cases;
+    assert_eq!(seen, want, "(Origin, status) of a --dev server's initialize");
+    // /mcp under a preview's host is the preview's (here none: 404), never
+    // the MCP endpoint.
+    let r = dev_initialize(&server, &format!("0123456789ab.localhost:{port}"), None).await;
+    assert_eq!(r.status(), 404, "a preview host's /mcp");
+    assert!(r.text().await.unwrap().contains("No such preview"));
 }

@@ -41,7 +41,8 @@ const RSS_GROWTH_BOUND: u64 = 12 << 20;
 /// second once `/release` is asked for, chunked), `/ws` (a WebSocket echo
 /// of text messages of up to 119 bytes until a close, RFC 6455), `/blob?n=N` (N bytes, byte i = i % 251),
 /// `PUT /upload` (the SHA-256 of the body), `/count` (requests seen, not
-/// counting itself), `/` (a page).
+/// counting itself), `/cookies` (cookies for the whole preview domain and
+/// `Service-Worker-Allowed: /`), `/` (a page).
 const APP: &str = include_str!("py/preview_app.py");
 /// Debian's Chromium, or `None` (with a loud SKIPPED line) where it is
 /// missing and not required (`TINE_REQUIRE_CHROMIUM`, which
@@ -267,7 +268,7 @@ async fn a_browser_reaches_the_guest_through_its_preview_url() {
         ("another preview's token", http.get(format!("{origin}/?tine_preview_token={other_token}"))),
         (
             "another preview's cookie",
-            http.get(format!("{origin}/")).header("cookie", format!("tine_preview={other_token}")),
+            http.get(format!("{origin}/")).header("cookie", format!("__Host-tine_preview={other_token}")),
         ),
     ] {
         let r = req.send().await.unwrap();
@@ -311,6 +312,65 @@ async fn a_browser_reaches_the_guest_through_its_preview_url() {
         (Some("http"), Some("127.0.0.1"))
     );
     phase("auth and headers checked");
+
+    // One tenant's preview cannot reach the others' (issue 58, items 8 and
+    // 9). Everything is looked at first and printed, then checked.
+    let token = url.split("tine_preview_token=").nth(1).unwrap().to_string();
+    let set_cookies = |r: &reqwest::Response| -> Vec<String> {
+        r.headers().get_all("set-cookie").iter().map(|v| v.to_str().unwrap().to_string()).collect()
+    };
+    let sw_allowed =
+        |r: &reqwest::Response| r.headers().get("service-worker-allowed").map(|v| v.to_str().unwrap().to_string());
+    // Host form: the server's cookie is a __Host- one (a sibling preview
+    // cannot plant or shadow it), the old name opens nothing, and a
+    // guest's cookies stay on its own host (no Domain).
+    let ours = set_cookies(&http.get(&url).send().await.unwrap());
+    let old_name =
+        http.get(format!("{origin}/")).header("cookie", format!("tine_preview={token}")).send().await.unwrap().status();
+    let host_page = http.get(format!("{origin}/cookies")).header("cookie", &cookie).send().await.unwrap();
+    let (host_cookies, host_sw) = (set_cookies(&host_page), sw_allowed(&host_page));
+    // Path form (one origin for every path preview): no guest cookie, no
+    // service worker scope past the preview, and the token reaches the
+    // guest neither in the prefix nor in a Referer of a path URL.
+    let pp = preview(&client, json!({"sandbox_id": id, "port": 8000, "form": "path"})).await;
+    let pp_url = pp["url"].as_str().unwrap().to_string();
+    let pp_id = pp["preview_id"].as_str().unwrap().to_string();
+    let pp_token = pp_url.trim_end_matches('/').rsplit_once(&format!("{pp_id}.")).unwrap().1.to_string();
+    let plain = reqwest::Client::builder().redirect(reqwest::redirect::Policy::none()).build().unwrap();
+    let path_page = plain.get(format!("{pp_url}cookies")).send().await.unwrap();
+    let (path_cookies, path_sw) = (set_cookies(&path_page), sw_allowed(&path_page));
+    let path_seen: Value = plain
+        .get(format!("{pp_url}headers"))
+        .header("referer", format!("{pp_url}page?x=1"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    eprintln!(
+        "preview test: our cookie {ours:?}; old name {old_name}; host form: guest cookies {host_cookies:?}, \
+         Service-Worker-Allowed {host_sw:?}; path form: guest cookies {path_cookies:?}, Service-Worker-Allowed \
+         {path_sw:?}, the guest saw {path_seen}"
+    );
+    assert_eq!(ours.len(), 1, "{ours:?}");
+    assert!(ours[0].starts_with(&format!("__Host-tine_preview={token};")), "{ours:?}");
+    let attrs: Vec<&str> = ours[0].split(';').map(str::trim).collect();
+    assert!(attrs.contains(&"Secure") && attrs.contains(&"Path=/") && attrs.contains(&"HttpOnly"), "{ours:?}");
+    assert!(!ours[0].to_ascii_lowercase().contains("domain"), "{ours:?}");
+    assert_eq!(old_name, 401, "the old cookie name is not read");
+    assert_eq!(
+        host_cookies,
+        vec!["guest_a=1; Path=/".to_string(), "guest_b=2; Path=/; HttpOnly; SameSite=Lax".to_string()],
+        "a guest's cookies lose their Domain, nothing else"
+    );
+    assert_eq!(host_sw.as_deref(), Some("/"), "its own origin: the guest's to widen");
+    assert_eq!(path_page.status(), 200);
+    assert_eq!((path_cookies, path_sw), (vec![], None), "path form: no guest cookie, no wider service worker");
+    assert_eq!(path_seen["x-forwarded-prefix"], format!("/preview/{pp_id}"), "{path_seen}");
+    assert_eq!(path_seen["referer"], format!("{}/preview/{pp_id}/page?x=1", server.base), "{path_seen}");
+    assert!(!path_seen.to_string().contains(&pp_token), "the guest never sees the token: {path_seen}");
+    phase("cookies, service workers and tokens kept apart");
 
     // Server-Sent Events arrive as they are sent: curl prints the first
     // before the second is released.

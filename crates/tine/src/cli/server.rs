@@ -46,7 +46,8 @@ pub(super) struct StartArgs {
     #[arg(long = "allowed-host")]
     allowed_hosts: Vec<String>,
     /// Accepted Origin header (repeatable), e.g. https://app.example.com:443
-    /// [default: none; requests carrying an Origin get 403].
+    /// [default: none; requests carrying an Origin get 403]. Not with
+    /// --dev, which accepts its own loopback origins only.
     #[arg(long = "allowed-origin")]
     allowed_origins: Vec<String>,
 }
@@ -181,11 +182,26 @@ fn prepare(
             allowed_hosts.push(host);
         }
     }
-    let allowed_origins = if !args.allowed_origins.is_empty() {
+    let mut allowed_origins = if !args.allowed_origins.is_empty() {
         args.allowed_origins.clone()
     } else {
         r.file.allowed_origins.clone().unwrap_or_default()
     };
+    if args.dev {
+        // No credentials: a browser page may drive this server only from
+        // the server's own origin (DNS rebinding protection, MCP
+        // transport spec), not from another port or a preview page.
+        if !allowed_origins.is_empty() {
+            tracing::warn!("--dev: allowed_origins are not used; a --dev server accepts only its own origins");
+        }
+        allowed_origins = server::loopback_origins(listen);
+        if r.file.preview.path_urls {
+            tracing::warn!(
+                "--dev with [preview] path_urls = true: a path-based preview's page shares this server's origin and \
+                 can call /mcp, which has no authentication under --dev; use the host-based URLs (<id>.localhost)"
+            );
+        }
+    }
     let session_timeout =
         Duration::from_secs(r.file.session_timeout_secs.unwrap_or(r.file.limits.default_idle_timeout_secs).max(1));
     let profile = HostProfile::detect();

@@ -12,14 +12,18 @@
 //!   certificate), or `http://<id>.localhost:<port>/` under `--dev`
 //!   (browsers resolve `*.localhost` to loopback, RFC 6761 §6.3). A URL
 //!   that is not public carries a token (`?tine_preview_token=...`) that
-//!   the first request exchanges for an HttpOnly, SameSite=Lax cookie
-//!   scoped to that host (a `303` to the same URL without the token), so
-//!   the token leaves the address bar and never reaches the guest;
+//!   the first request exchanges for an HttpOnly, SameSite=Lax, `__Host-`
+//!   cookie of that host ([`COOKIE`]; a `303` to the same URL without the
+//!   token), so the token leaves the address bar and never reaches the
+//!   guest; a guest's own cookies lose their `Domain` (all previews are
+//!   one site);
 //! - path-based, `<public_url>/preview/<id>[.<token>]/...`, off unless
 //!   `[preview] path_urls = true`: every path-based preview shares the
-//!   server's origin, so no cookie is set; the token is part of the path
-//!   and so of every relative URL the page uses. Apps that use absolute
-//!   paths (`/static/app.js`) break under it.
+//!   server's origin, so no cookie is set (the guest's are taken out, and
+//!   its `Service-Worker-Allowed`); the token is part of the path and so
+//!   of every relative URL the page uses. Apps that use absolute paths
+//!   (`/static/app.js`) break under it. One origin for every sandbox's
+//!   pages (their storage, their scripts) suits a single-tenant server.
 //!
 //! Tokens ([`token`]) are HMAC-SHA256 (RFC 2104) under a key kept in the
 //! data directory, over the preview id, sandbox, port, expiry and the
@@ -68,8 +72,13 @@ pub const MAX_TTL_SECS: u64 = 30 * 86_400;
 pub const MAX_PER_SANDBOX: usize = 16;
 /// The query parameter a host-based URL carries its token in.
 pub const TOKEN_PARAM: &str = "tine_preview_token";
-/// The cookie a host-based preview's token is kept in.
-pub const COOKIE: &str = "tine_preview";
+/// The cookie a host-based preview's token is kept in: a `__Host-` one
+/// (RFC 6265bis §4.1.3.2), which another preview's host cannot set or
+/// shadow.
+pub const COOKIE: &str = "__Host-tine_preview";
+/// The cookie's name before it was a `__Host-` one: no longer read (a
+/// sibling host could plant it), still taken out before the guest.
+pub const OLD_COOKIE: &str = "tine_preview";
 /// The path prefix of path-based URLs.
 pub const PATH_PREFIX: &str = "/preview/";
 

@@ -13,6 +13,38 @@
 //! `X-Forwarded-For`, `-Proto`, `-Host` (and `-Prefix` for a path-based
 //! URL), and `Host: localhost:<port>` unless `rewrite_host` is off.
 //! Refusals are small HTML pages that say what to do.
+//!
+//! Previews of different sandboxes (and tenants) must not reach each
+//! other through the browser, so some of what passes is changed
+//! ([`scrub_request`], [`scrub_response`]):
+//!
+//! - the token never reaches the guest: not in the target (the host
+//!   form's `tine_preview_token` is taken out of the query, the path
+//!   form's `/preview/<id>.<token>` prefix is cut), not in
+//!   `X-Forwarded-Prefix` (`/preview/<id>`, without the token: absolute
+//!   links an app builds from it work for public URLs only; relative ones
+//!   keep the token), not in a `Referer` of a path URL of any preview
+//!   (its token is cut, and a host URL's `tine_preview_token` taken out),
+//!   and no other request header that holds it is passed on; the
+//!   server's cookie (and its name before `__Host-`, `tine_preview`) is
+//!   taken out of `Cookie`;
+//! - path form: every path preview shares the server's origin (RFC 6454),
+//!   so the guest's `Set-Cookie` (a cookie with `Path=/` would reach every
+//!   other preview and the server) and `Service-Worker-Allowed` (a worker
+//!   whose scope is `/` sees every request to the origin, other previews'
+//!   tokens in their paths and signed `/files` URLs among them) are taken
+//!   out of its responses;
+//! - host form: each preview is its own origin but all are one site (the
+//!   preview domain), so a guest's `Set-Cookie` loses its `Domain`
+//!   attribute (it stays a host-only cookie of that preview, RFC 6265
+//!   §5.3 step 6: none can plant a cookie on the others), and the
+//!   server's own cookie is `__Host-tine_preview` (RFC 6265bis §4.1.3.2:
+//!   `Secure`, `Path=/`, no `Domain`), which a sibling host cannot set or
+//!   shadow. Browsers keep a `Secure` cookie only over https or from
+//!   `localhost` and `*.localhost` (Chromium, Firefox), so a token URL of
+//!   the host form needs one of those; a cookie a guest's script sets
+//!   with `document.cookie` and `domain=` is beyond the proxy (an
+//!   operator's preview domain on the Public Suffix List stops it).
 
 use axum::body::Body;
 use axum::extract::{ConnectInfo, Request};
@@ -24,7 +56,7 @@ use tine_sandbox::network::InboundError;
 use tine_sandbox::SandboxError;
 
 use super::store::{is_id, now_ms, tag_of, Preview};
-use super::{Dispatch, UrlForms, COOKIE, PATH_PREFIX, TOKEN_PARAM};
+use super::{Dispatch, UrlForms, COOKIE, OLD_COOKIE, PATH_PREFIX, TOKEN_PARAM};
 
 /// Which preview a request is for, and how it named it.
 #[derive(Debug, PartialEq, Eq)]
@@ -146,15 +178,16 @@ fn cookie<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
         .map(|(_, v)| v)
 }
 
-/// `Cookie` without the pair `name`; `None` when nothing is left.
-fn cookie_without(headers: &HeaderMap, name: &str) -> Option<HeaderValue> {
+/// `Cookie` without the pairs named in `names`; `None` when nothing is
+/// left.
+fn cookie_without(headers: &HeaderMap, names: &[&str]) -> Option<HeaderValue> {
     let kept: Vec<&str> = headers
         .get_all(header::COOKIE)
         .iter()
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(';'))
         .map(str::trim)
-        .filter(|pair| !pair.is_empty() && pair.split_once('=').is_none_or(|(n, _)| n != name))
+        .filter(|pair| !pair.is_empty() && pair.split_once('=').is_none_or(|(n, _)| !names.contains(&n)))
         .collect();
     if kept.is_empty() {
         return None;
@@ -178,6 +211,98 @@ fn split_token(query: Option<&str>) -> (Option<String>, Option<String>) {
         .collect();
     let rest = if kept.is_empty() { None } else { Some(kept.join("&")) };
     (rest, token)
+}
+
+/// `Set-Cookie` value `v` without its `Domain` attribute (any case, with
+/// its value; RFC 6265 §5.2.3), the rest byte for byte: the cookie is then
+/// host-only (§5.3 step 6). Attributes are separated by `;`, which no
+/// cookie value holds (§4.1.1).
+fn without_domain(v: &HeaderValue) -> Option<HeaderValue> {
+    let mut out = Vec::with_capacity(v.len());
+    for (i, part) in v.as_bytes().split(|b| *b == b';').enumerate() {
+        if i > 0 {
+            let name = part.split(|b| *b == b'=').next().unwrap_or_default().trim_ascii();
+            if name.eq_ignore_ascii_case(b"domain") {
+                continue;
+            }
+            out.push(b';');
+        }
+        out.extend_from_slice(part);
+    }
+    HeaderValue::from_bytes(&out).ok()
+}
+
+/// A `Referer` without preview tokens: a path URL's
+/// `/preview/<id>.<token>` becomes `/preview/<id>`, a host URL's
+/// `tine_preview_token` leaves its query. `None` for one that is not an
+/// absolute URI (it is not passed on: it might hold a token).
+fn referer_without_tokens(v: &str) -> Option<String> {
+    let uri: Uri = v.parse().ok()?;
+    let (scheme, authority) = (uri.scheme_str()?, uri.authority()?);
+    let mut path = uri.path().to_string();
+    if let Some(rest) = path.strip_prefix(PATH_PREFIX) {
+        let segment = rest.split('/').next().unwrap_or_default();
+        if let Some((id, _)) = segment.split_once('.') {
+            path = format!("{PATH_PREFIX}{id}{}", &rest[segment.len()..]);
+        }
+    }
+    let query = split_token(uri.query()).0.map(|q| format!("?{q}")).unwrap_or_default();
+    Some(format!("{scheme}://{authority}{path}{query}"))
+}
+
+/// What a request brings that must not reach the guest: a `Referer`'s
+/// preview tokens ([`referer_without_tokens`]) and any header whose
+/// value holds `token` (this preview's).
+fn scrub_request(headers: &mut HeaderMap, token: Option<&str>) {
+    let referers: Vec<HeaderValue> = headers
+        .get_all(header::REFERER)
+        .iter()
+        .filter_map(|v| v.to_str().ok().and_then(referer_without_tokens))
+        .filter_map(|r| HeaderValue::from_str(&r).ok())
+        .collect();
+    headers.remove(header::REFERER);
+    for r in referers {
+        headers.append(header::REFERER, r);
+    }
+    let Some(token) = token.filter(|t| !t.is_empty()) else { return };
+    let holding: Vec<HeaderName> = headers
+        .iter()
+        .filter(|(_, v)| v.as_bytes().windows(token.len()).any(|w| w == token.as_bytes()))
+        .map(|(n, _)| n.clone())
+        .collect();
+    for n in holding {
+        headers.remove(n);
+    }
+}
+
+/// What a guest's response may not bring to the browser: under the path
+/// form (one origin for all) its `Set-Cookie` and `Service-Worker-Allowed`;
+/// under the host form its cookies' `Domain` ([`without_domain`]).
+fn scrub_response(headers: &mut HeaderMap, form: &Form) {
+    match form {
+        Form::Path { .. } => {
+            headers.remove(header::SET_COOKIE);
+            headers.remove("service-worker-allowed");
+        }
+        Form::Host => {
+            let cookies: Vec<HeaderValue> =
+                headers.get_all(header::SET_COOKIE).iter().filter_map(without_domain).collect();
+            headers.remove(header::SET_COOKIE);
+            for c in cookies {
+                headers.append(header::SET_COOKIE, c);
+            }
+        }
+    }
+}
+
+/// Whether `host` (no port) is one browsers count as secure over plain
+/// http for cookies: `localhost`, `*.localhost` (RFC 6761 §6.3), a
+/// loopback address.
+fn is_localhost(host: &str) -> bool {
+    let host = host.trim_start_matches('[').trim_end_matches(']').to_ascii_lowercase();
+    host == "localhost"
+        || host.ends_with(".localhost")
+        || host.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback())
 }
 
 /// Whether a header belongs to one connection (RFC 9110 §7.6.1), with
@@ -286,7 +411,7 @@ pub async fn serve(d: &Dispatch, target: Target, req: Request) -> Response {
                         return refused(&e);
                     }
                     if req.method() == Method::GET || req.method() == Method::HEAD {
-                        return exchange(&p, t, req.uri().path(), query.as_deref(), secure(&d.previews.forms, &req));
+                        return exchange(&p, t, req.uri().path(), query.as_deref());
                     }
                 }
                 (None, Some(c)) => {
@@ -294,11 +419,27 @@ pub async fn serve(d: &Dispatch, target: Target, req: Request) -> Response {
                         return refused(&e);
                     }
                 }
-                (None, None) => return refused(&"open the whole URL sandbox_preview_url gave (it carries a token)"),
+                (None, None) => {
+                    let plain = !secure(&d.previews.forms, &req) && !request_host(&req).is_some_and(is_localhost);
+                    return refused(if plain {
+                        &"open the whole URL sandbox_preview_url gave (it carries a token); if you did, this browser \
+                          dropped the preview's cookie, which needs https (or a *.localhost name): ask the operator \
+                          for https preview URLs or a public one"
+                    } else {
+                        &"open the whole URL sandbox_preview_url gave (it carries a token)"
+                    });
+                }
             },
         }
     }
-    forward(d, &p, &target.form, query, req).await
+    // The token checked above, to keep from the guest (a public URL's
+    // has not been checked: it may be any string, and opens nothing).
+    let token = match &target.form {
+        _ if p.public => None,
+        Form::Path { token, .. } => token.clone(),
+        Form::Host => url_token.or_else(|| cookie(req.headers(), COOKIE).map(str::to_string)),
+    };
+    forward(d, &p, &target.form, query, token.as_deref(), req).await
 }
 
 /// Whether the client reached the server over TLS: the URL's scheme, or a
@@ -310,11 +451,13 @@ fn secure(forms: &UrlForms, req: &Request) -> bool {
 
 /// The token in the URL for a cookie: `303` to the same path and query
 /// without the token, setting an HttpOnly, SameSite=Lax, host-only cookie
-/// (no `Domain`: RFC 6265 §5.3 step 6) that lasts as long as the preview.
-fn exchange(p: &Preview, token: &str, path: &str, query: Option<&str>, secure: bool) -> Response {
+/// (no `Domain`: RFC 6265 §5.3 step 6) that lasts as long as the preview,
+/// named [`COOKIE`] (`__Host-`: `Secure` and `Path=/` as RFC 6265bis
+/// §4.1.3.2 asks; browsers keep it from https and from `*.localhost` over
+/// http).
+fn exchange(p: &Preview, token: &str, path: &str, query: Option<&str>) -> Response {
     let max_age = p.expires_at_ms.saturating_sub(now_ms()) / 1000;
-    let secure = if secure { "; Secure" } else { "" };
-    let cookie = format!("{COOKIE}={token}; Path=/; Max-Age={max_age}; HttpOnly; SameSite=Lax{secure}");
+    let cookie = format!("{COOKIE}={token}; Path=/; Max-Age={max_age}; HttpOnly; SameSite=Lax; Secure");
     let location = match query {
         Some(q) => format!("{path}?{q}"),
         None => path.to_string(),
@@ -353,13 +496,15 @@ fn nothing_listening(p: &Preview, e: &dyn std::fmt::Display) -> Response {
 /// The request as the guest gets it: its URI,
 /// `http://<sandbox_id>:<port>/<target>` (the pool's key is the sandbox
 /// and port; the guest sees the origin form), and its headers: end-to-end
-/// ones ([`end_to_end`]), the preview cookie out, `Host` and
+/// ones ([`end_to_end`]), the preview cookie out, no token
+/// ([`scrub_request`] with the URL's `token`), `Host` and
 /// `X-Forwarded-*`; `None` when the target is not a valid URI.
 fn guest_request(
     d: &Dispatch,
     p: &Preview,
     form: &Form,
     query: Option<String>,
+    token: Option<&str>,
     parts: &axum::http::request::Parts,
 ) -> Option<(Uri, HeaderMap)> {
     let path = match form {
@@ -380,9 +525,10 @@ fn guest_request(
     for n in theirs {
         headers.remove(n);
     }
-    if let Some(c) = cookie_without(&parts.headers, COOKIE) {
+    if let Some(c) = cookie_without(&parts.headers, &[COOKIE, OLD_COOKIE]) {
         headers.insert(header::COOKIE, c);
     }
+    scrub_request(&mut headers, token);
     let original_host = request_host_of(parts);
     let host = if d.previews.config.rewrite_host { format!("localhost:{}", p.port) } else { original_host.clone() };
     headers.insert(header::HOST, HeaderValue::from_str(&host).ok()?);
@@ -399,10 +545,9 @@ fn guest_request(
     if !original_host.is_empty() {
         headers.insert("x-forwarded-host", HeaderValue::from_str(&original_host).ok()?);
     }
-    if let Form::Path { prefix, .. } = form {
-        if let Some(pre) = parts.uri.path().get(..*prefix) {
-            headers.insert("x-forwarded-prefix", HeaderValue::from_str(pre).ok()?);
-        }
+    if let Form::Path { .. } = form {
+        // Without the token (the module's doc says why).
+        headers.insert("x-forwarded-prefix", HeaderValue::from_str(&format!("{PATH_PREFIX}{}", p.preview_id)).ok()?);
     }
     Some((uri, headers))
 }
@@ -461,7 +606,14 @@ impl http_body::Body for Placed {
 /// Sends the request to the guest over a pooled connection
 /// ([`super::upstream`]) and answers its response (or its `101` and the
 /// splice).
-async fn forward(d: &Dispatch, p: &Preview, form: &Form, query: Option<String>, req: Request) -> Response {
+async fn forward(
+    d: &Dispatch,
+    p: &Preview,
+    form: &Form,
+    query: Option<String>,
+    token: Option<&str>,
+    req: Request,
+) -> Response {
     let (mut parts, body) = req.into_parts();
     let max_request = d.previews.max_request_bytes();
     let declared =
@@ -476,7 +628,7 @@ async fn forward(d: &Dispatch, p: &Preview, form: &Form, query: Option<String>, 
             ),
         );
     }
-    let Some((uri, headers)) = guest_request(d, p, form, query, &parts) else {
+    let Some((uri, headers)) = guest_request(d, p, form, query, token, &parts) else {
         return page(StatusCode::BAD_REQUEST, "Bad request", "the request's target or headers cannot be passed on");
     };
     let client_upgrade = parts.extensions.remove::<OnUpgrade>();
@@ -519,11 +671,13 @@ async fn forward(d: &Dispatch, p: &Preview, form: &Form, query: Option<String>, 
             tracing::debug!("{what} closed: {r:?}");
             drop(place);
         });
-        let (parts, _) = response.into_parts();
+        let (mut parts, _) = response.into_parts();
+        scrub_response(&mut parts.headers, form);
         return axum::http::Response::from_parts(parts, Body::empty());
     }
     let (mut parts, body) = response.into_parts();
     strip_hop_by_hop(&mut parts.headers);
+    scrub_response(&mut parts.headers, form);
     let max_response = usize::try_from(d.previews.max_response_bytes()).unwrap_or(usize::MAX);
     let body = Placed { body: http_body_util::Limited::new(body, max_response), _place: place };
     axum::http::Response::from_parts(parts, Body::new(body))
@@ -594,13 +748,90 @@ mod tests {
         assert_eq!(split_token(Some("tine_preview_token=9.ff")), (None, Some("9.ff".into())));
         assert_eq!(split_token(Some("a")), (Some("a".into()), None));
         let mut h = HeaderMap::new();
-        h.append(header::COOKIE, HeaderValue::from_static("a=1; tine_preview=9.ff"));
+        h.append(header::COOKIE, HeaderValue::from_static("a=1; __Host-tine_preview=9.ff; tine_preview=8.ee"));
         h.append(header::COOKIE, HeaderValue::from_static("b=2"));
         assert_eq!(cookie(&h, COOKIE), Some("9.ff"));
-        assert_eq!(cookie_without(&h, COOKIE).unwrap(), "a=1; b=2");
+        assert_eq!(cookie_without(&h, &[COOKIE, OLD_COOKIE]).unwrap(), "a=1; b=2");
         let mut only = HeaderMap::new();
-        only.insert(header::COOKIE, HeaderValue::from_static("tine_preview=9.ff"));
-        assert_eq!(cookie_without(&only, COOKIE), None);
+        only.insert(header::COOKIE, HeaderValue::from_static("__Host-tine_preview=9.ff"));
+        assert_eq!(cookie_without(&only, &[COOKIE, OLD_COOKIE]), None);
+        let mut old = HeaderMap::new();
+        old.insert(header::COOKIE, HeaderValue::from_static("tine_preview=9.ff"));
+        assert_eq!(cookie(&old, COOKIE), None, "the name before __Host- is not read");
+    }
+
+    #[test]
+    fn a_guest_cookie_loses_its_domain_and_nothing_else() {
+        let strip = |v: &'static str| without_domain(&HeaderValue::from_static(v)).unwrap();
+        assert_eq!(strip("a=b; Domain=preview.example.com; Path=/"), "a=b; Path=/");
+        assert_eq!(strip("a=b;domain=.Preview.Example.com;Secure"), "a=b;Secure");
+        assert_eq!(strip("a=b; Path=/; HttpOnly; DOMAIN = x ; SameSite=Lax"), "a=b; Path=/; HttpOnly; SameSite=Lax");
+        assert_eq!(strip("a=b; Domain"), "a=b");
+        assert_eq!(strip("a=b; Domain=x; domain=y"), "a=b");
+        assert_eq!(strip("domain=1; Path=/"), "domain=1; Path=/", "a cookie named domain keeps its name");
+        assert_eq!(
+            strip("a=b; Expires=Wed, 21 Oct 2026 07:28:00 GMT;  Path=/x"),
+            "a=b; Expires=Wed, 21 Oct 2026 07:28:00 GMT;  Path=/x"
+        );
+        assert_eq!(strip("a=b; DomainX=1"), "a=b; DomainX=1");
+    }
+
+    #[test]
+    fn a_path_guest_sets_no_cookie_and_no_wider_worker_a_host_guest_no_domain() {
+        let mut h = HeaderMap::new();
+        h.append(header::SET_COOKIE, HeaderValue::from_static("a=1; Domain=localhost; Path=/"));
+        h.append(header::SET_COOKIE, HeaderValue::from_static("b=2; Path=/"));
+        h.insert("service-worker-allowed", HeaderValue::from_static("/"));
+        h.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/html"));
+        let mut host = h.clone();
+        scrub_response(&mut host, &Form::Host);
+        let cookies: Vec<_> = host.get_all(header::SET_COOKIE).iter().collect();
+        assert_eq!(cookies, ["a=1; Path=/", "b=2; Path=/"]);
+        assert_eq!(host["service-worker-allowed"], "/", "its own origin's");
+        let mut path = h;
+        scrub_response(&mut path, &Form::Path { token: None, prefix: 21 });
+        assert_eq!(path.keys().collect::<Vec<_>>(), vec![header::CONTENT_TYPE]);
+    }
+
+    #[test]
+    fn no_token_reaches_the_guest_in_a_header() {
+        let id = "0123456789ab";
+        assert_eq!(
+            referer_without_tokens(&format!("http://h:5555/preview/{id}.9.ff/a/b?x=1")).unwrap(),
+            format!("http://h:5555/preview/{id}/a/b?x=1")
+        );
+        assert_eq!(
+            referer_without_tokens("http://abc.localhost:5555/p?tine_preview_token=9.ff&y=2").unwrap(),
+            "http://abc.localhost:5555/p?y=2"
+        );
+        assert_eq!(
+            referer_without_tokens(&format!("https://h/preview/{id}.7.aa")).unwrap(),
+            format!("https://h/preview/{id}")
+        );
+        assert_eq!(referer_without_tokens("https://h/other/x.y/").unwrap(), "https://h/other/x.y/");
+        assert_eq!(referer_without_tokens("/relative"), None);
+        let mut h = HeaderMap::new();
+        h.insert(header::REFERER, HeaderValue::from_str(&format!("http://h/preview/{id}.9.ff/")).unwrap());
+        h.insert("x-original-uri", HeaderValue::from_static("/preview/0123456789ab.9.ff/x"));
+        h.insert(header::ACCEPT, HeaderValue::from_static("*/*"));
+        scrub_request(&mut h, Some("9.ff"));
+        assert_eq!(h[header::REFERER], format!("http://h/preview/{id}/"));
+        assert!(!h.contains_key("x-original-uri"));
+        assert_eq!(h[header::ACCEPT], "*/*");
+        let mut bad = HeaderMap::new();
+        bad.insert(header::REFERER, HeaderValue::from_static("not a url 9.ff"));
+        scrub_request(&mut bad, None);
+        assert!(bad.is_empty(), "a Referer that cannot be read is not passed on");
+    }
+
+    #[test]
+    fn localhost_names_are_secure_for_cookies() {
+        for h in ["localhost", "abc.LOCALHOST", "127.0.0.1", "[::1]"] {
+            assert!(is_localhost(h), "{h}");
+        }
+        for h in ["preview.example.com", "localhost.example.com", "10.0.0.1"] {
+            assert!(!is_localhost(h), "{h}");
+        }
     }
 
     #[test]

@@ -274,6 +274,24 @@ async fn a_foreign_origin_is_refused_with_403() {
 }
 
 #[tokio::test]
+async fn a_dev_servers_own_loopback_origins_pass_and_no_other() {
+    let listen: std::net::SocketAddr = "127.0.0.1:5555".parse().unwrap();
+    let own = super::loopback_origins(listen);
+    assert_eq!(own, ["http://localhost:5555", "http://127.0.0.1:5555", "http://[::1]:5555"]);
+    assert_eq!(super::loopback_origins("[::1]:7".parse().unwrap()).len(), 3);
+    assert_eq!(super::loopback_origins("127.0.0.2:80".parse().unwrap())[3], "http://127.0.0.2:80");
+    // `tine server start --dev` passes these as its allowed origins.
+    let dir = tempfile::tempdir().unwrap();
+    let app = router(manager(&dir), &options(None, own), files(), &CancellationToken::new()).unwrap();
+    for origin in ["http://localhost:5555", "http://127.0.0.1:5555", "http://[::1]:5555"] {
+        assert_eq!(send(&app, post_from(origin, None)).await.status(), StatusCode::OK, "{origin}");
+    }
+    for origin in ["http://0123456789ab.localhost:5555", "http://localhost:5556", "https://localhost:5555", "null"] {
+        assert_eq!(send(&app, post_from(origin, None)).await.status(), StatusCode::FORBIDDEN, "{origin}");
+    }
+}
+
+#[tokio::test]
 async fn delete_ends_a_session_with_200() {
     let dir = tempfile::tempdir().unwrap();
     let app = app(&dir, Some(TOKEN));

@@ -4,7 +4,9 @@
 # /sse: one event, the second once /release is asked for (chunked); /ws: a
 # WebSocket echo of text messages under 120 bytes until a close (RFC 6455);
 # /blob?n=N: N bytes, byte i = i % 251; PUT /upload: the body's SHA-256;
-# /count: requests seen but these; /: a page whose script sends a
+# /count: requests seen but these; /cookies: a page that sets two cookies
+# for the preview domain (`Domain=localhost`) and widens a service
+# worker's scope to `/` (`Service-Worker-Allowed`); /: a page whose script sends a
 # WebSocket message and shows the echo.
 import base64, hashlib, http.server, json, threading, urllib.parse
 app_seen = [0]
@@ -40,6 +42,14 @@ class AppHandler(http.server.BaseHTTPRequestHandler):
             seen = {k.lower(): v for k, v in self.headers.items()}
             seen['target'] = self.path
             self.reply(200, json.dumps(seen).encode(), 'application/json')
+        elif url.path == '/cookies':
+            self.send_response(200)
+            self.send_header('Set-Cookie', 'guest_a=1; Domain=localhost; Path=/')
+            self.send_header('Set-Cookie', 'guest_b=2; Path=/; HttpOnly; domain=.LOCALHOST ; SameSite=Lax')
+            self.send_header('Service-Worker-Allowed', '/')
+            self.send_header('Content-Length', '2')
+            self.end_headers()
+            self.wfile.write(b'ok')
         elif url.path == '/release':
             app_release.set()
             self.reply(200, b'released')
