@@ -135,6 +135,182 @@ fn tail(s: &str, lines: usize) -> String {
     v[v.len().saturating_sub(lines)..].join("\n")
 }
 
+/// The peer key of the test's hosts (`[cluster] peer_key_file`), a file
+/// of mode 0600 in `dir`; another key than [`TOKEN`].
+fn peer_key_file(dir: &Path) -> PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let path = dir.join("peer-key");
+    std::fs::write(&path, "cluster-test-peer-key-0123456789abcdef0123456789").unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+    path
+}
+
+/// A listener on a loopback port that counts the connections it accepts
+/// (and closes them at once): a peer URL that leaks shows up as a count.
+struct Counting {
+    port: u16,
+    accepted: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Counting {
+    fn start() -> Counting {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let accepted = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let count = accepted.clone();
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                drop(conn);
+            }
+        });
+        Counting { port, accepted }
+    }
+
+    fn accepted(&self) -> usize {
+        self.accepted.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+/// Starts `tine server start` with `config` and the test token; `Err`
+/// with its standard error when it exits before it listens, else the
+/// running server (killed on drop) and its port.
+fn try_start(bin: &Path, dir: &Path, config: &str) -> Result<(KillOnDrop, u16), String> {
+    use std::io::BufRead;
+    use std::os::unix::fs::PermissionsExt;
+    let (config_path, token) = (dir.join("tine.toml"), dir.join("token"));
+    std::fs::write(&config_path, config).unwrap();
+    std::fs::write(&token, TOKEN).unwrap();
+    std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let port = free_port();
+    let mut child = Command::new(bin)
+        .args(["server", "start", "--listen", &format!("127.0.0.1:{port}")])
+        .arg("--config")
+        .arg(&config_path)
+        .arg("--data-dir")
+        .arg(dir.join("data"))
+        .arg("--token-file")
+        .arg(&token)
+        .arg("--kernel")
+        .arg(testkit::kernel())
+        .arg("--rootfs")
+        .arg(testkit::rootfs())
+        .env_remove("TINE_TOKEN")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn tine server");
+    // Standard error drained (a running server logs), kept for the answer.
+    let mut stderr = child.stderr.take().unwrap();
+    let err = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = stderr.read_to_string(&mut s);
+        s
+    });
+    let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    if !lines.by_ref().map_while(Result::ok).any(|l| l.starts_with("tine: listening on")) {
+        let _ = child.wait();
+        return Err(err.join().unwrap());
+    }
+    std::thread::spawn(move || for _ in lines.by_ref() {});
+    Ok((KillOnDrop(child), port))
+}
+
+/// A child process killed and reaped on drop.
+struct KillOnDrop(Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A `peer_url` that puts the host part of a client's id where a URL's
+/// host is, `http://{host}:PORT` (the issue's example), would send an id
+/// whose host part is a number (`2130706433` is 127.0.0.1) to that IP
+/// address with the peer key. Such a configuration is refused at start,
+/// saying what to write instead; a cluster without its own peer key is
+/// refused too; and a host whose peers are named reaches no address for
+/// numeric host parts in a session id or a sandbox id: the listener the
+/// peer URL would point at sees no connection, and the caller gets an
+/// error. Host-only (no guest, no nginx).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn numeric_hosts_in_ids_reach_no_address() {
+    let bin = PathBuf::from(env!("CARGO_BIN_EXE_tine"));
+    let target = Counting::start();
+    let dir = tempfile::tempdir().unwrap();
+    let key = peer_key_file(dir.path());
+    let base = "[templates]\nbuild_default = false\n[pool]\nsize = 0\n[cluster]\nhost_name = \"h1\"\n";
+    // Numeric host parts: 127.0.0.1 as a decimal and as a hex number.
+    let numeric = ["2130706433", "0x7f000001"];
+    let random = "a1b2c3d4";
+
+    // What a client of such a server sends, and what it must get.
+    let probe = |port: u16| async move {
+        let http = reqwest::Client::new();
+        let url = format!("http://127.0.0.1:{port}/mcp");
+        let mut answers = Vec::new();
+        for host in numeric {
+            let resp = http
+                .post(&url)
+                .bearer_auth(TOKEN)
+                .header("accept", "application/json, text/event-stream")
+                .header("content-type", "application/json")
+                .header("mcp-session-id", format!("{host}.0f7c2d"))
+                .body(r#"{"jsonrpc":"2.0","id":1,"method":"tools/list"}"#)
+                .send()
+                .await
+                .unwrap();
+            answers.push(format!("session {host}: {}", resp.status()));
+            assert!(!resp.status().is_success(), "a session of host {host} was served: {}", resp.status());
+        }
+        let client = connect(&url, Some(TOKEN)).await;
+        for host in numeric {
+            let id = format!("sb-{host}-{random}");
+            let e =
+                call(client.peer(), "sandbox_exec", json!({"sandbox_id": id, "command": "true"})).await.unwrap_err();
+            assert!(e.contains(&id), "the error names the id: {e}");
+            answers.push(format!("sandbox {id}: {e}"));
+        }
+        answers
+    };
+
+    // 1. The issue's peer_url: refused, saying how to write it.
+    let issue =
+        format!("{base}peer_url = \"http://{{host}}:{}\"\npeer_key_file = \"{}\"\n", target.port, key.display());
+    match try_start(&bin, dir.path(), &issue) {
+        Err(err) => assert!(err.contains("peer_url") && err.contains("{host}.<DNS suffix>"), "{err}"),
+        Ok((_server, port)) => {
+            let answers = probe(port).await;
+            panic!(
+                "peer_url http://{{host}}:{} was accepted; numeric hosts reached {} connection(s) on 127.0.0.1 ({answers:?})",
+                target.port,
+                target.accepted()
+            );
+        }
+    }
+
+    // 2. A cluster without its own peer key: refused, saying how to make one.
+    let no_key = format!("{base}peers = {{ h2 = \"http://127.0.0.1:{}\" }}\n", target.port);
+    match try_start(&bin, dir.path(), &no_key) {
+        Err(err) => assert!(err.contains("peer_key_file") && err.contains("tine server keygen"), "{err}"),
+        Ok(_) => panic!("a cluster without a peer key started: it would send peers the operator's token"),
+    }
+
+    // 3. A good configuration: numeric hosts in ids reach nothing.
+    let good = format!(
+        "{base}peers = {{ h2 = \"http://127.0.0.1:{}\" }}\npeer_url = \"http://{{host}}.peers.invalid:{}\"\n\
+         peer_key_file = \"{}\"\n",
+        target.port,
+        target.port,
+        key.display()
+    );
+    let (_server, port) = try_start(&bin, dir.path(), &good).unwrap_or_else(|e| panic!("a good configuration: {e}"));
+    let answers = probe(port).await;
+    assert_eq!(target.accepted(), 0, "numeric hosts reached 127.0.0.1: {answers:?}");
+}
+
 /// The host a sandbox id names (`sb-<host>-<random>`).
 fn host_of(id: &str) -> &str {
     let rest = id.strip_prefix("sb-").unwrap_or_else(|| panic!("{id} starts with sb-"));
@@ -189,10 +365,13 @@ async fn two_hosts_behind_nginx() {
         String::from_utf8(out.stdout).unwrap().trim().to_string()
     };
     let (acme, beta) = (key("acme"), key("beta"));
+    let peer_key = peer_key_file(dir.path());
     let config = |me: &str, other: &str, port: u16| {
         format!(
-            "[cluster]\nhost_name = \"{me}\"\npeers = {{ {other} = \"http://127.0.0.1:{port}\" }}\n[auth]\n\
+            "[cluster]\nhost_name = \"{me}\"\npeers = {{ {other} = \"http://127.0.0.1:{port}\" }}\n\
+             peer_key_file = \"{}\"\n[auth]\n\
              tenants_file = \"{}\"\n[preview]\ndomain = \"preview.test\"\nscheme = \"http\"\n",
+            peer_key.display(),
             tenants.display()
         )
     };
@@ -272,8 +451,9 @@ async fn two_hosts_behind_nginx() {
     // name; the page and a WebSocket echo pass through it.
     let p3 = free_port();
     let h3_config = format!(
-        "[cluster]\nhost_name = \"h3\"\npeer_dns = \"http://localhost:{p1}\"\n[templates]\nbuild_default = false\n\
-         [preview]\ndomain = \"preview.test\"\nscheme = \"http\"\n"
+        "[cluster]\nhost_name = \"h3\"\npeer_dns = \"http://localhost:{p1}\"\npeer_key_file = \"{}\"\n\
+         [templates]\nbuild_default = false\n[preview]\ndomain = \"preview.test\"\nscheme = \"http\"\n",
+        peer_key.display()
     );
     let h3 = TineServer::start_on(&bin, Some(TOKEN), &h3_config, p3);
     let via_h3 = reqwest::Client::builder()

@@ -24,10 +24,11 @@ const VALIDATOR_VERSION: &str = "1.37.0";
 const KUBERNETES_VERSION: &str = "1.33.0";
 
 /// Every resource in `deploy/kubernetes/`, as the validator names them.
-const RESOURCES: [&str; 8] = [
+const RESOURCES: [&str; 9] = [
     "namespace/tine",
     "secret/tine-token",
     "secret/tine-tenants",
+    "secret/tine-peer-key",
     "configmap/tine-config",
     "daemonset/tine",
     "service/tine",
@@ -295,6 +296,17 @@ fn the_manifests_agree_with_each_other_and_the_server() {
         (peers["metadata"]["name"].as_str().unwrap(), peers["metadata"]["namespace"].as_str().unwrap());
     assert_eq!(namespace, ds["metadata"]["namespace"]);
     assert_eq!(peer_url, format!("http://{{host}}.{name}.{namespace}.svc.cluster.local:{port}"));
+    // Pods present a key of their own to each other, from its own Secret,
+    // mode 0400 (the server refuses a key others can read); never the token.
+    let peer_key_file = toml["cluster"]["peer_key_file"].as_str().expect("[cluster] peer_key_file in the ConfigMap");
+    let peer_key = find(&docs, "Secret", "tine-peer-key");
+    let (dir, key) = peer_key_file.rsplit_once('/').unwrap();
+    let mount = c["volumeMounts"].as_array().unwrap().iter().find(|m| m["mountPath"] == dir).expect("peer key mount");
+    let v = volume(mount["name"].as_str().unwrap());
+    assert_eq!(v["secret"]["secretName"], peer_key["metadata"]["name"]);
+    assert_ne!(v["secret"]["secretName"], secret["metadata"]["name"], "the peer key is not the operator's token");
+    assert_eq!(v["secret"]["defaultMode"], 0o400);
+    assert!(peer_key["stringData"][key].is_string(), "the Secret tine-peer-key has no {key}");
     // rmcp matches allowed_hosts exactly: a pattern would match nothing.
     let allowed: Vec<&str> = toml["allowed_hosts"].as_array().unwrap().iter().map(|h| h.as_str().unwrap()).collect();
     for h in &allowed {

@@ -10,8 +10,9 @@
 //! - a tenant's API key (`tine tenant add`, [`tenants`]) is that
 //!   [`Principal::Tenant`], which sees only its own sandboxes, templates,
 //!   processes and URLs;
-//! - the peer key (`[cluster] peer_key_file`, default: the operator's
-//!   token) is a peer host passing on a call: it acts as the principal
+//! - the peer key (`[cluster] peer_key_file`; a host without one accepts
+//!   the operator's token in its place but sends peers nothing) is a peer
+//!   host passing on a call: it acts as the principal
 //!   named by [`TENANT_HEADER`] (none: the operator). The header counts on
 //!   no other request;
 //! - with `[auth.oauth]`, any other credential shaped as a JWT is an OAuth
@@ -249,9 +250,11 @@ impl Auth {
         self.changed.subscribe()
     }
 
-    /// The key this host presents to its peers (`None` under `--dev`).
+    /// The key this host presents to its peers: `[cluster] peer_key_file`'s
+    /// (`None` without one, and under `--dev`). Never the operator's token,
+    /// which stays on this host.
     pub fn peer_key(&self) -> Option<&str> {
-        self.peer_key.as_deref().or(self.admin_token.as_deref())
+        self.peer_key.as_deref()
     }
 
     /// What a file URL of a sandbox of `tenant` is signed over besides its

@@ -217,6 +217,28 @@ fn check_token_file(path: &Path) -> Check {
     }
 }
 
+/// A host that reaches peers (`[cluster] peers`, `peer_url` or
+/// `peer_dns`) needs a peer key of its own, readable as a token and not the
+/// operator's: the server does not start otherwise
+/// ([`crate::cluster::ClusterError::NoPeerKey`]).
+fn check_peer_key(cluster: &crate::cluster::ClusterConfig, token_file: Option<&Path>) -> Check {
+    const NAME: &str = "peer key";
+    let make = "make one with 'tine server keygen --out /etc/tine/peer-key', copy the same file to every host \
+                (mode 0600) and set [cluster] peer_key_file to it";
+    let Some(path) = &cluster.peer_key_file else {
+        return Check::new(NAME, Level::Fail, "[cluster] names other hosts but sets no peer_key_file", make);
+    };
+    let key = match config::load_token(Some(path)) {
+        Ok(Some(k)) => k,
+        Ok(None) => return Check::new(NAME, Level::Fail, format!("{}: no key", path.display()), make),
+        Err(e) => return Check::new(NAME, Level::Fail, e.to_string(), make),
+    };
+    if token_file.and_then(|t| config::load_token(Some(t)).ok().flatten()).is_some_and(|t| t == key) {
+        return Check::new(NAME, Level::Fail, format!("{} holds the operator's token", path.display()), make);
+    }
+    Check::new(NAME, Level::Ok, format!("{} (its owner's only, not the operator's token)", path.display()), "")
+}
+
 /// The tenants file ([`crate::auth::tenants`]) must be its owner's only
 /// and readable as one: the server refuses it otherwise. A missing file
 /// is fine (no tenants).
@@ -426,6 +448,9 @@ pub(super) fn run(r: &super::Resolved) -> ExitCode {
         checks.push(check_token_file(token));
     }
     checks.push(check_tenants_file(&r.file.auth.tenants_file(&r.data_dir)));
+    if r.file.cluster.reaches_peers() {
+        checks.push(check_peer_key(&r.file.cluster, r.file.token_file.as_deref()));
+    }
     checks.push(check_memory());
     checks.push(check_pool(&r.file));
     if r.file.memory.huge_pages {
@@ -493,6 +518,30 @@ mod tests {
         set_mode(&token, 0o600);
         assert_eq!(check_token_file(&token).level, Level::Ok);
         assert_eq!(check_token_file(&dir.path().join("missing")).level, Level::Fail);
+    }
+
+    #[test]
+    fn a_cluster_without_its_own_peer_key_fails_with_how_to_make_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cluster =
+            crate::cluster::ClusterConfig { peer_url: Some("http://{host}.peers:5555".into()), ..Default::default() };
+        let c = check_peer_key(&cluster, None);
+        assert_eq!(c.level, Level::Fail);
+        assert!(c.fix.contains("tine server keygen") && c.fix.contains("peer_key_file"), "{}", c.fix);
+        let token = dir.path().join("token");
+        std::fs::write(&token, "t".repeat(40)).unwrap();
+        set_mode(&token, 0o600);
+        cluster.peer_key_file = Some(token.clone());
+        let c = check_peer_key(&cluster, Some(&token));
+        assert_eq!(c.level, Level::Fail);
+        assert!(c.detail.contains("operator's token"), "{}", c.detail);
+        let key = dir.path().join("peer-key");
+        std::fs::write(&key, "k".repeat(40)).unwrap();
+        set_mode(&key, 0o644);
+        cluster.peer_key_file = Some(key.clone());
+        assert_eq!(check_peer_key(&cluster, Some(&token)).level, Level::Fail, "others can read it");
+        set_mode(&key, 0o600);
+        assert_eq!(check_peer_key(&cluster, Some(&token)).level, Level::Ok);
     }
 
     #[test]

@@ -156,6 +156,15 @@ fn prepare(
         (Some(f), Some(_)) if !stdio => config::load_token(Some(f))?,
         _ => None,
     };
+    // A host that reaches peers presents a key of its own to them, never
+    // the operator's token (--dev and stdio servers authenticate nobody).
+    if token.is_some() && !stdio && r.file.cluster.reaches_peers() {
+        match &peer_key {
+            None => return Err(cluster::ClusterError::NoPeerKey.into()),
+            Some(k) if Some(k) == token.as_ref() => return Err(cluster::ClusterError::PeerKeyIsToken.into()),
+            Some(_) => {}
+        }
+    }
     let tenants_file = r.file.auth.tenants_file(&r.data_dir);
     let auth = std::sync::Arc::new(auth::Auth::new(auth::AuthConfig {
         admin_token: token.clone(),

@@ -111,19 +111,35 @@ impl Cluster {
         reconnect: bool,
         cancel: &CancellationToken,
     ) -> Result<CallToolResult, String> {
+        let key = (host.to_string(), caller.name().to_string());
         let slot = {
             let mut clients = self.clients.lock().unwrap_or_else(|p| p.into_inner());
-            clients.entry((host.to_string(), caller.name().to_string())).or_default().clone()
+            clients.entry(key.clone()).or_default().clone()
         };
         let client = {
             let mut session = slot.lock().await;
             match session.as_ref() {
                 Some(c) if !reconnect && !c.is_transport_closed() => c.clone(),
-                _ => {
-                    let c = Arc::new(self.connect(url, caller).await?);
-                    *session = Some(c.clone());
-                    c
-                }
+                _ => match self.connect(url, caller).await {
+                    Ok(c) => {
+                        let c = Arc::new(c);
+                        *session = Some(c.clone());
+                        c
+                    }
+                    Err(e) => {
+                        // A host that does not answer (ids from clients
+                        // may name made-up hosts) keeps no slot: the map
+                        // holds only hosts with a session. Removed while
+                        // the slot is locked, so that no call's new session
+                        // in it is dropped.
+                        *session = None;
+                        let mut clients = self.clients.lock().unwrap_or_else(|p| p.into_inner());
+                        if clients.get(&key).is_some_and(|s| Arc::ptr_eq(s, &slot)) {
+                            clients.remove(&key);
+                        }
+                        return Err(e);
+                    }
+                },
             }
         };
         mcp_client::call_tool(client.peer(), request, cancel.cancelled()).await.map_err(|e| e.to_string())
@@ -188,5 +204,32 @@ mod tests {
             t.route("sandbox_kill", Some(&args(&[("sandbox_id", "sb-h9-1")])), None).unwrap(),
             Route::Forward { host: "h9".into(), url: "http://h9.peers:5555".into() }
         );
+        // A numeric host part is no host: the call stays here (where the
+        // id is unknown), and no URL is made from it.
+        for id in ["sb-2130706433-a1b2c3d4e5f6", "sb-0x7f000001-a1b2c3d4e5f6:p1"] {
+            let key = if id.contains(":p") { "process_id" } else { "sandbox_id" };
+            assert_eq!(t.route("sandbox_exec", Some(&args(&[(key, id)])), None).unwrap(), Route::Local, "{id}");
+        }
+    }
+
+    /// Calls for hosts that do not answer (clients make host names up)
+    /// leave no session slot behind: the slots stay as many as the hosts
+    /// that answered.
+    #[tokio::test]
+    async fn hosts_that_do_not_answer_leave_no_sessions() {
+        let c = cluster(&[], Some("http://{host}.peers:5555"));
+        // A loopback port nothing listens on: connections are refused at once.
+        let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let url = format!("http://127.0.0.1:{closed}");
+        for n in 0..20 {
+            let request = CallToolRequestParams::new("sandbox_exec");
+            let e = c
+                .forward(&format!("made-up-{n}"), &url, request, &Principal::Admin, &CancellationToken::new())
+                .await
+                .unwrap_err();
+            assert!(matches!(e, ClusterError::Peer { .. }), "{e}");
+        }
+        let slots = c.clients.lock().unwrap().len();
+        assert_eq!(slots, 0, "20 calls for made-up hosts left {slots} session slots");
     }
 }

@@ -34,6 +34,9 @@ pub fn host_name(raw: &str) -> Result<String, ClusterError> {
     if name.starts_with('-') || name.ends_with('-') {
         return Err(bad("it starts or ends with '-' or '.'"));
     }
+    if is_numeric_label(&name) {
+        return Err(bad("it is a number, which a URL reads as an IPv4 address; add a letter"));
+    }
     Ok(name)
 }
 
@@ -55,14 +58,34 @@ pub fn system_host_name() -> String {
     }
 }
 
+/// Whether the DNS label `label` is one that a URL's host parser takes as
+/// (the last part of) an IPv4 address: the WHATWG URL Standard's "ends in
+/// a number checker" (§3.5, host parsing) says so for a last label of
+/// ASCII digits only (decimal, or octal with a leading `0`) or of `0x`/`0X`
+/// and hex digits (`0x` alone included). `3405803783`, `0x7f000001` and
+/// `0177` are such labels: in `http://{host}:5555` they would name an IP
+/// address, not a host.
+pub fn is_numeric_label(label: &str) -> bool {
+    let hex = label.strip_prefix("0x").or_else(|| label.strip_prefix("0X"));
+    match hex {
+        Some(digits) => digits.bytes().all(|b| b.is_ascii_hexdigit()),
+        None => !label.is_empty() && label.bytes().all(|b| b.is_ascii_digit()),
+    }
+}
+
 /// Whether `h` is a host name as [`host_name`] makes them: ids come from
-/// clients, and the name may go into a peer's URL ([`ClusterConfig::peer_url`]).
+/// clients, and the name may go into a peer's URL ([`ClusterConfig::peer_url`]),
+/// so a name that a URL would read as an IPv4 address ([`is_numeric_label`])
+/// is not one.
+///
+/// [`ClusterConfig::peer_url`]: super::ClusterConfig::peer_url
 fn is_host_name(h: &str) -> bool {
     !h.is_empty()
         && h.len() <= MAX_HOST_NAME
         && h.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
         && !h.starts_with('-')
         && !h.ends_with('-')
+        && !is_numeric_label(h)
 }
 
 /// The host a sandbox or process id names: `sb-<host>-<random>[:p<m>]`
@@ -119,5 +142,33 @@ mod tests {
         assert_eq!(session_host("http://x.0f7c"), None);
         assert_eq!(session_host("h2.0f7c"), Some("h2"));
         assert_eq!(session_host("0f7c"), None);
+    }
+
+    /// Host parts a URL parser reads as IPv4 addresses (127.0.0.1 written
+    /// four ways, and 203.0.113.7 as the issue's `3405803783`) name no
+    /// host: no peer URL is made from them.
+    #[test]
+    fn numeric_host_parts_name_no_host() {
+        let minted = tine_sandbox::ids::mint("sb-h1").unwrap();
+        let random = minted.strip_prefix("sb-h1-").unwrap();
+        for numeric in ["2130706433", "3405803783", "0x7f000001", "0x", "017700000001", "0", "0xffffffff"] {
+            assert_eq!(host_of(&format!("sb-{numeric}-{random}")), None, "{numeric}");
+            assert_eq!(host_of(&format!("sb-{numeric}-{random}:p1")), None, "{numeric}");
+            assert_eq!(session_host(&format!("{numeric}.0f7c")), None, "{numeric}");
+            assert!(host_name(numeric).unwrap_err().to_string().contains("IPv4"), "{numeric}");
+            // What they would have been in a peer URL.
+            let url = reqwest::Url::parse(&format!("http://{numeric}:5555/")).unwrap();
+            assert!(url.host_str().unwrap().parse::<std::net::Ipv4Addr>().is_ok(), "{numeric}: {url}");
+        }
+        // Names with a letter or a '-' stay names, for the URL parser too.
+        for name in ["h1", "10-1-2-3", "0xg1", "x0", "127-0-0-1", "0x7f-1", "1e5", "deadbeef"] {
+            assert_eq!(host_of(&format!("sb-{name}-{random}")), Some(name), "{name}");
+            assert_eq!(host_name(name).unwrap(), name);
+            let url = reqwest::Url::parse(&format!("http://{name}:5555/")).unwrap();
+            assert_eq!(url.host_str(), Some(name), "{name}: {url}");
+        }
+        // Dotted forms cannot be host parts at all ('.' is not in a name).
+        assert_eq!(host_of(&format!("sb-127.0.0.1-{random}")), None);
+        assert_eq!(session_host("127.0.0.1.0f7c"), None);
     }
 }

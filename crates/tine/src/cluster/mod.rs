@@ -18,8 +18,9 @@
 //!   keeps with it ([`Cluster::forward`]); its progress notifications stay
 //!   on the peer.
 //!
-//! Both authenticate with the peer key (`[cluster] peer_key_file`, by
-//! default the operator's token; never the caller's credential), name the
+//! Both authenticate with the peer key (`[cluster] peer_key_file`, which a
+//! host that reaches peers must have: it does not start without one, so
+//! the operator's token and the caller's credential never go to a peer), name the
 //! caller's principal in [`crate::auth::TENANT_HEADER`] (which a host
 //! believes only with the peer key), so the peer acts for the same tenant
 //! and checks its objects as its own calls, and carry a header naming
@@ -74,7 +75,7 @@ const PEER_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// host_name = "tine-a"          # default: $TINE_HOST_NAME, else the system's host name
 /// peers = { tine-b = "http://10.0.0.2:5555" }
 /// peer_url = "http://{host}.tine-peers:5555"   # for hosts not in peers
-/// peer_key_file = "/etc/tine/peer-key"         # default: the operator's token
+/// peer_key_file = "/etc/tine/peer-key"         # required with peers, peer_url or peer_dns
 /// peer_dns = "http://tine-peers.tine.svc.cluster.local:5555"   # every host's address, for previews
 /// ```
 #[derive(Clone, Debug, Default, Deserialize, PartialEq, Eq)]
@@ -89,17 +90,32 @@ pub struct ClusterConfig {
     /// host forwards their sessions and sandboxes' calls to.
     pub peers: BTreeMap<String, String>,
     /// The base URL of a host not in `peers`, with `{host}` standing for
-    /// its name (e.g. a DNS name per host). Unset: only `peers` are
-    /// reached, and calls for other hosts are refused with their name.
+    /// its name followed by a fixed DNS suffix:
+    /// `http(s)://{host}.<suffix>[:port]`, the suffix's last label not a
+    /// number (a DNS name per host, such as a headless Service's). A host
+    /// name never makes such a URL an IP address's; `http://{host}:5555`
+    /// is refused ([`ClusterError::BadPeerTemplate`]): list such hosts in
+    /// `peers`. Unset: only `peers` are reached, and calls for other hosts
+    /// are refused with their name.
     pub peer_url: Option<String>,
     /// The file holding the key hosts present to each other (at least 32
-    /// printable bytes, mode 0600; the same on every host). Unset: the
-    /// operator's token.
+    /// printable bytes, mode 0600; the same on every host; not the
+    /// operator's token). Required when `peers`, `peer_url` or `peer_dns`
+    /// is set (the server does not start without it,
+    /// [`ClusterError::NoPeerKey`]); unset otherwise.
     pub peer_key_file: Option<std::path::PathBuf>,
     /// A URL whose name resolves to every host's address (Kubernetes: the
     /// headless Service): a host finds the host of a preview it did not
     /// make among them ([`discovery`]). Unset: only among `peers`.
     pub peer_dns: Option<String>,
+}
+
+impl ClusterConfig {
+    /// Whether this host reaches other hosts (`peers`, `peer_url` or
+    /// `peer_dns` set): then it needs a peer key of its own.
+    pub fn reaches_peers(&self) -> bool {
+        !self.peers.is_empty() || self.peer_url.is_some() || self.peer_dns.is_some()
+    }
 }
 
 /// Errors of the cluster configuration, of forwarding and of this host's
@@ -125,6 +141,32 @@ pub enum ClusterError {
         /// Its URL.
         url: String,
     },
+    /// `peer_url` is not `http(s)://{host}.<DNS suffix>[:port]` with a
+    /// last label that is not a number.
+    #[error(
+        "[cluster] peer_url {url:?}: use http(s)://{{host}}.<DNS suffix>[:port] (e.g. \
+         http://{{host}}.tine-peers.tine.svc.cluster.local:5555), {{host}} once and first, the suffix's last label \
+         not a number, so that no host name in a client's id makes it an IP address; or list each host's URL in \
+         [cluster] peers"
+    )]
+    BadPeerTemplate {
+        /// The template given.
+        url: String,
+    },
+    /// A host that reaches peers has no peer key of its own.
+    #[error(
+        "[cluster] names other hosts (peers, peer_url or peer_dns) but no peer_key_file: hosts authenticate to \
+         each other with a key of their own, never the operator's token; make one with `tine server keygen --out \
+         /etc/tine/peer-key`, give every host the same file (mode 0600) and set [cluster] peer_key_file to it \
+         (`tine doctor` checks it)"
+    )]
+    NoPeerKey,
+    /// The peer key is the operator's token.
+    #[error(
+        "[cluster] peer_key_file holds the operator's token: peers would receive it; make a key of its own with \
+         `tine server keygen --out /etc/tine/peer-key` (the same file on every host)"
+    )]
+    PeerKeyIsToken,
     /// The HTTP client cannot be made.
     #[error("cannot make the HTTP client for peers: {0}")]
     Client(String),
@@ -198,6 +240,38 @@ pub enum ClusterError {
     },
 }
 
+/// Checks a `peer_url` template ([`ClusterConfig::peer_url`]): `{host}`
+/// once, right after `http://` or `https://` and followed by `.` and a
+/// fixed DNS suffix (non-empty labels, the last not a number by the WHATWG
+/// URL Standard's "ends in a number checker", [`ids::is_numeric_label`]),
+/// then at most a port and `/`. The last label of any URL made from it is
+/// then the suffix's, so the URL parser reads every host name as a domain.
+///
+/// Errors: [`ClusterError::BadPeerTemplate`].
+fn check_peer_url(template: &str) -> Result<(), ClusterError> {
+    let bad = || ClusterError::BadPeerTemplate { url: template.to_string() };
+    let rest = template.strip_prefix("http://").or_else(|| template.strip_prefix("https://")).ok_or_else(bad)?;
+    let after = rest.strip_prefix("{host}.").ok_or_else(bad)?;
+    if after.contains("{host}") {
+        return Err(bad());
+    }
+    // The URL as a sample host name makes it: its host is that name and
+    // the suffix, nothing else is set.
+    let url = reqwest::Url::parse(&template.replace("{host}", "h")).map_err(|_| bad())?;
+    let suffix = url.host_str().and_then(|h| h.strip_prefix("h.")).ok_or_else(bad)?;
+    let labels_ok = suffix.split('.').all(|l| !l.is_empty() && !l.contains(['[', ']', ':']));
+    let last_ok = suffix.rsplit('.').next().is_some_and(|l| !ids::is_numeric_label(l));
+    let bare = url.username().is_empty()
+        && url.password().is_none()
+        && url.query().is_none()
+        && url.fragment().is_none()
+        && matches!(url.path(), "" | "/");
+    if !(labels_ok && last_ok && bare) {
+        return Err(bad());
+    }
+    Ok(())
+}
+
 /// This host and how it reaches the others.
 pub struct Cluster {
     host: String,
@@ -207,7 +281,8 @@ pub struct Cluster {
     peer_key: Option<String>,
     http: reqwest::Client,
     /// MCP sessions with peers for forwarded tool calls, by peer name and
-    /// the principal they act for.
+    /// the principal they act for: only peers that answered (a slot whose
+    /// session cannot be made is removed, [`Cluster::forward`]).
     /// Each peer's slot is locked while its session is made, so a peer
     /// that is slow to answer holds up only calls to itself.
     clients: std::sync::Mutex<BTreeMap<(String, String), Arc<forward::PeerClient>>>,
@@ -239,6 +314,7 @@ impl Cluster {
             if !(t.starts_with("http://") || t.starts_with("https://")) || !t.contains("{host}") {
                 return Err(ClusterError::BadPeerUrl { name: "peer_url".into(), url: t.clone() });
             }
+            check_peer_url(t)?;
         }
         let http = reqwest::Client::builder()
             .connect_timeout(PEER_CONNECT_TIMEOUT)
@@ -341,5 +417,41 @@ mod tests {
         assert!(matches!(Cluster::new(&config, None), Err(ClusterError::BadPeerUrl { .. })));
         let config = ClusterConfig { peer_url: Some("http://peers:5555".into()), ..Default::default() };
         assert!(matches!(Cluster::new(&config, None), Err(ClusterError::BadPeerUrl { .. })));
+    }
+
+    /// `{host}` must be followed by a fixed DNS suffix whose last label is
+    /// not a number: then no host name makes the URL an IP address's.
+    #[test]
+    fn a_peer_url_needs_a_dns_suffix_after_its_host() {
+        let with = |t: &str| ClusterConfig { peer_url: Some(t.into()), ..Default::default() };
+        for bad in [
+            "http://{host}:5555",
+            "http://{host}",
+            "https://{host}/",
+            "http://{host}.1:5555",
+            "http://{host}.0x7f:5555",
+            "http://{host}.peers.017:5555",
+            "http://x{host}.peers:5555",
+            "http://{host}-a.peers:5555",
+            "http://{host}..peers:5555",
+            "http://user@{host}.peers:5555",
+            "http://{host}.peers:5555/mcp",
+            "http://{host}.peers:5555/?{host}",
+            "http://{host}.{host}.peers:5555",
+            "http://peers:5555/{host}",
+            "http://{host}.[::1]:5555",
+        ] {
+            let e = Cluster::new(&with(bad), None).err().unwrap_or_else(|| panic!("{bad} was accepted"));
+            assert!(e.to_string().contains("peer_url"), "{bad}: {e}");
+        }
+        for good in [
+            "http://{host}.tine-peers.tine.svc.cluster.local:5555",
+            "https://{host}.peers",
+            "http://{host}.peers:5555/",
+            "http://{host}.peers.example.com",
+        ] {
+            let c = Cluster::new(&with(good), None).unwrap_or_else(|e| panic!("{good}: {e}"));
+            assert!(c.peer("h2").unwrap().contains("h2.peers") || c.peer("h2").unwrap().contains("h2.tine-peers"));
+        }
     }
 }
