@@ -321,3 +321,81 @@ async fn raw_list(http: &reqwest::Client, url: &str, key: &str, session: &str) -
         .await
         .unwrap()
 }
+
+/// A tenant's template build is the tenant's like its other sandboxes
+/// (issue 58, item 5): its builder runs under the tenant's network ceiling
+/// (a setup step reaches no host outside it) and counts in its quota of
+/// live sandboxes. `outside.test` is the host's loopback, allowed by the
+/// server's default policy and not by the tenant's ceiling; a listener the
+/// test runs there counts the connections that reach it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_tenants_template_build_keeps_its_ceiling_and_quota() {
+    if !testkit::kvm_available("a_tenants_template_build_keeps_its_ceiling_and_quota") {
+        return;
+    }
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let reached = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    {
+        let reached = reached.clone();
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                if conn.is_ok() {
+                    reached.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                }
+            }
+        });
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let tenants: PathBuf = dir.path().join("tenants.toml");
+    let key = tenant_cli(&tenants, &["add", "builder", "--max-running", "1"]);
+    let mut text = std::fs::read_to_string(&tenants).unwrap();
+    text.push_str("\n[tenant.builder.network]\negress = \"deny\"\nallow = [\"pypi.org\"]\n");
+    std::fs::write(&tenants, text).unwrap();
+    let config = format!(
+        "[limits]\nboot_timeout_secs = 1200\n[auth]\ntenants_file = \"{}\"\n\
+         [network]\npermit_ranges = [\"127.0.0.1/32\"]\n[network.hosts]\n\"outside.test\" = \"10.0.2.2\"\n",
+        tenants.display()
+    );
+    let server = TineServer::start_with_default_template(binary(), Some(TOKEN), &config);
+    let admin = connect(&server.url, Some(TOKEN)).await;
+    let b = connect(&server.url, Some(&key)).await;
+
+    // The operator's sandbox is under the server's default policy: the
+    // same command reaches the listener (what shows the test's network
+    // reaches it at all).
+    let dial = format!(": 3<>/dev/tcp/outside.test/{port}");
+    let own = call(&admin, "sandbox_create", json!({})).await.unwrap();
+    let x = call(&admin, "sandbox_exec", json!({"sandbox_id": own["sandbox_id"], "command": dial})).await.unwrap();
+    assert_eq!(x["exit_code"], 0, "{x}");
+    call(&admin, "sandbox_kill", json!({"sandbox_id": own["sandbox_id"]})).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while reached.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+        assert!(Instant::now() < deadline, "the operator's connection did not reach the listener");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    // The tenant's: its step runs under the tenant's ceiling and fails.
+    let r = call(&b, "template_create", json!({"name": "escape", "setup": [dial], "wait_secs": 600})).await;
+    let failed = r.unwrap_or_else(|e| panic!("template_create: {e}"));
+    assert_eq!(failed["state"], "failed", "a step outside the ceiling fails the build: {failed}");
+    assert_eq!(
+        reached.load(std::sync::atomic::Ordering::SeqCst),
+        1,
+        "the tenant's setup step reached a host outside its ceiling: {failed}"
+    );
+
+    // Quota: with its one live sandbox running, its build's builder is one
+    // too many.
+    let sb = call(&b, "sandbox_create", json!({})).await.unwrap();
+    let r = call(&b, "template_create", json!({"name": "over", "setup": ["true"], "wait_secs": 600})).await;
+    let over = match r {
+        Ok(v) => v["error"].as_str().map(str::to_string).unwrap_or_else(|| panic!("the build ran past the quota: {v}")),
+        Err(e) => e,
+    };
+    assert!(over.contains("tenant builder is at its quota of live sandboxes"), "{over}");
+    call(&b, "sandbox_kill", json!({"sandbox_id": sb["sandbox_id"]})).await.unwrap();
+    for c in [admin, b] {
+        let _ = c.cancel().await;
+    }
+}

@@ -236,8 +236,9 @@ impl Manager {
     /// (`building`). Follow it with [`Manager::templates`] or
     /// [`Manager::wait_template_build`].
     ///
-    /// The builder sandbox belongs to `cx.tenant`, and the build counts
-    /// against `cx.quota`.
+    /// The builder sandbox is the caller's like any other: it belongs to
+    /// `cx.owner` and `cx.tenant`, counts against `cx.quota` and runs under
+    /// `cx.ceiling` (every setup step with it).
     ///
     /// Errors: as [`Recipe::check`]; [`SandboxError::Limits`] for vCPUs or
     /// memory out of range; [`TemplateError::Building`] when a build of
@@ -267,7 +268,10 @@ impl Manager {
         let info = record.info(&recipe.name);
         let me = self.clone();
         let name = recipe.name.clone();
-        let (tenant, quota) = (cx.tenant.clone(), cx.quota.clone());
+        // The build runs on after the call returns: the caller's whole
+        // context but its progress (the build's record instead) and its
+        // cancellation (the call's end is not the build's).
+        let caller = CallContext { progress: ProgressSink::none(), cancel: Default::default(), ..cx.clone() };
         tokio::spawn(async move {
             let progress = {
                 let (me, name) = (me.clone(), name.clone());
@@ -279,7 +283,7 @@ impl Manager {
                     }
                 })
             };
-            let cx = CallContext { progress, tenant, quota, ..CallContext::default() };
+            let cx = CallContext { progress, ..caller };
             match me.build_template(&recipe, &cx).await {
                 Ok(_) => {
                     lock(&me.builds).remove(&name);
@@ -343,10 +347,11 @@ impl Manager {
             base,
             ..SandboxSpec::default()
         };
-        let id = self
-            .create_with(spec, &CallContext { owner: cx.owner, tenant: cx.tenant.clone(), ..CallContext::default() })
-            .await?
-            .sandbox_id;
+        // The builder is the caller's sandbox like any other: its owner,
+        // tenant, quota and network ceiling (a recipe step is a command of
+        // the caller's), with no progress of its own.
+        let builder = CallContext { progress: ProgressSink::none(), ..cx.clone() };
+        let id = self.create_with(spec, &builder).await?.sandbox_id;
         let built = self.run_recipe_as_root(&id, recipe, run_as, &report).await;
         let built = match built {
             Ok(()) => {

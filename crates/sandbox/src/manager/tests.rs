@@ -1530,3 +1530,30 @@ async fn spawn_makes_n_and_keeps_what_it_made_when_the_cap_stops_it() {
         Err(SandboxError::Spawn(_))
     ));
 }
+
+/// A tenant's template build counts its builder in the tenant's quota
+/// (issue 58, item 5): at its one live sandbox, the build fails on the
+/// quota and no builder starts; with room it builds, as the tenant's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenants_template_build_counts_its_builder_in_the_tenants_quota() {
+    let s = setup(limits(4));
+    let quota = crate::limits::Quota { max_running: 1, ..Default::default() };
+    let cx = crate::CallContext { tenant: Some("acme".into()), quota: Some(Arc::new(quota)), ..Default::default() };
+    let recipe = |name: &str| super::recipes::Recipe {
+        name: name.into(),
+        setup: vec![super::recipes::SetupStep::Command("true".into())],
+        ..Default::default()
+    };
+    let running = s.manager.create_with(SandboxSpec::default(), &cx).await.unwrap();
+    s.manager.start_template_build(recipe("acme~over"), &cx).unwrap();
+    let none = crate::ProgressSink::none();
+    let over = s.manager.wait_template_build("acme~over", Duration::from_secs(60), &none).await.unwrap();
+    assert_eq!(over.state, crate::TemplateState::Failed, "{over:?}");
+    let why = format!("{over:?}");
+    assert!(why.contains("tenant acme is at its quota of live sandboxes"), "{why}");
+    assert_eq!(s.manager.list(&Default::default()).len(), 1, "no builder started");
+    s.manager.kill(&running.sandbox_id).await.unwrap();
+    s.manager.start_template_build(recipe("acme~fits"), &cx).unwrap();
+    let fits = s.manager.wait_template_build("acme~fits", Duration::from_secs(60), &none).await.unwrap();
+    assert_eq!(fits.state, crate::TemplateState::Ready, "{fits:?}");
+}
