@@ -15,6 +15,7 @@ use std::time::Duration;
 use tine_benches::{median, qemu_microvm, record, time_to_marker, which};
 
 fn main() {
+    let _changes = tine_benches::report_changes_at_end("boot");
     if !testkit::kvm_available("boot benchmark") {
         return;
     }

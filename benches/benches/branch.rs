@@ -61,6 +61,7 @@ fn fill_to(vm: &vmm::RunningVm, target: u64) -> u64 {
 }
 
 fn main() {
+    let _changes = tine_benches::report_changes_at_end("branch");
     if !testkit::kvm_available("bench branch") {
         return;
     }

@@ -181,6 +181,7 @@ async fn open(
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
+    let _changes = tine_benches::report_changes_at_end("broker");
     let requests: usize = env_or("BROKER_BENCH_REQUESTS", 2000);
     let mib: usize = env_or("BROKER_BENCH_MIB", 10);
     let rounds: usize = env_or("BROKER_BENCH_ROUNDS", 15);

@@ -19,6 +19,7 @@ use tine_benches::{env_list, mib, process_pss, record};
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
+    let _changes = tine_benches::report_changes_at_end("children");
     if !testkit::kvm_available("bench children") {
         return;
     }

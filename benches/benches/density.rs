@@ -55,6 +55,7 @@ fn ms(d: Duration) -> f64 {
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
+    let _changes = tine_benches::report_changes_at_end("density");
     if !testkit::kvm_available("bench density") {
         return;
     }

@@ -102,6 +102,7 @@ fn disk_case(d: &mut dyn Disk, size: u64, ops: u64) -> Figures {
 }
 
 fn main() {
+    let _changes = tine_benches::report_changes_at_end("disk");
     let size: u64 = env_or::<u64>("DISK_BENCH_MIB", 256) << 20;
     let ops: u64 = env_or("DISK_BENCH_OPS", 20_000);
     let dir = tempfile::tempdir().unwrap();

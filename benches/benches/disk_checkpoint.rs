@@ -36,6 +36,7 @@ fn fill(disk: &mut LayeredDisk, bytes: u64) {
 }
 
 fn main() {
+    let _changes = tine_benches::report_changes_at_end("disk_checkpoint");
     let amounts: Vec<u64> = env_list("DISK_CHECKPOINT_GIB", "0,1,4");
     println!("{:>10} {:>16} {:>16} {:>16} {:>12}", "written", "checkpoint µs", "child top µs", "sync ms", "write s");
     for gib in amounts {

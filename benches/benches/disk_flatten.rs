@@ -43,6 +43,7 @@ fn read_us(disk: &LayeredDisk, from: u64) -> f64 {
 }
 
 fn main() {
+    let _changes = tine_benches::report_changes_at_end("disk_flatten");
     let amounts: Vec<u64> = env_list("DISK_FLATTEN_GIB", "0,1,4");
     println!(
         "{:>10} {:>12} {:>10} {:>16} {:>16}",

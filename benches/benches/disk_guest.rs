@@ -49,6 +49,7 @@ enum DataDisk {
 }
 
 fn main() {
+    let _changes = tine_benches::report_changes_at_end("disk_guest");
     if !testkit::kvm_available("in-guest disk benchmark") {
         return;
     }

@@ -31,6 +31,7 @@ async fn timed(client: &testkit::mcp::McpClient, n: usize, tool: &str, args: Val
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
+    let _changes = tine_benches::report_changes_at_end("exec");
     if !testkit::kvm_available("bench exec") {
         return;
     }

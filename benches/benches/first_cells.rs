@@ -16,6 +16,7 @@ use tine_benches::{median, record};
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
+    let _changes = tine_benches::report_changes_at_end("first_cells");
     if !testkit::kvm_available("bench first_cells") {
         return;
     }

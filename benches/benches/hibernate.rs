@@ -42,6 +42,7 @@ fn report(what: &str, v: &[Duration]) {
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
+    let _changes = tine_benches::report_changes_at_end("hibernate");
     if !testkit::kvm_available("bench hibernate") {
         return;
     }

@@ -216,6 +216,7 @@ async fn push_images(registry: &Registry, mib: u64) {
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
+    let _changes = tine_benches::report_changes_at_end("image");
     if !testkit::kvm_available("bench image") {
         return;
     }

@@ -23,6 +23,7 @@ fn runs(var: &str, default: usize) -> usize {
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
+    let _changes = tine_benches::report_changes_at_end("mcp");
     if !testkit::kvm_available("bench mcp") {
         return;
     }

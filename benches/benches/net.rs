@@ -36,6 +36,7 @@ fn env_u64(name: &str, default: u64) -> u64 {
 }
 
 fn main() {
+    let _changes = tine_benches::report_changes_at_end("net");
     if !testkit::kvm_available("network benchmark") {
         return;
     }

@@ -45,6 +45,7 @@ async fn creates(server: &TineServer, n: usize, pooled: bool) -> (Vec<Duration>,
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
+    let _changes = tine_benches::report_changes_at_end("pool");
     if !testkit::kvm_available("bench pool") {
         return;
     }

@@ -56,6 +56,7 @@ async fn firsts(server: &TineServer, n: usize) -> [Vec<Duration>; 4] {
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
+    let _changes = tine_benches::report_changes_at_end("prefetch");
     if !testkit::kvm_available("bench prefetch") {
         return;
     }

@@ -167,6 +167,7 @@ async fn ws_round_trip(way: &Way, rounds: usize) -> Duration {
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
+    let _changes = tine_benches::report_changes_at_end("preview");
     if !testkit::kvm_available("bench preview") {
         return;
     }

@@ -20,6 +20,7 @@ use vmm::{MemoryBacking, RunningVm, Snapshot};
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
+    let _changes = tine_benches::report_changes_at_end("restore");
     if !testkit::kvm_available("bench restore") {
         return;
     }

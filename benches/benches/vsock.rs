@@ -28,6 +28,7 @@ fn report(key: &str, what: &str, s: &testkit::ExchangeStats) {
 }
 
 fn main() {
+    let _changes = tine_benches::report_changes_at_end("vsock");
     let bytes: u64 = std::env::var("VSOCK_BYTES").ok().and_then(|s| s.parse().ok()).unwrap_or(64 << 20);
     let pings: u64 = std::env::var("VSOCK_PINGS").ok().and_then(|s| s.parse().ok()).unwrap_or(200);
 

@@ -1,6 +1,9 @@
 //! Shared helpers for Tine's benchmarks.
 
+pub mod changes;
 pub mod firecracker;
+
+pub use changes::{report_changes_at_end, ChangeReport};
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -150,17 +153,20 @@ pub fn commit() -> String {
 }
 
 /// Records one figure: appends `{"bench", "name", "value", "unit",
-/// "commit", "unix_ms"}` as a JSON line to [`results_path`], so runs can
+/// "commit", "unix_ms", "run"}` as a JSON line to [`results_path`], so runs can
 /// be compared (`jq -s 'group_by(.name)'`). `bench` is the bench's name
 /// (`mcp`), `name` what was measured (`sandbox_create.pool.p50`), `unit`
 /// `ms`, `us`, `MiB/s`, `x`, ... A results file that cannot be written is
-/// reported on stderr once per figure; the bench goes on.
+/// reported on stderr once per figure; the bench goes on. `run` tells
+/// this process's figures from an earlier run's ([`changes::run_id`]);
+/// [`report_changes_at_end`] compares them.
 pub fn record(bench: &str, name: &str, value: f64, unit: &str) {
     use std::io::Write;
     let unix_ms =
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
     let line = serde_json::json!({
         "bench": bench, "name": name, "value": value, "unit": unit, "commit": commit(), "unix_ms": unix_ms,
+        "run": changes::run_id(),
     });
     let path = results_path();
     let written =
