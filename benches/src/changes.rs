@@ -42,10 +42,12 @@ fn now_ms() -> u64 {
 pub enum Better {
     /// Times and sizes: `ns`, `us`, `ms`, `s`, `B`, `KiB`, `MiB`, `GiB`.
     Lower,
-    /// Rates (any unit ending in `/s`: `MiB/s`, `MB/s`, `ops/s`) and `x`
-    /// ("times faster").
+    /// Rates (any unit ending in `/s`: `MiB/s`, `MB/s`, `ops/s`).
     Higher,
-    /// Anything else (`count`, ...): a change is shown, not judged.
+    /// Anything else (`count`, ...), and ratios (`x`): a change is shown,
+    /// not judged. A ratio's better way depends on what it divides (the
+    /// benches' `tine_over_qemu` is better lower, `throughput_ratio`
+    /// higher); the figures it is made of are judged themselves.
     Neither,
 }
 
@@ -59,7 +61,6 @@ const UNITS: &[(&str, Better)] = &[
     ("KiB", Better::Lower),
     ("MiB", Better::Lower),
     ("GiB", Better::Lower),
-    ("x", Better::Higher),
 ];
 
 /// Which way of `unit` is better: the table [`UNITS`], else `Higher` for
@@ -355,23 +356,26 @@ mod tests {
             line(Some("r1"), "aaa", "exec.p50", 4.4, "ms", 1),
             line(Some("r1"), "aaa", "rate", 100.0, "MiB/s", 1),
             line(Some("r1"), "aaa", "ratio", 2.0, "x", 1),
+            line(Some("r1"), "aaa", "ops", 2.0, "ops/s", 1),
             line(Some("r1"), "aaa", "small", 10.0, "ms", 1),
             line(Some("now"), "bbb", "exec.p50", 9.2, "ms", 2),
             line(Some("now"), "bbb", "rate", 150.0, "MiB/s", 2),
             line(Some("now"), "bbb", "ratio", 1.0, "x", 2),
+            line(Some("now"), "bbb", "ops", 1.0, "ops/s", 2),
             line(Some("now"), "bbb", "small", 11.0, "ms", 2),
             line(Some("now"), "bbb", "fresh", 1.0, "ms", 2),
         ]
         .join("\n");
         assert_eq!(verdict(&text, "exec.p50"), Verdict::Slower, "ms went up 109 %");
         assert_eq!(verdict(&text, "rate"), Verdict::Faster, "MiB/s went up 50 %");
-        assert_eq!(verdict(&text, "ratio"), Verdict::Slower, "x went down 50 %");
+        assert_eq!(verdict(&text, "ops"), Verdict::Slower, "ops/s went down 50 %");
+        assert_eq!(verdict(&text, "ratio"), Verdict::Changed, "a ratio's change is shown, not judged");
         assert_eq!(verdict(&text, "small"), Verdict::WithinNoise, "10 % < the fixed 20 %");
         assert_eq!(verdict(&text, "fresh"), Verdict::New);
         let changes = compare(&parse_lines(&text), "b", "now");
         assert!(changes.iter().all(|c| !c.from_spread && c.threshold == FIXED_THRESHOLD));
         let t = table("b", &changes, 3_000);
-        assert_eq!(t.lines().last(), Some("REGRESSION: exec.p50, ratio"), "{t}");
+        assert_eq!(t.lines().last(), Some("REGRESSION: exec.p50, ops"), "{t}");
         assert!(t.contains("fixed"), "{t}");
     }
 
@@ -444,7 +448,7 @@ mod tests {
         assert_eq!(direction("ms"), Better::Lower);
         assert_eq!(direction("MiB"), Better::Lower);
         assert_eq!(direction("MB/s"), Better::Higher);
-        assert_eq!(direction("x"), Better::Higher);
+        assert_eq!(direction("x"), Better::Neither);
         assert_eq!(direction("count"), Better::Neither);
     }
 }
