@@ -5,8 +5,8 @@
 //!
 //! 1. the always-denied ranges ([`BLOCKED_RANGES`]) and the host's own
 //!    addresses, unless a range in [`ServerNetPolicy::permit_ranges`]
-//!    covers the address: rule `blocked-range:<cidr>` or
-//!    `blocked-range:host-address`;
+//!    covers the address and port ([`PermitRange`]): rule
+//!    `blocked-range:<cidr>` or `blocked-range:host-address`;
 //! 2. the deny list: a CIDR/address entry matches the address, a domain
 //!    entry matches if any of the names the sandbox's DNS gave for the
 //!    address matches: rule `deny:<entry>`;
@@ -92,9 +92,10 @@ pub struct NetworkPolicy {
 #[derive(Clone, Debug, Default)]
 pub struct ServerNetPolicy {
     /// Always-denied ranges the server config explicitly allows (e.g.
-    /// `127.0.0.0/8` for a test's loopback server). An address is permitted
-    /// when one of these ranges contains it.
-    pub permit_ranges: Vec<IpNet>,
+    /// `127.0.0.0/8` for a test's loopback server, `127.0.0.1/32:8080` for
+    /// one port of it). A connection is permitted when one of these
+    /// ranges contains its address and port.
+    pub permit_ranges: Vec<PermitRange>,
     /// The host's own addresses (always denied unless permitted):
     /// [`HostAddrs::system`] in a server, read again as they change.
     pub host_addrs: HostAddrs,
@@ -193,12 +194,113 @@ impl From<Vec<IpAddr>> for HostAddrs {
     }
 }
 
+/// An entry of [`ServerNetPolicy::permit_ranges`]: a CIDR, and the ports
+/// it is permitted on. Written `127.0.0.0/8` (every port),
+/// `127.0.0.1/32:8080` (one port), `10.0.0.0/8:8000-8099` (an inclusive
+/// range of ports); an IPv6 CIDR with ports in brackets,
+/// `[::1]/128:8080` (without ports `::1/128` and `[::1]/128` both do).
+/// The port is the destination port of a TCP connection or UDP flow.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(try_from = "String")]
+pub struct PermitRange {
+    /// The addresses, host bits cleared.
+    pub net: IpNet,
+    /// The ports, inclusive (`None`: every port).
+    pub ports: Option<(u16, u16)>,
+}
+
+impl PermitRange {
+    /// Whether this range covers `ip` (or its other form `original`, an
+    /// IPv4-mapped IPv6 address) at `port`.
+    fn covers(&self, ip: IpAddr, original: IpAddr, port: u16) -> bool {
+        (self.net.contains(&ip) || self.net.contains(&original))
+            && self.ports.is_none_or(|(lo, hi)| (lo..=hi).contains(&port))
+    }
+}
+
+impl FromStr for PermitRange {
+    type Err = PolicyError;
+
+    /// Parses the forms of the type's doc.
+    ///
+    /// Errors: [`PolicyError::BadPermitRange`] naming the entry.
+    fn from_str(entry: &str) -> Result<Self, PolicyError> {
+        let bad = || PolicyError::BadPermitRange(entry.chars().take(64).collect());
+        let e = entry.trim();
+        let (net, ports) = if let Some(rest) = e.strip_prefix('[') {
+            // `[addr]/len` and an optional `:ports`.
+            let (addr, rest) = rest.split_once(']').ok_or_else(bad)?;
+            let (len, ports) = match rest.split_once(':') {
+                Some((len, ports)) => (len, Some(ports)),
+                None => (rest, None),
+            };
+            (format!("{addr}{len}"), ports)
+        } else if e.matches(':').count() > 1 {
+            // IPv6 without brackets: no ports.
+            (e.to_string(), None)
+        } else {
+            match e.split_once(':') {
+                Some((net, ports)) => (net.to_string(), Some(ports)),
+                None => (e.to_string(), None),
+            }
+        };
+        let net = IpNet::from_str(&net).map_err(|_| bad())?.trunc();
+        let port = |p: &str| p.parse::<u16>().ok().filter(|&p| p != 0);
+        let ports = match ports {
+            None => None,
+            Some(p) => {
+                let (lo, hi) = match p.split_once('-') {
+                    Some((lo, hi)) => (port(lo).ok_or_else(bad)?, port(hi).ok_or_else(bad)?),
+                    None => {
+                        let p = port(p).ok_or_else(bad)?;
+                        (p, p)
+                    }
+                };
+                if lo > hi {
+                    return Err(bad());
+                }
+                Some((lo, hi))
+            }
+        };
+        Ok(PermitRange { net, ports })
+    }
+}
+
+impl TryFrom<String> for PermitRange {
+    type Error = PolicyError;
+
+    fn try_from(s: String) -> Result<Self, PolicyError> {
+        s.parse()
+    }
+}
+
+impl fmt::Display for PermitRange {
+    /// The form [`PermitRange::from_str`] reads.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match (self.net, self.ports) {
+            (IpNet::V6(n), Some(_)) => write!(f, "[{}]/{}", n.addr(), n.prefix_len())?,
+            (net, _) => write!(f, "{net}")?,
+        }
+        match self.ports {
+            Some((lo, hi)) if lo == hi => write!(f, ":{lo}"),
+            Some((lo, hi)) => write!(f, ":{lo}-{hi}"),
+            None => Ok(()),
+        }
+    }
+}
+
 /// Errors of a policy.
 #[derive(Debug, PartialEq, Eq, thiserror::Error)]
 pub enum PolicyError {
     /// An entry is neither a domain, a wildcard domain, an address nor a CIDR.
     #[error("network rule {0:?} is not a domain, *.domain, IP address or CIDR")]
     BadRule(String),
+    /// A `permit_ranges` entry is not of the forms [`PermitRange`] reads.
+    #[error(
+        "permit_ranges entry {0:?} is not a CIDR with an optional :port or :low-high (127.0.0.0/8, \
+         127.0.0.1/32:8080, [::1]/128:8000-8099)"
+    )]
+    BadPermitRange(String),
     /// An allow or deny list is longer than [`MAX_RULES`].
     #[error("the {list} list has {got} entries, at most {MAX_RULES} are allowed")]
     TooManyRules {
@@ -440,7 +542,7 @@ pub struct CompiledPolicy {
     allow: Vec<Rule>,
     deny: Vec<Rule>,
     blocked: Vec<IpNet>,
-    permit: Vec<IpNet>,
+    permit: Vec<PermitRange>,
     host_addrs: HostAddrs,
     /// The operator's limit over this policy (see the module doc).
     ceiling: Option<std::sync::Arc<CompiledPolicy>>,
@@ -546,19 +648,19 @@ impl CompiledPolicy {
         None
     }
 
-    fn permitted(&self, ip: IpAddr, original: IpAddr) -> bool {
-        self.permit.iter().any(|n| n.contains(&ip) || n.contains(&original))
+    fn permitted(&self, ip: IpAddr, original: IpAddr, port: u16) -> bool {
+        self.permit.iter().any(|r| r.covers(ip, original, port))
     }
 
-    /// The always-denied rule `ip` falls under, if any.
-    fn blocked_rule(&self, original: IpAddr) -> Option<String> {
+    /// The always-denied rule `ip` at `port` falls under, if any.
+    fn blocked_rule(&self, original: IpAddr, port: u16) -> Option<String> {
         let ip = canonical(original);
-        if self.permitted(ip, original) {
+        if self.permitted(ip, original, port) {
             return None;
         }
         if let IpAddr::V6(v6) = ip {
             if let Some(v4) = nat64_embedded(v6) {
-                return self.blocked_rule(IpAddr::V4(v4));
+                return self.blocked_rule(IpAddr::V4(v4), port);
             }
         }
         if let Some(net) = self.blocked.iter().find(|n| n.contains(&ip)) {
@@ -573,7 +675,8 @@ impl CompiledPolicy {
     /// The verdict for a connection to `ip` (port `port`), reached through
     /// the names in `names` (those the sandbox's DNS answers gave for
     /// `ip`; empty when dialled by address). Domain entries match if any
-    /// of `names` matches; the port takes no part in the verdict today.
+    /// of `names` matches; the port matters only to the permit ranges
+    /// ([`PermitRange`]).
     pub fn check_addr(&self, ip: IpAddr, port: u16, names: &[String]) -> Verdict {
         let own = self.check_addr_own(ip, port, names);
         match &self.ceiling {
@@ -610,8 +713,8 @@ impl CompiledPolicy {
         }
     }
 
-    fn check_addr_own(&self, ip: IpAddr, _port: u16, names: &[String]) -> Verdict {
-        if let Some(rule) = self.blocked_rule(ip) {
+    fn check_addr_own(&self, ip: IpAddr, port: u16, names: &[String]) -> Verdict {
+        if let Some(rule) = self.blocked_rule(ip, port) {
             return Verdict::new(false, rule);
         }
         let ip = canonical(ip);
@@ -876,6 +979,51 @@ mod tests {
         fixed.refresh_if_old(t0 + Duration::from_secs(86400));
         assert!(fixed.contains(ip("11.0.0.9")));
         assert_eq!(fixed.snapshot(), vec![ip("11.0.0.9")]);
+    }
+
+    #[test]
+    fn permit_ranges_take_ports() {
+        let r = |s: &str| s.parse::<PermitRange>();
+        for (text, shown) in [
+            ("127.0.0.0/8", "127.0.0.0/8"),
+            ("127.0.0.5/8", "127.0.0.0/8"),
+            ("127.0.0.1/32:8080", "127.0.0.1/32:8080"),
+            ("10.0.0.0/8:8000-8099", "10.0.0.0/8:8000-8099"),
+            ("::1/128", "::1/128"),
+            ("[::1]/128", "::1/128"),
+            ("[::1]/128:8080", "[::1]/128:8080"),
+            (" [fd00::]/8:1-2 ", "[fd00::]/8:1-2"),
+        ] {
+            assert_eq!(r(text).map(|p| p.to_string()), Ok(shown.to_string()), "{text}");
+            assert_eq!(r(shown), r(text), "{shown} reads back");
+        }
+        for bad in [
+            "",
+            "127.0.0.1",
+            "127.0.0.1/33",
+            "127.0.0.1/32:",
+            "127.0.0.1/32:0",
+            "127.0.0.1/32:65536",
+            "127.0.0.1/32:9-8",
+            "127.0.0.1/32:x",
+            "::1/128:8080",
+            "[::1/128:8080",
+            "[::1]/128:",
+            "example.com:80",
+        ] {
+            assert!(matches!(r(bad), Err(PolicyError::BadPermitRange(_))), "{bad:?}: {:?}", r(bad));
+        }
+        let server = ServerNetPolicy {
+            permit_ranges: vec![r("127.0.0.1/32:8080").unwrap(), r("[::1]/128:9000-9009").unwrap()],
+            host_addrs: HostAddrs::default(),
+        };
+        let p = compile(Egress::Allow, &[], &[], &server);
+        assert_eq!(p.check_addr(ip("127.0.0.1"), 8080, &[]), v(true, "egress:allow"));
+        assert_eq!(p.check_addr(ip("::ffff:127.0.0.1"), 8080, &[]), v(true, "egress:allow"));
+        assert_eq!(p.check_addr(ip("127.0.0.1"), 8081, &[]), v(false, "blocked-range:127.0.0.0/8"));
+        assert_eq!(p.check_addr(ip("127.0.0.1"), 22, &[]), v(false, "blocked-range:127.0.0.0/8"));
+        assert_eq!(p.check_addr(ip("::1"), 9009, &[]), v(true, "egress:allow"));
+        assert_eq!(p.check_addr(ip("::1"), 9010, &[]), v(false, "blocked-range:::1/128"));
     }
 
     #[test]

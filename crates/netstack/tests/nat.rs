@@ -104,8 +104,14 @@ fn config() -> StackConfig {
 
 impl World {
     fn new(policy: NetworkPolicy, permit_loopback: bool, config: StackConfig) -> Self {
+        Self::permitting(policy, if permit_loopback { &["127.0.0.0/8"] } else { &[] }, config)
+    }
+
+    /// A world whose server permits `permit_ranges` (entries as the
+    /// configuration takes them).
+    fn permitting(policy: NetworkPolicy, permit_ranges: &[&str], config: StackConfig) -> Self {
         let server = ServerNetPolicy {
-            permit_ranges: if permit_loopback { vec!["127.0.0.0/8".parse().unwrap()] } else { Vec::new() },
+            permit_ranges: permit_ranges.iter().map(|r| r.parse().unwrap()).collect(),
             host_addrs: Default::default(),
         };
         let control = NetControl::new(&policy, None, Arc::new(server), 1024).unwrap();
@@ -421,6 +427,29 @@ fn loopback_is_refused_by_default_with_a_rst_and_a_record() {
     assert!(rules.contains(&"blocked-range:169.254.0.0/16".to_string()));
     assert!(rules.contains(&"blocked-range:192.168.0.0/16".to_string()));
     assert_eq!(w.stack.stats().open_connections, 0);
+}
+
+#[test]
+fn a_permit_range_with_a_port_permits_that_port_only() {
+    let permitted = echo_server();
+    let other = echo_server();
+    let range = format!("127.0.0.1/32:{permitted}");
+    let mut w = World::permitting(NetworkPolicy::default(), &[&range], config());
+    let h = w.connect(GATEWAY_ADDR, permitted);
+    assert!(w.connected(h), "{range} permits port {permitted}");
+    assert_eq!(w.echo(h, b"ping"), b"ping");
+    let h = w.connect(GATEWAY_ADDR, other);
+    assert!(!w.connected(h), "{range} does not permit port {other}");
+    let recs = rec_for(&w.log(), Protocol::Tcp, other);
+    assert_eq!((recs[0].allowed, recs[0].rule.as_str()), (false, "blocked-range:127.0.0.0/8"));
+    // A range of ports.
+    let (lo, hi) = (permitted.min(other), permitted.max(other));
+    let range = format!("127.0.0.1/32:{lo}-{hi}");
+    let mut w = World::permitting(NetworkPolicy::default(), &[&range], config());
+    for port in [permitted, other] {
+        let h = w.connect(GATEWAY_ADDR, port);
+        assert!(w.connected(h), "{range} permits port {port}");
+    }
 }
 
 #[test]

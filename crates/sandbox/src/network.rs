@@ -10,7 +10,7 @@
 //! egress = "allow"            # default policy of new sandboxes: "allow" | "deny"
 //! allow = []                  # domains, *.domains, addresses, CIDRs
 //! deny = []
-//! permit_ranges = []          # always-denied ranges this server allows, e.g. ["127.0.0.0/8"]
+//! permit_ranges = []          # always-denied ranges this server allows, e.g. ["127.0.0.0/8", "127.0.0.1/32:8080", "[::1]/128:8000-8099"]
 //! dns_upstreams = []          # default: the nameservers of /etc/resolv.conf
 //! max_connections = 256       # open TCP connections + UDP flows per sandbox
 //! log_records = 1024          # network log records kept per sandbox
@@ -28,6 +28,7 @@ use std::sync::Arc;
 pub use netstack::control::InboundError;
 use netstack::control::NetControl;
 pub use netstack::log::{Direction, NetRecord, Protocol};
+pub use netstack::policy::PermitRange;
 use netstack::policy::{CompiledPolicy, PolicyError, ServerNetPolicy};
 pub use netstack::policy::{Egress, NetworkPolicy, MAX_RULES as MAX_POLICY_RULES};
 use netstack::stack::StackConfig;
@@ -48,8 +49,10 @@ pub struct NetworkConfig {
     pub deny: Vec<String>,
     /// Always-denied ranges (loopback, RFC 1918, link-local, CGNAT,
     /// multicast, the host's own addresses...) that this server lets
-    /// sandboxes reach anyway, as CIDRs. Empty by default.
-    pub permit_ranges: Vec<ipnet::IpNet>,
+    /// sandboxes reach anyway, as CIDRs with an optional port or port
+    /// range ([`PermitRange`]: `127.0.0.1/32:8080`; without one, every
+    /// port). Empty by default.
+    pub permit_ranges: Vec<PermitRange>,
     /// Where the gateway's DNS forwards queries (default: the nameservers
     /// of `/etc/resolv.conf`, port 53).
     pub dns_upstreams: Vec<SocketAddr>,
@@ -261,6 +264,23 @@ mod tests {
         std::fs::write(&not_pem, "hello").unwrap();
         let e = NetworkSetup::new(NetworkConfig { ca_certificates: vec![not_pem], ..Default::default() }).unwrap_err();
         assert!(e.to_string().contains("no PEM certificate"), "{e}");
+    }
+
+    #[test]
+    fn permit_ranges_take_ports_in_the_configuration() {
+        let config: NetworkConfig =
+            toml::from_str("permit_ranges = [\"127.0.0.1/32:8080\", \"[::1]/128:9000-9001\", \"10.0.0.0/8\"]")
+                .expect("permit_ranges with ports");
+        let setup = NetworkSetup::new(config).unwrap();
+        let policy = setup.control(None, None).unwrap().policy();
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        assert!(policy.check_addr(ip("127.0.0.1"), 8080, &[]).allowed);
+        assert_eq!(policy.check_addr(ip("127.0.0.1"), 8081, &[]).rule, "blocked-range:127.0.0.0/8");
+        assert!(policy.check_addr(ip("::1"), 9001, &[]).allowed);
+        assert!(!policy.check_addr(ip("::1"), 9002, &[]).allowed);
+        assert!(policy.check_addr(ip("10.1.2.3"), 22, &[]).allowed, "no port: every port");
+        let e = toml::from_str::<NetworkConfig>("permit_ranges = [\"127.0.0.1/32:http\"]").unwrap_err().to_string();
+        assert!(e.contains("permit_ranges entry \"127.0.0.1/32:http\" is not a CIDR"), "{e}");
     }
 
     #[test]
