@@ -258,9 +258,10 @@ pub struct Quota {
     pub max_builds: usize,
     /// MCP sessions at once (checked by the server's HTTP layer).
     pub max_sessions: usize,
-    /// Requests on its MCP sessions open at once, SSE streams included (a
-    /// session's `GET` stream, a `POST` answered as a stream, each while it
-    /// is open; checked by the server's HTTP layer).
+    /// Requests on its MCP sessions open at once, SSE streams and port
+    /// forwards included (a session's `GET` stream, a `POST` answered as a
+    /// stream, a `tine port-forward` connection, each while it is open;
+    /// checked by the server's HTTP layer).
     pub max_streams: usize,
 }
 

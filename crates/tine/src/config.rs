@@ -10,7 +10,7 @@
 //! allowed_hosts = ["tine.example.com"]
 //! allowed_origins = []          # browser origins allowed; none by default
 //! max_connections = 256
-//! max_connections_per_address = 0   # 0: no cap (behind a proxy every client has its address)
+//! max_connections_per_address = 128 # default: half of max_connections; 0: no cap (behind a proxy every client has its address)
 //! header_read_timeout_secs = 10
 //! idle_timeout_secs = 60
 //! http2_keep_alive_interval_secs = 30
@@ -83,10 +83,10 @@ pub struct FileConfig {
     /// Connections served at once (default 256); more wait in the listen
     /// backlog.
     pub max_connections: Option<usize>,
-    /// Connections served at once from one client IP address (default 0:
-    /// no cap); more are closed when accepted. Behind nginx or a
-    /// Kubernetes Ingress every client has the proxy's address, so keep it
-    /// 0 there.
+    /// Connections served at once from one client IP address (default:
+    /// half of `max_connections`; 0: no cap); more are closed when
+    /// accepted. Behind nginx or a Kubernetes Ingress every client has the
+    /// proxy's address, so set it 0 there.
     pub max_connections_per_address: Option<usize>,
     /// Seconds a new connection has to send its first request (HTTP/1:
     /// its headers; HTTP/2: the preface, SETTINGS and first request), and
@@ -470,7 +470,11 @@ mod tests {
         assert_eq!(c.listen, Some(DEFAULT_LISTEN.parse().unwrap()));
         use crate::server as srv;
         assert_eq!(c.max_connections, Some(srv::DEFAULT_MAX_CONNECTIONS));
-        assert_eq!(c.max_connections_per_address, Some(0), "no cap per address by default");
+        assert_eq!(
+            c.max_connections_per_address,
+            Some(srv::default_max_connections_per_address(srv::DEFAULT_MAX_CONNECTIONS)),
+            "half the slots per address by default"
+        );
         assert_eq!(c.header_read_timeout_secs, Some(srv::DEFAULT_HEADER_READ_TIMEOUT.as_secs()));
         assert_eq!(c.idle_timeout_secs, Some(srv::DEFAULT_IDLE_TIMEOUT.as_secs()));
         assert_eq!(c.http2_keep_alive_interval_secs, Some(srv::DEFAULT_HTTP2_KEEP_ALIVE_INTERVAL.as_secs()));

@@ -11,7 +11,11 @@
 //! (the operator owns all). A hibernated or paused sandbox is woken first.
 //! A guest that refuses the port closes the connection right after the
 //! `101` with no byte. Refusals before the upgrade are JSON
-//! (`{"error", "message"}`) with 400, 404, 421, 426 or 503.
+//! (`{"error", "message"}`) with 400, 404, 421, 426 or 503, and 429 for
+//! a tenant at its quota of requests open at once
+//! ([`tine_sandbox::Quota::max_streams`]), which every open forward
+//! counts against, as its MCP requests and SSE streams do
+//! ([`crate::auth::sessions`]).
 //!
 //! `tine port-forward` (`crate::cli`) is the client.
 
@@ -25,6 +29,7 @@ use axum::{Extension, Router};
 use hyper::upgrade::OnUpgrade;
 use tine_sandbox::{Manager, PortConnection, SandboxError};
 
+use crate::auth::sessions::{streams_full, too_many, SessionOwners};
 use crate::auth::Principal;
 use crate::files_url::{refuse, sandbox_refusal, Refusal};
 
@@ -41,11 +46,14 @@ struct PortsState {
     manager: Arc<Manager>,
     /// This server's host name in a cluster (sandbox ids name their host).
     host: String,
+    /// Where tenants' open requests are counted.
+    owners: Arc<SessionOwners>,
 }
 
-/// `/ports/{sandbox}/{port}` (behind the bearer authentication layer).
-pub fn routes(manager: Arc<Manager>, host: String) -> Router {
-    Router::new().route("/ports/{sandbox}/{port}", get(forward)).with_state(PortsState { manager, host })
+/// `/ports/{sandbox}/{port}` (behind the bearer authentication layer);
+/// open forwards are counted in `owners` against their tenant's quota.
+pub fn routes(manager: Arc<Manager>, host: String, owners: Arc<SessionOwners>) -> Router {
+    Router::new().route("/ports/{sandbox}/{port}", get(forward)).with_state(PortsState { manager, host, owners })
 }
 
 /// Whether the request asks to upgrade to [`PROTOCOL`].
@@ -84,6 +92,14 @@ async fn forward(
             })
         }
     }
+    // Counted from here until the forward closes.
+    let slot = match caller.quota().map(|q| q.max_streams) {
+        Some(max) => match s.owners.open_stream(caller.name(), max) {
+            Ok(slot) => Some(slot),
+            Err(open) => return Ok(too_many(streams_full(caller.name(), open, max))),
+        },
+        None => None,
+    };
     let Some(on_upgrade) = req.extensions_mut().remove::<OnUpgrade>() else {
         return Err(refuse(StatusCode::UPGRADE_REQUIRED, "this connection cannot be upgraded (HTTP/2?); use HTTP/1.1"));
     };
@@ -93,7 +109,10 @@ async fn forward(
         e => sandbox_refusal(&e),
     })?;
     tracing::info!(sandbox = %sandbox, port, "port forward opened");
-    tokio::spawn(splice(on_upgrade, conn, sandbox, port));
+    tokio::spawn(async move {
+        splice(on_upgrade, conn, sandbox, port).await;
+        drop(slot);
+    });
     let mut response = StatusCode::SWITCHING_PROTOCOLS.into_response();
     let headers = response.headers_mut();
     headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));

@@ -9,6 +9,7 @@
 //!
 //! HTTP hardening: `Host` and `Origin` are checked (the transport spec's
 //! "Security Warning": servers MUST validate `Origin`; a foreign one gets
+<<<<<<< HEAD
 //! 403; a `--dev` server, which has no credentials, accepts only its own
 //! loopback origins, [`loopback_origins`]), at most
 //! [`ServeOptions::max_connections`] connections are served at once
@@ -17,6 +18,17 @@
 //! connection has [`ServeOptions::header_read_timeout`] to send its first
 //! request, whatever its HTTP version, and is closed after
 //! [`ServeOptions::idle_timeout`] without one ([`connection`]), at most
+=======
+//! 403), at most [`ServeOptions::max_connections`] connections are served
+//! at once (more wait in the listen backlog; at most
+//! [`ServeOptions::max_connections_per_address`] from one address, by
+//! default half of them), a connection has
+//! [`ServeOptions::header_read_timeout`] to send its first request,
+//! whatever its HTTP version, and is closed after
+//! [`ServeOptions::idle_timeout`] without one, or after
+//! [`connection::BUSY_IDLE`] while more than 3/4 of the slots are taken
+//! ([`connection`]), at most
+>>>>>>> fix/connections
 //! [`ServeOptions::max_sessions`] MCP sessions are open (an `initialize`
 //! past it gets 503 saying what to do), and `DELETE /mcp` answers 200 (the
 //! official Python SDK takes only 200 or 204 as a clean close).
@@ -45,7 +57,7 @@ use crate::files_url::FileUrls;
 use crate::mcp::{Shared, TineMcp};
 use crate::metrics::Metrics;
 use body_budget::{BodyBudget, BUDGET_WAIT, MAX_INFLIGHT_BODY_BYTES};
-use connection::{ConnError, ConnLimits, PerAddress};
+use connection::{ConnError, ConnLimits, PerAddress, Pressure};
 
 /// Largest MCP request body (bytes): an 8 MiB upload in base64 plus JSON.
 pub const MAX_REQUEST_BYTES: usize = 12 << 20;
@@ -53,6 +65,14 @@ pub const MAX_REQUEST_BYTES: usize = 12 << 20;
 const REAP_PERIOD: Duration = Duration::from_secs(1);
 /// Default for [`ServeOptions::max_connections`].
 pub const DEFAULT_MAX_CONNECTIONS: usize = 256;
+/// The default of [`ServeOptions::max_connections_per_address`] for
+/// `max_connections` slots: half of them (at least 1), so one address
+/// (one client's keep-alive pool, or a flood) cannot take them all. The
+/// test suite's busiest binary (`tine::load`, 24 MCP sessions at once
+/// from loopback) holds about 50 of the default 256's 128.
+pub fn default_max_connections_per_address(max_connections: usize) -> usize {
+    (max_connections / 2).max(1)
+}
 /// Default for [`ServeOptions::header_read_timeout`]: 10 s.
 pub const DEFAULT_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
 /// Default for [`ServeOptions::idle_timeout`]: 60 s.
@@ -85,11 +105,13 @@ pub struct ServeOptions {
     pub allowed_origins: Vec<String>,
     /// Connections served at once; more wait in the listen backlog.
     pub max_connections: usize,
-    /// Connections served at once from one client address (0: no cap);
-    /// more are closed as soon as they are accepted. Behind a reverse
-    /// proxy (nginx, a Kubernetes Ingress) every client has the proxy's
-    /// address: leave it 0 there, or set it above the number of
-    /// connections the proxy keeps open to this server.
+    /// Connections served at once from one client address (0: no cap;
+    /// the configuration's default is half of `max_connections`,
+    /// [`default_max_connections_per_address`]); more are closed as soon
+    /// as they are accepted. Behind a reverse proxy (nginx, a Kubernetes
+    /// Ingress) every client has the proxy's address: set it 0 there, or
+    /// above the number of connections the proxy keeps open to this
+    /// server.
     pub max_connections_per_address: usize,
     /// A new connection that has not sent its first request within this
     /// is closed, whatever its HTTP version (HTTP/1: its request line and
@@ -99,8 +121,9 @@ pub struct ServeOptions {
     pub header_read_timeout: Duration,
     /// A connection that carries no request (none being read or answered,
     /// no response stream open) this long is closed (HTTP/2 with a
-    /// GOAWAY). HTTP/1 ones are closed by `header_read_timeout` if it is
-    /// shorter.
+    /// GOAWAY); while more than 3/4 of `max_connections` are taken,
+    /// [`connection::BUSY_IDLE`] if shorter. HTTP/1 ones are closed by
+    /// `header_read_timeout` if it is shorter.
     pub idle_timeout: Duration,
     /// HTTP/2: a PING this often on every connection, to find peers that
     /// are gone (`None`: no PINGs).
@@ -318,6 +341,7 @@ fn router_and_shared(
         previews: opts.previews.clone(),
     };
     let owners = SessionOwners::new(sessions.clone());
+    let forward_owners = owners.clone();
     let for_sessions = shared.clone();
     let mcp = StreamableHttpService::new(move || Ok(TineMcp::new(&for_sessions)), sessions.clone(), mcp_config.clone());
     let mut mcp_router = Router::new();
@@ -347,7 +371,7 @@ fn router_and_shared(
         .route("/metrics", get(metrics_text))
         .with_state((manager.clone(), metrics, sessions))
         .merge(mcp_router)
-        .merge(crate::port_forward::routes(manager.clone(), opts.cluster.host().to_owned()))
+        .merge(crate::port_forward::routes(manager.clone(), opts.cluster.host().to_owned(), forward_owners))
         .layer(axum::middleware::from_fn_with_state(auth.clone(), crate::auth::authenticate));
     let mut open = Router::new().route("/healthz", get(healthz)).with_state((
         manager.clone(),
@@ -574,7 +598,8 @@ impl OpenConnections {
 /// one address (more are closed at once), each under
 /// [`connection::serve_connection`]'s deadlines (first request within
 /// `opts.header_read_timeout`, closed after `opts.idle_timeout` without
-/// one) with the HTTP/2 keep-alive and stream limits of `opts`. Returns
+/// one, or [`connection::BUSY_IDLE`] while the slots run low,
+/// [`connection::Pressure`]) with the HTTP/2 keep-alive and stream limits of `opts`. Returns
 /// the open connections, to be closed. Accept errors (such as `EMFILE`)
 /// are logged and retried.
 async fn accept_loop(
@@ -587,6 +612,7 @@ async fn accept_loop(
     let slots = Arc::new(tokio::sync::Semaphore::new(total as usize));
     let open = OpenConnections { shutdown: CancellationToken::new(), slots: slots.clone(), total };
     let per_address = PerAddress::new(opts.max_connections_per_address);
+    let pressure = Arc::new(Pressure::new(slots.clone(), total as usize));
     let limits = ConnLimits { first_request: opts.header_read_timeout, idle: opts.idle_timeout };
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder.http1().timer(TokioTimer::new()).header_read_timeout(opts.header_read_timeout);
@@ -605,6 +631,7 @@ async fn accept_loop(
             },
             _ = &mut shutdown => break,
         };
+        pressure.update();
         let (stream, peer) = tokio::select! {
             r = listener.accept() => match r {
                 Ok(accepted) => accepted,
@@ -624,8 +651,16 @@ async fn accept_loop(
             );
             continue;
         };
-        let conn =
-            connection::serve_connection(&builder, stream, Some(peer), app.clone(), limits, open.shutdown.clone());
+        let conn = connection::serve_connection(
+            &builder,
+            stream,
+            Some(peer),
+            app.clone(),
+            limits,
+            pressure.subscribe(),
+            open.shutdown.clone(),
+        );
+        let pressure = pressure.clone();
         tokio::spawn(async move {
             match conn.await {
                 Ok(()) => {}
@@ -634,6 +669,7 @@ async fn accept_loop(
             }
             drop(address_slot);
             drop(slot);
+            pressure.update();
         });
     }
     open

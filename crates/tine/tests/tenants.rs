@@ -10,6 +10,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Map, Value};
 use testkit::mcp::{call, connect, TineServer};
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::net::TcpStream;
 
 const TOKEN: &str = "tenants-test-operator-token-0123456789abcdef";
 
@@ -47,6 +49,60 @@ fn filler(tool: &str, name: &str) -> Value {
     }
 }
 
+/// A guest listener on port 7000 (a thread of the sandbox's warm
+/// interpreter) that holds each forwarded connection open until its
+/// client's end closes, then closes it.
+const HOLDER: &str = "import socket, threading
+forward_holder = socket.socket()
+forward_holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+forward_holder.bind(('0.0.0.0', 7000))
+forward_holder.listen(16)
+def forward_hold(c):
+    while c.recv(4096):
+        pass
+    c.close()
+def forward_accept(s):
+    while True:
+        c, _ = s.accept()
+        threading.Thread(target=forward_hold, args=(c,), daemon=True).start()
+threading.Thread(target=forward_accept, args=(forward_holder,), daemon=True).start()
+";
+
+/// A port forward to `port` of `sandbox` with `key` over a raw connection:
+/// the answer's status, its head and body as text, and the connection
+/// (the forward's, after a 101).
+async fn raw_forward(server: &TineServer, sandbox: &str, port: u16, key: &str) -> (u16, String, TcpStream) {
+    let addr = server.base.trim_start_matches("http://");
+    let mut s = TcpStream::connect(addr).await.expect("connect");
+    let request = format!(
+        "GET /ports/{sandbox}/{port} HTTP/1.1\r\nHost: {addr}\r\nConnection: upgrade\r\nUpgrade: \
+         tine-port-forward\r\nAuthorization: Bearer {key}\r\n\r\n"
+    );
+    s.write_all(request.as_bytes()).await.expect("send");
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let text = String::from_utf8_lossy(&got).to_string();
+        if let Some((head, body)) = text.split_once("\r\n\r\n") {
+            let status = head.split(' ').nth(1).and_then(|c| c.parse().ok()).expect("a status line");
+            let length = head
+                .lines()
+                .find_map(|l| l.to_ascii_lowercase().strip_prefix("content-length:").map(|v| v.trim().to_string()))
+                .and_then(|v| v.parse::<usize>().ok())
+                .unwrap_or(0);
+            if status == 101 || body.len() >= length {
+                return (status, text, s);
+            }
+        }
+        match tokio::time::timeout_at(deadline, s.read(&mut buf)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => panic!("the port forward's connection closed: {text}"),
+            Ok(Ok(n)) => got.extend_from_slice(&buf[..n]),
+            Err(_) => panic!("no answer to a port forward within 60 s: {text}"),
+        }
+    }
+}
+
 /// `text` with every id of `from` replaced by the one at the same place
 /// of `to`.
 fn replaced(text: &str, from: &[String], to: &[String]) -> String {
@@ -61,7 +117,9 @@ async fn tenants_see_and_touch_only_their_own() {
     let dir = tempfile::tempdir().unwrap();
     let tenants: PathBuf = dir.path().join("tenants.toml");
     let key_a = tenant_cli(&tenants, &["add", "acme"]);
-    let key_b = tenant_cli(&tenants, &["add", "beta", "--max-running", "1"]);
+    // Eight requests open at once: its session's calls and stream fit,
+    // and port forwards count against it too (checked last).
+    let key_b = tenant_cli(&tenants, &["add", "beta", "--max-running", "1", "--max-streams", "8"]);
     assert!(key_a.starts_with("tine_") && key_a != key_b);
     // Beta's ceiling: nothing but pypi.org.
     let mut text = std::fs::read_to_string(&tenants).unwrap();
@@ -266,6 +324,38 @@ async fn tenants_see_and_touch_only_their_own() {
         assert!(Instant::now() < deadline, "acme's objects are still there: {all:?} {templates:?}");
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+    // Open port forwards count against B's quota of requests open at once
+    // (8): held open to a guest port that holds them, they fill it beside
+    // B's session, and the next is refused with 429 until one closes.
+    let r = call(&b, "sandbox_run_python", json!({"sandbox_id": id_b, "code": HOLDER})).await.unwrap();
+    assert!(r.get("exception").is_none_or(Value::is_null), "{r}");
+    let mut held = Vec::new();
+    let refusal = loop {
+        let (status, text, stream) = raw_forward(&server, &id_b, 7000, &key_b).await;
+        match status {
+            101 => held.push(stream),
+            429 => break text,
+            s => panic!("a port forward answered {s}: {text}"),
+        }
+        assert!(held.len() <= 8, "{} port forwards open past beta's --max-streams 8", held.len());
+    };
+    assert!(!held.is_empty(), "not one port forward opened: {refusal}");
+    assert!(
+        refusal.contains("tenant beta is at its quota of requests open at once") && refusal.contains("port forwards"),
+        "{refusal}"
+    );
+    held.pop();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let (status, text, stream) = raw_forward(&server, &id_b, 7000, &key_b).await;
+        if status == 101 {
+            held.push(stream);
+            break;
+        }
+        assert!(Instant::now() < deadline, "no place freed by a closed port forward: {status} {text}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    drop(held);
     for c in [a, b, admin, a2] {
         let _ = c.cancel().await;
     }

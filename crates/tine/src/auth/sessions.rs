@@ -11,7 +11,9 @@
 //! quota of requests open at once on its sessions
 //! ([`tine_sandbox::Quota::max_streams`]: a session's `GET` SSE stream and
 //! each `POST` count until their answer's body ends or is dropped; a
-//! `DELETE` that ends a session is never refused).
+//! `DELETE` that ends a session is never refused). Port forwards
+//! ([`crate::port_forward`]) count against the same quota while open
+//! ([`SessionOwners::open_stream`]).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -44,9 +46,9 @@ struct Owners {
     streams: HashMap<String, usize>,
 }
 
-/// One open request of a principal on a session, counted until dropped
-/// (with the answer's body).
-struct StreamSlot {
+/// One open request of a principal on a session (or port forward),
+/// counted until dropped (with the answer's body, or the forward).
+pub struct StreamSlot {
     owners: Arc<SessionOwners>,
     principal: String,
 }
@@ -89,9 +91,9 @@ impl SessionOwners {
         Ok(())
     }
 
-    /// A slot for one more open request of `principal` if it has fewer
-    /// than `max`; otherwise how many it has.
-    fn open_stream(self: &Arc<Self>, principal: &str, max: usize) -> Result<StreamSlot, usize> {
+    /// A slot for one more open request (or port forward) of `principal`
+    /// if it has fewer than `max`; otherwise how many it has.
+    pub fn open_stream(self: &Arc<Self>, principal: &str, max: usize) -> Result<StreamSlot, usize> {
         let mut st = self.state();
         let n = st.streams.entry(principal.to_string()).or_default();
         if *n >= max {
@@ -134,12 +136,7 @@ pub async fn bind(State(owners): State<Arc<SessionOwners>>, req: Request, next: 
         let slot = match owners.open_stream(&name, max) {
             Ok(slot) => slot,
             Err(open) => {
-                let message = format!(
-                    "tenant {name} is at its quota of requests open at once on its MCP sessions: {open} open (SSE \
-                     streams included), the quota is {max}; close streams it no longer reads, or wait for calls to \
-                     end"
-                );
-                return too_many(message);
+                return too_many(streams_full(&name, open, max));
             }
         };
         // The slot goes with the answer's body: an SSE stream holds it
@@ -177,8 +174,17 @@ pub async fn bind(State(owners): State<Arc<SessionOwners>>, req: Request, next: 
     resp
 }
 
+/// What a tenant at its quota of open requests is told: `open` of `max`.
+pub fn streams_full(name: &str, open: usize, max: usize) -> String {
+    format!(
+        "tenant {name} is at its quota of requests open at once on its MCP sessions and port forwards: {open} open \
+         (SSE streams and port forwards included), the quota is {max}; close streams it no longer reads or port \
+         forwards it no longer uses, or wait for calls to end"
+    )
+}
+
 /// A 429 with `message` in a JSON body and `Retry-After: 60`.
-fn too_many(message: String) -> Response {
+pub fn too_many(message: String) -> Response {
     let body = serde_json::json!({"error": "quota", "message": message}).to_string();
     let mut resp = (StatusCode::TOO_MANY_REQUESTS, [(header::CONTENT_TYPE, "application/json")], body).into_response();
     resp.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("60"));

@@ -131,7 +131,7 @@ pub struct QuotaOverride {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[arg(long)]
     pub max_sessions: Option<usize>,
-    /// Requests and SSE streams open at once on its MCP sessions.
+    /// Requests, SSE streams and port forwards open at once.
     #[serde(skip_serializing_if = "Option::is_none")]
     #[arg(long)]
     pub max_streams: Option<usize>,

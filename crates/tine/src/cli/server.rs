@@ -267,7 +267,11 @@ fn prepare(
         allowed_hosts,
         allowed_origins,
         max_connections: r.file.max_connections.unwrap_or(server::DEFAULT_MAX_CONNECTIONS),
-        max_connections_per_address: r.file.max_connections_per_address.unwrap_or(0),
+        max_connections_per_address: r.file.max_connections_per_address.unwrap_or_else(|| {
+            server::default_max_connections_per_address(
+                r.file.max_connections.unwrap_or(server::DEFAULT_MAX_CONNECTIONS),
+            )
+        }),
         header_read_timeout: secs(r.file.header_read_timeout_secs, server::DEFAULT_HEADER_READ_TIMEOUT),
         idle_timeout: secs(r.file.idle_timeout_secs, server::DEFAULT_IDLE_TIMEOUT),
         http2_keep_alive_interval: match r.file.http2_keep_alive_interval_secs {

@@ -23,8 +23,11 @@
 //!   SETTINGS and first request's HEADERS (HTTP/2) must have arrived
 //!   within [`ConnLimits::first_request`] of the accept;
 //! - requests seen, none in progress: the connection may stay idle
-//!   [`ConnLimits::idle`];
-//! - a request in progress: no deadline.
+//!   [`ConnLimits::idle`], or [`BUSY_IDLE`] while the server's slots run
+//!   low ([`Pressure`]: more than 3/4 of them taken), so that keep-alive
+//!   connections idle between requests (an unauthenticated `GET /healthz`
+//!   client's, say) give their slots to clients waiting in the backlog;
+//! - a request in progress (an SSE stream open included): no deadline.
 //!
 //! When the timer fires the connection is asked to close gracefully (an
 //! HTTP/2 GOAWAY; an HTTP/1 or still-undetected connection closes at
@@ -62,6 +65,41 @@ use tokio_util::sync::CancellationToken;
 /// [`ConnLimits`]) may take to do so, with no request in progress,
 /// before its socket is closed: an HTTP/2 GOAWAY's round trip.
 pub const CLOSE_GRACE: Duration = Duration::from_secs(2);
+
+/// How long a connection that has served requests may stay idle while the
+/// server's slots run low ([`Pressure`]), when [`ConnLimits::idle`] is
+/// longer: 3 s, a few round trips for a client between two requests.
+pub const BUSY_IDLE: Duration = Duration::from_secs(3);
+
+/// Whether the server's connection slots run low: more than 3/4 of
+/// `total` taken, published on a [`watch`] channel for the connections
+/// ([`serve_connection`]'s `busy`), which then wait [`BUSY_IDLE`] at most
+/// while idle.
+pub struct Pressure {
+    slots: Arc<tokio::sync::Semaphore>,
+    total: usize,
+    busy: watch::Sender<bool>,
+}
+
+impl Pressure {
+    /// The pressure on `slots`, a semaphore of `total` permits (one per
+    /// slot, held while a connection is open).
+    pub fn new(slots: Arc<tokio::sync::Semaphore>, total: usize) -> Self {
+        Pressure { slots, total, busy: watch::channel(false).0 }
+    }
+
+    /// What connections watch.
+    pub fn subscribe(&self) -> watch::Receiver<bool> {
+        self.busy.subscribe()
+    }
+
+    /// Looks at the slots again (after a slot was taken or given back).
+    pub fn update(&self) {
+        let taken = self.total.saturating_sub(self.slots.available_permits());
+        let busy = taken.saturating_mul(4) > self.total.saturating_mul(3);
+        self.busy.send_if_modified(|b| std::mem::replace(b, busy) != busy);
+    }
+}
 
 /// The deadlines one connection is served under.
 #[derive(Clone, Copy, Debug)]
@@ -184,7 +222,8 @@ impl hyper::service::Service<Request<Incoming>> for Tracked {
 
 /// Serves `app` on `io` (from `peer`, given to every request as
 /// [`axum::extract::ConnectInfo`]) with `builder` under `limits` (see the
-/// module's documentation) until the connection ends; `shutdown` asks it to close
+/// module's documentation; `busy`: whether the server's slots run low,
+/// [`Pressure`]) until the connection ends; `shutdown` asks it to close
 /// gracefully (without a deadline: the caller bounds the drain).
 ///
 /// Errors: [`ConnError`] when the connection was closed at a deadline
@@ -196,6 +235,7 @@ pub fn serve_connection<I>(
     peer: Option<std::net::SocketAddr>,
     app: Router,
     limits: ConnLimits,
+    mut busy: watch::Receiver<bool>,
     shutdown: CancellationToken,
 ) -> impl Future<Output = Result<(), ConnError>> + Send + 'static
 where
@@ -212,13 +252,15 @@ where
         let mut closing: Option<(Instant, bool)> = None;
         let mut shutting_down = false;
         let mut watching = true;
+        let mut watching_busy = true;
         loop {
             let now = *activity.borrow_and_update();
+            let idle = if *busy.borrow_and_update() { limits.idle.min(BUSY_IDLE) } else { limits.idle };
             let deadline = match closing {
                 Some((asked, _)) => (now.in_flight == 0).then(|| asked.max(now.idle_since) + CLOSE_GRACE),
                 None if shutting_down => None,
                 None if now.requests == 0 => Some(accepted + limits.first_request),
-                None if now.in_flight == 0 => Some(now.idle_since + limits.idle),
+                None if now.in_flight == 0 => Some(now.idle_since + idle),
                 None => None,
             };
             let timer = async {
@@ -248,6 +290,12 @@ where
                     // The sender lives as long as the connection's service;
                     // should it go first, only the connection is awaited.
                     watching = changed.is_ok();
+                }
+                changed = busy.changed(), if watching_busy => {
+                    // The server's slots ran low or recovered: the idle
+                    // deadline changes. (The sender lives as long as the
+                    // accept loop.)
+                    watching_busy = changed.is_ok();
                 }
                 () = timer => {
                     if activity.has_changed().unwrap_or(false) {

@@ -53,7 +53,8 @@ fn connect(
 ) -> (DuplexStream, JoinHandle<Result<(), ConnError>>, CancellationToken) {
     let (client, server) = tokio::io::duplex(64 << 10);
     let shutdown = CancellationToken::new();
-    let conn = serve_connection(&builder(header_read), server, None, app(), limits, shutdown.clone());
+    let not_busy = tokio::sync::watch::channel(false).1;
+    let conn = serve_connection(&builder(header_read), server, None, app(), limits, not_busy, shutdown.clone());
     (client, tokio::spawn(conn), shutdown)
 }
 
