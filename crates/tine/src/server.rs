@@ -9,18 +9,10 @@
 //!
 //! HTTP hardening: `Host` and `Origin` are checked (the transport spec's
 //! "Security Warning": servers MUST validate `Origin`; a foreign one gets
-<<<<<<< HEAD
 //! 403; a `--dev` server, which has no credentials, accepts only its own
 //! loopback origins, [`loopback_origins`]), at most
 //! [`ServeOptions::max_connections`] connections are served at once
 //! (more wait in the listen backlog; at most
-//! [`ServeOptions::max_connections_per_address`] from one address), a
-//! connection has [`ServeOptions::header_read_timeout`] to send its first
-//! request, whatever its HTTP version, and is closed after
-//! [`ServeOptions::idle_timeout`] without one ([`connection`]), at most
-=======
-//! 403), at most [`ServeOptions::max_connections`] connections are served
-//! at once (more wait in the listen backlog; at most
 //! [`ServeOptions::max_connections_per_address`] from one address, by
 //! default half of them), a connection has
 //! [`ServeOptions::header_read_timeout`] to send its first request,
@@ -28,7 +20,6 @@
 //! [`ServeOptions::idle_timeout`] without one, or after
 //! [`connection::BUSY_IDLE`] while more than 3/4 of the slots are taken
 //! ([`connection`]), at most
->>>>>>> fix/connections
 //! [`ServeOptions::max_sessions`] MCP sessions are open (an `initialize`
 //! past it gets 503 saying what to do), and `DELETE /mcp` answers 200 (the
 //! official Python SDK takes only 200 or 204 as a clean close).

@@ -9,18 +9,15 @@
 //!   a client still gets through once the server has closed them;
 //! - past `max_sessions` an `initialize` is refused with 503 and a message
 //!   saying what to do, and after a `DELETE /mcp` a new session is made;
-<<<<<<< HEAD
 //! - a `--dev` server (no credentials) answers a browser's `Origin` of its
 //!   own listen address (`localhost`, `127.0.0.1`, `[::1]` with its port)
 //!   and refuses every other with 403: a foreign site, another loopback
 //!   port, and a preview page's `<id>.localhost` (a guest's page must not
 //!   drive the server); `/mcp` under a preview's host never reaches MCP.
-=======
 //! - one address holds at most half the slots by default (more are closed
 //!   at once), and keep-alive connections idle between requests are closed
 //!   after a few seconds when more than 3/4 of the slots are taken, so
 //!   unauthenticated `GET /healthz` connections do not keep a client out.
->>>>>>> fix/connections
 //!
 //! No sandbox is made (the tool called is `sandbox_list`), no default
 //! template is built and the warm pool is off, so no guest boots and KVM
@@ -389,7 +386,6 @@ async fn a_tenants_open_streams_stop_at_its_quota() {
     drop(second);
 }
 
-<<<<<<< HEAD
 /// `POST /mcp` `initialize` of a `--dev` server, with `origin` as `Origin`
 /// (none when `None`) and `host` as `Host`.
 async fn dev_initialize(server: &TineServer, host: &str, origin: Option<&str>) -> reqwest::Response {
@@ -441,7 +437,8 @@ async fn a_dev_server_answers_its_own_loopback_origins_only() {
     let r = dev_initialize(&server, &format!("0123456789ab.localhost:{port}"), None).await;
     assert_eq!(r.status(), 404, "a preview host's /mcp");
     assert!(r.text().await.unwrap().contains("No such preview"));
-=======
+}
+
 /// A keep-alive connection from `from` (port 0) that has sent `GET
 /// /healthz` without a token and read its answer, left open; `Err` when
 /// the server closed it instead.
@@ -527,5 +524,4 @@ async fn idle_keep_alive_connections_are_closed_when_slots_run_low() {
     }
     eprintln!("{closed} of the {SLOTS} idle connections were closed");
     assert!(closed >= 1, "none of the {SLOTS} idle connections was closed");
->>>>>>> fix/connections
 }

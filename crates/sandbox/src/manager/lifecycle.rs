@@ -972,7 +972,10 @@ async fn hand_out_in_guest(
     }
     if let Some(dir) = working_dir {
         let defaults = tine_protocol::ProcessDefaults { user: None, working_dir: Some(dir) };
-        agent.set_process_defaults(defaults, RESEED_TIMEOUT).await.map_err(|e| failed("set the working directory", e))?;
+        agent
+            .set_process_defaults(defaults, RESEED_TIMEOUT)
+            .await
+            .map_err(|e| failed("set the working directory", e))?;
     }
     Ok(())
 }

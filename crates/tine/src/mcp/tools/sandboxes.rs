@@ -17,8 +17,8 @@ use super::common::env_map;
 use super::network::NetworkParams;
 use crate::mcp::bounds::{
     string_map, DEFAULT_MAX_DISK_MIB, DEFAULT_MAX_IDLE_SECS, DEFAULT_MAX_LABELS, DEFAULT_MAX_MEMORY_MIB,
-    DEFAULT_MAX_SANDBOXES, DEFAULT_MAX_VCPUS, MAX_ID_CHARS, MAX_NAME_CHARS, MAX_PATH_CHARS, MIN_DISK_MIB, MIN_MEMORY_MIB,
-    NAME_PATTERN,
+    DEFAULT_MAX_SANDBOXES, DEFAULT_MAX_VCPUS, MAX_ID_CHARS, MAX_NAME_CHARS, MAX_PATH_CHARS, MIN_DISK_MIB,
+    MIN_MEMORY_MIB, NAME_PATTERN,
 };
 use crate::mcp::errors::ToolError;
 use crate::mcp::progress::Reporter;
