@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use http_body_util::combinators::BoxBody;
-use http_body_util::{BodyExt, Full, Limited};
+use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper::header::{HeaderValue, CONTENT_LENGTH, HOST, TRANSFER_ENCODING};
 use hyper::{Request, Response, StatusCode};
@@ -18,6 +18,7 @@ use rustls_pki_types::ServerName;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio_rustls::{LazyConfigAcceptor, TlsConnector};
 
+use crate::budget::Held;
 use crate::swap::{swap_body, swap_head, MAX_SWAP_BODY};
 use crate::{Broker, BrokerError, BrokerEvent, Flow, FlowHooks, HANDSHAKE_TIMEOUT, IDLE_TIMEOUT};
 
@@ -172,6 +173,35 @@ fn authority(req: &Request<Incoming>) -> Option<String> {
     Some(host.trim_end_matches('.').to_ascii_lowercase())
 }
 
+/// Why [`read_body`] stopped.
+enum BodyRead {
+    /// Longer than [`MAX_SWAP_BODY`].
+    TooLong,
+    /// The sandbox's [`BodyBudget`] has no room for it.
+    OverBudget,
+    /// The guest's body failed (a reset stream, bad chunking).
+    Failed(hyper::Error),
+}
+
+/// Reads `body` whole, at most [`MAX_SWAP_BODY`] bytes, each frame
+/// reserved in `held` before it is kept. Trailers are dropped (the
+/// swapped body goes on with a length).
+async fn read_body(mut body: Incoming, held: &mut Held) -> Result<Vec<u8>, BodyRead> {
+    let mut whole = Vec::new();
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(BodyRead::Failed)?;
+        let Ok(data) = frame.into_data() else { continue };
+        if whole.len() + data.len() > MAX_SWAP_BODY {
+            return Err(BodyRead::TooLong);
+        }
+        if !held.grow(data.len() as u64) {
+            return Err(BodyRead::OverBudget);
+        }
+        whole.extend_from_slice(&data);
+    }
+    Ok(whole)
+}
+
 /// Passes one request on.
 async fn handle(shared: &Shared, mut req: Request<Incoming>) -> Response<Body> {
     let method = req.method().to_string();
@@ -212,27 +242,56 @@ async fn handle(shared: &Shared, mut req: Request<Incoming>) -> Response<Body> {
         shared.hooks.event(BrokerEvent::LeakBlocked { host: shared.name.clone(), secrets: swapped.leaked.clone() });
     }
     let mut names = swapped.swapped.clone();
+    // What this request's body holds of the sandbox's budget, until its
+    // answer's head is back (the body has gone by then).
+    let mut held = None;
     let body: Body = if swapped.in_body.is_empty() {
         body.map_err(Into::into).boxed()
     } else {
-        match Limited::new(body, MAX_SWAP_BODY).collect().await {
-            Ok(collected) => {
-                let (new, more) = swap_body(&collected.to_bytes(), &bindings, &swapped.in_body);
-                names.extend(more.into_iter().filter(|m| !swapped.swapped.contains(m)));
-                parts.headers.remove(TRANSFER_ENCODING);
-                if !new.is_empty() || parts.headers.contains_key(CONTENT_LENGTH) {
-                    parts.headers.insert(CONTENT_LENGTH, HeaderValue::from(new.len()));
-                }
-                Full::new(Bytes::from(new)).map_err(|e| match e {}).boxed()
-            }
-            Err(_) => {
+        let budget = shared.hooks.body_budget();
+        let whole = match read_body(body, held.insert(budget.reserve())).await {
+            Ok(whole) => whole,
+            Err(BodyRead::TooLong) => {
                 event(413, Vec::new());
                 return own(
                     StatusCode::PAYLOAD_TOO_LARGE,
                     &format!("a body in which a secret is swapped may be {MAX_SWAP_BODY} bytes at most"),
                 );
             }
+            Err(BodyRead::OverBudget) => {
+                shared.hooks.event(BrokerEvent::BodyBudget { host: shared.name.clone(), limit: budget.limit() });
+                event(503, Vec::new());
+                let mut r = own(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    &format!(
+                        "the sandbox's requests hold {} bytes of bodies in which secrets are swapped, at most; \
+                         retry when one has been answered",
+                        budget.limit()
+                    ),
+                );
+                r.headers_mut().insert(hyper::header::RETRY_AFTER, HeaderValue::from_static("1"));
+                return r;
+            }
+            Err(BodyRead::Failed(e)) => {
+                event(400, Vec::new());
+                return own(StatusCode::BAD_REQUEST, &format!("the request's body could not be read: {e}"));
+            }
+        };
+        let (new, more) = swap_body(&whole, &bindings, &swapped.in_body);
+        names.extend(more.into_iter().filter(|m| !swapped.swapped.contains(m)));
+        parts.headers.remove(TRANSFER_ENCODING);
+        if !new.is_empty() || parts.headers.contains_key(CONTENT_LENGTH) {
+            parts.headers.insert(CONTENT_LENGTH, HeaderValue::from(new.len()));
         }
+        // The swapped copy replaces the one read: reserve the difference.
+        let grown = (new.len() as u64).saturating_sub(whole.len() as u64);
+        drop(whole);
+        if let Some(h) = held.as_mut() {
+            // Values longer than their placeholders; past the budget by
+            // this little it is let go rather than refused midway.
+            let _ = h.grow(grown);
+        }
+        Full::new(Bytes::from(new)).map_err(|e| match e {}).boxed()
     };
     let request = Request::from_parts(parts, body);
     let sent = match &shared.upstream {
@@ -259,6 +318,7 @@ async fn handle(shared: &Shared, mut req: Request<Incoming>) -> Response<Body> {
             return r;
         }
     };
+    drop(held);
     event(resp.status().as_u16(), names);
     if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
         if let Some(guest_upgrade) = guest_upgrade {

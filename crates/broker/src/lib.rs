@@ -27,11 +27,16 @@
 //!   kept-alive connection.
 //! - Placeholders of secrets that may not go to this host are left as
 //!   they are and reported ([`BrokerEvent::LeakBlocked`]).
+//! - Bodies read whole to swap in them are held within the sandbox's
+//!   [`BodyBudget`] across all its flows and requests ([`budget`]); a
+//!   request past it is refused (503) and reported
+//!   ([`BrokerEvent::BodyBudget`]).
 //!
 //! Errors end the flow: the guest sees its TLS connection close (or, for
 //! a request that cannot be passed on, a `502`); each is a
 //! [`BrokerError`].
 
+pub mod budget;
 pub mod ca;
 mod flow;
 pub mod swap;
@@ -40,6 +45,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+pub use budget::{BodyBudget, DEFAULT_SANDBOX_BODY_BUDGET};
 pub use ca::{CaError, CertificateAuthority};
 pub use flow::FlowStats;
 pub use hyper::header::HeaderName;
@@ -133,6 +139,14 @@ pub enum BrokerEvent {
         /// The request's authority.
         authority: String,
     },
+    /// A request whose body would have taken the sandbox's
+    /// [`BodyBudget`] past its limit (refused, 503).
+    BodyBudget {
+        /// The flow's name.
+        host: String,
+        /// The budget (bytes).
+        limit: u64,
+    },
 }
 
 /// The sandbox's side of a flow: its bindings now, and where its events go.
@@ -141,6 +155,9 @@ pub trait FlowHooks: Send + Sync {
     fn bindings(&self) -> Vec<Arc<Binding>>;
     /// Records `event` (the sandbox's network log).
     fn event(&self, event: BrokerEvent);
+    /// The sandbox's budget for request bodies held to swap in them (one
+    /// for all its flows).
+    fn body_budget(&self) -> Arc<BodyBudget>;
 }
 
 /// One guest connection handed to the broker.

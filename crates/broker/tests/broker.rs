@@ -18,7 +18,8 @@ use http_body_util::{BodyExt, Full};
 use hyper::{Request, Response};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use tine_broker::{
-    Binding, Broker, BrokerConfig, BrokerEvent, CertificateAuthority, Flow, FlowHooks, HostPattern, SecretValue,
+    Binding, BodyBudget, Broker, BrokerConfig, BrokerEvent, CertificateAuthority, Flow, FlowHooks, HostPattern,
+    SecretValue,
 };
 
 const PLACEHOLDER: &str = "tine_placeholder_5f1c";
@@ -31,6 +32,8 @@ struct Upstream {
     addr: SocketAddr,
     ca_file: tempfile::NamedTempFile,
     requests: Arc<AtomicU64>,
+    /// A request to `/hold` is answered only after a permit is added here.
+    release: Arc<tokio::sync::Semaphore>,
 }
 
 fn upstream() -> Upstream {
@@ -42,18 +45,23 @@ fn upstream() -> Upstream {
     listener.set_nonblocking(true).unwrap();
     let addr = listener.local_addr().unwrap();
     let requests = Arc::new(AtomicU64::new(0));
+    let release = Arc::new(tokio::sync::Semaphore::new(0));
     let counted = requests.clone();
+    let held = release.clone();
     tokio::spawn(async move {
         let listener = tokio::net::TcpListener::from_std(listener).unwrap();
         loop {
             let Ok((tcp, _)) = listener.accept().await else { return };
-            let (acceptor, counted) = (acceptor.clone(), counted.clone());
+            let (acceptor, counted, held) = (acceptor.clone(), counted.clone(), held.clone());
             tokio::spawn(async move {
                 let Ok(tls) = acceptor.accept(tcp).await else { return };
                 let service = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
-                    let counted = counted.clone();
+                    let (counted, held) = (counted.clone(), held.clone());
                     async move {
                         counted.fetch_add(1, Ordering::SeqCst);
+                        if req.uri().path() == "/hold" {
+                            held.acquire().await.unwrap().forget();
+                        }
                         let auth = req.headers().get("authorization").map(|v| v.to_str().unwrap().to_string());
                         let query = req.uri().query().unwrap_or_default().to_string();
                         let version = format!("{:?}", req.version());
@@ -72,14 +80,25 @@ fn upstream() -> Upstream {
             });
         }
     });
-    Upstream { addr, ca_file, requests }
+    Upstream { addr, ca_file, requests, release }
 }
 
-/// The sandbox's side: its bindings (changeable) and its events.
-#[derive(Default)]
+/// The sandbox's side: its bindings (changeable), its events and its
+/// body budget.
 struct Hooks {
     bindings: Mutex<Vec<Arc<Binding>>>,
     events: Mutex<Vec<BrokerEvent>>,
+    budget: Arc<BodyBudget>,
+}
+
+impl Default for Hooks {
+    fn default() -> Self {
+        Hooks {
+            bindings: Mutex::default(),
+            events: Mutex::default(),
+            budget: BodyBudget::new(tine_broker::DEFAULT_SANDBOX_BODY_BUDGET),
+        }
+    }
 }
 
 impl FlowHooks for Hooks {
@@ -88,6 +107,9 @@ impl FlowHooks for Hooks {
     }
     fn event(&self, event: BrokerEvent) {
         self.events.lock().unwrap().push(event);
+    }
+    fn body_budget(&self) -> Arc<BodyBudget> {
+        self.budget.clone()
     }
 }
 
@@ -211,6 +233,52 @@ async fn http2_stays_http2_and_bodies_are_swapped_where_the_secret_says() {
     let (status, body) = c.send(req).await;
     assert_eq!(status, 200);
     assert_eq!(body, format!("auth=Bearer {VALUE} query= body={{\"key\":\"{VALUE}\"}} proto=HTTP/2.0"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bodies_held_to_swap_in_share_one_budget_per_sandbox() {
+    let up = upstream();
+    let broker = broker(&up);
+    // Room for one body of nearly 1 MiB, not two.
+    let budget = BodyBudget::new(3 << 19);
+    let hooks = Arc::new(Hooks { budget: budget.clone(), ..Hooks::default() });
+    hooks.bindings.lock().unwrap().push(binding("api", PLACEHOLDER, "api.test", true));
+    let Client::H2(send) = open(&broker, &up, hooks.clone(), &[b"h2"]).await else { panic!("not h2") };
+    let body = |path: &str| {
+        let mut text = "x".repeat((1 << 20) - 100);
+        text.push_str(PLACEHOLDER);
+        Request::post(format!("https://api.test{path}")).body(Full::new(Bytes::from(text))).unwrap()
+    };
+    // A request the upstream holds: its body stays reserved meanwhile.
+    let mut first = send.clone();
+    let held = tokio::spawn(async move { first.send_request(body("/hold")).await.unwrap().status().as_u16() });
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while up.requests.load(Ordering::SeqCst) == 0 {
+        assert!(std::time::Instant::now() < deadline, "the held request did not reach the upstream");
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert!(budget.held() >= (1 << 20) - 100, "the held body is counted: {}", budget.held());
+    // A second one on another stream of the same connection does not fit.
+    let resp = send.clone().send_request(body("/v1")).await.unwrap();
+    assert_eq!(resp.status().as_u16(), 503);
+    assert!(resp.headers().contains_key("retry-after"));
+    let text = resp.into_body().collect().await.unwrap().to_bytes();
+    assert!(String::from_utf8_lossy(&text).contains("at most; retry when one has been answered"), "{text:?}");
+    assert_eq!(up.requests.load(Ordering::SeqCst), 1, "the refused request was not passed on");
+    assert!(hooks
+        .events
+        .lock()
+        .unwrap()
+        .iter()
+        .any(|e| matches!(e, BrokerEvent::BodyBudget { limit, .. } if *limit == 3 << 19)));
+    // Answered, the first gives its bytes back, and the next fits.
+    up.release.add_permits(1);
+    assert_eq!(held.await.unwrap(), 200);
+    let resp = send.clone().send_request(body("/v1")).await.unwrap();
+    assert_eq!(resp.status().as_u16(), 200);
+    let text = resp.into_body().collect().await.unwrap().to_bytes();
+    assert!(String::from_utf8_lossy(&text).ends_with(&format!("{VALUE} proto=HTTP/2.0")), "swapped");
+    assert_eq!(budget.held(), 0, "nothing stays reserved");
 }
 
 #[tokio::test]

@@ -62,6 +62,12 @@ pub trait Handoff: Send + Sync + std::fmt::Debug {
     /// Whether such a request is refused (the connection reset) as well
     /// as logged.
     fn refuse_leaks(&self) -> bool;
+    /// Host memory the sandbox's flows hold in the broker now (bytes;
+    /// request bodies read to swap in them), counted in
+    /// [`NetControl::buffered_bytes`].
+    fn buffered_bytes(&self) -> u64 {
+        0
+    }
 }
 
 /// Inbound connections asked for, at most, while the stack has not
@@ -130,9 +136,11 @@ impl NetControl {
     /// The bytes the sandbox's network buffers held at the stack's last
     /// report (at most a second old while it runs;
     /// [`crate::stack::NetStack::buffered_bytes`]): what the sandbox
-    /// manager charges to the memory budget on top of guest memory.
+    /// manager charges to the memory budget on top of guest memory,
+    /// with what its flows hold in the broker now ([`Handoff::buffered_bytes`]).
     pub fn buffered_bytes(&self) -> u64 {
-        self.buffered.load(std::sync::atomic::Ordering::Relaxed)
+        let broker = self.handoff().map_or(0, |h| h.buffered_bytes());
+        self.buffered.load(std::sync::atomic::Ordering::Relaxed).saturating_add(broker)
     }
 
     /// The stack's report of [`NetControl::buffered_bytes`].

@@ -432,6 +432,10 @@ pub(super) struct Sandbox {
     /// Its secrets ([`crate::secrets`]), shared with its network's
     /// hand-over to the broker.
     pub secrets: Arc<Mutex<Vec<crate::secrets::SecretBinding>>>,
+    /// The request bodies its broker flows may hold at once to swap
+    /// secrets in them (one budget for all its flows, kept when its
+    /// bindings change).
+    pub body_budget: Arc<tine_broker::BodyBudget>,
     /// Its name ([`super::names`]; `None`: none).
     pub name: Mutex<Option<String>>,
     /// Its vCPU time at the last usage reading, and when: the interval its
@@ -475,6 +479,7 @@ impl Sandbox {
             slot_chains: Mutex::new(Vec::new()),
             ports: Mutex::new(Vec::new()),
             secrets: Arc::new(Mutex::new(Vec::new())),
+            body_budget: tine_broker::BodyBudget::new(tine_broker::DEFAULT_SANDBOX_BODY_BUDGET),
             name: Mutex::new(None),
             last_cpu: Mutex::new(None),
         }

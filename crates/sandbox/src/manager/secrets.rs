@@ -105,6 +105,7 @@ impl Manager {
                     sandbox: sb.id.clone(),
                     tenant: sb.tenant(),
                     bindings: sb.secrets.clone(),
+                    body_budget: sb.body_budget.clone(),
                     setup: setup.clone(),
                     control: Arc::downgrade(&control),
                     rt,
@@ -123,6 +124,8 @@ struct SandboxHandoff {
     sandbox: String,
     tenant: Option<String>,
     bindings: Arc<Mutex<Vec<SecretBinding>>>,
+    /// The sandbox's ([`Sandbox::body_budget`]).
+    body_budget: Arc<tine_broker::BodyBudget>,
     setup: SecretsSetup,
     control: Weak<NetControl>,
     rt: tokio::runtime::Handle,
@@ -188,6 +191,10 @@ impl Handoff for SandboxHandoff {
     fn refuse_leaks(&self) -> bool {
         self.setup.source.refuse_leaks()
     }
+
+    fn buffered_bytes(&self) -> u64 {
+        self.body_budget.held()
+    }
 }
 
 impl SandboxHandoff {
@@ -197,6 +204,7 @@ impl SandboxHandoff {
             sandbox: self.sandbox.clone(),
             tenant: self.tenant.clone(),
             bindings: self.bindings.clone(),
+            body_budget: self.body_budget.clone(),
             setup: self.setup.clone(),
             control: self.control.clone(),
             rt: self.rt.clone(),
@@ -253,6 +261,24 @@ impl FlowHooks for FlowLog {
             BrokerEvent::Misdirected { host, authority } => {
                 tracing::info!(sandbox = %self.handoff.sandbox, %host, %authority, "secret broker: a request for another authority was refused (421)");
             }
+            BrokerEvent::BodyBudget { host, limit } => {
+                tracing::warn!(sandbox = %self.handoff.sandbox, %host, limit, "secret broker: a request body past the sandbox's budget was refused (503)");
+                let unknown = std::net::SocketAddr::from((std::net::Ipv4Addr::UNSPECIFIED, 0));
+                let peer = self.peer.unwrap_or(unknown);
+                let mut record = netstack::log::NetRecord::starting(
+                    netstack::log::Protocol::Tcp,
+                    peer.ip(),
+                    peer.port(),
+                    Some(host),
+                    netstack::policy::Verdict { allowed: false, rule: "secret-body-budget".into() },
+                );
+                record.duration_ms = Some(0);
+                control.record(record);
+            }
         }
+    }
+
+    fn body_budget(&self) -> Arc<tine_broker::BodyBudget> {
+        self.handoff.body_budget.clone()
     }
 }
