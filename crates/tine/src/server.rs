@@ -522,18 +522,18 @@ pub async fn serve_stdio(
 
 /// Follows the tenants file each time it is read (the first time at
 /// start): gives the manager the tenants' quotas (a resumed sandbox counts
-/// against them) and deletes the sandboxes and templates of tenants it
-/// marks removed. What cannot be deleted now is logged and tried again at
+/// against them) and deletes the sandboxes, templates and volumes of
+/// tenants it marks removed (their volumes not with `keep_data`). What cannot be deleted now is logged and tried again at
 /// the next read.
 async fn follow_tenants(
     manager: Arc<Manager>,
     mut roster: tokio::sync::watch::Receiver<Arc<crate::auth::tenants::Roster>>,
 ) {
     loop {
-        let removed = {
+        let (removed, keeping_data) = {
             let now = roster.borrow_and_update();
             manager.set_tenant_quotas(now.quotas());
-            now.removed.clone()
+            (now.removed.clone(), now.keeping_data.clone())
         };
         for tenant in removed {
             let theirs: Vec<_> = manager
@@ -553,6 +553,19 @@ async fn follow_tenants(
                         Ok(()) => crate::audit::change("template deleted: its tenant was removed", &t.name),
                         Err(e) => tracing::warn!(template = %t.name, "removed tenant {tenant}: {e}"),
                     }
+                }
+            }
+            if keeping_data.contains(&tenant) {
+                continue;
+            }
+            // Its sandboxes are gone, so none has a volume attached.
+            let cx = tine_sandbox::CallContext { tenant: Some(tenant.clone()), ..Default::default() };
+            for v in manager.volume_list(&cx) {
+                match manager.volume_delete(&cx, &v.name).await {
+                    Ok(()) => {
+                        crate::audit::change("volume deleted: its tenant was removed", &format!("{tenant}/{}", v.name))
+                    }
+                    Err(e) => tracing::warn!(volume = %v.name, "removed tenant {tenant}: {e}"),
                 }
             }
         }

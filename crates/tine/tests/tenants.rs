@@ -311,8 +311,33 @@ async fn tenants_see_and_touch_only_their_own() {
     let a2 = connect(&server.url, Some(&new_key)).await;
     assert_eq!(listed(&call(&a2, "sandbox_list", json!({})).await.unwrap()), [id_a.as_str()]);
 
-    // Removed: its sandboxes and templates go.
-    tenant_cli(&tenants, &["remove", "acme", "--yes"]);
+    // A's data that outlives its sandboxes: a volume and a secret.
+    call(&a2, "volume_create", json!({"name": "keep", "size_gib": 1})).await.unwrap();
+    let data_dir = server.data_dir.to_str().unwrap();
+    let volume = server.data_dir.join("kept/volumes/acme~keep");
+    assert!(volume.is_dir(), "{} is where acme's volume is", volume.display());
+    let secret = std::process::Command::new(binary())
+        .args(["secret", "set", "acme-token", "--tenant", "acme", "--hosts", "api.example.com", "--data-dir", data_dir])
+        .stdin(std::process::Stdio::piped())
+        .spawn()
+        .and_then(|mut c| {
+            use std::io::Write as _;
+            c.stdin.take().unwrap().write_all(b"sk-acme")?;
+            c.wait()
+        })
+        .unwrap();
+    assert!(secret.success());
+    let acme_secrets = || {
+        let out = std::process::Command::new(binary()).args(["secret", "ls", "--data-dir", data_dir]).output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let all: Vec<Value> = serde_json::from_slice(&out.stdout).unwrap();
+        all.iter().filter(|s| s["owner"] == "tenant:acme").count()
+    };
+    assert_eq!(acme_secrets(), 1);
+
+    // Removed keeping its data: its sandboxes and templates go, its
+    // volume and secret stay for the operator, and the name is reserved.
+    tenant_cli(&tenants, &["remove", "acme", "--yes", "--keep-data", "--data-dir", data_dir]);
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let all = listed(&call(&admin, "sandbox_list", json!({})).await.unwrap());
@@ -324,6 +349,40 @@ async fn tenants_see_and_touch_only_their_own() {
         assert!(Instant::now() < deadline, "acme's objects are still there: {all:?} {templates:?}");
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+    assert!(volume.is_dir(), "--keep-data keeps the volume");
+    assert_eq!(acme_secrets(), 1, "--keep-data keeps the secret");
+    let refused = std::process::Command::new(binary())
+        .args(["tenant", "add", "acme", "--data-dir", data_dir, "--tenants-file"])
+        .arg(&tenants)
+        .output()
+        .unwrap();
+    let why = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success() && why.contains("tine tenant purge acme --yes"), "{why}");
+    // Purged: the secret goes at once, the volume when the server reads
+    // the file; then the name can be added again, and the new acme
+    // inherits nothing.
+    tenant_cli(&tenants, &["purge", "acme", "--yes", "--data-dir", data_dir]);
+    assert_eq!(acme_secrets(), 0, "purge deletes the tenant's secrets");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while volume.exists() {
+        assert!(Instant::now() < deadline, "the server did not delete acme's volume");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let key_a3 = tenant_cli(&tenants, &["add", "acme", "--data-dir", data_dir]);
+    // The server knows the new key once it has read the file again.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let status = raw_initialize(&http, &server.url, &key_a3).await.status();
+        if status == 200 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the new acme's key does not work ({status})");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let a3 = connect(&server.url, Some(&key_a3)).await;
+    let vols = call(&a3, "volume_list", json!({})).await.unwrap();
+    assert!(!vols.to_string().contains("keep"), "a new tenant of the name inherits a volume: {vols}");
+    let _ = a3.cancel().await;
     // Open port forwards count against B's quota of requests open at once
     // (8): held open to a guest port that holds them, they fill it beside
     // B's session, and the next is refused with 429 until one closes.

@@ -22,9 +22,14 @@
 //!
 //! An API key is `tine_` and 64 hex digits (256 bits from the kernel's
 //! random source); only its SHA-256 is kept, so the file does not hold a
-//! usable key. A removed tenant stays in the file with `removed = true`
-//! until its sandboxes and templates are gone: its key no longer works,
-//! and a server that reads the mark deletes what the tenant had.
+//! usable key. A removed tenant stays in the file with `removed = true`:
+//! its key no longer works, and a server that reads the mark deletes what
+//! the tenant had there: its sandboxes, templates and volumes (its
+//! secrets are deleted from the secrets file by `tine tenant remove`
+//! itself). With `keep_data = true` (`tine tenant remove --keep-data`)
+//! its volumes and secrets are kept for the operator and the name stays
+//! reserved: it cannot be added again until `tine tenant purge` deletes
+//! them, so a new tenant of the same name never inherits another's data.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -79,6 +84,23 @@ pub enum TenantsError {
     /// `add` of a name the file has.
     #[error("tenant {0} exists; `tine tenant rotate-key {0}` gives it a new key")]
     Exists(String),
+    /// `add` of a removed name whose data is kept (`--keep-data`) or not
+    /// yet deleted.
+    #[error(
+        "tenant {name} was removed and its data is still here ({what}); a new tenant of that name would inherit \
+         it: {next}"
+    )]
+    DataLeft {
+        /// The name.
+        name: String,
+        /// What is left: `volumes a, b; secrets c`.
+        what: String,
+        /// What to do.
+        next: String,
+    },
+    /// `purge` of a tenant that is not removed.
+    #[error("tenant {0} is not removed; `tine tenant remove {0} --yes` removes it and deletes its data")]
+    NotRemoved(String),
     /// A name the file does not have.
     #[error("no tenant {0} (`tine tenant list` shows them)")]
     NotFound(String),
@@ -170,6 +192,11 @@ pub struct TenantEntry {
     /// templates.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub removed: bool,
+    /// With `removed`: its volumes and secrets are kept for the operator
+    /// (`tine tenant remove --keep-data`), and the name cannot be added
+    /// again until `tine tenant purge` deletes them.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub keep_data: bool,
     /// Its quotas where they differ from `[limits.tenant]`.
     #[serde(default, skip_serializing_if = "is_default")]
     pub quota: QuotaOverride,
@@ -295,14 +322,26 @@ impl TenantsFile {
     }
 
     /// Adds tenant `name` with a new key, which is returned (and kept only
-    /// as its hash). A removed tenant of that name is replaced.
+    /// as its hash). A removed tenant of that name is replaced, unless its
+    /// data is kept (`keep_data`). The caller checks first that nothing of
+    /// a removed tenant of that name is left on disk (its volumes: the
+    /// servers delete them when they read the mark).
     ///
-    /// Errors: [`TenantsError::BadName`], [`TenantsError::Exists`], the
-    /// random source's as [`TenantsError::Io`].
+    /// Errors: [`TenantsError::BadName`], [`TenantsError::Exists`],
+    /// [`TenantsError::DataLeft`] (removed with `--keep-data`), the random
+    /// source's as [`TenantsError::Io`].
     pub fn add(&mut self, name: &str, quota: QuotaOverride, path: &Path) -> Result<String, TenantsError> {
         check_name(name)?;
-        if self.tenant.get(name).is_some_and(|t| !t.removed) {
-            return Err(TenantsError::Exists(name.into()));
+        match self.tenant.get(name) {
+            Some(t) if !t.removed => return Err(TenantsError::Exists(name.into())),
+            Some(t) if t.keep_data => {
+                return Err(TenantsError::DataLeft {
+                    name: name.into(),
+                    what: "kept with --keep-data".into(),
+                    next: format!("`tine tenant purge {name} --yes` deletes its volumes and secrets"),
+                })
+            }
+            _ => {}
         }
         let key = new_key().map_err(|source| TenantsError::Io { path: path.into(), source })?;
         let now = unix_ms();
@@ -311,6 +350,7 @@ impl TenantsFile {
             created_at_ms: now,
             key_created_at_ms: now,
             removed: false,
+            keep_data: false,
             quota,
             network: None,
             public_previews: None,
@@ -335,13 +375,28 @@ impl TenantsFile {
         Ok(key)
     }
 
-    /// Marks tenant `name` removed.
+    /// Marks tenant `name` removed; with `keep_data` its volumes and
+    /// secrets are to be kept (and the name reserved).
     ///
     /// Errors: [`TenantsError::NotFound`].
-    pub fn remove(&mut self, name: &str) -> Result<(), TenantsError> {
+    pub fn remove(&mut self, name: &str, keep_data: bool) -> Result<(), TenantsError> {
         let entry =
             self.tenant.get_mut(name).filter(|t| !t.removed).ok_or_else(|| TenantsError::NotFound(name.into()))?;
         entry.removed = true;
+        entry.keep_data = keep_data;
+        Ok(())
+    }
+
+    /// Lets the servers delete removed tenant `name`'s kept volumes (clears
+    /// `keep_data`; the caller deletes its secrets).
+    ///
+    /// Errors: [`TenantsError::NotFound`], [`TenantsError::NotRemoved`].
+    pub fn purge(&mut self, name: &str) -> Result<(), TenantsError> {
+        let entry = self.tenant.get_mut(name).ok_or_else(|| TenantsError::NotFound(name.into()))?;
+        if !entry.removed {
+            return Err(TenantsError::NotRemoved(name.into()));
+        }
+        entry.keep_data = false;
         Ok(())
     }
 }
@@ -374,6 +429,8 @@ pub struct Roster {
     by_name: BTreeMap<String, Arc<Tenant>>,
     /// Tenants marked removed.
     pub removed: Vec<String>,
+    /// Of those, the ones whose volumes are kept (`keep_data`).
+    pub keeping_data: Vec<String>,
 }
 
 impl Roster {
@@ -390,6 +447,9 @@ impl Roster {
         for (name, e) in &file.tenant {
             if e.removed {
                 roster.removed.push(name.clone());
+                if e.keep_data {
+                    roster.keeping_data.push(name.clone());
+                }
                 continue;
             }
             let t = Arc::new(Tenant {
@@ -456,13 +516,22 @@ mod tests {
         let new = file.rotate("acme", &path).unwrap();
         let roster = Roster::new(&file, &Quota::default());
         assert!(roster.by_key(&key).is_none() && roster.by_key(&new).is_some(), "the old key ends");
-        file.remove("acme").unwrap();
+        file.remove("acme", false).unwrap();
         let roster = Roster::new(&file, &Quota::default());
         assert!(roster.by_key(&new).is_none());
         assert_eq!(roster.removed, ["acme"]);
+        assert!(roster.keeping_data.is_empty());
         assert!(matches!(file.rotate("acme", &path), Err(TenantsError::NotFound(_))));
         // A removed name can be added again, with a new key.
         file.add("acme", QuotaOverride::default(), &path).unwrap();
+        // Not while its data is kept.
+        file.remove("acme", true).unwrap();
+        assert_eq!(Roster::new(&file, &Quota::default()).keeping_data, ["acme"]);
+        let e = file.add("acme", QuotaOverride::default(), &path).unwrap_err();
+        assert!(e.to_string().contains("tine tenant purge acme --yes"), "{e}");
+        file.purge("acme").unwrap();
+        file.add("acme", QuotaOverride::default(), &path).unwrap();
+        assert!(matches!(file.purge("acme"), Err(TenantsError::NotRemoved(_))));
 
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
         assert!(matches!(TenantsFile::load(&path), Err(TenantsError::Open { mode: 0o644, .. })));

@@ -257,6 +257,28 @@ pub fn remove(path: &Path, tenant: Option<&str>, name: &str) -> Result<(), Secre
     file::save(path, &all)
 }
 
+/// Removes every secret of `tenant` from the file at `path` (`tine tenant
+/// remove`); returns their names (none when the file does not exist).
+///
+/// Errors: the file's.
+pub fn remove_tenant(path: &Path, tenant: &str) -> Result<Vec<String>, SecretsError> {
+    let mut all = file::load(path)?;
+    let theirs: Vec<String> =
+        all.iter().filter(|s| s.tenant.as_deref() == Some(tenant)).map(|s| s.name.clone()).collect();
+    if !theirs.is_empty() {
+        all.retain(|s| s.tenant.as_deref() != Some(tenant));
+        file::save(path, &all)?;
+    }
+    Ok(theirs)
+}
+
+/// The names of `tenant`'s secrets in the file at `path`.
+///
+/// Errors: the file's.
+pub fn tenant_names(path: &Path, tenant: &str) -> Result<Vec<String>, SecretsError> {
+    Ok(file::load(path)?.into_iter().filter(|s| s.tenant.as_deref() == Some(tenant)).map(|s| s.name).collect())
+}
+
 /// Every secret's metadata in the file at `path`.
 ///
 /// Errors: the file's.
