@@ -111,6 +111,7 @@ fn binding(secret: &str, placeholder: &str, host: &str, in_body: bool) -> Arc<Bi
         value: Arc::new(SecretValue::new(VALUE.as_bytes().to_vec())),
         hosts: vec![HostPattern::parse(host).unwrap()],
         header: None,
+        any_header: false,
         format: None,
         in_query: true,
         in_body,

@@ -42,9 +42,14 @@ pub struct StoredSecret {
     pub shared: bool,
     /// The hosts it may be sent to (`api.openai.com`, `*.anthropic.com`).
     pub hosts: Vec<String>,
-    /// The header it goes in (`None`: wherever its placeholder is).
+    /// The header it goes in (`None`: `Authorization`, or every header
+    /// with `any_header`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub header: Option<String>,
+    /// Without `header`: swapped in every request header (`tine secret
+    /// set --any-header`), as every secret without a header was before.
+    #[serde(default)]
+    pub any_header: bool,
     /// The header's value around it, `{value}` where it goes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub format: Option<String>,
@@ -204,6 +209,7 @@ mod tests {
             shared: false,
             hosts: vec!["api.openai.com".into()],
             header: None,
+            any_header: false,
             format: None,
             in_query: false,
             in_body: false,

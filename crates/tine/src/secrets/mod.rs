@@ -113,9 +113,12 @@ pub struct SecretInfo {
     pub owner: String,
     /// The hosts it may be sent to.
     pub hosts: Vec<String>,
-    /// The header it goes in, if only one.
+    /// The header it goes in (absent: `Authorization`, or every header
+    /// with `any_header`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub header: Option<String>,
+    /// Swapped in every request header, not just its own.
+    pub any_header: bool,
     /// Also swapped in query strings.
     pub in_query: bool,
     /// Also swapped in small request bodies.
@@ -136,6 +139,7 @@ impl SecretInfo {
             owner,
             hosts: s.hosts.clone(),
             header: s.header.clone(),
+            any_header: s.any_header,
             in_query: s.in_query,
             in_body: s.in_body,
             updated_at_ms: s.updated_at_ms,
@@ -154,8 +158,10 @@ pub struct NewSecret {
     pub shared: bool,
     /// Its hosts.
     pub hosts: Vec<String>,
-    /// Its header and format.
+    /// The one header it is swapped in (`None`: `Authorization`).
     pub header: Option<String>,
+    /// Without `header`: swap it in every request header.
+    pub any_header: bool,
     /// The header's format (`{value}` where the value goes).
     pub format: Option<String>,
     /// Swap in query strings.
@@ -199,6 +205,7 @@ fn rule_of(s: &StoredSecret, value: zeroize::Zeroizing<Vec<u8>>) -> Result<Secre
         value: Arc::new(SecretValue::new(value.to_vec())),
         hosts,
         header,
+        any_header: s.any_header && s.header.is_none(),
         in_query: s.in_query,
         in_body: s.in_body,
     })
@@ -216,6 +223,9 @@ pub fn set(path: &Path, key: &Key, new: NewSecret, value: &[u8]) -> Result<Secre
     if new.hosts.is_empty() || new.hosts.len() > MAX_HOSTS {
         return Err(SecretsError::Invalid(format!("--hosts: 1 to {MAX_HOSTS} hosts it may be sent to")));
     }
+    if new.any_header && new.header.is_some() {
+        return Err(SecretsError::Invalid("--any-header is for a secret without --header".into()));
+    }
     if new.tenant.is_some() && new.shared {
         return Err(SecretsError::Invalid("--shared is for the operator's secrets, not a tenant's".into()));
     }
@@ -226,6 +236,7 @@ pub fn set(path: &Path, key: &Key, new: NewSecret, value: &[u8]) -> Result<Secre
         shared: new.shared,
         hosts: new.hosts.iter().map(|h| h.trim().to_ascii_lowercase()).collect(),
         header: new.header,
+        any_header: new.any_header,
         format: new.format,
         in_query: new.in_query,
         in_body: new.in_body,
@@ -270,6 +281,8 @@ struct Loaded {
     rules: BTreeMap<(Option<String>, String), Arc<SecretRule>>,
     shared: std::collections::BTreeSet<String>,
     infos: Vec<SecretInfo>,
+    /// The secrets swapped in every header (`owner/name`).
+    any_header: Vec<String>,
 }
 
 /// The server's secrets in memory, read again when the file changes.
@@ -320,13 +333,26 @@ impl Store {
                     if s.shared && s.tenant.is_none() {
                         loaded.shared.insert(s.name.clone());
                     }
-                    loaded.infos.push(SecretInfo::of(&s));
+                    let info = SecretInfo::of(&s);
+                    if rule.any_header {
+                        loaded.any_header.push(format!("{}/{}", info.owner, info.name));
+                    }
+                    loaded.infos.push(info);
                     loaded.rules.insert((s.tenant.clone(), s.name.clone()), Arc::new(rule));
                 }
                 Err(e) => tracing::error!("{}: {e}; the secret is left out", self.path.display()),
             }
         }
-        *self.loaded.write().unwrap_or_else(|p| p.into_inner()) = loaded;
+        let mut now = self.loaded.write().unwrap_or_else(|p| p.into_inner());
+        // Named at start, and again when the list changes.
+        if !loaded.any_header.is_empty() && loaded.any_header != now.any_header {
+            tracing::warn!(
+                secrets = %loaded.any_header.join(", "),
+                "secrets swapped in every request header (--any-header): a header the host echoes back, \
+                 logs or forwards carries the value; set them again with --header (default Authorization)"
+            );
+        }
+        *now = loaded;
         Ok(true)
     }
 
@@ -390,6 +416,7 @@ mod tests {
             shared,
             hosts: vec!["api.test".into()],
             header: None,
+            any_header: false,
             format: None,
             in_query: false,
             in_body: false,
