@@ -19,9 +19,6 @@ use hyper::Uri;
 /// ([`Binding::in_body`]); a longer body is refused (413).
 pub const MAX_SWAP_BODY: usize = 1 << 20;
 
-/// The header a secret without a header of its own is swapped in.
-pub const DEFAULT_HEADER: HeaderName = hyper::header::AUTHORIZATION;
-
 /// A secret's value: zeroed when dropped, never printed.
 pub struct SecretValue(zeroize::Zeroizing<Vec<u8>>);
 
@@ -127,7 +124,7 @@ pub struct Binding {
     /// With `Some(h)`, the placeholder is swapped only in header `h`,
     /// whose whole value then becomes `format` with `{value}` replaced
     /// (`Authorization` and `Bearer {value}`); `None`: only in
-    /// `Authorization` ([`DEFAULT_HEADER`]), the placeholder itself
+    /// `Authorization`, the placeholder itself
     /// replaced (`Bearer <placeholder>` becomes `Bearer <value>`), or,
     /// with [`Binding::any_header`], in every header.
     pub header: Option<HeaderName>,
@@ -156,7 +153,7 @@ impl Binding {
         match (&self.header, self.any_header) {
             (Some(h), _) => Some(h.clone()),
             (None, true) => None,
-            (None, false) => Some(DEFAULT_HEADER),
+            (None, false) => Some(hyper::header::AUTHORIZATION),
         }
     }
 

@@ -101,7 +101,7 @@ pub enum SecretsError {
         "secret {name:?}{} fails its integrity check: its entry in the file (the value, or its policy: \
          hosts, header, format, shared, any-header, in-query, in-body) was changed by something else \
          than `tine secret set`, or this is another key; set it again",
-        tenant.as_ref().map(|t| format!(" of tenant {t:?}")).unwrap_or_default()
+        .tenant.as_ref().map(|t| format!(" of tenant {t:?}")).unwrap_or_default()
     )]
     Integrity {
         /// The secret.
