@@ -126,7 +126,8 @@ where
         });
         Upstream::Http1(tokio::sync::Mutex::new(send))
     };
-    let shared = Arc::new(Shared { name, port, hooks, upstream, requests: AtomicU64::new(0), swapped: AtomicU64::new(0) });
+    let shared =
+        Arc::new(Shared { name, port, hooks, upstream, requests: AtomicU64::new(0), swapped: AtomicU64::new(0) });
     let service = {
         let shared = shared.clone();
         hyper::service::service_fn(move |req| {

@@ -110,7 +110,19 @@ pub fn run(cmd: SecretCommand) -> anyhow::Result<ExitCode> {
     // SAFETY: umask(2) only sets the process's file mode creation mask.
     unsafe { libc::umask(0o077) };
     match cmd {
-        SecretCommand::Set { name, hosts, header, any_header, format, in_query, in_body, tenant, shared, value_file, store } => {
+        SecretCommand::Set {
+            name,
+            hosts,
+            header,
+            any_header,
+            format,
+            in_query,
+            in_body,
+            tenant,
+            shared,
+            value_file,
+            store,
+        } => {
             let mut value = zeroize::Zeroizing::new(Vec::new());
             match &value_file {
                 Some(p) => {

@@ -202,7 +202,8 @@ pub fn open(key: &Key, s: &StoredSecret, format: u32) -> Result<zeroize::Zeroizi
     let nonce: [u8; NONCE_LEN] = b64.decode(&s.nonce).ok().and_then(|n| n.try_into().ok()).ok_or_else(bad)?;
     let mut buf = zeroize::Zeroizing::new(b64.decode(&s.sealed).map_err(|_| bad())?);
     let aad = if format == FORMAT_1 { aad_1(s.tenant.as_deref(), &s.name) } else { aad(s) };
-    let plain = key.0.open_in_place(Nonce::assume_unique_for_key(nonce), Aad::from(aad), &mut buf).map_err(|_| bad())?;
+    let plain =
+        key.0.open_in_place(Nonce::assume_unique_for_key(nonce), Aad::from(aad), &mut buf).map_err(|_| bad())?;
     Ok(zeroize::Zeroizing::new(plain.to_vec()))
 }
 
@@ -359,7 +360,10 @@ mod tests {
         let a = StoredSecret { hosts: vec!["a.b".into(), "c".into()], ..s.clone() };
         let b = StoredSecret { hosts: vec!["a".into(), "b.c".into()], ..s.clone() };
         assert_ne!(aad(&a), aad(&b));
-        assert_eq!(open(&key, &StoredSecret { updated_at_ms: 9, ..s.clone() }, FORMAT).unwrap().as_slice(), b"sk-value");
+        assert_eq!(
+            open(&key, &StoredSecret { updated_at_ms: 9, ..s.clone() }, FORMAT).unwrap().as_slice(),
+            b"sk-value"
+        );
     }
 
     #[test]
