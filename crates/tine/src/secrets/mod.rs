@@ -262,7 +262,15 @@ pub fn set(path: &Path, key: &Key, new: NewSecret, value: &[u8]) -> Result<Secre
     // The rules must read back (hosts, header, format).
     rule_of(&stored, zeroize::Zeroizing::new(value.to_vec()))?;
     // A format-1 file is rewritten first: one file holds one format.
-    let migrated = file::migrate(path, key)?;
+    let migrated = file::migrate(path, key).map_err(|e| match e {
+        SecretsError::Integrity { .. } => SecretsError::Invalid(format!(
+            "{}: a format-1 file is rewritten in format {} before a secret is set, and {e} \
+             (remove that one with `tine secret rm`, or pass the key it was sealed with)",
+            path.display(),
+            file::FORMAT
+        )),
+        e => e,
+    })?;
     if migrated > 0 {
         tracing::info!("{}: {migrated} secrets rewritten in format {}", path.display(), file::FORMAT);
     }
