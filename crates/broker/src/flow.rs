@@ -9,7 +9,7 @@ use bytes::Bytes;
 use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
-use hyper::header::{HeaderValue, CONTENT_LENGTH, HOST, TRANSFER_ENCODING};
+use hyper::header::{HeaderValue, CONTENT_LENGTH, TRANSFER_ENCODING};
 use hyper::{Request, Response, StatusCode};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use rustls::server::{Acceptor, ResolvesServerCert};
@@ -19,6 +19,7 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tokio_rustls::{LazyConfigAcceptor, TlsConnector};
 
 use crate::budget::Held;
+use crate::authority;
 use crate::swap::{swap_body, swap_head, MAX_SWAP_BODY};
 use crate::{Broker, BrokerError, BrokerEvent, Flow, FlowHooks, HANDSHAKE_TIMEOUT, IDLE_TIMEOUT};
 
@@ -54,6 +55,8 @@ enum Upstream {
 /// What each request of a flow shares.
 struct Shared {
     name: String,
+    /// The port the guest dialled.
+    port: u16,
     hooks: Arc<dyn FlowHooks>,
     upstream: Upstream,
     requests: AtomicU64,
@@ -80,7 +83,7 @@ where
     G: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     U: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
-    let Flow { name, upstream, hooks } = flow;
+    let Flow { name, port, upstream, hooks } = flow;
     // The guest's ClientHello first: its name and ALPN list.
     let start = timed("guest", LazyConfigAcceptor::new(Acceptor::default(), guest), "guest").await?;
     let hello = start.client_hello();
@@ -124,7 +127,8 @@ where
         });
         Upstream::Http1(tokio::sync::Mutex::new(send))
     };
-    let shared = Arc::new(Shared { name, hooks, upstream, requests: AtomicU64::new(0), swapped: AtomicU64::new(0) });
+    let shared =
+        Arc::new(Shared { name, port, hooks, upstream, requests: AtomicU64::new(0), swapped: AtomicU64::new(0) });
     let service = {
         let shared = shared.clone();
         hyper::service::service_fn(move |req| {
@@ -159,18 +163,6 @@ fn own(status: StatusCode, text: &str) -> Response<Body> {
     let mut r = Response::new(Full::new(Bytes::from(format!("tine broker: {text}\n"))).map_err(|e| match e {}).boxed());
     *r.status_mut() = status;
     r
-}
-
-/// The request's authority's host (lower case, without port): the
-/// target's for HTTP/2 and absolute-form, else `Host`'s.
-fn authority(req: &Request<Incoming>) -> Option<String> {
-    let from_uri = req.uri().host().map(str::to_string);
-    let host = from_uri.or_else(|| {
-        let h = req.headers().get(HOST)?.to_str().ok()?;
-        let h = h.rsplit_once(':').filter(|(_, p)| p.bytes().all(|b| b.is_ascii_digit())).map_or(h, |(h, _)| h);
-        Some(h.to_string())
-    })?;
-    Some(host.trim_end_matches('.').to_ascii_lowercase())
 }
 
 /// Why [`read_body`] stopped.
@@ -216,17 +208,12 @@ async fn handle(shared: &Shared, mut req: Request<Incoming>) -> Response<Body> {
             swapped,
         })
     };
-    match authority(&req) {
-        Some(a) if a == shared.name => {}
-        other => {
-            let authority = other.unwrap_or_default();
-            shared.hooks.event(BrokerEvent::Misdirected { host: shared.name.clone(), authority: authority.clone() });
-            event(421, Vec::new());
-            return own(
-                StatusCode::MISDIRECTED_REQUEST,
-                &format!("this connection is for {}, not {authority:?}", shared.name),
-            );
-        }
+    // Every authority the request names must be the flow's (nothing of a
+    // request that names another goes upstream).
+    if let Err(e) = authority::check(req.uri(), req.headers(), &shared.name, shared.port) {
+        shared.hooks.event(BrokerEvent::Misdirected { host: shared.name.clone(), authority: e.named() });
+        event(421, Vec::new());
+        return own(StatusCode::MISDIRECTED_REQUEST, &format!("this connection is for {}: {e}", shared.name));
     }
     let guest_upgrade = req.headers().contains_key(hyper::header::UPGRADE).then(|| hyper::upgrade::on(&mut req));
     let (mut parts, body) = req.into_parts();
@@ -238,6 +225,12 @@ async fn handle(shared: &Shared, mut req: Request<Incoming>) -> Response<Body> {
             return own(StatusCode::BAD_GATEWAY, &format!("secret {secret}'s value cannot be sent in an HTTP header"));
         }
     };
+    // The authority upstream is the broker's: the TLS name and the port.
+    let http2 = matches!(shared.upstream, Upstream::Http2(_));
+    if let Err(e) = authority::write(&mut parts, &shared.name, shared.port, http2) {
+        event(502, Vec::new());
+        return own(StatusCode::BAD_GATEWAY, &e.to_string());
+    }
     if !swapped.leaked.is_empty() {
         shared.hooks.event(BrokerEvent::LeakBlocked { host: shared.name.clone(), secrets: swapped.leaked.clone() });
     }

@@ -17,11 +17,14 @@
 //!   and the host's choice is the only one offered back, so HTTP/2 stays
 //!   HTTP/2 and HTTP/1.1 (with keep-alive and upgrades: WebSockets)
 //!   stays HTTP/1.1.
-//! - A request whose authority (`Host`, `:authority`) is not the name the
-//!   TLS connection was opened for is answered `421 Misdirected Request`
-//!   (RFC 9110 §15.5.20) and not passed on: the value goes only to the
-//!   host the guest named in its ClientHello, whose certificate was
-//!   verified.
+//! - A request that names another authority than the name the TLS
+//!   connection was opened for, anywhere (its target, absolute-form or
+//!   `:authority`; any `Host` header, or more than one), is answered
+//!   `421 Misdirected Request` (RFC 9110 §15.5.20) and nothing of it is
+//!   passed on; the broker writes the authority upstream itself, from
+//!   the TLS name and the port ([`authority`]). The value goes only to
+//!   the host the guest named in its ClientHello, whose certificate was
+//!   verified, and a front end that routes by `Host` sees that name.
 //! - The bindings are asked for at every request ([`FlowHooks`]), so a
 //!   secret detached or deleted stops being swapped at once, also on a
 //!   kept-alive connection.
@@ -36,6 +39,7 @@
 //! a request that cannot be passed on, a `502`); each is a
 //! [`BrokerError`].
 
+pub mod authority;
 pub mod budget;
 pub mod ca;
 mod flow;
@@ -165,6 +169,9 @@ pub struct Flow<U> {
     /// The name the guest's ClientHello gave (lower case), which its
     /// secrets' hosts matched.
     pub name: String,
+    /// The port the guest dialled (the one the NAT connected to): the
+    /// authority written upstream is `name:port` (`name` for 443).
+    pub port: u16,
     /// The connection to the real host, open (the NAT made it to the
     /// address the guest dialled).
     pub upstream: U,

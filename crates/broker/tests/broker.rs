@@ -6,7 +6,9 @@
 //! NAT's). The server answers what it was sent, so each test checks what
 //! reached it: the real value where the placeholder was, in HTTP/1.1 and
 //! HTTP/2, nothing after a detach, the placeholder left alone for a host
-//! the secret may not go to, 421 for another authority.
+//! the secret may not go to, 421 and nothing upstream for a request that
+//! names another authority anywhere, and the authority the upstream sees
+//! written by the broker.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -27,13 +29,15 @@ const VALUE: &str = "sk-the-real-value";
 
 /// The test's upstream: an HTTPS server for `api.test` that answers each
 /// request with what it got (`auth=<Authorization> query=<query>
-/// body=<body> proto=<version>`) and counts them.
+/// body=<body> proto=<version>`), counts them and keeps the authorities
+/// each named (`uri=<authority> host=<Host headers>`).
 struct Upstream {
     addr: SocketAddr,
     ca_file: tempfile::NamedTempFile,
     requests: Arc<AtomicU64>,
     /// A request to `/hold` is answered only after a permit is added here.
     release: Arc<tokio::sync::Semaphore>,
+    authorities: Arc<Mutex<Vec<String>>>,
 }
 
 fn upstream() -> Upstream {
@@ -46,22 +50,31 @@ fn upstream() -> Upstream {
     let addr = listener.local_addr().unwrap();
     let requests = Arc::new(AtomicU64::new(0));
     let release = Arc::new(tokio::sync::Semaphore::new(0));
-    let counted = requests.clone();
     let held = release.clone();
+    let authorities: Arc<Mutex<Vec<String>>> = Default::default();
+    let (counted, seen) = (requests.clone(), authorities.clone());
     tokio::spawn(async move {
         let listener = tokio::net::TcpListener::from_std(listener).unwrap();
         loop {
             let Ok((tcp, _)) = listener.accept().await else { return };
-            let (acceptor, counted, held) = (acceptor.clone(), counted.clone(), held.clone());
+            let (acceptor, counted, seen, held) = (acceptor.clone(), counted.clone(), seen.clone(), held.clone());
             tokio::spawn(async move {
                 let Ok(tls) = acceptor.accept(tcp).await else { return };
                 let service = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
-                    let (counted, held) = (counted.clone(), held.clone());
+                    let (counted, seen, held) = (counted.clone(), seen.clone(), held.clone());
                     async move {
                         counted.fetch_add(1, Ordering::SeqCst);
                         if req.uri().path() == "/hold" {
                             held.acquire().await.unwrap().forget();
                         }
+                        let hosts: Vec<String> = req
+                            .headers()
+                            .get_all("host")
+                            .iter()
+                            .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
+                            .collect();
+                        let uri = req.uri().authority().map(|a| a.to_string()).unwrap_or_default();
+                        seen.lock().unwrap().push(format!("uri={uri} host={}", hosts.join(",")));
                         let auth = req.headers().get("authorization").map(|v| v.to_str().unwrap().to_string());
                         let query = req.uri().query().unwrap_or_default().to_string();
                         let version = format!("{:?}", req.version());
@@ -80,7 +93,7 @@ fn upstream() -> Upstream {
             });
         }
     });
-    Upstream { addr, ca_file, requests, release }
+    Upstream { addr, ca_file, requests, release, authorities }
 }
 
 /// The sandbox's side: its bindings (changeable), its events and its
@@ -120,6 +133,7 @@ fn binding(secret: &str, placeholder: &str, host: &str, in_body: bool) -> Arc<Bi
         value: Arc::new(SecretValue::new(VALUE.as_bytes().to_vec())),
         hosts: vec![HostPattern::parse(host).unwrap()],
         header: None,
+        any_header: false,
         format: None,
         in_query: true,
         in_body,
@@ -145,14 +159,33 @@ impl Client {
     }
 }
 
+type GuestTls = tokio_rustls::client::TlsStream<tokio::net::UnixStream>;
+
 /// Starts a flow: the broker serves one end of a socket pair, the client
 /// speaks on the other.
 async fn open(broker: &Arc<Broker>, up: &Upstream, hooks: Arc<Hooks>, alpn: &[&[u8]]) -> Client {
+    let tls = tls(broker, up, hooks, alpn).await;
+    let h2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
+    let io = TokioIo::new(tls);
+    if h2 {
+        let (send, conn) = hyper::client::conn::http2::handshake(TokioExecutor::new(), io).await.unwrap();
+        tokio::spawn(conn);
+        Client::H2(send)
+    } else {
+        let (send, conn) = hyper::client::conn::http1::handshake(io).await.unwrap();
+        tokio::spawn(conn);
+        Client::H1(send)
+    }
+}
+
+/// A flow's guest side up to its TLS (for requests written by hand).
+async fn tls(broker: &Arc<Broker>, up: &Upstream, hooks: Arc<Hooks>, alpn: &[&[u8]]) -> GuestTls {
     let (guest, inside) = tokio::net::UnixStream::pair().unwrap();
     let upstream = tokio::net::TcpStream::connect(up.addr).await.unwrap();
     let b = broker.clone();
+    let port = up.addr.port();
     tokio::spawn(async move {
-        let r = b.serve(inside, Flow { name: "api.test".into(), upstream, hooks }).await;
+        let r = b.serve(inside, Flow { name: "api.test".into(), port, upstream, hooks }).await;
         if let Err(e) = r {
             eprintln!("flow ended: {e}");
         }
@@ -166,18 +199,24 @@ async fn open(broker: &Arc<Broker>, up: &Upstream, hooks: Arc<Hooks>, alpn: &[&[
             .with_no_client_auth();
     config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
     let name = rustls_pki_types::ServerName::try_from("api.test").unwrap();
-    let tls = tokio_rustls::TlsConnector::from(Arc::new(config)).connect(name, guest).await.expect("TLS to the broker");
-    let h2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
-    let io = TokioIo::new(tls);
-    if h2 {
-        let (send, conn) = hyper::client::conn::http2::handshake(TokioExecutor::new(), io).await.unwrap();
-        tokio::spawn(conn);
-        Client::H2(send)
-    } else {
-        let (send, conn) = hyper::client::conn::http1::handshake(io).await.unwrap();
-        tokio::spawn(conn);
-        Client::H1(send)
+    tokio_rustls::TlsConnector::from(Arc::new(config)).connect(name, guest).await.expect("TLS to the broker")
+}
+
+/// Writes `head` (an HTTP/1.1 request head, `Connection: close`) on a new
+/// flow and reads the answer to its end: its status code.
+async fn raw(broker: &Arc<Broker>, up: &Upstream, hooks: Arc<Hooks>, head: &str) -> u16 {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut tls = tls(broker, up, hooks, &[b"http/1.1"]).await;
+    tls.write_all(head.as_bytes()).await.unwrap();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    // Until the broker closes (a TLS close without close_notify is an end too).
+    while let Ok(n @ 1..) = tls.read(&mut buf).await {
+        got.extend_from_slice(&buf[..n]);
     }
+    let text = String::from_utf8_lossy(&got);
+    let status = text.strip_prefix("HTTP/1.1 ").and_then(|t| t.get(..3)).and_then(|c| c.parse().ok());
+    status.unwrap_or_else(|| panic!("no HTTP answer to {head:?}: {text:?}"))
 }
 
 fn broker(up: &Upstream) -> Arc<Broker> {
@@ -323,8 +362,55 @@ async fn an_upstream_the_broker_does_not_trust_ends_the_flow() {
         let name = rustls_pki_types::ServerName::try_from("api.test").unwrap();
         tokio_rustls::TlsConnector::from(Arc::new(config)).connect(name, guest).await.is_ok()
     });
-    let r = broker.serve(inside, Flow { name: "api.test".into(), upstream, hooks }).await;
+    let r = broker.serve(inside, Flow { name: "api.test".into(), port: 443, upstream, hooks }).await;
     let e = r.unwrap_err().to_string();
     assert!(e.starts_with("upstream:") && e.contains("certificate"), "{e}");
     assert!(!client.await.unwrap(), "the guest's handshake does not complete");
+}
+
+#[tokio::test]
+async fn every_authority_a_request_names_must_be_the_flows_and_the_broker_writes_it() {
+    let up = upstream();
+    let broker = broker(&up);
+    let hooks = Arc::new(Hooks::default());
+    hooks.bindings.lock().unwrap().push(binding("api", PLACEHOLDER, "api.test", false));
+    let auth = format!("Authorization: Bearer {PLACEHOLDER}\r\nConnection: close\r\n\r\n");
+    // HTTP/1.1: an absolute-form target naming another host than Host, or
+    // Host another than the target, a second Host, a Host at another port.
+    for head in [
+        format!("GET https://evil.test/ HTTP/1.1\r\nHost: api.test\r\n{auth}"),
+        format!("GET https://api.test/ HTTP/1.1\r\nHost: evil.test\r\n{auth}"),
+        format!("GET / HTTP/1.1\r\nHost: api.test\r\nHost: evil.test\r\n{auth}"),
+        format!("GET / HTTP/1.1\r\nHost: evil.test\r\nHost: api.test\r\n{auth}"),
+        format!("GET / HTTP/1.1\r\nHost: api.test:1\r\n{auth}"),
+    ] {
+        assert_eq!(raw(&broker, &up, hooks.clone(), &head).await, 421, "{head:?}");
+    }
+    // HTTP/2: a host header beside :authority, and another :authority.
+    let mut c = open(&broker, &up, hooks.clone(), &[b"h2"]).await;
+    assert!(matches!(c, Client::H2(_)));
+    for (uri, host) in [("https://api.test/", Some("evil.test")), ("https://evil.test/", None)] {
+        let mut req = Request::get(uri).header("authorization", format!("Bearer {PLACEHOLDER}"));
+        if let Some(h) = host {
+            req = req.header("host", h);
+        }
+        let (status, _) = c.send(req.body(Full::default()).unwrap()).await;
+        assert_eq!(status, 421, "{uri} host {host:?}");
+    }
+    assert_eq!(up.requests.load(Ordering::SeqCst), 0, "nothing of a misdirected request went upstream");
+    let events = hooks.events.lock().unwrap().clone();
+    assert_eq!(events.iter().filter(|e| matches!(e, BrokerEvent::Misdirected { .. })).count(), 7, "{events:?}");
+
+    // The flow's own authority passes, and the upstream sees the one the
+    // broker wrote (the TLS name and the port), in HTTP/1.1 and HTTP/2.
+    let port = up.addr.port();
+    let head = format!("GET https://API.test:{port}/ HTTP/1.1\r\nHost: api.test\r\n{auth}");
+    assert_eq!(raw(&broker, &up, hooks.clone(), &head).await, 200);
+    let (status, body) = c.send(get("https://api.test/v2", "api.test", &format!("Bearer {PLACEHOLDER}"))).await;
+    assert_eq!((status, body), (200, format!("auth=Bearer {VALUE} query= body= proto=HTTP/2.0")));
+    assert_eq!(
+        *up.authorities.lock().unwrap(),
+        [format!("uri= host=api.test:{port}"), format!("uri=api.test:{port} host=")],
+        "origin-form and one Host in HTTP/1.1, :authority alone in HTTP/2"
+    );
 }
