@@ -1,5 +1,6 @@
 //! One flow: both TLS handshakes, then HTTP/1.1 or HTTP/2 request by
-//! request, each passed on with its placeholders swapped.
+//! request, each passed on with its placeholders swapped and its
+//! response scrubbed of the values ([`crate::scrub`]).
 
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -18,6 +19,7 @@ use rustls_pki_types::ServerName;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio_rustls::{LazyConfigAcceptor, TlsConnector};
 
+use crate::scrub;
 use crate::swap::{swap_body, swap_head, MAX_SWAP_BODY};
 use crate::{Broker, BrokerError, BrokerEvent, Flow, FlowHooks, HANDSHAKE_TIMEOUT, IDLE_TIMEOUT};
 
@@ -211,6 +213,13 @@ async fn handle(shared: &Shared, mut req: Request<Incoming>) -> Response<Body> {
     if !swapped.leaked.is_empty() {
         shared.hooks.event(BrokerEvent::LeakBlocked { host: shared.name.clone(), secrets: swapped.leaked.clone() });
     }
+    let scrub = match scrub::request(&mut parts, &bindings, &shared.hooks, &shared.name, &path) {
+        Ok(s) => s,
+        Err(e) => {
+            event(502, Vec::new());
+            return own(StatusCode::BAD_GATEWAY, &e.to_string());
+        }
+    };
     let mut names = swapped.swapped.clone();
     let body: Body = if swapped.in_body.is_empty() {
         body.map_err(Into::into).boxed()
@@ -249,7 +258,7 @@ async fn handle(shared: &Shared, mut req: Request<Incoming>) -> Response<Body> {
     if !names.is_empty() {
         shared.swapped.fetch_add(1, Ordering::Relaxed);
     }
-    let mut resp = match sent {
+    let resp = match sent {
         Ok(r) => r,
         Err(e) => {
             tracing::debug!("broker: {host}: the request failed upstream: {e}");
@@ -259,20 +268,25 @@ async fn handle(shared: &Shared, mut req: Request<Incoming>) -> Response<Body> {
             return r;
         }
     };
+    let mut resp = match scrub::response(scrub.as_ref(), resp) {
+        Ok(r) => r,
+        Err(e) => {
+            event(502, names);
+            return own(StatusCode::BAD_GATEWAY, &e.to_string());
+        }
+    };
     event(resp.status().as_u16(), names);
     if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
         if let Some(guest_upgrade) = guest_upgrade {
             let up_upgrade = hyper::upgrade::on(&mut resp);
+            let ws = scrub.as_ref().map(scrub::Scrub::websocket);
             tokio::spawn(async move {
                 match tokio::try_join!(guest_upgrade, up_upgrade) {
-                    Ok((g, u)) => {
-                        let (mut g, mut u) = (TokioIo::new(g), TokioIo::new(u));
-                        let _ = tokio::io::copy_bidirectional(&mut g, &mut u).await;
-                    }
+                    Ok((g, u)) => scrub::splice(ws, TokioIo::new(g), TokioIo::new(u)).await,
                     Err(e) => tracing::debug!("broker: upgrade: {e}"),
                 }
             });
         }
     }
-    resp.map(|b| b.map_err(Into::into).boxed())
+    resp
 }
