@@ -213,7 +213,7 @@ async fn handle(shared: &Shared, mut req: Request<Incoming>) -> Response<Body> {
     if !swapped.leaked.is_empty() {
         shared.hooks.event(BrokerEvent::LeakBlocked { host: shared.name.clone(), secrets: swapped.leaked.clone() });
     }
-    let scrub = match scrub::request(&mut parts, &bindings, &shared.hooks, &shared.name, &path) {
+    let scrubbing = match scrub::request(&mut parts, &bindings, &shared.hooks, &shared.name, &path) {
         Ok(s) => s,
         Err(e) => {
             event(502, Vec::new());
@@ -268,18 +268,21 @@ async fn handle(shared: &Shared, mut req: Request<Incoming>) -> Response<Body> {
             return r;
         }
     };
-    let mut resp = match scrub::response(scrub.as_ref(), resp) {
+    let mut resp = match scrub::response(scrubbing.as_ref(), resp) {
         Ok(r) => r,
         Err(e) => {
+            // The host's body is left unread: its connection goes.
             event(502, names);
-            return own(StatusCode::BAD_GATEWAY, &e.to_string());
+            let mut r = own(StatusCode::BAD_GATEWAY, &e.to_string());
+            r.headers_mut().insert(hyper::header::CONNECTION, HeaderValue::from_static("close"));
+            return r;
         }
     };
     event(resp.status().as_u16(), names);
     if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
         if let Some(guest_upgrade) = guest_upgrade {
             let up_upgrade = hyper::upgrade::on(&mut resp);
-            let ws = scrub.as_ref().map(scrub::Scrub::websocket);
+            let ws = scrubbing.as_ref().map(scrub::Scrub::websocket);
             tokio::spawn(async move {
                 match tokio::try_join!(guest_upgrade, up_upgrade) {
                     Ok((g, u)) => scrub::splice(ws, TokioIo::new(g), TokioIo::new(u)).await,

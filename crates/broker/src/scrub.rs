@@ -651,7 +651,7 @@ impl Decoder {
             }
             let held = std::mem::take(held);
             // RFC 1950 §2.2: CM 8 and the check bits.
-            let zlib = held.len() >= 2 && held[0] & 0x0f == 8 && (u16::from(held[0]) << 8 | u16::from(held[1])) % 31 == 0;
+            let zlib = held.len() >= 2 && held[0] & 0x0f == 8 && ((u16::from(held[0]) << 8) | u16::from(held[1])) % 31 == 0;
             *self = if zlib {
                 Decoder::Zlib(flate2::write::ZlibDecoder::new(Vec::new()))
             } else {
