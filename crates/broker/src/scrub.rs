@@ -404,11 +404,7 @@ impl Report {
         let secrets = scrubber.take_found();
         if !secrets.is_empty() {
             tracing::debug!(host = %self.host, path = %self.path, ?secrets, "broker: a secret's value echoed back was scrubbed");
-            self.hooks.event(BrokerEvent::EchoScrubbed {
-                host: self.host.clone(),
-                path: self.path.clone(),
-                secrets,
-            });
+            self.hooks.event(BrokerEvent::EchoScrubbed { host: self.host.clone(), path: self.path.clone(), secrets });
         }
     }
 }
@@ -639,7 +635,11 @@ impl Decoder {
     /// Decodes `input`; with `last`, also ends the stream. Returns what
     /// came out.
     fn feed(&mut self, input: &[u8], last: bool) -> std::io::Result<Vec<u8>> {
-        fn step<W: Write>(w: &mut W, input: &[u8], out: impl FnOnce(&mut W) -> &mut Vec<u8>) -> std::io::Result<Vec<u8>> {
+        fn step<W: Write>(
+            w: &mut W,
+            input: &[u8],
+            out: impl FnOnce(&mut W) -> &mut Vec<u8>,
+        ) -> std::io::Result<Vec<u8>> {
             w.write_all(input)?;
             w.flush()?;
             Ok(std::mem::take(out(w)))
@@ -651,7 +651,8 @@ impl Decoder {
             }
             let held = std::mem::take(held);
             // RFC 1950 §2.2: CM 8 and the check bits.
-            let zlib = held.len() >= 2 && held[0] & 0x0f == 8 && ((u16::from(held[0]) << 8) | u16::from(held[1])) % 31 == 0;
+            let zlib =
+                held.len() >= 2 && held[0] & 0x0f == 8 && ((u16::from(held[0]) << 8) | u16::from(held[1])) % 31 == 0;
             *self = if zlib {
                 Decoder::Zlib(flate2::write::ZlibDecoder::new(Vec::new()))
             } else {
@@ -1045,7 +1046,9 @@ mod tests {
                         let body = out.trim_start_matches("data: ").trim_end();
                         let decoded = STANDARD
                             .decode(body.trim_end_matches('='))
-                            .or_else(|_| base64::engine::general_purpose::STANDARD_NO_PAD.decode(body.trim_end_matches('=')))
+                            .or_else(|_| {
+                                base64::engine::general_purpose::STANDARD_NO_PAD.decode(body.trim_end_matches('='))
+                            })
                             .or_else(|_| URL_SAFE_NO_PAD.decode(body.trim_end_matches('=')))
                             .unwrap_or_default();
                         assert!(!swap_contains(&decoded, &VALUE[2..VALUE.len() - 2]), "{prefix:?} {body}");

@@ -306,14 +306,21 @@ impl hyper::body::Body for Frames {
 }
 
 fn frames(data: Vec<Vec<u8>>, trailers: Option<hyper::HeaderMap>) -> Frames {
-    let mut f: std::collections::VecDeque<_> = data.into_iter().map(|d| hyper::body::Frame::data(Bytes::from(d))).collect();
+    let mut f: std::collections::VecDeque<_> =
+        data.into_iter().map(|d| hyper::body::Frame::data(Bytes::from(d))).collect();
     f.extend(trailers.map(hyper::body::Frame::trailers));
     Frames(f)
 }
 
 fn percent(v: &[u8]) -> String {
     v.iter()
-        .map(|&b| if b.is_ascii_alphanumeric() || b"-._~".contains(&b) { (b as char).to_string() } else { format!("%{b:02X}") })
+        .map(|&b| {
+            if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
+                (b as char).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
         .collect()
 }
 
@@ -340,7 +347,8 @@ async fn echo(req: Request<hyper::body::Incoming>) -> Result<Response<Frames>, I
     let r = Response::builder().header("x-seen-accept-encoding", seen_ae);
     let resp = match req.uri().path() {
         "/header" => {
-            let reason = hyper::ext::ReasonPhrase::try_from([b"Incorrect API key ".as_slice(), &value].concat()).unwrap();
+            let reason =
+                hyper::ext::ReasonPhrase::try_from([b"Incorrect API key ".as_slice(), &value].concat()).unwrap();
             r.status(401)
                 .header("x-echo", hyper::header::HeaderValue::from_bytes(&value).unwrap())
                 .header("access-control-allow-origin", hyper::header::HeaderValue::from_bytes(&value).unwrap())
@@ -479,7 +487,11 @@ fn echo_binding() -> Arc<Binding> {
 }
 
 fn echo_req(h2: bool, path: &str) -> Request<Full<Bytes>> {
-    let b = if h2 { Request::get(format!("https://api.test{path}")) } else { Request::get(path).header("host", "api.test") };
+    let b = if h2 {
+        Request::get(format!("https://api.test{path}"))
+    } else {
+        Request::get(path).header("host", "api.test")
+    };
     b.header("authorization", format!("Bearer {PLACEHOLDER}"))
         .header("accept-encoding", "gzip, compress")
         .body(Full::default())
@@ -551,10 +563,8 @@ async fn an_echoed_value_reaches_the_guest_as_its_placeholder_http1() {
     assert_clean("refused coding", &got.all());
     assert!(String::from_utf8_lossy(&got.body).contains("compress"), "{}", got.all());
     let events = hooks.events.lock().unwrap().clone();
-    let scrubbed = events
-        .iter()
-        .filter(|e| matches!(e, BrokerEvent::EchoScrubbed { secrets, .. } if secrets == &["api"]))
-        .count();
+    let scrubbed =
+        events.iter().filter(|e| matches!(e, BrokerEvent::EchoScrubbed { secrets, .. } if secrets == &["api"])).count();
     assert!(scrubbed >= 5, "each echo is logged: {events:?}");
     assert!(!format!("{events:?}").contains(ECHOED), "events never carry the value");
 }

@@ -272,7 +272,8 @@ async fn secrets_reach_their_hosts_and_nothing_else() {
     let echoed = r["stdout"].as_str().unwrap_or_default();
     assert_eq!(seen.lock().unwrap().last().cloned(), Some(format!("Bearer {value}")), "the server got the value");
     assert!(
-        echoed.contains(&format!("x-echo: Bearer {placeholder}")) && echoed.contains(&format!("you sent: Bearer {placeholder}")),
+        echoed.contains(&format!("x-echo: Bearer {placeholder}"))
+            && echoed.contains(&format!("you sent: Bearer {placeholder}")),
         "{r}"
     );
     assert!(!echoed.contains(&value), "the guest read the value: {r}");
