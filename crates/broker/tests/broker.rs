@@ -213,7 +213,12 @@ async fn http1_requests_carry_the_value_until_the_secret_is_detached() {
         matches!(&events[0], BrokerEvent::Request { status: 200, swapped, path, .. } if swapped == &["api"] && path == "/v1"),
         "{events:?}"
     );
-    assert!(matches!(&events[1], BrokerEvent::Request { swapped, .. } if swapped.is_empty()), "{events:?}");
+    assert!(
+        matches!(&events[1], BrokerEvent::EchoScrubbed { secrets, path, .. } if secrets == &["api"] && path == "/v1"),
+        "the echo of the first answer was scrubbed: {events:?}"
+    );
+    assert!(matches!(&events[2], BrokerEvent::Request { swapped, .. } if swapped.is_empty()), "{events:?}");
+    assert_eq!(events.len(), 3, "nothing to scrub after the detach: {events:?}");
     assert!(!format!("{events:?}").contains(VALUE), "events never carry the value");
 }
 
