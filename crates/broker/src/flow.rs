@@ -1,5 +1,6 @@
 //! One flow: both TLS handshakes, then HTTP/1.1 or HTTP/2 request by
-//! request, each passed on with its placeholders swapped.
+//! request, each passed on with its placeholders swapped and its
+//! response scrubbed of the values ([`crate::scrub`]).
 
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -18,8 +19,9 @@ use rustls_pki_types::ServerName;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio_rustls::{LazyConfigAcceptor, TlsConnector};
 
-use crate::budget::Held;
 use crate::authority;
+use crate::budget::Held;
+use crate::scrub;
 use crate::swap::{swap_body, swap_head, MAX_SWAP_BODY};
 use crate::{Broker, BrokerError, BrokerEvent, Flow, FlowHooks, HANDSHAKE_TIMEOUT, IDLE_TIMEOUT};
 
@@ -234,6 +236,13 @@ async fn handle(shared: &Shared, mut req: Request<Incoming>) -> Response<Body> {
     if !swapped.leaked.is_empty() {
         shared.hooks.event(BrokerEvent::LeakBlocked { host: shared.name.clone(), secrets: swapped.leaked.clone() });
     }
+    let scrubbing = match scrub::request(&mut parts, &bindings, &shared.hooks, &shared.name, &path) {
+        Ok(s) => s,
+        Err(e) => {
+            event(502, Vec::new());
+            return own(StatusCode::BAD_GATEWAY, &e.to_string());
+        }
+    };
     let mut names = swapped.swapped.clone();
     // What this request's body holds of the sandbox's budget, until its
     // answer's head is back (the body has gone by then).
@@ -301,7 +310,7 @@ async fn handle(shared: &Shared, mut req: Request<Incoming>) -> Response<Body> {
     if !names.is_empty() {
         shared.swapped.fetch_add(1, Ordering::Relaxed);
     }
-    let mut resp = match sent {
+    let resp = match sent {
         Ok(r) => r,
         Err(e) => {
             tracing::debug!("broker: {host}: the request failed upstream: {e}");
@@ -312,20 +321,28 @@ async fn handle(shared: &Shared, mut req: Request<Incoming>) -> Response<Body> {
         }
     };
     drop(held);
+    let mut resp = match scrub::response(scrubbing.as_ref(), resp) {
+        Ok(r) => r,
+        Err(e) => {
+            // The host's body is left unread: its connection goes.
+            event(502, names);
+            let mut r = own(StatusCode::BAD_GATEWAY, &e.to_string());
+            r.headers_mut().insert(hyper::header::CONNECTION, HeaderValue::from_static("close"));
+            return r;
+        }
+    };
     event(resp.status().as_u16(), names);
     if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
         if let Some(guest_upgrade) = guest_upgrade {
             let up_upgrade = hyper::upgrade::on(&mut resp);
+            let ws = scrubbing.as_ref().map(scrub::Scrub::websocket);
             tokio::spawn(async move {
                 match tokio::try_join!(guest_upgrade, up_upgrade) {
-                    Ok((g, u)) => {
-                        let (mut g, mut u) = (TokioIo::new(g), TokioIo::new(u));
-                        let _ = tokio::io::copy_bidirectional(&mut g, &mut u).await;
-                    }
+                    Ok((g, u)) => scrub::splice(ws, TokioIo::new(g), TokioIo::new(u)).await,
                     Err(e) => tracing::debug!("broker: upgrade: {e}"),
                 }
             });
         }
     }
-    resp.map(|b| b.map_err(Into::into).boxed())
+    resp
 }

@@ -9,8 +9,9 @@
 //! host over the connection the NAT already made, verified against the
 //! host's trust store and the operator's extra CAs, and passes every
 //! HTTP request on with the placeholders swapped for the values
-//! ([`swap`]). Nothing else is changed; responses stream back as they
-//! come.
+//! ([`swap`]). Responses stream back scrubbed: each bound secret's value
+//! the host sends back (an echo) is replaced by its placeholder
+//! ([`scrub`]), so the guest never reads a value.
 //!
 //! - Both sides speak what the guest offered and the host chose: the
 //!   guest's ALPN list (`h2`, `http/1.1`, RFC 7301) is offered upstream
@@ -43,6 +44,7 @@ pub mod authority;
 pub mod budget;
 pub mod ca;
 mod flow;
+pub mod scrub;
 pub mod swap;
 
 use std::path::PathBuf;
@@ -133,6 +135,17 @@ pub enum BrokerEvent {
     LeakBlocked {
         /// The host.
         host: String,
+        /// The secrets (names).
+        secrets: Vec<String>,
+    },
+    /// A secret's value (in one of its forms, [`scrub::forms`]) was found
+    /// in a response and replaced by its placeholder before the guest got
+    /// it (an echo: the host sent back what it was sent).
+    EchoScrubbed {
+        /// The host.
+        host: String,
+        /// The request's path (without the query).
+        path: String,
         /// The secrets (names).
         secrets: Vec<String>,
     },

@@ -260,6 +260,21 @@ impl FlowHooks for FlowLog {
                 record.duration_ms = Some(0);
                 control.record(record);
             }
+            BrokerEvent::EchoScrubbed { host, path, secrets } => {
+                tracing::info!(sandbox = %self.handoff.sandbox, %host, %path, ?secrets, "secret broker: a secret's value in a response was replaced by its placeholder");
+                let unknown = std::net::SocketAddr::from((std::net::Ipv4Addr::UNSPECIFIED, 0));
+                let peer = self.peer.unwrap_or(unknown);
+                let mut record = netstack::log::NetRecord::starting(
+                    netstack::log::Protocol::Tcp,
+                    peer.ip(),
+                    peer.port(),
+                    Some(host),
+                    netstack::policy::Verdict { allowed: true, rule: "secret-echo-scrubbed".into() },
+                );
+                record.secrets = secrets;
+                record.duration_ms = Some(0);
+                control.record(record);
+            }
             BrokerEvent::Misdirected { host, authority } => {
                 tracing::info!(sandbox = %self.handoff.sandbox, %host, %authority, "secret broker: a request for another authority was refused (421)");
             }
