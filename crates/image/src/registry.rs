@@ -321,7 +321,7 @@ impl reqwest::dns::Resolve for GuardedResolver {
                     .into());
                 }
             }
-            Ok(Box::new(addrs.into_iter()) as reqwest::dns::Addrs)
+            Ok::<reqwest::dns::Addrs, Box<dyn std::error::Error + Send + Sync>>(Box::new(addrs.into_iter()))
         })
     }
 }
@@ -465,7 +465,7 @@ impl<'a> Session<'a> {
         let Some((host, port)) = target_of(url) else { return Err(refuse("no host".into())) };
         let hosts = self.req.hosts;
         let allowed = hosts.any_host
-            || (host, port) == self.registry
+            || (host.as_str(), port) == (self.registry.0.as_str(), self.registry.1)
             || hosts.allowed_hosts.iter().any(|e| host_matches(e, &host, Some(port)));
         if !allowed {
             return Err(refuse(
