@@ -496,7 +496,12 @@ impl<'a> Session<'a> {
     ///
     /// Errors: [`RegistryError::Pull`], [`RegistryError::Refused`],
     /// [`RegistryError::TooLarge`] (a token answer).
-    async fn get(&mut self, mut url: Url, accept: Option<&str>, what: &str) -> Result<reqwest::Response, RegistryError> {
+    async fn get(
+        &mut self,
+        mut url: Url,
+        accept: Option<&str>,
+        what: &str,
+    ) -> Result<reqwest::Response, RegistryError> {
         let mut hops = 0;
         let mut authenticated = false;
         loop {
@@ -558,7 +563,8 @@ impl<'a> Session<'a> {
             }
             "bearer" if !matches!(self.req.auth, Auth::Bearer(_)) => {
                 let token_what = "the token service";
-                let realm = param("realm").ok_or_else(|| self.pull_err(what, "a bearer challenge without a realm".into()))?;
+                let realm =
+                    param("realm").ok_or_else(|| self.pull_err(what, "a bearer challenge without a realm".into()))?;
                 let mut url = Url::parse(&realm)
                     .map_err(|e| self.pull_err(token_what, format!("the realm is not a URL: {e}")))?;
                 self.check_hop(&url, token_what)?;
@@ -567,7 +573,8 @@ impl<'a> Session<'a> {
                     if let Some(service) = param("service") {
                         q.append_pair("service", &service);
                     }
-                    let scope = param("scope").unwrap_or_else(|| format!("repository:{}:pull", self.reference.repository()));
+                    let scope =
+                        param("scope").unwrap_or_else(|| format!("repository:{}:pull", self.reference.repository()));
                     q.append_pair("scope", &scope);
                 }
                 let mut rb = self.http.get(url);
@@ -645,9 +652,16 @@ impl<'a> Session<'a> {
 
     /// Streams the blob `digest` of `size` bytes into `out`, checking its
     /// size and digest as it comes; the bytes written.
-    async fn blob(&mut self, digest: &str, size: u64, out: &mut tokio::fs::File, partial: &Path) -> Result<u64, RegistryError> {
+    async fn blob(
+        &mut self,
+        digest: &str,
+        size: u64,
+        out: &mut tokio::fs::File,
+        partial: &Path,
+    ) -> Result<u64, RegistryError> {
         let what = format!("blob {digest}");
-        let url = self.base.join(&format!("blobs/{digest}")).map_err(|e| self.pull_err(&what, format!("not a URL: {e}")))?;
+        let url =
+            self.base.join(&format!("blobs/{digest}")).map_err(|e| self.pull_err(&what, format!("not a URL: {e}")))?;
         let mut resp = self.get(url, None, &what).await?;
         let longer = |got: u64| format!("the registry sent {got} bytes or more, the manifest declares {size}");
         if let Some(n) = resp.content_length().filter(|n| *n > size) {

@@ -338,9 +338,10 @@ async fn token_realms_and_redirects_reach_only_allowed_hosts() {
     // A token realm on the other port.
     let realm = format!("http://{}/token", other.addr);
     reg.answer(registry_answers(&img, Some(realm.clone()), direct));
-    let e = fake_pull(&reg, &other, &HostPolicy::default(), PullLimits::default(), Auth::Anonymous, &d.path().join("a"))
-        .await
-        .unwrap_err();
+    let e =
+        fake_pull(&reg, &other, &HostPolicy::default(), PullLimits::default(), Auth::Anonymous, &d.path().join("a"))
+            .await
+            .unwrap_err();
     assert!(matches!(e, RegistryError::Refused { .. }), "{e}");
     let e = e.to_string();
     assert!(e.contains(&other.addr) && e.contains("allowed_hosts") && e.contains("token service"), "{e}");
@@ -359,9 +360,10 @@ async fn token_realms_and_redirects_reach_only_allowed_hosts() {
     other.answer(|_: &Seen| Answer::ok(&image(None, 0).layer));
     let to = format!("http://{}/storage/layer", other.addr);
     reg.answer(registry_answers(&img, None, move |_, _| Answer::status(307, &[("Location", to.as_str())], b"")));
-    let e = fake_pull(&reg, &other, &HostPolicy::default(), PullLimits::default(), Auth::Anonymous, &d.path().join("c"))
-        .await
-        .unwrap_err();
+    let e =
+        fake_pull(&reg, &other, &HostPolicy::default(), PullLimits::default(), Auth::Anonymous, &d.path().join("c"))
+            .await
+            .unwrap_err();
     assert!(matches!(e, RegistryError::Refused { .. }), "{e}");
     let e = e.to_string();
     assert!(e.contains(&other.addr) && e.contains(&img.layer_digest) && e.contains("allowed_hosts"), "{e}");
@@ -390,14 +392,17 @@ async fn token_realms_and_redirects_reach_only_allowed_hosts() {
         private_hosts: vec![reg.addr.clone()],
         ..no_loopback()
     };
-    for (realm_host, says) in [(other.addr.clone(), "127.0.0.1 is loopback"), (other.addr.replace("127.0.0.1", "localhost"), "resolves to")] {
+    for (realm_host, says) in
+        [(other.addr.clone(), "127.0.0.1 is loopback"), (other.addr.replace("127.0.0.1", "localhost"), "resolves to")]
+    {
         let realm = format!("http://{realm_host}/token");
         reg.answer(registry_answers(&img, Some(realm), direct));
         other.answer(|_: &Seen| Answer::ok(br#"{"token":"good"}"#));
-        let e = fake_pull(&reg, &other, &judged(&realm_host), PullLimits::default(), Auth::Anonymous, &d.path().join("e"))
-            .await
-            .unwrap_err()
-            .to_string();
+        let e =
+            fake_pull(&reg, &other, &judged(&realm_host), PullLimits::default(), Auth::Anonymous, &d.path().join("e"))
+                .await
+                .unwrap_err()
+                .to_string();
         assert!(e.contains(says) && e.contains("loopback") && e.contains("private_registries"), "{realm_host}: {e}");
         assert!(other.seen().is_empty(), "{realm_host}: {:?}", other.seen());
     }
