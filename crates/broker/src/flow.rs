@@ -1,5 +1,6 @@
 //! One flow: both TLS handshakes, then HTTP/1.1 or HTTP/2 request by
-//! request, each passed on with its placeholders swapped.
+//! request, each passed on with its placeholders swapped and its
+//! response scrubbed of the values ([`crate::scrub`]).
 
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -9,7 +10,7 @@ use bytes::Bytes;
 use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
-use hyper::header::{HeaderValue, CONTENT_LENGTH, HOST, TRANSFER_ENCODING};
+use hyper::header::{HeaderValue, CONTENT_LENGTH, TRANSFER_ENCODING};
 use hyper::{Request, Response, StatusCode};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use rustls::server::{Acceptor, ResolvesServerCert};
@@ -18,7 +19,9 @@ use rustls_pki_types::ServerName;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio_rustls::{LazyConfigAcceptor, TlsConnector};
 
+use crate::authority;
 use crate::budget::Held;
+use crate::scrub;
 use crate::swap::{swap_body, swap_head, MAX_SWAP_BODY};
 use crate::{Broker, BrokerError, BrokerEvent, Flow, FlowHooks, HANDSHAKE_TIMEOUT, IDLE_TIMEOUT};
 
@@ -54,6 +57,8 @@ enum Upstream {
 /// What each request of a flow shares.
 struct Shared {
     name: String,
+    /// The port the guest dialled.
+    port: u16,
     hooks: Arc<dyn FlowHooks>,
     upstream: Upstream,
     requests: AtomicU64,
@@ -80,7 +85,7 @@ where
     G: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     U: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
-    let Flow { name, upstream, hooks } = flow;
+    let Flow { name, port, upstream, hooks } = flow;
     // The guest's ClientHello first: its name and ALPN list.
     let start = timed("guest", LazyConfigAcceptor::new(Acceptor::default(), guest), "guest").await?;
     let hello = start.client_hello();
@@ -124,7 +129,8 @@ where
         });
         Upstream::Http1(tokio::sync::Mutex::new(send))
     };
-    let shared = Arc::new(Shared { name, hooks, upstream, requests: AtomicU64::new(0), swapped: AtomicU64::new(0) });
+    let shared =
+        Arc::new(Shared { name, port, hooks, upstream, requests: AtomicU64::new(0), swapped: AtomicU64::new(0) });
     let service = {
         let shared = shared.clone();
         hyper::service::service_fn(move |req| {
@@ -159,18 +165,6 @@ fn own(status: StatusCode, text: &str) -> Response<Body> {
     let mut r = Response::new(Full::new(Bytes::from(format!("tine broker: {text}\n"))).map_err(|e| match e {}).boxed());
     *r.status_mut() = status;
     r
-}
-
-/// The request's authority's host (lower case, without port): the
-/// target's for HTTP/2 and absolute-form, else `Host`'s.
-fn authority(req: &Request<Incoming>) -> Option<String> {
-    let from_uri = req.uri().host().map(str::to_string);
-    let host = from_uri.or_else(|| {
-        let h = req.headers().get(HOST)?.to_str().ok()?;
-        let h = h.rsplit_once(':').filter(|(_, p)| p.bytes().all(|b| b.is_ascii_digit())).map_or(h, |(h, _)| h);
-        Some(h.to_string())
-    })?;
-    Some(host.trim_end_matches('.').to_ascii_lowercase())
 }
 
 /// Why [`read_body`] stopped.
@@ -216,17 +210,12 @@ async fn handle(shared: &Shared, mut req: Request<Incoming>) -> Response<Body> {
             swapped,
         })
     };
-    match authority(&req) {
-        Some(a) if a == shared.name => {}
-        other => {
-            let authority = other.unwrap_or_default();
-            shared.hooks.event(BrokerEvent::Misdirected { host: shared.name.clone(), authority: authority.clone() });
-            event(421, Vec::new());
-            return own(
-                StatusCode::MISDIRECTED_REQUEST,
-                &format!("this connection is for {}, not {authority:?}", shared.name),
-            );
-        }
+    // Every authority the request names must be the flow's (nothing of a
+    // request that names another goes upstream).
+    if let Err(e) = authority::check(req.uri(), req.headers(), &shared.name, shared.port) {
+        shared.hooks.event(BrokerEvent::Misdirected { host: shared.name.clone(), authority: e.named() });
+        event(421, Vec::new());
+        return own(StatusCode::MISDIRECTED_REQUEST, &format!("this connection is for {}: {e}", shared.name));
     }
     let guest_upgrade = req.headers().contains_key(hyper::header::UPGRADE).then(|| hyper::upgrade::on(&mut req));
     let (mut parts, body) = req.into_parts();
@@ -238,9 +227,22 @@ async fn handle(shared: &Shared, mut req: Request<Incoming>) -> Response<Body> {
             return own(StatusCode::BAD_GATEWAY, &format!("secret {secret}'s value cannot be sent in an HTTP header"));
         }
     };
+    // The authority upstream is the broker's: the TLS name and the port.
+    let http2 = matches!(shared.upstream, Upstream::Http2(_));
+    if let Err(e) = authority::write(&mut parts, &shared.name, shared.port, http2) {
+        event(502, Vec::new());
+        return own(StatusCode::BAD_GATEWAY, &e.to_string());
+    }
     if !swapped.leaked.is_empty() {
         shared.hooks.event(BrokerEvent::LeakBlocked { host: shared.name.clone(), secrets: swapped.leaked.clone() });
     }
+    let scrubbing = match scrub::request(&mut parts, &bindings, &shared.hooks, &shared.name, &path) {
+        Ok(s) => s,
+        Err(e) => {
+            event(502, Vec::new());
+            return own(StatusCode::BAD_GATEWAY, &e.to_string());
+        }
+    };
     let mut names = swapped.swapped.clone();
     // What this request's body holds of the sandbox's budget, until its
     // answer's head is back (the body has gone by then).
@@ -308,7 +310,7 @@ async fn handle(shared: &Shared, mut req: Request<Incoming>) -> Response<Body> {
     if !names.is_empty() {
         shared.swapped.fetch_add(1, Ordering::Relaxed);
     }
-    let mut resp = match sent {
+    let resp = match sent {
         Ok(r) => r,
         Err(e) => {
             tracing::debug!("broker: {host}: the request failed upstream: {e}");
@@ -319,20 +321,28 @@ async fn handle(shared: &Shared, mut req: Request<Incoming>) -> Response<Body> {
         }
     };
     drop(held);
+    let mut resp = match scrub::response(scrubbing.as_ref(), resp) {
+        Ok(r) => r,
+        Err(e) => {
+            // The host's body is left unread: its connection goes.
+            event(502, names);
+            let mut r = own(StatusCode::BAD_GATEWAY, &e.to_string());
+            r.headers_mut().insert(hyper::header::CONNECTION, HeaderValue::from_static("close"));
+            return r;
+        }
+    };
     event(resp.status().as_u16(), names);
     if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
         if let Some(guest_upgrade) = guest_upgrade {
             let up_upgrade = hyper::upgrade::on(&mut resp);
+            let ws = scrubbing.as_ref().map(scrub::Scrub::websocket);
             tokio::spawn(async move {
                 match tokio::try_join!(guest_upgrade, up_upgrade) {
-                    Ok((g, u)) => {
-                        let (mut g, mut u) = (TokioIo::new(g), TokioIo::new(u));
-                        let _ = tokio::io::copy_bidirectional(&mut g, &mut u).await;
-                    }
+                    Ok((g, u)) => scrub::splice(ws, TokioIo::new(g), TokioIo::new(u)).await,
                     Err(e) => tracing::debug!("broker: upgrade: {e}"),
                 }
             });
         }
     }
-    resp.map(|b| b.map_err(Into::into).boxed())
+    resp
 }

@@ -9,19 +9,23 @@
 //! host over the connection the NAT already made, verified against the
 //! host's trust store and the operator's extra CAs, and passes every
 //! HTTP request on with the placeholders swapped for the values
-//! ([`swap`]). Nothing else is changed; responses stream back as they
-//! come.
+//! ([`swap`]). Responses stream back scrubbed: each bound secret's value
+//! the host sends back (an echo) is replaced by its placeholder
+//! ([`scrub`]), so the guest never reads a value.
 //!
 //! - Both sides speak what the guest offered and the host chose: the
 //!   guest's ALPN list (`h2`, `http/1.1`, RFC 7301) is offered upstream
 //!   and the host's choice is the only one offered back, so HTTP/2 stays
 //!   HTTP/2 and HTTP/1.1 (with keep-alive and upgrades: WebSockets)
 //!   stays HTTP/1.1.
-//! - A request whose authority (`Host`, `:authority`) is not the name the
-//!   TLS connection was opened for is answered `421 Misdirected Request`
-//!   (RFC 9110 §15.5.20) and not passed on: the value goes only to the
-//!   host the guest named in its ClientHello, whose certificate was
-//!   verified.
+//! - A request that names another authority than the name the TLS
+//!   connection was opened for, anywhere (its target, absolute-form or
+//!   `:authority`; any `Host` header, or more than one), is answered
+//!   `421 Misdirected Request` (RFC 9110 §15.5.20) and nothing of it is
+//!   passed on; the broker writes the authority upstream itself, from
+//!   the TLS name and the port ([`authority`]). The value goes only to
+//!   the host the guest named in its ClientHello, whose certificate was
+//!   verified, and a front end that routes by `Host` sees that name.
 //! - The bindings are asked for at every request ([`FlowHooks`]), so a
 //!   secret detached or deleted stops being swapped at once, also on a
 //!   kept-alive connection.
@@ -36,9 +40,11 @@
 //! a request that cannot be passed on, a `502`); each is a
 //! [`BrokerError`].
 
+pub mod authority;
 pub mod budget;
 pub mod ca;
 mod flow;
+pub mod scrub;
 pub mod swap;
 
 use std::path::PathBuf;
@@ -132,6 +138,17 @@ pub enum BrokerEvent {
         /// The secrets (names).
         secrets: Vec<String>,
     },
+    /// A secret's value (in one of its forms, [`scrub::forms`]) was found
+    /// in a response and replaced by its placeholder before the guest got
+    /// it (an echo: the host sent back what it was sent).
+    EchoScrubbed {
+        /// The host.
+        host: String,
+        /// The request's path (without the query).
+        path: String,
+        /// The secrets (names).
+        secrets: Vec<String>,
+    },
     /// A request for another authority than the flow's name (refused, 421).
     Misdirected {
         /// The flow's name.
@@ -165,6 +182,9 @@ pub struct Flow<U> {
     /// The name the guest's ClientHello gave (lower case), which its
     /// secrets' hosts matched.
     pub name: String,
+    /// The port the guest dialled (the one the NAT connected to): the
+    /// authority written upstream is `name:port` (`name` for 443).
+    pub port: u16,
     /// The connection to the real host, open (the NAT made it to the
     /// address the guest dialled).
     pub upstream: U,

@@ -123,9 +123,15 @@ pub struct Binding {
     pub hosts: Vec<HostPattern>,
     /// With `Some(h)`, the placeholder is swapped only in header `h`,
     /// whose whole value then becomes `format` with `{value}` replaced
-    /// (`Authorization` and `Bearer {value}`); `None`: in any header, the
-    /// placeholder itself replaced.
+    /// (`Authorization` and `Bearer {value}`); `None`: only in
+    /// `Authorization`, the placeholder itself
+    /// replaced (`Bearer <placeholder>` becomes `Bearer <value>`), or,
+    /// with [`Binding::any_header`], in every header.
     pub header: Option<HeaderName>,
+    /// Without `header`: swap the placeholder in every request header (the
+    /// behaviour before there was a default header; a header the host
+    /// echoes back, logs or forwards then carries the value too).
+    pub any_header: bool,
     /// The header's value around the secret (`{value}` where it goes);
     /// `None`: `{value}`.
     pub format: Option<String>,
@@ -139,6 +145,16 @@ impl Binding {
     /// Whether this binding's value may go to `host`.
     pub fn allows(&self, host: &str) -> bool {
         self.hosts.iter().any(|p| p.matches(host))
+    }
+
+    /// The one header its placeholder is swapped in (`None`: every one,
+    /// [`Binding::any_header`]).
+    pub fn target_header(&self) -> Option<HeaderName> {
+        match (&self.header, self.any_header) {
+            (Some(h), _) => Some(h.clone()),
+            (None, true) => None,
+            (None, false) => Some(hyper::header::AUTHORIZATION),
+        }
     }
 
     /// The bytes written in place of the placeholder in a header.
@@ -191,6 +207,7 @@ pub fn swap_head(parts: &mut Parts, host: &str, bindings: &[Arc<Binding>]) -> Re
     for (i, b) in bindings.iter().enumerate() {
         let ph = b.placeholder.as_bytes();
         let allowed = b.allows(host);
+        let target = b.target_header();
         let mut found = false;
         let names: Vec<HeaderName> = parts.headers.keys().cloned().collect();
         for name in names {
@@ -199,7 +216,8 @@ pub fn swap_head(parts: &mut Parts, host: &str, bindings: &[Arc<Binding>]) -> Re
                 continue;
             }
             found = true;
-            if !allowed || b.header.as_ref().is_some_and(|h| *h != name) {
+            // Another header than its own keeps the placeholder.
+            if !allowed || target.as_ref().is_some_and(|h| *h != name) {
                 continue;
             }
             let swapped: Result<Vec<HeaderValue>, _> = values
@@ -323,6 +341,7 @@ mod tests {
             value: Arc::new(SecretValue::new(b"sk-real value".to_vec())),
             hosts: vec![HostPattern::parse("api.openai.com").unwrap(), HostPattern::parse("*.anthropic.com").unwrap()],
             header: header.map(|h| check_header(h, format).unwrap()),
+            any_header: false,
             format: format.map(str::to_string),
             in_query: true,
             in_body: true,
@@ -378,5 +397,21 @@ mod tests {
         assert!(check_header("x", Some("no value")).is_err());
         assert!(check_header("bad header", None).is_err());
         assert_eq!(format!("{:?}", b[0].value), "SecretValue(<redacted>)");
+    }
+
+    #[test]
+    fn without_a_header_only_authorization_is_swapped_unless_any_header() {
+        let heads = || parts("/", &[("authorization", "Bearer tine_ph_0123"), ("x-echo", "tine_ph_0123")]);
+        let mut p = heads();
+        let out = swap_head(&mut p, "api.openai.com", &[binding(None, None)]).unwrap();
+        assert_eq!(p.headers["authorization"], "Bearer sk-real value");
+        assert_eq!(p.headers["x-echo"], "tine_ph_0123", "not its header: the placeholder stays");
+        assert_eq!((out.swapped, out.leaked.len()), (vec!["openai".to_string()], 0));
+        let mut any = binding(None, None);
+        Arc::get_mut(&mut any).unwrap().any_header = true;
+        let mut p = heads();
+        swap_head(&mut p, "api.openai.com", &[any]).unwrap();
+        assert_eq!(p.headers["x-echo"], "sk-real value", "any-header: every header");
+        assert_eq!(p.headers["authorization"], "Bearer sk-real value");
     }
 }

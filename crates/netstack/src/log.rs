@@ -66,7 +66,8 @@ pub struct NetRecord {
     pub duration_ms: Option<u64>,
     /// The sandbox's secrets this record is about (names, never values):
     /// swapped in by the broker on this connection, or found where they
-    /// may not go (rule `secret-leak-blocked`).
+    /// may not go (rule `secret-leak-blocked`), or whose values a response
+    /// carried and the broker scrubbed (rule `secret-echo-scrubbed`).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub secrets: Vec<String>,
 }

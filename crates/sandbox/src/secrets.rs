@@ -31,9 +31,12 @@ pub struct SecretRule {
     /// The hosts it may be sent to.
     pub hosts: Vec<HostPattern>,
     /// The header it goes in, and the header's format (see
-    /// [`Binding::header`]); `None`: any header, the placeholder itself
-    /// replaced.
+    /// [`Binding::header`]); `None`: `Authorization`, the placeholder
+    /// itself replaced (every header with `any_header`).
     pub header: Option<(HeaderName, Option<String>)>,
+    /// Without `header`: swapped in every request header
+    /// ([`Binding::any_header`]).
+    pub any_header: bool,
     /// Also swapped in query strings.
     pub in_query: bool,
     /// Also swapped in small request bodies.
@@ -97,6 +100,7 @@ pub fn broker_binding(binding: &SecretBinding, rule: &SecretRule) -> Binding {
         value: rule.value.clone(),
         hosts: rule.hosts.clone(),
         header: rule.header.as_ref().map(|(h, _)| h.clone()),
+        any_header: rule.any_header,
         format: rule.header.as_ref().and_then(|(_, f)| f.clone()),
         in_query: rule.in_query,
         in_body: rule.in_body,

@@ -9,7 +9,8 @@
 //! The secret is set with `tine secret set` while the server runs. Then:
 //! the guest's environment has only a placeholder; curl and Python's urllib
 //! reach `api.test` with the real value in place of it (the server checks
-//! it), and the trust variables that `requests` and Node.js read name the
+//! it), an echo of the value comes back to curl as the placeholder (and is
+//! logged `secret-echo-scrubbed`), and the trust variables that `requests` and Node.js read name the
 //! broker's CA (with `TINE_TEST_FULL`, `requests` and Node's `fetch` reach
 //! it too: their first starts are minutes of guest work on a nested host);
 //! the placeholder sent in plain HTTP to `plain.test` arrives unchanged and
@@ -44,7 +45,9 @@ type Seen = Arc<Mutex<Vec<String>>>;
 
 /// An HTTPS server for `api.test` on 127.0.0.1 with a certificate of a
 /// CA of its own (written to `ca_path`): `/check` answers `auth-ok` when
-/// `Authorization` is `Bearer <value>`, else `auth-bad`.
+/// `Authorization` is `Bearer <value>`, else `auth-bad`; `/echo` answers
+/// with the `Authorization` it got, in a header and the body (as httpbin's
+/// `/headers` does).
 fn https_server(value: &str, ca_path: &Path) -> (u16, Seen) {
     let ca = testkit::tls::TestCa::new("secrets test CA");
     ca.write_pem(ca_path);
@@ -65,8 +68,16 @@ fn https_server(value: &str, ca_path: &Path) -> (u16, Seen) {
                         req.headers().get("authorization").map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
                     let auth = auth.unwrap_or_default();
                     record.lock().unwrap().push(auth.clone());
-                    let body = if auth == expect { "auth-ok" } else { "auth-bad" };
-                    async move { Ok::<_, Infallible>(Response::new(Full::new(Bytes::from(body)))) }
+                    let body = if auth == expect { "auth-ok".to_string() } else { "auth-bad".to_string() };
+                    let resp = if req.uri().path() == "/echo" {
+                        Response::builder()
+                            .header("x-echo", auth.clone())
+                            .body(Full::new(Bytes::from(format!("you sent: {auth}"))))
+                            .unwrap()
+                    } else {
+                        Response::new(Full::new(Bytes::from(body)))
+                    };
+                    async move { Ok::<_, Infallible>(resp) }
                 });
                 let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
                     .serve_connection(TokioIo::new(tls), service)
@@ -248,6 +259,25 @@ async fn secrets_reach_their_hosts_and_nothing_else() {
     assert_eq!((r["stdout"].as_str(), r["exit_code"].as_i64()), (Some("auth-ok"), Some(0)), "{r}");
     assert_eq!(seen.lock().unwrap().last().cloned(), Some(format!("Bearer {value}")), "the server got the real value");
     phase("curl");
+    // An echo of the value (headers and body) reaches the guest as the
+    // placeholder only.
+    let r = tool(
+        &client,
+        &mut results,
+        "sandbox_exec",
+        json!({"sandbox_id": id, "command": format!("curl -sS -i --max-time 90 -H \"Authorization: Bearer $API_KEY\" https://api.test:{api_port}/echo"),
+               "timeout_secs": 180}),
+    )
+    .await;
+    let echoed = r["stdout"].as_str().unwrap_or_default();
+    assert_eq!(seen.lock().unwrap().last().cloned(), Some(format!("Bearer {value}")), "the server got the value");
+    assert!(
+        echoed.contains(&format!("x-echo: Bearer {placeholder}"))
+            && echoed.contains(&format!("you sent: Bearer {placeholder}")),
+        "{r}"
+    );
+    assert!(!echoed.contains(&value), "the guest read the value: {r}");
+    phase("echo scrubbed");
     // Python's urllib (OpenSSL's default paths: `SSL_CERT_FILE`).
     assert_eq!(python(&client, &mut results, &id, &py_get(&url, None, true)).await, "'auth-ok'", "urllib");
     phase("urllib");
@@ -305,6 +335,8 @@ async fn secrets_reach_their_hosts_and_nothing_else() {
     let records = log["records"].as_array().unwrap().clone();
     let leak = records.iter().find(|r| r["rule"] == "secret-leak-blocked").unwrap_or_else(|| panic!("{log}"));
     assert_eq!((leak["domain"].as_str(), &leak["secrets"]), (Some("plain.test"), &json!(["api-key"])), "{leak}");
+    let echo = records.iter().find(|r| r["rule"] == "secret-echo-scrubbed").unwrap_or_else(|| panic!("{log}"));
+    assert_eq!((echo["domain"].as_str(), &echo["secrets"]), (Some("api.test"), &json!(["api-key"])), "{echo}");
     let brokered = records.iter().filter(|r| r["domain"] == "api.test" && r["secrets"] == json!(["api-key"])).count();
     // curl and urllib, and with TINE_TEST_FULL requests and Node too.
     let clients = if testkit::full_size() { 4 } else { 2 };

@@ -36,6 +36,15 @@ pub struct ImagesConfig {
     /// on such an address is refused, so that a recipe cannot make the
     /// server fetch from its own network.
     pub private_registries: Vec<String>,
+    /// Hosts other than the image's registry that a pull may reach: the
+    /// token service a registry names and the blob storage it redirects
+    /// to (`host`, `host:port` or `*.domain`; e.g. Docker Hub's
+    /// `auth.docker.io` and `production.cloudflare.docker.com`); default
+    /// none: only the registry's own `host:port`, so that a tenant's
+    /// registry cannot send the server elsewhere. Their addresses are
+    /// judged as a registry's (a host on a private address must be in
+    /// `private_registries` too).
+    pub allowed_hosts: Vec<String>,
     /// Credentials per registry (`[[images.auth]]`); a registry not listed
     /// is pulled from anonymously. Every tenant's recipes pull with them:
     /// list a registry here only if its images are for all tenants.
@@ -320,25 +329,62 @@ impl Manager {
     ) -> Result<Base, ImageBuildError> {
         check_reference(reference)?;
         check_registry(reference, &self.config.images).await?;
+        let images = &self.config.images;
         let dir = self.config.images_dir.clone();
-        let layout = dir.join("oci").join(tine_image::layout_dir_name(reference));
-        let lock = layout_lock(&layout);
+        let oci = dir.join("oci");
+        let lock = layout_lock(&oci.join(tine_image::layout_dir_name(reference)));
         let _turn = lock.lock().await;
+        let hosts = pull_hosts(images);
+        let (limits, build_limits) = self.stage_limits();
         report(format!("pulling {reference}"));
+        std::fs::create_dir_all(&oci).map_err(|e| ImageBuildError::Host(format!("make {}: {e}", oci.display())))?;
+        // This build's own layout, removed when the build ends (the
+        // guard, and `Staged`), whatever happens.
+        let staging = tempfile::Builder::new()
+            .prefix(".pull.")
+            .tempdir_in(&oci)
+            .map_err(|e| ImageBuildError::Host(format!("make a directory in {}: {e}", oci.display())))?;
+        let layout = staging.path().join("layout");
+        let request = tine_image::registry::PullRequest {
+            reference,
+            auth: images.auth_for(reference)?,
+            insecure: &images.insecure_registries,
+            layout: &layout,
+            hosts: &hosts,
+            limits,
+        };
+        let rootfs = self.config.rootfs.clone();
+        let agent_id =
+            FileIdentity::of(&rootfs).map_err(|e| ImageBuildError::Host(format!("stat {}: {e}", rootfs.display())))?;
+        let bases = dir.join("bases");
+        let built_for = |digest: &str| {
+            let mut h = Sha256::new();
+            h.update(format!("{BASE_FORMAT}\n{digest}\n"));
+            h.update(serde_json::to_vec(&agent_id).unwrap_or_default());
+            let key = h.finalize().iter().take(12).map(|b| format!("{b:02x}")).collect::<String>();
+            let path = bases.join(format!("{key}.ext4"));
+            let run_path = bases.join(format!("{key}.json"));
+            let run = match (path.exists(), std::fs::read(&run_path)) {
+                (true, Ok(text)) => serde_json::from_slice::<tine_image::RunConfig>(&text).ok(),
+                _ => None,
+            };
+            (path, run_path, run)
+        };
+        // The manifest's digest first: a base built from it already
+        // needs no blob.
+        let digest = tine_image::registry::resolve(&request).await?;
+        if let (path, _, Some(run)) = built_for(&digest) {
+            report(format!("base image of {reference} already built"));
+            return Ok(Base { path, run });
+        }
         // The pull's steps come back through a channel: `report` is not
         // `Send`-able into the pull's future.
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<String>();
-        let request = tine_image::registry::PullRequest {
-            reference,
-            auth: self.config.images.auth_for(reference)?,
-            insecure: &self.config.images.insecure_registries,
-            layout: &layout,
-        };
         let mut send = move |step: &str| {
             let _ = tx.send(step.to_string());
         };
-        let pulled = {
-            let pull = tine_image::registry::pull(&request, &mut send);
+        let staged = {
+            let pull = tine_image::registry::pull_staged(&request, &mut send);
             tokio::pin!(pull);
             loop {
                 tokio::select! {
@@ -347,6 +393,7 @@ impl Manager {
                 }
             }
         };
+        let pulled = &staged.pulled;
         tracing::info!(
             image = reference,
             digest = pulled.digest,
@@ -355,29 +402,53 @@ impl Manager {
             pulled.bytes,
             pulled.reused
         );
-        let rootfs = self.config.rootfs.clone();
-        let agent_id =
-            FileIdentity::of(&rootfs).map_err(|e| ImageBuildError::Host(format!("stat {}: {e}", rootfs.display())))?;
-        let key = {
-            let mut h = Sha256::new();
-            h.update(format!("{BASE_FORMAT}\n{}\n", pulled.digest));
-            h.update(serde_json::to_vec(&agent_id).unwrap_or_default());
-            h.finalize().iter().take(12).map(|b| format!("{b:02x}")).collect::<String>()
-        };
-        let bases = dir.join("bases");
-        let path = bases.join(format!("{key}.ext4"));
-        let run_path = bases.join(format!("{key}.json"));
-        if let (true, Ok(text)) = (path.exists(), std::fs::read(&run_path)) {
-            if let Ok(run) = serde_json::from_slice(&text) {
-                report(format!("base image of {reference} already built"));
-                return Ok(Base { path, run });
-            }
+        let (path, run_path, run) = built_for(&pulled.digest);
+        if let Some(run) = run {
+            report(format!("base image of {reference} already built"));
+            return Ok(Base { path, run });
         }
         report(format!("making {reference} a base image"));
         let reference = reference.to_string();
-        let task =
-            tokio::task::spawn_blocking(move || build_base(&reference, &layout, &rootfs, &bases, &path, &run_path));
+        let task = tokio::task::spawn_blocking(move || {
+            // The staged layout (and its directory) go when the build ends.
+            let _staging = staging;
+            build_base(&reference, staged.layout(), &rootfs, &bases, &path, &run_path, build_limits)
+        });
         task.await.map_err(|e| ImageBuildError::Host(format!("the image build task failed: {e}")))?
+    }
+
+    /// The bounds of a pull and of the build from it: the defaults of
+    /// [`tine_image::registry::PullLimits`] and [`tine_image::Limits`],
+    /// the bytes staged by each at most what the templates' disk quota
+    /// (`max_template_disk_mib`) has left.
+    fn stage_limits(&self) -> (tine_image::registry::PullLimits, tine_image::Limits) {
+        let quota = self.config.limits.max_template_disk_mib.saturating_mul(1 << 20);
+        let used: u64 = self.templates.list().iter().map(|t| t.disk_bytes).sum();
+        let left = quota.saturating_sub(used);
+        let pull = tine_image::registry::PullLimits::default();
+        let build = tine_image::Limits::default();
+        (
+            tine_image::registry::PullLimits {
+                max_blob_bytes: pull.max_blob_bytes.min(left),
+                max_total_bytes: pull.max_total_bytes.min(left),
+                ..pull
+            },
+            tine_image::Limits { max_file_bytes: build.max_file_bytes.min(left), ..build },
+        )
+    }
+}
+
+/// The hosts a pull for a tenant may reach: the registry, the operator's
+/// `allowed_hosts`; addresses judged by [`address_policy`] unless the
+/// host is one of the operator's registries (`insecure_registries`,
+/// `private_registries`).
+fn pull_hosts(config: &ImagesConfig) -> tine_image::registry::HostPolicy {
+    let policy = std::sync::Arc::new(address_policy());
+    tine_image::registry::HostPolicy {
+        allowed_hosts: config.allowed_hosts.clone(),
+        private_hosts: config.insecure_registries.iter().chain(&config.private_registries).cloned().collect(),
+        refuse_address: Some(std::sync::Arc::new(move |ip| blocked_range(&policy, ip))),
+        any_host: false,
     }
 }
 
@@ -390,6 +461,7 @@ fn build_base(
     bases: &Path,
     path: &Path,
     run_path: &Path,
+    limits: tine_image::Limits,
 ) -> Result<Base, ImageBuildError> {
     let host = |what: &str, e: &dyn std::fmt::Display| ImageBuildError::Host(format!("{what}: {e}"));
     std::fs::create_dir_all(bases).map_err(|e| host(&format!("make {}", bases.display()), &e))?;
@@ -407,7 +479,7 @@ fn build_base(
             agent: &agent,
             out: path,
             work: work.path(),
-            limits: tine_image::Limits::default(),
+            limits,
         },
         &mut |step| tracing::info!(image = reference, "base image: {step}"),
     )?;
@@ -485,7 +557,7 @@ mod tests {
         let config = ImagesConfig {
             insecure_registries: vec!["127.0.0.1:5000".into()],
             private_registries: vec!["10.0.0.7:443".into()],
-            auth: vec![],
+            ..ImagesConfig::default()
         };
         check_registry("127.0.0.1:5000/team/app:1", &config).await.unwrap();
         check_registry("10.0.0.7:443/team/app:1", &config).await.unwrap();

@@ -163,6 +163,8 @@ impl Handoff for SandboxHandoff {
 
     fn take(&self, name: String, guest: UnixStream, upstream: std::net::TcpStream, record: u64) {
         let peer = upstream.peer_addr().ok();
+        // The port the guest dialled: the NAT connected to it.
+        let port = peer.map_or(tine_broker::authority::HTTPS_PORT, |p| p.port());
         let hooks =
             Arc::new(FlowLog { handoff: Arc::new(self.clone_view()), record, peer, swapped: Mutex::new(Vec::new()) });
         let broker = self.setup.broker.clone();
@@ -177,7 +179,7 @@ impl Handoff for SandboxHandoff {
                     return;
                 }
             };
-            match broker.serve(guest, Flow { name: name.clone(), upstream, hooks }).await {
+            match broker.serve(guest, Flow { name: name.clone(), port, upstream, hooks }).await {
                 Ok(stats) => tracing::debug!(sandbox = %sandbox, host = %name, ?stats, "secret broker flow ended"),
                 Err(e) => tracing::info!(sandbox = %sandbox, host = %name, "secret broker flow: {e}"),
             }
@@ -253,6 +255,21 @@ impl FlowHooks for FlowLog {
                     peer.port(),
                     Some(host),
                     netstack::policy::Verdict { allowed: true, rule: "secret-leak-blocked".into() },
+                );
+                record.secrets = secrets;
+                record.duration_ms = Some(0);
+                control.record(record);
+            }
+            BrokerEvent::EchoScrubbed { host, path, secrets } => {
+                tracing::info!(sandbox = %self.handoff.sandbox, %host, %path, ?secrets, "secret broker: a secret's value in a response was replaced by its placeholder");
+                let unknown = std::net::SocketAddr::from((std::net::Ipv4Addr::UNSPECIFIED, 0));
+                let peer = self.peer.unwrap_or(unknown);
+                let mut record = netstack::log::NetRecord::starting(
+                    netstack::log::Protocol::Tcp,
+                    peer.ip(),
+                    peer.port(),
+                    Some(host),
+                    netstack::policy::Verdict { allowed: true, rule: "secret-echo-scrubbed".into() },
                 );
                 record.secrets = secrets;
                 record.duration_ms = Some(0);

@@ -1360,6 +1360,7 @@ fn secrets_setup(dir: &std::path::Path, shared: bool) -> crate::secrets::Secrets
         value: Arc::new(crate::secrets::SecretValue::new(b"the-value".to_vec())),
         hosts: vec![crate::secrets::HostPattern::parse("api.test").unwrap()],
         header: None,
+        any_header: false,
         in_query: false,
         in_body: false,
     };

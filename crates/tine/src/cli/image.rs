@@ -11,7 +11,7 @@ use std::time::Instant;
 
 use anyhow::Context;
 use clap::{Args, Subcommand};
-use tine_image::registry::{Auth, PullRequest};
+use tine_image::registry::{Auth, HostPolicy, PullLimits, PullRequest};
 
 use crate::config;
 
@@ -95,7 +95,15 @@ fn build(args: BuildArgs) -> anyhow::Result<ExitCode> {
         let layout = data_dir.join("images/oci").join(tine_image::layout_dir_name(&args.source));
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
         let pulled = rt.block_on(tine_image::registry::pull(
-            &PullRequest { reference: &args.source, auth, insecure: &args.insecure, layout: &layout },
+            // The operator's own pull: any host, as `docker pull` would.
+            &PullRequest {
+                reference: &args.source,
+                auth,
+                insecure: &args.insecure,
+                layout: &layout,
+                hosts: &HostPolicy::any(),
+                limits: PullLimits::default(),
+            },
             &mut |step| eprintln!("tine: pulling {}: {step}", args.source),
         ))?;
         eprintln!(

@@ -27,10 +27,16 @@ pub enum SecretCommand {
         /// (`*.anthropic.com`).
         #[arg(long, value_delimiter = ',', required = true)]
         hosts: Vec<String>,
-        /// Swap it only in this request header (e.g. `Authorization`,
-        /// `x-api-key`), whose whole value becomes `--format`.
+        /// Swap it only in this request header (e.g. `x-api-key`), whose
+        /// whole value becomes `--format`. Without it: only in
+        /// `Authorization`, the placeholder itself replaced.
         #[arg(long)]
         header: Option<String>,
+        /// Without `--header`: swap it in every request header (as every
+        /// secret without `--header` was before; a header the host echoes
+        /// back, logs or forwards then carries the value).
+        #[arg(long, conflicts_with = "header")]
+        any_header: bool,
         /// With `--header`: the header's value, `{value}` where the secret
         /// goes (e.g. `Bearer {value}`).
         #[arg(long, requires = "header")]
@@ -104,7 +110,19 @@ pub fn run(cmd: SecretCommand) -> anyhow::Result<ExitCode> {
     // SAFETY: umask(2) only sets the process's file mode creation mask.
     unsafe { libc::umask(0o077) };
     match cmd {
-        SecretCommand::Set { name, hosts, header, format, in_query, in_body, tenant, shared, value_file, store } => {
+        SecretCommand::Set {
+            name,
+            hosts,
+            header,
+            any_header,
+            format,
+            in_query,
+            in_body,
+            tenant,
+            shared,
+            value_file,
+            store,
+        } => {
             let mut value = zeroize::Zeroizing::new(Vec::new());
             match &value_file {
                 Some(p) => {
@@ -122,7 +140,7 @@ pub fn run(cmd: SecretCommand) -> anyhow::Result<ExitCode> {
             }
             let (path, key) = store.open(true)?;
             let key = key.ok_or_else(|| anyhow::anyhow!("no secrets key"))?;
-            let new = NewSecret { name, tenant, shared, hosts, header, format, in_query, in_body };
+            let new = NewSecret { name, tenant, shared, hosts, header, any_header, format, in_query, in_body };
             let info = crate::secrets::set(&path, &key, new, &value)?;
             crate::audit::change("secret set", &info.name);
             eprintln!(

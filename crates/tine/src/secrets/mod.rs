@@ -92,9 +92,23 @@ pub enum SecretsError {
         /// What is wrong.
         reason: String,
     },
-    /// Sealing or opening a value failed.
+    /// Sealing a value failed (the random source, the AEAD).
     #[error("{0}")]
     Crypto(String),
+    /// A sealed value does not open: the entry was changed (its value or
+    /// its policy), or the key is another.
+    #[error(
+        "secret {name:?}{} fails its integrity check: its entry in the file (the value, or its policy: \
+         hosts, header, format, shared, any-header, in-query, in-body) was changed by something else \
+         than `tine secret set`, or this is another key; set it again",
+        .tenant.as_ref().map(|t| format!(" of tenant {t:?}")).unwrap_or_default()
+    )]
+    Integrity {
+        /// The secret.
+        name: String,
+        /// Its tenant.
+        tenant: Option<String>,
+    },
     /// A name, host, header or value that cannot be used.
     #[error("{0}")]
     Invalid(String),
@@ -113,9 +127,12 @@ pub struct SecretInfo {
     pub owner: String,
     /// The hosts it may be sent to.
     pub hosts: Vec<String>,
-    /// The header it goes in, if only one.
+    /// The header it goes in (absent: `Authorization`, or every header
+    /// with `any_header`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub header: Option<String>,
+    /// Swapped in every request header, not just its own.
+    pub any_header: bool,
     /// Also swapped in query strings.
     pub in_query: bool,
     /// Also swapped in small request bodies.
@@ -136,6 +153,7 @@ impl SecretInfo {
             owner,
             hosts: s.hosts.clone(),
             header: s.header.clone(),
+            any_header: s.any_header,
             in_query: s.in_query,
             in_body: s.in_body,
             updated_at_ms: s.updated_at_ms,
@@ -154,8 +172,10 @@ pub struct NewSecret {
     pub shared: bool,
     /// Its hosts.
     pub hosts: Vec<String>,
-    /// Its header and format.
+    /// The one header it is swapped in (`None`: `Authorization`).
     pub header: Option<String>,
+    /// Without `header`: swap it in every request header.
+    pub any_header: bool,
     /// The header's format (`{value}` where the value goes).
     pub format: Option<String>,
     /// Swap in query strings.
@@ -199,6 +219,7 @@ fn rule_of(s: &StoredSecret, value: zeroize::Zeroizing<Vec<u8>>) -> Result<Secre
         value: Arc::new(SecretValue::new(value.to_vec())),
         hosts,
         header,
+        any_header: s.any_header && s.header.is_none(),
         in_query: s.in_query,
         in_body: s.in_body,
     })
@@ -216,25 +237,43 @@ pub fn set(path: &Path, key: &Key, new: NewSecret, value: &[u8]) -> Result<Secre
     if new.hosts.is_empty() || new.hosts.len() > MAX_HOSTS {
         return Err(SecretsError::Invalid(format!("--hosts: 1 to {MAX_HOSTS} hosts it may be sent to")));
     }
+    if new.any_header && new.header.is_some() {
+        return Err(SecretsError::Invalid("--any-header is for a secret without --header".into()));
+    }
     if new.tenant.is_some() && new.shared {
         return Err(SecretsError::Invalid("--shared is for the operator's secrets, not a tenant's".into()));
     }
-    let (nonce, sealed) = file::seal(key, new.tenant.as_deref(), &new.name, value)?;
-    let stored = StoredSecret {
+    let mut stored = StoredSecret {
         name: new.name,
         tenant: new.tenant,
         shared: new.shared,
         hosts: new.hosts.iter().map(|h| h.trim().to_ascii_lowercase()).collect(),
         header: new.header,
+        any_header: new.any_header,
         format: new.format,
         in_query: new.in_query,
         in_body: new.in_body,
         updated_at_ms: crate::preview::store::now_ms(),
-        nonce,
-        sealed,
+        nonce: String::new(),
+        sealed: String::new(),
     };
+    // Sealed under its policy as it is now (file::aad).
+    (stored.nonce, stored.sealed) = file::seal(key, &stored, value)?;
     // The rules must read back (hosts, header, format).
     rule_of(&stored, zeroize::Zeroizing::new(value.to_vec()))?;
+    // A format-1 file is rewritten first: one file holds one format.
+    let migrated = file::migrate(path, key).map_err(|e| match e {
+        SecretsError::Integrity { .. } => SecretsError::Invalid(format!(
+            "{}: a format-1 file is rewritten in format {} before a secret is set, and {e} \
+             (remove that one with `tine secret rm`, or pass the key it was sealed with)",
+            path.display(),
+            file::FORMAT
+        )),
+        e => e,
+    })?;
+    if migrated > 0 {
+        tracing::info!("{}: {migrated} secrets rewritten in format {}", path.display(), file::FORMAT);
+    }
     let mut all = file::load(path)?;
     all.retain(|s| !(s.name == stored.name && s.tenant == stored.tenant));
     let info = SecretInfo::of(&stored);
@@ -248,13 +287,15 @@ pub fn set(path: &Path, key: &Key, new: NewSecret, value: &[u8]) -> Result<Secre
 ///
 /// Errors: [`SecretsError::NotFound`], the file's.
 pub fn remove(path: &Path, tenant: Option<&str>, name: &str) -> Result<(), SecretsError> {
-    let mut all = file::load(path)?;
+    let (format, mut all) = file::load_format(path)?;
     let before = all.len();
     all.retain(|s| !(s.name == name && s.tenant.as_deref() == tenant));
     if all.len() == before {
         return Err(SecretsError::NotFound(name.to_string()));
     }
-    file::save(path, &all)
+    // Without the key the others cannot be sealed again: the file keeps
+    // its format.
+    file::save_format(path, format, &all)
 }
 
 /// Removes every secret of `tenant` from the file at `path` (`tine tenant
@@ -292,6 +333,8 @@ struct Loaded {
     rules: BTreeMap<(Option<String>, String), Arc<SecretRule>>,
     shared: std::collections::BTreeSet<String>,
     infos: Vec<SecretInfo>,
+    /// The secrets swapped in every header (`owner/name`).
+    any_header: Vec<String>,
 }
 
 /// The server's secrets in memory, read again when the file changes.
@@ -322,7 +365,9 @@ impl Store {
     }
 
     /// Reads the file again if it changed (or with `force`); `true` when
-    /// it was read. A secret that does not open is left out (logged).
+    /// it was read. A format-1 file is rewritten in the current format
+    /// first ([`file::migrate`]; if a value does not open it is read as it
+    /// is, logged). A secret that does not open is left out (logged).
     ///
     /// Errors: the file's; the secrets read before stay.
     pub fn reload(&self, force: bool) -> Result<bool, SecretsError> {
@@ -334,21 +379,49 @@ impl Store {
             }
             *stamp = mtime;
         }
+        match file::migrate(&self.path, &self.key) {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(
+                file = %self.path.display(),
+                "{n} secrets rewritten in format {}: their policies are now under the AEAD",
+                file::FORMAT
+            ),
+            Err(e) => tracing::error!(
+                file = %self.path.display(),
+                "not rewritten in format {} ({e}); read as format {}, whose policies are not under the AEAD",
+                file::FORMAT,
+                file::FORMAT_1
+            ),
+        }
         let mut loaded = Loaded::default();
-        for s in file::load(&self.path)? {
-            let rule = file::open(&self.key, &s).and_then(|v| rule_of(&s, v));
+        let (format, secrets) = file::load_format(&self.path)?;
+        for s in secrets {
+            let rule = file::open(&self.key, &s, format).and_then(|v| rule_of(&s, v));
             match rule {
                 Ok(rule) => {
                     if s.shared && s.tenant.is_none() {
                         loaded.shared.insert(s.name.clone());
                     }
-                    loaded.infos.push(SecretInfo::of(&s));
+                    let info = SecretInfo::of(&s);
+                    if rule.any_header {
+                        loaded.any_header.push(format!("{}/{}", info.owner, info.name));
+                    }
+                    loaded.infos.push(info);
                     loaded.rules.insert((s.tenant.clone(), s.name.clone()), Arc::new(rule));
                 }
                 Err(e) => tracing::error!("{}: {e}; the secret is left out", self.path.display()),
             }
         }
-        *self.loaded.write().unwrap_or_else(|p| p.into_inner()) = loaded;
+        let mut now = self.loaded.write().unwrap_or_else(|p| p.into_inner());
+        // Named at start, and again when the list changes.
+        if !loaded.any_header.is_empty() && loaded.any_header != now.any_header {
+            tracing::warn!(
+                secrets = %loaded.any_header.join(", "),
+                "secrets swapped in every request header (--any-header): a header the host echoes back, \
+                 logs or forwards carries the value; set them again with --header (default Authorization)"
+            );
+        }
+        *now = loaded;
         Ok(true)
     }
 
@@ -412,10 +485,34 @@ mod tests {
             shared,
             hosts: vec!["api.test".into()],
             header: None,
+            any_header: false,
             format: None,
             in_query: false,
             in_body: false,
         }
+    }
+
+    #[test]
+    fn a_policy_edited_in_the_file_fails_the_integrity_check() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = SecretsConfig::default();
+        let store = Store::open(&config, dir.path()).unwrap();
+        let key = Key::load(None, dir.path(), false).unwrap();
+        let path = config.path(dir.path());
+        set(&path, &key, new("api", None, false), b"the-value").unwrap();
+        store.reload(true).unwrap();
+        assert!(store.lookup(None, "api").is_some_and(|r| r.hosts[0].matches("api.test")));
+        // Whoever can write the file, without the key, sends it elsewhere.
+        let mut json: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        json["secrets"][0]["hosts"] = serde_json::json!(["evil.test"]);
+        std::fs::write(&path, serde_json::to_vec(&json).unwrap()).unwrap();
+        let edited = &file::load(&path).unwrap()[0];
+        let e = file::open(&key, edited, file::FORMAT).unwrap_err();
+        assert!(matches!(e, SecretsError::Integrity { .. }), "{e}");
+        assert!(e.to_string().contains("\"api\" fails its integrity check"), "{e}");
+        store.reload(true).unwrap();
+        assert!(store.lookup(None, "api").is_none(), "left out, not sent to evil.test");
+        assert!(store.visible(None).is_empty());
     }
 
     #[test]

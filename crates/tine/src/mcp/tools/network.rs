@@ -101,7 +101,7 @@ pub struct NetworkRecord {
     pub allowed: bool,
     /// The deciding rule: "allow:<entry>", "deny:<entry>",
     /// "blocked-range:<cidr>", "egress:allow", "egress:deny",
-    /// "limit:connections", "secret-leak-blocked", ...
+    /// "limit:connections", "secret-leak-blocked", "secret-echo-scrubbed", ...
     pub rule: String,
     /// Bytes from the sandbox to the destination.
     pub bytes_out: u64,
@@ -111,7 +111,9 @@ pub struct NetworkRecord {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub duration_ms: Option<u64>,
     /// The sandbox's secrets it concerns (names): swapped in on this
-    /// connection, or found where they may not go ("secret-leak-blocked").
+    /// connection, found where they may not go ("secret-leak-blocked"), or
+    /// whose values a response carried and the broker replaced by their
+    /// placeholders ("secret-echo-scrubbed").
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub secrets: Vec<String>,
 }
