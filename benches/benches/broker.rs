@@ -28,19 +28,23 @@ use hyper::{Request, Response};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use tine_benches::{env_or, median, record};
 use tine_broker::{
-    Binding, Broker, BrokerConfig, BrokerEvent, CertificateAuthority, Flow, FlowHooks, HostPattern, SecretValue,
+    Binding, BodyBudget, Broker, BrokerConfig, BrokerEvent, CertificateAuthority, Flow, FlowHooks, HostPattern,
+    SecretValue, DEFAULT_SANDBOX_BODY_BUDGET,
 };
 
 const VALUE: &str = "sk-bench-value";
 const PLACEHOLDER: &str = "tine_placeholder_bench";
 
-struct Hooks(Vec<Arc<Binding>>);
+struct Hooks(Vec<Arc<Binding>>, Arc<BodyBudget>);
 
 impl FlowHooks for Hooks {
     fn bindings(&self) -> Vec<Arc<Binding>> {
         self.0.clone()
     }
     fn event(&self, _: BrokerEvent) {}
+    fn body_budget(&self) -> Arc<BodyBudget> {
+        self.1.clone()
+    }
 }
 
 /// The server: `/small` answers 16 bytes (`ok` when `Authorization` has
@@ -165,12 +169,18 @@ async fn open(
                 format: None,
                 in_query: false,
                 in_body: false,
+                any_header: false,
             });
             tokio::spawn(async move {
                 let _ = b
                     .serve(
                         inside,
-                        Flow { name: "api.bench".into(), upstream: tcp, hooks: Arc::new(Hooks(vec![binding])) },
+                        Flow {
+                            name: "api.bench".into(),
+                            port: addr.port(),
+                            upstream: tcp,
+                            hooks: Arc::new(Hooks(vec![binding], BodyBudget::new(DEFAULT_SANDBOX_BODY_BUDGET))),
+                        },
                     )
                     .await;
             });

@@ -987,6 +987,7 @@ mod tests {
             format: None,
             in_query: false,
             in_body: false,
+            any_header: false,
         });
         Arc::new(Needles::new(&[b], users).unwrap().unwrap())
     }

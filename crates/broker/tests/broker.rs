@@ -441,6 +441,7 @@ async fn every_authority_a_request_names_must_be_the_flows_and_the_broker_writes
         [format!("uri= host=api.test:{port}"), format!("uri=api.test:{port} host=")],
         "origin-form and one Host in HTTP/1.1, :authority alone in HTTP/2"
     );
+}
 
 // ---- Responses scrubbed of the value (issue 58, item 1) ----
 
@@ -649,6 +650,7 @@ fn echo_binding() -> Arc<Binding> {
         format: None,
         in_query: false,
         in_body: false,
+        any_header: false,
     })
 }
 
