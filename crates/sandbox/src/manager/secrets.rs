@@ -225,6 +225,26 @@ struct FlowLog {
     swapped: Mutex<Vec<String>>,
 }
 
+impl FlowLog {
+    /// A record of its own in the network log for a broker event on this
+    /// flow: the upstream's address, `host`, the verdict `rule`, the
+    /// secrets it names.
+    fn broker_record(&self, host: String, allowed: bool, rule: &str, secrets: Vec<String>) -> netstack::log::NetRecord {
+        let unknown = std::net::SocketAddr::from((std::net::Ipv4Addr::UNSPECIFIED, 0));
+        let peer = self.peer.unwrap_or(unknown);
+        let mut record = netstack::log::NetRecord::starting(
+            netstack::log::Protocol::Tcp,
+            peer.ip(),
+            peer.port(),
+            Some(host),
+            netstack::policy::Verdict { allowed, rule: rule.into() },
+        );
+        record.secrets = secrets;
+        record.duration_ms = Some(0);
+        record
+    }
+}
+
 impl FlowHooks for FlowLog {
     fn bindings(&self) -> Vec<Arc<tine_broker::Binding>> {
         self.handoff.resolved()
@@ -247,50 +267,18 @@ impl FlowHooks for FlowLog {
             }
             BrokerEvent::Request { .. } => {}
             BrokerEvent::LeakBlocked { host, secrets } => {
-                let unknown = std::net::SocketAddr::from((std::net::Ipv4Addr::UNSPECIFIED, 0));
-                let peer = self.peer.unwrap_or(unknown);
-                let mut record = netstack::log::NetRecord::starting(
-                    netstack::log::Protocol::Tcp,
-                    peer.ip(),
-                    peer.port(),
-                    Some(host),
-                    netstack::policy::Verdict { allowed: true, rule: "secret-leak-blocked".into() },
-                );
-                record.secrets = secrets;
-                record.duration_ms = Some(0);
-                control.record(record);
+                control.record(self.broker_record(host, true, "secret-leak-blocked", secrets));
             }
             BrokerEvent::EchoScrubbed { host, path, secrets } => {
                 tracing::info!(sandbox = %self.handoff.sandbox, %host, %path, ?secrets, "secret broker: a secret's value in a response was replaced by its placeholder");
-                let unknown = std::net::SocketAddr::from((std::net::Ipv4Addr::UNSPECIFIED, 0));
-                let peer = self.peer.unwrap_or(unknown);
-                let mut record = netstack::log::NetRecord::starting(
-                    netstack::log::Protocol::Tcp,
-                    peer.ip(),
-                    peer.port(),
-                    Some(host),
-                    netstack::policy::Verdict { allowed: true, rule: "secret-echo-scrubbed".into() },
-                );
-                record.secrets = secrets;
-                record.duration_ms = Some(0);
-                control.record(record);
+                control.record(self.broker_record(host, true, "secret-echo-scrubbed", secrets));
             }
             BrokerEvent::Misdirected { host, authority } => {
                 tracing::info!(sandbox = %self.handoff.sandbox, %host, %authority, "secret broker: a request for another authority was refused (421)");
             }
             BrokerEvent::BodyBudget { host, limit } => {
                 tracing::warn!(sandbox = %self.handoff.sandbox, %host, limit, "secret broker: a request body past the sandbox's budget was refused (503)");
-                let unknown = std::net::SocketAddr::from((std::net::Ipv4Addr::UNSPECIFIED, 0));
-                let peer = self.peer.unwrap_or(unknown);
-                let mut record = netstack::log::NetRecord::starting(
-                    netstack::log::Protocol::Tcp,
-                    peer.ip(),
-                    peer.port(),
-                    Some(host),
-                    netstack::policy::Verdict { allowed: false, rule: "secret-body-budget".into() },
-                );
-                record.duration_ms = Some(0);
-                control.record(record);
+                control.record(self.broker_record(host, false, "secret-body-budget", Vec::new()));
             }
         }
     }
