@@ -389,4 +389,21 @@ mod tests {
         let edited = StoredSecret { hosts: vec!["evil.test".into()], ..after[0].clone() };
         assert!(open(&key, &edited, FORMAT).is_err(), "the migrated policy is under the AEAD");
     }
+
+    #[test]
+    fn removing_a_tenants_secrets_keeps_a_format_1_file_in_format_1() {
+        let dir = tempfile::tempdir().unwrap();
+        let key = Key::load(None, dir.path(), true).unwrap();
+        let mut acme = stored(&key, b"sk-acme");
+        (acme.nonce, acme.sealed) = seal_with(&key, aad_1(acme.tenant.as_deref(), &acme.name), b"sk-acme").unwrap();
+        let mut ops = StoredSecret { tenant: None, name: "ops".into(), ..acme.clone() };
+        (ops.nonce, ops.sealed) = seal_with(&key, aad_1(None, "ops"), b"sk-ops").unwrap();
+        let path = dir.path().join(SECRETS_FILE);
+        save_format(&path, FORMAT_1, &[acme, ops]).unwrap();
+        // `tine tenant remove` has no key: the others cannot be sealed again.
+        assert_eq!(crate::secrets::remove_tenant(&path, "acme").unwrap(), ["openai"]);
+        let (format, left) = load_format(&path).unwrap();
+        assert_eq!((format, left.len()), (FORMAT_1, 1));
+        assert_eq!(open(&key, &left[0], FORMAT_1).unwrap().as_slice(), b"sk-ops", "the operator's still opens");
+    }
 }

@@ -303,12 +303,13 @@ pub fn remove(path: &Path, tenant: Option<&str>, name: &str) -> Result<(), Secre
 ///
 /// Errors: the file's.
 pub fn remove_tenant(path: &Path, tenant: &str) -> Result<Vec<String>, SecretsError> {
-    let mut all = file::load(path)?;
+    let (format, mut all) = file::load_format(path)?;
     let theirs: Vec<String> =
         all.iter().filter(|s| s.tenant.as_deref() == Some(tenant)).map(|s| s.name.clone()).collect();
     if !theirs.is_empty() {
         all.retain(|s| s.tenant.as_deref() != Some(tenant));
-        file::save(path, &all)?;
+        // As `remove`: without the key the file keeps its format.
+        file::save_format(path, format, &all)?;
     }
     Ok(theirs)
 }
