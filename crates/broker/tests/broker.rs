@@ -52,7 +52,10 @@ impl Upstream {
     }
 }
 
-fn upstream() -> Upstream {
+/// A TLS server's parts for `api.test` on a loopback port: the file of
+/// the test CA that signed its certificate (for the broker's
+/// `extra_roots`), its acceptor, its listener (non-blocking) and address.
+fn tls_listener() -> (tempfile::NamedTempFile, tokio_rustls::TlsAcceptor, std::net::TcpListener, SocketAddr) {
     let ca = testkit::tls::TestCa::new("test upstream CA");
     let ca_file = tempfile::NamedTempFile::new().unwrap();
     ca.write_pem(ca_file.path());
@@ -60,6 +63,11 @@ fn upstream() -> Upstream {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     listener.set_nonblocking(true).unwrap();
     let addr = listener.local_addr().unwrap();
+    (ca_file, acceptor, listener, addr)
+}
+
+fn upstream() -> Upstream {
+    let (ca_file, acceptor, listener, addr) = tls_listener();
     let requests = Arc::new(AtomicU64::new(0));
     let release = Arc::new(tokio::sync::Semaphore::new(0));
     let held = release.clone();
@@ -576,13 +584,7 @@ async fn echo(req: Request<hyper::body::Incoming>) -> Result<Response<Frames>, I
 
 /// An HTTPS upstream for `api.test` answering with [`echo`].
 fn echo_upstream() -> Upstream {
-    let ca = testkit::tls::TestCa::new("test upstream CA");
-    let ca_file = tempfile::NamedTempFile::new().unwrap();
-    ca.write_pem(ca_file.path());
-    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(ca.server_config("api.test")));
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    listener.set_nonblocking(true).unwrap();
-    let addr = listener.local_addr().unwrap();
+    let (ca_file, acceptor, listener, addr) = tls_listener();
     tokio::spawn(async move {
         let listener = tokio::net::TcpListener::from_std(listener).unwrap();
         loop {
