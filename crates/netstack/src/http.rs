@@ -20,12 +20,17 @@
 //! `Transfer-Encoding` not ending in `chunked`, a bad chunk line, chunk
 //! data not followed by CRLF.
 //!
-//! Where the view ends: a `CONNECT` request (§3.2.3: the connection becomes
-//! a tunnel) and a request with an `Upgrade` header (RFC 9110 §7.8: the
-//! server may switch protocols, and the view cannot tell whether it did)
-//! end it: [`Head::ends_view`]; what follows is not HTTP/1.x to us.
+//! Where the view may end: a `CONNECT` request (§3.2.3: a 2xx answer
+//! makes the connection a tunnel) and a request with an `Upgrade` header
+//! (RFC 9110 §7.8: a 101 answer switches protocols) ask the server to
+//! leave HTTP/1.x ([`Head::ask`]). Whether it did is in the host-to-guest
+//! stream, which [`response::ResponseStream`] reads; until then the bytes
+//! after such a request are held, and after any other answer they are
+//! requests again.
 
 use crate::host_name;
+
+pub mod response;
 
 /// A request head's length, at most (bytes): one longer is
 /// [`Step::Malformed`].
@@ -65,9 +70,30 @@ pub struct Head {
     pub names: Vec<String>,
     /// How its body is framed.
     pub body: Body,
-    /// A `CONNECT`, or a request with an `Upgrade` header: what follows it
-    /// is not HTTP/1.x (see the module doc).
-    pub ends_view: bool,
+    /// What it asks of the connection, and so how its answer is read.
+    pub ask: Ask,
+}
+
+/// What a request asks of its connection (RFC 9112 §6.3, RFC 9110 §7.8).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Ask {
+    /// An answer; its body framed as usual.
+    Answer,
+    /// `HEAD`: an answer without a body, whatever its framing headers say.
+    AnswerWithoutBody,
+    /// `Upgrade`: a 101 answer switches the connection to another
+    /// protocol, any other final answer leaves it HTTP/1.x.
+    Upgrade,
+    /// `CONNECT`: a 2xx answer makes it a tunnel.
+    Connect,
+}
+
+impl Head {
+    /// Whether the request asks the server to leave HTTP/1.x: the bytes
+    /// after it are not requests if the server agreed.
+    pub fn may_switch(&self) -> bool {
+        matches!(self.ask, Ask::Upgrade | Ask::Connect)
+    }
 }
 
 /// What [`parse_head`] found.
@@ -154,7 +180,18 @@ fn head(req: &httparse::Request<'_, '_>, len: usize) -> Option<Head> {
         (None, Some(0) | None) => Body::None,
         (None, Some(n)) => Body::Length(n),
     };
-    Some(Head { len, names, body, ends_view: connect || upgrade })
+    let ask = if connect {
+        Ask::Connect
+    } else if upgrade {
+        Ask::Upgrade
+    } else if method == "HEAD" {
+        // Methods are case-sensitive (RFC 9110 §9.1): `head` is another
+        // method, answered with a body.
+        Ask::AnswerWithoutBody
+    } else {
+        Ask::Answer
+    };
+    Some(Head { len, names, body, ask })
 }
 
 /// The host of a request target: `Some(None)` for origin-form (`/x`) and
@@ -273,7 +310,8 @@ pub enum Step {
     /// go on without a look.
     Pass(u64),
     /// A request head: its names to judge; then its bytes go on. After a
-    /// head that [`Head::ends_view`], the stream is not HTTP any more.
+    /// head that [`Head::may_switch`], the stream is HTTP only if the
+    /// server's answer says so.
     Head(Head),
     /// The bytes shown are not enough to tell: show more.
     NeedMore,
@@ -292,6 +330,12 @@ impl RequestStream {
     /// A stream at the start of a request head.
     pub fn new() -> Self {
         Self { at: At::Head }
+    }
+
+    /// Whether the stream stands where a request head starts (not in a
+    /// body).
+    pub fn at_head(&self) -> bool {
+        self.at == At::Head
     }
 
     /// Moves the stream past `head` (parsed where the stream stood): to
@@ -404,8 +448,8 @@ mod tests {
         let req = b"GET /simple/ HTTP/1.1\r\nUser-Agent: pip\r\nhost: PyPI.org:8080\r\n\r\nrest";
         let h = head_of(req);
         assert_eq!(
-            (h.len, h.names, h.body, h.ends_view),
-            (req.len() - 4, vec!["pypi.org".to_string()], Body::None, false)
+            (h.len, h.names, h.body, h.ask),
+            (req.len() - 4, vec!["pypi.org".to_string()], Body::None, Ask::Answer)
         );
         for n in 1..req.len() - 4 {
             assert_eq!(parse_head(&req[..n]), Parsed::Partial, "prefix of {n} bytes");
@@ -416,13 +460,16 @@ mod tests {
             ["evil.example", "good.example"]
         );
         assert_eq!(names(b"GET https://[2001:db8::1]/ HTTP/1.1\r\n\r\n"), ["2001:db8::1"]);
-        // CONNECT: authority-form, and the view ends.
+        // CONNECT: authority-form, and the view may end.
         let h = head_of(b"CONNECT tunnel.example:443 HTTP/1.1\r\nHost: tunnel.example:443\r\n\r\n");
         assert_eq!(
-            (h.names.as_slice(), h.ends_view),
-            (&["tunnel.example".to_string(), "tunnel.example".into()][..], true)
+            (h.names.as_slice(), h.ask, h.may_switch()),
+            (&["tunnel.example".to_string(), "tunnel.example".into()][..], Ask::Connect, true)
         );
-        assert!(head_of(b"GET /ws HTTP/1.1\r\nHost: a.example\r\nUpgrade: websocket\r\n\r\n").ends_view);
+        let ws = head_of(b"GET /ws HTTP/1.1\r\nHost: a.example\r\nUpgrade: websocket\r\n\r\n");
+        assert_eq!((ws.ask, ws.may_switch()), (Ask::Upgrade, true));
+        assert_eq!(head_of(b"HEAD / HTTP/1.1\r\n\r\n").ask, Ask::AnswerWithoutBody);
+        assert_eq!(head_of(b"head / HTTP/1.1\r\n\r\n").ask, Ask::Answer, "methods are case-sensitive");
         assert!(names(b"OPTIONS * HTTP/1.1\r\n\r\n").is_empty());
         assert!(names(b"GET / HTTP/1.0\r\nHost:   \r\n\r\n").is_empty(), "an empty Host names nothing");
         // Two Host fields: both are names (each will be judged).

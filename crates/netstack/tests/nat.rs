@@ -1718,3 +1718,65 @@ fn a_placeholder_in_plain_http_to_another_host_is_logged_or_refused() {
         );
     }
 }
+
+/// A server on 127.0.0.1 that reads each connection's first request head,
+/// writes `answer`, then reads the connection to its end (EOF or a reset)
+/// and reports every byte it got.
+fn answering(answer: &'static [u8]) -> (u16, mpsc::Receiver<Vec<u8>>) {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    let (tx, rx) = mpsc::channel();
+    thread::spawn(move || {
+        for c in l.incoming() {
+            let Ok(mut c) = c else { break };
+            let tx = tx.clone();
+            thread::spawn(move || {
+                let (mut got, mut answered) = (Vec::new(), false);
+                let mut buf = [0u8; 4096];
+                while let Ok(n @ 1..) = c.read(&mut buf) {
+                    got.extend_from_slice(&buf[..n]);
+                    if !answered && got.windows(4).any(|w| w == b"\r\n\r\n") {
+                        answered = true;
+                        if c.write_all(answer).is_err() {
+                            break;
+                        }
+                    }
+                }
+                let _ = tx.send(got);
+            });
+        }
+    });
+    (port, rx)
+}
+
+#[test]
+fn after_an_upgrade_the_next_request_is_judged_unless_the_server_answered_101() {
+    let upgrade = &b"GET /ws HTTP/1.1\r\nHost: allowed.test\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n"[..];
+    let other = b"GET /b HTTP/1.1\r\nHost: other.test\r\n\r\n";
+    // Declined: the request sent right behind the Upgrade waits for the
+    // answer, is judged as a request and refused; the server never sees it.
+    let (port, rx) = answering(b"HTTP/1.1 426 Upgrade Required\r\nContent-Length: 0\r\n\r\n");
+    let mut w = domain_world();
+    let h = w.connect(Ipv4Addr::LOCALHOST, port);
+    assert!(w.connected(h));
+    w.tcp(h).send_slice(&[upgrade, other].concat()).unwrap();
+    w.until("the reset", |w| w.tcp(h).state() == tcp::State::Closed);
+    assert_eq!(w.recorded(&rx), upgrade, "the Upgrade request only");
+    let r = w.record_for(port);
+    assert_eq!((r.allowed, r.rule.as_str(), r.domain.as_deref()), (false, "egress:deny", Some("other.test")));
+    // Switched: the bytes behind it are another protocol and go on once the
+    // 101 has come back.
+    let (port, rx) =
+        answering(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n");
+    let mut w = domain_world();
+    let h = w.connect(Ipv4Addr::LOCALHOST, port);
+    assert!(w.connected(h));
+    let sent = [upgrade, b"\x82\x05hello", other].concat();
+    w.send_acked(h, &sent);
+    w.tcp(h).close();
+    assert_eq!(w.recorded(&rx), sent);
+    let mut got = vec![0u8; 256];
+    let n = w.tcp(h).recv_slice(&mut got).unwrap();
+    assert!(got[..n].starts_with(b"HTTP/1.1 101 "), "{:?}", String::from_utf8_lossy(&got[..n]));
+    assert!(w.record_for(port).allowed);
+}

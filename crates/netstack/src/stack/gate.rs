@@ -42,10 +42,14 @@
 //!   (CDN) address and another `Host` inside the encryption (domain
 //!   fronting), or use Encrypted Client Hello, whose outer SNI is all we
 //!   see; the server decides which name it serves;
-//! - plain HTTP after a `CONNECT` or a request with `Upgrade`: the view
-//!   ends there (what follows is a tunnel or another protocol, and whether
-//!   the server agreed is not looked at), so further requests on that
-//!   connection are not judged;
+//! - plain HTTP after the server agreed to leave HTTP/1.x: a 101 to a
+//!   request with `Upgrade`, a 2xx to a `CONNECT` (what follows is
+//!   another protocol or a tunnel, not judged). Until the answer is read
+//!   ([`crate::http::response::ResponseStream`], fed every host-to-guest
+//!   byte by [`Gate::host_sent`]) the guest's bytes after such a request
+//!   are held; after any other answer they are judged as requests again.
+//!   An answer stream that cannot be read (a body that ends with the
+//!   connection, say) releases them to be judged as requests too;
 //! - protocols other than TLS and HTTP/1.x (SSH, HTTP/2 with prior
 //!   knowledge, ...) carry no name we read: to an address admitted only by
 //!   a domain rule they are refused; allow the address (a CIDR rule) for
@@ -76,6 +80,7 @@
 
 use std::time::{Duration, Instant};
 
+use crate::http::response::{Answer, ResponseStream};
 use crate::http::{Head, RequestStream, Step};
 use crate::policy::NameCheck;
 use crate::sniff::{sniff, Sniffed, CONTENT_HANDSHAKE, MAX_SNIFF_BYTES};
@@ -148,11 +153,14 @@ pub(super) enum Gate {
     /// Nothing.
     Open,
     /// The whole first message and its name. `since`: when its first
-    /// byte was seen; `seen`: how many bytes were looked at last.
-    First { check: NameCheck, since: Option<Instant>, seen: usize },
+    /// byte was seen; `seen`: how many bytes were looked at last;
+    /// `host_spoke`: the host sent bytes before it (then its answers
+    /// cannot be told apart).
+    First { check: NameCheck, since: Option<Instant>, seen: usize, host_spoke: bool },
     /// Plain HTTP after the first request: each request judged. `cleared`:
-    /// bytes judged (or body) not yet passed on.
-    Http { check: NameCheck, stream: RequestStream, cleared: u64 },
+    /// bytes judged (or body) not yet passed on; `answers`: the host's
+    /// answers, read to learn whether it switched protocols.
+    Http { check: NameCheck, stream: RequestStream, cleared: u64, answers: ResponseStream },
     /// DNS over TCP to the resolver: whole messages (RFC 7766 §8: a
     /// 2-byte length, then the message), each judged by its name;
     /// `cleared`: bytes judged and not yet passed on.
@@ -254,14 +262,14 @@ impl Gate {
     pub(super) fn new(check: NameCheck) -> Self {
         match check {
             NameCheck::Off => Gate::Open,
-            check => Gate::First { check, since: None, seen: 0 },
+            check => Gate::First { check, since: None, seen: 0, host_spoke: false },
         }
     }
 
     /// The gate of a new connection of a sandbox with secrets: its first
     /// message is looked at whatever `check` (see the module doc).
     pub(super) fn inspecting(check: NameCheck) -> Self {
-        Gate::First { check, since: None, seen: 0 }
+        Gate::First { check, since: None, seen: 0, host_spoke: false }
     }
 
     /// The gate of DNS over TCP to the resolver.
@@ -336,11 +344,11 @@ impl Gate {
     ) -> Result<Option<String>, Refusal> {
         match self {
             Gate::Open => Ok(None),
-            Gate::First { check, since, seen } => {
+            Gate::First { check, since, seen, host_spoke } => {
                 let Some(&first_byte) = bytes.first() else {
                     return Ok(None);
                 };
-                let check = *check;
+                let (check, host_spoke) = (*check, *host_spoke);
                 let since = *since.get_or_insert(now);
                 let waited = now >= since + wait(check);
                 if bytes.len() == *seen && more && !waited {
@@ -366,24 +374,30 @@ impl Gate {
                         *self = Gate::Open;
                         return Ok(Some(name));
                     }
-                    Decision::Http(head) if head.ends_view => Gate::Open,
                     Decision::Http(head) => {
                         let mut stream = RequestStream::new();
                         // The stream after the head: its body's framing.
                         stream.after_head(&head);
-                        Gate::Http { check, stream, cleared: head.len as u64 }
+                        let mut answers = ResponseStream::new();
+                        if host_spoke {
+                            // Its first answer is not the first bytes it
+                            // sent: nothing is read.
+                            answers.asked_unreadable();
+                        }
+                        answers.asked(head.ask);
+                        Gate::Http { check, stream, cleared: head.len as u64, answers }
                     }
                 };
                 // The bytes after the first head, if any, are looked at
                 // once it has gone.
                 Ok(None)
             }
-            Gate::Http { check, stream, cleared } => {
+            Gate::Http { check, stream, cleared, answers } => {
                 if *cleared > 0 {
                     return Ok(None);
                 }
                 let check = *check;
-                if advance_http(check, stream, cleared, bytes, more, judge, secrets)? {
+                if advance_http(check, stream, answers, cleared, bytes, more, judge, secrets)? {
                     *self = Gate::Open;
                 }
                 Ok(None)
@@ -412,6 +426,30 @@ impl Gate {
     }
 }
 
+impl Gate {
+    /// The host sent `bytes` to the guest (every byte it sends, in
+    /// order). `true`: guest bytes held for the host's answer to a request
+    /// that asked to leave HTTP/1.x may go on, or be looked at, now
+    /// ([`Gate::cleared`], [`Gate::advance_with`]).
+    pub(super) fn host_sent(&mut self, bytes: &[u8]) -> bool {
+        match self {
+            Gate::First { host_spoke, .. } => {
+                *host_spoke |= !bytes.is_empty();
+                false
+            }
+            Gate::Http { answers, .. } => match answers.read(bytes) {
+                Some(Answer::Switched) => {
+                    *self = Gate::Open;
+                    true
+                }
+                Some(Answer::Stayed) => true,
+                None => false,
+            },
+            Gate::Open | Gate::Dns { .. } => false,
+        }
+    }
+}
+
 /// How long a first message is waited for under `check`.
 fn wait(check: NameCheck) -> Duration {
     if check == NameCheck::Required {
@@ -422,12 +460,16 @@ fn wait(check: NameCheck) -> Duration {
 }
 
 /// Steps `stream` through `bytes` (from its position on), judging each
-/// request head and adding what may pass to `cleared`; `true`: the HTTP
-/// view ended (a CONNECT or an `Upgrade`, or, when names are only judged
-/// if seen, a stream that is not well-formed), so the rest passes.
+/// request head, telling `answers` what it asks and adding what may pass
+/// to `cleared`; stops before the next head while a request that asked to
+/// leave HTTP/1.x waits for its answer. `true`: the HTTP view ended (when
+/// names are only judged if seen, a stream that is not well-formed), so
+/// the rest passes.
+#[allow(clippy::too_many_arguments, reason = "the parts of Gate::Http and the two judges, each used")]
 fn advance_http(
     check: NameCheck,
     stream: &mut RequestStream,
+    answers: &mut ResponseStream,
     cleared: &mut u64,
     bytes: &[u8],
     more: bool,
@@ -437,6 +479,11 @@ fn advance_http(
     let required = check == NameCheck::Required;
     let mut off = 0usize;
     loop {
+        if stream.at_head() && answers.switch_waiting() {
+            // What follows may be another protocol: held until the host
+            // answers (Gate::host_sent).
+            return Ok(false);
+        }
         let rest = bytes.get(off..).unwrap_or(&[]);
         match stream.next(rest) {
             Step::Pass(n) => {
@@ -450,9 +497,7 @@ fn advance_http(
                 judge_head(check, &head, judge)?;
                 leak_check(&head, rest, secrets)?;
                 *cleared = cleared.saturating_add(head.len as u64);
-                if head.ends_view {
-                    return Ok(true);
-                }
+                answers.asked(head.ask);
                 off += head.len;
             }
             // Something waits to be passed first, or more can come.
@@ -624,13 +669,51 @@ mod tests {
         let mut g = Gate::new(NameCheck::IfSeen);
         assert_eq!(run(&mut g, &stream, &mut |_| true), Ok(stream.len()));
         assert_eq!(g, Gate::Open);
-        // An Upgrade ends the view: what follows is not judged.
-        let mut stream = b"GET /ws HTTP/1.1\r\nHost: ok.example\r\nUpgrade: websocket\r\n\r\n".to_vec();
-        stream.extend_from_slice(good);
+    }
+
+    #[test]
+    fn after_an_upgrade_requests_are_judged_unless_the_host_answered_101() {
+        let upgrade = &b"GET /ws HTTP/1.1\r\nHost: ok.example\r\nUpgrade: websocket\r\n\r\n"[..];
+        let evil = b"GET / HTTP/1.1\r\nHost: evil.example\r\n\r\n";
+        let first = b"GET /a HTTP/1.1\r\nHost: ok.example\r\n\r\n";
+        let ok = |n: String| n == "ok.example";
+        // The Upgrade as the first request and as a later one (whose
+        // answer comes after the first request's).
+        for (before, answers_before) in
+            [(&b""[..], &b""[..]), (&first[..], &b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nhi"[..])]
+        {
+            let asked = [before, upgrade].concat();
+            let stream = [&asked[..], evil].concat();
+            for check in [NameCheck::Required, NameCheck::IfSeen] {
+                // Refused or declined: the bytes after the Upgrade are held
+                // until the answer, then judged as a request (and refused).
+                for declined in
+                    [&b"HTTP/1.1 426 Upgrade Required\r\nContent-Length: 0\r\n\r\n"[..], b"HTTP/1.1 200 OK\r\n\r\n"]
+                {
+                    let mut g = Gate::new(check);
+                    assert_eq!(run(&mut g, &stream, &mut |n| ok(n)), Ok(asked.len()));
+                    assert!(!g.host_sent(answers_before));
+                    assert_eq!(run(&mut g, evil, &mut |n| ok(n)), Ok(0), "held while no answer");
+                    let (head, tail) = declined.split_at(declined.len() / 2);
+                    assert!(!g.host_sent(head), "half an answer decides nothing");
+                    assert!(g.host_sent(tail));
+                    assert_eq!(run(&mut g, evil, &mut |n| ok(n)), Err(Refusal::Denied), "{check:?}");
+                }
+                // Switched: what follows is another protocol.
+                let mut g = Gate::new(check);
+                assert_eq!(run(&mut g, &stream, &mut |n| ok(n)), Ok(asked.len()));
+                g.host_sent(answers_before);
+                assert!(g.host_sent(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n\r\n"));
+                assert_eq!(g, Gate::Open);
+                assert_eq!(run(&mut g, evil, &mut |n| ok(n)), Ok(evil.len()));
+            }
+        }
+        // A host that spoke before the first request: its answers are not
+        // read, the Upgrade holds nothing and the next request is judged.
         let mut g = required();
-        let mut asked = Vec::new();
-        assert_eq!(run(&mut g, &stream, &mut judge(&mut asked)), Ok(stream.len()));
-        assert_eq!((g, asked.len()), (Gate::Open, 1));
+        assert!(!g.host_sent(b"HTTP/1.1 101 Switching Protocols\r\n\r\n"));
+        let stream = [upgrade, evil].concat();
+        assert_eq!(run(&mut g, &stream, &mut |n| ok(n)), Err(Refusal::Denied));
     }
 
     #[test]

@@ -654,95 +654,104 @@ impl Tcp {
             }
             _ => {}
         }
-        // Guest -> host: what the gate clears, looked at first when it
-        // clears nothing.
-        loop {
-            if conn.gate.cleared() == 0 {
-                let window = conn.gate.window();
-                let queued = socket.recv_queue().min(window);
-                let n = socket.peek_slice(&mut self.scratch[..queued]).unwrap_or(0);
-                let more = socket.may_recv() && n < window.min(socket.recv_capacity());
-                let (control, meter) = (&shared.control, &conn.meter);
-                let looked = self.scratch.get(..n).unwrap_or(&[]);
-                let mut secrets = SandboxSecrets { handoff: control.handoff(), control, dst: conn.tuple.dst };
-                let verdict = conn.gate.advance_with(
-                    looked,
-                    more,
-                    Instant::now(),
-                    &mut |name| meter.judge_name(control, name),
-                    &mut secrets,
-                );
-                match verdict {
-                    Err(refusal) => {
-                        if let Refusal::Rule(rule) = refusal {
-                            conn.meter.refuse(&shared.control, rule);
-                        }
-                        conn.abort(socket, &shared.epoll);
-                        return;
-                    }
-                    Ok(Some(name)) => {
-                        if let Err(e) = hand_to_broker(conn.meter.record(), open, &mut conn.interest, shared, name) {
-                            tracing::warn!("secret broker hand-over: {e}");
+        // Both ways; once more when the host's answer released guest bytes
+        // the gate held (Gate::host_sent).
+        let mut released = true;
+        while std::mem::take(&mut released) {
+            // Guest -> host: what the gate clears, looked at first when it
+            // clears nothing.
+            loop {
+                if conn.gate.cleared() == 0 {
+                    let window = conn.gate.window();
+                    let queued = socket.recv_queue().min(window);
+                    let n = socket.peek_slice(&mut self.scratch[..queued]).unwrap_or(0);
+                    let more = socket.may_recv() && n < window.min(socket.recv_capacity());
+                    let (control, meter) = (&shared.control, &conn.meter);
+                    let looked = self.scratch.get(..n).unwrap_or(&[]);
+                    let mut secrets = SandboxSecrets { handoff: control.handoff(), control, dst: conn.tuple.dst };
+                    let verdict = conn.gate.advance_with(
+                        looked,
+                        more,
+                        Instant::now(),
+                        &mut |name| meter.judge_name(control, name),
+                        &mut secrets,
+                    );
+                    match verdict {
+                        Err(refusal) => {
+                            if let Refusal::Rule(rule) = refusal {
+                                conn.meter.refuse(&shared.control, rule);
+                            }
                             conn.abort(socket, &shared.epoll);
                             return;
                         }
+                        Ok(Some(name)) => {
+                            if let Err(e) = hand_to_broker(conn.meter.record(), open, &mut conn.interest, shared, name)
+                            {
+                                tracing::warn!("secret broker hand-over: {e}");
+                                conn.abort(socket, &shared.epoll);
+                                return;
+                            }
+                        }
+                        Ok(None) => {}
                     }
-                    Ok(None) => {}
+                    if conn.gate.cleared() == 0 {
+                        break;
+                    }
                 }
-                if conn.gate.cleared() == 0 {
+                if !open.writable || !socket.can_recv() {
                     break;
                 }
+                let limit = usize::try_from(conn.gate.cleared()).unwrap_or(usize::MAX);
+                let host = &open.host;
+                let r = socket.recv(|buf| {
+                    let buf = buf.get(..limit.min(buf.len())).unwrap_or(buf);
+                    match (&*host).write(buf) {
+                        Ok(n) => (n, Ok(n)),
+                        Err(e) => (0, Err(e)),
+                    }
+                });
+                match r {
+                    Ok(Ok(0)) | Err(_) => break,
+                    Ok(Ok(n)) => {
+                        conn.meter.bytes_out += n as u64;
+                        conn.gate.passed(n);
+                    }
+                    Ok(Err(e)) if e.kind() == io::ErrorKind::WouldBlock => open.writable = false,
+                    Ok(Err(e)) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Ok(Err(_)) => {
+                        conn.abort(socket, &shared.epoll);
+                        return;
+                    }
+                }
             }
-            if !open.writable || !socket.can_recv() {
-                break;
+            if !open.guest_eof && !socket.may_recv() && socket.recv_queue() == 0 {
+                open.guest_eof = true;
+                let _ = open.host.shutdown(Shutdown::Write);
             }
-            let limit = usize::try_from(conn.gate.cleared()).unwrap_or(usize::MAX);
-            let host = &open.host;
-            let r = socket.recv(|buf| {
-                let buf = buf.get(..limit.min(buf.len())).unwrap_or(buf);
-                match (&*host).write(buf) {
-                    Ok(n) => (n, Ok(n)),
+            // Host -> guest, every byte shown to the gate.
+            while open.readable && !open.host_eof && socket.may_send() && socket.send_queue() < socket.send_capacity() {
+                let (host, gate) = (&open.host, &mut conn.gate);
+                let r = socket.send(|buf| match (&*host).read(buf) {
+                    Ok(n) => {
+                        released |= gate.host_sent(buf.get(..n).unwrap_or(&[]));
+                        (n, Ok(n))
+                    }
                     Err(e) => (0, Err(e)),
+                });
+                match r {
+                    Ok(Ok(0)) => {
+                        open.host_eof = true;
+                        socket.close();
+                    }
+                    Ok(Ok(n)) => conn.meter.bytes_in += n as u64,
+                    Ok(Err(e)) if e.kind() == io::ErrorKind::WouldBlock => open.readable = false,
+                    Ok(Err(e)) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Ok(Err(_)) => {
+                        conn.abort(socket, &shared.epoll);
+                        return;
+                    }
+                    Err(_) => break,
                 }
-            });
-            match r {
-                Ok(Ok(0)) | Err(_) => break,
-                Ok(Ok(n)) => {
-                    conn.meter.bytes_out += n as u64;
-                    conn.gate.passed(n);
-                }
-                Ok(Err(e)) if e.kind() == io::ErrorKind::WouldBlock => open.writable = false,
-                Ok(Err(e)) if e.kind() == io::ErrorKind::Interrupted => {}
-                Ok(Err(_)) => {
-                    conn.abort(socket, &shared.epoll);
-                    return;
-                }
-            }
-        }
-        if !open.guest_eof && !socket.may_recv() && socket.recv_queue() == 0 {
-            open.guest_eof = true;
-            let _ = open.host.shutdown(Shutdown::Write);
-        }
-        // Host -> guest.
-        while open.readable && !open.host_eof && socket.may_send() && socket.send_queue() < socket.send_capacity() {
-            let host = &open.host;
-            let r = socket.send(|buf| match (&*host).read(buf) {
-                Ok(n) => (n, Ok(n)),
-                Err(e) => (0, Err(e)),
-            });
-            match r {
-                Ok(Ok(0)) => {
-                    open.host_eof = true;
-                    socket.close();
-                }
-                Ok(Ok(n)) => conn.meter.bytes_in += n as u64,
-                Ok(Err(e)) if e.kind() == io::ErrorKind::WouldBlock => open.readable = false,
-                Ok(Err(e)) if e.kind() == io::ErrorKind::Interrupted => {}
-                Ok(Err(_)) => {
-                    conn.abort(socket, &shared.epoll);
-                    return;
-                }
-                Err(_) => break,
             }
         }
         if open.host_eof && open.guest_eof && state == tcp::State::TimeWait {
@@ -1041,7 +1050,12 @@ mod tests {
         tcp.conns.values_mut().for_each(|c| {
             c.state = State::Aborted;
             if c.tuple == t {
-                c.gate = Gate::First { check: crate::policy::NameCheck::Required, since: Some(since), seen: 1 };
+                c.gate = Gate::First {
+                    check: crate::policy::NameCheck::Required,
+                    since: Some(since),
+                    seen: 1,
+                    host_spoke: false,
+                };
             }
         });
         assert_eq!(tcp.next_deadline(), Some(since + crate::stack::NAME_WAIT));
