@@ -1381,24 +1381,7 @@ fn connections_to_a_host_that_never_reads_stay_within_the_buffer_bound() {
 /// A server on 127.0.0.1 that reads each connection to its end (EOF or a
 /// reset) and reports the bytes it got.
 fn recorder() -> (u16, mpsc::Receiver<Vec<u8>>) {
-    let l = TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = l.local_addr().unwrap().port();
-    let (tx, rx) = mpsc::channel();
-    thread::spawn(move || {
-        for c in l.incoming() {
-            let Ok(mut c) = c else { break };
-            let tx = tx.clone();
-            thread::spawn(move || {
-                let mut got = Vec::new();
-                let mut buf = [0u8; 4096];
-                while let Ok(n @ 1..) = c.read(&mut buf) {
-                    got.extend_from_slice(&buf[..n]);
-                }
-                let _ = tx.send(got);
-            });
-        }
-    });
-    (port, rx)
+    answering(b"")
 }
 
 impl World {
@@ -1720,8 +1703,8 @@ fn a_placeholder_in_plain_http_to_another_host_is_logged_or_refused() {
 }
 
 /// A server on 127.0.0.1 that reads each connection's first request head,
-/// writes `answer`, then reads the connection to its end (EOF or a reset)
-/// and reports every byte it got.
+/// writes `answer` (nothing if empty), then reads the connection to its
+/// end (EOF or a reset) and reports every byte it got.
 fn answering(answer: &'static [u8]) -> (u16, mpsc::Receiver<Vec<u8>>) {
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
     let port = l.local_addr().unwrap().port();
