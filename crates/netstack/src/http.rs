@@ -88,14 +88,6 @@ pub enum Ask {
     Connect,
 }
 
-impl Head {
-    /// Whether the request asks the server to leave HTTP/1.x: the bytes
-    /// after it are not requests if the server agreed.
-    pub fn may_switch(&self) -> bool {
-        matches!(self.ask, Ask::Upgrade | Ask::Connect)
-    }
-}
-
 /// What [`parse_head`] found.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Parsed {
@@ -150,8 +142,6 @@ fn head(req: &httparse::Request<'_, '_>, len: usize) -> Option<Head> {
         }
     }
     let mut upgrade = false;
-    let mut lengths: Option<u64> = None;
-    let mut transfer: Option<bool> = None;
     for h in req.headers.iter() {
         let value = h.value.trim_ascii();
         if h.name.eq_ignore_ascii_case("host") {
@@ -160,20 +150,9 @@ fn head(req: &httparse::Request<'_, '_>, len: usize) -> Option<Head> {
             }
         } else if h.name.eq_ignore_ascii_case("upgrade") {
             upgrade = true;
-        } else if h.name.eq_ignore_ascii_case("content-length") {
-            for part in value.split(|&b| b == b',') {
-                let n = decimal(part.trim_ascii())?;
-                if lengths.is_some_and(|l| l != n) {
-                    return None;
-                }
-                lengths = Some(n);
-            }
-        } else if h.name.eq_ignore_ascii_case("transfer-encoding") {
-            // The last coding of the last field value decides.
-            let last = value.rsplit(|&b| b == b',').next().unwrap_or(&[]).trim_ascii();
-            transfer = Some(last.eq_ignore_ascii_case(b"chunked"));
         }
     }
+    let (transfer, lengths) = framing_fields(req.headers)?;
     let body = match (transfer, lengths) {
         (Some(_), Some(_)) | (Some(false), None) => return None,
         (Some(true), None) => Body::Chunked,
@@ -192,6 +171,32 @@ fn head(req: &httparse::Request<'_, '_>, len: usize) -> Option<Head> {
         Ask::Answer
     };
     Some(Head { len, names, body, ask })
+}
+
+/// The framing fields of a head's `headers` (RFC 9112 §6.1-6.2), for
+/// requests and answers alike: whether the last coding of the last
+/// `Transfer-Encoding` is `chunked` (`None`: no such field) and the
+/// `Content-Length` (equal values repeated count as one); `None` where
+/// the lengths differ or are not decimal numbers.
+fn framing_fields(headers: &[httparse::Header<'_>]) -> Option<(Option<bool>, Option<u64>)> {
+    let mut length: Option<u64> = None;
+    let mut chunked: Option<bool> = None;
+    for h in headers {
+        let value = h.value.trim_ascii();
+        if h.name.eq_ignore_ascii_case("content-length") {
+            for part in value.split(|&b| b == b',') {
+                let n = decimal(part.trim_ascii())?;
+                if length.is_some_and(|l| l != n) {
+                    return None;
+                }
+                length = Some(n);
+            }
+        } else if h.name.eq_ignore_ascii_case("transfer-encoding") {
+            let last = value.rsplit(|&b| b == b',').next().unwrap_or(&[]).trim_ascii();
+            chunked = Some(last.eq_ignore_ascii_case(b"chunked"));
+        }
+    }
+    Some((chunked, length))
 }
 
 /// The host of a request target: `Some(None)` for origin-form (`/x`) and
@@ -310,7 +315,7 @@ pub enum Step {
     /// go on without a look.
     Pass(u64),
     /// A request head: its names to judge; then its bytes go on. After a
-    /// head that [`Head::may_switch`], the stream is HTTP only if the
+    /// head that asks [`Ask::Upgrade`] or [`Ask::Connect`], the stream is HTTP only if the
     /// server's answer says so.
     Head(Head),
     /// The bytes shown are not enough to tell: show more.
@@ -463,11 +468,11 @@ mod tests {
         // CONNECT: authority-form, and the view may end.
         let h = head_of(b"CONNECT tunnel.example:443 HTTP/1.1\r\nHost: tunnel.example:443\r\n\r\n");
         assert_eq!(
-            (h.names.as_slice(), h.ask, h.may_switch()),
-            (&["tunnel.example".to_string(), "tunnel.example".into()][..], Ask::Connect, true)
+            (h.names.as_slice(), h.ask),
+            (&["tunnel.example".to_string(), "tunnel.example".into()][..], Ask::Connect)
         );
         let ws = head_of(b"GET /ws HTTP/1.1\r\nHost: a.example\r\nUpgrade: websocket\r\n\r\n");
-        assert_eq!((ws.ask, ws.may_switch()), (Ask::Upgrade, true));
+        assert_eq!(ws.ask, Ask::Upgrade);
         assert_eq!(head_of(b"HEAD / HTTP/1.1\r\n\r\n").ask, Ask::AnswerWithoutBody);
         assert_eq!(head_of(b"head / HTTP/1.1\r\n\r\n").ask, Ask::Answer, "methods are case-sensitive");
         assert!(names(b"OPTIONS * HTTP/1.1\r\n\r\n").is_empty());

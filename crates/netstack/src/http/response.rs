@@ -288,24 +288,7 @@ enum Framing {
 /// two ways (both headers, differing lengths, a length that is not a
 /// number).
 fn framing(headers: &[httparse::Header<'_>]) -> Option<Framing> {
-    let mut length: Option<u64> = None;
-    let mut chunked: Option<bool> = None;
-    for h in headers {
-        let value = h.value.trim_ascii();
-        if h.name.eq_ignore_ascii_case("transfer-encoding") {
-            let last = value.rsplit(|&b| b == b',').next().unwrap_or(&[]).trim_ascii();
-            chunked = Some(last.eq_ignore_ascii_case(b"chunked"));
-        } else if h.name.eq_ignore_ascii_case("content-length") {
-            for part in value.split(|&b| b == b',') {
-                let n = super::decimal(part.trim_ascii())?;
-                if length.is_some_and(|l| l != n) {
-                    return None;
-                }
-                length = Some(n);
-            }
-        }
-    }
-    match (chunked, length) {
+    match super::framing_fields(headers)? {
         (Some(_), Some(_)) => None,
         (Some(true), None) => Some(Framing::Chunked),
         (Some(false), None) | (None, None) => Some(Framing::UntilClose),

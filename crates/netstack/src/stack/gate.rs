@@ -424,9 +424,7 @@ impl Gate {
             }
         }
     }
-}
 
-impl Gate {
     /// The host sent `bytes` to the guest (every byte it sends, in
     /// order). `true`: guest bytes held for the host's answer to a request
     /// that asked to leave HTTP/1.x may go on, or be looked at, now
