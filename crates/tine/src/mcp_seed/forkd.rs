@@ -236,13 +236,24 @@ fn snapshot_record(t: &Value) -> Value {
 /// The guest-side loop of `wait_for_text`: the file and marker come in the
 /// environment (never in the command line), `T` is the limit and `I` the
 /// interval (ms). Prints "FOUND ELAPSED_MS", then the file's last 256 bytes.
-const WAIT_SCRIPT: &str = r#"start=$(date +%s%3N); found=0
+///
+/// POSIX sh, and cheap where a guest is slow: the clock is
+/// `/proc/uptime` (10 ms steps) read by the shell's own `read`, the
+/// interval's seconds are shell arithmetic, so a look costs one `grep`
+/// and one `sleep` (2 programs, against 5 with `date` and `awk`; a
+/// program's start took 1.5-3 s on a loaded nested-KVM guest,
+/// docs/hosts.md). `date +%s%3N` only where `/proc` is not mounted.
+const WAIT_SCRIPT: &str = r#"ms() { if read -r up _ </proc/uptime 2>/dev/null; then
+    c=${up#*.}; c=${c%"${c#??}"}; now=$(( ${up%.*} * 1000 + ${c#0} * 10 ))
+  else now=$(date +%s%3N); fi; }
+f=$(( I % 1000 )); case $f in ?) f=00$f ;; ??) f=0$f ;; esac; pause=$(( I / 1000 )).$f
+ms; start=$now; found=0
 while :; do
   if grep -qF -- "$MARKER" "$FILE" 2>/dev/null; then found=1; break; fi
-  now=$(date +%s%3N); [ $((now - start)) -ge "$T" ] && break
-  sleep "$(awk "BEGIN{print $I/1000}")"
+  ms; [ $(( now - start )) -ge "$T" ] && break
+  sleep "$pause"
 done
-echo "$found $(( $(date +%s%3N) - start ))"
+ms; echo "$found $(( now - start ))"
 tail -c 256 "$FILE" 2>/dev/null; true"#;
 
 impl Seed for Forkd {
@@ -384,7 +395,12 @@ impl Seed for Forkd {
                 let (head, tail) = out.split_once('\n').unwrap_or((out, ""));
                 let mut words = head.split_whitespace();
                 let found = words.next() == Some("1");
-                let elapsed: u64 = words.next().and_then(|w| w.parse().ok()).unwrap_or_default();
+                // A loop killed at its exec's timeout printed nothing: the
+                // exec's own duration is the time waited.
+                let elapsed: u64 = words
+                    .next()
+                    .and_then(|w| w.parse().ok())
+                    .unwrap_or_else(|| native["duration_ms"].as_u64().unwrap_or_default());
                 done(json!({ "found": found, "elapsed_ms": elapsed, "last_excerpt": tail }))
             }
             "ping_sandbox" => done(json!({ "pong": native["exit_code"] == 0, "sandbox_id": native["sandbox_id"] })),
@@ -427,5 +443,50 @@ mod tests {
         let native = json!({"stdout": "1 420\n... ready\n", "exit_code": 0});
         let Step::Done(a) = Forkd.answer("wait_for_text", &json!({}), 0, native).unwrap() else { panic!() };
         assert_eq!(a.structured, Some(json!({"found": true, "elapsed_ms": 420, "last_excerpt": "... ready\n"})));
+        // Killed at the exec's timeout: nothing printed, the exec's time.
+        let native = json!({"stdout": "", "exit_code": null, "timed_out": true, "duration_ms": 31000});
+        let Step::Done(a) = Forkd.answer("wait_for_text", &json!({}), 0, native).unwrap() else { panic!() };
+        assert_eq!(a.structured, Some(json!({"found": false, "elapsed_ms": 31000, "last_excerpt": ""})));
+    }
+
+    /// The loop itself, run by this host's POSIX sh (the guest's shell is
+    /// bash or sh): found at once, found when written later, and given up
+    /// after the limit with the time it waited.
+    #[test]
+    fn the_wait_script_finds_waits_and_gives_up() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("app.log");
+        std::fs::write(&log, "booting\nready\n").unwrap();
+        let run = |marker: &str, limit_ms: u32, interval_ms: u32| {
+            let out = std::process::Command::new("sh")
+                .args(["-c", WAIT_SCRIPT])
+                .env("FILE", &log)
+                .env("MARKER", marker)
+                .env("T", limit_ms.to_string())
+                .env("I", interval_ms.to_string())
+                .output()
+                .unwrap();
+            assert!(out.status.success(), "{out:?}");
+            let out = String::from_utf8(out.stdout).unwrap();
+            let (head, tail) = out.split_once('\n').unwrap();
+            let (found, elapsed) = head.split_once(' ').unwrap();
+            (found == "1", elapsed.parse::<u64>().unwrap(), tail.to_string())
+        };
+        let (found, elapsed, tail) = run("ready", 60_000, 200);
+        assert!(found && elapsed < 60_000, "{elapsed}");
+        assert_eq!(tail, "booting\nready\n");
+        let (found, elapsed, _) = run("never", 300, 7);
+        assert!(!found && (300..60_000).contains(&elapsed), "{elapsed}");
+        let writer = {
+            let log = log.clone();
+            std::thread::spawn(move || {
+                std::thread::sleep(std::time::Duration::from_millis(300));
+                std::fs::write(log, "later\n").unwrap();
+            })
+        };
+        let (found, _, tail) = run("later", 60_000, 50);
+        writer.join().unwrap();
+        assert!(found);
+        assert_eq!(tail, "later\n");
     }
 }
