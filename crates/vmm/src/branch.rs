@@ -56,6 +56,8 @@ pub struct BranchReport {
     /// How long the vCPUs were stopped: from the pause request to the
     /// resume (the whole copy, for [`BranchMode::CopyWhilePaused`]).
     pub pause: Duration,
+    /// Where the pause went, step by step.
+    pub pause_steps: PauseSteps,
     /// From the pause request until the copy was complete.
     pub total: Duration,
     /// Bytes of guest RAM examined (the data ranges at the pause).
@@ -67,6 +69,22 @@ pub struct BranchReport {
     pub pages_copied_before_write: u64,
     /// Write faults served (pages of [`PAGE_SIZE`] bytes).
     pub write_faults: u64,
+}
+
+/// The steps of a branch's pause ([`BranchReport::pause`]), in order; what
+/// is left of the pause is the resume.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PauseSteps {
+    /// Until every vCPU was parked (zero for a VM paused already).
+    pub stop_vcpus: Duration,
+    /// Making the memfd that holds the branch point's memory.
+    pub memfd: Duration,
+    /// Saving vCPU, VM and device state (every transport locked).
+    pub state: Duration,
+    /// Finding the ranges of guest RAM that hold data (`PAGEMAP_SCAN`).
+    pub ranges: Duration,
+    /// Write-protecting those ranges (or, without protection, copying them).
+    pub protect: Duration,
 }
 
 /// Guest RAM write-protected for one branch: the userfaultfd, and which

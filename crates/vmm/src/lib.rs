@@ -26,7 +26,7 @@ pub mod vm_state;
 pub mod working_set;
 pub mod x86_64;
 
-pub use branch::{BranchMode, BranchReport};
+pub use branch::{BranchMode, BranchReport, PauseSteps};
 pub use host::HostProfile;
 pub use memory::MemoryBacking;
 pub use snapshot::{Snapshot, SnapshotError, SnapshotMemory};

@@ -7,7 +7,7 @@
 use std::sync::{Arc, MutexGuard};
 use std::time::{Duration, Instant};
 
-use crate::branch::{BranchMode, BranchReport, WriteProtection};
+use crate::branch::{BranchMode, BranchReport, PauseSteps, WriteProtection};
 use crate::devices::virtio::mmio::{MmioTransport, TransportState};
 use crate::devices::{LegacyState, Persist};
 use crate::memory::{MemoryError, PageCopier};
@@ -121,9 +121,13 @@ impl RunningVm {
     /// [`crate::snapshot::SnapshotMemory::Shared`]).
     ///
     /// The VM is paused (within `pause_timeout`), its vCPU, VM and device
-    /// state saved, the pages of guest RAM that hold data write-protected,
-    /// and the VM resumed; the memory is then copied while it runs, each
-    /// page before its first write (see [`crate::branch`]). Where write
+    /// state saved, the pages of guest RAM that hold data and that a guest
+    /// write changes in place write-protected, and the VM resumed; the
+    /// memory is then copied while it runs, each protected page before its
+    /// first write (see [`crate::branch`]). RAM restored privately from a
+    /// snapshot file protects only the pages it wrote since; the others
+    /// are the file's, read from it ([`crate::memory::GuestRam::branch_ranges`]).
+    /// [`BranchReport::pause_steps`] says where the pause went. Where write
     /// protection is not available, or the VM was paused already, the
     /// memory is copied while paused instead, and the report says so. A VM
     /// paused before the call stays paused. Blocks until the copy is
@@ -134,15 +138,22 @@ impl RunningVm {
     pub fn branch(&self, pause_timeout: Duration) -> Result<(Snapshot, BranchReport), ControlError> {
         let start = Instant::now();
         let was_paused = self.is_paused();
+        let mut steps = PauseSteps::default();
         if !was_paused {
             self.pause(pause_timeout)?;
         }
+        steps.stop_vcpus = start.elapsed();
         let ram = &self.ram;
+        let mut step = Instant::now();
+        let mut lap = move || std::mem::replace(&mut step, Instant::now()).elapsed();
         let taken = (|| {
             let memfd = crate::memory::new_memfd(&format!("tine-branch-{}", self.name), ram.size)
                 .map_err(MemoryError::Memfd)?;
+            steps.memfd = lap();
             let (locks, state) = self.capture_state()?;
-            let ranges = ram.content_ranges()?;
+            steps.state = lap();
+            let (ranges, written) = ram.branch_ranges()?;
+            steps.ranges = lap();
             let protection = if was_paused {
                 Err("the VM was paused already, so its memory was copied as it stood".to_string())
             } else {
@@ -150,7 +161,7 @@ impl RunningVm {
                 // `self.ram`, which outlives this call (and the returned
                 // protection, dropped within it); the vCPUs are paused and
                 // every transport is locked until after this returns.
-                unsafe { WriteProtection::start(&ram.regions(), &ranges, ram.page_size()) }
+                unsafe { WriteProtection::start(&ram.regions(), &written, ram.page_size()) }
             };
             let mut copier = PageCopier::new(ram, &memfd);
             if protection.is_err() {
@@ -159,19 +170,25 @@ impl RunningVm {
                 }
             }
             let bytes_written = copier.bytes_written;
+            steps.protect = lap();
             drop(locks);
-            Ok::<_, ControlError>((memfd, state, ranges, protection, bytes_written))
+            Ok::<_, ControlError>((memfd, state, ranges, written, protection, bytes_written))
         })();
         if !was_paused {
             self.resume();
         }
         let pause = start.elapsed();
-        let (memfd, state, ranges, protection, mut bytes_written) = taken?;
+        let (memfd, state, ranges, written, protection, mut bytes_written) = taken?;
         let bytes_examined = ranges.iter().map(|(s, e)| e - s).sum();
         let (mode, fallback_reason, pages_copied_before_write, write_faults) = match protection {
             Ok(wp) => {
+                // The protected pages first (the VM's writes to them wait),
+                // then those that only the snapshot file holds.
                 let mut copier = PageCopier::new(ram, &memfd);
-                let (early, faults) = wp.copy(&ranges, &mut copier)?;
+                let (early, faults) = wp.copy(&written, &mut copier)?;
+                for (s, e) in crate::memory::difference(&ranges, &written) {
+                    copier.copy_from_file(s, e)?;
+                }
                 bytes_written = copier.bytes_written;
                 (BranchMode::WriteProtect, None, early, faults)
             }
@@ -181,13 +198,14 @@ impl RunningVm {
             mode,
             fallback_reason,
             pause,
+            pause_steps: steps,
             total: start.elapsed(),
             bytes_examined,
             bytes_written,
             pages_copied_before_write,
             write_faults,
         };
-        tracing::info!(name = %self.name, ?mode, "branch point taken: paused {:?}, copied {} MiB in {:?}, {} pages copied before a write",
+        tracing::info!(name = %self.name, ?mode, steps = ?report.pause_steps, "branch point taken: paused {:?}, copied {} MiB in {:?}, {} pages copied before a write",
             report.pause, report.bytes_written >> 20, report.total, report.pages_copied_before_write);
         let snapshot = self.snapshot_of(state, 0, SnapshotMemory::Shared(Arc::new(memfd)));
         Ok((snapshot, report))
