@@ -240,7 +240,7 @@ fn snapshot_record(t: &Value) -> Value {
 /// POSIX sh, and cheap where a guest is slow: the clock is
 /// `/proc/uptime` (10 ms steps) read by the shell's own `read`, the
 /// interval's seconds are shell arithmetic, so a look costs one `grep`
-/// and one `sleep` (2 programs, against 5 with `date` and `awk`; a
+/// and one `sleep` (2 programs, against 4 with `date` and `awk`; a
 /// program's start took 1.5-3 s on a loaded nested-KVM guest,
 /// docs/hosts.md). `date +%s%3N` only where `/proc` is not mounted.
 const WAIT_SCRIPT: &str = r#"ms() { if read -r up _ </proc/uptime 2>/dev/null; then
