@@ -37,7 +37,7 @@ if [ -z "$dest" ] && [ "$(id -u)" != 0 ]; then
   exit 1
 fi
 
-kernel=$("$root/scripts/setup.sh" | tail -n 1)
+kernel=$("$root/scripts/setup.sh" --release | tail -n 1)
 rootfs=$("$root/rootfs/build-rootfs.sh" | tail -n 1)
 bin="${CARGO_TARGET_DIR:-$root/target}/release/tine"
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything a fresh Debian bookworm machine needs for Tine: build packages,
 # the guest kernel and root filesystem (cached under ~/.cache/tine), the
-# release binary, the guest agent and the test tools (a Python venv, the
+# `tine` binary (profile `suite`), the guest agent and the test tools (a Python venv, the
 # MCP conformance suite, the MCP TypeScript SDK). Then installs the kernel and root filesystem
 # where `tine` looks by default: DATA_DIR/images/vmlinux and rootfs.ext4
 # (and bzImage), with DATA_DIR/images/build-inputs naming the build of
@@ -12,17 +12,20 @@
 # Idempotent; fast when nothing changed. Progress goes to standard error;
 # the last line of standard output is the kernel's path.
 #
-# --tests: for scripts/test.sh, without the release binary: the test suite
-# builds its own `tine` (cargo profile `suite`, Cargo.toml), and building
-# the release one too would compile every dependency twice on a fresh
-# machine.
+# --tests: for scripts/test.sh, without the `tine` binary: the test suite
+# builds its own (`cargo test --workspace`, whose features differ from
+# `-p tine`'s), and building this one too would compile many
+# dependencies twice on a fresh machine.
+# --release: the `--release` binary instead (deploy/install.sh, for a host
+# that runs tine as a service), at target/release/tine.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-release_binary=1
+binary_profile=suite
 case "${1:-}" in
-  --tests) release_binary=0 ;;
+  --tests) binary_profile="" ;;
+  --release) binary_profile=release ;;
   "") ;;
-  *) echo "usage: scripts/setup.sh [--tests]" >&2; exit 2 ;;
+  *) echo "usage: scripts/setup.sh [--tests | --release]" >&2; exit 2 ;;
 esac
 setup_start=$(printf '%(%s)T' -1)
 
@@ -51,11 +54,23 @@ heartbeat() {
 # What an interrupted run leaves behind: the temporary policy-rc.d and a
 # half-installed image.
 policy_rc=""; image_tmp=""; sudo_cmd=""
+kernel_pid=""; rootfs_pid=""; kernel_out=""; rootfs_out=""
 [ "$(id -u)" = 0 ] || sudo_cmd=sudo
+# kill_tree PID: SIGTERM to PID and every process below it, children first.
+kill_tree() {
+  local child
+  for child in $(pgrep -P "$1" 2>/dev/null); do kill_tree "$child"; done
+  kill "$1" 2>/dev/null || true
+}
 cleanup() {
   [ "$BASHPID" = "$$" ] || return 0   # not in a subshell
   if [ -n "$policy_rc" ]; then $sudo_cmd rm -f "$policy_rc" || true; fi
   if [ -n "$image_tmp" ]; then rm -f "$image_tmp" || true; fi
+  # A background image build still running (this script failed or was
+  # interrupted): stop it and its make or mmdebstrap.
+  local pid
+  for pid in $kernel_pid $rootfs_pid; do kill_tree "$pid"; done
+  rm -f ${kernel_out:+"$kernel_out"} ${rootfs_out:+"$rootfs_out"}
 }
 trap cleanup EXIT
 
@@ -104,13 +119,23 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 command -v cargo >/dev/null || { echo "setup: cargo is missing; install Rust (rustup) first" >&2; exit 1; }
 
+# The guest kernel (compiling) and the root filesystem (mostly downloading
+# and unpacking Debian packages; it holds the guest agent, so it starts
+# once the agent is built) are built in the background beside the cargo
+# builds, not after them: on a fresh two-core machine the kernel's make
+# fills the cores where cargo has one crate left to compile (the `tine`
+# crate's last 140 s), and mmdebstrap waits on the network and the disk.
+# Each says when it is ready; their progress and cargo's interleave on
+# standard error.
+kernel_out=$(mktemp); rootfs_out=$(mktemp)
+t_images=$(now)
+echo "setup: guest kernel (kernel-config/build-kernel.sh), in the background ..." >&2
+( if "$root/kernel-config/build-kernel.sh" >"$kernel_out"; then
+    echo "setup: guest kernel ready in $(( $(now) - t_images )) s" >&2
+  else echo "setup: the guest kernel build failed" >&2; exit 1; fi ) &
+kernel_pid=$!
+
 # The builds print their own progress on stderr (cargo: a line per crate).
-if [ "$release_binary" = 1 ]; then
-  t=$(now)
-  echo "setup: building tine (cargo build --release -p tine) ..." >&2
-  (cd "$root" && cargo build --release -p tine >&2)
-  echo "setup: tine built in $(( $(now) - t )) s" >&2
-fi
 # The guest agent, static (see crates/testkit build_agent).
 t=$(now)
 echo "setup: building the guest agent (cargo build --release -p tine-agent, static) ..." >&2
@@ -129,32 +154,35 @@ mv "$root/target/guest/x86_64-unknown-linux-gnu/release/tine-agent-protocol-v4.t
   "$root/target/guest/x86_64-unknown-linux-gnu/release/tine-agent-protocol-v4"
 guest_agent
 echo "setup: guest agent built in $(( $(now) - t )) s" >&2
-# The root filesystem (mostly downloading and unpacking Debian packages)
-# is built beside the guest kernel (compiling), not after it: on a fresh
-# two-core machine one waits on the network and the disk while the other
-# uses the cores.
-t=$(now)
-rootfs_out=$(mktemp)
-echo "setup: root filesystem (rootfs/build-rootfs.sh), beside the guest kernel ..." >&2
-"$root/rootfs/build-rootfs.sh" >"$rootfs_out" &
+t_rootfs=$(now)
+echo "setup: root filesystem (rootfs/build-rootfs.sh), in the background ..." >&2
+( if "$root/rootfs/build-rootfs.sh" >"$rootfs_out"; then
+    echo "setup: root filesystem ready in $(( $(now) - t_rootfs )) s" >&2
+  else echo "setup: the root filesystem build failed" >&2; exit 1; fi ) &
 rootfs_pid=$!
-echo "setup: guest kernel (kernel-config/build-kernel.sh) ..." >&2
-if ! kernel=$("$root/kernel-config/build-kernel.sh" | tail -n 1); then
-  kill "$rootfs_pid" 2>/dev/null || true
-  wait "$rootfs_pid" 2>/dev/null || true
-  rm -f "$rootfs_out"
-  echo "setup: the guest kernel build failed" >&2
-  exit 1
+
+# `tine` is built with the profile the test suite builds with (`suite`,
+# Cargo.toml: release settings at opt-level 1): 8 min 50 s from scratch
+# here against about 13-14 min for `--release`, and scripts/test.sh then
+# finds most of its dependencies built. deploy/install.sh asks for the
+# `--release` binary a host runs as a service (the benches use it too).
+if [ -n "$binary_profile" ]; then
+  t=$(now)
+  echo "setup: building tine (cargo build --profile $binary_profile -p tine) ..." >&2
+  (cd "$root" && cargo build --profile "$binary_profile" -p tine >&2)
+  echo "setup: tine built in $(( $(now) - t )) s" >&2
 fi
-echo "setup: guest kernel ready in $(( $(now) - t )) s" >&2
-if ! wait "$rootfs_pid"; then
-  rm -f "$rootfs_out"
-  echo "setup: the root filesystem build failed" >&2
-  exit 1
+if kill -0 "$kernel_pid" 2>/dev/null || kill -0 "$rootfs_pid" 2>/dev/null; then
+  echo "setup: waiting for the guest kernel and the root filesystem ..." >&2
 fi
+images_ok=1
+wait "$kernel_pid" || images_ok=0
+wait "$rootfs_pid" || images_ok=0
+kernel_pid=""; rootfs_pid=""
+[ "$images_ok" = 1 ] || exit 1
+kernel=$(tail -n 1 "$kernel_out")
 rootfs=$(tail -n 1 "$rootfs_out")
-rm -f "$rootfs_out"
-echo "setup: root filesystem ready in $(( $(now) - t )) s" >&2
+rm -f "$kernel_out" "$rootfs_out"; kernel_out=""; rootfs_out=""
 
 # Install the images where `tine` looks by default (default_data_dir() in
 # crates/tine/src/config.rs), unless TINE_DATA_DIR says elsewhere.
@@ -286,6 +314,6 @@ echo "setup: TypeScript SDK $ts_sdk" >&2
 echo "setup: rootfs $rootfs" >&2
 echo "setup: kernel $kernel" >&2
 echo "setup: images $images" >&2
-[ "$release_binary" = 0 ] || echo "setup: binary ${CARGO_TARGET_DIR:-$root/target}/release/tine" >&2
+[ -z "$binary_profile" ] || echo "setup: binary ${CARGO_TARGET_DIR:-$root/target}/$binary_profile/tine" >&2
 echo "setup: done in $(( $(now) - setup_start )) s" >&2
 echo "$kernel"
