@@ -122,17 +122,25 @@ command -v cargo >/dev/null || { echo "setup: cargo is missing; install Rust (ru
 # The guest kernel (compiling) and the root filesystem (mostly downloading
 # and unpacking Debian packages; it holds the guest agent, so it starts
 # once the agent is built) are built in the background beside the cargo
-# builds, not after them: on a fresh two-core machine the kernel's make
-# fills the cores where cargo has one crate left to compile (the `tine`
-# crate's last 140 s), and mmdebstrap waits on the network and the disk.
+# builds, not after them: mmdebstrap waits on the network and the disk,
+# and the kernel's make can use a core cargo leaves idle (the `tine`
+# crate's last 140 s). On a fresh two-core machine both compilers are
+# CPU-bound, so this gained little (README, "Set-up on a fresh machine").
 # Each says when it is ready; their progress and cargo's interleave on
 # standard error.
+# in_background WHAT OUT CMD...: (run with &) CMD with its standard
+# output in OUT, then says that WHAT is ready and how long it took, or
+# that it failed (exit 1).
+in_background() {
+  local what=$1 out=$2 t0
+  shift 2
+  t0=$(now)
+  echo "setup: $what ($*), in the background ..." >&2
+  if "$@" >"$out"; then echo "setup: $what ready in $(( $(now) - t0 )) s" >&2
+  else echo "setup: the $what build failed" >&2; exit 1; fi
+}
 kernel_out=$(mktemp); rootfs_out=$(mktemp)
-t_images=$(now)
-echo "setup: guest kernel (kernel-config/build-kernel.sh), in the background ..." >&2
-( if "$root/kernel-config/build-kernel.sh" >"$kernel_out"; then
-    echo "setup: guest kernel ready in $(( $(now) - t_images )) s" >&2
-  else echo "setup: the guest kernel build failed" >&2; exit 1; fi ) &
+in_background "guest kernel" "$kernel_out" "$root/kernel-config/build-kernel.sh" &
 kernel_pid=$!
 
 # The builds print their own progress on stderr (cargo: a line per crate).
@@ -154,11 +162,7 @@ mv "$root/target/guest/x86_64-unknown-linux-gnu/release/tine-agent-protocol-v4.t
   "$root/target/guest/x86_64-unknown-linux-gnu/release/tine-agent-protocol-v4"
 guest_agent
 echo "setup: guest agent built in $(( $(now) - t )) s" >&2
-t_rootfs=$(now)
-echo "setup: root filesystem (rootfs/build-rootfs.sh), in the background ..." >&2
-( if "$root/rootfs/build-rootfs.sh" >"$rootfs_out"; then
-    echo "setup: root filesystem ready in $(( $(now) - t_rootfs )) s" >&2
-  else echo "setup: the root filesystem build failed" >&2; exit 1; fi ) &
+in_background "root filesystem" "$rootfs_out" "$root/rootfs/build-rootfs.sh" &
 rootfs_pid=$!
 
 # `tine` is built with the profile the test suite builds with (`suite`,
